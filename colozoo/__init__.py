@@ -1,0 +1,1 @@
+"""colozoo: pre-parallelized transformers."""

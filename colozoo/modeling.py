@@ -1,0 +1,96 @@
+"""What every colozoo model shares: the output type, the batch context, dropout under model parallelism,
+and the three-part forward (embed on the first stage, blocks on every stage, head on the last) that
+pipeline stages reuse."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colozoo.parallel import ParallelContext, single_process
+from colozoo.rng import get_rng_tracker
+
+
+@dataclass
+class ModelOutput:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass
+class BatchContext:
+    """Per-batch tensors every layer may need, built once from the full (unsharded) batch."""
+    attention_mask: torch.Tensor | None  # (batch, seq) 1 = token, 0 = padding
+    mask: torch.Tensor | None            # boolean (batch, 1, q, k) or None for plain causal
+    position_ids: torch.Tensor           # (batch, seq) global positions
+    seq_len: int
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
+    """Dropout whose mask agrees across tp ranks for replicated activations and differs for sharded ones."""
+    if not training or p == 0.0:
+        return x
+    if sharded:
+        with get_rng_tracker().fork(device_type=x.device.type):
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class UnsupportedConfig(ValueError):
+    """A transformers option this family does not implement."""
+
+
+def require(condition: bool, message: str):
+    if not condition:
+        raise UnsupportedConfig(message)
+
+
+def check_divisible(what: str, value: int, tp: int):
+    if value % tp:
+        raise UnsupportedConfig(f"tp={tp} must divide {what} ({value})")
+
+
+class ParallelModel(nn.Module):
+    """Base of every family. Subclasses build `self.layers` as a ModuleDict keyed by *global* layer index."""
+
+    family: str = ""
+
+    def __init__(self, config, pc: ParallelContext | None = None, layer_ids=None):
+        super().__init__()
+        self.config = config
+        self.pc = pc or single_process()
+        n_layers = self.num_layers(config)
+        self.layer_ids = list(range(n_layers)) if layer_ids is None else list(layer_ids)
+        self.is_first = self.pc.is_first_stage
+        self.is_last = self.pc.is_last_stage
+
+    @staticmethod
+    def num_layers(config) -> int:
+        return config.num_hidden_layers
+
+    @property
+    def tp_group(self):
+        return self.pc.tp_group
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.pc.sequence_parallel
+
+    def check_sequence(self, seq_len: int):
+        if self.sequence_parallel and seq_len % self.pc.tp_size:
+            raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.pc.tp_size}")
+
+    def run_layers(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        for layer in self.layers.values():
+            hidden = layer(hidden, ctx)
+        return hidden
+
+    def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs) -> ModelOutput:
+        ctx = self.batch_context(input_ids, attention_mask, **kwargs)
+        hidden = self.embed(input_ids, ctx)
+        hidden = self.run_layers(hidden, ctx)
+        return self.head(hidden, ctx, labels=labels, return_logits=return_logits)

@@ -1,0 +1,176 @@
+"""The parallel runtime: degrees, process-group initialisation and the device mesh.
+
+Every rank of a torchrun job builds one `ParallelContext`. It owns a `DeviceMesh` with the named
+dimensions (pp, dp, cp, tp) and hands each layer the process group it needs. Expert parallelism is
+folded over dp x cp: the dp*cp ranks of one (pp, tp) coordinate are split into groups of ep ranks.
+On a single process nothing is initialised and every group is None (size 1).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+class ParallelConfigError(ValueError):
+    """Degrees that cannot form a mesh."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "sequence_parallel":
+                if not isinstance(value, bool):
+                    raise ParallelConfigError(f"sequence_parallel must be a bool, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ParallelConfigError(f"degree {f.name} must be an integer >= 1, got {value!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ParallelConfigError(
+                f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (experts are spread over the data and context ranks)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @classmethod
+    def for_world(cls, world_size: int, *, tp=1, pp=1, dp=None, cp=1, ep=1, sequence_parallel=False) -> "ParallelConfig":
+        """Fill in dp from the world size when it is None, then check the product."""
+        if dp is None:
+            model_ranks = tp * pp * cp
+            if model_ranks < 1 or world_size % model_ranks:
+                raise ParallelConfigError(
+                    f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}"
+                )
+            dp = world_size // model_ranks
+        config = cls(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+        if config.world_size != world_size:
+            raise ParallelConfigError(
+                f"world size {world_size} != pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} = {config.world_size}; "
+                f"launch with torchrun --nproc-per-node {config.world_size} or change the degrees"
+            )
+        return config
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed() -> int:
+    """Initialise torch.distributed from torchrun's environment; NCCL on CUDA, gloo on CPU. Returns world size."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 1
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo")
+    return world_size
+
+
+class ParallelContext:
+    """The mesh of one job seen from one rank: its coordinates and the process group of each dimension."""
+
+    def __init__(self, config: ParallelConfig, device: torch.device | None = None):
+        self.config = config
+        self.device = device or default_device()
+        self.mesh = None
+        self.groups: dict[str, dist.ProcessGroup | None] = {d: None for d in (*MESH_DIMS, "ep", "dp_cp")}
+        self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "dp_cp")}
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world != config.world_size:
+            raise ParallelConfigError(
+                f"world size {world} != pp*dp*cp*tp = {config.world_size} for {config}"
+            )
+        if world > 1:
+            self._build_mesh()
+
+    def _build_mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        c = self.config
+        self.mesh = init_device_mesh(self.device.type, (c.pp, c.dp, c.cp, c.tp), mesh_dim_names=MESH_DIMS)
+        for name in MESH_DIMS:
+            self.groups[name] = self.mesh.get_group(name)
+            self.ranks[name] = self.mesh.get_local_rank(name)
+        dp_cp = self.mesh["dp", "cp"]._flatten("dp_cp")
+        self.groups["dp_cp"] = dp_cp.get_group()
+        self.ranks["dp_cp"] = dp_cp.get_local_rank()
+        self.groups["ep"], self.ranks["ep"] = self._expert_group()
+
+    def _expert_group(self):
+        """Split every dp*cp group into consecutive groups of ep ranks (all ranks must create all groups)."""
+        ep = self.config.ep
+        mesh = self.mesh.mesh  # (pp, dp, cp, tp) tensor of global ranks
+        dp_cp_lists = mesh.permute(0, 3, 1, 2).reshape(-1, self.config.dp * self.config.cp).tolist()
+        subgroups = [ranks[i : i + ep] for ranks in dp_cp_lists for i in range(0, len(ranks), ep)]
+        me = dist.get_rank()
+        mine = None
+        for ranks in subgroups:
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine, my_rank = group, ranks.index(me)
+        return mine, my_rank
+
+    def group(self, dim: str):
+        return self.groups[dim]
+
+    def size(self, dim: str) -> int:
+        if dim == "dp_cp":
+            return self.config.dp * self.config.cp
+        return getattr(self.config, dim)
+
+    def rank(self, dim: str) -> int:
+        return self.ranks[dim]
+
+    tp_group = property(lambda self: self.groups["tp"])
+    tp_size = property(lambda self: self.config.tp)
+    tp_rank = property(lambda self: self.ranks["tp"])
+    pp_rank = property(lambda self: self.ranks["pp"])
+    sequence_parallel = property(lambda self: self.config.sequence_parallel and self.config.tp > 1)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.ranks["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.ranks["pp"] == self.config.pp - 1
+
+    def __repr__(self):
+        coords = ", ".join(f"{d}={self.ranks[d]}/{self.size(d)}" for d in (*MESH_DIMS, "ep"))
+        return f"ParallelContext({coords}, device={self.device})"
+
+
+def init_parallel(tp=1, pp=1, dp=None, cp=1, ep=1, sequence_parallel=False, device=None) -> ParallelContext:
+    """Initialise distributed (if launched by torchrun) and build this rank's ParallelContext."""
+    world = init_distributed()
+    config = ParallelConfig.for_world(world, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+    return ParallelContext(config, device=device)
+
+
+def single_process() -> ParallelContext:
+    return ParallelContext(ParallelConfig())
+
+
+def coords_of(pc: ParallelContext) -> dict[str, tuple[int, int]]:
+    """Mesh coordinates used by shard specs: {mesh_dim: (rank, size)}."""
+    return {dim: (pc.rank(dim), pc.size(dim)) for dim in ("tp", "ep")}

@@ -1,0 +1,174 @@
+"""Reading our global tensors out of Hugging Face tensors, slice by slice.
+
+A family map says, for each of our global parameter names, which HF tensors make it up: a `Source` with
+the HF names (concatenated along `cat_dim`, e.g. q/k/v into one fused weight) and whether HF stores it
+transposed (GPT-2's Conv1D). `GlobalTensor` turns that into a lazy global tensor that can be sliced;
+slices are read straight from memory-mapped safetensors, so nothing is materialised beyond the slice.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, malformed, or disagrees with the model."""
+
+
+@dataclass(frozen=True)
+class Source:
+    names: tuple[str, ...]
+    transpose: bool = False
+    cat_dim: int = 0
+
+    @classmethod
+    def of(cls, *names: str, transpose: bool = False, cat_dim: int = 0) -> "Source":
+        return cls(tuple(names), transpose, cat_dim)
+
+
+class TensorReader:
+    """Uniform access to named tensors: shape, dtype and slices."""
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dtype(self, name: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def read(self, name: str, index: tuple | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __contains__(self, name: str) -> bool:
+        return name in set(self.names())
+
+
+class StateDictReader(TensorReader):
+    def __init__(self, state_dict: dict[str, torch.Tensor]):
+        self.state_dict = state_dict
+
+    def names(self):
+        return list(self.state_dict)
+
+    def shape(self, name):
+        return tuple(self.state_dict[name].shape)
+
+    def dtype(self, name):
+        return self.state_dict[name].dtype
+
+    def read(self, name, index=None):
+        t = self.state_dict[name]
+        return t if index is None else t[index]
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class SafetensorsReader(TensorReader):
+    """One safetensors file, a directory with model.safetensors, or a sharded directory with an index."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        self.files: dict[str, Path] = {}
+        if path.is_file():
+            files = [path]
+        elif (path / "model.safetensors.index.json").exists():
+            index = json.loads((path / "model.safetensors.index.json").read_text())
+            files = sorted({path / f for f in index["weight_map"].values()})
+        elif (path / "model.safetensors").exists():
+            files = [path / "model.safetensors"]
+        else:
+            raise CheckpointError(f"no safetensors weights in {path} (looked for model.safetensors and "
+                                  f"model.safetensors.index.json)")
+        self._handles = {}
+        for file in files:
+            if not file.exists():
+                raise CheckpointError(f"{file} is listed in the index but missing")
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"cannot read {file}: {e} (truncated or corrupted safetensors file?)") from e
+            self._handles[file] = handle
+            for key in handle.keys():
+                self.files[key] = file
+
+    def _handle(self, name):
+        try:
+            return self._handles[self.files[name]]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} not found in the checkpoint") from None
+
+    def names(self):
+        return list(self.files)
+
+    def __contains__(self, name):
+        return name in self.files
+
+    def shape(self, name):
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name):
+        return _SAFETENSORS_DTYPES[self._handle(name).get_slice(name).get_dtype()]
+
+    def read(self, name, index=None):
+        handle = self._handle(name)
+        try:
+            if index is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[index]
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.files[name]}: {e}") from e
+
+
+class GlobalTensor:
+    """One of our global tensors assembled lazily from HF tensors: `shape` and `read(index)`."""
+
+    def __init__(self, reader: TensorReader, source: Source, name: str = ""):
+        self.reader, self.source, self.name = reader, source, name
+        shapes = []
+        for hf_name in source.names:
+            if hf_name not in reader:
+                raise CheckpointError(f"missing tensor {hf_name!r} (needed for {name!r})")
+            shape = reader.shape(hf_name)
+            shapes.append(tuple(reversed(shape)) if source.transpose else shape)
+        first = list(shapes[0])
+        for s in shapes[1:]:
+            if len(s) != len(first) or any(a != b for d, (a, b) in enumerate(zip(s, first)) if d != source.cat_dim):
+                raise CheckpointError(f"tensors {source.names} cannot be concatenated along dim {source.cat_dim}: {shapes}")
+        first[source.cat_dim] = sum(s[source.cat_dim] for s in shapes)
+        self.shape = tuple(first)
+        self.part_shapes = shapes
+        self.dtype = reader.dtype(source.names[0])
+
+    def read(self, index: tuple | None = None) -> torch.Tensor:
+        ndim = len(self.shape)
+        index = tuple(index) if index is not None else ()
+        index = index + (slice(None),) * (ndim - len(index))
+        d = self.source.cat_dim
+        start, stop, _ = index[d].indices(self.shape[d])
+        parts, offset = [], 0
+        for hf_name, shape in zip(self.source.names, self.part_shapes):
+            lo, hi = max(start, offset), min(stop, offset + shape[d])
+            if lo < hi:
+                part_index = list(index)
+                part_index[d] = slice(lo - offset, hi - offset)
+                parts.append(self._read_part(hf_name, tuple(part_index)))
+            offset += shape[d]
+        if not parts:
+            shape = [len(range(*s.indices(n))) for s, n in zip(index, self.shape)]
+            return torch.empty(shape, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
+
+    def _read_part(self, hf_name, index):
+        if self.source.transpose:
+            return self.reader.read(hf_name, tuple(reversed(index))).t()
+        return self.reader.read(hf_name, index)

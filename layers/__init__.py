@@ -1,0 +1,8 @@
+"""Parallel-aware building blocks. With every degree at 1 they are plain layers."""
+from .attention import attention, build_attention_mask
+from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, reduce_from_parallel,
+                   reduce_scatter_to_sequence, scatter_to_sequence, split_to_parallel)
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import LayerNorm, RMSNorm
+from .shard import Split, gather_tensor, load_shard, local_pieces, shard, shard_tensor, spec_of
+from .vocab import VocabParallelEmbedding, VocabParallelLMHead, vocab_parallel_cross_entropy

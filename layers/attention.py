@@ -1,0 +1,40 @@
+"""Attention core on torch's scaled_dot_product_attention, for the heads this rank owns.
+
+Inputs are (batch, heads_local, seq, head_dim). Dropout inside attention runs on the tracked
+tensor-parallel RNG, since each rank holds different heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from colozoo.rng import get_rng_tracker
+
+
+def build_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, causal: bool,
+                         device=None) -> torch.Tensor | None:
+    """Boolean (batch, 1, q, k) mask, True = attend; None when plain causal (or no) masking suffices."""
+    if attention_mask is None:
+        return None
+    keep = attention_mask.to(torch.bool)[:, None, None, :]
+    if causal:
+        causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=keep.device).tril()
+        keep = keep & causal_mask
+    return keep
+
+
+def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
+              upcast: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q)."""
+    if k.shape[1] != q.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    is_causal = causal and mask is None
+    with get_rng_tracker().fork(device_type=q.device.type):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                             scale=scale)
+    return out.to(dtype)

@@ -1,0 +1,164 @@
+"""Autograd communication mappings for tensor and sequence parallelism (Megatron's f/g operators).
+
+Each op is a pair: what happens in forward and its adjoint in backward. All take the process group
+explicitly; with a group of size 1 (or None) they are identities.
+
+    copy_to_parallel       forward identity        backward all-reduce      (f)
+    reduce_from_parallel   forward all-reduce      backward identity        (g)
+    split_to_parallel      forward split           backward all-gather
+    gather_from_parallel   forward all-gather      backward split
+    scatter_to_sequence    forward split (seq)     backward all-gather (seq)
+    gather_from_sequence   forward all-gather      backward reduce-scatter  (sequence parallel g-bar)
+    reduce_scatter_to_sequence forward reduce-scatter backward all-gather  (sequence parallel g)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot reduce-scatter length {x.shape[dim]} over {size} ranks")
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot split length {x.shape[dim]} over {size} ranks")
+    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def _active(group) -> bool:
+    return group_size(group) > 1
+
+
+def copy_to_parallel(x, group):
+    return _CopyToParallel.apply(x, group) if _active(group) else x
+
+
+def reduce_from_parallel(x, group):
+    return _ReduceFromParallel.apply(x, group) if _active(group) else x
+
+
+def split_to_parallel(x, group, dim=-1):
+    return _Split.apply(x, dim % x.dim(), group) if _active(group) else x
+
+
+def gather_from_parallel(x, group, dim=-1):
+    return _Gather.apply(x, dim % x.dim(), group) if _active(group) else x
+
+
+SEQ_DIM = 1  # activations are (batch, sequence, hidden)
+
+
+def scatter_to_sequence(x, group, dim=SEQ_DIM):
+    return _Split.apply(x, dim, group) if _active(group) else x
+
+
+def gather_from_sequence(x, group, dim=SEQ_DIM):
+    return _GatherFromSequence.apply(x, dim, group) if _active(group) else x
+
+
+def reduce_scatter_to_sequence(x, group, dim=SEQ_DIM):
+    return _ReduceScatterToSequence.apply(x, dim, group) if _active(group) else x

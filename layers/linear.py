@@ -1,0 +1,81 @@
+"""Column- and row-parallel linear layers (Megatron-style), with optional sequence parallelism.
+
+Column-parallel: weight (out/tp, in), each rank computes a slice of the output features; fused outputs
+(q/k/v, gate/up) are declared as chunks so each rank gets its share of every part.
+Row-parallel: weight (out, in/tp), each rank holds a slice of the input features and the partial outputs
+are summed (all-reduce, or reduce-scatter along the sequence under sequence parallelism).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
+                   reduce_from_parallel, reduce_scatter_to_sequence)
+from .shard import Split, local_pieces, shard
+
+
+def _init_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int):
+    if weight.device.type == "meta":
+        return
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(fan_in)
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 sequence_parallel: bool = False, gather_output: bool = False,
+                 chunks: tuple[int, ...] | None = None, device=None, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        tp = group_size(group)
+        split = Split("tp", 0, chunks=tuple(chunks) if chunks else None)
+        local_out = local_pieces(split, out_features, 0, tp)[1]
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = shard(nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype)), split)
+        self.bias = (shard(nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)), split)
+                     if bias else None)
+        _init_linear(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.group)
+        else:
+            x = copy_to_parallel(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_parallel(y, self.group) if self.gather_output else y
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), bias={self.bias is not None}"
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        tp = group_size(group)
+        split = Split("tp", 1)
+        local_in = local_pieces(split, in_features, 0, tp)[1]
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = shard(nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype)), split)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)
+            bias = copy_to_parallel(self.bias, self.group) if self.bias is not None else None
+        else:
+            y = reduce_from_parallel(y, self.group)
+            bias = self.bias
+        return y + bias if bias is not None else y
+
+    def extra_repr(self):
+        return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,54 @@
+"""LayerNorm and RMSNorm that work inside a sequence-parallel region.
+
+The weights are replicated over tp, but under sequence parallelism each rank normalises only its share
+of the sequence, so its weight gradient is partial: `copy_to_parallel` (identity forward, all-reduce
+backward) sums it over the tensor-parallel group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import copy_to_parallel
+
+
+class _SequenceParallelAware(nn.Module):
+    def _param(self, p):
+        if p is None or not self.sequence_parallel:
+            return p
+        return copy_to_parallel(p, self.group)
+
+
+class LayerNorm(_SequenceParallelAware):
+    def __init__(self, dim: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True,
+                 group=None, sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.dim, self.eps, self.group, self.sequence_parallel = dim, eps, group, sequence_parallel
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if elementwise_affine and bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, (self.dim,), self._param(self.weight), self._param(self.bias), self.eps)
+
+    def extra_repr(self):
+        return f"{self.dim}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class RMSNorm(_SequenceParallelAware):
+    """y = x / rms(x) * weight, computed in fp32 like the LLaMA reference, cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, group=None, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.dim, self.eps, self.group, self.sequence_parallel = dim, eps, group, sequence_parallel
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self._param(self.weight) * x.to(dtype)
+
+    def extra_repr(self):
+        return f"{self.dim}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

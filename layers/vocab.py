@@ -1,0 +1,160 @@
+"""Vocabulary-parallel embedding, LM head and cross entropy.
+
+The vocabulary is padded to a multiple of tp and split into equal slices. Padded rows are zero, never
+stored in checkpoints (the shard spec records the logical size), masked to -inf before every softmax and
+stripped from gathered logits, so they never leak into outputs. The loss is computed on the local vocab
+slice with three small all-reduces (max, sum of exp, target logit); full-vocabulary logits are never built.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import (all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
+                   group_size, reduce_from_parallel, reduce_scatter_to_sequence)
+from .shard import Split, pad_to_multiple, shard
+
+
+def vocab_range(vocab_size: int, group) -> tuple[int, int, int]:
+    """(start, stop, local_size) of this rank's vocab slice; stop excludes padding."""
+    tp = group_size(group)
+    per = pad_to_multiple(vocab_size, tp) // tp
+    start = group_rank(group) * per
+    return start, min(start + per, vocab_size), per
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group=None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start, self.vocab_stop, local = vocab_range(num_embeddings, group)
+        self.weight = shard(nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype)),
+                            Split("tp", 0, logical_size=num_embeddings))
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight)
+            self.weight.data[self.vocab_stop - self.vocab_start:] = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tp = group_size(self.group)
+        local_pad = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_stop:
+            local_pad = self.padding_idx - self.vocab_start
+        if tp == 1:
+            out = F.embedding(ids, self.weight, local_pad)
+            return out
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, local_pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.group)
+        return reduce_from_parallel(out, self.group)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings} (local {self.weight.shape[0]}), {self.embedding_dim}"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, valid, group, ignore_index, label_smoothing, vocab_size):
+        logits = logits.float()
+        if valid < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., valid:] = float("-inf")
+        logits_max = logits.max(dim=-1, keepdim=True).values
+        if group_size(group) > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max
+        exp = shifted.exp()
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
+
+        ignored = target == ignore_index
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= valid) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        predicted = all_reduce(predicted, group)
+        log_sum_exp = sum_exp.log()
+        loss = log_sum_exp - predicted
+        if label_smoothing > 0:
+            sum_shifted = all_reduce(shifted[..., :valid].sum(dim=-1), group)
+            mean_log_prob = sum_shifted / vocab_size - log_sum_exp
+            loss = (1 - label_smoothing) * loss - label_smoothing * mean_log_prob
+        loss = loss.masked_fill(ignored, 0.0)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, ignored)
+        ctx.valid, ctx.label_smoothing, ctx.vocab_size = valid, label_smoothing, vocab_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, ignored = ctx.saved_tensors
+        grad = softmax
+        eps = ctx.label_smoothing
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1 - eps) * hit.unsqueeze(-1))
+        if eps > 0:
+            grad[..., : ctx.valid] -= eps / ctx.vocab_size
+        grad[..., ctx.valid:] = 0.0
+        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        return grad, None, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab_size: int, group=None,
+                                 ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token loss from this rank's vocab slice of the logits (0 where target == ignore_index)."""
+    start, stop, _ = vocab_range(vocab_size, group)
+    return _VocabParallelCrossEntropy.apply(logits_local, target, start, stop - start, group, ignore_index,
+                                            label_smoothing, vocab_size)
+
+
+class VocabParallelLMHead(nn.Module):
+    """Projects hidden states onto this rank's vocab slice. `weight` may be tied to the embedding's."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False, *, group=None,
+                 sequence_parallel: bool = False, tied_embedding: VocabParallelEmbedding | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.vocab_size, self.group, self.sequence_parallel = vocab_size, group, sequence_parallel
+        self.vocab_start, self.vocab_stop, local = vocab_range(vocab_size, group)
+        self.tied = tied_embedding is not None
+        if self.tied:
+            self._tied = [tied_embedding]  # not a submodule: the weight belongs to the embedding
+        else:
+            self.weight = shard(nn.Parameter(torch.empty(local, hidden_size, device=device, dtype=dtype)),
+                                Split("tp", 0, logical_size=vocab_size))
+            if self.weight.device.type != "meta":
+                nn.init.normal_(self.weight, std=0.02)
+                self.weight.data[self.vocab_stop - self.vocab_start:] = 0
+        self.bias = (shard(nn.Parameter(torch.zeros(local, device=device, dtype=dtype)),
+                           Split("tp", 0, logical_size=vocab_size)) if bias else None)
+
+    def head_weight(self) -> torch.Tensor:
+        return self._tied[0].weight if self.tied else self.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded."""
+        if self.sequence_parallel:
+            hidden = gather_from_sequence(hidden, self.group)
+        else:
+            hidden = copy_to_parallel(hidden, self.group)
+        return F.linear(hidden, self.head_weight(), self.bias)
+
+    def loss(self, logits_local, labels, ignore_index=-100, label_smoothing=0.0) -> torch.Tensor:
+        """Mean causal-LM loss over non-ignored tokens: logits at t predict labels at t+1."""
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        per_token = vocab_parallel_cross_entropy(logits_local, shift_labels, self.vocab_size, self.group,
+                                                 ignore_index, label_smoothing)
+        count = (shift_labels != ignore_index).sum()
+        return per_token.sum() / count.clamp(min=1)
+
+    def full_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
+        """All-gather the vocab slices and strip the padding."""
+        return gather_from_parallel(logits_local, self.group)[..., : self.vocab_size]

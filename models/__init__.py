@@ -1,0 +1,21 @@
+"""One file per family, each built from colozoo.layers."""
+from __future__ import annotations
+
+import importlib
+
+MODEL_CLASSES = {
+    "gpt2": ("colozoo.models.gpt2", "GPT2ForCausalLM"),
+    "opt": ("colozoo.models.opt", "OPTForCausalLM"),
+}
+
+
+def model_class(model_type: str):
+    try:
+        module, name = MODEL_CLASSES[model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model type {model_type!r}; supported: {sorted(MODEL_CLASSES)}") from None
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(config, pc=None, layer_ids=None, device=None, dtype=None):
+    return model_class(config.model_type)(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype)

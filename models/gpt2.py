@@ -1,0 +1,117 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, fused q/k/v, GELU MLP, LM head tied to the token embedding.
+
+    wte (vocab-parallel) + wpe -> dropout -> [ln_1 -> attn(c_attn column, c_proj row) -> +
+                                             ln_2 -> mlp(c_fc column, act, c_proj row) -> +] x n -> ln_f -> lm_head
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
+                            VocabParallelLMHead, attention, build_attention_mask, scatter_to_sequence)
+from colozoo.layers.activations import get_activation
+from colozoo.modeling import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, pc, device=None, dtype=None):
+        super().__init__()
+        h, tp = config.hidden_size, pc.tp_size
+        self.head_dim = h // config.num_attention_heads
+        self.local_heads = config.num_attention_heads // tp
+        self.scale = (self.head_dim ** -0.5 if config.scale_attn_weights else 1.0)
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= float(layer_idx + 1)
+        self.upcast = config.reorder_and_upcast_attn
+        self.attn_pdrop, self.resid_pdrop = config.attn_pdrop, config.resid_pdrop
+        self.sharded_resid = pc.sequence_parallel
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        self.c_attn = ColumnParallelLinear(h, 3 * h, chunks=(h, h, h), **kw)
+        self.c_proj = RowParallelLinear(h, h, **kw)
+
+    def forward(self, x, ctx: BatchContext):
+        qkv = self.c_attn(x)  # (b, s, 3 * local_heads * head_dim)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = attention(q, k, v, ctx.mask, causal=True, scale=self.scale, upcast=self.upcast,
+                        dropout_p=self.attn_pdrop if self.training else 0.0)
+        out = self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h = config.hidden_size
+        inner = config.n_inner if config.n_inner is not None else 4 * h
+        check_divisible("the MLP width (n_inner)", inner, pc.tp_size)
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        self.c_fc = ColumnParallelLinear(h, inner, **kw)
+        self.c_proj = RowParallelLinear(inner, h, **kw)
+        self.act = get_activation(config.activation_function)
+        self.resid_pdrop, self.sharded_resid = config.resid_pdrop, pc.sequence_parallel
+
+    def forward(self, x):
+        out = self.c_proj(self.act(self.c_fc(x)))
+        return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config, layer_idx, pc, device=None, dtype=None):
+        super().__init__()
+        norm = dict(eps=config.layer_norm_epsilon, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                    device=device, dtype=dtype)
+        self.ln_1 = LayerNorm(config.hidden_size, **norm)
+        self.attn = GPT2Attention(config, layer_idx, pc, device, dtype)
+        self.ln_2 = LayerNorm(config.hidden_size, **norm)
+        self.mlp = GPT2MLP(config, pc, device, dtype)
+
+    def forward(self, x, ctx):
+        x = x + self.attn(self.ln_1(x), ctx)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2ForCausalLM(ParallelModel):
+    family = "gpt2"
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, pc, layer_ids)
+        pc = self.pc
+        require(not getattr(config, "add_cross_attention", False), "GPT-2 cross-attention is not supported")
+        check_divisible("the attention heads (n_head)", config.num_attention_heads, pc.tp_size)
+        h = config.hidden_size
+        kw = dict(device=device, dtype=dtype)
+        if self.is_first:
+            self.wte = VocabParallelEmbedding(config.vocab_size, h, group=pc.tp_group,
+                                              sequence_parallel=pc.sequence_parallel, **kw)
+            self.wpe = nn.Embedding(config.max_position_embeddings, h, **kw)
+        self.layers = nn.ModuleDict({str(i): GPT2Block(config, i, pc, **kw) for i in self.layer_ids})
+        if self.is_last:
+            self.ln_f = LayerNorm(h, eps=config.layer_norm_epsilon, group=pc.tp_group,
+                                  sequence_parallel=pc.sequence_parallel, **kw)
+            tied = self.wte if (config.tie_word_embeddings and self.is_first) else None
+            self.lm_head = VocabParallelLMHead(h, config.vocab_size, group=pc.tp_group,
+                                               sequence_parallel=pc.sequence_parallel, tied_embedding=tied, **kw)
+
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:
+        b, s = input_ids.shape
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
+        self.check_sequence(s)
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        return BatchContext(attention_mask, build_attention_mask(attention_mask, s, causal=True), position_ids, s)
+
+    def embed(self, input_ids, ctx):
+        positions = self.wpe(ctx.position_ids)
+        if self.sequence_parallel:
+            positions = scatter_to_sequence(positions, self.tp_group)
+        hidden = self.wte(input_ids) + positions
+        return dropout(hidden, self.config.embd_pdrop, self.training, sharded=self.sequence_parallel)
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        logits_local = self.lm_head(self.ln_f(hidden))
+        loss = self.lm_head.loss(logits_local, labels) if labels is not None else None
+        logits = self.lm_head.full_logits(logits_local) if return_logits else None
+        return ModelOutput(loss=loss, logits=logits)
