@@ -1,1 +1,28 @@
-"""colozoo: pre-parallelized transformers."""
+"""colozoo: a model zoo of pre-parallelized transformers for PyTorch.
+
+    model = colozoo.from_pretrained("opt-30b", tp=4, pp=2)
+"""
+from __future__ import annotations
+
+import importlib
+
+from colozoo.parallel import ParallelConfig, ParallelContext, init_parallel
+
+__version__ = "0.1.0"
+
+# Public names resolved on first use, so `import colozoo` stays light.
+_LAZY = {
+    "from_pretrained": "colozoo.api",
+    "convert": "colozoo.checkpoint",
+    "profile": "colozoo.profiler",
+    "plan": "colozoo.planner",
+    "build_model": "colozoo.models",
+}
+
+__all__ = ["ParallelConfig", "ParallelContext", "init_parallel", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'colozoo' has no attribute {name!r}")

@@ -64,7 +64,11 @@ class ParallelModel(nn.Module):
         self.config = config
         self.pc = pc or single_process()
         n_layers = self.num_layers(config)
-        self.layer_ids = list(range(n_layers)) if layer_ids is None else list(layer_ids)
+        if layer_ids is None:
+            from colozoo.partition import stage_layers
+
+            layer_ids = stage_layers(n_layers, self.pc.config.pp)[self.pc.rank("pp")]
+        self.layer_ids = list(layer_ids)
         self.is_first = self.pc.is_first_stage
         self.is_last = self.pc.is_last_stage
 
@@ -90,7 +94,25 @@ class ParallelModel(nn.Module):
         return hidden
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs) -> ModelOutput:
+        if self.pc.config.pp > 1:
+            from colozoo.pipeline import pipeline_forward
+
+            return pipeline_forward(self, input_ids, attention_mask=attention_mask, labels=labels,
+                                    return_logits=return_logits, **kwargs)
         ctx = self.batch_context(input_ids, attention_mask, **kwargs)
         hidden = self.embed(input_ids, ctx)
         hidden = self.run_layers(hidden, ctx)
         return self.head(hidden, ctx, labels=labels, return_logits=return_logits)
+
+    def forward_backward(self, input_ids, labels, attention_mask=None, num_microbatches: int = 1, **kwargs):
+        """One training step's forward and backward over the whole mesh; returns the mean loss on every rank."""
+        from colozoo.training import forward_backward
+
+        return forward_backward(self, input_ids, labels, attention_mask=attention_mask,
+                                num_microbatches=num_microbatches, **kwargs)
+
+    def save_pretrained(self, path, format: str = "colozoo", **kwargs):
+        """Write a colozoo sharded checkpoint (collectively, each rank its shard) or, with format="hf", an HF directory."""
+        from colozoo.checkpoint import save_pretrained
+
+        return save_pretrained(self, path, format=format, **kwargs)

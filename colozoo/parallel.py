@@ -130,6 +130,18 @@ class ParallelContext:
                 mine, my_rank = group, ranks.index(me)
         return mine, my_rank
 
+    @classmethod
+    def virtual(cls, pp: int = 1, pp_rank: int = 0, device=None) -> "ParallelContext":
+        """A context for building meta models of one pipeline stage offline (tp=1; no process groups)."""
+        self = cls.__new__(cls)
+        self.config = ParallelConfig(pp=pp)
+        self.device = torch.device(device or "cpu")
+        self.mesh = None
+        self.groups = {d: None for d in (*MESH_DIMS, "ep", "dp_cp")}
+        self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "dp_cp")}
+        self.ranks["pp"] = pp_rank
+        return self
+
     def group(self, dim: str):
         return self.groups[dim]
 

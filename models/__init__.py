@@ -6,6 +6,11 @@ import importlib
 MODEL_CLASSES = {
     "gpt2": ("colozoo.models.gpt2", "GPT2ForCausalLM"),
     "opt": ("colozoo.models.opt", "OPTForCausalLM"),
+    "bert": ("colozoo.models.bert", "BertModel"),  # task heads are chosen by build_model(task=...)
+    "vit": ("colozoo.models.vit", "ViTModel"),
+    "llama": ("colozoo.models.llama", "LlamaForCausalLM"),
+    "mistral": ("colozoo.models.llama", "LlamaForCausalLM"),
+    "mixtral": ("colozoo.models.mixtral", "MixtralForCausalLM"),
 }
 
 

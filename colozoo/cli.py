@@ -1,0 +1,46 @@
+"""The `colozoo` command. Each subcommand lives beside the code it drives and registers itself here."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing `add_parser(subparsers)`; the parser's `func(args)` returns an exit code
+COMMANDS = {
+    "models": "colozoo.registry",
+    "convert": "colozoo.checkpoint",
+    "finetune": "colozoo.finetune",
+    "profile": "colozoo.profiler",
+    "plan": "colozoo.planner",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="colozoo", description="Pre-parallelized transformers: list models, convert and reshard checkpoints, "
+                                    "fine-tune, profile and plan a device mesh.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        try:
+            importlib.import_module(module).add_parser(subparsers)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"colozoo {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

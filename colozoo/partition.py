@@ -1,0 +1,60 @@
+"""Which layers live on which pipeline stage.
+
+Layers are split into contiguous runs, one per (virtual) stage, minimising the heaviest stage. A layer's
+weight is its parameter count by default; the first stage also carries the embeddings and the last the
+head, so they get fewer layers when those are large. `layers_per_stage` overrides the balance.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+class PartitionError(ValueError):
+    pass
+
+
+def balanced_partition(weights: list[float], parts: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+    """Sizes of `parts` contiguous runs (each >= 1) of `weights` minimising the maximum run weight."""
+    n = len(weights)
+    if parts > n:
+        raise PartitionError(f"cannot split {n} layers over {parts} stages: every stage needs at least one layer")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    @lru_cache(maxsize=None)
+    def best(start: int, k: int) -> tuple[float, tuple[int, ...]]:
+        # split weights[start:] into k runs; stage index is parts - k
+        stage = parts - k
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == parts - 1 else 0.0)
+        if k == 1:
+            return prefix[n] - prefix[start] + extra, (n - start,)
+        result = (float("inf"), ())
+        for end in range(start + 1, n - k + 2):
+            head = prefix[end] - prefix[start] + extra
+            if head >= result[0]:
+                break
+            tail_cost, tail = best(end, k - 1)
+            cost = max(head, tail_cost)
+            if cost < result[0]:
+                result = (cost, (end - start, *tail))
+        return result
+
+    return list(best(0, parts)[1])
+
+
+def stage_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None,
+                 layer_weights: list[float] | None = None, first_extra: float = 0.0, last_extra: float = 0.0) -> list[list[int]]:
+    """Global layer indices of every stage."""
+    if layers_per_stage is not None:
+        if len(layers_per_stage) != num_stages or sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:
+            raise PartitionError(f"layers_per_stage={layers_per_stage} must have {num_stages} entries >= 1 "
+                                 f"adding up to {num_layers} layers")
+        sizes = list(layers_per_stage)
+    else:
+        sizes = balanced_partition(layer_weights or [1.0] * num_layers, num_stages, first_extra, last_extra)
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
