@@ -1,0 +1,155 @@
+"""OPT: learned positions (offset 2, counted over the attention mask), pre- or post-LayerNorm blocks, fused q/k/v,
+ReLU MLP, optional word-embedding projections, LM head tied to the token embedding.
+
+    embed_tokens (vocab-parallel) -> [project_in] + embed_positions ->
+        [self_attn (qkv column, out_proj row) -> + -> fc1 (column) -> act -> fc2 (row) -> +] x n
+        (LayerNorms before each sub-block, or after each residual add for post-LN models like opt-350m)
+    -> [final_layer_norm] -> [project_out] -> lm_head
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
+                            VocabParallelLMHead, attention, build_attention_mask, copy_to_parallel,
+                            scatter_to_sequence)
+from colozoo.layers.activations import get_activation
+from colozoo.modeling import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
+                              dropout, require)
+
+POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer replicated over tp (the embedding projections). Under sequence parallelism each rank sees
+    only its share of the sequence, so the weight gradient is partial and is summed over the tp group."""
+
+    def __init__(self, in_features: int, out_features: int, *, group=None, sequence_parallel=False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        weight = copy_to_parallel(self.weight, self.group) if self.sequence_parallel else self.weight
+        return F.linear(x, weight)
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h = config.hidden_size
+        if h % config.num_attention_heads:
+            raise UnsupportedConfig(f"hidden_size ({h}) must be divisible by num_attention_heads "
+                                    f"({config.num_attention_heads})")
+        self.head_dim = h // config.num_attention_heads
+        self.local_heads = config.num_attention_heads // pc.tp_size
+        self.scale = self.head_dim ** -0.5
+        self.attention_dropout = config.attention_dropout
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(h, 3 * h, bias=config.enable_bias, chunks=(h, h, h), **kw)
+        self.out_proj = RowParallelLinear(h, h, bias=config.enable_bias, **kw)
+
+    def forward(self, x, ctx: BatchContext):
+        qkv = self.qkv(x)  # (b, s, 3 * local_heads * head_dim): this rank's heads of q, then of k, then of v
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
+        out = attention(q * self.scale, k, v, ctx.mask, causal=True, scale=1.0,
+                        dropout_p=self.attention_dropout if self.training else 0.0)
+        return self.out_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h = config.hidden_size
+        check_divisible("the MLP width (ffn_dim)", config.ffn_dim, pc.tp_size)
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        norm = dict(elementwise_affine=config.layer_norm_elementwise_affine, **kw)
+        self.pre_norm = config.do_layer_norm_before
+        self.dropout_p, self.sharded_resid = config.dropout, pc.sequence_parallel
+        self.self_attn_layer_norm = LayerNorm(h, **norm)
+        self.self_attn = OPTAttention(config, pc, device, dtype)
+        self.final_layer_norm = LayerNorm(h, **norm)
+        self.fc1 = ColumnParallelLinear(h, config.ffn_dim, bias=config.enable_bias, **kw)
+        self.fc2 = RowParallelLinear(config.ffn_dim, h, bias=config.enable_bias, **kw)
+        self.act = get_activation(config.activation_function)
+
+    def _dropout(self, x):
+        return dropout(x, self.dropout_p, self.training, sharded=self.sharded_resid)
+
+    def forward(self, x, ctx):
+        attn_in = self.self_attn_layer_norm(x) if self.pre_norm else x
+        x = x + self._dropout(self.self_attn(attn_in, ctx))
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        mlp_in = self.final_layer_norm(x) if self.pre_norm else x
+        x = x + self._dropout(self.fc2(self.act(self.fc1(mlp_in))))
+        return x if self.pre_norm else self.final_layer_norm(x)
+
+
+class OPTForCausalLM(ParallelModel):
+    family = "opt"
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, pc, layer_ids)
+        pc = self.pc
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
+        h, proj_dim = config.hidden_size, config.word_embed_proj_dim
+        kw = dict(device=device, dtype=dtype)
+        sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+        projected = proj_dim != h
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, config.pad_token_id, **sp, **kw)
+            self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h, **kw)
+            if projected:
+                self.project_in = ReplicatedLinear(proj_dim, h, **sp, **kw)
+        self.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, pc, **kw) for i in self.layer_ids})
+        if self.is_last:
+            if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
+                self.final_layer_norm = LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine,
+                                                  **sp, **kw)
+            if projected:
+                self.project_out = ReplicatedLinear(h, proj_dim, **sp, **kw)
+            tied = self.embed_tokens if (config.tie_word_embeddings and self.is_first) else None
+            self.lm_head = VocabParallelLMHead(proj_dim, config.vocab_size, tied_embedding=tied, **sp, **kw)
+
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:
+        b, s = input_ids.shape
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
+        self.check_sequence(s)
+        if self.training and self.config.layerdrop > 0:
+            raise UnsupportedConfig(f"OPT layerdrop={self.config.layerdrop} in training is not supported "
+                                    f"(set config.layerdrop = 0)")
+        if position_ids is None:
+            if attention_mask is None:
+                position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+            else:  # positions count real tokens only; padding gets -1 (row 1 of the table), as in OPT
+                mask = attention_mask.long()
+                position_ids = mask.cumsum(dim=1) * mask - 1
+        return BatchContext(attention_mask, build_attention_mask(attention_mask, s, causal=True), position_ids, s)
+
+    def embed(self, input_ids, ctx):
+        positions = self.embed_positions(ctx.position_ids + POSITION_OFFSET)
+        if self.sequence_parallel:
+            positions = scatter_to_sequence(positions, self.tp_group)
+        tokens = self.embed_tokens(input_ids)
+        if hasattr(self, "project_in"):
+            tokens = self.project_in(tokens)
+        return tokens + positions
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        if hasattr(self, "final_layer_norm"):
+            hidden = self.final_layer_norm(hidden)
+        if hasattr(self, "project_out"):
+            hidden = self.project_out(hidden)
+        logits_local = self.lm_head(hidden)
+        loss = self.lm_head.loss(logits_local, labels) if labels is not None else None
+        logits = self.lm_head.full_logits(logits_local) if return_logits else None
+        return ModelOutput(loss=loss, logits=logits)
