@@ -1,0 +1,108 @@
+"""Named models shipped with the package: name -> HF repo id, architecture and complete HF config.
+
+The data lives in `colozoo/model_configs/<family>.json`, one file per family, in the format
+    {"<name>": {"repo": "<HF repo id>", "architecture": "<transformers class>", "config": {<config.to_dict()>}}}
+so configs need no network. Names are accepted bare ("opt-30b") or as the repo id ("facebook/opt-30b").
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import transformers
+
+CONFIG_DIR = Path(__file__).parent / "model_configs"
+
+
+class UnknownModelError(ValueError):
+    pass
+
+
+@lru_cache(maxsize=None)
+def registry() -> dict[str, dict]:
+    """Every registered model: name -> {"repo", "architecture", "config", "family"}."""
+    out = {}
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        for name, entry in json.loads(path.read_text()).items():
+            if name in out:
+                raise ValueError(f"model {name!r} is registered twice ({path.name} and {out[name]['family']}.json)")
+            out[name] = {**entry, "family": path.stem}
+    return out
+
+
+def lookup(name: str) -> tuple[str, dict] | None:
+    """(name, entry) for a registered name or repo id, else None."""
+    models = registry()
+    if name in models:
+        return name, models[name]
+    for key, entry in models.items():
+        if entry["repo"].lower() == name.lower():
+            return key, entry
+    return None
+
+
+def get_entry(name: str) -> tuple[str, dict]:
+    found = lookup(name)
+    if found is None:
+        close = difflib.get_close_matches(name, list(registry()), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UnknownModelError(f"unknown model {name!r}{hint} (`colozoo models` lists the registry; "
+                                f"a local checkpoint directory works too)")
+    return found
+
+
+def config_from_dict(config: dict, architecture: str | None = None):
+    config = dict(config)
+    model_type = config.pop("model_type")
+    config.pop("transformers_version", None)
+    out = transformers.AutoConfig.for_model(model_type, **config)
+    if architecture and not getattr(out, "architectures", None):
+        out.architectures = [architecture]
+    return out
+
+
+def get_config(name: str):
+    """The transformers config object of a registered model (no network)."""
+    _, entry = get_entry(name)
+    return config_from_dict(entry["config"], entry["architecture"])
+
+
+def count_parameters(config) -> int | None:
+    """Parameters of the model as colozoo builds it (tied weights once); None if the family is not available."""
+    from colozoo.models import build_model
+    from colozoo.parallel import ParallelContext
+
+    try:
+        model = build_model(config, pc=ParallelContext.virtual(), device="meta")
+    except (ImportError, ValueError):
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def print_models(file=None):
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="colozoo models")
+    for column in ("name", "family", "params", "repo"):
+        table.add_column(column, justify="right" if column == "params" else "left")
+    for name, entry in registry().items():
+        config = config_from_dict(entry["config"], entry["architecture"])
+        table.add_row(name, entry["family"], _human(count_parameters(config)), entry["repo"])
+    Console(file=file, width=120).print(table)
+
+
+def add_parser(subparsers):
+    parser = subparsers.add_parser("models", help="list the named models of the registry")
+    parser.set_defaults(func=lambda args: print_models())
