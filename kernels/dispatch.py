@@ -1,0 +1,84 @@
+"""Which implementation a layer runs: the Triton kernels or the pure-torch references.
+
+    COLOZOO_KERNELS=auto    Triton on CUDA tensors when triton imports, torch elsewhere (the default)
+    COLOZOO_KERNELS=triton  always Triton (CPU tensors need TRITON_INTERPRET=1 set before the kernels load)
+    COLOZOO_KERNELS=torch   always torch
+
+`set_kernels(mode)` overrides the environment for this process (`set_kernels(None)` goes back to it);
+`use_kernels(mode)` does the same for a `with` block. Nothing here imports triton until it is asked.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+MODES = ("auto", "triton", "torch")
+ENV_VAR = "COLOZOO_KERNELS"
+_override: str | None = None
+
+
+def _check(mode: str, where: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"{where}={mode!r} is not a kernel mode; choose one of {MODES}")
+    return mode
+
+
+def set_kernels(mode: str | None) -> None:
+    """Force 'triton' or 'torch' (or 'auto') for this process; None returns to $COLOZOO_KERNELS."""
+    global _override
+    _override = None if mode is None else _check(mode, "set_kernels(mode)")
+
+
+@contextlib.contextmanager
+def use_kernels(mode: str | None):
+    global _override
+    previous = _override
+    set_kernels(mode)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def kernel_mode() -> str:
+    if _override is not None:
+        return _override
+    return _check(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", f"${ENV_VAR}")
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    if not triton_available():
+        return False
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """Whether the op on these tensors should take the Triton path."""
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if mode == "auto":
+        return on_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError(f"{ENV_VAR}=triton but triton does not import on this machine")
+    if not on_cuda and not interpreting():
+        raise RuntimeError(f"{ENV_VAR}=triton on CPU tensors needs TRITON_INTERPRET=1 (set before colozoo.kernels "
+                           "modules are imported)")
+    return True

@@ -1,0 +1,281 @@
+"""Flash attention (forward and backward) for (batch, heads, seq, head_dim) tensors.
+
+Supports causal masking (top-left aligned, like `scaled_dot_product_attention(is_causal=True)`), any boolean
+keep-mask broadcastable to (batch, heads, q, k) such as a key-padding mask, grouped-query attention (k/v
+heads divide q heads) and any head dim up to 256 (padded to a power of two inside the kernel).
+
+The softmax runs online in base 2 with fp32 statistics; the forward pass saves only the row log-sum-exp.
+Rows with no visible key give zeros (and zero gradients) instead of NaN. The backward pass is two kernels,
+one per key block (dK, dV) and one per query block (dQ), so nothing needs atomics; for GQA the per-q-head
+dK/dV are summed over the group afterwards.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _keep(offs_m, offs_n, Mask, smm, smn, SQ, SK, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    keep = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
+    if CAUSAL:
+        keep &= offs_n[None, :] <= offs_m[:, None]
+    if HAS_MASK:
+        keep &= tl.load(Mask + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0) != 0
+    return keep
+
+
+@triton.jit
+def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale,
+                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
+                  sob, soh, som, sod, H, GROUP, SQ, SK, D,
+                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    Q += b * sqb + h * sqh
+    K += b * skb + hk * skh
+    V += b * svb + hk * svh
+    Mask += b * smb + h * smh
+    q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end_n = SK
+    if CAUSAL:
+        end_n = tl.minimum(SK, (start_m + 1) * BLOCK_M)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        kt = tl.load(K + cols[None, :] * skn + offs_d[:, None] * skd,
+                     mask=(cols[None, :] < SK) & (offs_d[:, None] < D), other=0.0)
+        v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd,
+                    mask=(cols[:, None] < SK) & (offs_d[None, :] < D), other=0.0)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        s = tl.where(_keep(offs_m, cols, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
+
+
+@triton.jit
+def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
+                        sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
+                        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    Q += b * sqb + h * sqh
+    DO += b * sdob + h * sdoh
+    Mask += b * smb + h * smh
+    LSE += bh.to(tl.int64) * SQ
+    DELTA += bh.to(tl.int64) * SQ
+    kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    begin_m = 0
+    if CAUSAL:
+        begin_m = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for start_m in range(begin_m, SQ, BLOCK_M):
+        rows = start_m + offs_m
+        row_mask = (rows[:, None] < SQ) & (offs_d[None, :] < D)
+        q = tl.load(Q + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+        do = tl.load(DO + rows[:, None] * sdom + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
+        lse = tl.load(LSE + rows, mask=rows < SQ, other=float("inf"))
+        delta = tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(_keep(rows, offs_n, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    out = b * H * SK * D + h * SK * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
+                      sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
+                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    K += b * skb + hk * skh
+    V += b * svb + hk * svh
+    Mask += b * smb + h * smh
+    row_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=row_mask,
+                 other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end_n = SK
+    if CAUSAL:
+        end_n = tl.minimum(SK, (start_m + 1) * BLOCK_M)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        col_mask = (cols[:, None] < SK) & (offs_d[None, :] < D)
+        k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=col_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=col_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(_keep(offs_m, cols, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(DQ + b * H * SQ * D + h * SQ * D + offs_m[:, None] * D + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
+
+
+def _blocks(sq: int, sk: int, d: int) -> tuple[int, int, int]:
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = min(64, max(16, triton.next_power_of_2(sq)))
+    block_n = min(64 if block_d <= 64 else 32, max(16, triton.next_power_of_2(sk)))
+    return block_m, block_n, block_d
+
+
+def _mask_strides(mask, shape):
+    """The keep-mask as uint8 broadcast to (b, h, q, k) without copying, and its four strides."""
+    if mask is None:
+        return None, (0, 0, 0, 0)  # the kernel never reads it; a dummy pointer stands in
+    if mask.dtype != torch.bool:
+        raise TypeError(f"flash attention takes a boolean keep-mask, got dtype {mask.dtype}")
+    try:
+        expanded = mask.view(torch.uint8).expand(shape)
+    except RuntimeError:
+        raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}") from None
+    return expanded, expanded.stride()
+
+
+def _check(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("flash attention takes (batch, heads, seq, head_dim) tensors, got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit together")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"flash attention needs q, k, v of one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[3] > 256:
+        raise ValueError(f"flash attention supports head_dim up to 256, got {q.shape[3]}")
+
+
+def _strides(t):
+    return t.stride()
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale):
+        _check(q, k, v)
+        b, h, sq, d = q.shape
+        hk, sk = k.shape[1], k.shape[2]
+        mask_t, mask_s = _mask_strides(mask, (b, h, sq, sk))
+        mask_arg = q if mask_t is None else mask_t
+        out = torch.empty(b, h, sq, d, device=q.device, dtype=q.dtype)
+        lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
+        block_m, block_n, block_d = _blocks(sq, sk, d)
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        if out.numel():
+            _attn_forward[(triton.cdiv(sq, block_m), b * h)](
+                q, k, v, mask_arg, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *mask_s,
+                *out.stride(), h, h // hk, sq, sk, d, CAUSAL=causal, HAS_MASK=mask is not None, PRECISION=precision,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=2)
+        ctx.save_for_backward(q, k, v, mask_arg, out, lse)
+        ctx.causal, ctx.scale, ctx.has_mask, ctx.mask_strides = causal, scale, mask is not None, mask_s
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask_t, out, lse = ctx.saved_tensors
+        b, h, sq, d = q.shape
+        hk, sk = k.shape[1], k.shape[2]
+        group = h // hk
+        delta = (dout.float() * out.float()).sum(-1)
+        dq = torch.empty(b, h, sq, d, device=q.device, dtype=q.dtype)
+        kv_dtype = torch.float32 if group > 1 else k.dtype
+        dk = torch.empty(b, h, sk, d, device=q.device, dtype=kv_dtype)
+        dv = torch.empty(b, h, sk, d, device=q.device, dtype=kv_dtype)
+        block_m, block_n, block_d = _blocks(sq, sk, d)
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        common = (*q.stride(), *k.stride(), *v.stride(), *ctx.mask_strides, *dout.stride(), h, group, sq, sk, d)
+        flags = dict(CAUSAL=ctx.causal, HAS_MASK=ctx.has_mask, PRECISION=precision, BLOCK_M=block_m,
+                     BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=1)
+        if q.numel() and k.numel():
+            _attn_backward_dkdv[(triton.cdiv(sk, block_n), b * h)](
+                q, k, v, mask_t, dout, lse, delta, dk, dv, ctx.scale * LOG2E, ctx.scale, *common, **flags)
+            _attn_backward_dq[(triton.cdiv(sq, block_m), b * h)](
+                q, k, v, mask_t, dout, lse, delta, dq, ctx.scale * LOG2E, ctx.scale, *common, **flags)
+        else:
+            dq.zero_(), dk.zero_(), dv.zero_()
+        if group > 1:
+            dk = dk.view(b, hk, group, sk, d).sum(2).to(k.dtype)
+            dv = dv.view(b, hk, group, sk, d).sum(2).to(v.dtype)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attention_triton(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None):
+    """softmax(q k^T * scale, masked) v for (batch, heads, seq, head_dim) inputs; `mask` is a boolean keep-mask."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _FlashAttention.apply(q, k, v, mask, causal, float(scale))
+
+
+def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None):
+    """The same in plain torch, in fp32, with zeros for rows that see no key."""
+    dtype = q.dtype
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float(), v.float()
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-1, -2) * scale
+    keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+    if causal:
+        keep = keep.tril()
+    if mask is not None:
+        keep = keep & mask
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ v).to(dtype)
