@@ -28,6 +28,7 @@ class BatchContext:
     mask: torch.Tensor | None            # boolean (batch, 1, q, k) or None for plain causal
     position_ids: torch.Tensor           # (batch, seq) global positions
     seq_len: int
+    cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
@@ -94,6 +95,11 @@ class ParallelModel(nn.Module):
         return hidden
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs) -> ModelOutput:
+        if self.pc.config.cp > 1:
+            from colozoo.layers.context_parallel import context_parallel_forward
+
+            return context_parallel_forward(self, input_ids, attention_mask=attention_mask, labels=labels,
+                                            return_logits=return_logits, **kwargs)
         if self.pc.config.pp > 1:
             from colozoo.pipeline import pipeline_forward
 

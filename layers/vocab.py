@@ -147,14 +147,28 @@ class VocabParallelLMHead(nn.Module):
             hidden = copy_to_parallel(hidden, self.group)
         return F.linear(hidden, self.head_weight(), self.bias)
 
-    def loss(self, logits_local, labels, ignore_index=-100, label_smoothing=0.0) -> torch.Tensor:
-        """Mean causal-LM loss over non-ignored tokens: logits at t predict labels at t+1."""
+    def loss(self, logits_local, labels, ignore_index=-100, label_smoothing=0.0, cp=None) -> torch.Tensor:
+        """Mean causal-LM loss over non-ignored tokens: logits at t predict labels at t+1.
+
+        With `cp` (ctx.cp) the logits are the rank's zigzag share of the sequence and `labels` the full sequence;
+        the mean is taken over the whole sequence (sum and count summed over the cp ranks)."""
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if cp is not None:
+            from .context_parallel import sum_over
+
+            shift_labels = cp.shard(shift_labels)
         per_token = vocab_parallel_cross_entropy(logits_local, shift_labels, self.vocab_size, self.group,
                                                  ignore_index, label_smoothing)
         count = (shift_labels != ignore_index).sum()
+        if cp is not None:
+            return sum_over(per_token.sum(), cp.group) / sum_over(count, cp.group).clamp(min=1)
         return per_token.sum() / count.clamp(min=1)
 
-    def full_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
-        """All-gather the vocab slices and strip the padding."""
-        return gather_from_parallel(logits_local, self.group)[..., : self.vocab_size]
+    def full_logits(self, logits_local: torch.Tensor, cp=None) -> torch.Tensor:
+        """All-gather the vocab slices and strip the padding (and with `cp`, gather the sequence too)."""
+        logits = gather_from_parallel(logits_local, self.group)[..., : self.vocab_size]
+        if cp is not None:
+            from .context_parallel import gather_sequence
+
+            logits = gather_sequence(logits, cp.group)
+        return logits

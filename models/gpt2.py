@@ -34,7 +34,7 @@ class GPT2Attention(nn.Module):
         qkv = self.c_attn(x)  # (b, s, 3 * local_heads * head_dim)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = attention(q, k, v, ctx.mask, causal=True, scale=self.scale, upcast=self.upcast,
+        out = attention(q, k, v, ctx.mask, causal=True, scale=self.scale, upcast=self.upcast, cp=ctx.cp,
                         dropout_p=self.attn_pdrop if self.training else 0.0)
         out = self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
         return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)
@@ -112,6 +112,6 @@ class GPT2ForCausalLM(ParallelModel):
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
         logits_local = self.lm_head(self.ln_f(hidden))
-        loss = self.lm_head.loss(logits_local, labels) if labels is not None else None
-        logits = self.lm_head.full_logits(logits_local) if return_logits else None
+        loss = self.lm_head.loss(logits_local, labels, cp=ctx.cp) if labels is not None else None
+        logits = self.lm_head.full_logits(logits_local, cp=ctx.cp) if return_logits else None
         return ModelOutput(loss=loss, logits=logits)

@@ -1,0 +1,382 @@
+"""Context parallelism: the sequence is split over the cp ranks and attention runs across them.
+
+Sharding. A sequence of length S is cut into 2*cp chunks; rank r holds chunks r and 2*cp-1-r ("zigzag"),
+so under a causal mask every rank has the same amount of work. Every per-token tensor of a batch (ids,
+position ids, labels, hidden states) is sharded the same way: `zigzag_index` gives the global positions
+a rank holds, `shard_sequence` / `gather_sequence` move between the full and the local view.
+
+Two attention modes (`ContextParallel.mode`):
+
+- "ring": K/V blocks travel around the cp ring; each rank attends its queries to every block with a
+  blockwise online softmax (running log-sum-exp) and never holds more than two K/V blocks, in forward and
+  in backward (where dK/dV travel with their block back to its owner). Causal, padding and sliding-window
+  masks are computed per block from global positions; fully masked sub-blocks are skipped.
+- "all_to_all" (Ulysses): an all-to-all swaps sequence sharding for head sharding, every rank runs full
+  attention on heads/cp heads over the whole sequence, and a second all-to-all swaps back.
+
+How a family opts in: pass `cp=ctx.cp` to `layers.attention.attention`, take positions from
+`ctx.position_ids` (already the rank's tokens), and pass `cp=ctx.cp` to `VocabParallelLMHead.loss` and
+`.full_logits`. `ParallelModel.forward` calls `context_parallel_forward` when cp > 1, which shards the batch.
+Parameter gradients are partial on each cp rank: sum them over the cp group (the dp_cp reduction).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_reduce, group_rank, group_size
+
+CP_MODES = ("ring", "all_to_all")
+
+
+def zigzag_index(seq_len: int, size: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions held by `rank`: chunks rank and 2*size-1-rank of 2*size equal chunks."""
+    if seq_len % (2 * size):
+        raise ValueError(f"context parallel needs the sequence length ({seq_len}) divisible by 2*cp = {2 * size}")
+    c = seq_len // (2 * size)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def zigzag_order(seq_len: int, size: int, device=None) -> torch.Tensor:
+    """Global positions of the rank-major concatenation of every rank's tokens."""
+    return torch.cat([zigzag_index(seq_len, size, r, device) for r in range(size)])
+
+
+@dataclass
+class ContextParallel:
+    """What attention and the loss need to know about the cp sharding of one batch."""
+    group: object
+    mode: str
+    seq_len: int                              # global sequence length
+    attention_mask: torch.Tensor | None       # (batch, seq_len) full padding mask, 1 = token
+
+    def __post_init__(self):
+        if self.mode not in CP_MODES:
+            raise ValueError(f"cp_mode must be one of {CP_MODES}, got {self.mode!r}")
+        self.size, self.rank = group_size(self.group), group_rank(self.group)
+        device = self.attention_mask.device if self.attention_mask is not None else None
+        self.index = zigzag_index(self.seq_len, self.size, self.rank, device)
+
+    def index_of(self, rank: int) -> torch.Tensor:
+        return zigzag_index(self.seq_len, self.size, rank, self.index.device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x.index_select(dim, self.index.to(x.device))
+
+    def key_keep(self, rank: int) -> torch.Tensor | None:
+        if self.attention_mask is None:
+            return None
+        return self.attention_mask[:, self.index_of(rank).to(self.attention_mask.device)].bool()
+
+
+def shard_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """The rank's zigzag share of a full per-token tensor (no autograd across ranks needed: inputs are replicated)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    return x.index_select(dim, zigzag_index(x.shape[dim], size, group_rank(group), x.device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        size = group_size(group)
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        order = zigzag_order(x.shape[dim] * size, size, x.device)
+        out = torch.empty_like(torch.cat(parts, dim))
+        out.index_copy_(dim, order, torch.cat(parts, dim))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return shard_sequence(grad, ctx.group, ctx.dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_sequence`: every rank gets the full tensor in natural order (backward: its share)."""
+    return _GatherSequence.apply(x, dim, group) if group_size(group) > 1 else x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ring attention
+
+
+def _block_mask(q_pos, k_pos, key_keep, causal: bool, window: int | None):
+    """Boolean (batch|1, 1, q, k) mask for one block, True = attend; None when everything is allowed."""
+    mask = None
+    if causal or window is not None:
+        diff = q_pos[:, None] - k_pos[None, :]
+        allowed = torch.ones_like(diff, dtype=torch.bool)
+        if causal:
+            allowed &= diff >= 0
+        if window is not None:
+            allowed &= diff < window
+        mask = allowed[None, None]
+    if key_keep is not None:
+        keep = key_keep[:, None, None, :]
+        mask = keep if mask is None else mask & keep
+    return mask
+
+
+def _skippable(q_pos, k_pos, causal: bool, window: int | None) -> bool:
+    if causal and q_pos.max() < k_pos.min():
+        return True
+    return window is not None and q_pos.min() - k_pos.max() >= window
+
+
+def _expand_kv(x, groups: int):
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(grad, groups: int):
+    if groups == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _attend_block(q, k, v, mask, scale):
+    """fp32 softmax(q k^T) v of one block and its row log-sum-exp (-inf for fully masked rows)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.exp(scores - _finite(lse))
+    return torch.matmul(probs, v), lse
+
+
+def _finite(lse):
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Fold a block's (normalised output, lse) into the running ones, in place."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = _finite(new_lse)
+    out.mul_(torch.exp(lse - safe)).add_(block_out * torch.exp(block_lse - safe))
+    lse.copy_(new_lse)
+
+
+class _Ring:
+    """Pass a tensor to the next rank of the group and receive the previous rank's, asynchronously."""
+
+    def __init__(self, group):
+        self.group, self.size, self.rank = group, group_size(group), group_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, tensor):
+        recv = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(requests):
+        for r in requests:
+            r.wait()
+
+
+def _chunks(pos: torch.Tensor, n: int = 2):
+    """Contiguous runs of the local positions (the two zigzag chunks) as (slice, positions) pairs."""
+    step = pos.shape[0] // n
+    return [(slice(i * step, (i + 1) * step), pos[i * step:(i + 1) * step]) for i in range(n)]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel, causal, scale, window):
+        ring, groups = _Ring(cp.group), q.shape[1] // k.shape[1]
+        qf = q.float()
+        b, h, s, d = q.shape
+        out = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, s, 1), float("-inf"), dtype=torch.float32, device=q.device)
+        q_chunks = _chunks(cp.index)
+        kv = torch.stack([k, v]).float()
+        for step in range(ring.size):
+            pending = ring.start(kv) if step < ring.size - 1 else None
+            src = (ring.rank - step) % ring.size
+            keep = cp.key_keep(src)
+            for kslice, k_pos in _chunks(cp.index_of(src)):
+                kk, vv = (_expand_kv(t[:, :, kslice], groups) for t in kv)
+                for qslice, q_pos in q_chunks:
+                    if _skippable(q_pos, k_pos, causal, window):
+                        continue
+                    mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
+                    block_out, block_lse = _attend_block(qf[:, :, qslice], kk, vv, mask, scale)
+                    _merge(out[:, :, qslice], lse[:, :, qslice], block_out, block_lse)
+            if pending is not None:
+                kv, requests = pending
+                ring.wait(requests)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.causal, ctx.scale, ctx.window = cp, causal, scale, window
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, causal, scale, window = ctx.cp, ctx.causal, ctx.scale, ctx.window
+        ring, groups = _Ring(cp.group), q.shape[1] // k.shape[1]
+        qf, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(qf)
+        q_chunks = _chunks(cp.index)
+        kv = torch.stack([k, v]).float()
+        dkv = torch.zeros_like(kv)
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            keep = cp.key_keep(src)
+            for kslice, k_pos in _chunks(cp.index_of(src)):
+                kk, vv = (_expand_kv(t[:, :, kslice], groups) for t in kv)
+                dk = torch.zeros_like(kk)
+                dv = torch.zeros_like(vv)
+                for qslice, q_pos in q_chunks:
+                    if _skippable(q_pos, k_pos, causal, window):
+                        continue
+                    mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
+                    qq, do = qf[:, :, qslice], dout[:, :, qslice]
+                    scores = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+                    probs = torch.exp(scores - _finite(lse[:, :, qslice]))
+                    if mask is not None:
+                        probs = probs.masked_fill(~mask, 0.0)
+                    dv += torch.matmul(probs.transpose(-1, -2), do)
+                    dscores = probs * (torch.matmul(do, vv.transpose(-1, -2)) - delta[:, :, qslice]) * scale
+                    dq[:, :, qslice] += torch.matmul(dscores, kk)
+                    dk += torch.matmul(dscores.transpose(-1, -2), qq)
+                dkv[0][:, :, kslice] += _reduce_kv(dk, groups)
+                dkv[1][:, :, kslice] += _reduce_kv(dv, groups)
+            # K/V go on to the next rank; their gradients follow and, after size hops, are back home
+            # one message per hop (two in flight to the same peer could be matched out of order)
+            moving = torch.cat([kv, dkv]) if step < ring.size - 1 else dkv
+            moving, requests = ring.start(moving)
+            ring.wait(requests)
+            kv, dkv = (moving[:2], moving[2:]) if step < ring.size - 1 else (kv, moving)
+        dk, dv = dkv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale: float | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """Attention of the rank's queries to the whole (cp-sharded) sequence; q/k/v are (batch, heads, local_seq, d)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _RingAttention.apply(q, k, v, cp, causal, scale, window)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# all-to-all (Ulysses)
+
+
+def _all_to_all(x, scatter_dim: int, gather_dim: int, group):
+    size = group_size(group)
+    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all(x, group, scatter_dim: int, gather_dim: int):
+    """Autograd-aware all-to-all: split `scatter_dim` over the ranks, concatenate what arrives along `gather_dim`."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group) if group_size(group) > 1 else x
+
+
+def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None, dropout_p: float = 0.0,
+                      upcast: bool = False, window: int | None = None) -> torch.Tensor:
+    from .attention import attention
+
+    if q.shape[1] % cp.size:
+        raise ValueError(f"cp_mode='all_to_all' needs the local attention heads ({q.shape[1]}) divisible by cp={cp.size}")
+    if k.shape[1] % cp.size:  # too few kv heads to split: give every q head its own copy
+        k, v = (_expand_kv(t, q.shape[1] // t.shape[1]) for t in (k, v))
+    order = zigzag_order(cp.seq_len, cp.size, q.device)
+    natural = torch.argsort(order)
+
+    def to_heads(x):  # (b, h, s_local, d) -> (b, h/cp, S, d) in natural order
+        return all_to_all(x, cp.group, scatter_dim=1, gather_dim=2).index_select(2, natural)
+
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    mask = full_mask(cp.attention_mask, cp.seq_len, causal, window, q.device)
+    out = attention(q, k, v, mask, causal=causal and mask is None, scale=scale, dropout_p=dropout_p, upcast=upcast)
+    return all_to_all(out.index_select(2, order), cp.group, scatter_dim=2, gather_dim=1)
+
+
+def full_mask(attention_mask, seq_len: int, causal: bool, window: int | None, device=None):
+    """Boolean (batch|1, 1, S, S) mask of the whole sequence, or None for plain causal / no masking."""
+    if attention_mask is None and window is None:
+        return None
+    pos = torch.arange(seq_len, device=device)
+    keep = attention_mask.to(device).bool() if attention_mask is not None else None
+    return _block_mask(pos, pos, keep, causal, window)
+
+
+def context_parallel_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None, dropout_p: float = 0.0,
+                               upcast: bool = False, window: int | None = None) -> torch.Tensor:
+    if cp.mode == "all_to_all":
+        return ulysses_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast,
+                                 window=window)
+    if dropout_p > 0.0:
+        raise ValueError("attention dropout is not supported with cp_mode='ring'; use cp_mode='all_to_all'")
+    return ring_attention(q, k, v, cp, causal=causal, scale=scale, window=window)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model wiring
+
+
+def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """labels[t+1] at position t (the causal-LM target), computed on the full sequence before sharding."""
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward all-reduce sum; backward identity (each rank's loss is the global one, its graph its own share)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over(x: torch.Tensor, group) -> torch.Tensor:
+    return _SumOverRanks.apply(x, group) if group_size(group) > 1 else x
+
+
+def context_parallel_forward(model, input_ids, attention_mask=None, labels=None, return_logits=False,
+                             cp_mode: str | None = None, **kwargs):
+    """ParallelModel.forward under cp > 1: shard the batch in zigzag order and run embed / layers / head."""
+    pc = model.pc
+    if pc.config.pp > 1:
+        raise NotImplementedError("context parallel together with pipeline parallel is not wired yet")
+    b, s = input_ids.shape
+    mode = cp_mode or getattr(model, "cp_mode", "ring")
+    cp = ContextParallel(pc.group("cp"), mode, s, attention_mask)
+    local = s // cp.size
+    if model.sequence_parallel and local % pc.tp_size:
+        raise ValueError(f"sequence parallel needs the per-rank sequence ({local} = {s}/cp) divisible by tp={pc.tp_size}")
+    ctx = model.batch_context(input_ids, None, **kwargs)  # no (S, S) mask: attention masks per block
+    ctx.attention_mask, ctx.mask, ctx.seq_len, ctx.cp = attention_mask, None, local, cp
+    ctx.position_ids = cp.shard(ctx.position_ids)
+    hidden = model.embed(cp.shard(input_ids), ctx)
+    hidden = model.run_layers(hidden, ctx)
+    return model.head(hidden, ctx, labels=labels, return_logits=return_logits)
