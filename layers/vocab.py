@@ -24,7 +24,7 @@ def vocab_range(vocab_size: int, group) -> tuple[int, int, int]:
     tp = group_size(group)
     per = pad_to_multiple(vocab_size, tp) // tp
     start = group_rank(group) * per
-    return start, min(start + per, vocab_size), per
+    return start, max(start, min(start + per, vocab_size)), per  # stop >= start: a rank may hold only padding
 
 
 class VocabParallelEmbedding(nn.Module):
