@@ -19,6 +19,7 @@ class ModelOutput:
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    pooler_output: torch.Tensor | None = None  # encoders (BERT, ViT): the pooled first token
 
 
 @dataclass

@@ -22,5 +22,12 @@ def model_class(model_type: str):
     return getattr(importlib.import_module(module), name)
 
 
-def build_model(config, pc=None, layer_ids=None, device=None, dtype=None):
-    return model_class(config.model_type)(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype)
+def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None):
+    """`task` picks the head of families that have several (bert: base / masked_lm / sequence_classification,
+    vit: base / image_classification); by default the one `config.architectures` names."""
+    cls = model_class(config.model_type)
+    if hasattr(cls, "for_task"):
+        cls = cls.for_task(config, task)
+    elif task not in (None, getattr(cls, "task", "causal_lm")):
+        raise ValueError(f"model type {config.model_type!r} has no {task!r} head; it is a {cls.__name__}")
+    return cls(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype)

@@ -1,0 +1,247 @@
+"""LLaMA-style decoders (also Mistral): RoPE, RMSNorm, SwiGLU, grouped-query attention, optional sliding window.
+
+    embed_tokens (vocab-parallel) -> [input_layernorm -> attn(qkv column, fused q/k/v of different sizes; RoPE;
+                                      o_proj row) -> + post_attention_layernorm -> mlp(gate_up column, silu(gate) * up,
+                                      down_proj row) -> +] x n -> norm -> lm_head (tied or not)
+
+RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3),
+written here from the formulas, not imported.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from colozoo.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+                            VocabParallelLMHead, attention)
+from colozoo.layers.activations import get_activation
+from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def check_rope(config):
+    params = rope_parameters(config)
+    if params["rope_type"] not in ROPE_TYPES:
+        raise UnsupportedConfig(f"RoPE type {params['rope_type']!r} is not supported; supported: {ROPE_TYPES}")
+    require(params.get("partial_rotary_factor", 1.0) == 1.0,
+            f"partial_rotary_factor={params.get('partial_rotary_factor')} is not supported (LLaMA rotates whole heads)")
+
+
+def rope_inv_freq(config, seq_len: int | None = None, device=None) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) in fp32; `seq_len` matters only for dynamic NTK scaling."""
+    params = rope_parameters(config)
+    rope_type, base, dim = params["rope_type"], params["rope_theta"], head_dim_of(config)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    if rope_type == "dynamic":
+        max_pos = config.max_position_embeddings
+        # computed on tensors, as transformers does once the sequence grows, so the fp32 rounding agrees
+        seq = torch.tensor(max(seq_len or max_pos, max_pos), device=device)
+        base = base * ((params["factor"] * seq / max_pos) - (params["factor"] - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Keep high frequencies, divide low ones by `factor`, interpolate smoothly in between (Llama 3.1)."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        check_rope(config)
+        self.config = config
+        self.dynamic = rope_parameters(config)["rope_type"] == "dynamic"
+        self.register_buffer("inv_freq", torch.empty(head_dim_of(config) // 2, device=device), persistent=False)
+        if self.inv_freq.device.type != "meta":
+            self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self):
+        self.inv_freq.copy_(rope_inv_freq(self.config, device=self.inv_freq.device))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The inverse frequencies for a batch with these (global) positions."""
+        if self.inv_freq.is_meta:
+            raise RuntimeError("RoPE frequencies are still on the meta device: call model.reset_buffers() after "
+                               "materialising the model")
+        seq_len = int(position_ids.max()) + 1
+        if self.dynamic and seq_len > self.config.max_position_embeddings:
+            return rope_inv_freq(self.config, seq_len, device=self.inv_freq.device)
+        return self.inv_freq
+
+
+@dataclass
+class RopeBatchContext(BatchContext):
+    inv_freq: torch.Tensor | None = None
+    _rope: tuple | None = None
+
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (batch, seq, head_dim) of `position_ids`, computed once per batch on first use: context
+        parallelism replaces position_ids by the rank's share after the context is built."""
+        if self._rope is None:
+            freqs = self.position_ids[..., None].float() * self.inv_freq.to(self.position_ids.device)
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self._rope = (angles.cos(), angles.sin())
+        return self._rope
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h, tp, hd = config.hidden_size, pc.tp_size, head_dim_of(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.local_heads, self.local_kv_heads = hd, heads // tp, kv_heads // tp
+        self.dropout_p = config.attention_dropout
+        self.window = getattr(config, "sliding_window", None)  # in ctx.mask without context parallelism
+        bias = getattr(config, "attention_bias", False)
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias,
+                                        chunks=(heads * hd, kv_heads * hd, kv_heads * hd), **kw)
+        self.o_proj = RowParallelLinear(heads * hd, h, bias=bias, **kw)
+
+    def forward(self, x, ctx: RopeBatchContext):
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape
+        q_size, kv_size = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = ctx.rope()
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, ctx.mask, causal=True, scale=self.head_dim ** -0.5, cp=ctx.cp, window=self.window,
+                        dropout_p=self.dropout_p if self.training else 0.0)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h, inner = config.hidden_size, config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        self.gate_up = ColumnParallelLinear(h, 2 * inner, bias=bias, chunks=(inner, inner), **kw)
+        self.down_proj = RowParallelLinear(inner, h, bias=bias, **kw)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                    device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = LlamaAttention(config, pc, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = LlamaMLP(config, pc, device, dtype)
+
+    def forward(self, x, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None, device):
+    """Boolean (batch or 1, 1, q, k) mask, True = attend; None when plain causal attention suffices."""
+    windowed = sliding_window is not None and sliding_window < seq_len
+    if attention_mask is None and not windowed:
+        return None
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    keep = k <= q
+    if windowed:
+        keep = keep & (k > q - sliding_window)
+    keep = keep[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask.to(torch.bool)[:, None, None, :]
+    return keep
+
+
+class LlamaForCausalLM(ParallelModel):
+    family = "llama"
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, pc, layer_ids)
+        pc = self.pc
+        self.family = config.model_type if config.model_type in ("llama", "mistral") else "llama"
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % kv_heads:
+            raise UnsupportedConfig(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+        check_divisible("the attention heads (num_attention_heads)", heads, pc.tp_size)
+        check_divisible("the key/value heads (num_key_value_heads); grouped-query attention shards whole kv heads",
+                        kv_heads, pc.tp_size)
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
+        self.sliding_window = getattr(config, "sliding_window", None)
+        h = config.hidden_size
+        kw = dict(device=device, dtype=dtype)
+        sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id, **sp, **kw)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, pc, **kw) for i in self.layer_ids})
+        if self.is_last:
+            self.norm = RMSNorm(h, eps=config.rms_norm_eps, **sp, **kw)
+            tied = self.embed_tokens if (config.tie_word_embeddings and self.is_first) else None
+            self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
+        self.rotary = RotaryEmbedding(config, device=device)
+
+    def reset_buffers(self):
+        """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
+        self.rotary.reset_buffers()
+
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
+        b, s = input_ids.shape
+        self.check_sequence(s)
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        mask = attention_mask_for(attention_mask, s, self.sliding_window, input_ids.device)
+        return RopeBatchContext(attention_mask, mask, position_ids, s, inv_freq=self.rotary(position_ids))
+
+    def embed(self, input_ids, ctx):
+        return self.embed_tokens(input_ids)
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        logits_local = self.lm_head(self.norm(hidden))
+        loss = self.lm_head.loss(logits_local, labels, cp=ctx.cp) if labels is not None else None
+        logits = self.lm_head.full_logits(logits_local, cp=ctx.cp) if return_logits else None
+        return ModelOutput(loss=loss, logits=logits)

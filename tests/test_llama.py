@@ -1,0 +1,103 @@
+import pytest
+import torch
+import transformers
+
+from distributed import run_distributed
+from parity import causal_lm_parity, hf_round_trip
+
+# 4 query heads sharing 2 kv heads: grouped-query attention at tp=1/2; the tp=4 runs use 8 heads over 4 kv heads
+BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
+WIDE_GQA = dict(num_attention_heads=8, num_key_value_heads=4)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 500.0}
+OPTIONS = {
+    "gqa": {},
+    "mha": dict(num_key_value_heads=4),
+    "multi_query": dict(num_key_value_heads=1),
+    "tied_biases_head_dim": dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True, head_dim=32),
+    "rope_linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    # max_position_embeddings below the sequence length (12), so the NTK base really is rescaled
+    "rope_dynamic": dict(max_position_embeddings=8, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                      "rope_theta": 10000.0}),
+    "rope_llama3": dict(rope_parameters=LLAMA3),
+}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_llama_single_process(option):
+    causal_lm_parity("llama", {**BASE, **OPTIONS[option]}, tp=1)
+
+
+def test_llama_unpadded_batch():
+    causal_lm_parity("llama", BASE, tp=1, padded=False)
+
+
+def test_mistral_sliding_window():
+    causal_lm_parity("mistral", {**BASE, "sliding_window": 4}, tp=1)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_llama_tensor_parallel(tp, sp):
+    # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary is always exercised
+    config = {**BASE, **(WIDE_GQA if tp == 4 else {})}
+    run_distributed(causal_lm_parity, tp, "llama", config, tp, sp)
+
+
+@pytest.mark.parametrize("option", ["tied_biases_head_dim", "rope_llama3", "rope_dynamic"])
+def test_llama_options_tp2(option):
+    run_distributed(causal_lm_parity, 2, "llama", {**BASE, **OPTIONS[option]}, 2, True)
+
+
+def test_mistral_sliding_window_tp2():
+    run_distributed(causal_lm_parity, 2, "mistral", {**BASE, "sliding_window": 4}, 2, True)
+
+
+def _build_at_tp(config_kwargs, tp):
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    pc = init_parallel(tp=tp)
+    config = transformers.LlamaConfig(**config_kwargs)
+    try:
+        build_model(config, pc=pc, device="meta")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_kv_heads_not_divisible_is_a_clear_error():
+    messages = run_distributed(_build_at_tp, 4, BASE, 4)  # 2 kv heads cannot be split over 4 ranks
+    assert all(m and "num_key_value_heads" in m and "tp=4" in m for m in messages), messages
+
+
+def test_unsupported_rope_type_is_a_clear_error():
+    config = transformers.LlamaConfig(**BASE, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                               "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                                                               "original_max_position_embeddings": 16})
+    from colozoo.models import build_model
+
+    with pytest.raises(ValueError, match="RoPE type 'longrope'"):
+        build_model(config, device="meta")
+
+
+@pytest.mark.parametrize("option", ["gqa", "tied_biases_head_dim"])
+def test_llama_converter_round_trip(option):
+    hf_round_trip("llama", {**BASE, **OPTIONS[option]}, tp=1)
+
+
+def test_llama_converter_round_trip_tp2():
+    run_distributed(hf_round_trip, 2, "llama", {**BASE, **OPTIONS["tied_biases_head_dim"]}, 2)
+
+
+def test_meta_init_restores_rope_buffers():
+    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.models import build_model
+    from colozoo.models.llama import rope_inv_freq
+
+    config = transformers.LlamaConfig(**BASE, rope_parameters=LLAMA3)
+    hf = transformers.LlamaForCausalLM(config)
+    model = build_model(config, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    assert torch.equal(model.rotary.inv_freq, rope_inv_freq(config))
+    assert torch.equal(model.rotary.inv_freq, hf.model.rotary_emb.inv_freq)
