@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from colozoo.kernels.dispatch import use_triton
 from colozoo.rng import get_rng_tracker
 
 
@@ -36,6 +37,11 @@ def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, d
 
         return context_parallel_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p,
                                           upcast=upcast, window=window)
+    if (dropout_p == 0.0 and (mask is None or mask.dtype == torch.bool) and q.shape[-1] <= 256
+            and use_triton(q, k, v)):
+        from colozoo.kernels.flash_attention import flash_attention_triton
+
+        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale)
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colozoo.kernels.dispatch import use_triton
+
 from .comm import copy_to_parallel
 
 
@@ -18,6 +20,10 @@ class _SequenceParallelAware(nn.Module):
         if p is None or not self.sequence_parallel:
             return p
         return copy_to_parallel(p, self.group)
+
+    def _triton(self, x, residual, *params) -> bool:
+        """The Triton kernel returns the input dtype, so it only stands in when the parameters share it."""
+        return use_triton(x, residual) and all(p is None or p.dtype == x.dtype for p in params)
 
 
 class LayerNorm(_SequenceParallelAware):
@@ -28,7 +34,15 @@ class LayerNorm(_SequenceParallelAware):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if elementwise_affine and bias else None
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """Normalise x; given `residual`, normalise x + residual and return (normed, x + residual)."""
+        if self._triton(x, residual, self.weight, self.bias):
+            from colozoo.kernels.norms import layer_norm_triton
+
+            return layer_norm_triton(x, self._param(self.weight), self._param(self.bias), self.eps, residual)
+        if residual is not None:
+            summed = x + residual
+            return self.forward(summed), summed
         return F.layer_norm(x, (self.dim,), self._param(self.weight), self._param(self.bias), self.eps)
 
     def extra_repr(self):
@@ -44,7 +58,15 @@ class RMSNorm(_SequenceParallelAware):
         self.dim, self.eps, self.group, self.sequence_parallel = dim, eps, group, sequence_parallel
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """Normalise x; given `residual`, normalise x + residual and return (normed, x + residual)."""
+        if self._triton(x, residual, self.weight):
+            from colozoo.kernels.norms import rms_norm_triton
+
+            return rms_norm_triton(x, self._param(self.weight), self.eps, residual)
+        if residual is not None:
+            summed = x + residual
+            return self.forward(summed), summed
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
