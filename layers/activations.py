@@ -6,6 +6,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from colozoo.kernels.dispatch import use_triton
+
 
 def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
@@ -35,6 +37,37 @@ ACTIVATIONS = {
     "tanh": torch.tanh,
     "sigmoid": torch.sigmoid,
 }
+
+
+def bias_gelu(x, bias=None, approximate: str = "none"):
+    """gelu(x + bias), fused into one kernel on the Triton path."""
+    if use_triton(x, bias):
+        from colozoo.kernels.activations import bias_gelu_triton
+
+        return bias_gelu_triton(x, bias, approximate)
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, fused into one kernel on the Triton path."""
+    if use_triton(gate, up):
+        from colozoo.kernels.activations import swiglu_triton
+
+        return swiglu_triton(gate, up)
+    return F.silu(gate) * up
+
+
+def _gelu_with_kernel(torch_fn, approximate: str):
+    def act(x):
+        return bias_gelu(x, None, approximate) if use_triton(x) else torch_fn(x)
+
+    act.__name__ = getattr(torch_fn, "__name__", "gelu")
+    return act
+
+
+for _name, _approximate in (("gelu", "none"), ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"),
+                            ("gelu_fast", "tanh")):
+    ACTIVATIONS[_name] = _gelu_with_kernel(ACTIVATIONS[_name], _approximate)
 
 
 def get_activation(name: str):

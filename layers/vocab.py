@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from colozoo.kernels.dispatch import use_triton
+
 from .comm import (all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
                    group_size, reduce_from_parallel, reduce_scatter_to_sequence)
 from .shard import Split, pad_to_multiple, shard
@@ -110,6 +112,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab_size: int, group=None,
                                  ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-token loss from this rank's vocab slice of the logits (0 where target == ignore_index)."""
+    if use_triton(logits_local, target):
+        from colozoo.kernels.cross_entropy import cross_entropy_triton
+
+        return cross_entropy_triton(logits_local, target, vocab_size, group, ignore_index, label_smoothing)
     start, stop, _ = vocab_range(vocab_size, group)
     return _VocabParallelCrossEntropy.apply(logits_local, target, start, stop - start, group, ignore_index,
                                             label_smoothing, vocab_size)
