@@ -1,0 +1,57 @@
+"""Fine-tuning: `colozoo finetune` / scripts/finetune_*.py, run by every rank of a torchrun job.
+
+    torchrun --nproc-per-node 4 -m colozoo.cli finetune --model MODEL_DIR --data data/lm.jsonl --tp 2 --pp 2
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from colozoo.finetune.config import FinetuneConfig, add_arguments, config_from_args
+
+__all__ = ["FinetuneConfig", "run", "add_parser", "main"]
+
+
+def run(config: FinetuneConfig) -> dict:
+    from colozoo.finetune.loop import run as _run
+
+    return _run(config)
+
+
+def _command(args) -> int:
+    summary = run(config_from_args(args))
+    return 0 if summary.get("step") else 1
+
+
+def add_parser(subparsers):
+    parser = subparsers.add_parser(
+        "finetune", help="fine-tune a model (launch with torchrun for more than one process)",
+        description="Fine-tune a causal LM (GPT-2, OPT, LLaMA), a sequence classifier (BERT) or an image "
+                    "classifier (ViT) on any mesh. Every rank of a torchrun job runs this command.")
+    add_arguments(parser)
+    parser.set_defaults(func=_command)
+    return parser
+
+
+def main(argv=None, task: str | None = None) -> int:
+    """Entry point of the scripts: parse, train, and report bad input as one line on rank 0."""
+    import os
+
+    parser = argparse.ArgumentParser(description=f"colozoo fine-tuning ({task or 'any task'}); launch with torchrun")
+    add_arguments(parser, task=task)
+    args = parser.parse_args(argv)
+    try:
+        return _command(args)
+    except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _shutdown_distributed()
+
+
+def _shutdown_distributed():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

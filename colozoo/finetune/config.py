@@ -1,0 +1,119 @@
+"""Fine-tuning options: one dataclass, filled from the command line (`colozoo finetune` and scripts/) or from code."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+TASKS = ("lm", "seqcls", "imgcls")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class FinetuneConfig:
+    model: str                          # registry name, HF directory or colozoo checkpoint
+    data: str                           # jsonl / txt (language), npz / folder of images (ViT)
+    output: str = "runs/finetune"
+    task: str = "lm"                    # lm (causal LM), seqcls (BERT), imgcls (ViT)
+    eval_data: str | None = None        # default: the last `eval_fraction` of `data`
+    eval_fraction: float = 0.1
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None               # None: what the world size leaves after tp*pp*cp
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 2
+    global_batch_size: int | None = None  # default: micro_batch_size * dp (one micro-batch per step)
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    steps: int | None = None            # optimizer steps; default: `epochs` passes over the data
+    epochs: float = 1.0
+    seq_len: int = 128
+    pack: bool = True                   # concatenate documents into full sequences (LM)
+    text_field: str = "text"
+    label_field: str = "label"
+    dtype: str = "float32"
+    activation_checkpointing: bool = False
+    seed: int = 1234
+    log_interval: int = 1
+    eval_interval: int = 0              # 0: evaluate only at the end
+    eval_batches: int = 8
+    save_interval: int = 0              # 0: only the final checkpoint
+    keep_last: int = 2
+    resume: bool = True                 # pick up the newest complete checkpoint in output/checkpoints
+    export_hf: bool = True
+    peak_tflops: float | None = None    # per device, for the MFU estimate; default from a table of known devices
+    stop_after: int | None = None       # stop (after saving) at this step, as if interrupted: for tests and demos
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("micro_batch_size", "seq_len", "log_interval", "eval_batches", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.steps is None and self.epochs <= 0:
+            raise ValueError(f"--epochs must be > 0, got {self.epochs}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+
+    def num_microbatches(self, dp: int) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank; the global batch must split evenly."""
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size is None:
+            return 1
+        if self.global_batch_size < 1 or self.global_batch_size % per_step:
+            raise ValueError(f"global batch {self.global_batch_size} is not divisible by micro batch x dp = "
+                             f"{self.micro_batch_size} x {dp} = {per_step}")
+        return self.global_batch_size // per_step
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_HELP = {
+    "model": "registry name, HF model directory or colozoo checkpoint directory",
+    "data": "training data: .jsonl or .txt for language tasks; .npz or a folder of class folders for images",
+    "output": "run directory: checkpoints, metrics.jsonl, loss.png and the HF export",
+    "eval_data": "held-out data (default: the last --eval-fraction of --data)",
+    "dp": "data-parallel degree (default: world size / (tp*pp*cp))",
+    "global_batch_size": "samples per optimizer step over all dp ranks (default: micro batch x dp)",
+    "steps": "optimizer steps (default: --epochs passes over the data)",
+    "pack": "concatenate documents into full --seq-len sequences (--no-pack pads each document instead)",
+    "activation_checkpointing": "recompute layer activations in backward to save memory",
+    "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over)",
+    "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end",
+    "peak_tflops": "peak TFLOP/s of one device, for the MFU estimate",
+    "stop_after": "save and stop at this step, as if interrupted (resume later with the same command)",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
+    """Add one option per FinetuneConfig field; `task` fixes the task (scripts/) instead of offering --task."""
+    for f in fields(FinetuneConfig):
+        if f.name == "task" and task is not None:
+            parser.set_defaults(task=task)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = dict(dest=f.name, help=_HELP.get(f.name))
+        if f.name in ("model", "data"):
+            parser.add_argument(flag, required=True, **kwargs)
+        elif f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kwargs)
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
+            choices = {"task": TASKS, "dtype": DTYPES}.get(f.name)
+            parser.add_argument(flag, type=kind, default=f.default, choices=choices, **kwargs)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
+    return FinetuneConfig(**{f.name: getattr(args, f.name) for f in fields(FinetuneConfig)})

@@ -1,0 +1,264 @@
+"""Fine-tuning data: read, tokenize, pack, and hand each data-parallel rank its slice of every global batch.
+
+Everything is tokenized up front into tensors (the datasets these scripts target fit in memory), so the
+position in the data is just the optimizer step: `BatchSampler.step_indices(step)` is a pure function of
+(seed, step), which is what makes a resumed run see exactly the batches an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on: missing, empty, malformed, or not matching the model."""
+
+
+@dataclass
+class TensorData:
+    """Equal-length tensors indexed together; `tokens` counts the trained-on tokens of each sample (0 for images)."""
+    tensors: dict[str, torch.Tensor]
+    tokens: torch.Tensor
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def take(self, indices) -> dict[str, torch.Tensor]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return {k: v[index] for k, v in self.tensors.items()}
+
+    def split(self, fraction: float) -> tuple["TensorData", "TensorData"]:
+        """(head, tail) with the tail holding `fraction` of the samples (at least one when fraction > 0)."""
+        n_tail = max(1, round(len(self) * fraction)) if fraction > 0 else 0
+        cut = len(self) - n_tail
+        if cut < 1:
+            raise DataError(f"cannot hold out {fraction:.0%} of {len(self)} samples for evaluation and keep any for training")
+        head = TensorData({k: v[:cut] for k, v in self.tensors.items()}, self.tokens[:cut])
+        tail = TensorData({k: v[cut:] for k, v in self.tensors.items()}, self.tokens[cut:])
+        return head, tail
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+def _existing(path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset {path} does not exist")
+    return path
+
+
+def read_records(path, fields: tuple[str, ...]) -> list[dict]:
+    """JSON lines with the given fields, or (for a .txt file and fields == ("text",)) documents separated by blank lines."""
+    path = _existing(path)
+    if path.is_dir():
+        raise DataError(f"dataset {path} is a directory; expected a .jsonl or .txt file")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".txt":
+        if fields != ("text",):
+            raise DataError(f"{path}: plain text has no {fields[1:]} field; use a .jsonl file")
+        records = [{"text": doc.strip()} for doc in text.split("\n\n") if doc.strip()]
+    else:
+        records = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+            if missing:
+                raise DataError(f"{path}:{lineno}: record has no field {missing[0]!r} (fields: {fields})")
+            records.append(record)
+    if not records:
+        raise DataError(f"dataset {path} is empty")
+    return records
+
+
+def load_tokenizer(model_dir, vocab_size: int):
+    """The tokenizer saved in the model directory (local files only), checked against the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    if model_dir is None or not Path(model_dir, "tokenizer_config.json").exists() and \
+            not Path(model_dir, "tokenizer.json").exists():
+        raise DataError(f"no tokenizer in the model directory {model_dir} (expected tokenizer.json / tokenizer_config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if len(tokenizer) > vocab_size:
+        raise DataError(f"the tokenizer in {model_dir} has {len(tokenizer)} tokens but the model's vocabulary has "
+                        f"{vocab_size}: token ids would run past the embedding (wrong tokenizer for this model?)")
+    return tokenizer
+
+
+def check_seq_len(seq_len: int, max_positions: int | None):
+    if max_positions is not None and seq_len > max_positions:
+        raise DataError(f"--seq-len {seq_len} is longer than the model's maximum positions ({max_positions})")
+
+
+# ----------------------------------------------------------------------------------------------- language
+
+
+def lm_dataset(path, tokenizer, seq_len: int, pack: bool = True, text_field: str = "text") -> TensorData:
+    """Causal-LM samples of `seq_len` tokens. Packed: documents joined by EOS and cut into full sequences.
+    Unpacked: each document cut into pieces of at most `seq_len`, right-padded and masked."""
+    docs = [r[text_field] for r in read_records(path, (text_field,))]
+    eos = tokenizer.eos_token_id
+    ids = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+    if pack:
+        stream = [t for doc in ids for t in (doc + ([eos] if eos is not None else []))]
+        n = len(stream) // seq_len
+        if n == 0:
+            raise DataError(f"dataset {path} has {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
+        input_ids = torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+        mask = torch.ones_like(input_ids)
+    else:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+        pieces = [doc[i: i + seq_len] for doc in ids for i in range(0, len(doc), seq_len)]
+        pieces = [p for p in pieces if len(p) > 1]  # a single token has nothing to predict
+        if not pieces:
+            raise DataError(f"dataset {path} has no document of two or more tokens")
+        input_ids = torch.full((len(pieces), seq_len), pad)
+        mask = torch.zeros_like(input_ids)
+        for row, piece in enumerate(pieces):
+            input_ids[row, : len(piece)] = torch.tensor(piece)
+            mask[row, : len(piece)] = 1
+    labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    tokens = (labels[:, 1:] != IGNORE_INDEX).sum(1)  # the model predicts token t+1 from position t
+    return TensorData({"input_ids": input_ids, "attention_mask": mask, "labels": labels}, tokens)
+
+
+# ----------------------------------------------------------------------------------------------- classification
+
+
+def label_ids(labels: list, config) -> list[int]:
+    """Integers as they are; strings through config.label2id (or, for a fresh head, sorted order)."""
+    num_labels = getattr(config, "num_labels", None)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
+        out = labels
+    else:
+        mapping = {k: int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
+        names = sorted({str(v) for v in labels})
+        if not set(names) <= set(mapping):
+            mapping = {name: i for i, name in enumerate(names)}
+        out = [mapping[str(v)] for v in labels]
+    bad = [v for v in out if not 0 <= v < (num_labels or 0)]
+    if bad:
+        raise DataError(f"label {bad[0]} is outside the model's {num_labels} classes (set num_labels in the config)")
+    return out
+
+
+def classification_dataset(path, tokenizer, seq_len: int, config, text_field="text", label_field="label") -> TensorData:
+    records = read_records(path, (text_field, label_field))
+    enc = tokenizer([r[text_field] for r in records], max_length=seq_len, truncation=True, padding="max_length",
+                    return_tensors="pt")
+    labels = torch.tensor(label_ids([r[label_field] for r in records], config))
+    tensors = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+    if "token_type_ids" in enc:
+        tensors["token_type_ids"] = enc["token_type_ids"]
+    return TensorData(tensors, enc["attention_mask"].sum(1))
+
+
+# ----------------------------------------------------------------------------------------------- images
+
+
+def _image_norm(model_dir, config):
+    mean, std = [0.5] * 3, [0.5] * 3
+    proc = Path(model_dir, "preprocessor_config.json") if model_dir else None
+    if proc is not None and proc.exists():
+        spec = json.loads(proc.read_text())
+        mean, std = spec.get("image_mean", mean), spec.get("image_std", std)
+    channels = getattr(config, "num_channels", 3)
+    return (torch.tensor(mean[:channels]).view(-1, 1, 1), torch.tensor(std[:channels]).view(-1, 1, 1))
+
+
+def _read_image_folder(path: Path, size: int, channels: int):
+    from PIL import Image
+
+    classes = sorted(p.name for p in path.iterdir() if p.is_dir())
+    images, labels = [], []
+    for label, name in enumerate(classes):
+        for file in sorted((path / name).iterdir()):
+            if file.suffix.lower() in IMAGE_SUFFIXES:
+                img = Image.open(file).convert("RGB" if channels == 3 else "L").resize((size, size))
+                images.append(np.asarray(img).reshape(size, size, channels))
+                labels.append(label)
+    if not images:
+        raise DataError(f"image folder {path} has no images (expected one sub-folder of images per class)")
+    return np.stack(images), np.array(labels), classes
+
+
+def image_dataset(path, config, model_dir=None) -> TensorData:
+    """An .npz with `images` (N, H, W, C) or (N, C, H, W) uint8/float and integer `labels`, or a folder of class folders."""
+    path = _existing(path)
+    size, channels = config.image_size, getattr(config, "num_channels", 3)
+    if path.is_dir():
+        images, labels, _ = _read_image_folder(path, size, channels)
+    else:
+        with np.load(path) as npz:
+            missing = [k for k in ("images", "labels") if k not in npz]
+            if missing:
+                raise DataError(f"{path} has no array {missing[0]!r} (expected 'images' and 'labels')")
+            images, labels = npz["images"], npz["labels"]
+    if len(images) == 0:
+        raise DataError(f"dataset {path} is empty")
+    if images.ndim != 4 or len(labels) != len(images):
+        raise DataError(f"{path}: expected images (N, H, W, C) and N labels, got {images.shape} and {labels.shape}")
+    x = torch.as_tensor(images)
+    if x.shape[-1] == channels and x.shape[1] != channels:
+        x = x.permute(0, 3, 1, 2)
+    if tuple(x.shape[1:]) != (channels, size, size):
+        raise DataError(f"{path}: images have shape {tuple(x.shape[1:])}, the model expects ({channels}, {size}, {size})")
+    x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+    mean, std = _image_norm(model_dir, config)
+    targets = torch.tensor(label_ids([int(v) for v in labels], config))
+    return TensorData({"pixel_values": (x - mean) / std, "labels": targets}, torch.zeros(len(targets), dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+
+class BatchSampler:
+    """Which samples each data-parallel rank trains on at each optimizer step.
+
+    Epoch e is a permutation seeded by (seed, e); step s takes the next `global_batch` samples of it (the tail
+    that does not fill a global batch is dropped) and dp rank r takes its contiguous `global_batch / dp` of them.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, dp_rank: int, dp_size: int, seed: int, shuffle=True):
+        if num_samples < global_batch:
+            raise DataError(f"the dataset has {num_samples} samples, fewer than one global batch of {global_batch}")
+        self.num_samples, self.global_batch, self.seed, self.shuffle = num_samples, global_batch, seed, shuffle
+        self.dp_rank, self.per_rank = dp_rank, global_batch // dp_size
+        self.steps_per_epoch = num_samples // global_batch
+        self._epoch, self._order = None, None
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if self._epoch != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._order = torch.randperm(self.num_samples, generator=g)
+            else:
+                self._order = torch.arange(self.num_samples)
+            self._epoch = epoch
+        return self._order
+
+    def step_indices(self, step: int) -> torch.Tensor:
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        start = offset * self.global_batch + self.dp_rank * self.per_rank
+        return self.order(epoch)[start: start + self.per_rank]
+
+    def total_steps(self, epochs: float) -> int:
+        return max(1, math.floor(epochs * self.steps_per_epoch))
+
+
+def microbatches(batch: dict[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
+    chunks = {k: v.chunk(num_microbatches) for k, v in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(num_microbatches)]

@@ -1,0 +1,245 @@
+"""The fine-tuning loop: check everything, load, train with periodic eval and checkpoints, export.
+
+Every rank of a torchrun job runs `run(config)`. All input checks happen before the model is loaded, so bad
+input costs seconds and leaves nothing behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from colozoo.finetune import data as D
+from colozoo.finetune import runtime, state
+from colozoo.finetune.config import FinetuneConfig
+from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
+from colozoo.finetune.schedule import build_scheduler
+from colozoo.parallel import ParallelConfig
+from colozoo.rng import model_parallel_seed
+
+
+def hf_config(name_or_path: str):
+    """The model's transformers config, without loading any weights."""
+    path = runtime.model_dir(name_or_path)
+    if path is not None:
+        from transformers import AutoConfig
+
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    from colozoo.registry import get_config
+
+    return get_config(name_or_path)
+
+
+def check_mesh(cfg: FinetuneConfig) -> ParallelConfig:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return ParallelConfig.for_world(world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, ep=cfg.ep,
+                                    sequence_parallel=cfg.sequence_parallel)
+
+
+def build_datasets(cfg: FinetuneConfig, config) -> tuple[D.TensorData, D.TensorData, object]:
+    """(train, eval, tokenizer or None), checked against the model's config."""
+    directory = runtime.model_dir(cfg.model)
+    tokenizer = None
+    if cfg.task == "imgcls":
+        read = lambda path: D.image_dataset(path, config, directory)  # noqa: E731
+    else:
+        D.check_seq_len(cfg.seq_len, getattr(config, "max_position_embeddings", None))
+        tokenizer = D.load_tokenizer(directory, config.vocab_size)
+        if cfg.task == "lm":
+            read = lambda path: D.lm_dataset(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field)  # noqa: E731
+        else:
+            read = lambda path: D.classification_dataset(path, tokenizer, cfg.seq_len, config,  # noqa: E731
+                                                         cfg.text_field, cfg.label_field)
+    train = read(cfg.data)
+    if cfg.eval_data:
+        evaluation = read(cfg.eval_data)
+    elif cfg.eval_fraction > 0:
+        train, evaluation = train.split(cfg.eval_fraction)
+    else:
+        evaluation = None
+    return train, evaluation, tokenizer
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(model, data: D.TensorData, cfg: FinetuneConfig) -> dict:
+    """Mean loss over up to `eval_batches` batches of the held-out set (perplexity for LM, accuracy otherwise)."""
+    pc = model.pc
+    dp, rank, micro = pc.size("dp"), pc.rank("dp"), cfg.micro_batch_size
+    batches = min(cfg.eval_batches, len(data) // (micro * dp))
+    if batches == 0:
+        return {}
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=pc.device)  # loss sum, correct, samples
+    for i in range(batches):
+        start = (i * dp + rank) * micro
+        batch = _to(data.take(range(start, start + micro)), pc.device)
+        out = model(**batch, return_logits=cfg.task != "lm")
+        totals[0] += out.loss.double()
+        if cfg.task != "lm":
+            totals[1] += (out.logits.argmax(-1) == batch["labels"]).sum()
+            totals[2] += len(batch["labels"])
+    if dp > 1:
+        dist.all_reduce(totals, group=pc.group("dp"))
+    model.train()
+    loss = totals[0].item() / (batches * dp)
+    if cfg.task == "lm":
+        return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
+    return {"eval_loss": loss, "eval_acc": totals[1].item() / totals[2].item()}
+
+
+class Interrupt:
+    """Ctrl-C / SIGTERM ask for a clean stop: finish the step, save, exit. A second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def agreed(self, device) -> bool:
+        """Whether any rank was interrupted (collective, so all ranks stop at the same step)."""
+        flag = torch.tensor([float(self.requested)], device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def run(cfg: FinetuneConfig) -> dict:
+    mesh = check_mesh(cfg)
+    num_microbatches = cfg.num_microbatches(mesh.dp)
+    config = hf_config(cfg.model)
+    train, evaluation, tokenizer = build_datasets(cfg, config)
+    global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
+    D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
+
+    model = runtime.load_model(cfg, cfg.task)
+    pc = model.pc
+    sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
+    total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
+    model_parallel_seed(cfg.seed, pc)
+    if cfg.activation_checkpointing:
+        runtime.enable_activation_checkpointing(model)
+    model.train()
+    optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
+
+    output, rank0 = Path(cfg.output), _is_rank0()
+    checkpoints = output / "checkpoints"
+    mesh_json = {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep}
+    start = 0
+    latest = state.latest_checkpoint(checkpoints) if cfg.resume else None
+    if latest is not None:
+        start = state.load_training_state(latest, model, optimizer, scheduler, mesh_json)["step"]
+    if rank0:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "config.json").write_text(json.dumps(cfg.to_json(), indent=1))
+        if start or (output / "metrics.jsonl").exists():
+            truncate_metrics(output / "metrics.jsonl", start)
+
+    n_params = runtime.parameter_count(model)
+    reporter = Reporter(output, total_steps, start, flops_per_token=6 * n_params,
+                        peak=peak_flops(pc.device, cfg.dtype, cfg.peak_tflops), world_size=mesh.world_size,
+                        enabled=rank0, progress=cfg.progress)
+    reporter.print(f"{device_notice(pc.device)}; {n_params:,} parameters on mesh "
+                   f"{' x '.join(f'{k}={v}' for k, v in mesh_json.items() if v > 1) or 'of one process'}; "
+                   f"{len(train)} training samples, {total_steps} steps of {global_batch} "
+                   f"({num_microbatches} micro-batches of {cfg.micro_batch_size} per dp rank)")
+    if latest is not None:
+        reporter.print(f"resumed from {latest} at step {start}")
+
+    def save(step):
+        return state.save_training_state(checkpoints, step, model, optimizer, scheduler, mesh_json,
+                                         extra={"total_steps": total_steps}, keep_last=cfg.keep_last)
+
+    step, saved_at, stopped = start, None, False
+    try:
+        with Interrupt() as interrupt:
+            while step < total_steps:
+                tick = time.perf_counter()
+                global_ids = sampler.order(step // sampler.steps_per_epoch)
+                batch = _to(train.take(sampler.step_indices(step)), pc.device)
+                optimizer.zero_grad(set_to_none=True)
+                loss = runtime.forward_backward(model, batch, num_microbatches)
+                grad_norm = runtime.clip_grad_norm(model, cfg.grad_clip)
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                offset = (step - 1) % sampler.steps_per_epoch * global_batch
+                tokens = int(train.tokens[global_ids[offset: offset + global_batch]].sum())
+                if step % cfg.log_interval == 0 or step == total_steps:
+                    reporter.step(step, float(loss), lr, tokens, time.perf_counter() - tick, grad_norm, global_batch)
+                if evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 \
+                        and step < total_steps:
+                    reporter.evaluation(step, evaluate(model, evaluation, cfg))
+                stopped = interrupt.agreed(pc.device) or step == cfg.stop_after
+                if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total_steps:
+                    save(step)
+                    saved_at = step
+                if stopped:
+                    break
+    finally:
+        reporter.close()
+
+    summary = {"step": step, "total_steps": total_steps, "stopped": stopped,
+               "checkpoint": str(checkpoints / f"{state.PREFIX}{step:08d}") if saved_at == step else None}
+    if stopped:
+        reporter.print(f"stopped at step {step}/{total_steps}; checkpoint saved. Run the same command to resume.")
+    else:
+        if evaluation is not None:
+            results = evaluate(model, evaluation, cfg)
+            reporter.evaluation(step, results)
+            summary.update(results)
+        if cfg.export_hf:
+            summary["export"] = str(export(model, cfg, output, evaluation or train, tokenizer))
+            reporter.print(f"exported a transformers model to {summary['export']}")
+    if rank0:
+        if cfg.plot and plot_loss(output / "metrics.jsonl", output / "loss.png"):
+            summary["plot"] = str(output / "loss.png")
+        (output / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokenizer) -> Path:
+    """HF export, plus the colozoo model's logits on one batch (probe.pt) so anyone can check the export."""
+    path = output / "hf"
+    runtime.export_hf(model, path)
+    model.eval()
+    with torch.no_grad():
+        batch = data.take(range(min(cfg.micro_batch_size, len(data))))
+        logits = model(**_to(runtime.model_inputs(batch), model.pc.device), return_logits=True).logits
+    model.train()
+    if _is_rank0():
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+        torch.save({"inputs": runtime.model_inputs(batch), "logits": logits.float().cpu()}, output / "probe.pt")
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return path

@@ -1,0 +1,135 @@
+"""What the user sees: a progress bar on rank 0, metrics appended to a JSONL file, and a loss-curve PNG."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+# Dense bf16 peak TFLOP/s per device (fp32 runs count half: TF32 tensor cores); the first match wins.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40": 181.0, "A10": 125.0, "L4": 121.0,
+               "V100": 125.0, "T4": 65.0}
+CPU_TFLOPS_PER_THREAD = 0.05  # a nominal fp32 figure: CPU MFU is a rough guide only
+
+
+def peak_flops(device: torch.device, dtype: str, override_tflops: float | None = None) -> float:
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), 100.0)
+        return tflops * 1e12 * (0.5 if dtype == "float32" else 1.0)
+    return CPU_TFLOPS_PER_THREAD * 1e12 * torch.get_num_threads()
+
+
+def device_notice(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "running on CPU (no GPU found): fine for tiny models and demos, slow for anything else"
+    return f"running on {torch.cuda.get_device_name(device)}"
+
+
+def read_metrics(path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path, step: int):
+    """Drop lines logged after `step` (a resumed run logs them again); keep the file otherwise."""
+    path = Path(path)
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+class Reporter:
+    """Rank 0's view of the run. On other ranks every method is a no-op."""
+
+    def __init__(self, output, total_steps: int, start_step: int, flops_per_token: float, peak: float,
+                 world_size: int, enabled: bool, progress: bool = True):
+        self.enabled = enabled
+        self.metrics_path = Path(output) / "metrics.jsonl"
+        self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
+        self.total_steps = total_steps
+        self.console = Console(stderr=True)
+        self.progress = None
+        self.plain_lines = enabled and progress and not self.console.is_terminal  # logs, pipes: no live bar
+        self.started = time.time()
+        if enabled and progress and not self.plain_lines:
+            self.progress = Progress(
+                TextColumn("[bold]fine-tune"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}  {task.fields[speed]}  MFU {task.fields[mfu]}"),
+                TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               loss="-", speed="-", mfu="-")
+            self.progress.start()
+
+    def print(self, *args, **kwargs):
+        if self.enabled:
+            self.console.print(*args, **kwargs)
+
+    def log(self, record: dict):
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def step(self, step: int, loss: float, lr: float, tokens: int, seconds: float, grad_norm: float, samples: int):
+        tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size) if tokens else None
+        self.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                  "samples": samples, "tokens_per_s": tokens_per_s, "mfu": mfu, "time": time.time()})
+        if self.progress is not None:
+            speed = f"{tokens_per_s:,.0f} tok/s" if tokens else f"{samples / seconds:,.1f} samples/s"
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=speed,
+                                 mfu=f"{100 * mfu:.1f}%" if mfu is not None else "-")
+        elif self.plain_lines:
+            speed = f"{tokens_per_s:,.0f} tok/s" if tokens else f"{samples / seconds:,.1f} samples/s"
+            mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "-"
+            self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {speed}  MFU {mfu_text}",
+                               highlight=False)
+
+    def evaluation(self, step: int, results: dict):
+        self.log({"step": step, **results})
+        if self.enabled:
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
+            self.print(f"step {step}: {shown}")
+
+    def close(self):
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def plot_loss(metrics_path, png_path) -> Path | None:
+    """The training (and eval) loss against the step, as a PNG; None when there is nothing to plot."""
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

@@ -1,0 +1,199 @@
+"""The few places where fine-tuning meets the rest of colozoo: loading the model, one training step, the
+optimizer, clipping, saving. Each prefers the library's own entry point (colozoo.api, colozoo.training,
+colozoo.checkpoint) and falls back to a small local version while that piece is missing."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from colozoo.layers.shard import gather_tensor, spec_of
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def optional(module: str, name: str):
+    """`module.name` if that module exists yet, else None."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return None
+
+
+def model_dir(name_or_path: str) -> Path | None:
+    """The local directory of a model (where its tokenizer lives), or None for a bare registry name."""
+    path = Path(name_or_path)
+    return path if path.is_dir() else None
+
+
+def load_model(cfg, task: str):
+    """Build this rank's shard of the model on the mesh the config asks for; returns the model (model.pc is the mesh)."""
+    from_pretrained = optional("colozoo.api", "from_pretrained")
+    dtype = DTYPES[cfg.dtype]
+    degrees = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel)
+    if from_pretrained is not None:
+        kwargs = dict(degrees, dtype=dtype)
+        if task != "lm":
+            kwargs["task"] = {"seqcls": "sequence-classification", "imgcls": "image-classification"}[task]
+        return from_pretrained(cfg.model, **kwargs)
+    return _load_hf_directory(cfg.model, degrees, dtype)
+
+
+def _load_hf_directory(path, degrees, dtype):
+    from transformers import AutoConfig
+
+    from colozoo.converters import SafetensorsReader, load_hf_weights
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    if model_dir(path) is None:
+        raise FileNotFoundError(f"model {path} is not a local directory (registry names need colozoo.api)")
+    pc = init_parallel(**degrees)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    model = build_model(config, pc=pc, device="meta", dtype=dtype)
+    return load_hf_weights(model, SafetensorsReader(path), device=pc.device)
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def forward_backward(model, batch: dict, num_microbatches: int) -> torch.Tensor:
+    """Forward and backward over this rank's share of the global batch; returns the mean loss (same on every rank)."""
+    if model.pc.config.pp > 1 or optional("colozoo.training", "forward_backward") is not None:
+        inputs = model_inputs(batch)
+        first = "input_ids" if "input_ids" in inputs else "pixel_values"
+        return model.forward_backward(inputs.pop(first), batch["labels"], num_microbatches=num_microbatches, **inputs)
+    from colozoo.finetune.data import microbatches
+
+    total = torch.zeros((), device=model.pc.device)
+    for mb in microbatches(batch, num_microbatches):
+        loss = model(**mb).loss / num_microbatches
+        loss.backward()
+        total += loss.detach()
+    _average_over_data_parallel(model, total)
+    return total
+
+
+def _average_over_data_parallel(model, loss):
+    group, size = model.pc.group("dp_cp"), model.pc.size("dp_cp")
+    if size == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(size)
+    dist.all_reduce(loss, group=group)
+    loss.div_(size)
+
+
+def build_optimizer(model, lr: float, weight_decay: float):
+    build = optional("colozoo.training", "build_optimizer")
+    if build is not None:
+        return build(model, lr=lr, weight_decay=weight_decay)
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Clip by the norm of the whole (global) gradient; returns the norm before clipping."""
+    clip = optional("colozoo.training", "clip_grad_norm")
+    if clip is not None:
+        return float(clip(model, max_norm))
+    pc = model.pc
+    sharded = torch.zeros((), dtype=torch.float64, device=pc.device)
+    replicated = torch.zeros((), dtype=torch.float64, device=pc.device)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq = p.grad.detach().double().pow(2).sum()
+            if spec_of(p):
+                sharded += sq
+            else:
+                replicated += sq
+    if pc.size("tp") > 1:
+        dist.all_reduce(sharded, group=pc.group("tp"))
+    total = sharded + replicated
+    if pc.size("pp") > 1:
+        dist.all_reduce(total, group=pc.group("pp"))
+    norm = total.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def enable_activation_checkpointing(model):
+    enable = optional("colozoo.training", "enable_activation_checkpointing")
+    if enable is not None:
+        return enable(model)
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.layers.values():
+        layer.forward = partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
+    return model
+
+
+def parameter_count(model) -> int:
+    """Parameters of the whole model (every stage, unsharded), counted from the local shards."""
+    pc = model.pc
+    local = sum(p.numel() if spec_of(p) else p.numel() / pc.size("tp") for p in model.parameters())
+    total = torch.tensor(float(local), dtype=torch.float64, device=pc.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+        total /= pc.size("dp_cp")
+    return int(round(total.item()))
+
+
+def export_hf(model, path):
+    """Write a directory transformers can load (collective: every rank calls it)."""
+    if optional("colozoo.checkpoint", "save_pretrained") is not None:
+        return model.save_pretrained(path, format="hf")
+    return _export_hf_by_gathering(model, Path(path))
+
+
+def _export_hf_by_gathering(model, path: Path):
+    """Fallback export for pp=1: gather every tensor, undo the family's name map, rank 0 writes (temp dir + rename)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from colozoo.converters import family_module
+    from colozoo.parallel import coords_of
+
+    pc = model.pc
+    if pc.size("pp") > 1:
+        raise NotImplementedError("HF export with pp > 1 needs colozoo.checkpoint")
+    sources, coords, tensors = family_module(model.family).hf_sources(model.config), coords_of(pc), {}
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        for split in spec_of(p):
+            size = coords.get(split.mesh_dim, (0, 1))[1]
+            shape[split.dim] = split.logical_size or sum(split.chunks or ()) or shape[split.dim] * size
+        full = gather_tensor(p, spec_of(p), shape, pc.groups, coords).contiguous()
+        source = sources[name]
+        chunks = next((s.chunks for s in spec_of(p) if s.chunks and s.dim == source.cat_dim), None)
+        parts = full.split(list(chunks)) if chunks and len(chunks) == len(source.names) and source.cat_dim == 0 \
+            else full.chunk(len(source.names), dim=source.cat_dim)
+        for hf_name, part in zip(source.names, parts):
+            tensors[hf_name] = (part.t() if source.transpose else part).contiguous().cpu()
+    if (not dist.is_initialized()) or dist.get_rank() == 0:
+        tmp = path.with_name(path.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(str(tmp))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
