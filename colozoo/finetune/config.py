@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 TASKS = ("lm", "seqcls", "imgcls")
 DTYPES = ("float32", "bfloat16", "float16")
+DATA_PARALLEL = ("fsdp", "ddp")
 
 
 @dataclass
@@ -22,6 +23,7 @@ class FinetuneConfig:
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    data_parallel: str = "fsdp"         # fsdp (sharded) or ddp (replicated) over the dp ranks
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # default: micro_batch_size * dp (one micro-batch per step)
     lr: float = 1e-4
@@ -53,6 +55,8 @@ class FinetuneConfig:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {self.data_parallel!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("micro_batch_size", "seq_len", "log_interval", "eval_batches", "keep_last"):
@@ -88,6 +92,7 @@ _HELP = {
     "global_batch_size": "samples per optimizer step over all dp ranks (default: micro batch x dp)",
     "steps": "optimizer steps (default: --epochs passes over the data)",
     "pack": "concatenate documents into full --seq-len sequences (--no-pack pads each document instead)",
+    "dtype": "compute dtype (bfloat16/float16 train in mixed precision over fp32 weights)",
     "activation_checkpointing": "recompute layer activations in backward to save memory",
     "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over)",
     "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end",
@@ -110,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kwargs)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
-            choices = {"task": TASKS, "dtype": DTYPES}.get(f.name)
+            choices = {"task": TASKS, "dtype": DTYPES, "data_parallel": DATA_PARALLEL}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, **kwargs)
     return parser
 

@@ -250,10 +250,13 @@ class BatchSampler:
             self._epoch = epoch
         return self._order
 
-    def step_indices(self, step: int) -> torch.Tensor:
+    def global_indices(self, step: int) -> torch.Tensor:
+        """The whole global batch of `step`; dp rank r's rows are the r-th contiguous `global_batch / dp` of it."""
         epoch, offset = divmod(step, self.steps_per_epoch)
-        start = offset * self.global_batch + self.dp_rank * self.per_rank
-        return self.order(epoch)[start: start + self.per_rank]
+        return self.order(epoch)[offset * self.global_batch: (offset + 1) * self.global_batch]
+
+    def step_indices(self, step: int) -> torch.Tensor:
+        return self.global_indices(step)[self.dp_rank * self.per_rank: (self.dp_rank + 1) * self.per_rank]
 
     def total_steps(self, epochs: float) -> int:
         return max(1, math.floor(epochs * self.steps_per_epoch))

@@ -144,8 +144,7 @@ def run(cfg: FinetuneConfig) -> dict:
     sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
     total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
     model_parallel_seed(cfg.seed, pc)
-    if cfg.activation_checkpointing:
-        runtime.enable_activation_checkpointing(model)
+    runtime.prepare_training(model, cfg)
     model.train()
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
@@ -183,8 +182,8 @@ def run(cfg: FinetuneConfig) -> dict:
         with Interrupt() as interrupt:
             while step < total_steps:
                 tick = time.perf_counter()
-                global_ids = sampler.order(step // sampler.steps_per_epoch)
-                batch = _to(train.take(sampler.step_indices(step)), pc.device)
+                indices = sampler.global_indices(step)
+                batch = _to(train.take(indices), pc.device)
                 optimizer.zero_grad(set_to_none=True)
                 loss = runtime.forward_backward(model, batch, num_microbatches)
                 grad_norm = runtime.clip_grad_norm(model, cfg.grad_clip)
@@ -192,8 +191,7 @@ def run(cfg: FinetuneConfig) -> dict:
                 optimizer.step()
                 scheduler.step()
                 step += 1
-                offset = (step - 1) % sampler.steps_per_epoch * global_batch
-                tokens = int(train.tokens[global_ids[offset: offset + global_batch]].sum())
+                tokens = int(train.tokens[indices].sum())
                 if step % cfg.log_interval == 0 or step == total_steps:
                     reporter.step(step, float(loss), lr, tokens, time.perf_counter() - tick, grad_norm, global_batch)
                 if evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 \
@@ -230,6 +228,12 @@ def run(cfg: FinetuneConfig) -> dict:
 def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokenizer) -> Path:
     """HF export, plus the colozoo model's logits on one batch (probe.pt) so anyone can check the export."""
     path = output / "hf"
+    if _is_rank0() and path.exists():  # a resumed run exports again
+        import shutil
+
+        shutil.rmtree(path)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
     runtime.export_hf(model, path)
     model.eval()
     with torch.no_grad():

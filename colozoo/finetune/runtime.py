@@ -30,17 +30,36 @@ def model_dir(name_or_path: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+TASK_HEADS = {"lm": None, "seqcls": "sequence_classification", "imgcls": "image_classification"}
+MIXED_PRECISION = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
+
+
 def load_model(cfg, task: str):
-    """Build this rank's shard of the model on the mesh the config asks for; returns the model (model.pc is the mesh)."""
+    """Build this rank's shard of the model on the mesh the config asks for; returns the model (model.pc is the mesh).
+    With colozoo.training present, weights stay fp32 and a lower --dtype becomes mixed precision."""
+    import inspect
+
     from_pretrained = optional("colozoo.api", "from_pretrained")
-    dtype = DTYPES[cfg.dtype]
+    mixed = optional("colozoo.training", "parallelize") is not None
+    dtype = torch.float32 if mixed else DTYPES[cfg.dtype]
     degrees = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel)
     if from_pretrained is not None:
         kwargs = dict(degrees, dtype=dtype)
-        if task != "lm":
-            kwargs["task"] = {"seqcls": "sequence-classification", "imgcls": "image-classification"}[task]
+        if TASK_HEADS[task] and "task" in inspect.signature(from_pretrained).parameters:
+            kwargs["task"] = TASK_HEADS[task]
         return from_pretrained(cfg.model, **kwargs)
     return _load_hf_directory(cfg.model, degrees, dtype)
+
+
+def prepare_training(model, cfg):
+    """Data-parallel wrapping, mixed precision and activation checkpointing (collective; before the optimizer)."""
+    parallelize = optional("colozoo.training", "parallelize")
+    if parallelize is not None:
+        return parallelize(model, data_parallel=cfg.data_parallel, mixed_precision=MIXED_PRECISION[cfg.dtype],
+                           activation_checkpointing="full" if cfg.activation_checkpointing else None)
+    if cfg.activation_checkpointing:
+        _checkpoint_layers(model)
+    return model
 
 
 def _load_hf_directory(path, degrees, dtype):
@@ -63,13 +82,16 @@ def model_inputs(batch: dict) -> dict:
 
 
 def forward_backward(model, batch: dict, num_microbatches: int) -> torch.Tensor:
-    """Forward and backward over this rank's share of the global batch; returns the mean loss (same on every rank)."""
+    """Forward and backward of the global batch (each dp rank trains on its rows); returns the mean loss on every rank."""
     if model.pc.config.pp > 1 or optional("colozoo.training", "forward_backward") is not None:
         inputs = model_inputs(batch)
         first = "input_ids" if "input_ids" in inputs else "pixel_values"
         return model.forward_backward(inputs.pop(first), batch["labels"], num_microbatches=num_microbatches, **inputs)
     from colozoo.finetune.data import microbatches
 
+    dp, rank = model.pc.size("dp"), model.pc.rank("dp")
+    rows = len(batch["labels"]) // dp
+    batch = {k: v[rank * rows: (rank + 1) * rows] for k, v in batch.items()}
     total = torch.zeros((), device=model.pc.device)
     for mb in microbatches(batch, num_microbatches):
         loss = model(**mb).loss / num_microbatches
@@ -94,7 +116,7 @@ def _average_over_data_parallel(model, loss):
 def build_optimizer(model, lr: float, weight_decay: float):
     build = optional("colozoo.training", "build_optimizer")
     if build is not None:
-        return build(model, lr=lr, weight_decay=weight_decay)
+        return build(model, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -103,7 +125,7 @@ def build_optimizer(model, lr: float, weight_decay: float):
 
 def clip_grad_norm(model, max_norm: float) -> float:
     """Clip by the norm of the whole (global) gradient; returns the norm before clipping."""
-    clip = optional("colozoo.training", "clip_grad_norm")
+    clip = optional("colozoo.training", "clip_grad_norm_")
     if clip is not None:
         return float(clip(model, max_norm))
     pc = model.pc
@@ -130,10 +152,7 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return norm
 
 
-def enable_activation_checkpointing(model):
-    enable = optional("colozoo.training", "enable_activation_checkpointing")
-    if enable is not None:
-        return enable(model)
+def _checkpoint_layers(model):
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint

@@ -1,0 +1,241 @@
+"""Fine-tuning: data, schedule, packing, bad input (one clear error before training), exact resume, kill mid-save,
+and an end-to-end run whose HF export transformers loads with the same logits."""
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed import run_distributed  # noqa: E402
+
+from colozoo.demo_finetune import build_tokenizer, make_tiny_gpt2, texts  # noqa: E402
+from colozoo.finetune import data as D  # noqa: E402
+from colozoo.finetune import state  # noqa: E402
+from colozoo.finetune.config import FinetuneConfig  # noqa: E402
+from colozoo.finetune.loop import Interrupt, run  # noqa: E402
+from colozoo.finetune.metrics import read_metrics  # noqa: E402
+from colozoo.finetune.schedule import build_scheduler, warmup_cosine  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+STORIES = REPO / "data" / "stories.jsonl"
+SENTIMENT = REPO / "data" / "sentiment.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer GPT-2 (dropout on, so resuming must restore the RNG) saved by transformers, with its tokenizer."""
+    return make_tiny_gpt2(tmp_path_factory.mktemp("gpt2"), n_layer=2, n_positions=32,
+                          resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+
+
+def small_run(model, output, **overrides) -> FinetuneConfig:
+    options = dict(model=str(model), data=str(STORIES), output=str(output), seq_len=16, micro_batch_size=2,
+                   steps=6, lr=1e-2, warmup_steps=2, eval_interval=3, eval_batches=2, save_interval=2,
+                   progress=False, plot=False, export_hf=False)
+    return FinetuneConfig(**{**options, **overrides})
+
+
+def losses(output) -> list[float]:
+    return [r["loss"] for r in read_metrics(Path(output) / "metrics.jsonl") if "loss" in r]
+
+
+# ------------------------------------------------------------------------------------------- pieces
+
+
+def test_warmup_cosine_schedule():
+    lrs = [warmup_cosine(s, warmup_steps=4, total_steps=14, min_lr_ratio=0.1) for s in range(14)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[4] == pytest.approx(1.0) and lrs[9] == pytest.approx(0.55)  # half way: the cosine's midpoint
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:]))
+    assert warmup_cosine(14, 4, 14, 0.1) == pytest.approx(0.1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = build_scheduler(opt, 4, 14, 0.1)
+    seen = []
+    for _ in range(14):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([2.0 * x for x in lrs])
+
+
+def test_lm_packing_and_padding(tiny):
+    tok = D.load_tokenizer(tiny, 131)
+    packed = D.lm_dataset(STORIES, tok, seq_len=16, pack=True)
+    docs = [tok(t, add_special_tokens=False)["input_ids"] for t in texts()]
+    stream = [t for d in docs for t in d + [tok.eos_token_id]]
+    assert packed.tensors["input_ids"].flatten().tolist() == stream[: len(packed) * 16]
+    assert bool(packed.tensors["attention_mask"].all()) and (packed.tokens == 15).all()
+    padded = D.lm_dataset(STORIES, tok, seq_len=16, pack=False)
+    first = docs[0]
+    assert padded.tensors["input_ids"][0].tolist() == first[:16]
+    row = next(i for i in range(len(padded)) if not padded.tensors["attention_mask"][i].all())
+    mask = padded.tensors["attention_mask"][row]
+    assert (padded.tensors["labels"][row][mask == 0] == -100).all()
+    assert padded.tokens[row] == mask.sum() - 1
+
+
+def test_sampler_splits_global_batches_over_dp():
+    samplers = [D.BatchSampler(50, global_batch=8, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    assert samplers[0].steps_per_epoch == 6
+    seen = []
+    for step in range(6):
+        a, b = (s.step_indices(step).tolist() for s in samplers)
+        assert len(a) == len(b) == 4 and not set(a) & set(b)
+        assert a + b == samplers[0].global_indices(step).tolist()
+        seen += a + b
+    assert len(set(seen)) == 48  # one epoch: no sample twice
+    fresh = D.BatchSampler(50, 8, 1, 2, seed=3)
+    assert fresh.step_indices(9).tolist() == samplers[1].step_indices(9).tolist()  # a pure function of the step
+    assert samplers[0].global_indices(0).tolist() != samplers[0].global_indices(6).tolist()  # reshuffled per epoch
+
+
+def test_classification_and_image_data(tiny, tmp_path):
+    from transformers import BertConfig, ViTConfig
+
+    config = BertConfig(num_labels=2, vocab_size=200)
+    tok = D.load_tokenizer(tiny, 200)
+    cls = D.classification_dataset(SENTIMENT, tok, 12, config)
+    labels = [json.loads(line)["label"] for line in SENTIMENT.read_text().splitlines()]
+    assert cls.tensors["labels"].tolist() == [int(v == "positive") for v in labels]  # sorted: negative=0
+    assert cls.tensors["input_ids"].shape == (240, 12)
+    vit = ViTConfig(image_size=8, num_labels=3)
+    images = np.random.default_rng(0).integers(0, 256, (5, 8, 8, 3), dtype=np.uint8)
+    np.savez(tmp_path / "img.npz", images=images, labels=np.array([0, 1, 2, 1, 0]))
+    data = D.image_dataset(tmp_path / "img.npz", vit)
+    expected = (torch.tensor(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
+    assert torch.equal(data.tensors["pixel_values"], expected)
+    with pytest.raises(D.DataError, match=r"outside the model's 3 classes"):
+        np.savez(tmp_path / "bad.npz", images=images, labels=np.array([0, 1, 2, 3, 0]))
+        D.image_dataset(tmp_path / "bad.npz", vit)
+
+
+def test_interrupt_is_a_clean_stop_request():
+    with Interrupt() as interrupt:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert interrupt.requested and interrupt.agreed(torch.device("cpu"))
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def _vocab_too_small(tiny, tmp_path):
+    import shutil
+
+    import transformers
+
+    small = tmp_path / "small-vocab"
+    shutil.copytree(tiny, small)
+    config = transformers.AutoConfig.from_pretrained(small)
+    config.vocab_size = 50
+    config.save_pretrained(small)
+    return dict(model_dir=small)
+
+
+BAD_INPUT = {
+    "missing": (lambda tiny, tmp: dict(data=str(tmp / "nope.jsonl")), r"nope\.jsonl does not exist"),
+    "empty": (lambda tiny, tmp: (tmp / "empty.jsonl").write_text("\n") and dict(data=str(tmp / "empty.jsonl")),
+              r"empty\.jsonl is empty"),
+    "too_long": (lambda tiny, tmp: dict(seq_len=64), r"--seq-len 64 is longer than the model's maximum positions \(32\)"),
+    "batch": (lambda tiny, tmp: dict(micro_batch_size=3, global_batch_size=8),
+              r"global batch 8 is not divisible by micro batch x dp = 3 x 1"),
+    "world": (lambda tiny, tmp: dict(tp=2), r"world size 3 is not divisible by tp\*pp\*cp = 2\*1\*1"),
+    "vocab": (_vocab_too_small, r"tokenizer .* has 131 tokens but the model's vocabulary has 50"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_fails_before_training(case, tiny, tmp_path, monkeypatch):
+    make, message = BAD_INPUT[case]
+    if case == "world":
+        monkeypatch.setenv("WORLD_SIZE", "3")
+    out = tmp_path / "run"
+    overrides = make(tiny, tmp_path)
+    with pytest.raises(ValueError, match=message):
+        run(small_run(overrides.pop("model_dir", tiny), out, **overrides))
+    assert not out.exists()  # nothing trained, nothing written
+
+
+# ------------------------------------------------------------------------------------------- resume
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
+    straight = tmp_path / "straight"
+    run(small_run(tiny, straight))
+    resumed = tmp_path / "resumed"
+    first = run(small_run(tiny, resumed, stop_after=3))
+    assert first["stopped"] and first["step"] == 3
+    assert [p.name for p in state.complete_checkpoints(resumed / "checkpoints")] == ["step-00000002", "step-00000003"]
+    second = run(small_run(tiny, resumed))
+    assert second["step"] == 6 and not second["stopped"]
+    assert len(losses(straight)) == 6
+    assert losses(resumed) == losses(straight)  # bit for bit: data position, optimizer, scheduler and RNG restored
+    assert second["eval_loss"] == json.loads((straight / "summary.json").read_text())["eval_loss"]
+    assert [p.name for p in state.complete_checkpoints(resumed / "checkpoints")] == ["step-00000004", "step-00000006"]
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    run(small_run(tiny, straight))
+    crashed = tmp_path / "crashed"
+
+    def crash(tmp):
+        if tmp.name.endswith("00000004"):
+            raise Crash("killed while saving step 4")
+
+    monkeypatch.setattr(state, "_before_commit", crash)
+    with pytest.raises(Crash):
+        run(small_run(tiny, crashed))
+    monkeypatch.undo()
+    assert state.latest_checkpoint(crashed / "checkpoints").name == "step-00000002"
+    assert (crashed / "checkpoints" / ".tmp-step-00000004").exists()  # the half-written save, never committed
+    run(small_run(tiny, crashed))
+    assert losses(crashed) == losses(straight)
+    assert not list((crashed / "checkpoints").glob(".tmp-*"))
+
+
+def test_resume_on_another_mesh_is_refused(tiny, tmp_path):
+    out = tmp_path / "run"
+    run(small_run(tiny, out, steps=2))
+    ckpt = state.latest_checkpoint(out / "checkpoints")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["mesh"]["tp"] = 2
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(state.ResumeError, match="resume with the same degrees"):
+        run(small_run(tiny, out, steps=4))
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+
+def _e2e(model, output, tp):
+    summary = run(small_run(model, output, tp=tp, steps=8, export_hf=True, plot=True, lr=5e-3))
+    return summary, losses(output)
+
+
+def _check_export(output):
+    import transformers
+
+    probe = torch.load(Path(output) / "probe.pt")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(output) / "hf")).eval()
+    with torch.no_grad():
+        logits = hf(**probe["inputs"]).logits
+    return (logits - probe["logits"]).abs().max().item()
+
+
+def test_end_to_end_tp2_export_matches_transformers(tiny, tmp_path):
+    out = tmp_path / "tp2"
+    (summary, curve), _ = run_distributed(_e2e, 2, tiny, out, 2, timeout=240)
+    assert summary["export"] and (out / "loss.png").exists() and summary["eval_ppl"] > 1
+    assert curve[-1] < curve[0]
+    assert _check_export(out) < 1e-5
