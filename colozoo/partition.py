@@ -58,3 +58,47 @@ def stage_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] |
         out.append(list(range(start, start + size)))
         start += size
     return out
+
+
+def virtual_stage_layers(num_layers: int, pp: int, virtual_stages: int = 1, **balance) -> list[list[list[int]]]:
+    """For every pp rank, the layer runs of its virtual stages. Virtual stage k of rank r is stage r + k*pp
+    (the looped placement torch's interleaved schedules expect)."""
+    if virtual_stages < 1:
+        raise PartitionError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    stages = stage_layers(num_layers, pp * virtual_stages, **balance)
+    return [[stages[rank + k * pp] for k in range(virtual_stages)] for rank in range(pp)]
+
+
+def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1, **balance) -> list[int]:
+    """Global layer indices one pp rank holds (all its virtual stages), for `build_model(layer_ids=...)`."""
+    return [i for run in virtual_stage_layers(num_layers, pp, virtual_stages, **balance)[pp_rank] for i in run]
+
+
+def layer_cost(config, balance: str = "params", seq_len: int = 1024) -> tuple[float, float, float]:
+    """(per layer, first-stage extra, last-stage extra) cost of a decoder-only transformer, in units of one layer.
+
+    "params": embeddings and the LM head count by their weights (a tied head counts on both stages: the last
+    stage holds a copy). "flops": per-token forward FLOPs; the embedding lookup is free, the head is a matmul.
+    """
+    h, vocab = config.hidden_size, config.vocab_size
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or getattr(config, "ffn_dim", None) or 4 * h
+    if balance == "params":
+        layer = 4 * h * h + 2 * h * inner
+        first = vocab * h + getattr(config, "max_position_embeddings", 0) * h
+        last = vocab * h
+    elif balance == "flops":
+        layer = 2 * (4 * h * h + 2 * h * inner) + 4 * seq_len * h  # projections + attention scores/values
+        first, last = 0.0, 2 * vocab * h
+    else:
+        raise PartitionError(f"balance must be 'params' or 'flops', got {balance!r}")
+    return 1.0, first / layer, last / layer
+
+
+def model_stage_layers(config, pp: int, virtual_stages: int = 1, balance: str = "params",
+                       layers_per_stage: list[int] | None = None, seq_len: int = 1024) -> list[list[list[int]]]:
+    """`virtual_stage_layers` for an HF config, balanced by parameters or FLOPs unless `layers_per_stage` is given."""
+    n = config.num_hidden_layers
+    if layers_per_stage is not None:
+        return virtual_stage_layers(n, pp, virtual_stages, layers_per_stage=layers_per_stage)
+    _, first, last = layer_cost(config, balance, seq_len)
+    return virtual_stage_layers(n, pp, virtual_stages, first_extra=first, last_extra=last)

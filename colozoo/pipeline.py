@@ -1,0 +1,220 @@
+"""Pipeline parallelism: a model's layers split into stages, run by torch.distributed.pipelining schedules.
+
+A pp rank holds one or more (virtual) stages of the same ParallelModel. Each is a `StageModule` owning a
+contiguous run of global layers, plus the model's other children (embeddings) on stage 0 and (final norm,
+head, a tied embedding copy) on the last stage. Virtual stage k of rank r is stage r + k*pp, the looped
+placement of torch's interleaved schedules; the model's `layer_ids` (see `partition.rank_layers`) decide
+how many virtual stages a rank has: one per contiguous run.
+
+Stage inputs and outputs are declared statically (their shapes follow from the batch), so torch never runs
+its shape-inference pass through our tensor-parallel collectives. Every rank gets the same batch, and
+every stage rebuilds the BatchContext (masks, positions) from it; only hidden states travel between stages.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
+
+from colozoo.modeling import ModelOutput
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,  # ZB1P: input and weight gradients split to fill the bubble
+}
+MULTI_STAGE = {"interleaved_1f1b", "zero_bubble"}
+
+
+class PipelineError(ValueError):
+    pass
+
+
+def layer_runs(layer_ids: list[int]) -> list[list[int]]:
+    """Split a rank's global layer indices into contiguous runs: one per virtual stage."""
+    runs: list[list[int]] = []
+    for i in layer_ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+class StageModule(nn.Module):
+    """One (virtual) stage: forward(first stage: input_ids | later: hidden, **batch) -> hidden, or on the last
+    stage the loss scaled for the global batch (training) / (loss, logits) with `eval_outputs=True`."""
+
+    def __init__(self, model, index: int, num_stages: int, layer_ids: list[int]):
+        super().__init__()
+        self._model = [model]  # not a child: each stage owns only its part of the model's parameters
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        if self.is_first or self.is_last:  # pp > 1 puts them on different ranks; pp == 1 has one stage
+            self.edges = nn.ModuleDict({name: m for name, m in model.named_children() if name != "layers"})
+        self.loss_scale = 1.0  # set per step: turns a micro-batch mean into its share of the global mean
+        self.autocast_dtype = None    # mixed precision by autocast (without FSDP's policy)
+        self.activation_dtype = None  # dtype of the hidden states sent between stages (None: the parameters')
+
+    @property
+    def model(self):
+        return self._model[0]
+
+    def forward(self, x, labels=None, attention_mask=None, position_ids=None, eval_outputs: bool = False):
+        model = self.model
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            ids = x if self.is_first else None
+            ctx_ids = ids if ids is not None else _dummy_ids(x, labels, attention_mask, position_ids)
+            ctx = model.batch_context(ctx_ids, attention_mask, position_ids=position_ids)
+            hidden = model.embed(ids, ctx) if self.is_first else x
+            for layer in self.layers.values():
+                hidden = layer(hidden, ctx)
+            if not self.is_last:
+                return hidden.to(self.activation_dtype or hidden.dtype).contiguous()  # p2p sends need contiguous
+            out = model.head(hidden, ctx, labels=labels, return_logits=eval_outputs)
+        if eval_outputs:
+            return out.loss, out.logits
+        return out.loss.float() * model.loss_token_count(labels) * self.loss_scale
+
+
+def _dummy_ids(hidden, labels, attention_mask, position_ids):
+    """batch_context only needs the (batch, seq) shape of the ids on stages that do not see them."""
+    for t in (labels, attention_mask, position_ids):
+        if t is not None:
+            return t
+    raise PipelineError("stages after the first need labels, attention_mask or position_ids to know the "
+                        "sequence length")
+
+
+def build_stage_modules(model) -> list[StageModule]:
+    pp = model.pc.config.pp
+    runs = layer_runs(model.layer_ids)
+    counts = [None] * pp
+    if pp > 1:
+        dist.all_gather_object(counts, len(runs), group=model.pc.group("pp"))
+    else:
+        counts = [len(runs)]
+    if len(set(counts)) != 1:
+        raise PipelineError(f"every pp rank needs the same number of virtual stages (contiguous layer runs); "
+                            f"got {counts} (build layer_ids with colozoo.partition.rank_layers)")
+    if model._parameters:
+        raise PipelineError(f"{type(model).__name__} holds parameters directly ({list(model._parameters)}); "
+                            f"stages only place whole child modules")
+    num_stages = pp * len(runs)
+    rank = model.pc.rank("pp")
+    return [StageModule(model, rank + k * pp, num_stages, run) for k, run in enumerate(runs)]
+
+
+def stages_of(model) -> list[nn.Module]:
+    """The (possibly FSDP/DDP-wrapped) stage modules of a model, built on first use."""
+    stages = getattr(model, "pipeline_stages", None)
+    if stages is None:
+        stages = build_stage_modules(model)
+        model.pipeline_stages = stages
+    return stages
+
+
+def unwrap(stage: nn.Module) -> StageModule:
+    return stage.module if isinstance(stage, nn.parallel.DistributedDataParallel) else stage
+
+
+def hidden_shape(model, batch: int, seq: int) -> tuple[int, int, int]:
+    local_seq = seq // model.pc.tp_size if model.sequence_parallel else seq
+    return batch, local_seq, model.config.hidden_size
+
+
+def _batch_kwargs(labels, attention_mask, position_ids):
+    return {k: v for k, v in dict(labels=labels, attention_mask=attention_mask, position_ids=position_ids).items()
+            if v is not None}
+
+
+def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=None, num_microbatches: int = 1,
+                 schedule: str = "1f1b", loss_scale: float = 1.0) -> torch.Tensor | None:
+    """One forward+backward of the whole batch through the pipeline; returns the sum of the scaled micro-batch
+    losses on the ranks that hold the last stage, None elsewhere. Gradients accumulate on the local shards."""
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    stages = stages_of(model)
+    multi = schedule in MULTI_STAGE
+    if not multi and len(stages) > 1:
+        raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but this model holds {len(stages)} "
+                            f"virtual stages per rank; use one of {sorted(MULTI_STAGE)}")
+    batch, seq = input_ids.shape
+    micro = batch // num_microbatches
+    dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
+    device = input_ids.device
+    pipe_stages = []
+    for stage in stages:
+        inner = unwrap(stage)
+        inner.loss_scale = loss_scale
+        hidden = torch.empty(hidden_shape(model, micro, seq), dtype=dtype, device=device, requires_grad=True)
+        x_in = torch.empty(micro, seq, dtype=input_ids.dtype, device=device) if inner.is_first else hidden
+        x_out = torch.empty((), device=device, requires_grad=True) if inner.is_last else hidden
+        pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=(x_in,),
+                                         output_args=(x_out,), group=model.pc.group("pp")))
+    loss_fn = _take_loss  # the last stage already returns the scaled loss
+    if multi:
+        runner = SCHEDULES[schedule](pipe_stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        runner = SCHEDULES[schedule](pipe_stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    losses: list[torch.Tensor] = []
+    args = (input_ids,) if unwrap(stages[0]).is_first else ()
+    runner.step(*args, target=labels, losses=losses, return_outputs=False,
+                **_batch_kwargs(labels, attention_mask, position_ids))
+    holds_last = any(unwrap(s).is_last for s in stages)
+    return torch.stack([l.detach() for l in losses]).sum() if holds_last else None
+
+
+def _take_loss(output, target):
+    return output
+
+
+def _p2p_peer(model, stage_index: int) -> int:
+    return dist.get_global_rank(model.pc.group("pp"), stage_index % model.pc.config.pp)
+
+
+@torch.no_grad()
+def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_logits=False,
+                     position_ids=None) -> ModelOutput:
+    """Eval forward of the whole batch through the stages (no micro-batching); loss and logits on every rank."""
+    stages = stages_of(model)
+    pp = model.pc.config.pp
+    batch, seq = input_ids.shape
+    kwargs = _batch_kwargs(labels, attention_mask, position_ids)
+    dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
+    loss = logits = None
+    for stage in stages:
+        inner = unwrap(stage)
+        if inner.is_first:
+            x = input_ids
+        else:
+            x = torch.empty(hidden_shape(model, batch, seq), dtype=dtype, device=input_ids.device)
+            dist.recv(x, src=_p2p_peer(model, inner.index - 1), group=None)
+        out = stage(x, eval_outputs=True, **kwargs)
+        if inner.is_last:
+            loss, logits = out
+        else:
+            dist.send(out.contiguous(), dst=_p2p_peer(model, inner.index + 1))
+    if pp > 1:
+        loss = _from_last_stage(model, loss, () if labels is not None else None, torch.float32)
+        if return_logits:
+            vocab = model.config.vocab_size
+            logits = _from_last_stage(model, logits, (batch, seq, vocab), dtype)
+    return ModelOutput(loss=loss, logits=logits if return_logits else None)
+
+
+def _from_last_stage(model, value, shape, dtype):
+    """Broadcast a tensor the last stage computed to every pp rank (None stays None on all)."""
+    if shape is None:
+        return None
+    group = model.pc.group("pp")
+    src = dist.get_global_rank(group, model.pc.config.pp - 1)
+    if value is None:
+        value = torch.empty(shape, dtype=dtype, device=model.pc.device)
+    value = value.to(dtype).contiguous()
+    dist.broadcast(value, src=src, group=group)
+    return value

@@ -1,0 +1,164 @@
+"""The distributed training step (forward_backward + global-norm clipping + AdamW) at several (dp, pp, tp)
+meshes against transformers' GPT-2 trained the same way on one process: loss, gradient norm and every updated
+parameter, gathered over tp and FSDP's dp shards and compared stage by stage."""
+import math
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from parity import batch, hf_causal_lm
+
+from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
+from colozoo.layers.shard import gather_tensor, spec_of
+from colozoo.models import build_model
+from colozoo.parallel import coords_of, init_parallel, single_process
+from colozoo.partition import rank_layers
+from colozoo.training import (TrainingError, build_optimizer, clip_grad_norm_, global_grad_norm, parallelize)
+
+CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
+              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+LR, EPS, MAX_NORM, SEQ, BATCH = 1e-3, 1e-6, 0.5, 12, 4  # Adam's eps: its step is ~sign(g) for |g| >> eps
+LOSS_ATOL, NORM_RTOL, GRAD_ATOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6, 2e-6
+TIMEOUT = 150
+
+
+def build(pc, config, hf, virtual_stages=1, **parallel):
+    layer_ids = rank_layers(config.num_hidden_layers, pc.config.pp, pc.rank("pp"), virtual_stages)
+    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    model.train()
+    return parallelize(model, **parallel)
+
+
+def full_parameter(model, t, shape, spec=None):
+    local = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP: gather the dp shards first
+    return gather_tensor(local.detach(), spec, shape, model.pc.groups, coords_of(model.pc))
+
+
+def train_against_hf(dp, pp, tp, steps=1, microbatches=2, schedule="1f1b", virtual_stages=1, sp=False,
+                     data_parallel="fsdp"):
+    """Runs on every rank; returns the worst differences seen and the parameter names this rank checked."""
+    pc = init_parallel(tp=tp, pp=pp, dp=dp, sequence_parallel=sp) if dp * pp * tp > 1 else single_process()
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    hf.train()
+    model = build(pc, config, hf, virtual_stages, data_parallel=data_parallel)
+    optimizer = build_optimizer(model, lr=LR, eps=EPS)
+    hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS)
+    sources = family_module("gpt2").hf_sources(config)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+
+    worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
+    losses = []
+    for step in range(steps):
+        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches,
+                                      schedule=schedule)
+        norm = clip_grad_norm_(model, MAX_NORM)
+        ref = hf(ids, attention_mask=mask, labels=labels).loss
+        ref.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM)
+        if step == 0:
+            worst["grad"] = compare(model, StateDictReader({n: p.grad for n, p in hf.named_parameters()}),
+                                    sources, GRAD_ATOL, "clipped gradient of", grad=True)
+        optimizer.step()
+        optimizer.zero_grad()
+        hf_optimizer.step()
+        hf_optimizer.zero_grad()
+        losses.append((loss.item(), ref.item()))
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref.item()))
+        worst["norm"] = max(worst["norm"], abs(norm.item() / ref_norm.item() - 1))
+
+    worst["param"] = compare(model, StateDictReader(hf.state_dict()), sources, PARAM_ATOL,
+                             f"after {steps} step(s), parameter")
+    assert worst["loss"] < LOSS_ATOL, f"loss curve {losses}"
+    assert worst["norm"] < NORM_RTOL, f"gradient norm differs by a factor {worst['norm']}"
+    return dict(worst, names=[n for n, _ in model.named_parameters()], losses=losses,
+                tied_equal=tied_copies_equal(model))
+
+
+def compare(model, reference, sources, atol, what, grad=False):
+    worst = 0.0
+    for name, p in model.named_parameters():
+        expected = GlobalTensor(reference, sources[name], name).read()
+        diff = (full_parameter(model, p.grad if grad else p, expected.shape, spec_of(p)) - expected).abs().max().item()
+        assert diff < atol, f"{what} {name} differs by {diff} (pp rank {model.pc.rank('pp')})"
+        worst = max(worst, diff)
+    return worst
+
+
+def tied_copies_equal(model):
+    """On the first and last stage: is this rank's tied embedding bitwise equal to its partner's?"""
+    tied = model.training_setup["tied"]
+    if tied is None or not (model.is_first or model.is_last):
+        return None
+    p = dict(model.named_parameters())[tied[0]]
+    mine = (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+    theirs = mine.clone()
+    src = torch.distributed.get_global_rank(model.pc.group("pp"), 0)
+    torch.distributed.broadcast(theirs, src=src, group=tied[1])
+    return torch.equal(mine, theirs)
+
+
+def check_all_names(results, n_layer=CONFIG["n_layer"]):
+    names = set().union(*(r["names"] for r in results))
+    expected = {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"}
+    expected |= {f"layers.{i}.{m}.{w}" for i in range(n_layer)
+                 for m in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj") for w in ("weight", "bias")}
+    assert names == expected, names ^ expected
+
+
+@pytest.mark.parametrize("dp,pp,tp,microbatches", [(1, 2, 1, 2), (1, 2, 2, 2), (2, 2, 1, 2), (2, 1, 2, 2), (1, 4, 1, 4)])
+def test_one_step_matches_single_process(dp, pp, tp, microbatches):
+    results = run_distributed(train_against_hf, dp * pp * tp, dp, pp, tp, 1, microbatches, timeout=TIMEOUT)
+    check_all_names(results)
+    assert {r["tied_equal"] for r in results} <= {None, True}
+
+
+def test_single_process_training_step():
+    check_all_names([train_against_hf(1, 1, 1, steps=2, microbatches=2)])
+
+
+def test_loss_curve_pp2_tp2_sequence_parallel():
+    results = run_distributed(train_against_hf, 4, 1, 2, 2, 3, 2, "gpipe", 1, True, timeout=TIMEOUT)
+    assert all(r["tied_equal"] in (None, True) for r in results)
+    curve = results[0]["losses"]
+    assert curve[-1][0] < curve[0][0]  # it trains
+
+
+def test_loss_curve_ddp_dp2_pp2():
+    results = run_distributed(train_against_hf, 4, 2, 2, 1, 3, 2, "1f1b", 1, False, "ddp", timeout=TIMEOUT)
+    assert all(r["tied_equal"] in (None, True) for r in results)
+
+
+def schedules_agree(schedules, virtual_stages):
+    pc = init_parallel(pp=2)
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    out = {}
+    for schedule in schedules:
+        model = build(pc, config, hf, virtual_stages if schedule != "gpipe" and schedule != "1f1b" else 1)
+        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=4, schedule=schedule)
+        out[schedule] = (loss.item(), global_grad_norm(model).item())
+    return out
+
+
+def test_schedules_give_identical_results():
+    results = run_distributed(schedules_agree, 2, ["gpipe", "1f1b", "interleaved_1f1b"], 2, timeout=TIMEOUT)
+    for r in results:
+        values = list(r.values())
+        assert all(math.isclose(v[0], values[0][0], rel_tol=1e-6) and math.isclose(v[1], values[0][1], rel_tol=1e-6)
+                   for v in values), r
+
+
+def indivisible_batch():
+    pc = init_parallel(pp=2)
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    model = build(pc, config, hf)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=3)
+    with pytest.raises(TrainingError, match="not divisible by dp \\* num_microbatches"):
+        model.forward_backward(ids, labels, num_microbatches=2)
+    return True
+
+
+def test_indivisible_batch_is_a_clear_error():
+    assert all(run_distributed(indivisible_batch, 2, timeout=TIMEOUT))
