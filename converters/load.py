@@ -1,6 +1,7 @@
 """Load HF weights into a (possibly meta-initialised) sharded model: each rank reads only its own slices."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 
@@ -32,7 +33,7 @@ def _resolve_prefix(reader: TensorReader, sources, prefix: str):
     wanted = hf_tensor_names(sources)
     if not prefix or wanted & names or not any(n.startswith(prefix) for n in wanted):
         return sources
-    stripped = {k: type(s)(tuple(n.removeprefix(prefix) for n in s.names), s.transpose, s.cat_dim)
+    stripped = {k: dataclasses.replace(s, names=tuple(n.removeprefix(prefix) for n in s.names))
                 for k, s in sources.items()}
     return stripped if hf_tensor_names(stripped) & names else sources
 

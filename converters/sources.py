@@ -25,10 +25,31 @@ class Source:
     names: tuple[str, ...]
     transpose: bool = False
     cat_dim: int = 0
+    # stack > 0: `names` are `stack` equal groups (one per expert); each group is concatenated along cat_dim
+    # (a dim of the HF tensors) into one item, and the items are stacked along a new leading dim of ours
+    stack: int = 0
 
     @classmethod
-    def of(cls, *names: str, transpose: bool = False, cat_dim: int = 0) -> "Source":
-        return cls(tuple(names), transpose, cat_dim)
+    def of(cls, *names: str, transpose: bool = False, cat_dim: int = 0, stack: int = 0) -> "Source":
+        if stack and len(names) % stack:
+            raise ValueError(f"{len(names)} names cannot form {stack} stacked items")
+        return cls(tuple(names), transpose, cat_dim, stack)
+
+    def groups(self) -> list["Source"]:
+        """One plain Source per stacked item."""
+        n = len(self.names) // self.stack
+        return [Source(self.names[i * n:(i + 1) * n], self.transpose, self.cat_dim) for i in range(self.stack)]
+
+    def split(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Our global tensor back into its HF tensors; `sizes` are the part lengths along cat_dim (default equal)."""
+        if self.stack:
+            if tensor.shape[0] != self.stack:
+                raise CheckpointError(f"expected {self.stack} stacked items, got a tensor of shape {tuple(tensor.shape)}")
+            return {k: v for item, group in zip(tensor.unbind(0), self.groups()) for k, v in group.split(item, sizes).items()}
+        if sizes is None:
+            sizes = [tensor.shape[self.cat_dim] // len(self.names)] * len(self.names)
+        parts = tensor.split(list(sizes), dim=self.cat_dim)
+        return {name: (part.t() if self.transpose else part).contiguous() for name, part in zip(self.names, parts)}
 
 
 class TensorReader:
@@ -134,6 +155,13 @@ class GlobalTensor:
 
     def __init__(self, reader: TensorReader, source: Source, name: str = ""):
         self.reader, self.source, self.name = reader, source, name
+        if source.stack:  # only metadata is touched here: an item (expert) is read when its slice is asked for
+            self.items = [GlobalTensor(reader, group, name) for group in source.groups()]
+            shapes = {item.shape for item in self.items}
+            if len(shapes) != 1:
+                raise CheckpointError(f"stacked tensors for {name!r} differ in shape: {sorted(shapes)}")
+            self.shape, self.dtype = (source.stack, *self.items[0].shape), self.items[0].dtype
+            return
         shapes = []
         for hf_name in source.names:
             if hf_name not in reader:
@@ -153,6 +181,11 @@ class GlobalTensor:
         ndim = len(self.shape)
         index = tuple(index) if index is not None else ()
         index = index + (slice(None),) * (ndim - len(index))
+        if self.source.stack:
+            picked = range(*index[0].indices(self.shape[0]))
+            if not picked:
+                return torch.empty((0, *self.shape[1:]), dtype=self.dtype)[(slice(None), *index[1:])]
+            return torch.stack([self.items[i].read(index[1:]) for i in picked])
         d = self.source.cat_dim
         start, stop, _ = index[d].indices(self.shape[d])
         parts, offset = [], 0

@@ -1,0 +1,214 @@
+"""Mixture-of-experts: top-k router, stacked experts, expert parallelism by all-to-all token dispatch.
+
+    x -> router (softmax, top-k, optional renormalisation) -> sort the (token, expert) assignments by expert
+      -> [ep > 1: all-to-all to the experts' owners] -> grouped SwiGLU experts -> [all-to-all back]
+      -> weighted sum over each token's k experts
+
+Expert weights are stacked with a *global* expert dimension: `gate_up_proj` (experts, 2 * inner, hidden) and
+`down_proj` (experts, hidden, inner), split over the ep group along dim 0 (rank r owns a contiguous range of
+experts) and optionally over tp inside each expert (gate/up columns, down rows). Dropless by default: every
+assignment is computed, however unbalanced; `capacity_factor` caps each expert at
+ceil(factor * tokens * k / experts) assignments per rank and drops the rest (first come, first served).
+
+Gradients: an expert's owner accumulates the gradient from every token routed to it over its ep group. With
+a data-parallel batch per rank, sum expert gradients over the ranks that own the same experts (the other ep
+groups of the dp*cp group) and non-expert ones over dp*cp, then divide both by dp (the loss is a dp mean).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .activations import get_activation
+from .comm import (copy_to_parallel, gather_from_parallel, group_rank, group_size, reduce_from_parallel,
+                   split_to_parallel)
+from .shard import Split, shard
+
+
+class TopKRouter(nn.Module):
+    """Mixtral / Qwen-MoE routing: softmax over experts (fp32), top-k, optionally renormalised to sum to 1."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool = True, device=None,
+                 dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor):
+        """x (tokens, hidden) -> router logits (tokens, experts), weights (tokens, k) fp32, experts (tokens, k)."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights, experts
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of x grouped by expert (`counts` rows each) times that expert's weight (experts, out, in)^T."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0] > 0:
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-1, -2), offs=offsets)
+    outs = [F.linear(rows, w) for rows, w in zip(x.split(counts), weight) if rows.shape[0]]
+    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """This rank's experts (global range [first, first + local)); SwiGLU-style act(gate) * up -> down."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inner_size: int, activation: str = "silu", *,
+                 ep_group=None, tp_group=None, device=None, dtype=None):
+        super().__init__()
+        ep, tp = group_size(ep_group), group_size(tp_group)
+        if num_experts % ep:
+            raise ValueError(f"ep={ep} must divide the number of experts ({num_experts})")
+        if inner_size % tp:
+            raise ValueError(f"tp={tp} must divide the expert width (intermediate size {inner_size})")
+        self.num_experts, self.num_local = num_experts, num_experts // ep
+        self.first = group_rank(ep_group) * self.num_local
+        self.tp_group = tp_group
+        self.act = get_activation(activation)
+        local_inner = inner_size // tp
+        self.gate_up_proj = shard(nn.Parameter(torch.empty(self.num_local, 2 * local_inner, hidden_size, device=device,
+                                                           dtype=dtype)),
+                                  Split("ep", 0), Split("tp", 1, chunks=(inner_size, inner_size)))
+        self.down_proj = shard(nn.Parameter(torch.empty(self.num_local, hidden_size, local_inner, device=device,
+                                                        dtype=dtype)),
+                               Split("ep", 0), Split("tp", 2))
+        if self.gate_up_proj.device.type != "meta":
+            nn.init.normal_(self.gate_up_proj, std=0.02)
+            nn.init.normal_(self.down_proj, std=0.02)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x (rows, hidden) grouped by local expert, counts[e] rows for local expert e."""
+        x = copy_to_parallel(x, self.tp_group)
+        gate, up = grouped_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)
+        out = grouped_linear(self.act(gate) * up, self.down_proj, counts)
+        return reduce_from_parallel(out, self.tp_group)
+
+    def extra_repr(self):
+        return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts}"
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _AllToAllV.apply(grad, recv_splits, send_splits, ctx.group), None, None, None
+
+
+def all_to_all_rows(x, send_splits: list[int], recv_splits: list[int], group):
+    """Send send_splits[r] rows of x to rank r, receive recv_splits[r] rows from rank r (autograd-aware)."""
+    return _AllToAllV.apply(x, send_splits, recv_splits, group)
+
+
+class MoE(nn.Module):
+    """Router + experts for input (batch, seq, hidden); returns (output, router logits (tokens, experts))."""
+
+    def __init__(self, hidden_size: int, inner_size: int, num_experts: int, top_k: int, *, activation="silu",
+                 normalize_top_k: bool = True, capacity_factor: float | None = None, ep_group=None, tp_group=None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor}")
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.ep_group, self.tp_group, self.sequence_parallel = ep_group, tp_group, sequence_parallel
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_top_k, device=device, dtype=dtype)
+        self.experts = GroupedExperts(num_experts, hidden_size, inner_size, activation, ep_group=ep_group,
+                                      tp_group=tp_group, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor):
+        if self.sequence_parallel:  # route every token the tp group holds; each rank keeps its share at the end
+            x = gather_from_parallel(x, self.tp_group, dim=1)
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits, weights, experts = self.gate(tokens)
+        assignment = torch.arange(experts.numel(), device=x.device)
+        if self.capacity_factor is not None:
+            assignment = assignment[self._within_capacity(experts.reshape(-1))]
+        expert_of = experts.reshape(-1)[assignment]
+        order = torch.argsort(expert_of, stable=True)
+        assignment = assignment[order]
+        token_of = assignment // self.top_k
+        counts = torch.bincount(expert_of[order], minlength=self.num_experts)
+        out = self._run_experts(tokens[token_of], counts)
+        out = (out * weights.reshape(-1)[assignment, None]).to(x.dtype)
+        combined = torch.zeros_like(tokens).index_add(0, token_of, out).view(shape)
+        if self.sequence_parallel:
+            combined = split_to_parallel(combined, self.tp_group, dim=1)
+        return combined, logits
+
+    def _within_capacity(self, expert_of: torch.Tensor) -> torch.Tensor:
+        capacity = math.ceil(self.capacity_factor * expert_of.numel() / self.num_experts)
+        seen = F.one_hot(expert_of, self.num_experts).cumsum(0)  # how many earlier assignments share the expert
+        return seen.gather(1, expert_of[:, None]).squeeze(1) <= capacity
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows sorted by global expert, counts (experts,) -> expert outputs in the same order."""
+        ep, local = group_size(self.ep_group), self.experts.num_local
+        if ep == 1:
+            return self.experts(rows, counts.tolist())
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)  # (source rank, my local expert)
+        recv_counts = recv_counts.view(ep, local)
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        received = all_to_all_rows(rows, send_splits, recv_splits, self.ep_group)
+        # arrived grouped by (source, expert); the experts want (expert, source)
+        starts = (recv_counts.flatten().cumsum(0) - recv_counts.flatten()).view(ep, local)
+        regroup = torch.cat([torch.arange(starts[s, e], starts[s, e] + recv_counts[s, e], device=rows.device)
+                             for e in range(local) for s in range(ep)])
+        out = self.experts(received[regroup], recv_counts.sum(0).tolist())
+        restored = torch.empty_like(out).index_copy(0, regroup, out)
+        return all_to_all_rows(restored, recv_splits, send_splits, self.ep_group)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
+                        token_mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss over all MoE layers, as Mixtral computes it:
+    num_experts * sum_e (fraction of assignments to e) * (mean router probability of e), padding excluded.
+    With `group` (cp) the token statistics are summed over its ranks first."""
+    from .context_parallel import sum_over
+
+    device = router_logits[0].device
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = token_mask.reshape(-1).float().to(device) if token_mask is not None else None
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        w = mask if mask is not None else torch.ones(probs.shape[0], device=device)
+        assigned = assigned.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * w[:, None]).sum(0)
+        rows = rows + w.sum()
+    assigned, prob_sum, rows = sum_over(assigned, group), sum_over(prob_sum, group), sum_over(rows, group)
+    return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+
+
+def router_z_loss(router_logits: list[torch.Tensor], token_mask: torch.Tensor | None = None,
+                  group=None) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens (and layers) of logsumexp(router logits)^2."""
+    from .context_parallel import sum_over
+
+    total, count = 0.0, 0.0
+    for logits in router_logits:
+        z = torch.logsumexp(logits.float(), dim=-1) ** 2
+        w = token_mask.reshape(-1).float().to(z.device) if token_mask is not None else torch.ones_like(z)
+        total, count = total + (z * w).sum(), count + w.sum()
+    return sum_over(total, group) / sum_over(count, group).clamp(min=1)

@@ -1,0 +1,93 @@
+"""Mixtral: the LLaMA/Mistral decoder (RoPE, RMSNorm, grouped-query attention, optional sliding window) with a
+sparse mixture-of-experts MLP in every layer.
+
+    embed_tokens -> [input_layernorm -> attn (models.llama) -> + post_attention_layernorm -> mlp (layers.moe: router
+                    `gate`, stacked experts `gate_up_proj` / `down_proj`, expert parallel over ep) -> +] x n
+                 -> norm -> lm_head; loss = LM loss + router_aux_loss_coef * load-balancing loss (all layers)
+
+With `output_router_logits` in the config (or passed to forward) the load-balancing loss is returned as
+`aux_loss` and added to the loss, as transformers does. `router_z_loss_coef` (not a Mixtral option) adds a
+router z-loss on top when set in the config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from torch import nn
+
+from colozoo.layers import RMSNorm
+from colozoo.layers.moe import MoE, load_balancing_loss, router_z_loss
+from colozoo.modeling import ModelOutput, UnsupportedConfig, check_divisible
+
+from .llama import LlamaAttention, LlamaForCausalLM, RopeBatchContext
+
+
+@dataclass
+class MoEBatchContext(RopeBatchContext):
+    router_logits: list = field(default_factory=list)  # one (tokens, experts) tensor per MoE layer, in order
+
+
+class MixtralDecoderLayer(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                    device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = LlamaAttention(config, pc, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = MoE(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                       config.num_experts_per_tok, activation=config.hidden_act,
+                       capacity_factor=getattr(config, "capacity_factor", None), ep_group=pc.group("ep"),
+                       tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+
+    def forward(self, x, ctx: MoEBatchContext):
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        out, router_logits = self.mlp(self.post_attention_layernorm(x))
+        ctx.router_logits.append(router_logits)
+        return x + out
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    family = "mixtral"
+    decoder_layer = MixtralDecoderLayer
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+        self.family = "mixtral"
+        pc = self.pc
+        if getattr(config, "router_jitter_noise", 0.0):
+            raise UnsupportedConfig("router_jitter_noise is not supported (set it to 0.0)")
+        check_divisible("the number of experts (num_local_experts) by ep", config.num_local_experts,
+                        pc.size("ep"))
+        if pc.config.pp > 1:
+            raise UnsupportedConfig("Mixtral with pipeline parallelism is not wired yet (the aux loss needs every "
+                                    "layer's router statistics)")
+
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> MoEBatchContext:
+        ctx = super().batch_context(input_ids, attention_mask, position_ids=position_ids)
+        return MoEBatchContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)})
+
+    def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False,
+                output_router_logits: bool | None = None, **kwargs) -> ModelOutput:
+        self._output_router_logits = (output_router_logits if output_router_logits is not None
+                                      else getattr(self.config, "output_router_logits", False))
+        return super().forward(input_ids, attention_mask=attention_mask, labels=labels, return_logits=return_logits,
+                               **kwargs)
+
+    def head(self, hidden, ctx: MoEBatchContext, labels=None, return_logits=False) -> ModelOutput:
+        out = super().head(hidden, ctx, labels=labels, return_logits=return_logits)
+        if not getattr(self, "_output_router_logits", False):
+            return out
+        c = self.config
+        token_mask = ctx.attention_mask
+        if token_mask is not None and ctx.cp is not None:
+            token_mask = ctx.cp.shard(token_mask)
+        group = ctx.cp.group if ctx.cp is not None else None
+        out.aux_loss = load_balancing_loss(ctx.router_logits, c.num_local_experts, c.num_experts_per_tok,
+                                           token_mask, group)
+        if out.loss is not None:
+            out.loss = out.loss + c.router_aux_loss_coef * out.aux_loss
+            z_coef = getattr(c, "router_z_loss_coef", 0.0) or 0.0
+            if z_coef:
+                out.loss = out.loss + z_coef * router_z_loss(ctx.router_logits, token_mask, group)
+        return out
