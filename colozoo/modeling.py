@@ -60,6 +60,7 @@ class ParallelModel(nn.Module):
     """Base of every family. Subclasses build `self.layers` as a ModuleDict keyed by *global* layer index."""
 
     family: str = ""
+    tied_embedding: str | None = None  # parameter a tied LM head shares; the last pp stage holds a copy of it
 
     def __init__(self, config, pc: ParallelContext | None = None, layer_ids=None):
         super().__init__()
@@ -101,7 +102,7 @@ class ParallelModel(nn.Module):
 
             return context_parallel_forward(self, input_ids, attention_mask=attention_mask, labels=labels,
                                             return_logits=return_logits, **kwargs)
-        if self.pc.config.pp > 1:
+        if self.pc.config.pp > 1 or getattr(self, "pipeline_stages", None):  # stages exist once parallelized
             from colozoo.pipeline import pipeline_forward
 
             return pipeline_forward(self, input_ids, attention_mask=attention_mask, labels=labels,
@@ -110,6 +111,10 @@ class ParallelModel(nn.Module):
         hidden = self.embed(input_ids, ctx)
         hidden = self.run_layers(hidden, ctx)
         return self.head(hidden, ctx, labels=labels, return_logits=return_logits)
+
+    def loss_token_count(self, labels) -> torch.Tensor:
+        """How many label positions the mean loss averages over (causal LM: labels shift by one)."""
+        return (labels[..., 1:] != -100).sum()
 
     def forward_backward(self, input_ids, labels, attention_mask=None, num_microbatches: int = 1, **kwargs):
         """One training step's forward and backward over the whole mesh; returns the mean loss on every rank."""

@@ -74,6 +74,7 @@ class GPT2Block(nn.Module):
 
 class GPT2ForCausalLM(ParallelModel):
     family = "gpt2"
+    tied_embedding = "wte.weight"
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
@@ -82,15 +83,16 @@ class GPT2ForCausalLM(ParallelModel):
         check_divisible("the attention heads (n_head)", config.num_attention_heads, pc.tp_size)
         h = config.hidden_size
         kw = dict(device=device, dtype=dtype)
-        if self.is_first:
+        if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.wte = VocabParallelEmbedding(config.vocab_size, h, group=pc.tp_group,
                                               sequence_parallel=pc.sequence_parallel, **kw)
+        if self.is_first:
             self.wpe = nn.Embedding(config.max_position_embeddings, h, **kw)
         self.layers = nn.ModuleDict({str(i): GPT2Block(config, i, pc, **kw) for i in self.layer_ids})
         if self.is_last:
             self.ln_f = LayerNorm(h, eps=config.layer_norm_epsilon, group=pc.tp_group,
                                   sequence_parallel=pc.sequence_parallel, **kw)
-            tied = self.wte if (config.tie_word_embeddings and self.is_first) else None
+            tied = self.wte if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, group=pc.tp_group,
                                                sequence_parallel=pc.sequence_parallel, tied_embedding=tied, **kw)
 
