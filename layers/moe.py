@@ -26,6 +26,7 @@ from torch import nn
 from .activations import get_activation
 from .comm import (copy_to_parallel, gather_from_parallel, group_rank, group_size, reduce_from_parallel,
                    split_to_parallel)
+from .linear import ColumnParallelLinear, RowParallelLinear
 from .shard import Split, shard
 
 
@@ -117,11 +118,30 @@ def all_to_all_rows(x, send_splits: list[int], recv_splits: list[int], group):
     return _AllToAllV.apply(x, send_splits, recv_splits, group)
 
 
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP every token goes through (Qwen-MoE), tensor parallel like the experts."""
+
+    def __init__(self, hidden_size: int, inner_size: int, activation: str = "silu", *, tp_group=None, device=None,
+                 dtype=None):
+        super().__init__()
+        kw = dict(bias=False, group=tp_group, device=device, dtype=dtype)
+        self.gate_up = ColumnParallelLinear(hidden_size, 2 * inner_size, chunks=(inner_size, inner_size), **kw)
+        self.down_proj = RowParallelLinear(inner_size, hidden_size, **kw)
+        self.act = get_activation(activation)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
 class MoE(nn.Module):
-    """Router + experts for input (batch, seq, hidden); returns (output, router logits (tokens, experts))."""
+    """Router + experts for input (batch, seq, hidden); returns (output, router logits (tokens, experts)).
+
+    `shared_expert_size` adds Qwen-MoE's shared expert, scaled per token by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, hidden_size: int, inner_size: int, num_experts: int, top_k: int, *, activation="silu",
-                 normalize_top_k: bool = True, capacity_factor: float | None = None, ep_group=None, tp_group=None,
+                 normalize_top_k: bool = True, capacity_factor: float | None = None,
+                 shared_expert_size: int | None = None, ep_group=None, tp_group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if capacity_factor is not None and capacity_factor <= 0:
@@ -131,6 +151,11 @@ class MoE(nn.Module):
         self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_top_k, device=device, dtype=dtype)
         self.experts = GroupedExperts(num_experts, hidden_size, inner_size, activation, ep_group=ep_group,
                                       tp_group=tp_group, device=device, dtype=dtype)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_expert_size:
+            self.shared_expert = SharedExpert(hidden_size, shared_expert_size, activation, tp_group=tp_group,
+                                              device=device, dtype=dtype)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor):
         if self.sequence_parallel:  # route every token the tp group holds; each rank keeps its share at the end
@@ -148,7 +173,10 @@ class MoE(nn.Module):
         counts = torch.bincount(expert_of[order], minlength=self.num_experts)
         out = self._run_experts(tokens[token_of], counts)
         out = (out * weights.reshape(-1)[assignment, None]).to(x.dtype)
-        combined = torch.zeros_like(tokens).index_add(0, token_of, out).view(shape)
+        combined = torch.zeros_like(tokens).index_add(0, token_of, out)
+        if self.shared_expert is not None:
+            combined = combined + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        combined = combined.view(shape)
         if self.sequence_parallel:
             combined = split_to_parallel(combined, self.tp_group, dim=1)
         return combined, logits

@@ -1,0 +1,162 @@
+"""The MoE layer against transformers' Qwen2-MoE block (no renormalisation, gated shared expert) at ep 1/2 and
+tp 1/2 with sequence parallel; the capacity factor against a first-come-first-served reference; the losses."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import run_distributed
+
+HIDDEN, INNER, SHARED, EXPERTS, TOP_K = 64, 32, 48, 4, 2
+ATOL = 1e-5
+
+
+def qwen_block(seed=0):
+    import transformers
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    config = transformers.Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INNER,
+                                         shared_expert_intermediate_size=SHARED, num_experts=EXPERTS,
+                                         num_experts_per_tok=TOP_K, norm_topk_prob=False)
+    torch.manual_seed(seed)
+    block = Qwen2MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.2)
+    return block
+
+
+def hf_weights(block) -> dict[str, torch.Tensor]:
+    """The block's weights under our names (global, unsharded)."""
+    s = block.shared_expert
+    return {"gate.weight": block.gate.weight,
+            "experts.gate_up_proj": block.experts.gate_up_proj,
+            "experts.down_proj": block.experts.down_proj,
+            "shared_expert.gate_up.weight": torch.cat([s.gate_proj.weight, s.up_proj.weight]),
+            "shared_expert.down_proj.weight": s.down_proj.weight,
+            "shared_expert_gate.weight": block.shared_expert_gate.weight}
+
+
+def hf_grads(block) -> dict[str, torch.Tensor]:
+    s = block.shared_expert
+    return {"gate.weight": block.gate.weight.grad,
+            "experts.gate_up_proj": block.experts.gate_up_proj.grad,
+            "experts.down_proj": block.experts.down_proj.grad,
+            "shared_expert.gate_up.weight": torch.cat([s.gate_proj.weight.grad, s.up_proj.weight.grad]),
+            "shared_expert.down_proj.weight": s.down_proj.weight.grad,
+            "shared_expert_gate.weight": block.shared_expert_gate.weight.grad}
+
+
+def moe_matches_qwen(tp, ep, sequence_parallel):
+    from colozoo.layers.comm import gather_from_parallel, split_to_parallel
+    from colozoo.layers.moe import MoE
+    from colozoo.layers.shard import gather_tensor, shard_tensor, spec_of
+    from colozoo.parallel import coords_of, init_parallel
+
+    pc = init_parallel(tp=tp, ep=ep, sequence_parallel=sequence_parallel)
+    block = qwen_block()
+    x = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(3))
+    probe = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(4))
+    x_ref = x.clone().requires_grad_()
+    ref = block(x_ref)
+    (ref * probe).sum().backward()
+
+    moe = MoE(HIDDEN, INNER, EXPERTS, TOP_K, normalize_top_k=False, shared_expert_size=SHARED,
+              ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+    weights, coords = hf_weights(block), coords_of(pc)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            p.copy_(shard_tensor(weights[name].detach(), spec_of(p), coords))
+    x_local = x.clone()
+    if pc.sequence_parallel:
+        x_local = split_to_parallel(x_local, pc.tp_group, dim=1)
+    x_local.requires_grad_()
+    out, logits = moe(x_local)
+    if pc.sequence_parallel:
+        out = gather_from_parallel(out, pc.tp_group, dim=1)
+    (out * probe).sum().backward()
+    dx = gather_from_parallel(x_local.grad, pc.tp_group, dim=1) if pc.sequence_parallel else x_local.grad
+
+    assert (out - ref).abs().max().item() < ATOL, (out - ref).abs().max().item()
+    assert (dx - x_ref.grad).abs().max().item() < ATOL
+    expected = hf_grads(block)
+    dp = pc.size("dp")
+    for name, p in moe.named_parameters():
+        # every rank fed the same tokens: the expert owner summed them over its ep group
+        grad = p.grad / dp if any(s.mesh_dim == "ep" for s in spec_of(p)) else p.grad
+        full = gather_tensor(grad, spec_of(p), tuple(expected[name].shape), pc.groups, coords)
+        diff = (full - expected[name]).abs().max().item()
+        assert diff < ATOL, f"gradient of {name} differs by {diff}"
+    return logits.shape
+
+
+def test_moe_matches_qwen2_moe_block():
+    run_distributed(moe_matches_qwen, 1, 1, 1, False, timeout=60)
+
+
+@pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 1, True)])
+def test_moe_parallel_matches_qwen2_moe_block(tp, ep, sp):
+    run_distributed(moe_matches_qwen, tp * ep, tp, ep, sp, timeout=90)
+
+
+def _reference_with_capacity(moe, x, factor):
+    """Loop over assignments in token order; an expert takes at most `capacity` of them."""
+    tokens = x.reshape(-1, HIDDEN)
+    _, weights, experts = moe.gate(tokens)
+    capacity = math.ceil(factor * experts.numel() / EXPERTS)
+    taken = [0] * EXPERTS
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        for j in range(TOP_K):
+            e = int(experts[t, j])
+            taken[e] += 1
+            if taken[e] > capacity:
+                continue
+            gate, up = F.linear(tokens[t], moe.experts.gate_up_proj[e]).chunk(2)
+            out[t] += weights[t, j] * F.linear(F.silu(gate) * up, moe.experts.down_proj[e])
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 100.0])
+def test_capacity_factor_drops_late_assignments(factor):
+    from colozoo.layers.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor)
+    with torch.no_grad():
+        moe.gate.weight.normal_(std=1.0)  # skewed routing, so capacity bites
+    x = torch.randn(2, 12, HIDDEN)
+    out, _ = moe(x)
+    ref = _reference_with_capacity(moe, x, factor)
+    assert (out - ref).abs().max().item() < ATOL
+    if factor == 100.0:  # nothing dropped: the same as dropless
+        moe.capacity_factor = None
+        assert torch.equal(moe(x)[0], out)
+
+
+def test_bad_configurations_are_named():
+    from colozoo.layers.moe import MoE, TopKRouter
+
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=0.0)
+    with pytest.raises(ValueError, match="top_k=5"):
+        TopKRouter(HIDDEN, EXPERTS, 5)
+
+
+def test_losses_match_their_formulas():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from colozoo.layers.moe import load_balancing_loss, router_z_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(10, EXPERTS, generator=g) for _ in range(3)]
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[0, :2] = 0
+    for m in (None, mask):
+        expected = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K, m)
+        assert abs(load_balancing_loss(logits, EXPERTS, TOP_K, m).item() - expected.item()) < 1e-6
+    keep = mask.reshape(-1).bool()
+    z = torch.cat([torch.logsumexp(l, -1)[keep] ** 2 for l in logits]).mean()
+    assert abs(router_z_loss(logits, mask).item() - z.item()) < 1e-6
