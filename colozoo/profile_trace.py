@@ -1,0 +1,282 @@
+"""Trace one forward+backward on meta tensors and record what it costs, op by op (the MAP idea).
+
+Nothing is computed and nothing is allocated: every tensor lives on the meta device. A dispatch mode sees
+every aten and c10d op, counts its FLOPs with torch.utils.flop_counter's formulas, follows the lifetime of
+every storage it creates (to find the temporaries alive at each op), and records each collective's payload
+and process group. Saved-tensor hooks record the bytes autograd keeps for backward (deduplicated by
+storage, parameters excluded), and a walk of the autograd graph names the op that saved each one.
+Everything is attributed to the innermost module running, in forward and in backward (ModuleTracker).
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+from torch.utils.module_tracker import ModuleTracker
+
+aten = torch.ops.aten
+
+
+def _cpu_flash_flops(query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# flop_counter knows the CUDA attention kernels but not the CPU flash kernel; same formula (full s x s, as
+# flop_counter counts the CUDA ones). Pass these to FlopCounterMode(custom_mapping=...) to compare.
+EXTRA_FLOP_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+}
+FLOP_REGISTRY = {**flop_registry, **{op: shape_wrapper(f) for op, f in EXTRA_FLOP_FORMULAS.items()}}
+
+# c10d op -> (collective name, which tensor argument's bytes are the payload)
+COLLECTIVES = {
+    "allreduce_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "broadcast_": "broadcast",
+    "send": "send",
+    "recv_": "recv",
+}
+
+
+def storage_key(t: torch.Tensor):
+    try:
+        return StorageWeakRef(t.untyped_storage()).cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def op_name_of_node(node) -> str:
+    """'NativeLayerNormBackward0' -> 'native_layer_norm' (custom Functions keep their class name)."""
+    name = re.sub(r"Backward\d*$", "", node.name())
+    if name.startswith("_") or "." in name:
+        return name
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@dataclass
+class StorageLife:
+    nbytes: int
+    birth: int
+    death: int | None = None
+
+
+@dataclass
+class Collective:
+    step: int
+    module: str
+    phase: str
+    name: str
+    group: str
+    group_size: int
+    nbytes: int
+
+
+@dataclass
+class SavedTensor:
+    module: str
+    step: int
+    nbytes: int
+    shape: tuple
+    dtype: torch.dtype
+    op: str = "?"
+
+
+@dataclass
+class Trace:
+    """Raw per-op records of one traced step; `steps[i]` is (module, phase, op name, flops) of op i."""
+    steps: list = field(default_factory=list)
+    storages: dict = field(default_factory=dict)       # storage key -> StorageLife
+    saved: dict = field(default_factory=dict)          # storage key -> SavedTensor
+    collectives: list = field(default_factory=list)
+    params_saved_by: dict = field(default_factory=lambda: defaultdict(set))  # param name -> modules that saved it
+    module_inputs: dict = field(default_factory=dict)  # module name -> bytes of its first tensor input
+    grad_keys: set = field(default_factory=set)
+
+    def temporaries(self) -> list[int]:
+        """Bytes of op outputs alive at each op that are neither saved for backward nor final gradients."""
+        delta = [0] * (len(self.steps) + 2)
+        for key, life in self.storages.items():
+            if key in self.saved or key in self.grad_keys:
+                continue
+            delta[life.birth] += life.nbytes
+            end = life.death if life.death is not None else len(self.steps) + 1
+            delta[end] -= life.nbytes
+        out, live = [], 0
+        for i in range(len(self.steps)):
+            live += delta[i]
+            out.append(live)
+        return out
+
+
+class _SdpaKernel(TorchFunctionMode):
+    """Route meta scaled_dot_product_attention to the fused kernel the target device runs.
+
+    On meta, SDPA would decompose into the eager math path, which saves the (s x s) probabilities. GPUs
+    (and CPUs without dropout) run a flash kernel that saves only q, k, v, the output and the row
+    log-sum-exp; the CPU flash op has the same saved set and meta support, so it stands in for both.
+    """
+
+    def __init__(self, target: str):
+        super().__init__()
+        self.target = target
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            return self._fused(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if self.target == "cpu" and dropout_p > 0:  # CPU runs dropout attention on the math path
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa and k.shape[1] != q.shape[1]:  # slight overestimate: GQA kernels keep k/v unrepeated
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernels take an additive float mask
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask,
+                                                                scale=scale)[0]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: Trace, tracker: ModuleTracker, group_names: dict):
+        super().__init__()
+        self.trace, self.tracker, self.group_names = trace, tracker, group_names
+        self.phase = "forward"
+        self.live: dict = {}  # storage key -> StorageWeakRef of storages not yet freed
+
+    def module(self) -> str:
+        return max(self.tracker.parents, key=len, default="Global")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        step = len(self.trace.steps)
+        module = self.module()
+        packet = func._overloadpacket
+        flops = 0
+        if packet in FLOP_REGISTRY:
+            flops = FLOP_REGISTRY[packet](*args, **kwargs, out_val=out)
+        self.trace.steps.append((module, self.phase, packet.__name__.lstrip("_"), flops))
+        if func.namespace == "c10d":
+            self._collective(func, args, step, module)
+        self._sweep(step)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key is not None and key not in self.live and key not in self.trace.storages:
+                    self.live[key] = StorageWeakRef(t.untyped_storage())
+                    self.trace.storages[key] = StorageLife(t.untyped_storage().nbytes(), step)
+        return out
+
+    def _sweep(self, step: int):
+        dead = [key for key, ref in self.live.items() if ref.expired()]
+        for key in dead:
+            self.trace.storages[key].death = step
+            del self.live[key]
+
+    def _collective(self, func, args, step, module):
+        name = COLLECTIVES.get(func._overloadpacket.__name__)
+        if name is None:
+            return
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+        pg = dist.ProcessGroup.unbox(group) if group is not None else None
+        size = pg.size() if pg is not None else 1
+        if name in ("all_gather",):  # (output, input): the payload is the gathered output
+            nbytes = tensors[0].numel() * tensors[0].element_size()
+        elif name in ("reduce_scatter", "all_to_all"):  # (output, input): the payload is the full input
+            nbytes = tensors[-1].numel() * tensors[-1].element_size()
+        else:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        group_name = self.group_names.get(pg, f"group{size}")
+        self.trace.collectives.append(Collective(step, module, self.phase, name, group_name, size, nbytes))
+
+
+def _record_graph_ops(trace: Trace, roots):
+    """Name the op that saved each tensor by walking the autograd graph once."""
+    seen, stack = set(), [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        op = op_name_of_node(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_") and attr != "saved_tensors":
+                continue
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # freed or unavailable
+                continue
+            for t in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(t, torch.Tensor):
+                    key = storage_key(t)
+                    if key in trace.saved and trace.saved[key].op == "?":
+                        trace.saved[key].op = op
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: dict | None = None) -> Trace:
+    """Trace `loss = run(module)` and `loss.backward()` on meta tensors; `module`'s parameters must be on meta."""
+    trace = Trace()
+    param_keys = {}
+    for name, p in module.named_parameters():
+        param_keys.setdefault(storage_key(p), name)
+    buffer_keys = {storage_key(b) for b in module.buffers()}
+    tracker = ModuleTracker()
+    recorder = _Recorder(trace, tracker, group_names or {})
+
+    def pack(t):
+        key = storage_key(t)
+        if key is None or key in buffer_keys:
+            return t
+        if key in param_keys:
+            trace.params_saved_by[param_keys[key]].add(recorder.module())
+        elif key not in trace.saved:
+            storage = t.untyped_storage()
+            trace.saved[key] = SavedTensor(recorder.module(), len(trace.steps), storage.nbytes(), tuple(t.shape),
+                                           t.dtype)
+        return t
+
+    def remember_input(mod, args):
+        name = tracker._get_mod_name(mod) if hasattr(tracker, "_get_mod_name") else None
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if name is not None and first is not None and name not in trace.module_inputs:
+            trace.module_inputs[name] = first.numel() * first.element_size()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(remember_input)
+    try:
+        with _SdpaKernel(target), tracker, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = run(module)
+            _record_graph_ops(trace, [loss.grad_fn])
+            recorder.phase = "backward"
+            loss.backward()
+            del loss
+            recorder._sweep(len(trace.steps))
+    finally:
+        handle.remove()
+    trace.grad_keys = {storage_key(p.grad) for p in module.parameters() if p.grad is not None}
+    return trace
