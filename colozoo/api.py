@@ -1,0 +1,84 @@
+"""`colozoo.from_pretrained`: a named model or a local checkpoint, built on meta, each rank loading only its slices.
+
+    model = colozoo.from_pretrained("opt-1.3b", tp=2, pp=2)    # a registry name (or "facebook/opt-1.3b")
+    model = colozoo.from_pretrained("/data/ckpt", tp=4)        # a local HF directory or colozoo checkpoint
+
+Weights resolve from a local path, then from the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub,
+else ~/.cache/huggingface/hub); nothing is downloaded.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from colozoo.checkpoint import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint
+from colozoo.checkpoint_format import ColozooCheckpoint, ModelLayout, load_global_tensors, parse_dtype
+from colozoo.parallel import init_parallel
+from colozoo.registry import config_from_dict, get_entry, lookup
+
+
+def hf_cache_dirs() -> list[Path]:
+    if os.environ.get("HF_HUB_CACHE"):
+        return [Path(os.environ["HF_HUB_CACHE"])]
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return [hf_home / "hub"]
+
+
+def find_in_cache(repo: str) -> tuple[Path | None, list[Path]]:
+    """The snapshot directory of `repo` holding weights (refs/main first, else the newest), and where it looked."""
+    looked = []
+    for cache in hf_cache_dirs():
+        root = cache / f"models--{repo.replace('/', '--')}"
+        looked.append(root)
+        snapshots = root / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        candidates = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+        main = root / "refs" / "main"
+        if main.is_file():
+            candidates.insert(0, snapshots / main.read_text().strip())
+        for snapshot in candidates:
+            if any((snapshot / f).exists() for f in HF_WEIGHT_FILES):
+                return snapshot, looked
+    return None, looked
+
+
+def resolve(name_or_path: str | os.PathLike, allow_bin: bool = False, verify: bool = True):
+    """The checkpoint to load: a local directory (HF or colozoo), else a registry name found in the HF cache."""
+    path = Path(name_or_path)
+    if path.exists():
+        return open_checkpoint(path, allow_bin=allow_bin, verify=verify)
+    found = lookup(str(name_or_path))
+    if found is None:
+        text = str(name_or_path)
+        if text.startswith((".", "/", "~")) or text.count("/") > 1:
+            raise FileNotFoundError(f"no checkpoint at {path} (no such directory)")
+        get_entry(str(name_or_path))  # raises the unknown-name error with suggestions
+    name, entry = found
+    snapshot, looked = find_in_cache(entry["repo"])
+    if snapshot is None:
+        places = ", ".join(str(p) for p in [path.absolute(), *looked])
+        raise FileNotFoundError(f"weights of {name!r} ({entry['repo']}) not found locally; looked in {places} "
+                                f"(the HF cache honours HF_HUB_CACHE and HF_HOME). Fetch them with "
+                                f"`huggingface-cli download {entry['repo']}`, or pass a local directory.")
+    config = None if (snapshot / "config.json").exists() else config_from_dict(entry["config"], entry["architecture"])
+    return HFCheckpoint(snapshot, config=config, allow_bin=allow_bin)
+
+
+def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1,
+                    sequence_parallel: bool = False, dtype=None, device=None, allow_bin: bool = False,
+                    verify: bool = True):
+    """Build this rank's shard of a model and load its slices. `dtype=None` keeps the checkpoint's dtype;
+    `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums."""
+    from colozoo.models import build_model
+
+    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
+    source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
+    config = source.config
+    layout = ModelLayout(config)
+    if isinstance(source, ColozooCheckpoint):
+        source.check_against(layout)
+    dtype = parse_dtype(dtype) or source.tensor(next(iter(layout.tensors))).dtype
+    model = build_model(config, pc=pc, device="meta", dtype=dtype)
+    load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
+    return model.eval()

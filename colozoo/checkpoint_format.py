@@ -1,0 +1,370 @@
+"""The colozoo sharded checkpoint format: a directory with `colozoo_index.json` and safetensors files.
+
+The index holds the format version, the family, the HF config, the mesh it was saved on, and for every
+*global* tensor (our names, global layer/expert indices, vocabulary padding never stored, fused q/k/v stored
+fused, tied embeddings stored once) its shape, dtype, shard spec and the pieces that hold it:
+{file, key, offsets (global start per dim), shape}. Every file carries its sha256 and size. Any mesh reads
+any other mesh's checkpoint by slices: a piece is read only where it meets the requested slice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from colozoo.converters.sources import CheckpointError
+from colozoo.layers.shard import Split, load_shard, local_shape, materialize, spec_of, stored_pieces
+from colozoo.parallel import ParallelConfig, ParallelContext, coords_of
+from colozoo.safetensors_io import DTYPE_CODES, DTYPES, SafetensorsFile
+
+INDEX_NAME = "colozoo_index.json"
+FORMAT_VERSION = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    try:
+        return names[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use fp32, fp16 or bf16") from None
+
+
+def is_colozoo_checkpoint(path) -> bool:
+    return (Path(path) / INDEX_NAME).is_file()
+
+
+# --- which global tensors a model has, and on which pipeline stage ---------------------------------------
+
+def _tied_aliases(model) -> dict[str, str]:
+    """{alias: owner} for weights a module borrows from another (the LM head tied to the embedding)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for name, module in model.named_modules():
+        if getattr(module, "tied", False) and hasattr(module, "_tied"):
+            owner = names[id(module._tied[0])]
+            out[f"{name}.weight"] = f"{owner}.weight"
+    return out
+
+
+def build_virtual(config, pp: int = 1, pp_rank: int = 0):
+    """A meta model of one pipeline stage at tp=1, whose parameter shapes are the global shapes."""
+    from colozoo.models import build_model
+
+    return build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=pp_rank), device="meta")
+
+
+def check_mesh(config, tp: int = 1, pp: int = 1, ep: int = 1):
+    """Let every stage's model check the degrees (heads, kv heads, ffn divisible by tp ...) without a job."""
+    from colozoo.models import build_model
+
+    for rank in range(pp):
+        pc = ParallelContext.virtual(pp=pp, pp_rank=rank)
+        pc.config = ParallelConfig(tp=tp, pp=pp, dp=ep, ep=ep)  # groups stay None: shapes are not used
+        build_model(config, pc=pc, device="meta")
+
+
+@dataclass
+class TensorInfo:
+    shape: tuple[int, ...]
+    spec: tuple[Split, ...]
+    stage: int = 0
+
+
+class ModelLayout:
+    """The global tensors of a model (canonical names, in model order), their specs and pipeline stages."""
+
+    def __init__(self, config, pp: int = 1):
+        full = build_virtual(config)
+        self.config, self.pp = config, pp
+        self.aliases = _tied_aliases(full)
+        self.tensors = {name: TensorInfo(tuple(p.shape), spec_of(p)) for name, p in full.named_parameters()}
+        if pp > 1:
+            seen = set()
+            for rank in range(pp):
+                for name, _ in build_virtual(config, pp, rank).named_parameters():
+                    name = self.canonical(name)
+                    if name not in seen:
+                        self.tensors[name].stage = rank
+                        seen.add(name)
+
+    def canonical(self, name: str) -> str:
+        return self.aliases.get(name, name)
+
+    @property
+    def family(self) -> str:
+        return self.config.model_type
+
+
+# --- writing -----------------------------------------------------------------------------------------------
+
+def check_destination(dst: Path):
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"destination {dst} already exists and is not empty; choose a new path or remove it")
+
+
+@contextmanager
+def atomic_directory(dst, tmp_name: str | None = None):
+    """Yield a temp dir beside `dst`; on success it is fsynced and renamed to `dst`, on failure removed."""
+    dst = Path(dst)
+    check_destination(dst)
+    tmp = dst.parent / (tmp_name or f".{dst.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, dst: Path):
+    fsync_dir(tmp)
+    check_destination(dst)
+    if dst.exists():
+        dst.rmdir()
+    os.rename(tmp, dst)
+    fsync_dir(dst.parent)
+
+
+def file_name(pp_rank: int, tp_rank: int, ep_rank: int) -> str:
+    return f"model-pp{pp_rank:02d}-tp{tp_rank:02d}-ep{ep_rank:02d}.safetensors"
+
+
+def saves(spec, coords) -> bool:
+    """A replicated dimension is saved by its rank 0 only."""
+    split_dims = {s.mesh_dim for s in spec}
+    return all(coords.get(d, (0, 1))[0] == 0 for d in ("tp", "ep") if d not in split_dims)
+
+
+@dataclass
+class Piece:
+    name: str
+    file: str
+    key: str
+    offsets: list[int]
+    index: tuple  # global slice
+    local: tuple = ()  # the same data's slice of the rank's local tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.index)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "key": self.key, "offsets": self.offsets, "shape": list(self.shape)}
+
+
+def rank_pieces(name: str, info: TensorInfo, coords, file: str) -> list[Piece]:
+    """The pieces of a global tensor that the rank at `coords` stores (none if another rank owns them)."""
+    if not saves(info.spec, coords):
+        return []
+    found = [(offsets, tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, info.shape)), local)
+             for offsets, index, local in stored_pieces(info.shape, info.spec, coords)]
+    return [Piece(name, file, name if len(found) == 1 else f"{name}:{i}", offsets, index, local)
+            for i, (offsets, index, local) in enumerate(found)]
+
+
+def plan_mesh(layout: ModelLayout, tp: int, pp: int, ep: int) -> dict[str, list[Piece]]:
+    """Every global tensor's pieces for a checkpoint saved at (tp, pp, ep), in model order."""
+    if pp != layout.pp:
+        raise ValueError(f"layout built for pp={layout.pp}, asked for pp={pp}")
+    out = {}
+    for name, info in layout.tensors.items():
+        out[name] = [piece for t in range(tp) for e in range(ep)
+                     for piece in rank_pieces(name, info, {"tp": (t, tp), "ep": (e, ep)},
+                                              file_name(info.stage, t, e))]
+    return out
+
+
+def make_index(layout: ModelLayout, mesh: dict, tensors: dict[str, dict], files: dict[str, dict]) -> dict:
+    config = layout.config
+    return {"format": "colozoo", "format_version": FORMAT_VERSION, "family": config.model_type,
+            "architecture": (getattr(config, "architectures", None) or [None])[0],
+            "mesh": mesh, "config": config.to_dict(), "tied": layout.aliases, "tensors": tensors, "files": files}
+
+
+def tensor_entry(info: TensorInfo, dtype: torch.dtype, pieces) -> dict:
+    return {"shape": list(info.shape), "dtype": dtype_name(dtype), "spec": [s.to_json() for s in info.spec],
+            "pieces": [p.to_json() if isinstance(p, Piece) else p for p in pieces]}
+
+
+def write_index(directory: Path, index: dict):
+    path = directory / INDEX_NAME
+    with open(path, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- reading -----------------------------------------------------------------------------------------------
+
+class ColozooTensor:
+    """One global tensor of a colozoo checkpoint: `shape`, `dtype`, and `read(index)` over its pieces."""
+
+    def __init__(self, checkpoint: "ColozooCheckpoint", name: str, entry: dict):
+        self.checkpoint, self.name = checkpoint, name
+        self.shape = tuple(entry["shape"])
+        self.dtype = getattr(torch, entry["dtype"])
+        self.spec = tuple(Split.from_json(s) for s in entry.get("spec", ()))
+        self.pieces = entry["pieces"]
+
+    def read(self, index: tuple | None = None) -> torch.Tensor:
+        index = tuple(index or ())
+        box = [range(*s.indices(n)) for s, n in zip(index, self.shape)]
+        box += [range(n) for n in self.shape[len(box):]]
+        out = None
+        for piece in self.pieces:
+            start = piece["offsets"]
+            meet = [range(max(b.start, o), min(b.stop, o + n)) for b, o, n in zip(box, start, piece["shape"])]
+            if any(len(r) == 0 for r in meet) and self.shape:
+                continue
+            local = tuple(slice(r.start - o, r.stop - o) for r, o in zip(meet, start))
+            data = self.checkpoint.read_piece(self.name, piece, local)
+            if meet == box:
+                return data
+            if out is None:
+                out = torch.empty([len(r) for r in box], dtype=self.dtype)
+            out[tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(meet, box))] = data
+        if out is None:
+            raise CheckpointError(f"{self.checkpoint.path}: no piece of {self.name!r} covers the slice {index}")
+        return out
+
+
+class ColozooCheckpoint:
+    """A colozoo checkpoint directory opened for slice reads; files are checked (size, sha256) when first used."""
+
+    def __init__(self, path, verify: bool = True):
+        self.path = Path(path)
+        index_path = self.path / INDEX_NAME
+        if not index_path.is_file():
+            raise CheckpointError(f"{self.path} is not a colozoo checkpoint (no {INDEX_NAME})")
+        try:
+            self.index = json.loads(index_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index_path} is corrupted: {e}") from None
+        if self.index.get("format") != "colozoo" or self.index.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{index_path}: unsupported format {self.index.get('format')!r} version "
+                                  f"{self.index.get('format_version')!r} (this colozoo reads version {FORMAT_VERSION})")
+        self.verify = verify
+        self._files: dict[str, SafetensorsFile] = {}
+        for name, info in self.index["files"].items():
+            file = self.path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file} is listed in {INDEX_NAME} but missing")
+            if file.stat().st_size != info["size"]:
+                raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the index says {info['size']} "
+                                      f"(truncated or corrupted)")
+        for name, entry in self.index["tensors"].items():
+            covered = sum(math.prod(p["shape"]) for p in entry["pieces"])
+            if covered != math.prod(entry["shape"]):
+                raise CheckpointError(f"{index_path}: the pieces of {name!r} cover {covered} of "
+                                      f"{math.prod(entry['shape'])} elements")
+
+    @cached_property
+    def config(self):
+        from colozoo.registry import config_from_dict
+
+        return config_from_dict(self.index["config"], self.index.get("architecture"))
+
+    @property
+    def mesh(self) -> dict:
+        return self.index["mesh"]
+
+    def names(self) -> list[str]:
+        return list(self.index["tensors"])
+
+    def tensor(self, name: str) -> ColozooTensor:
+        try:
+            return ColozooTensor(self, name, self.index["tensors"][name])
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {self.path}") from None
+
+    def file(self, name: str) -> SafetensorsFile:
+        handle = self._files.get(name)
+        if handle is None:
+            if name not in self.index["files"]:
+                raise CheckpointError(f"{self.path / INDEX_NAME} refers to {name}, which it does not list")
+            handle = SafetensorsFile(self.path / name)
+            if self.verify:
+                expected, actual = self.index["files"][name]["sha256"], handle.sha256()
+                if actual != expected:
+                    raise CheckpointError(f"checksum mismatch in {self.path / name}: sha256 {actual}, the index "
+                                          f"says {expected} (corrupted file)")
+            self._files[name] = handle
+        return handle
+
+    def read_piece(self, name: str, piece: dict, local: tuple) -> torch.Tensor:
+        handle = self.file(piece["file"])
+        entry = handle.entries.get(piece["key"])
+        if entry is None or list(entry[1]) != list(piece["shape"]):
+            raise CheckpointError(f"{handle.path}: piece {piece['key']!r} of {name!r} is missing or has the wrong "
+                                  f"shape (index says {piece['shape']})")
+        return handle.read(piece["key"], local)
+
+    def check_against(self, layout: ModelLayout):
+        """Every global tensor of the model present with the right shape, and nothing else."""
+        names = set(self.names())
+        missing = [n for n in layout.tensors if n not in names]
+        unexpected = sorted(names - set(layout.tensors))
+        if missing:
+            raise CheckpointError(f"tensors missing from the checkpoint {self.path}: {missing[:8]}"
+                                  f"{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            raise CheckpointError(f"unexpected tensors in the checkpoint {self.path}: {unexpected[:8]}"
+                                  f"{' ...' if len(unexpected) > 8 else ''}")
+        for name, info in layout.tensors.items():
+            shape = tuple(self.index["tensors"][name]["shape"])
+            if shape != info.shape:
+                raise CheckpointError(f"tensor {name!r} has shape {shape} in {self.path}, but the config gives "
+                                      f"{info.shape}")
+
+
+# --- loading into a live (sharded) model -------------------------------------------------------------------
+
+@torch.no_grad()
+def load_global_tensors(model, lookup, device=None, layout: ModelLayout | None = None):
+    """Materialise `model` with its local shards, reading only its slices of `lookup(global name)`."""
+    aliases = layout.aliases if layout is not None else {}
+    device = torch.device(device) if device is not None else model.pc.device
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        materialize(model, device)
+        if hasattr(model, "reset_buffers"):
+            model.reset_buffers()
+    coords = coords_of(model.pc)
+    for name, param in model.named_parameters():
+        tensor = lookup(aliases.get(name, name))
+        spec = spec_of(param)
+        if layout is not None:
+            expected_global = layout.tensors[aliases.get(name, name)].shape
+            if tuple(tensor.shape) != expected_global:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, but the "
+                                      f"config gives {expected_global}")
+        expected = local_shape(tensor.shape, spec, coords)
+        if expected != tuple(param.shape):
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} gives a local shard {expected}, "
+                                  f"but the model expects {tuple(param.shape)} (does the config match the weights?)")
+        param.copy_(load_shard(tensor.read, tensor.shape, spec, coords, dtype=param.dtype, device=param.device))
+    return model

@@ -1,0 +1,410 @@
+"""The colozoo checkpoint format, conversions, from_pretrained / save_pretrained, CLI and every bad input."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from distributed import run_distributed
+
+import colozoo
+from colozoo import cli
+from colozoo.checkpoint import convert
+from colozoo.checkpoint_format import INDEX_NAME, ColozooCheckpoint
+from colozoo.converters.sources import CheckpointError
+from colozoo.modeling import UnsupportedConfig
+from colozoo.models import MODEL_CLASSES
+from colozoo.registry import UnknownModelError
+
+TIMEOUT = 120
+LOGITS_ATOL = 1e-5
+
+# family -> (model_type, tiny HF config); heads and ffn divisible by 4 so tp=4 works, vocab 101 so it never divides
+FAMILIES = {
+    "gpt2": ("gpt2", dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4)),
+    "gpt2-untied": ("gpt2", dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
+                                 tie_word_embeddings=False, n_inner=128)),
+    "opt": ("opt", dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, ffn_dim=128, num_attention_heads=4,
+                        max_position_embeddings=32, word_embed_proj_dim=64, pad_token_id=1)),
+    "opt-350m-style": ("opt", dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, ffn_dim=128,
+                                   num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32,
+                                   do_layer_norm_before=False, pad_token_id=1)),
+    "llama": ("llama", dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+                            tie_word_embeddings=False)),
+    "mixtral": ("mixtral", dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
+                                num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)),
+    # bert / vit: not causal LMs; add them here once their model and converter modules land
+}
+FIRST_MESH = {"mixtral": dict(tp=2, ep=2)}  # Mixtral does not run under pipeline parallelism yet
+
+
+def available(model_type: str) -> bool:
+    try:
+        importlib.import_module(MODEL_CLASSES[model_type][0])
+        importlib.import_module(f"colozoo.converters.{model_type}")
+    except ImportError:
+        return False
+    return True
+
+
+def family_param(name):
+    marks = [] if available(FAMILIES[name][0]) else [pytest.mark.skip(reason=f"{FAMILIES[name][0]} not available yet")]
+    return pytest.param(name, marks=marks)
+
+
+def make_hf(directory: Path, family: str = "gpt2", dtype=torch.float32, seed: int = 0, **save_kwargs) -> Path:
+    """A random HF checkpoint written by transformers itself, norms and biases perturbed so misplacing one shows."""
+    model_type, kwargs = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(dtype).save_pretrained(directory, **save_kwargs)
+    return directory
+
+
+def hf_state(directory: Path) -> dict[str, torch.Tensor]:
+    index = directory / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        out.update(load_file(directory / f))
+    return out
+
+
+def assert_bit_identical(a: dict, b: dict):
+    assert sorted(a) == sorted(b), set(a) ^ set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, (name, a[name].dtype, b[name].dtype)
+        assert torch.equal(a[name], b[name]), name
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp" in p.name or "staging" in p.name)
+
+
+def batch(vocab: int, seq: int = 12):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    return ids, mask
+
+
+# --- round trips -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", [family_param(f) for f in FAMILIES])
+def test_round_trip_bit_identical(tmp_path, family, dtype):
+    hf = make_hf(tmp_path / "hf", family, dtype)
+    first = convert(hf, tmp_path / "tp2pp2", **FIRST_MESH.get(family, dict(tp=2, pp=2)))
+    assert first["files"] == 4
+    second = convert(tmp_path / "tp2pp2", tmp_path / "tp4", tp=4, pp=1)
+    assert second["files"] == 4 and second["bytes"] == first["bytes"]
+    ckpt = ColozooCheckpoint(tmp_path / "tp4")
+    assert ckpt.mesh["tp"] == 4 and ckpt.index["family"] == FAMILIES[family][0]
+    convert(tmp_path / "tp4", tmp_path / "back", to_hf=True)
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
+    assert not leftovers(tmp_path)
+    if dtype == torch.float32:  # transformers loads the export and computes the same logits
+        original = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+        ids, mask = batch(original.config.vocab_size)
+        assert torch.equal(original(ids, attention_mask=mask).logits, exported(ids, attention_mask=mask).logits)
+
+
+def test_checkpoint_stores_global_unpadded_fused_tensors(tmp_path):
+    make_hf(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ckpt", tp=2, pp=2)
+    index = json.loads((tmp_path / "ckpt" / INDEX_NAME).read_text())
+    assert index["format_version"] == 1 and index["mesh"] == {"tp": 2, "pp": 2, "ep": 1, "dp": 1, "cp": 1}
+    assert index["tied"] == {"lm_head.weight": "wte.weight"} and "lm_head.weight" not in index["tensors"]
+    wte = index["tensors"]["wte.weight"]
+    assert wte["shape"] == [101, 64] and wte["spec"] == [{"mesh_dim": "tp", "dim": 0, "logical_size": 101}]
+    assert [p["shape"] for p in wte["pieces"]] == [[51, 64], [50, 64]]  # padding never stored
+    qkv = index["tensors"]["layers.3.attn.c_attn.weight"]  # global layer index, on the second stage
+    assert qkv["spec"][0]["chunks"] == [64, 64, 64]
+    assert {p["file"] for p in qkv["pieces"]} == {"model-pp01-tp00-ep00.safetensors", "model-pp01-tp01-ep00.safetensors"}
+    assert sorted(p["offsets"][0] for p in qkv["pieces"]) == [0, 32, 64, 96, 128, 160]
+    ln = index["tensors"]["layers.0.ln_1.weight"]  # replicated: saved once
+    assert [p["file"] for p in ln["pieces"]] == ["model-pp00-tp00-ep00.safetensors"]
+    for name, info in index["files"].items():
+        assert len(info["sha256"]) == 64 and (tmp_path / "ckpt" / name).stat().st_size == info["size"]
+    original = hf_state(tmp_path / "hf")
+    qkv_global = ColozooCheckpoint(tmp_path / "ckpt").tensor("layers.3.attn.c_attn.weight").read()
+    assert torch.equal(qkv_global, original["transformer.h.3.attn.c_attn.weight"].t())
+
+
+def test_dtype_conversion_and_sharded_hf(tmp_path):
+    hf = make_hf(tmp_path / "hf", max_shard_size="100KB")  # sharded input with an index
+    assert (hf / "model.safetensors.index.json").exists()
+    convert(hf, tmp_path / "bf16", tp=2, dtype="bf16")
+    convert(tmp_path / "bf16", tmp_path / "out", to_hf=True, max_shard_bytes=100_000)
+    out = tmp_path / "out"
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
+    expected = {k: v.to(torch.bfloat16) for k, v in hf_state(hf).items()}
+    assert_bit_identical(expected, hf_state(out))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+
+
+def test_bin_weights_only_behind_flag(tmp_path):
+    make_hf(tmp_path / "hf")
+    (tmp_path / "bin").mkdir()
+    state = hf_state(tmp_path / "hf")
+    torch.save(state, tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="allow_bin"):
+        convert(tmp_path / "bin", tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    convert(tmp_path / "bin", tmp_path / "ckpt", tp=2, allow_bin=True)
+    convert(tmp_path / "ckpt", tmp_path / "back", to_hf=True)
+    assert_bit_identical(state, hf_state(tmp_path / "back"))
+
+
+# --- from_pretrained / save_pretrained on a mesh --------------------------------------------------------------
+
+def _logits_vs_transformers(path, reference, tp, pp=1, dtype=None):
+    model = colozoo.from_pretrained(path, tp=tp, pp=pp, dtype=dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
+    ids, mask = batch(hf.config.vocab_size)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, return_logits=True).logits
+        ref = hf(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    diff = (out - ref)[keep].abs().max().item()
+    assert diff < LOGITS_ATOL, f"logits differ by {diff}"
+    return diff
+
+
+def _save_then_check(path, out_colozoo, out_hf, tp, pp=1):
+    model = colozoo.from_pretrained(path, tp=tp, pp=pp)
+    model.save_pretrained(out_colozoo)
+    model.save_pretrained(out_hf, format="hf")
+    return True
+
+
+@pytest.mark.parametrize("family", [family_param("gpt2"), family_param("opt")])
+def test_from_pretrained_matches_transformers(tmp_path, family):
+    hf = make_hf(tmp_path / "hf", family)
+    _logits_vs_transformers(hf, hf, tp=1)
+    convert(hf, tmp_path / "tp4pp2", tp=4, pp=2)  # a colozoo checkpoint saved on another mesh
+    run_distributed(_logits_vs_transformers, 2, hf, hf, 2, timeout=TIMEOUT)
+    run_distributed(_logits_vs_transformers, 2, tmp_path / "tp4pp2", hf, 2, timeout=TIMEOUT)
+
+
+def test_from_pretrained_tp2_pp2(tmp_path):
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    convert(hf, tmp_path / "tp1", tp=1)
+    run_distributed(_logits_vs_transformers, 4, tmp_path / "tp1", hf, 2, 2, timeout=TIMEOUT)
+
+
+def test_from_pretrained_dtype(tmp_path):
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    model = colozoo.from_pretrained(hf, dtype="bf16")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert torch.equal(model.wte.weight, hf_state(hf)["transformer.wte.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_save_pretrained_collectively_then_reload(tmp_path, tp, pp):
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    run_distributed(_save_then_check, tp * pp, hf, tmp_path / "saved", tmp_path / "saved_hf", tp, pp, timeout=TIMEOUT)
+    index = json.loads((tmp_path / "saved" / INDEX_NAME).read_text())
+    assert index["mesh"]["tp"] == tp and index["mesh"]["pp"] == pp and len(index["files"]) == tp * pp
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
+    assert not leftovers(tmp_path)
+    _logits_vs_transformers(tmp_path / "saved", hf, tp=1)  # reloaded at another mesh
+    convert(tmp_path / "saved", tmp_path / "back", to_hf=True)
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
+
+
+def test_save_pretrained_refuses_non_empty_destination(tmp_path):
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    model = colozoo.from_pretrained(hf)
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+    for fmt in ("colozoo", "hf"):
+        with pytest.raises(FileExistsError, match="not empty"):
+            model.save_pretrained(tmp_path / "dst", format=fmt)
+    assert [p.name for p in (tmp_path / "dst").iterdir()] == ["keep.txt"] and not leftovers(tmp_path)
+
+
+# --- registry names and the HF cache ---------------------------------------------------------------------
+
+def test_registry_name_resolves_from_hf_cache(tmp_path, monkeypatch):
+    snapshot = tmp_path / "home" / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"
+    make_hf(snapshot, "gpt2")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    for name in ("gpt2", "openai-community/gpt2"):
+        _logits_vs_transformers(name, snapshot, tp=1)
+
+
+def test_registry_name_missing_from_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        colozoo.from_pretrained("opt-125m")
+    message = str(e.value)
+    assert "huggingface-cli download facebook/opt-125m" in message
+    assert str(tmp_path / "cache" / "models--facebook--opt-125m") in message
+
+
+def test_unknown_model_name():
+    with pytest.raises(UnknownModelError, match="unknown model 'gpt2-tiny'.*gpt2"):
+        colozoo.from_pretrained("gpt2-tiny")
+
+
+# --- bad input: one clear error naming the tensor or file, nothing half-written --------------------------
+
+def _rewrite_weights(hf: Path, edit):
+    state = load_file(hf / "model.safetensors")
+    edit(state)
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case,edit,message", [
+    ("missing", lambda s: s.pop("transformer.h.1.mlp.c_fc.weight"), r"missing tensor 'transformer\.h\.1\.mlp\.c_fc\.weight'"),
+    ("unexpected", lambda s: s.update({"transformer.h.9.extra": torch.zeros(2)}), r"unexpected tensors.*transformer\.h\.9\.extra"),
+    ("shape", lambda s: s.update({"transformer.ln_f.weight": torch.zeros(63)}), r"'ln_f\.weight'.*\(63,\).*\(64,\)"),
+])
+def test_bad_hf_tensors(tmp_path, case, edit, message):
+    hf = make_hf(tmp_path / "hf")
+    _rewrite_weights(hf, edit)
+    with pytest.raises(CheckpointError, match=message):
+        convert(hf, tmp_path / "out", tp=2)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        colozoo.from_pretrained(hf)
+
+
+def test_config_disagreeing_with_weights(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "n_inner": 128}))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.c_fc\.weight.*\(256, 64\).*\(128, 64\)"):
+        convert(hf, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tp_not_dividing_heads(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    with pytest.raises(UnsupportedConfig, match=r"tp=3 must divide the attention heads \(n_head\) \(4\)"):
+        convert(hf, tmp_path / "out", tp=3)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    convert(hf, tmp_path / "ckpt", tp=2)
+    for path in (hf / "model.safetensors", tmp_path / "ckpt" / "model-pp00-tp01-ep00.safetensors"):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+        convert(hf, tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"model-pp00-tp01-ep00\.safetensors.*truncated"):
+        convert(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_checksum_mismatch(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    convert(hf, tmp_path / "ckpt", tp=2)
+    path = tmp_path / "ckpt" / "model-pp00-tp01-ep00.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # same size, one byte of a weight flipped
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*model-pp00-tp01-ep00\.safetensors"):
+        convert(tmp_path / "ckpt", tmp_path / "out", to_hf=True)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        colozoo.from_pretrained(tmp_path / "ckpt")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match=r"junk is not a checkpoint"):
+        convert(tmp_path / "junk", tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"junk is not a checkpoint"):
+        colozoo.from_pretrained(tmp_path / "junk")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        convert(tmp_path / "nowhere", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_empty_destination(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"out already exists and is not empty"):
+        convert(hf, tmp_path / "out", tp=2)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    convert(hf, tmp_path / "empty_ok")  # an existing empty directory is fine
+    (tmp_path / "empty").mkdir()
+    convert(hf, tmp_path / "empty")
+    assert (tmp_path / "empty" / INDEX_NAME).exists()
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
+    from colozoo import safetensors_io
+
+    hf = make_hf(tmp_path / "hf")
+    calls = {"n": 0}
+    original = safetensors_io.SafetensorsWriter.write
+
+    def failing_write(self, key, tensor):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return original(self, key, tensor)
+
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "write", failing_write)
+    with pytest.raises(KeyboardInterrupt):
+        convert(hf, tmp_path / "out", tp=2)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_missing_tensor_in_colozoo_checkpoint(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    convert(hf, tmp_path / "ckpt")
+    index_path = tmp_path / "ckpt" / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    del index["tensors"]["layers.2.ln_2.bias"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint.*layers\.2\.ln_2\.bias"):
+        convert(tmp_path / "ckpt", tmp_path / "out", tp=2)
+    with pytest.raises(CheckpointError, match=r"layers\.2\.ln_2\.bias"):
+        colozoo.from_pretrained(tmp_path / "ckpt")
+
+
+# --- CLI -----------------------------------------------------------------------------------------------------
+
+def test_cli_convert_and_models(tmp_path, capsys):
+    hf = make_hf(tmp_path / "hf")
+    assert cli.main(["convert", str(hf), str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr()
+    assert "52 tensors" in out.out and "peak RSS" in out.out and "B/s" in out.err, out  # summary and byte progress bar
+    assert cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf2"), "--to-hf", "--quiet"]) == 0
+    assert hf_state(tmp_path / "hf2")["transformer.wte.weight"].dtype == torch.bfloat16
+    assert cli.main(["convert", str(hf), str(tmp_path / "ckpt"), "--quiet"]) == 1
+    assert "already exists and is not empty" in capsys.readouterr().err
+    assert cli.main(["convert", str(hf), str(tmp_path / "x"), "--tp", "3", "--quiet"]) == 1
+    assert "tp=3 must divide" in capsys.readouterr().err
+    assert cli.main(["models"]) == 0
+    table = capsys.readouterr().out
+    assert "opt-66b" in table and "facebook/opt-66b" in table and "gpt2-xl" in table
