@@ -1,0 +1,63 @@
+"""The model registry: offline configs with real hyperparameters, name / repo-id lookup, `colozoo models`."""
+import io
+import json
+
+import pytest
+import transformers
+
+from colozoo import cli, registry
+
+REQUIRED = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "opt-125m", "opt-350m", "opt-1.3b", "opt-2.7b",
+            "opt-6.7b", "opt-13b", "opt-30b", "opt-66b"]
+
+
+def test_required_names_present():
+    models = registry.registry()
+    assert set(REQUIRED) <= set(models)
+    for name in REQUIRED:
+        entry = models[name]
+        assert entry["config"]["model_type"] == entry["family"]
+        assert entry["architecture"] in entry["config"]["architectures"]
+
+
+@pytest.mark.parametrize("name,cls,expected", [
+    ("gpt2", transformers.GPT2Config, dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),
+    ("gpt2-xl", transformers.GPT2Config, dict(n_embd=1600, n_layer=48, n_head=25)),
+    ("opt-350m", transformers.OPTConfig, dict(hidden_size=1024, word_embed_proj_dim=512, do_layer_norm_before=False)),
+    ("facebook/opt-30b", transformers.OPTConfig, dict(hidden_size=7168, num_hidden_layers=48, num_attention_heads=56,
+                                                      ffn_dim=28672, vocab_size=50272, max_position_embeddings=2048)),
+    ("opt-66b", transformers.OPTConfig, dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72)),
+    ("openai-community/gpt2-medium", transformers.GPT2Config, dict(n_embd=1024, n_layer=24, n_head=16)),
+])
+def test_get_config(name, cls, expected):
+    config = registry.get_config(name)
+    assert type(config) is cls
+    assert {k: getattr(config, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("name,params", [("gpt2", 124_439_808), ("opt-125m", 125_239_296), ("opt-350m", 331_196_416)])
+def test_parameter_counts_match_the_published_models(name, params):
+    assert registry.count_parameters(registry.get_config(name)) == params
+
+
+def test_unknown_name_suggests_close_ones():
+    with pytest.raises(registry.UnknownModelError, match=r"unknown model 'opt-13B'.*opt-13b"):
+        registry.get_config("opt-13B")
+
+
+def test_registry_files_are_well_formed():
+    for path in registry.CONFIG_DIR.glob("*.json"):
+        for name, entry in json.loads(path.read_text()).items():
+            assert set(entry) == {"repo", "architecture", "config"}, (path.name, name)
+            assert entry["config"]["model_type"] and entry["repo"].count("/") == 1, (path.name, name)
+
+
+def test_models_command(capsys):
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in REQUIRED:
+        assert name in out
+    assert "facebook/opt-66b" in out and "65.7B" in out and "124.4M" in out
+    buffer = io.StringIO()
+    registry.print_models(file=buffer)
+    assert "openai-community/gpt2-xl" in buffer.getvalue()
