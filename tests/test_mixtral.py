@@ -42,7 +42,7 @@ class RecordingReader:
 
 def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", config_overrides=None):
     from colozoo.converters import GlobalTensor, SafetensorsReader, StateDictReader, load_hf_weights
-    from colozoo.converters.mixtral import hf_sources, module_sources
+    from colozoo.converters.mixtral import module_sources
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.models import build_model
     from colozoo.parallel import coords_of, init_parallel
@@ -80,7 +80,7 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
     for what, diff in report.items():
         assert diff < ATOL, f"{what} differs by {diff} (tp={tp} ep={ep} cp={cp})"
 
-    sources, shapes = module_sources(config), {}
+    sources = module_sources(config)
     dp = pc.size("dp")
     worst = 0.0
     for name, p in model.named_parameters():

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
