@@ -130,7 +130,7 @@ class Trace:
 
 
 class _SdpaKernel(TorchFunctionMode):
-    """Route meta scaled_dot_product_attention to the fused kernel the target device runs.
+    """Route meta attention (and, for CUDA, dropout) to the fused kernels the target device runs.
 
     On meta, SDPA would decompose into the eager math path, which saves the (s x s) probabilities. GPUs
     (and CPUs without dropout) run a flash kernel that saves only q, k, v, the output and the row
@@ -145,7 +145,16 @@ class _SdpaKernel(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
             return self._fused(*args, **kwargs)
+        if func is F.dropout and self.target == "cuda" and args and args[0].device.type == "meta":
+            return self._dropout(*args, **kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(x, p=0.5, training=True, inplace=False):
+        """CUDA runs the fused native_dropout, which keeps a 1-byte mask (CPU keeps one of the input's dtype)."""
+        if not training or p == 0.0:
+            return x
+        return torch.native_dropout(x, p, True)[0]
 
     def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if self.target == "cpu" and dropout_p > 0:  # CPU runs dropout attention on the math path

@@ -482,7 +482,7 @@ def _units(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> dict
             u.bwd_flops += fl
         u.transient_bytes = max(u.transient_bytes, temps[i])
     for saved in trace.saved.values():
-        u = unit(step_unit[min(saved.step, len(step_unit) - 1)])
+        u = unit(_unit_of_saved(saved, trace, step_unit, layer_prefix))
         if u is None:
             continue
         u.saved_bytes += saved.nbytes
@@ -501,6 +501,16 @@ def _units(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> dict
             if name.startswith("layer:"):
                 u.input_bytes = trace.module_inputs.get(layer_prefix + name.split(":", 1)[1], 0)
     return units
+
+
+def _unit_of_saved(saved, trace: Trace, step_unit, layer_prefix) -> str:
+    """A tensor is packed just before or just after its op is recorded: take the nearest op of its module."""
+    i = min(saved.step, len(step_unit) - 1)
+    if layer_prefix and saved.module.startswith(layer_prefix):
+        return f"layer:{saved.module[len(layer_prefix):].split('.')[0]}"
+    while i > 0 and layer_prefix and trace.steps[i][0].startswith(layer_prefix):
+        i -= 1
+    return step_unit[i]
 
 
 def _module_units(trace: Trace, step_unit) -> dict[str, str]:
