@@ -53,11 +53,30 @@ class TopKRouter(nn.Module):
         return logits, weights, experts
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (torch._grouped_mm rejects expanded ones)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_mm_fits(x, weight) -> bool:
+    # torch's grouped GEMM takes bf16 only, with rows 16-byte aligned
+    return (hasattr(torch, "_grouped_mm") and x.dtype == weight.dtype == torch.bfloat16 and x.shape[0] > 0
+            and weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of x grouped by expert (`counts` rows each) times that expert's weight (experts, out, in)^T."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0] > 0:
+    """Rows of x grouped by expert (`counts` rows each) times that expert's weight (experts, out, in)^T:
+    one grouped GEMM where torch offers it (bf16), a loop over experts otherwise."""
+    if _grouped_mm_fits(x, weight):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-1, -2), offs=offsets)
+        return _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), weight.transpose(-1, -2), offs=offsets))
     outs = [F.linear(rows, w) for rows, w in zip(x.split(counts), weight) if rows.shape[0]]
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
 
