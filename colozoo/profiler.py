@@ -368,28 +368,74 @@ def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh
     setup = Setup(batch_size=batch_size, seq_len=seq_len or 0, dtype=dtype, checkpointing=checkpointing,
                   checkpoint_layers=checkpoint_layers, optimizer=optimizer, zero=zero,
                   num_microbatches=num_microbatches, schedule=schedule, offload=offload, target=target)
-    config, generic = _resolve(model_or_name)
+    config, _ = _resolve(model_or_name)
     if setup.seq_len == 0:
-        setup.seq_len = min(getattr(config, "max_position_embeddings", 1024) or 1024, 2048) if config else 1024
+        setup.seq_len = default_seq_len(config)
     setup.check()
-    if setup.seq_len % pc.cp:
-        raise ProfilerError(f"seq_len={setup.seq_len} must be divisible by cp={pc.cp}")
-    local_seq = setup.seq_len // pc.cp
+    mt = trace_model(model_or_name, setup.batch_size, setup.seq_len, pc, setup.dtype, setup.target, inputs)
+    report = assemble(mt, pc, setup)
+    report.profile_seconds = time.perf_counter() - start
+    return report
+
+
+def default_seq_len(config) -> int:
+    return min(getattr(config, "max_position_embeddings", 1024) or 1024, 2048) if config is not None else 1024
+
+
+@dataclass
+class ModelTrace:
+    """What tracing one micro-batch teaches about a model at given tp/ep/sp and local sequence length; the
+    pipeline, data parallel and training options are applied afterwards by `assemble`."""
+    name: str
+    units: dict                  # unit key -> UnitCost
+    layers: list                 # global layer keys in order
+    total_params: int
+    tied_bytes: int              # owned by the embedding, used by the head: duplicated on the last pp stage
+    batch_size: int
+    local_seq: int
+    dtype: str
+
+    def scaled(self, batch_size: int) -> "ModelTrace":
+        """The same model at another micro-batch size: every activation, FLOP and collective is linear in it."""
+        import copy
+
+        f = batch_size / self.batch_size
+        units = {}
+        for key, u in self.units.items():
+            v = copy.deepcopy(u)
+            for attr in ("fwd_flops", "bwd_flops", "saved_bytes", "attention_core_bytes", "input_bytes",
+                         "transient_bytes"):
+                setattr(v, attr, int(getattr(u, attr) * f))
+            v.comm = {k: n * f for k, n in u.comm.items()}  # (the small weight-gradient all-reduces too)
+            v.ops = {op: {k: (n if k == "calls" else int(n * f)) for k, n in st.items()} for op, st in u.ops.items()}
+            units[key] = v
+        return ModelTrace(self.name, units, self.layers, self.total_params, self.tied_bytes, batch_size,
+                          self.local_seq, self.dtype)
+
+
+def trace_model(model_or_name, batch_size: int, seq_len: int, mesh=None, dtype: str = "bfloat16",
+                target: str = "cuda", inputs: dict | None = None) -> ModelTrace:
+    """Trace one micro-batch (one layer of each kind) at the mesh's tp, ep, sp and cp (as seq_len / cp)."""
+    pc = parse_mesh(mesh)
+    config, generic = _resolve(model_or_name)
+    torch_dtype = DTYPES[dtype]
+    if seq_len % pc.cp:
+        raise ProfilerError(f"seq_len={seq_len} must be divisible by cp={pc.cp}")
+    local_seq = seq_len // pc.cp
     if generic is not None and (pc.tp > 1 or pc.ep > 1 or pc.pp > 1):
         raise ProfilerError(f"{type(generic).__name__} is not a colozoo model: only dp and cp apply to it "
                             f"(got tp={pc.tp}, pp={pc.pp}, ep={pc.ep})")
-    vocab = getattr(config, "vocab_size", None) or 2
     if inputs is None:
-        ids = torch.zeros(setup.batch_size, local_seq, dtype=torch.long, device="meta")
+        ids = torch.zeros(batch_size, local_seq, dtype=torch.long, device="meta")
         inputs = {"input_ids": ids, "labels": ids}
     from colozoo.kernels.dispatch import use_kernels
 
     with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)):
         if generic is not None:
             model, group_names = generic, {}
-            params = {n: _meta_like(p, setup.torch_dtype) for n, p in model.named_parameters()}
+            params = {n: _meta_like(p, torch_dtype) for n, p in model.named_parameters()}
         else:
-            model, context = _build_parallel_model(config, pc, setup.torch_dtype)
+            model, context = _build_parallel_model(config, pc, torch_dtype)
             params = dict(model.named_parameters())
             group_names = {g: name for name, g in context.groups.items() if g is not None and name in ("tp", "ep")}
         prefix, container = _layer_container(model)
@@ -397,22 +443,23 @@ def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh
         all_layers = [k for keys in kinds.values() for k in keys]
         with _representatives_only(model, prefix, container, kinds) as renamed:
             if generic is not None:
-                run = _meta_copy_run(model, inputs, setup.torch_dtype)
+                run = _meta_copy_run(model, inputs, torch_dtype)
             else:
                 run = lambda m: _loss_of(m(**inputs))  # noqa: E731
-            trace = trace_step(model, run, target=setup.target, group_names=group_names)
-        traced_model = model
+            trace = trace_step(model, run, target=target, group_names=group_names)
+    root = type(model).__name__
     if renamed:
-        _rename_layers(trace, f"{type(model).__name__}.{prefix}.", renamed)
-    root = type(traced_model).__name__
+        _rename_layers(trace, f"{root}.{prefix}.", renamed)
     layer_prefix = f"{root}.{prefix}." if prefix else None
     step_unit = _unit_of_steps(trace, layer_prefix)
     module_unit = _module_units(trace, step_unit)
     units = _units(trace, step_unit, layer_prefix, kinds, local_seq)
     _assign_params(units, params, prefix, kinds, module_unit, root)
-    report = _assemble(model_or_name, config, pc, setup, units, params, all_layers, trace, root, prefix, module_unit)
-    report.profile_seconds = time.perf_counter() - start
-    return report
+    tied = _tied_head_bytes(trace, params, prefix, module_unit, root)
+    if all(k.isdigit() for k in all_layers):
+        all_layers = sorted(all_layers, key=int)
+    name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
+    return ModelTrace(name, units, all_layers, _global_params(params, pc), tied, batch_size, local_seq, dtype)
 
 
 def _resolve(model_or_name):
@@ -553,17 +600,22 @@ def _tied_head_bytes(trace: Trace, params, prefix, module_unit, root) -> int:
     return total
 
 
-def _assemble(model_or_name, config, pc: ParallelConfig, setup: Setup, units, params, all_layers, trace, root,
-              prefix, module_unit) -> ProfileReport:
+def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
+    """Per-rank memory, FLOPs and communication of a training step from a traced micro-batch."""
     from colozoo.partition import stage_layers
 
-    tied = _tied_head_bytes(trace, params, prefix, module_unit, root) if pc.pp > 1 else 0
+    pc = parse_mesh(mesh)
+    setup.check()
+    if mt.batch_size != setup.batch_size:
+        mt = mt.scaled(setup.batch_size)
+    units, all_layers = mt.units, mt.layers
+    tied = mt.tied_bytes if pc.pp > 1 else 0
     itemsize = setup.torch_dtype.itemsize
     layer_unit = {k: u for u in units.values() for k in u.layers}
     n_layers = len(all_layers)
     if pc.pp > n_layers:
         raise ProfilerError(f"pp={pc.pp} exceeds the {n_layers} layers of the model")
-    order = sorted(all_layers, key=int) if all(k.isdigit() for k in all_layers) else all_layers
+    order = all_layers
     stages = stage_layers(n_layers, pc.pp) if n_layers else [[]]
     shard = pc.dp * pc.cp  # FSDP / ZeRO shard over the data and context ranks
     m = setup.num_microbatches
@@ -618,8 +670,7 @@ def _assemble(model_or_name, config, pc: ParallelConfig, setup: Setup, units, pa
                                      int(bwd)))
         comm_by_stage.append(_stage_comm(parts, keys, pc, setup, param_bytes, s, len(stages), units))
     busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
-    total = _global_params(params, pc)
-    name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
+    total, name = mt.total_params, mt.name
     mesh = {k: getattr(pc, k) for k in ("tp", "pp", "dp", "cp", "ep")}
     mesh["sp"] = pc.sequence_parallel
     return ProfileReport(
