@@ -198,13 +198,13 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s, 1), float("-inf"), dtype=torch.float32, device=q.device)
         q_chunks = _chunks(cp.index)
-        kv = torch.stack([k, v]).float()
+        kv = torch.stack([k, v])  # travels in the input dtype; blocks are computed in fp32
         for step in range(ring.size):
             pending = ring.start(kv) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
             keep = cp.key_keep(src)
             for kslice, k_pos in _chunks(cp.index_of(src)):
-                kk, vv = (_expand_kv(t[:, :, kslice], groups) for t in kv)
+                kk, vv = (_expand_kv(t[:, :, kslice].float(), groups) for t in kv)
                 for qslice, q_pos in q_chunks:
                     if _skippable(q_pos, k_pos, causal, window):
                         continue
@@ -374,8 +374,10 @@ def context_parallel_forward(model, input_ids, attention_mask=None, labels=None,
     local = s // cp.size
     if model.sequence_parallel and local % pc.tp_size:
         raise ValueError(f"sequence parallel needs the per-rank sequence ({local} = {s}/cp) divisible by tp={pc.tp_size}")
-    ctx = model.batch_context(input_ids, None, **kwargs)  # no (S, S) mask: attention masks per block
-    ctx.attention_mask, ctx.mask, ctx.seq_len, ctx.cp = attention_mask, None, local, cp
+    # the family's context from the full batch (positions may depend on the padding, as in OPT); its dense
+    # (S, S) mask is dropped: cp attention masks per block from the padding mask and positions
+    ctx = model.batch_context(input_ids, attention_mask, **kwargs)
+    ctx.mask, ctx.seq_len, ctx.cp = None, local, cp
     ctx.position_ids = cp.shard(ctx.position_ids)
     hidden = model.embed(cp.shard(input_ids), ctx)
     hidden = model.run_layers(hidden, ctx)

@@ -59,7 +59,7 @@ class OPTAttention(nn.Module):
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
-        out = attention(q * self.scale, k, v, ctx.mask, causal=True, scale=1.0,
+        out = attention(q * self.scale, k, v, ctx.mask, causal=True, scale=1.0, cp=ctx.cp,
                         dropout_p=self.attention_dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -150,6 +150,6 @@ class OPTForCausalLM(ParallelModel):
         if hasattr(self, "project_out"):
             hidden = self.project_out(hidden)
         logits_local = self.lm_head(hidden)
-        loss = self.lm_head.loss(logits_local, labels) if labels is not None else None
-        logits = self.lm_head.full_logits(logits_local) if return_logits else None
+        loss = self.lm_head.loss(logits_local, labels, cp=ctx.cp) if labels is not None else None
+        logits = self.lm_head.full_logits(logits_local, cp=ctx.cp) if return_logits else None
         return ModelOutput(loss=loss, logits=logits)

@@ -74,18 +74,26 @@ def test_zigzag_shard_and_gather_round_trip():
         zigzag_index(10, 4, 0)
 
 
-GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+FAMILIES = {
+    "gpt2": dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "opt": dict(vocab_size=101, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=64),
+    "llama": dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32),
+    "mistral": dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=32, sliding_window=5),
+}
 
 
-def gpt2_cp_parity(tp, cp, mode, sequence_parallel=False):
+def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2"):
     from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.models import build_model
     from colozoo.parallel import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm("gpt2", GPT2)
+    config, hf = hf_causal_lm(family, FAMILIES[family])
     ids, mask, labels = batch(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels)
     ref.loss.backward()
@@ -117,13 +125,44 @@ def gpt2_cp_parity(tp, cp, mode, sequence_parallel=False):
 
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
 def test_gpt2_cp2_matches_transformers(mode):
-    run_distributed(gpt2_cp_parity, 2, 1, 2, mode, timeout=120)
+    run_distributed(cp_parity, 2, 1, 2, mode, timeout=120)
 
 
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
 def test_gpt2_cp2_tp2_matches_transformers(mode):
-    run_distributed(gpt2_cp_parity, 4, 2, 2, mode, True, timeout=150)
+    run_distributed(cp_parity, 4, 2, 2, mode, True, timeout=150)
 
 
 def test_gpt2_cp4_ring_matches_transformers():
-    run_distributed(gpt2_cp_parity, 4, 1, 4, "ring", timeout=150)
+    run_distributed(cp_parity, 4, 1, 4, "ring", timeout=150)
+
+
+@pytest.mark.parametrize("family", ["opt", "llama", "mistral"])
+def test_other_families_cp2_tp2_match_transformers(family):
+    # OPT: positions counted over the padding mask before sharding; LLaMA: RoPE at the rank's positions;
+    # Mistral: sliding window across ring blocks
+    run_distributed(cp_parity, 4, 2, 2, "ring", True, family, timeout=150)
+
+
+def ring_bf16_close(cp_size):
+    from colozoo.layers.attention import attention
+    from colozoo.layers.context_parallel import ContextParallel, gather_sequence, shard_sequence
+    from colozoo.parallel import init_parallel
+
+    pc = init_parallel(cp=cp_size)
+    q, k, v, dout, mask = _inputs()
+    ref = _reference(q, k, v, dout, mask, True, None)
+    cp = ContextParallel(pc.group("cp"), "ring", q.shape[2], mask)
+    local = [shard_sequence(t.bfloat16(), pc.group("cp"), dim=2).requires_grad_() for t in (q, k, v)]
+    out = attention(*local, causal=True, cp=cp)
+    out.backward(shard_sequence(dout.bfloat16(), pc.group("cp"), dim=2))
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
+    got = [gather_sequence(out.detach(), pc.group("cp"), dim=2)] + [gather_sequence(t.grad, pc.group("cp"), dim=2)
+                                                                    for t in local]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        diff = (a.float() - b).abs().max().item()
+        assert diff < 5e-2, f"bf16 ring {name} differs by {diff}"
+
+
+def test_ring_attention_bf16():
+    run_distributed(ring_bf16_close, 2, 2, timeout=60)
