@@ -25,6 +25,7 @@ from .llama import LlamaAttention, LlamaForCausalLM, RopeBatchContext
 @dataclass
 class MoEBatchContext(RopeBatchContext):
     router_logits: list = field(default_factory=list)  # one (tokens, experts) tensor per MoE layer, in order
+    output_router_logits: bool = False                 # compute the load-balancing loss
 
 
 class MixtralDecoderLayer(nn.Module):
@@ -63,20 +64,18 @@ class MixtralForCausalLM(LlamaForCausalLM):
             raise UnsupportedConfig("Mixtral with pipeline parallelism is not wired yet (the aux loss needs every "
                                     "layer's router statistics)")
 
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> MoEBatchContext:
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None,
+                      output_router_logits: bool | None = None) -> MoEBatchContext:
+        """`output_router_logits` (a forward keyword, as in transformers) overrides the config's."""
         ctx = super().batch_context(input_ids, attention_mask, position_ids=position_ids)
-        return MoEBatchContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)})
-
-    def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False,
-                output_router_logits: bool | None = None, **kwargs) -> ModelOutput:
-        self._output_router_logits = (output_router_logits if output_router_logits is not None
-                                      else getattr(self.config, "output_router_logits", False))
-        return super().forward(input_ids, attention_mask=attention_mask, labels=labels, return_logits=return_logits,
-                               **kwargs)
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        return MoEBatchContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)},
+                               output_router_logits=output_router_logits)
 
     def head(self, hidden, ctx: MoEBatchContext, labels=None, return_logits=False) -> ModelOutput:
         out = super().head(hidden, ctx, labels=labels, return_logits=return_logits)
-        if not getattr(self, "_output_router_logits", False):
+        if not ctx.output_router_logits:
             return out
         c = self.config
         token_mask = ctx.attention_mask

@@ -95,6 +95,12 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
         assert diff < ATOL, f"gradient of {name} differs by {diff}"
         worst = max(worst, diff)
     report["grad"] = worst
+
+    cp_kwargs = {"cp_mode": cp_mode} if cp > 1 else {}
+    with torch.no_grad():  # the keyword overrides the config, as in transformers: no aux loss at all
+        plain = model(ids, attention_mask=mask, labels=labels, output_router_logits=False, **cp_kwargs)
+        ref_plain = hf(ids, attention_mask=mask, labels=labels, output_router_logits=False)
+    assert plain.aux_loss is None and abs(plain.loss.item() - ref_plain.loss.item()) < ATOL
     return report
 
 
