@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -79,7 +80,7 @@ def pipeline_ready() -> bool:
 
 def finetune(model: Path, output: Path, tp: int, pp: int, steps: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "colozoo.cli", "finetune", "--model", str(model), "--data", str(DATA), "--output", str(output),
+           "-m", "colozoo.finetune", "--model", str(model), "--data", str(DATA), "--output", str(output),
            "--tp", str(tp), "--pp", str(pp), "--seq-len", "32", "--micro-batch-size", "4",
            "--global-batch-size", str(16 * 4 // (tp * pp)), "--lr", "3e-3", "--warmup-steps", "5",
            "--steps", str(steps), "--eval-interval", "20", "--save-interval", "20", "--no-resume"]
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args(argv)
     work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)  # the demo always starts from scratch
     started = time.time()
     tp, pp = 2, 2
     if not pipeline_ready():
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     losses = [r["loss"] for r in read_metrics(output / "metrics.jsonl") if "loss" in r]
     evals = [r for r in read_metrics(output / "metrics.jsonl") if "eval_loss" in r]
     print(f"      train loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
-          f"eval perplexity {evals[0]['eval_ppl']:.1f} -> {evals[-1]['eval_ppl']:.1f}; curve: {output / 'loss.png'}")
+          f"eval perplexity {evals[0]['eval_ppl']:.1f} -> {evals[-1]['eval_ppl']:.1f} (before -> after); curve: {output / 'loss.png'}")
     print("[4/4] loading the export with transformers and comparing logits with the colozoo model")
     diff = check_export(output)
     ok = diff < 1e-4 and losses[-1] < losses[0]

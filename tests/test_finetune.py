@@ -239,3 +239,19 @@ def test_end_to_end_tp2_export_matches_transformers(tiny, tmp_path):
     assert summary["export"] and (out / "loss.png").exists() and summary["eval_ppl"] > 1
     assert curve[-1] < curve[0]
     assert _check_export(out) < 1e-5
+
+
+def _resume_distributed(model, root, degrees):
+    straight, resumed = Path(root) / "straight", Path(root) / "resumed"
+    run(small_run(model, straight, **degrees))
+    first = run(small_run(model, resumed, stop_after=3, **degrees))
+    run(small_run(model, resumed, **degrees))
+    return first["step"], losses(straight), losses(resumed)
+
+
+@pytest.mark.parametrize("degrees", [dict(pp=2, global_batch_size=4), dict(dp=2, data_parallel="fsdp")],
+                         ids=["pp2", "dp2_fsdp"])
+def test_resume_is_exact_on_a_mesh(degrees, tiny, tmp_path):
+    stopped_at, straight, resumed = run_distributed(_resume_distributed, 2, tiny, tmp_path, degrees, timeout=240)[0]
+    assert stopped_at == 3 and len(straight) == 6
+    assert resumed == straight

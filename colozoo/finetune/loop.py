@@ -23,18 +23,22 @@ from colozoo.parallel import ParallelConfig
 from colozoo.rng import model_parallel_seed
 
 
-def hf_config(name_or_path: str):
-    """The model's transformers config, without loading any weights."""
+def model_source(name_or_path: str):
+    """(transformers config, directory holding the tokenizer or None), without loading any weights."""
+    resolve = runtime.optional("colozoo.api", "resolve")
+    if resolve is not None:
+        source = resolve(name_or_path, verify=False)
+        return source.config, getattr(source, "path", None)
     path = runtime.model_dir(name_or_path)
-    if path is not None:
-        from transformers import AutoConfig
+    if path is None:
+        from colozoo.registry import get_config
 
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model directory {path} has no config.json")
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    from colozoo.registry import get_config
+        return get_config(name_or_path), None
+    from transformers import AutoConfig
 
-    return get_config(name_or_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True), path
 
 
 def check_mesh(cfg: FinetuneConfig) -> ParallelConfig:
@@ -43,9 +47,8 @@ def check_mesh(cfg: FinetuneConfig) -> ParallelConfig:
                                     sequence_parallel=cfg.sequence_parallel)
 
 
-def build_datasets(cfg: FinetuneConfig, config) -> tuple[D.TensorData, D.TensorData, object]:
+def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData, D.TensorData, object]:
     """(train, eval, tokenizer or None), checked against the model's config."""
-    directory = runtime.model_dir(cfg.model)
     tokenizer = None
     if cfg.task == "imgcls":
         read = lambda path: D.image_dataset(path, config, directory)  # noqa: E731
@@ -134,8 +137,8 @@ def _is_rank0() -> bool:
 def run(cfg: FinetuneConfig) -> dict:
     mesh = check_mesh(cfg)
     num_microbatches = cfg.num_microbatches(mesh.dp)
-    config = hf_config(cfg.model)
-    train, evaluation, tokenizer = build_datasets(cfg, config)
+    config, directory = model_source(cfg.model)
+    train, evaluation, tokenizer = build_datasets(cfg, config, directory)
     global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
 
@@ -178,6 +181,8 @@ def run(cfg: FinetuneConfig) -> dict:
                                          extra={"total_steps": total_steps}, keep_last=cfg.keep_last)
 
     step, saved_at, stopped = start, None, False
+    if start == 0 and evaluation is not None and cfg.eval_interval:
+        reporter.evaluation(0, evaluate(model, evaluation, cfg))  # the baseline the fine-tuning improves on
     try:
         with Interrupt() as interrupt:
             while step < total_steps:
