@@ -97,7 +97,7 @@ class ParallelModel(nn.Module):
         return hidden
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs) -> ModelOutput:
-        if self.pc.config.cp > 1:
+        if self.pc.config.cp > 1 and self.pc.config.pp == 1 and not getattr(self, "pipeline_stages", None):
             from colozoo.layers.context_parallel import context_parallel_forward
 
             return context_parallel_forward(self, input_ids, attention_mask=attention_mask, labels=labels,

@@ -362,23 +362,28 @@ def sum_over(x: torch.Tensor, group) -> torch.Tensor:
     return _SumOverRanks.apply(x, group) if group_size(group) > 1 else x
 
 
-def context_parallel_forward(model, input_ids, attention_mask=None, labels=None, return_logits=False,
-                             cp_mode: str | None = None, **kwargs):
-    """ParallelModel.forward under cp > 1: shard the batch in zigzag order and run embed / layers / head."""
+def shard_batch(model, ctx, cp_mode: str | None = None):
+    """Turn the family's BatchContext of the full batch into this rank's cp share (in place).
+
+    Positions come from the full batch (they may depend on the padding, as in OPT) and are then sharded; the
+    dense (S, S) mask is dropped: cp attention builds its masks per block from the padding mask and positions."""
     pc = model.pc
-    if pc.config.pp > 1:
-        raise NotImplementedError("context parallel together with pipeline parallel is not wired yet")
-    b, s = input_ids.shape
     mode = cp_mode or getattr(model, "cp_mode", "ring")
-    cp = ContextParallel(pc.group("cp"), mode, s, attention_mask)
-    local = s // cp.size
+    cp = ContextParallel(pc.group("cp"), mode, ctx.seq_len, ctx.attention_mask)
+    local = ctx.seq_len // cp.size
     if model.sequence_parallel and local % pc.tp_size:
-        raise ValueError(f"sequence parallel needs the per-rank sequence ({local} = {s}/cp) divisible by tp={pc.tp_size}")
-    # the family's context from the full batch (positions may depend on the padding, as in OPT); its dense
-    # (S, S) mask is dropped: cp attention masks per block from the padding mask and positions
-    ctx = model.batch_context(input_ids, attention_mask, **kwargs)
+        raise ValueError(f"sequence parallel needs the per-rank sequence ({local} = {ctx.seq_len}/cp) divisible by "
+                         f"tp={pc.tp_size}")
     ctx.mask, ctx.seq_len, ctx.cp = None, local, cp
     ctx.position_ids = cp.shard(ctx.position_ids)
-    hidden = model.embed(cp.shard(input_ids), ctx)
+    return ctx
+
+
+def context_parallel_forward(model, input_ids, attention_mask=None, labels=None, return_logits=False,
+                             cp_mode: str | None = None, **kwargs):
+    """ParallelModel.forward under cp > 1 (pp == 1): shard the batch in zigzag order, run embed / layers / head.
+    With pp > 1 the pipeline's stages call `shard_batch` themselves."""
+    ctx = shard_batch(model, model.batch_context(input_ids, attention_mask, **kwargs), cp_mode)
+    hidden = model.embed(ctx.cp.shard(input_ids), ctx)
     hidden = model.run_layers(hidden, ctx)
     return model.head(hidden, ctx, labels=labels, return_logits=return_logits)

@@ -166,3 +166,28 @@ def ring_bf16_close(cp_size):
 
 def test_ring_attention_bf16():
     run_distributed(ring_bf16_close, 2, 2, timeout=60)
+
+
+def cp_pipeline_forward_parity(family, mode):
+    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    pc = init_parallel(pp=2, cp=2)
+    config, hf = hf_causal_lm(family, FAMILIES[family])
+    ids, mask, labels = batch(config.vocab_size, 16)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, labels=labels)
+    model = build_model(config, pc=pc, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    model.eval()
+    model.cp_mode = mode
+    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    diff = (out.logits - ref.logits)[mask.bool()].abs().max().item()
+    assert diff < ATOL, f"logits differ by {diff}"
+    assert abs(out.loss.item() - ref.loss.item()) < ATOL
+
+
+@pytest.mark.parametrize("family,mode", [("gpt2", "ring"), ("llama", "all_to_all")])
+def test_cp2_with_pipeline_pp2_forward(family, mode):
+    run_distributed(cp_pipeline_forward_parity, 4, family, mode, timeout=150)
