@@ -70,6 +70,11 @@ class StageModule(nn.Module):
             ids = x if self.is_first else None
             ctx_ids = ids if ids is not None else _dummy_ids(x, labels, attention_mask, position_ids)
             ctx = model.batch_context(ctx_ids, attention_mask, position_ids=position_ids)
+            if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
+                from colozoo.layers.context_parallel import shard_batch
+
+                ctx = shard_batch(model, ctx)
+                ids = ctx.cp.shard(ids) if self.is_first else ids
             hidden = model.embed(ids, ctx) if self.is_first else x
             for layer in self.layers.values():
                 hidden = layer(hidden, ctx)
@@ -123,7 +128,8 @@ def unwrap(stage: nn.Module) -> StageModule:
 
 
 def hidden_shape(model, batch: int, seq: int) -> tuple[int, int, int]:
-    local_seq = seq // model.pc.tp_size if model.sequence_parallel else seq
+    local_seq = seq // model.pc.config.cp  # context parallel: the rank's share of the sequence
+    local_seq = local_seq // model.pc.tp_size if model.sequence_parallel else local_seq
     return batch, local_seq, model.config.hidden_size
 
 
