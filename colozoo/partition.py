@@ -14,7 +14,8 @@ class PartitionError(ValueError):
 
 
 def balanced_partition(weights: list[float], parts: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
-    """Sizes of `parts` contiguous runs (each >= 1) of `weights` minimising the maximum run weight."""
+    """Sizes of `parts` contiguous runs (each >= 1) of `weights` minimising the maximum run weight, and among
+    those the sum of squared run weights (so stages below the maximum are balanced too)."""
     n = len(weights)
     if parts > n:
         raise PartitionError(f"cannot split {n} layers over {parts} stages: every stage needs at least one layer")
@@ -23,24 +24,25 @@ def balanced_partition(weights: list[float], parts: int, first_extra: float = 0.
         prefix.append(prefix[-1] + w)
 
     @lru_cache(maxsize=None)
-    def best(start: int, k: int) -> tuple[float, tuple[int, ...]]:
+    def best(start: int, k: int) -> tuple[float, float, tuple[int, ...]]:
         # split weights[start:] into k runs; stage index is parts - k
         stage = parts - k
         extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == parts - 1 else 0.0)
         if k == 1:
-            return prefix[n] - prefix[start] + extra, (n - start,)
-        result = (float("inf"), ())
+            cost = prefix[n] - prefix[start] + extra
+            return cost, cost * cost, (n - start,)
+        result = (float("inf"), float("inf"), ())
         for end in range(start + 1, n - k + 2):
             head = prefix[end] - prefix[start] + extra
-            if head >= result[0]:
+            if head > result[0]:
                 break
-            tail_cost, tail = best(end, k - 1)
-            cost = max(head, tail_cost)
-            if cost < result[0]:
-                result = (cost, (end - start, *tail))
+            tail_max, tail_squares, tail = best(end, k - 1)
+            candidate = (max(head, tail_max), head * head + tail_squares, (end - start, *tail))
+            if candidate[:2] < result[:2]:
+                result = candidate
         return result
 
-    return list(best(0, parts)[1])
+    return list(best(0, parts)[2])
 
 
 def stage_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None,

@@ -64,18 +64,18 @@ class StageModule(nn.Module):
     def model(self):
         return self._model[0]
 
-    def forward(self, x, labels=None, attention_mask=None, position_ids=None, eval_outputs: bool = False):
+    def forward(self, x, token_ids, labels=None, attention_mask=None, position_ids=None, eval_outputs: bool = False):
+        """x: the input_ids on the first stage, else the previous stage's hidden states; token_ids: the input_ids
+        (every stage rebuilds the batch context from them)."""
         model = self.model
         with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            ids = x if self.is_first else None
-            ctx_ids = ids if ids is not None else _dummy_ids(x, labels, attention_mask, position_ids)
-            ctx = model.batch_context(ctx_ids, attention_mask, position_ids=position_ids)
+            ctx = model.batch_context(token_ids, attention_mask, position_ids=position_ids)
             if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
                 from colozoo.layers.context_parallel import shard_batch
 
                 ctx = shard_batch(model, ctx)
-                ids = ctx.cp.shard(ids) if self.is_first else ids
-            hidden = model.embed(ids, ctx) if self.is_first else x
+                x = ctx.cp.shard(x) if self.is_first else x
+            hidden = model.embed(x, ctx) if self.is_first else x
             for layer in self.layers.values():
                 hidden = layer(hidden, ctx)
             if not self.is_last:
@@ -84,15 +84,6 @@ class StageModule(nn.Module):
         if eval_outputs:
             return out.loss, out.logits
         return out.loss.float() * model.loss_token_count(labels) * self.loss_scale
-
-
-def _dummy_ids(hidden, labels, attention_mask, position_ids):
-    """batch_context only needs the (batch, seq) shape of the ids on stages that do not see them."""
-    for t in (labels, attention_mask, position_ids):
-        if t is not None:
-            return t
-    raise PipelineError("stages after the first need labels, attention_mask or position_ids to know the "
-                        "sequence length")
 
 
 def build_stage_modules(model) -> list[StageModule]:
@@ -133,9 +124,9 @@ def hidden_shape(model, batch: int, seq: int) -> tuple[int, int, int]:
     return batch, local_seq, model.config.hidden_size
 
 
-def _batch_kwargs(labels, attention_mask, position_ids):
-    return {k: v for k, v in dict(labels=labels, attention_mask=attention_mask, position_ids=position_ids).items()
-            if v is not None}
+def _batch_kwargs(input_ids, labels, attention_mask, position_ids):
+    kwargs = dict(token_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids)
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=None, num_microbatches: int = 1,
@@ -149,6 +140,10 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
     if not multi and len(stages) > 1:
         raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but this model holds {len(stages)} "
                             f"virtual stages per rank; use one of {sorted(MULTI_STAGE)}")
+    num_stages = unwrap(stages[0]).num_stages
+    if schedule != "gpipe" and num_microbatches < model.pc.config.pp:
+        raise PipelineError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline ranks "
+                            f"({model.pc.config.pp}), got {num_microbatches}; raise num_microbatches or use 'gpipe'")
     batch, seq = input_ids.shape
     micro = batch // num_microbatches
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
@@ -170,7 +165,7 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
     losses: list[torch.Tensor] = []
     args = (input_ids,) if unwrap(stages[0]).is_first else ()
     runner.step(*args, target=labels, losses=losses, return_outputs=False,
-                **_batch_kwargs(labels, attention_mask, position_ids))
+                **_batch_kwargs(input_ids, labels, attention_mask, position_ids))
     holds_last = any(unwrap(s).is_last for s in stages)
     return torch.stack([l.detach() for l in losses]).sum() if holds_last else None
 
@@ -190,7 +185,7 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
     stages = stages_of(model)
     pp = model.pc.config.pp
     batch, seq = input_ids.shape
-    kwargs = _batch_kwargs(labels, attention_mask, position_ids)
+    kwargs = _batch_kwargs(input_ids, labels, attention_mask, position_ids)
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
     loss = logits = None
     for stage in stages:

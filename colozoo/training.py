@@ -186,7 +186,7 @@ def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, los
     for i, (ids, lab, mask, pos) in enumerate(zip(*chunks)):
         with _gradient_sync(stage, last=i == m - 1):
             kwargs = {k: v for k, v in dict(attention_mask=mask, position_ids=pos).items() if v is not None}
-            loss = stage(ids, labels=lab, **kwargs)
+            loss = stage(ids, ids, labels=lab, **kwargs)
             loss.backward()
         total += loss.detach()
     return total

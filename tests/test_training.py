@@ -1,8 +1,6 @@
 """The distributed training step (forward_backward + global-norm clipping + AdamW) at several (dp, pp, tp)
 meshes against transformers' GPT-2 trained the same way on one process: loss, gradient norm and every updated
 parameter, gathered over tp and FSDP's dp shards and compared stage by stage."""
-import math
-
 import pytest
 import torch
 
@@ -37,12 +35,12 @@ def full_parameter(model, t, shape, spec=None):
 
 
 def train_against_hf(dp, pp, tp, steps=1, microbatches=2, schedule="1f1b", virtual_stages=1, sp=False,
-                     data_parallel="fsdp"):
+                     options=None):
     """Runs on every rank; returns the worst differences seen and the parameter names this rank checked."""
     pc = init_parallel(tp=tp, pp=pp, dp=dp, sequence_parallel=sp) if dp * pp * tp > 1 else single_process()
     config, hf = hf_causal_lm("gpt2", CONFIG)
     hf.train()
-    model = build(pc, config, hf, virtual_stages, data_parallel=data_parallel)
+    model = build(pc, config, hf, virtual_stages, **(options or {}))
     optimizer = build_optimizer(model, lr=LR, eps=EPS)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS)
     sources = family_module("gpt2").hf_sources(config)
@@ -126,28 +124,51 @@ def test_loss_curve_pp2_tp2_sequence_parallel():
 
 
 def test_loss_curve_ddp_dp2_pp2():
-    results = run_distributed(train_against_hf, 4, 2, 2, 1, 3, 2, "1f1b", 1, False, "ddp", timeout=TIMEOUT)
+    results = run_distributed(train_against_hf, 4, 2, 2, 1, 3, 2, "1f1b", 1, False, dict(data_parallel="ddp"),
+                              timeout=TIMEOUT)
     assert all(r["tied_equal"] in (None, True) for r in results)
 
 
-def schedules_agree(schedules, virtual_stages):
-    pc = init_parallel(pp=2)
+@pytest.mark.parametrize("schedule,tp", [("interleaved_1f1b", 1), ("zero_bubble", 2)])
+def test_virtual_stages_match_single_process(schedule, tp):
+    results = run_distributed(train_against_hf, 2 * tp, 1, 2, tp, 1, 2, schedule, 2, timeout=TIMEOUT)
+    check_all_names(results)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_matches_single_process(mode):
+    options = dict(activation_checkpointing=mode)
+    run_distributed(train_against_hf, 4, 2, 1, 2, 1, 2, "1f1b", 1, True, options, timeout=TIMEOUT)
+
+
+def schedules_agree(schedules, virtual_stages, tp=1, sp=False):
+    """Loss and every local gradient of one forward_backward per schedule, compared with the first schedule's."""
+    pc = init_parallel(pp=2, tp=tp, sequence_parallel=sp)
     config, hf = hf_causal_lm("gpt2", CONFIG)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
-    out = {}
+    first = None
     for schedule in schedules:
-        model = build(pc, config, hf, virtual_stages if schedule != "gpipe" and schedule != "1f1b" else 1)
+        multi = schedule in ("interleaved_1f1b", "zero_bubble")
+        model = build(pc, config, hf, virtual_stages if multi else 1)
         loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=4, schedule=schedule)
-        out[schedule] = (loss.item(), global_grad_norm(model).item())
-    return out
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if first is None:
+            first = schedule, loss, grads
+            continue
+        assert torch.allclose(loss, first[1], rtol=0, atol=1e-6), (schedule, loss.item(), first[0], first[1].item())
+        for name, g in grads.items():
+            if name in first[2]:  # virtual stages hold other layers on this rank than one stage per rank
+                torch.testing.assert_close(g, first[2][name], rtol=0, atol=1e-6, msg=f"{schedule} vs {first[0]}: {name}")
+    return True
 
 
 def test_schedules_give_identical_results():
-    results = run_distributed(schedules_agree, 2, ["gpipe", "1f1b", "interleaved_1f1b"], 2, timeout=TIMEOUT)
-    for r in results:
-        values = list(r.values())
-        assert all(math.isclose(v[0], values[0][0], rel_tol=1e-6) and math.isclose(v[1], values[0][1], rel_tol=1e-6)
-                   for v in values), r
+    assert all(run_distributed(schedules_agree, 2, ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"], 2,
+                               timeout=TIMEOUT))
+
+
+def test_zero_bubble_with_tensor_parallel():
+    assert all(run_distributed(schedules_agree, 4, ["1f1b", "zero_bubble"], 2, 2, True, timeout=TIMEOUT))
 
 
 def indivisible_batch():
@@ -162,3 +183,62 @@ def indivisible_batch():
 
 def test_indivisible_batch_is_a_clear_error():
     assert all(run_distributed(indivisible_batch, 2, timeout=TIMEOUT))
+
+
+def mixed_precision_step(dp, pp, tp):
+    """bf16 compute (FSDP2's policy when dp > 1, autocast otherwise) over fp32 master weights."""
+    pc = init_parallel(tp=tp, pp=pp, dp=dp)
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    model = build(pc, config, hf, mixed_precision="bf16")
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    ref = hf(ids, attention_mask=mask, labels=labels).loss
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 2e-2, (loss.item(), ref.item())
+    norm = clip_grad_norm_(model, MAX_NORM)
+    ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM)
+    assert abs(norm.item() / ref_norm.item() - 1) < 5e-2, (norm.item(), ref_norm.item())
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, (name, p.dtype, p.grad.dtype)
+    build_optimizer(model, lr=LR).step()
+    return tied_copies_equal(model)
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(2, 2, 1), (1, 2, 2)])
+def test_bf16_mixed_precision(dp, pp, tp):
+    assert {r for r in run_distributed(mixed_precision_step, 4, dp, pp, tp, timeout=TIMEOUT)} <= {None, True}
+
+
+def saved_tensor_count(mode):
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    model = build(single_process(), config, hf, activation_checkpointing=mode)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    count = [0]
+
+    def pack(t):
+        count[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.forward_backward(ids, labels, attention_mask=mask)
+    return count[0]
+
+
+def test_activation_checkpointing_saves_fewer_tensors():
+    # tensors saved inside a checkpointed region go to the checkpoint's own hooks, not the outer ones
+    none, selective, full = (saved_tensor_count(mode) for mode in (None, "selective", "full"))
+    assert full < selective < none, (none, selective, full)
+
+
+def test_bad_options_are_clear_errors():
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    for bad, match in [(dict(data_parallel="zero3"), "data_parallel"), (dict(mixed_precision="fp8"), "mixed_precision"),
+                       (dict(activation_checkpointing="some"), "activation_checkpointing")]:
+        with pytest.raises(TrainingError, match=match):
+            build(single_process(), config, hf, **bad)
+    model = build(single_process(), config, hf)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    with pytest.raises(TrainingError, match="num_microbatches"):
+        model.forward_backward(ids, labels, num_microbatches=0)
+    with pytest.raises(TrainingError, match="labels must have the shape"):
+        model.forward_backward(ids, labels[:, :5])

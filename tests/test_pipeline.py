@@ -1,0 +1,125 @@
+"""Stage placement (partitioner, virtual stages, global names) and the eval forward through the pipeline,
+against transformers' logits and loss on every rank."""
+import pytest
+import torch
+from transformers import GPT2Config
+
+from distributed import run_distributed
+from parity import LOGITS_ATOL, batch, hf_causal_lm
+
+from colozoo.converters import StateDictReader, load_hf_weights
+from colozoo.models import build_model
+from colozoo.parallel import init_parallel
+from colozoo.partition import (PartitionError, layer_cost, model_stage_layers, rank_layers, stage_layers,
+                               virtual_stage_layers)
+from colozoo.pipeline import PipelineError, layer_runs, stages_of
+from colozoo.training import parallelize
+
+CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
+              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+TIMEOUT = 150
+
+
+def test_explicit_layers_per_stage():
+    assert stage_layers(6, 3, layers_per_stage=[1, 3, 2]) == [[0], [1, 2, 3], [4, 5]]
+    for bad in ([1, 3], [2, 2, 1], [0, 3, 3]):
+        with pytest.raises(PartitionError, match="layers_per_stage"):
+            stage_layers(6, 3, layers_per_stage=bad)
+    with pytest.raises(PartitionError, match="at least one layer"):
+        stage_layers(2, 3)
+
+
+def test_balance_moves_layers_off_the_embedding_and_head_stages():
+    config = GPT2Config(n_layer=12, n_embd=768, vocab_size=50257)
+    by_params = [run for (run,) in model_stage_layers(config, 4, balance="params")]
+    by_flops = [run for (run,) in model_stage_layers(config, 4, balance="flops", seq_len=1024)]
+    assert sum(map(len, by_params)) == 12 and len(by_params[0]) < 3 and len(by_params[-1]) < 3
+    assert len(by_flops[0]) > len(by_flops[-1])  # a lookup is free, the head is a matmul
+    first, last = layer_cost(config, "params")[1:]
+    assert 5 < first < 6 and 5 < last < 6  # 50257 x 768 embedding vs 7.1M per layer
+    with pytest.raises(PartitionError, match="balance"):
+        layer_cost(config, "bytes")
+
+
+def test_virtual_stages_are_looped_over_ranks():
+    assert virtual_stage_layers(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert rank_layers(8, 2, 1, virtual_stages=2) == [2, 3, 6, 7]
+    assert layer_runs([2, 3, 6, 7]) == [[2, 3], [6, 7]]
+    config = GPT2Config(n_layer=8)
+    assert model_stage_layers(config, 2, 2, layers_per_stage=[1, 3, 3, 1]) == [[[0], [4, 5, 6]], [[1, 2, 3], [7]]]
+
+
+def load(pc, config, hf, virtual_stages=1):
+    layer_ids = rank_layers(config.num_hidden_layers, pc.config.pp, pc.rank("pp"), virtual_stages)
+    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+    return load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu").eval()
+
+
+def eval_parity(pp, tp, sp=False, virtual_stages=1, dp=1, parallel=None):
+    """model(...) through the pipeline: full logits and loss on every rank equal transformers'."""
+    pc = init_parallel(pp=pp, tp=tp, dp=dp, sequence_parallel=sp)
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    model = load(pc, config, hf, virtual_stages)
+    if parallel is not None:
+        parallelize(model, **parallel)
+    ids, mask, labels = batch(config.vocab_size, 12)
+    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    ref = hf(ids, attention_mask=mask, labels=labels)
+    keep = mask.bool()
+    logits = (out.logits - ref.logits)[keep].abs().max().item()
+    assert out.logits.shape == ref.logits.shape
+    assert logits < LOGITS_ATOL, f"logits differ by {logits}"
+    assert abs(out.loss.item() - ref.loss.item()) < LOGITS_ATOL
+    assert model(ids).loss is None and model(ids).logits is None
+    stage_names = [{n for n, _ in stage.named_parameters()} for stage in stages_of(model)]
+    owned = {id(p) for stage in stages_of(model) for p in stage.parameters()}
+    assert owned == {id(p) for p in model.parameters()}, "stages must own exactly the model's parameters"
+    return dict(names=sorted(n for n, _ in model.named_parameters()), stages=len(stage_names))
+
+
+@pytest.mark.parametrize("pp,tp,sp,virtual", [(2, 1, False, 1), (2, 2, True, 1), (4, 1, False, 1), (2, 1, False, 2)])
+def test_eval_forward_through_the_pipeline(pp, tp, sp, virtual):
+    results = run_distributed(eval_parity, pp * tp, pp, tp, sp, virtual, timeout=TIMEOUT)
+    assert {r["stages"] for r in results} == {virtual}
+    first, last = results[0]["names"], results[-1]["names"]
+    assert "wpe.weight" in first and "ln_f.weight" not in first
+    assert "ln_f.weight" in last and "wte.weight" in last  # the last stage's copy of the tied embedding
+    layers = {n.split(".")[1] for r in results for n in r["names"] if n.startswith("layers.")}
+    assert layers == {"0", "1", "2", "3"}  # global layer names across the stages
+
+
+def test_eval_forward_after_fsdp_wrapping():
+    run_distributed(eval_parity, 4, 2, 1, False, 1, 2, dict(data_parallel="fsdp"), timeout=TIMEOUT)
+
+
+def bad_schedules():
+    pc = init_parallel(pp=2)
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    ids, mask, labels = batch(config.vocab_size, 12, batch_size=4)
+    model = load(pc, config, hf, virtual_stages=2)
+    with pytest.raises(PipelineError, match="unknown pipeline schedule 'dualpipe'"):
+        model.forward_backward(ids, labels, num_microbatches=2, schedule="dualpipe")
+    with pytest.raises(PipelineError, match="virtual stages per rank"):
+        model.forward_backward(ids, labels, num_microbatches=2, schedule="1f1b")
+    single = load(pc, config, hf)
+    with pytest.raises(PipelineError, match="at least as many micro-batches"):
+        single.forward_backward(ids, labels, num_microbatches=1, schedule="1f1b")
+    return True
+
+
+def test_bad_schedules_are_clear_errors():
+    assert all(run_distributed(bad_schedules, 2, timeout=TIMEOUT))
+
+
+def uneven_virtual_stages():
+    pc = init_parallel(pp=2)
+    config, _ = hf_causal_lm("gpt2", CONFIG)
+    layer_ids = [0, 2, 3] if pc.rank("pp") == 0 else [1]  # two contiguous runs on one rank, one on the other
+    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+    with pytest.raises(PipelineError, match="same number of virtual stages"):
+        stages_of(model)
+    return True
+
+
+def test_uneven_virtual_stages_are_a_clear_error():
+    assert all(run_distributed(uneven_virtual_stages, 2, timeout=TIMEOUT))
