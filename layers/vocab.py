@@ -66,39 +66,47 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, valid, group, ignore_index, label_smoothing, vocab_size):
         logits = logits.float()
-        if valid < logits.shape[-1]:
-            logits = logits.clone()
-            logits[..., valid:] = float("-inf")
-        logits_max = logits.max(dim=-1, keepdim=True).values
-        if group_size(group) > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max
-        exp = shifted.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1), group)
-
         ignored = target == ignore_index
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= valid) | ignored
         local_target = local_target.masked_fill(outside, 0)
+        ctx.valid, ctx.label_smoothing, ctx.vocab_size = valid, label_smoothing, vocab_size
+        ctx.log_space = group_size(group) == 1
+        if ctx.log_space:  # the whole vocabulary is here: torch's fused log_softmax is the fastest path
+            log_probs = torch.log_softmax(logits, dim=-1)
+            loss = -log_probs.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+            if label_smoothing > 0:
+                loss = (1 - label_smoothing) * loss - label_smoothing * log_probs.mean(dim=-1)
+            ctx.save_for_backward(log_probs, local_target, outside, ignored)
+            return loss.masked_fill(ignored, 0.0)
+
+        if valid < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., valid:] = float("-inf")
+        logits_max = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         predicted = all_reduce(predicted, group)
+        if label_smoothing > 0:
+            sum_shifted = all_reduce(shifted[..., :valid].sum(dim=-1), group)
+        exp = shifted.exp_()  # in place: `shifted` is not needed any more
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - predicted
         if label_smoothing > 0:
-            sum_shifted = all_reduce(shifted[..., :valid].sum(dim=-1), group)
             mean_log_prob = sum_shifted / vocab_size - log_sum_exp
             loss = (1 - label_smoothing) * loss - label_smoothing * mean_log_prob
         loss = loss.masked_fill(ignored, 0.0)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside, ignored)
-        ctx.valid, ctx.label_smoothing, ctx.vocab_size = valid, label_smoothing, vocab_size
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside, ignored = ctx.saved_tensors
-        grad = softmax
+        probs, local_target, outside, ignored = ctx.saved_tensors
+        grad = probs.exp_() if ctx.log_space else probs
         eps = ctx.label_smoothing
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1 - eps) * hit.unsqueeze(-1))
