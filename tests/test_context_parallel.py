@@ -191,3 +191,27 @@ def cp_pipeline_forward_parity(family, mode):
 @pytest.mark.parametrize("family,mode", [("gpt2", "ring"), ("llama", "all_to_all")])
 def test_cp2_with_pipeline_pp2_forward(family, mode):
     run_distributed(cp_pipeline_forward_parity, 4, family, mode, timeout=150)
+
+
+def cp_errors():
+    from colozoo.layers.attention import attention
+    from colozoo.layers.context_parallel import ContextParallel
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    pc = init_parallel(cp=2)
+    config, _ = hf_causal_lm("gpt2", FAMILIES["gpt2"])
+    model = build_model(config, pc=pc)
+    with pytest.raises(ValueError, match=r"sequence length \(10\) divisible by 2\*cp = 4"):
+        model(torch.zeros(1, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match="cp_mode must be one of"):
+        model(torch.zeros(1, 8, dtype=torch.long), cp_mode="ulysses")
+    q = torch.zeros(1, 3, 4, 8)
+    with pytest.raises(ValueError, match=r"local attention heads \(3\) divisible by cp=2"):
+        attention(q, q, q, causal=True, cp=ContextParallel(pc.group("cp"), "all_to_all", 8, None))
+    with pytest.raises(ValueError, match="dropout is not supported with cp_mode='ring'"):
+        attention(q, q, q, causal=True, dropout_p=0.1, cp=ContextParallel(pc.group("cp"), "ring", 8, None))
+
+
+def test_context_parallel_errors_name_the_problem():
+    run_distributed(cp_errors, 2, timeout=60)
