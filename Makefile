@@ -26,7 +26,7 @@ demo: setup
 	$(PY) -m colozoo.demo
 
 bench: setup
-	@for b in bench/*.py; do $(PY) $$b || exit 1; done
+	$(PY) bench/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
