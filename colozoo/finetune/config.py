@@ -35,6 +35,7 @@ class FinetuneConfig:
     epochs: float = 1.0
     seq_len: int = 128
     pack: bool = True                   # concatenate documents into full sequences (LM)
+    num_labels: int | None = None      # classification: classes of a new head (default: the model config's)
     text_field: str = "text"
     label_field: str = "label"
     dtype: str = "float32"

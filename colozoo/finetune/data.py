@@ -151,7 +151,7 @@ def label_ids(labels: list, config) -> list[int]:
         out = [mapping[str(v)] for v in labels]
     bad = [v for v in out if not 0 <= v < (num_labels or 0)]
     if bad:
-        raise DataError(f"label {bad[0]} is outside the model's {num_labels} classes (set num_labels in the config)")
+        raise DataError(f"label {bad[0]} is outside the model's {num_labels} classes (pass --num-labels)")
     return out
 
 

@@ -136,8 +136,12 @@ def _is_rank0() -> bool:
 
 def run(cfg: FinetuneConfig) -> dict:
     mesh = check_mesh(cfg)
+    if cfg.task != "lm" and mesh.pp > 1:
+        raise ValueError(f"--task {cfg.task} trains with pp=1 for now (the pipeline step takes per-token labels)")
     num_microbatches = cfg.num_microbatches(mesh.dp)
     config, directory = model_source(cfg.model)
+    if cfg.num_labels is not None:
+        config.num_labels = cfg.num_labels
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
     global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
@@ -175,6 +179,8 @@ def run(cfg: FinetuneConfig) -> dict:
                    f"({num_microbatches} micro-batches of {cfg.micro_batch_size} per dp rank)")
     if latest is not None:
         reporter.print(f"resumed from {latest} at step {start}")
+    if getattr(model, "fresh_parameters", None):
+        reporter.print(f"new task head, initialised fresh: {', '.join(model.fresh_parameters)}")
 
     def save(step):
         return state.save_training_state(checkpoints, step, model, optimizer, scheduler, mesh_json,

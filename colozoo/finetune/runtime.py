@@ -43,6 +43,8 @@ def load_model(cfg, task: str):
     mixed = optional("colozoo.training", "parallelize") is not None
     dtype = torch.float32 if mixed else DTYPES[cfg.dtype]
     degrees = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel)
+    if TASK_HEADS[task] and optional("colozoo.api", "resolve") is not None:
+        return _load_with_task_head(cfg, task, degrees, dtype)
     if from_pretrained is not None:
         kwargs = dict(degrees, dtype=dtype)
         if TASK_HEADS[task] and "task" in inspect.signature(from_pretrained).parameters:
@@ -54,11 +56,58 @@ def load_model(cfg, task: str):
 def prepare_training(model, cfg):
     """Data-parallel wrapping, mixed precision and activation checkpointing (collective; before the optimizer)."""
     parallelize = optional("colozoo.training", "parallelize")
-    if parallelize is not None:
+    if parallelize is not None and cfg.task == "lm":
         return parallelize(model, data_parallel=cfg.data_parallel, mixed_precision=MIXED_PRECISION[cfg.dtype],
                            activation_checkpointing="full" if cfg.activation_checkpointing else None)
     if cfg.activation_checkpointing:
         _checkpoint_layers(model)
+    return model
+
+
+class FreshTensor:
+    """A newly initialised global tensor (a task head the checkpoint lacks), sliced like a checkpoint tensor.
+    Built from a fixed seed so every rank cuts its shard out of the same global values."""
+
+    def __init__(self, shape, std: float, seed: int):
+        self.shape = tuple(shape)
+        if len(self.shape) >= 2:
+            self.value = torch.randn(self.shape, generator=torch.Generator().manual_seed(seed)) * std
+        else:
+            self.value = torch.zeros(self.shape)
+
+    def read(self, index=None):
+        return self.value if index is None else self.value[index]
+
+
+def _load_with_task_head(cfg, task, degrees, dtype):
+    """A classifier on top of a checkpoint that may hold only the base model (e.g. a sentence encoder): the head
+    the checkpoint lacks starts fresh (normal(0, initializer_range), zero bias); everything else is loaded."""
+    import copy
+
+    from colozoo.api import resolve
+    from colozoo.checkpoint_format import ModelLayout, load_global_tensors
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    pc = init_parallel(**degrees)
+    source = resolve(cfg.model, verify=False)
+    config = copy.deepcopy(source.config)
+    if cfg.num_labels is not None:
+        config.num_labels = cfg.num_labels
+    model = build_model(config, pc=pc, device="meta", dtype=dtype, task=TASK_HEADS[task])
+    layout = ModelLayout(model.config)
+    std = getattr(config, "initializer_range", 0.02)
+    fresh = []
+
+    def lookup(name):
+        try:
+            return source.tensor(name)
+        except ValueError:  # CheckpointError: not in this checkpoint
+            fresh.append(name)
+            return FreshTensor(layout.tensors[name].shape, std, cfg.seed + len(fresh))
+
+    load_global_tensors(model, lookup, device=pc.device)
+    model.fresh_parameters = fresh
     return model
 
 
@@ -77,13 +126,18 @@ def _load_hf_directory(path, degrees, dtype):
     return load_hf_weights(model, SafetensorsReader(path), device=pc.device)
 
 
+def uses_training(model) -> bool:
+    """Whether colozoo.training runs this model's step (it was parallelized), or the local fallback does."""
+    return getattr(model, "training_setup", None) is not None
+
+
 def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k != "labels"}
 
 
 def forward_backward(model, batch: dict, num_microbatches: int) -> torch.Tensor:
     """Forward and backward of the global batch (each dp rank trains on its rows); returns the mean loss on every rank."""
-    if model.pc.config.pp > 1 or optional("colozoo.training", "forward_backward") is not None:
+    if uses_training(model):
         inputs = model_inputs(batch)
         first = "input_ids" if "input_ids" in inputs else "pixel_values"
         return model.forward_backward(inputs.pop(first), batch["labels"], num_microbatches=num_microbatches, **inputs)
@@ -114,8 +168,8 @@ def _average_over_data_parallel(model, loss):
 
 
 def build_optimizer(model, lr: float, weight_decay: float):
-    build = optional("colozoo.training", "build_optimizer")
-    if build is not None:
+    if uses_training(model):
+        build = optional("colozoo.training", "build_optimizer")
         return build(model, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -125,8 +179,8 @@ def build_optimizer(model, lr: float, weight_decay: float):
 
 def clip_grad_norm(model, max_norm: float) -> float:
     """Clip by the norm of the whole (global) gradient; returns the norm before clipping."""
-    clip = optional("colozoo.training", "clip_grad_norm_")
-    if clip is not None:
+    if uses_training(model):
+        clip = optional("colozoo.training", "clip_grad_norm_")
         return float(clip(model, max_norm))
     pc = model.pc
     sharded = torch.zeros((), dtype=torch.float64, device=pc.device)
