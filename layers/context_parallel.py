@@ -16,8 +16,13 @@ Two attention modes (`ContextParallel.mode`):
 
 How a family opts in: pass `cp=ctx.cp` to `layers.attention.attention`, take positions from
 `ctx.position_ids` (already the rank's tokens), and pass `cp=ctx.cp` to `VocabParallelLMHead.loss` and
-`.full_logits`. `ParallelModel.forward` calls `context_parallel_forward` when cp > 1, which shards the batch.
+`.full_logits` (labels stay the full sequence; the loss is the mean over all cp ranks' tokens). The batch is
+sharded by `shard_batch`, called by `ParallelModel.forward` (pp == 1, via `context_parallel_forward`) and by
+each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral. `model.cp_mode` (or the
+`cp_mode=` forward keyword) picks the mode; "ring" by default.
 Parameter gradients are partial on each cp rank: sum them over the cp group (the dp_cp reduction).
+Memory: the ring never builds an (S, S) mask; with a padded batch the family's `batch_context` still builds
+its dense mask once per batch (it is dropped at once), packed unpadded sequences never do.
 """
 from __future__ import annotations
 
@@ -58,11 +63,11 @@ class ContextParallel:
         if self.mode not in CP_MODES:
             raise ValueError(f"cp_mode must be one of {CP_MODES}, got {self.mode!r}")
         self.size, self.rank = group_size(self.group), group_rank(self.group)
-        device = self.attention_mask.device if self.attention_mask is not None else None
-        self.index = zigzag_index(self.seq_len, self.size, self.rank, device)
+        # positions stay on the CPU: which blocks to skip is decided there, without device syncs
+        self.index = zigzag_index(self.seq_len, self.size, self.rank)
 
     def index_of(self, rank: int) -> torch.Tensor:
-        return zigzag_index(self.seq_len, self.size, rank, self.index.device)
+        return zigzag_index(self.seq_len, self.size, rank)
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         return x.index_select(dim, self.index.to(x.device))
@@ -70,7 +75,7 @@ class ContextParallel:
     def key_keep(self, rank: int) -> torch.Tensor | None:
         if self.attention_mask is None:
             return None
-        return self.attention_mask[:, self.index_of(rank).to(self.attention_mask.device)].bool()
+        return self.attention_mask.index_select(1, self.index_of(rank).to(self.attention_mask.device)).bool()
 
 
 def shard_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
@@ -89,9 +94,8 @@ class _GatherSequence(torch.autograd.Function):
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         order = zigzag_order(x.shape[dim] * size, size, x.device)
-        out = torch.empty_like(torch.cat(parts, dim))
-        out.index_copy_(dim, order, torch.cat(parts, dim))
-        return out
+        stacked = torch.cat(parts, dim)
+        return torch.empty_like(stacked).index_copy_(dim, order, stacked)
 
     @staticmethod
     def backward(ctx, grad):
@@ -124,10 +128,12 @@ def _block_mask(q_pos, k_pos, key_keep, causal: bool, window: int | None):
     return mask
 
 
-def _skippable(q_pos, k_pos, causal: bool, window: int | None) -> bool:
-    if causal and q_pos.max() < k_pos.min():
+def _skippable(q_range, k_range, causal: bool, window: int | None) -> bool:
+    """Whether every (q, k) pair of two contiguous position ranges [lo, hi) is masked out."""
+    (q_lo, q_hi), (k_lo, k_hi) = q_range, k_range
+    if causal and q_hi - 1 < k_lo:
         return True
-    return window is not None and q_pos.min() - k_pos.max() >= window
+    return window is not None and q_lo - (k_hi - 1) >= window
 
 
 def _expand_kv(x, groups: int):
@@ -183,10 +189,14 @@ class _Ring:
             r.wait()
 
 
-def _chunks(pos: torch.Tensor, n: int = 2):
-    """Contiguous runs of the local positions (the two zigzag chunks) as (slice, positions) pairs."""
+def _chunks(pos: torch.Tensor, device, n: int = 2):
+    """The two zigzag chunks of a rank's (CPU) positions: (local slice, positions on `device`, (lo, hi))."""
     step = pos.shape[0] // n
-    return [(slice(i * step, (i + 1) * step), pos[i * step:(i + 1) * step]) for i in range(n)]
+    out = []
+    for i in range(n):
+        run = pos[i * step:(i + 1) * step]
+        out.append((slice(i * step, (i + 1) * step), run.to(device), (int(run[0]), int(run[-1]) + 1)))
+    return out
 
 
 class _RingAttention(torch.autograd.Function):
@@ -197,16 +207,16 @@ class _RingAttention(torch.autograd.Function):
         b, h, s, d = q.shape
         out = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s, 1), float("-inf"), dtype=torch.float32, device=q.device)
-        q_chunks = _chunks(cp.index)
+        q_chunks = _chunks(cp.index, q.device)
         kv = torch.stack([k, v])  # travels in the input dtype; blocks are computed in fp32
         for step in range(ring.size):
             pending = ring.start(kv) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
             keep = cp.key_keep(src)
-            for kslice, k_pos in _chunks(cp.index_of(src)):
+            for kslice, k_pos, k_range in _chunks(cp.index_of(src), q.device):
                 kk, vv = (_expand_kv(t[:, :, kslice].float(), groups) for t in kv)
-                for qslice, q_pos in q_chunks:
-                    if _skippable(q_pos, k_pos, causal, window):
+                for qslice, q_pos, q_range in q_chunks:
+                    if _skippable(q_range, k_range, causal, window):
                         continue
                     mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
                     block_out, block_lse = _attend_block(qf[:, :, qslice], kk, vv, mask, scale)
@@ -226,18 +236,18 @@ class _RingAttention(torch.autograd.Function):
         qf, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(qf)
-        q_chunks = _chunks(cp.index)
+        q_chunks = _chunks(cp.index, q.device)
         kv = torch.stack([k, v]).float()
         dkv = torch.zeros_like(kv)
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             keep = cp.key_keep(src)
-            for kslice, k_pos in _chunks(cp.index_of(src)):
+            for kslice, k_pos, k_range in _chunks(cp.index_of(src), q.device):
                 kk, vv = (_expand_kv(t[:, :, kslice], groups) for t in kv)
                 dk = torch.zeros_like(kk)
                 dv = torch.zeros_like(vv)
-                for qslice, q_pos in q_chunks:
-                    if _skippable(q_pos, k_pos, causal, window):
+                for qslice, q_pos, q_range in q_chunks:
+                    if _skippable(q_range, k_range, causal, window):
                         continue
                     mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
                     qq, do = qf[:, :, qslice], dout[:, :, qslice]
