@@ -216,10 +216,9 @@ class MoE(nn.Module):
         send_splits = counts.view(ep, local).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
         received = all_to_all_rows(rows, send_splits, recv_splits, self.ep_group)
-        # arrived grouped by (source, expert); the experts want (expert, source)
-        starts = (recv_counts.flatten().cumsum(0) - recv_counts.flatten()).view(ep, local)
-        regroup = torch.cat([torch.arange(starts[s, e], starts[s, e] + recv_counts[s, e], device=rows.device)
-                             for e in range(local) for s in range(ep)])
+        # arrived grouped by (source, expert); the experts want (expert, source): a stable sort on that key
+        segment = torch.arange(ep * local, device=rows.device).repeat_interleave(recv_counts.flatten())
+        regroup = torch.argsort((segment % local) * ep + segment // local, stable=True)
         out = self.experts(received[regroup], recv_counts.sum(0).tolist())
         restored = torch.empty_like(out).index_copy(0, regroup, out)
         return all_to_all_rows(restored, recv_splits, send_splits, self.ep_group)
