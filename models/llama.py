@@ -200,6 +200,7 @@ def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None,
 
 class LlamaForCausalLM(ParallelModel):
     family = "llama"
+    tied_embedding = "embed_tokens.weight"
     decoder_layer = LlamaDecoderLayer  # Mixtral swaps in its MoE layer
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
@@ -217,12 +218,12 @@ class LlamaForCausalLM(ParallelModel):
         h = config.hidden_size
         kw = dict(device=device, dtype=dtype)
         sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
-        if self.is_first:
+        if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id, **sp, **kw)
         self.layers = nn.ModuleDict({str(i): self.decoder_layer(config, pc, **kw) for i in self.layer_ids})
         if self.is_last:
             self.norm = RMSNorm(h, eps=config.rms_norm_eps, **sp, **kw)
-            tied = self.embed_tokens if (config.tie_word_embeddings and self.is_first) else None
+            tied = self.embed_tokens if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
         self.rotary = RotaryEmbedding(config, device=device)
 

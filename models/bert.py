@@ -1,0 +1,251 @@
+"""BERT: word + position + token-type embeddings, post-LayerNorm encoder blocks, pooler, and task heads.
+
+    embeddings (word: vocab-parallel) -> LayerNorm -> [qkv column -> bidirectional attention -> out row -> + -> LayerNorm
+                                                      -> intermediate column -> act -> output row -> + -> LayerNorm] x n
+    base:                    hidden states, pooler = tanh(dense(first token))
+    masked_lm:               dense -> act -> LayerNorm -> vocab-parallel decoder (tied to the word embedding, own bias)
+    sequence_classification: pooler -> dropout -> classifier (replicated; CE, MSE or BCE as transformers picks)
+
+Heads run on the full sequence: under sequence parallelism the last hidden state is all-gathered first.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
+                            VocabParallelLMHead, attention, build_attention_mask, gather_from_parallel,
+                            scatter_to_sequence, vocab_parallel_cross_entropy)
+from colozoo.layers.activations import get_activation
+from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+
+
+def resolve_task(cls, config, task: str | None) -> type:
+    """Our class for `task`, or for the first of config.architectures we know (else the base). Our task classes
+    carry the names of the transformers classes whose weights they hold."""
+    if task is None:
+        by_architecture = {arch: name for name, arch in cls.TASKS.items()}
+        by_architecture.update(getattr(cls, "ARCHITECTURE_ALIASES", {}))
+        known = [by_architecture[a] for a in (getattr(config, "architectures", None) or []) if a in by_architecture]
+        task = known[0] if known else "base"
+    if task not in cls.TASKS:
+        raise ValueError(f"unknown task {task!r} for {config.model_type}; choose one of {sorted(cls.TASKS)}")
+    module = __import__(cls.__module__, fromlist=["_"])
+    return getattr(module, cls.TASKS[task])
+
+
+def with_architecture(config, architecture: str):
+    """The config naming the transformers class whose weights the model holds (the converters read it)."""
+    if list(getattr(config, "architectures", None) or []) == [architecture]:
+        return config
+    config = copy.deepcopy(config)
+    config.architectures = [architecture]
+    return config
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
+    """The loss transformers' sequence/image classifiers use, chosen by config.problem_type like theirs."""
+    n = config.num_labels
+    problem = config.problem_type
+    if problem is None:
+        if n == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype)) if n == 1 else \
+            F.mse_loss(logits, labels.to(logits.dtype))
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, n), labels.view(-1))
+    if problem == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+    raise ValueError(f"unknown problem_type {problem!r}")
+
+
+@dataclass
+class BertBatchContext(BatchContext):
+    token_type_ids: torch.Tensor | None = None
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h, kw = config.hidden_size, dict(device=device, dtype=dtype)
+        self.group, self.sequence_parallel = pc.tp_group, pc.sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id,
+                                                      group=pc.tp_group, sequence_parallel=pc.sequence_parallel, **kw)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, **kw)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h, **kw)
+        self.LayerNorm = LayerNorm(h, eps=config.layer_norm_eps, group=pc.tp_group,
+                                   sequence_parallel=pc.sequence_parallel, **kw)
+        self.dropout_p = config.hidden_dropout_prob
+
+    def _replicated(self, x):
+        return scatter_to_sequence(x, self.group) if self.sequence_parallel else x
+
+    def forward(self, input_ids, ctx: BertBatchContext):
+        hidden = self.word_embeddings(input_ids) + self._replicated(self.token_type_embeddings(ctx.token_type_ids))
+        hidden = hidden + self._replicated(self.position_embeddings(ctx.position_ids))
+        return dropout(self.LayerNorm(hidden), self.dropout_p, self.training, sharded=self.sequence_parallel)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h, inner = config.hidden_size, config.intermediate_size
+        self.head_dim = h // config.num_attention_heads
+        self.local_heads = config.num_attention_heads // pc.tp_size
+        self.attn_pdrop, self.hidden_pdrop = config.attention_probs_dropout_prob, config.hidden_dropout_prob
+        self.sharded_resid = pc.sequence_parallel
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(h, 3 * h, chunks=(h, h, h), **kw)
+        self.attention_output = RowParallelLinear(h, h, **kw)
+        self.attention_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        self.intermediate = ColumnParallelLinear(h, inner, **kw)
+        self.act = get_activation(config.hidden_act)
+        self.output = RowParallelLinear(inner, h, **kw)
+        self.output_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+
+    def _dropout(self, x):
+        return dropout(x, self.hidden_pdrop, self.training, sharded=self.sharded_resid)
+
+    def forward(self, x, ctx):
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn = attention(q, k, v, ctx.mask, causal=False, scale=self.head_dim ** -0.5,
+                         dropout_p=self.attn_pdrop if self.training else 0.0)
+        attn = self.attention_output(attn.transpose(1, 2).reshape(b, s, -1))
+        x = self.attention_norm(x + self._dropout(attn))
+        return self.output_norm(x + self._dropout(self.output(self.act(self.intermediate(x)))))
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, device=device, dtype=dtype)
+
+    def forward(self, hidden):
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class BertModel(ParallelModel):
+    """The encoder with its pooler: returns hidden_states and pooler_output (full sequence, on every rank)."""
+
+    family = "bert"
+    task = "base"
+    TASKS = {"base": "BertModel", "masked_lm": "BertForMaskedLM",
+             "sequence_classification": "BertForSequenceClassification"}
+    ARCHITECTURE_ALIASES = {"BertForPreTraining": "masked_lm"}  # its NSP head is ignored when loading
+    with_pooler = True
+
+    @classmethod
+    def for_task(cls, config, task=None):
+        return resolve_task(cls, config, task)
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        config = with_architecture(config, self.TASKS[self.task])
+        super().__init__(config, pc, layer_ids)
+        pc = self.pc
+        require(not config.is_decoder and not config.add_cross_attention,
+                "BERT as a decoder (is_decoder / add_cross_attention) is not supported")
+        position_type = getattr(config, "position_embedding_type", "absolute")
+        require(position_type == "absolute",
+                f"BERT position_embedding_type={position_type!r} is not supported (only 'absolute')")
+        require(pc.config.cp == 1, "context parallelism is not supported for BERT (use sequence parallelism)")
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
+        kw = dict(device=device, dtype=dtype)
+        if self.is_first:
+            self.embeddings = BertEmbeddings(config, pc, **kw)
+        self.layers = nn.ModuleDict({str(i): BertLayer(config, pc, **kw) for i in self.layer_ids})
+        if self.is_last:
+            self.build_head(config, pc, **kw)
+
+    def build_head(self, config, pc, device=None, dtype=None):
+        self.pooler = BertPooler(config, device, dtype)
+
+    def batch_context(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
+        b, s = input_ids.shape
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
+        self.check_sequence(s)
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        mask = build_attention_mask(attention_mask, s, causal=False)
+        return BertBatchContext(attention_mask, mask, position_ids, s, token_type_ids=token_type_ids)
+
+    def embed(self, input_ids, ctx):
+        return self.embeddings(input_ids, ctx)
+
+    def full_sequence(self, hidden):
+        """The last hidden state on every rank, whole (forward all-gather, backward keeps this rank's share)."""
+        return gather_from_parallel(hidden, self.tp_group, dim=1) if self.sequence_parallel else hidden
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        hidden = self.full_sequence(hidden)
+        return ModelOutput(hidden_states=hidden, pooler_output=self.pooler(hidden))
+
+
+class BertForMaskedLM(BertModel):
+    """Masked-LM loss over positions whose label is not -100 (no shift); logits only with return_logits."""
+
+    task = "masked_lm"
+    tied_embedding = "embeddings.word_embeddings.weight"
+
+    def build_head(self, config, pc, device=None, dtype=None):
+        h, kw = config.hidden_size, dict(device=device, dtype=dtype)
+        self.transform = nn.Linear(h, h, **kw)
+        self.transform_act = get_activation(config.hidden_act)
+        self.transform_norm = nn.LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        tied = None
+        if config.tie_word_embeddings:
+            if not self.is_first:  # the last pipeline stage holds its own copy of the tied word embedding
+                self.embeddings = nn.Module()
+                self.embeddings.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, group=pc.tp_group,
+                                                                         **kw)
+            tied = self.embeddings.word_embeddings
+        self.lm_head = VocabParallelLMHead(h, config.vocab_size, bias=True, group=pc.tp_group,
+                                           tied_embedding=tied, **kw)
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        hidden = self.full_sequence(hidden)
+        logits_local = self.lm_head(self.transform_norm(self.transform_act(self.transform(hidden))))
+        loss = None
+        if labels is not None:
+            per_token = vocab_parallel_cross_entropy(logits_local, labels, self.config.vocab_size, self.tp_group)
+            loss = per_token.sum() / (labels != -100).sum().clamp(min=1)
+        logits = self.lm_head.full_logits(logits_local) if return_logits else None
+        return ModelOutput(loss=loss, logits=logits)
+
+    def loss_token_count(self, labels) -> torch.Tensor:
+        return (labels != -100).sum()
+
+
+class BertForSequenceClassification(BertModel):
+    """Classifier on the pooled first token; logits (batch, num_labels) are always returned (they are small)."""
+
+    task = "sequence_classification"
+
+    def build_head(self, config, pc, device=None, dtype=None):
+        super().build_head(config, pc, device, dtype)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels, device=device, dtype=dtype)
+        self.classifier_dropout = (config.classifier_dropout if config.classifier_dropout is not None
+                                   else config.hidden_dropout_prob)
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        pooled = self.pooler(self.full_sequence(hidden))
+        logits = self.classifier(dropout(pooled, self.classifier_dropout, self.training, sharded=False))
+        loss = classification_loss(logits, labels, self.config) if labels is not None else None
+        return ModelOutput(loss=loss, logits=logits)
+
+    def loss_token_count(self, labels) -> torch.Tensor:
+        return torch.tensor(labels.numel(), device=labels.device)
