@@ -175,8 +175,8 @@ def test_bin_weights_only_behind_flag(tmp_path):
 
 # --- from_pretrained / save_pretrained on a mesh --------------------------------------------------------------
 
-def _logits_vs_transformers(path, reference, tp, pp=1, dtype=None):
-    model = colozoo.from_pretrained(path, tp=tp, pp=pp, dtype=dtype)
+def _logits_vs_transformers(path, reference, tp, pp=1, dtype=None, ep=1):
+    model = colozoo.from_pretrained(path, tp=tp, pp=pp, dtype=dtype, ep=ep)
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
     ids, mask = batch(hf.config.vocab_size)
     with torch.no_grad():
@@ -188,8 +188,8 @@ def _logits_vs_transformers(path, reference, tp, pp=1, dtype=None):
     return diff
 
 
-def _save_then_check(path, out_colozoo, out_hf, tp, pp=1):
-    model = colozoo.from_pretrained(path, tp=tp, pp=pp)
+def _save_then_check(path, out_colozoo, out_hf, tp, pp=1, ep=1):
+    model = colozoo.from_pretrained(path, tp=tp, pp=pp, ep=ep)
     model.save_pretrained(out_colozoo)
     model.save_pretrained(out_hf, format="hf")
     return True
@@ -228,6 +228,17 @@ def test_save_pretrained_collectively_then_reload(tmp_path, tp, pp):
     _logits_vs_transformers(tmp_path / "saved", hf, tp=1)  # reloaded at another mesh
     convert(tmp_path / "saved", tmp_path / "back", to_hf=True)
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
+
+
+@pytest.mark.skipif(not available("mixtral"), reason="mixtral not available yet")
+def test_experts_load_and_save_at_ep2(tmp_path):
+    hf = make_hf(tmp_path / "hf", "mixtral")
+    convert(hf, tmp_path / "tp2ep2", tp=2, ep=2)
+    run_distributed(_logits_vs_transformers, 2, tmp_path / "tp2ep2", hf, 1, 1, None, 2, timeout=TIMEOUT)
+    run_distributed(_save_then_check, 2, hf, tmp_path / "saved", tmp_path / "saved_hf", 1, 1, 2, timeout=TIMEOUT)
+    experts = json.loads((tmp_path / "saved" / INDEX_NAME).read_text())["tensors"]["layers.0.mlp.experts.gate_up_proj"]
+    assert sorted(p["offsets"][0] for p in experts["pieces"]) == [0, 0, 2, 2]  # global expert index x (gate, up)
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
 
 
 def test_save_pretrained_refuses_non_empty_destination(tmp_path):
