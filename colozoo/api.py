@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from colozoo.checkpoint import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint
 from colozoo.checkpoint_format import ColozooCheckpoint, ModelLayout, load_global_tensors, parse_dtype
 from colozoo.parallel import init_parallel
@@ -72,6 +74,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums."""
     from colozoo.models import build_model
 
+    device = torch.device(device) if device is not None else None
     pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
     source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
     config = source.config
