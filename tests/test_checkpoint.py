@@ -312,10 +312,18 @@ def test_config_disagreeing_with_weights(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_tp_not_dividing_heads(tmp_path):
-    hf = make_hf(tmp_path / "hf")
-    with pytest.raises(UnsupportedConfig, match=r"tp=3 must divide the attention heads \(n_head\) \(4\)"):
-        convert(hf, tmp_path / "out", tp=3)
+@pytest.mark.parametrize("family,overrides,tp,message", [
+    ("gpt2", {}, 3, r"tp=3 must divide the attention heads \(n_head\) \(4\)"),
+    ("gpt2", {"n_inner": 98}, 4, r"tp=4 must divide the MLP width \(n_inner\) \(98\)"),
+    pytest.param("llama", {"num_key_value_heads": 2}, 4, r"tp=4 must divide the key/value heads",
+                 marks=pytest.mark.skipif(not available("llama"), reason="llama not available yet")),
+])
+def test_tp_not_dividing_heads_or_ffn(tmp_path, monkeypatch, family, overrides, tp, message):
+    model_type, kwargs = FAMILIES[family]
+    monkeypatch.setitem(FAMILIES, family, (model_type, {**kwargs, **overrides}))
+    hf = make_hf(tmp_path / "hf", family)
+    with pytest.raises(UnsupportedConfig, match=message):
+        convert(hf, tmp_path / "out", tp=tp)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
