@@ -41,18 +41,30 @@ def build_tokenizer(corpus: list[str], path):
     return fast
 
 
-def make_tiny_gpt2(path, corpus=None, n_layer=4, n_embd=64, n_head=4, n_positions=64, seed=0, **overrides):
-    """A random-weight GPT-2 checkpoint written by transformers itself, with a tokenizer for `corpus`."""
+FAMILY_EXTRAS = {"opt": lambda h: dict(word_embed_proj_dim=h, ffn_dim=2 * h),
+                 "llama": lambda h: dict(intermediate_size=2 * h, num_key_value_heads=2)}
+
+
+def make_tiny_causal_lm(path, model_type="gpt2", corpus=None, layers=4, hidden=64, heads=4, positions=64, seed=0,
+                        **overrides):
+    """A random-weight causal LM checkpoint written by transformers itself, with a tokenizer for `corpus`."""
     import transformers
 
     tokenizer = build_tokenizer(corpus if corpus is not None else texts(), path)
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd,
-                                     n_layer=n_layer, n_head=n_head, bos_token_id=tokenizer.eos_token_id,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                     **overrides)
+    special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    extras = FAMILY_EXTRAS.get(model_type, lambda h: {})(hidden)
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=hidden,
+                                               num_hidden_layers=layers, num_attention_heads=heads,
+                                               max_position_embeddings=positions, **special,
+                                               **{**extras, **overrides})
     torch.manual_seed(seed)
-    transformers.GPT2LMHeadModel(config).save_pretrained(str(path))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
     return Path(path)
+
+
+def make_tiny_gpt2(path, corpus=None, n_layer=4, n_embd=64, n_head=4, n_positions=64, seed=0, **overrides):
+    return make_tiny_causal_lm(path, "gpt2", corpus, n_layer, n_embd, n_head, n_positions, seed, **overrides)
 
 
 def convert(src: Path, dst: Path, tp: int, pp: int) -> Path:

@@ -118,7 +118,9 @@ def test_interrupt_is_a_clean_stop_request():
     with Interrupt() as interrupt:
         os.kill(os.getpid(), signal.SIGINT)
         assert interrupt.requested and interrupt.agreed(torch.device("cpu"))
-        with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun's forwarded copy of the same Ctrl-C: still a clean stop
+        interrupt.requested_at -= 3.0
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C later on: stop at once
             os.kill(os.getpid(), signal.SIGINT)
 
 
@@ -255,3 +257,35 @@ def test_resume_is_exact_on_a_mesh(degrees, tiny, tmp_path):
     stopped_at, straight, resumed = run_distributed(_resume_distributed, 2, tiny, tmp_path, degrees, timeout=240)[0]
     assert stopped_at == 3 and len(straight) == 6
     assert resumed == straight
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_other_causal_lm_families_fine_tune_and_export(family, tmp_path):
+    from colozoo.demo_finetune import make_tiny_causal_lm
+
+    model = make_tiny_causal_lm(tmp_path / family, family, layers=2, positions=32)
+    out = tmp_path / "run"
+    summary = run(small_run(model, out, steps=4, lr=5e-3, export_hf=True))
+    curve = losses(out)
+    assert summary["step"] == 4 and curve[-1] < curve[0]
+    assert _check_export(out) < 1e-5
+
+
+def test_command_line_parses_every_option_and_reports_bad_input_in_one_line(tiny, tmp_path, capsys):
+    import argparse
+
+    from colozoo.finetune import add_parser, main
+    from colozoo.finetune.config import config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["finetune", "--model", "m", "--data", "d.jsonl", "--tp", "2", "--no-pack",
+                              "--dtype", "bfloat16", "--global-batch-size", "16", "--activation-checkpointing"])
+    cfg = config_from_args(args)
+    assert (cfg.tp, cfg.pack, cfg.dtype, cfg.global_batch_size, cfg.activation_checkpointing) == \
+        (2, False, "bfloat16", 16, True)
+    assert main(["--model", str(tiny), "--data", str(tmp_path / "none.jsonl"), "--seq-len", "16",
+                 "--output", str(tmp_path / "o")],
+                task="lm") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: dataset") and "does not exist" in err

@@ -114,9 +114,11 @@ class Interrupt:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested:
+        # torchrun forwards the terminal's Ctrl-C to workers that already got it: only a later one means "now"
+        if self.requested and time.monotonic() - self.requested_at > 2.0:
             raise KeyboardInterrupt
-        self.requested = True
+        if not self.requested:
+            self.requested, self.requested_at = True, time.monotonic()
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
