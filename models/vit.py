@@ -1,0 +1,176 @@
+"""ViT: patch-embedding convolution, CLS token, learned positions, pre-LayerNorm encoder blocks, task heads.
+
+    conv patches (replicated) -> [CLS, patches] + positions -> [layernorm_before -> qkv column -> bidirectional
+    attention -> o_proj row -> + layernorm_after -> fc1 column -> act -> fc2 row -> +] x n -> layernorm
+    base:                 hidden states, pooler = act(dense(CLS))
+    image_classification: classifier(CLS) (replicated; CE, MSE or BCE as transformers picks)
+
+Under sequence parallelism the CLS + patches sequence (never a multiple of 4) is padded to a multiple of tp;
+padded positions are masked out as keys and stripped before the heads.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, attention, gather_from_parallel,
+                            scatter_to_sequence)
+from colozoo.layers.activations import get_activation
+from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+
+from .bert import classification_loss, resolve_task, with_architecture
+
+
+def pair(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x, x)
+
+
+def num_patches(config) -> int:
+    (ih, iw), (ph, pw) = pair(config.image_size), pair(config.patch_size)
+    return (ih // ph) * (iw // pw)
+
+
+class ViTEmbeddings(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h, kw = config.hidden_size, dict(device=device, dtype=dtype)
+        self.group, self.sequence_parallel = pc.tp_group, pc.sequence_parallel
+        patch = pair(config.patch_size)
+        self.projection = nn.Conv2d(config.num_channels, h, kernel_size=patch, stride=patch, **kw)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, h, **kw))
+        self.position_embeddings = nn.Parameter(torch.zeros(1, num_patches(config) + 1, h, **kw))
+        self.dropout_p = config.hidden_dropout_prob
+
+    def forward(self, pixel_values, ctx: BatchContext):
+        patches = self.projection(pixel_values.to(self.projection.weight.dtype)).flatten(2).transpose(1, 2)
+        hidden = torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], dim=1)
+        hidden = hidden + self.position_embeddings
+        pad = ctx.position_ids.shape[1] - hidden.shape[1]
+        if pad:
+            hidden = nn.functional.pad(hidden, (0, 0, 0, pad))
+        if self.sequence_parallel:
+            hidden = scatter_to_sequence(hidden, self.group)
+        return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
+
+
+class ViTLayer(nn.Module):
+    def __init__(self, config, pc, device=None, dtype=None):
+        super().__init__()
+        h, inner = config.hidden_size, config.intermediate_size
+        heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or h // heads
+        self.local_heads = heads // pc.tp_size
+        self.attn_pdrop, self.hidden_pdrop = config.attention_probs_dropout_prob, config.hidden_dropout_prob
+        self.sharded_resid = pc.sequence_parallel
+        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        width = heads * self.head_dim
+        self.layernorm_before = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        self.qkv = ColumnParallelLinear(h, 3 * width, bias=config.qkv_bias, chunks=(width, width, width), **kw)
+        self.o_proj = RowParallelLinear(width, h, **kw)
+        self.layernorm_after = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        self.fc1 = ColumnParallelLinear(h, inner, **kw)
+        self.act = get_activation(config.hidden_act)
+        self.fc2 = RowParallelLinear(inner, h, **kw)
+
+    def _dropout(self, x):
+        return dropout(x, self.hidden_pdrop, self.training, sharded=self.sharded_resid)
+
+    def forward(self, x, ctx):
+        qkv = self.qkv(self.layernorm_before(x))
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn = attention(q, k, v, ctx.mask, causal=False, scale=self.head_dim ** -0.5,
+                         dropout_p=self.attn_pdrop if self.training else 0.0)
+        x = x + self._dropout(self.o_proj(attn.transpose(1, 2).reshape(b, s, -1)))
+        return x + self._dropout(self.fc2(self.act(self.fc1(self.layernorm_after(x)))))
+
+
+class ViTPooler(nn.Module):
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.pooler_output_size, device=device, dtype=dtype)
+        self.act = get_activation(config.pooler_act)
+
+    def forward(self, hidden):
+        return self.act(self.dense(hidden[:, 0]))
+
+
+class ViTModel(ParallelModel):
+    """The encoder with its pooler: returns hidden_states (CLS + patches) and pooler_output on every rank.
+    Called as model(pixel_values, labels=None, return_logits=False)."""
+
+    family = "vit"
+    task = "base"
+    TASKS = {"base": "ViTModel", "image_classification": "ViTForImageClassification"}
+
+    @classmethod
+    def for_task(cls, config, task=None):
+        return resolve_task(cls, config, task)
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        config = with_architecture(config, self.TASKS[self.task])
+        super().__init__(config, pc, layer_ids)
+        pc = self.pc
+        require(pc.config.cp == 1, "context parallelism is not supported for ViT (use sequence parallelism)")
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
+        kw = dict(device=device, dtype=dtype)
+        if self.is_first:
+            self.embeddings = ViTEmbeddings(config, pc, **kw)
+        self.layers = nn.ModuleDict({str(i): ViTLayer(config, pc, **kw) for i in self.layer_ids})
+        if self.is_last:
+            self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=pc.tp_group,
+                                       sequence_parallel=pc.sequence_parallel, **kw)
+            self.build_head(config, **kw)
+
+    def build_head(self, config, device=None, dtype=None):
+        self.pooler = ViTPooler(config, device, dtype)
+
+    def forward(self, pixel_values, labels=None, return_logits=False, **kwargs) -> ModelOutput:
+        return super().forward(pixel_values, None, labels=labels, return_logits=return_logits, **kwargs)
+
+    def batch_context(self, pixel_values, attention_mask=None, position_ids=None) -> BatchContext:
+        c = self.config
+        if pixel_values.dim() != 4 or pixel_values.shape[1] != c.num_channels:
+            raise ValueError(f"pixel_values must be (batch, {c.num_channels}, height, width); got {tuple(pixel_values.shape)}")
+        if tuple(pixel_values.shape[2:]) != pair(c.image_size):
+            raise ValueError(f"image size {tuple(pixel_values.shape[2:])} does not match the model's "
+                             f"{pair(c.image_size)} (position interpolation is not supported)")
+        seq = num_patches(c) + 1
+        padded = seq + (-seq) % self.pc.tp_size if self.sequence_parallel else seq
+        device = pixel_values.device
+        positions = torch.arange(padded, device=device).expand(pixel_values.shape[0], padded)
+        mask = (torch.arange(padded, device=device) < seq)[None, None, None, :] if padded > seq else None
+        return BatchContext(None, mask, positions, seq)
+
+    def embed(self, pixel_values, ctx):
+        return self.embeddings(pixel_values, ctx)
+
+    def final_hidden(self, hidden, ctx):
+        """The normalised last hidden state, whole on every rank, without sequence-parallel padding."""
+        hidden = self.layernorm(hidden)
+        if self.sequence_parallel:
+            hidden = gather_from_parallel(hidden, self.tp_group, dim=1)
+        return hidden[:, :ctx.seq_len]
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        hidden = self.final_hidden(hidden, ctx)
+        return ModelOutput(hidden_states=hidden, pooler_output=self.pooler(hidden))
+
+
+class ViTForImageClassification(ViTModel):
+    """Classifier on the CLS token; logits (batch, num_labels) are always returned (they are small)."""
+
+    task = "image_classification"
+
+    def build_head(self, config, device=None, dtype=None):
+        require(config.num_labels > 0, "ViTForImageClassification needs num_labels > 0")
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels, device=device, dtype=dtype)
+
+    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+        logits = self.classifier(self.final_hidden(hidden, ctx)[:, 0])
+        loss = classification_loss(logits, labels, self.config) if labels is not None else None
+        return ModelOutput(loss=loss, logits=logits)
+
+    def loss_token_count(self, labels) -> torch.Tensor:
+        return torch.tensor(labels.numel(), device=labels.device)
