@@ -95,7 +95,8 @@ _HELP = {
     "pack": "concatenate documents into full --seq-len sequences (--no-pack pads each document instead)",
     "dtype": "compute dtype (bfloat16/float16 train in mixed precision over fp32 weights)",
     "activation_checkpointing": "recompute layer activations in backward to save memory",
-    "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over)",
+    "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over, "
+              "replacing OUTPUT's checkpoints and metrics)",
     "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end",
     "peak_tflops": "peak TFLOP/s of one device, for the MFU estimate",
     "stop_after": "save and stop at this step, as if interrupted (resume later with the same command)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -168,8 +169,13 @@ def run(cfg: FinetuneConfig) -> dict:
     if rank0:
         output.mkdir(parents=True, exist_ok=True)
         (output / "config.json").write_text(json.dumps(cfg.to_json(), indent=1))
-        if start or (output / "metrics.jsonl").exists():
+        if start:
             truncate_metrics(output / "metrics.jsonl", start)
+        else:  # a fresh start in this directory: an earlier run's metrics and checkpoints would only mislead
+            (output / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(checkpoints, ignore_errors=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
     n_params = runtime.parameter_count(model)
     reporter = Reporter(output, total_steps, start, flops_per_token=6 * n_params,
@@ -242,8 +248,6 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
     """HF export, plus the colozoo model's logits on one batch (probe.pt) so anyone can check the export."""
     path = output / "hf"
     if _is_rank0() and path.exists():  # a resumed run exports again
-        import shutil
-
         shutil.rmtree(path)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
