@@ -175,6 +175,8 @@ def test_dtype_conversion_and_sharded_hf(tmp_path):
     assert_bit_identical(expected, hf_state(out))
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
+    colozoo.convert(hf, tmp_path / "fp16", to_hf=True, dtype=torch.float16)  # HF -> HF, dtype on the fly
+    assert_bit_identical({k: v.to(torch.float16) for k, v in hf_state(hf).items()}, hf_state(tmp_path / "fp16"))
 
 
 def test_bin_weights_only_behind_flag(tmp_path):
@@ -226,6 +228,7 @@ def test_from_pretrained_tp2_pp2(tmp_path):
     hf = make_hf(tmp_path / "hf", "gpt2")
     convert(hf, tmp_path / "tp1", tp=1)
     run_distributed(_logits_vs_transformers, 4, tmp_path / "tp1", hf, 2, 2, timeout=TIMEOUT)
+    run_distributed(_logits_vs_transformers, 4, hf, hf, 2, 2, timeout=TIMEOUT)  # the tied head on the last stage
 
 
 def test_from_pretrained_dtype(tmp_path):
