@@ -9,6 +9,7 @@ Everything is attributed to the innermost module running, in forward and in back
 """
 from __future__ import annotations
 
+import gc
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -106,18 +107,19 @@ class SavedTensor:
 class Trace:
     """Raw per-op records of one traced step; `steps[i]` is (module, phase, op name, flops) of op i."""
     steps: list = field(default_factory=list)
-    storages: dict = field(default_factory=dict)       # storage key -> StorageLife
-    saved: dict = field(default_factory=dict)          # storage key -> SavedTensor
+    storages: dict = field(default_factory=dict)       # record id -> StorageLife
+    saved: dict = field(default_factory=dict)          # record id -> SavedTensor
     collectives: list = field(default_factory=list)
     params_saved_by: dict = field(default_factory=lambda: defaultdict(set))  # param name -> modules that saved it
     module_inputs: dict = field(default_factory=dict)  # module name -> bytes of its first tensor input
     grad_keys: set = field(default_factory=set)
+    static_ids: set = field(default_factory=set)      # parameters and buffers (and their views)
 
     def temporaries(self) -> list[int]:
         """Bytes of op outputs alive at each op that are neither saved for backward nor final gradients."""
         delta = [0] * (len(self.steps) + 2)
         for key, life in self.storages.items():
-            if key in self.saved or key in self.grad_keys:
+            if key in self.saved or key in self.grad_keys or key in self.static_ids:
                 continue
             delta[life.birth] += life.nbytes
             end = life.death if life.death is not None else len(self.steps) + 1
@@ -174,7 +176,23 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace, self.tracker, self.group_names = trace, tracker, group_names
         self.phase = "forward"
-        self.live: dict = {}  # storage key -> StorageWeakRef of storages not yet freed
+        self.live: dict = {}  # storage key -> (StorageWeakRef, record id) of storages not yet freed
+
+    def record_id(self, t: torch.Tensor, step: int):
+        """The lifetime record of t's storage, opened now if unseen. Storage keys are addresses that a freed
+        storage hands on, so records carry their own ids."""
+        key = storage_key(t)
+        if key is None:
+            return None
+        entry = self.live.get(key)
+        if entry is not None and not entry[0].expired():
+            return entry[1]
+        if entry is not None:
+            self.trace.storages[entry[1]].death = step
+        rid = len(self.trace.storages)
+        self.live[key] = (StorageWeakRef(t.untyped_storage()), rid)
+        self.trace.storages[rid] = StorageLife(t.untyped_storage().nbytes(), step)
+        return rid
 
     def module(self) -> str:
         return max(self.tracker.parents, key=len, default="Global")
@@ -194,17 +212,13 @@ class _Recorder(TorchDispatchMode):
         self._sweep(step)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                key = storage_key(t)
-                if key is not None and key not in self.live and key not in self.trace.storages:
-                    self.live[key] = StorageWeakRef(t.untyped_storage())
-                    self.trace.storages[key] = StorageLife(t.untyped_storage().nbytes(), step)
+                self.record_id(t, step)
         return out
 
     def _sweep(self, step: int):
-        dead = [key for key, ref in self.live.items() if ref.expired()]
+        dead = [key for key, (ref, _) in self.live.items() if ref.expired()]
         for key in dead:
-            self.trace.storages[key].death = step
-            del self.live[key]
+            self.trace.storages[self.live.pop(key)[1]].death = step
 
     def _collective(self, func, args, step, module):
         name = COLLECTIVES.get(func._overloadpacket.__name__)
@@ -224,7 +238,7 @@ class _Recorder(TorchDispatchMode):
         self.trace.collectives.append(Collective(step, module, self.phase, name, group_name, size, nbytes))
 
 
-def _record_graph_ops(trace: Trace, roots):
+def _record_graph_ops(trace: Trace, recorder, roots):
     """Name the op that saved each tensor by walking the autograd graph once."""
     seen, stack = set(), [r for r in roots if r is not None]
     while stack:
@@ -242,9 +256,9 @@ def _record_graph_ops(trace: Trace, roots):
                 continue
             for t in (value if isinstance(value, (tuple, list)) else (value,)):
                 if isinstance(t, torch.Tensor):
-                    key = storage_key(t)
-                    if key in trace.saved and trace.saved[key].op == "?":
-                        trace.saved[key].op = op
+                    rid = recorder.record_id(t, len(trace.steps))
+                    if rid in trace.saved and trace.saved[rid].op == "?":
+                        trace.saved[rid].op = op
         stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
@@ -257,6 +271,8 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
     buffer_keys = {storage_key(b) for b in module.buffers()}
     tracker = ModuleTracker()
     recorder = _Recorder(trace, tracker, group_names or {})
+    for t in (*module.parameters(), *module.buffers()):
+        trace.static_ids.add(recorder.record_id(t, 0))
 
     def pack(t):
         key = storage_key(t)
@@ -264,9 +280,9 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
             return t
         if key in param_keys:
             trace.params_saved_by[param_keys[key]].add(recorder.module())
-        elif key not in trace.saved:
+        elif (rid := recorder.record_id(t, len(trace.steps))) not in trace.saved:
             storage = t.untyped_storage()
-            trace.saved[key] = SavedTensor(recorder.module(), len(trace.steps), storage.nbytes(), tuple(t.shape),
+            trace.saved[rid] = SavedTensor(recorder.module(), len(trace.steps), storage.nbytes(), tuple(t.shape),
                                            t.dtype)
         return t
 
@@ -277,15 +293,23 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
             trace.module_inputs[name] = first.numel() * first.element_size()
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(remember_input)
+    # storages held only by reference cycles die whenever the cyclic collector runs: keep it out of the
+    # trace so lifetimes (and the temporaries) are deterministic, counting such storages as still alive
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with _SdpaKernel(target), tracker, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = run(module)
-            _record_graph_ops(trace, [loss.grad_fn])
+            _record_graph_ops(trace, recorder, [loss.grad_fn])
             recorder.phase = "backward"
             loss.backward()
             del loss
             recorder._sweep(len(trace.steps))
     finally:
         handle.remove()
-    trace.grad_keys = {storage_key(p.grad) for p in module.parameters() if p.grad is not None}
+        if gc_was_enabled:
+            gc.enable()
+    trace.grad_keys = {recorder.record_id(p.grad, len(trace.steps)) for p in module.parameters()
+                       if p.grad is not None}
     return trace

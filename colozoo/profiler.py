@@ -137,6 +137,8 @@ class UnitCost:
     attention_core_bytes: int = 0        # saved tensors of (..., s, s) shape: what selective recompute drops
     input_bytes: int = 0                 # what full recompute keeps
     transient_bytes: int = 0             # temporaries alive at the worst op (forward or backward)
+    fwd_transient_bytes: int = 0
+    bwd_transient_bytes: int = 0
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per micro-batch (fwd + bwd)
     ops: dict = field(default_factory=dict)   # op -> {"calls", "fwd_flops", "bwd_flops", "saved_bytes"}
 
@@ -158,6 +160,7 @@ class StageCost:
     inflight: int
     fwd_flops: int               # per micro-batch on one rank
     bwd_flops: int               # including recomputation
+    comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per step
 
 
 @dataclass
@@ -395,27 +398,40 @@ class ModelTrace:
     local_seq: int
     dtype: str
 
+    next_batch: "ModelTrace | None" = None  # the same model traced at batch_size + 1, for `scaled`
+
     def scaled(self, batch_size: int) -> "ModelTrace":
-        """The same model at another micro-batch size: every activation, FLOP and collective is linear in it."""
+        """The same model at another micro-batch size. Activations, FLOPs and collectives are affine in the
+        batch (weight-gradient temporaries and replicated-weight reductions are not proportional to it), so
+        two traces at consecutive sizes give every other size exactly; with one trace, scale proportionally."""
         import copy
 
-        f = batch_size / self.batch_size
+        nxt = self.next_batch
+        f = batch_size - self.batch_size if nxt is not None else batch_size / self.batch_size
+
+        def at(a, b):  # a at self.batch_size, b at batch_size + 1
+            return a + (b - a) * f if nxt is not None else a * f
+
         units = {}
         for key, u in self.units.items():
+            w = nxt.units[key] if nxt is not None else u
             v = copy.deepcopy(u)
             for attr in ("fwd_flops", "bwd_flops", "saved_bytes", "attention_core_bytes", "input_bytes",
-                         "transient_bytes"):
-                setattr(v, attr, int(getattr(u, attr) * f))
-            v.comm = {k: n * f for k, n in u.comm.items()}  # (the small weight-gradient all-reduces too)
-            v.ops = {op: {k: (n if k == "calls" else int(n * f)) for k, n in st.items()} for op, st in u.ops.items()}
+                         "transient_bytes", "fwd_transient_bytes", "bwd_transient_bytes"):
+                setattr(v, attr, int(round(at(getattr(u, attr), getattr(w, attr)))))
+            v.comm = {k: at(n, w.comm.get(k, n)) for k, n in u.comm.items()}
+            v.ops = {op: {k: (n if k == "calls" else int(round(at(n, w.ops.get(op, st)[k]))))
+                          for k, n in st.items()} for op, st in u.ops.items()}
             units[key] = v
         return ModelTrace(self.name, units, self.layers, self.total_params, self.tied_bytes, batch_size,
                           self.local_seq, self.dtype)
 
 
-def trace_model(model_or_name, batch_size: int, seq_len: int, mesh=None, dtype: str = "bfloat16",
-                target: str = "cuda", inputs: dict | None = None) -> ModelTrace:
-    """Trace one micro-batch (one layer of each kind) at the mesh's tp, ep, sp and cp (as seq_len / cp)."""
+def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str = "bfloat16",
+                target: str = "cuda", inputs: dict | None = None):
+    """Trace one micro-batch (one layer of each kind) at the mesh's tp, ep, sp and cp (as seq_len / cp).
+
+    `batch_size` may be a list: the model is built once and traced at each size ({size: ModelTrace})."""
     pc = parse_mesh(mesh)
     config, generic = _resolve(model_or_name)
     torch_dtype = DTYPES[dtype]
@@ -425,11 +441,10 @@ def trace_model(model_or_name, batch_size: int, seq_len: int, mesh=None, dtype: 
     if generic is not None and (pc.tp > 1 or pc.ep > 1 or pc.pp > 1):
         raise ProfilerError(f"{type(generic).__name__} is not a colozoo model: only dp and cp apply to it "
                             f"(got tp={pc.tp}, pp={pc.pp}, ep={pc.ep})")
-    if inputs is None:
-        ids = torch.zeros(batch_size, local_seq, dtype=torch.long, device="meta")
-        inputs = {"input_ids": ids, "labels": ids}
+    sizes = list(batch_size) if isinstance(batch_size, (list, tuple)) else [batch_size]
     from colozoo.kernels.dispatch import use_kernels
 
+    traces = {}
     with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)):
         if generic is not None:
             model, group_names = generic, {}
@@ -442,24 +457,34 @@ def trace_model(model_or_name, batch_size: int, seq_len: int, mesh=None, dtype: 
         kinds = _kinds(container) if container is not None else {}
         all_layers = [k for keys in kinds.values() for k in keys]
         with _representatives_only(model, prefix, container, kinds) as renamed:
-            if generic is not None:
-                run = _meta_copy_run(model, inputs, torch_dtype)
-            else:
-                run = lambda m: _loss_of(m(**inputs))  # noqa: E731
-            trace = trace_step(model, run, target=target, group_names=group_names)
+            for size in sizes:
+                batch = inputs
+                if batch is None:
+                    ids = torch.zeros(size, local_seq, dtype=torch.long, device="meta")
+                    batch = {"input_ids": ids, "labels": ids}
+                if generic is not None:
+                    run = _meta_copy_run(model, batch, torch_dtype)
+                else:
+                    run = lambda m, batch=batch: _loss_of(m(**batch))  # noqa: E731
+                for p in params.values():
+                    p.grad = None
+                traces[size] = trace_step(model, run, target=target, group_names=group_names)
     root = type(model).__name__
-    if renamed:
-        _rename_layers(trace, f"{root}.{prefix}.", renamed)
     layer_prefix = f"{root}.{prefix}." if prefix else None
-    step_unit = _unit_of_steps(trace, layer_prefix)
-    module_unit = _module_units(trace, step_unit)
-    units = _units(trace, step_unit, layer_prefix, kinds, local_seq)
-    _assign_params(units, params, prefix, kinds, module_unit, root)
-    tied = _tied_head_bytes(trace, params, prefix, module_unit, root)
     if all(k.isdigit() for k in all_layers):
         all_layers = sorted(all_layers, key=int)
     name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
-    return ModelTrace(name, units, all_layers, _global_params(params, pc), tied, batch_size, local_seq, dtype)
+    out = {}
+    for size, trace in traces.items():
+        if renamed:
+            _rename_layers(trace, f"{root}.{prefix}.", renamed)
+        step_unit = _unit_of_steps(trace, layer_prefix)
+        module_unit = _module_units(trace, step_unit)
+        units = _units(trace, step_unit, layer_prefix, kinds, local_seq)
+        _assign_params(units, params, prefix, kinds, module_unit, root)
+        tied = _tied_head_bytes(trace, params, prefix, module_unit, root)
+        out[size] = ModelTrace(name, units, all_layers, _global_params(params, pc), tied, size, local_seq, dtype)
+    return out if isinstance(batch_size, (list, tuple)) else out[batch_size]
 
 
 def _resolve(model_or_name):
@@ -528,6 +553,10 @@ def _units(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> dict
             stats["bwd_flops"] += fl
             u.bwd_flops += fl
         u.transient_bytes = max(u.transient_bytes, temps[i])
+        if phase == "forward":
+            u.fwd_transient_bytes = max(u.fwd_transient_bytes, temps[i])
+        else:
+            u.bwd_transient_bytes = max(u.bwd_transient_bytes, temps[i])
     for saved in trace.saved.values():
         u = unit(_unit_of_saved(saved, trace, step_unit, layer_prefix))
         if u is None:
@@ -664,11 +693,16 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
             transient = max(transient, p.transient_bytes + extra)
         inflight = min(pc.pp - s, m) if setup.schedule == "1f1b" else m
         activations = saved * inflight
-        peak = weights + grads + master + optim + fsdp + activations + transient
+        in_order = ([parts[len(keys)]] if s == 0 and len(parts) > len(keys) else []) + parts[:len(keys)] + \
+            ([units["head"]] if s == len(stages) - 1 and "head" in units else [])
+        policies = ["none" if p not in parts[:len(keys)] else recompute[parts.index(p)] for p in in_order]
+        dynamic = _dynamic_peak(in_order, policies, saved, inflight, grads, param_bytes, m)
+        peak = weights + master + optim + fsdp + dynamic
         stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
                                      master, optim, fsdp, activations, transient, peak, cpu, inflight, int(fwd),
-                                     int(bwd)))
-        comm_by_stage.append(_stage_comm(parts, keys, pc, setup, param_bytes, s, len(stages), units))
+                                     int(bwd), _stage_comm(parts, keys, pc, setup, param_bytes, s, len(stages),
+                                                           units)))
+        comm_by_stage.append(stage_costs[-1].comm)
     busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
     total, name = mt.total_params, mt.name
     mesh = {k: getattr(pc, k) for k in ("tp", "pp", "dp", "cp", "ep")}
@@ -678,6 +712,28 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
         units=[asdict(u) for u in units.values()], stages=[asdict(s) for s in stage_costs],
         comm=comm_by_stage[busiest], peak_memory=max(s.peak for s in stage_costs),
         step_flops=(stage_costs[busiest].fwd_flops + stage_costs[busiest].bwd_flops) * m, profile_seconds=0.0)
+
+
+def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m) -> float:
+    """Worst activations + temporaries + gradients over one micro-batch's forward and backward, walking the
+    stage's units in order. Other micro-batches in flight keep their saved activations throughout; with
+    more than one micro-batch the gradients exist from the first backward on, else they grow as it runs."""
+    others = (inflight - 1) * saved
+    grad_per_byte = grads / param_bytes if param_bytes else 0.0
+    accumulated = grads if m > 1 else 0.0
+    live, worst = 0.0, 0.0
+    for p, policy in zip(parts, policies):
+        kept = _saved_under(p, policy)
+        worst = max(worst, others + live + kept + p.fwd_transient_bytes + accumulated)
+        live += kept
+    for p, policy in zip(reversed(parts), reversed(policies)):
+        rebuilt = p.saved_bytes - _saved_under(p, policy)  # what recomputation brings back for this backward
+        own_grads = p.param_bytes * grad_per_byte
+        worst = max(worst, others + live + rebuilt + p.bwd_transient_bytes + accumulated + own_grads)
+        live -= _saved_under(p, policy)
+        if m == 1:
+            accumulated += own_grads
+    return worst
 
 
 def _recompute_plan(setup: Setup, n: int) -> list[str]:
