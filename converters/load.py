@@ -13,7 +13,8 @@ from colozoo.parallel import coords_of
 from .sources import CheckpointError, GlobalTensor, TensorReader
 
 FAMILY_CONVERTERS = {"gpt2": "gpt2", "opt": "opt", "bert": "bert", "vit": "vit", "llama": "llama",
-                     "mistral": "llama", "mixtral": "mixtral"}
+                     "mistral": "llama", "mixtral": "mixtral",
+                     "qwen2_moe": "qwen2_moe"}
 
 
 def family_module(family: str):

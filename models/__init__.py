@@ -11,6 +11,7 @@ MODEL_CLASSES = {
     "llama": ("colozoo.models.llama", "LlamaForCausalLM"),
     "mistral": ("colozoo.models.llama", "LlamaForCausalLM"),
     "mixtral": ("colozoo.models.mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("colozoo.models.qwen2_moe", "Qwen2MoeForCausalLM"),
 }
 
 

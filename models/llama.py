@@ -220,12 +220,16 @@ class LlamaForCausalLM(ParallelModel):
         sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
         if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id, **sp, **kw)
-        self.layers = nn.ModuleDict({str(i): self.decoder_layer(config, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): self.build_layer(i, config, pc, **kw) for i in self.layer_ids})
         if self.is_last:
             self.norm = RMSNorm(h, eps=config.rms_norm_eps, **sp, **kw)
             tied = self.embed_tokens if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
         self.rotary = RotaryEmbedding(config, device=device)
+
+    def build_layer(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        """Families on this decoder (Mixtral, Qwen2-MoE) override `decoder_layer` or this."""
+        return self.decoder_layer(config, pc, **kw)
 
     def reset_buffers(self):
         """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""

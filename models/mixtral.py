@@ -17,7 +17,8 @@ from torch import nn
 
 from colozoo.layers import RMSNorm
 from colozoo.layers.moe import MoE, load_balancing_loss, router_z_loss
-from colozoo.modeling import ModelOutput, UnsupportedConfig, check_divisible
+from colozoo.modeling import ModelOutput, UnsupportedConfig
+from colozoo.parallel import single_process
 
 from .llama import LlamaAttention, LlamaForCausalLM, RopeBatchContext
 
@@ -48,21 +49,22 @@ class MixtralDecoderLayer(nn.Module):
         return x + out
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
-    family = "mixtral"
-    decoder_layer = MixtralDecoderLayer
+class MoECausalLM(LlamaForCausalLM):
+    """A LLaMA-style decoder with MoE layers: router logits collected per batch, load-balancing (and z) loss."""
+
+    num_experts_key = "num_local_experts"  # the config attribute holding the number of experts
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
-        self.family = "mixtral"
-        pc = self.pc
-        if getattr(config, "router_jitter_noise", 0.0):
-            raise UnsupportedConfig("router_jitter_noise is not supported (set it to 0.0)")
-        check_divisible("the number of experts (num_local_experts) by ep", config.num_local_experts,
-                        pc.size("ep"))
+        pc = pc or single_process()
+        experts, ep = getattr(config, self.num_experts_key), pc.size("ep")
+        if experts % ep:
+            raise UnsupportedConfig(f"ep={ep} must divide the number of experts ({self.num_experts_key}={experts})")
         if pc.config.pp > 1:
-            raise UnsupportedConfig("Mixtral with pipeline parallelism is not wired yet (the aux loss needs every "
-                                    "layer's router statistics)")
+            raise UnsupportedConfig(f"{type(self).__name__} with pipeline parallelism is not wired yet (the aux "
+                                    f"loss needs every layer's router statistics)")
+        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+        self.family = type(self).family
+        self.num_experts, self.top_k = getattr(config, self.num_experts_key), config.num_experts_per_tok
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None,
                       output_router_logits: bool | None = None) -> MoEBatchContext:
@@ -82,11 +84,20 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if token_mask is not None and ctx.cp is not None:
             token_mask = ctx.cp.shard(token_mask)
         group = ctx.cp.group if ctx.cp is not None else None
-        out.aux_loss = load_balancing_loss(ctx.router_logits, c.num_local_experts, c.num_experts_per_tok,
-                                           token_mask, group)
+        out.aux_loss = load_balancing_loss(ctx.router_logits, self.num_experts, self.top_k, token_mask, group)
         if out.loss is not None:
             out.loss = out.loss + c.router_aux_loss_coef * out.aux_loss
             z_coef = getattr(c, "router_z_loss_coef", 0.0) or 0.0
             if z_coef:
                 out.loss = out.loss + z_coef * router_z_loss(ctx.router_logits, token_mask, group)
         return out
+
+
+class MixtralForCausalLM(MoECausalLM):
+    family = "mixtral"
+    decoder_layer = MixtralDecoderLayer
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        if getattr(config, "router_jitter_noise", 0.0):
+            raise UnsupportedConfig("router_jitter_noise is not supported (set it to 0.0)")
+        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)

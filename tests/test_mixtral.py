@@ -14,6 +14,12 @@ from parity import batch, hf_causal_lm
 MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
                output_router_logits=True, router_aux_loss_coef=0.05)
+# layer 0 sparse with a gated shared expert and un-normalised top-k weights, layer 1 dense
+QWEN2_MOE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=64,
+                 output_router_logits=True, router_aux_loss_coef=0.05)
+FAMILIES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
 ATOL = 1e-5
 
 
@@ -40,15 +46,15 @@ class RecordingReader:
         return self.inner.read(name, index)
 
 
-def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", config_overrides=None):
-    from colozoo.converters import GlobalTensor, SafetensorsReader, StateDictReader, load_hf_weights
-    from colozoo.converters.mixtral import module_sources
+def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", config_overrides=None,
+                   family="mixtral"):
+    from colozoo.converters import GlobalTensor, SafetensorsReader, StateDictReader, family_module, load_hf_weights
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.models import build_model
     from colozoo.parallel import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm("mixtral", {**MIXTRAL, **(config_overrides or {})})
+    config, hf = hf_causal_lm(family, {**FAMILIES[family], **(config_overrides or {})})
     ids, mask, labels = batch(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels, output_router_logits=True)
     ref.loss.backward()
@@ -66,7 +72,7 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(directory[0])
-    owned = range(pc.rank("ep") * config.num_local_experts // ep, (pc.rank("ep") + 1) * config.num_local_experts // ep)
+    owned = range(pc.rank("ep") * model.num_experts // ep, (pc.rank("ep") + 1) * model.num_experts // ep)
     read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reader.read_names if ".experts." in n}
     assert read_experts == set(owned), f"ep rank {pc.rank('ep')} read experts {sorted(read_experts)}"
 
@@ -80,7 +86,7 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
     for what, diff in report.items():
         assert diff < ATOL, f"{what} differs by {diff} (tp={tp} ep={ep} cp={cp})"
 
-    sources = module_sources(config)
+    sources = family_module(family).module_sources(config)
     dp = pc.size("dp")
     worst = 0.0
     for name, p in model.named_parameters():
@@ -123,11 +129,12 @@ def test_mixtral_context_parallel_with_ep(mode):
     run_distributed(mixtral_parity, 4, 2, 2, 2, False, mode, timeout=150)
 
 
-def test_converter_round_trip_bit_exact():
-    from colozoo.converters import GlobalTensor, SafetensorsReader
-    from colozoo.converters.mixtral import hf_sources
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_converter_round_trip_bit_exact(family):
+    from colozoo.converters import GlobalTensor, SafetensorsReader, family_module
 
-    config, hf = hf_causal_lm("mixtral", MIXTRAL)
+    config, hf = hf_causal_lm(family, FAMILIES[family])
+    hf_sources = family_module(family).hf_sources
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
         reader = SafetensorsReader(directory)
@@ -141,7 +148,18 @@ def test_converter_round_trip_bit_exact():
         for name, value in written.items():
             original = reader.read(name)
             assert value.dtype == original.dtype and torch.equal(value, original), name
-        gate_up = GlobalTensor(reader, hf_sources(config)["layers.1.mlp.experts.gate_up_proj"])
-        assert gate_up.shape == (4, 64, 64)
-        # a slice of experts 1..2 reads exactly those experts' w1/w3
-        assert torch.equal(gate_up.read((slice(1, 3),))[1, :32], reader.read("model.layers.1.block_sparse_moe.experts.2.w1.weight"))
+        if family == "mixtral":
+            gate_up = GlobalTensor(reader, hf_sources(config)["layers.1.mlp.experts.gate_up_proj"])
+            assert gate_up.shape == (4, 64, 64)
+            # a slice of experts 1..2 reads exactly those experts' w1 (gate) rows
+            expected = reader.read("model.layers.1.block_sparse_moe.experts.2.w1.weight")
+            assert torch.equal(gate_up.read((slice(1, 3),))[1, :32], expected)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2)])
+def test_qwen2_moe_matches_transformers(tp, ep):
+    run_distributed(mixtral_parity, tp * ep, tp, ep, 1, tp > 1, "ring", None, "qwen2_moe", timeout=150)
+
+
+def test_qwen2_moe_context_parallel():
+    run_distributed(mixtral_parity, 2, 1, 2, 2, False, "all_to_all", None, "qwen2_moe", timeout=150)
