@@ -129,45 +129,60 @@ def _batch_kwargs(input_ids, labels, attention_mask, position_ids):
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def schedule_name(name: str) -> str:
+    """Canonical schedule name: case, '-' and '_' do not matter ("GPipe", "1F1B", "Interleaved1F1B", ...)."""
+    key = name.lower().replace("_", "").replace("-", "")
+    aliases = {n.replace("_", ""): n for n in SCHEDULES} | {"interleavedzerobubble": "zero_bubble", "zb1p": "zero_bubble"}
+    if key not in aliases:
+        raise PipelineError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return aliases[key]
+
+
 def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=None, num_microbatches: int = 1,
                  schedule: str = "1f1b", loss_scale: float = 1.0) -> torch.Tensor | None:
     """One forward+backward of the whole batch through the pipeline; returns the sum of the scaled micro-batch
     losses on the ranks that hold the last stage, None elsewhere. Gradients accumulate on the local shards."""
-    if schedule not in SCHEDULES:
-        raise PipelineError(f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    schedule = schedule_name(schedule)
     stages = stages_of(model)
-    multi = schedule in MULTI_STAGE
-    if not multi and len(stages) > 1:
+    if schedule not in MULTI_STAGE and len(stages) > 1:
         raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but this model holds {len(stages)} "
                             f"virtual stages per rank; use one of {sorted(MULTI_STAGE)}")
-    num_stages = unwrap(stages[0]).num_stages
     if schedule != "gpipe" and num_microbatches < model.pc.config.pp:
         raise PipelineError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline ranks "
                             f"({model.pc.config.pp}), got {num_microbatches}; raise num_microbatches or use 'gpipe'")
-    batch, seq = input_ids.shape
-    micro = batch // num_microbatches
-    dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
-    device = input_ids.device
-    pipe_stages = []
     for stage in stages:
-        inner = unwrap(stage)
-        inner.loss_scale = loss_scale
-        hidden = torch.empty(hidden_shape(model, micro, seq), dtype=dtype, device=device, requires_grad=True)
-        x_in = torch.empty(micro, seq, dtype=input_ids.dtype, device=device) if inner.is_first else hidden
-        x_out = torch.empty((), device=device, requires_grad=True) if inner.is_last else hidden
-        pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=(x_in,),
-                                         output_args=(x_out,), group=model.pc.group("pp")))
-    loss_fn = _take_loss  # the last stage already returns the scaled loss
-    if multi:
-        runner = SCHEDULES[schedule](pipe_stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        runner = SCHEDULES[schedule](pipe_stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        unwrap(stage).loss_scale = loss_scale
+    runner = _runner(model, stages, schedule, num_microbatches, input_ids)
     losses: list[torch.Tensor] = []
     args = (input_ids,) if unwrap(stages[0]).is_first else ()
     runner.step(*args, target=labels, losses=losses, return_outputs=False,
                 **_batch_kwargs(input_ids, labels, attention_mask, position_ids))
     holds_last = any(unwrap(s).is_last for s in stages)
     return torch.stack([l.detach() for l in losses]).sum() if holds_last else None
+
+
+def _runner(model, stages, schedule, num_microbatches, input_ids):
+    """The torch schedule over this rank's stages, with static input/output shapes; cached per batch shape."""
+    batch, seq = input_ids.shape
+    micro = batch // num_microbatches
+    dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
+    key = (schedule, num_microbatches, micro, seq, input_ids.dtype, dtype)
+    cache = unwrap(stages[0]).__dict__.setdefault("_runners", {})  # new stages (parallelize) start afresh
+    if key in cache:
+        return cache[key]
+    device = input_ids.device
+    pipe_stages = []
+    for stage in stages:
+        inner = unwrap(stage)
+        hidden = torch.empty(hidden_shape(model, micro, seq), dtype=dtype, device=device, requires_grad=True)
+        x_in = torch.empty(micro, seq, dtype=input_ids.dtype, device=device) if inner.is_first else hidden
+        x_out = torch.empty((), device=device, requires_grad=True) if inner.is_last else hidden
+        pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=(x_in,),
+                                         output_args=(x_out,), group=model.pc.group("pp")))
+    # the last stage already returns its loss scaled for the global batch: no loss_fn work, no grad scaling
+    stage_arg = pipe_stages if schedule in MULTI_STAGE else pipe_stages[0]
+    cache[key] = SCHEDULES[schedule](stage_arg, num_microbatches, loss_fn=_take_loss, scale_grads=False)
+    return cache[key]
 
 
 def _take_loss(output, target):

@@ -12,7 +12,7 @@ from colozoo.models import build_model
 from colozoo.parallel import init_parallel
 from colozoo.partition import (PartitionError, layer_cost, model_stage_layers, rank_layers, stage_layers,
                                virtual_stage_layers)
-from colozoo.pipeline import PipelineError, layer_runs, stages_of
+from colozoo.pipeline import PipelineError, layer_runs, schedule_name, stages_of
 from colozoo.training import parallelize
 
 CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
@@ -47,6 +47,13 @@ def test_virtual_stages_are_looped_over_ranks():
     assert layer_runs([2, 3, 6, 7]) == [[2, 3], [6, 7]]
     config = GPT2Config(n_layer=8)
     assert model_stage_layers(config, 2, 2, layers_per_stage=[1, 3, 3, 1]) == [[[0], [4, 5, 6]], [[1, 2, 3], [7]]]
+
+
+def test_schedule_names():
+    assert [schedule_name(n) for n in ("GPipe", "1F1B", "Interleaved1F1B", "interleaved-1f1b", "ZB1P")] == [
+        "gpipe", "1f1b", "interleaved_1f1b", "interleaved_1f1b", "zero_bubble"]
+    with pytest.raises(PipelineError, match="unknown pipeline schedule"):
+        schedule_name("looped_bfs")
 
 
 def load(pc, config, hf, virtual_stages=1):
@@ -97,7 +104,7 @@ def bad_schedules():
     config, hf = hf_causal_lm("gpt2", CONFIG)
     ids, mask, labels = batch(config.vocab_size, 12, batch_size=4)
     model = load(pc, config, hf, virtual_stages=2)
-    with pytest.raises(PipelineError, match="unknown pipeline schedule 'dualpipe'"):
+    with pytest.raises(PipelineError, match="unknown pipeline schedule .dualpipe."):
         model.forward_backward(ids, labels, num_microbatches=2, schedule="dualpipe")
     with pytest.raises(PipelineError, match="virtual stages per rank"):
         model.forward_backward(ids, labels, num_microbatches=2, schedule="1f1b")
