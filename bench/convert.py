@@ -2,7 +2,8 @@
 The size is --gb (default 0.5 to keep the run short here; the issue asks for ~1 GB: --gb 1).
 
 Prints one JSON line per benchmark:
-  convert_tp4_pp2        wall time vs reading + writing the same bytes (the physical limit; goal within 2x),
+  convert_tp4_pp2        wall time vs reading + writing the same bytes (the physical limit, measured before and
+                         after the others and averaged, since the disk is shared; goal within 2x),
                          peak RSS vs the largest tensor (goal: largest + 300 MB over the interpreter's baseline),
                          and the naive approach: transformers from_pretrained, slice the state dict, save_file.
   from_pretrained_tp2    per-rank peak RSS of colozoo.from_pretrained at tp=2 (goal: about half the model).
@@ -118,6 +119,8 @@ def work_naive(src: Path, dst: Path) -> dict:
     written = 0
     for file, tensors in per_file.items():
         save_file(tensors, dst / file)
+        with open(dst / file, "rb") as f:  # the same durability as the others
+            os.fsync(f.fileno())
         written += sum(t.numel() * t.element_size() for t in tensors.values())
     return {"seconds": time.perf_counter() - start, "bytes": written}
 
@@ -203,6 +206,9 @@ def main():
         raw = run("work_raw", work / "hf", work / "raw")
         ours = run("work_colozoo", work / "hf", work / "tp4pp2")
         naive = run("work_naive", work / "hf", work / "naive")
+        shutil.rmtree(work / "raw")
+        raw_again = run("work_raw", work / "hf", work / "raw")  # the disk is shared: bracket ours with two
+        raw["seconds"] = (raw["seconds"] + raw_again["seconds"]) / 2
         mb = 2**20
         print(json.dumps({
             "bench": "convert_tp4_pp2", "checkpoint_mb": round(total / mb, 1), "largest_tensor_mb": round(largest / mb, 1),
