@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from colozoo.layers.shard import spec_of
 from colozoo.pipeline import PipelineError, build_stage_modules, run_schedule, stages_of, unwrap
+from colozoo.rng import get_rng_tracker
 
 DATA_PARALLEL = ("fsdp", "ddp")
 MIXED_PRECISION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,6 +41,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- setup
 
+def _rng_tracker_contexts():
+    """Recompute with the tracked (tensor-parallel) RNG states of the forward, so dropout masks on sharded
+    activations match; torch's checkpoint restores only the default generators."""
+    tracker = get_rng_tracker()
+    saved = tracker.get_states()
+
+    @contextlib.contextmanager
+    def recompute():
+        current = tracker.get_states()
+        tracker.set_states(saved)
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return contextlib.nullcontext(), recompute()
+
+
 def apply_activation_checkpointing(model, mode: str):
     """Recompute each layer ("full") or only its attention block ("selective") in backward. Forwards are
     wrapped in place, so module names stay global."""
@@ -52,7 +71,8 @@ def apply_activation_checkpointing(model, mode: str):
                 raise TrainingError(f"selective checkpointing found no attention block in layer {idx} "
                                     f"({type(layer).__name__}: {[n for n, _ in layer.named_children()]})")
         for module in targets:
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False,
+                                               context_fn=_rng_tracker_contexts)
 
 
 def tied_embedding(model):

@@ -12,6 +12,7 @@ from colozoo.layers.shard import gather_tensor, spec_of
 from colozoo.models import build_model
 from colozoo.parallel import coords_of, init_parallel, single_process
 from colozoo.partition import rank_layers
+from colozoo.rng import model_parallel_seed
 from colozoo.training import (TrainingError, build_optimizer, clip_grad_norm_, global_grad_norm, parallelize)
 
 CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
@@ -242,3 +243,29 @@ def test_bad_options_are_clear_errors():
         model.forward_backward(ids, labels, num_microbatches=0)
     with pytest.raises(TrainingError, match="labels must have the shape"):
         model.forward_backward(ids, labels[:, :5])
+
+
+def dropout_gradients(mode, tp):
+    """Gradients of one step with dropout everywhere, on seeded default and tensor-parallel generators."""
+    pc = init_parallel(tp=tp, sequence_parallel=True) if tp > 1 else single_process()
+    config, hf = hf_causal_lm("gpt2", {**CONFIG, "resid_pdrop": 0.3, "embd_pdrop": 0.3, "attn_pdrop": 0.3})
+    model = build(pc, config, hf, activation_checkpointing=mode)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    model_parallel_seed(1234, pc)
+    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def checkpointing_keeps_dropout_masks(tp):
+    loss, grads = dropout_gradients(None, tp)
+    for mode in ("full", "selective"):
+        loss_ckpt, grads_ckpt = dropout_gradients(mode, tp)
+        assert loss_ckpt == loss, (mode, loss_ckpt, loss)
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_ckpt[name], g, rtol=0, atol=1e-6, msg=f"{mode}: {name}")
+    return True
+
+
+def test_checkpointing_recomputes_the_same_dropout_masks():
+    assert checkpointing_keeps_dropout_masks(1)
+    assert all(run_distributed(checkpointing_keeps_dropout_masks, 2, 2, timeout=TIMEOUT))
