@@ -347,6 +347,8 @@ def _rename_layers(trace: Trace, layer_prefix: str, renamed: dict):
 
 def _loss_of(out):
     loss = getattr(out, "loss", None)
+    if loss is None and getattr(out, "hidden_states", None) is not None:  # encoders without a head (BertModel)
+        return out.hidden_states.float().sum()
     if loss is None:
         if isinstance(out, torch.Tensor):
             return out.float().sum()
@@ -459,6 +461,8 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
         with _representatives_only(model, prefix, container, kinds) as renamed:
             for size in sizes:
                 batch = inputs
+                if batch is None and hasattr(model, "example_inputs"):  # images, per-example labels (bert, vit)
+                    batch = model.example_inputs(size, local_seq, device="meta")
                 if batch is None:
                     ids = torch.zeros(size, local_seq, dtype=torch.long, device="meta")
                     batch = {"input_ids": ids, "labels": ids}

@@ -171,6 +171,14 @@ class BertModel(ParallelModel):
     def build_head(self, config, pc, device=None, dtype=None):
         self.pooler = BertPooler(config, device, dtype)
 
+    def example_inputs(self, batch_size: int, seq_len: int, device=None) -> dict:
+        """A batch of the right shapes (zeros) for symbolic runs such as the profiler's."""
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        return {"input_ids": ids, **self.example_labels(ids)}
+
+    def example_labels(self, ids) -> dict:
+        return {}
+
     def batch_context(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
         b, s = input_ids.shape
         if s > self.config.max_position_embeddings:
@@ -229,6 +237,9 @@ class BertForMaskedLM(BertModel):
     def loss_token_count(self, labels) -> torch.Tensor:
         return (labels != -100).sum()
 
+    def example_labels(self, ids) -> dict:
+        return {"labels": ids}
+
 
 class BertForSequenceClassification(BertModel):
     """Classifier on the pooled first token; logits (batch, num_labels) are always returned (they are small)."""
@@ -249,3 +260,7 @@ class BertForSequenceClassification(BertModel):
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return torch.tensor(labels.numel(), device=labels.device)
+
+    def example_labels(self, ids) -> dict:
+        dtype = torch.long if self.config.num_labels > 1 else torch.float
+        return {"labels": torch.zeros(ids.shape[0], dtype=dtype, device=ids.device)}

@@ -99,6 +99,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """The inverse frequencies for a batch with these (global) positions."""
+        if position_ids.is_meta:  # a symbolic run (profiler): shapes are all that matter
+            return self.inv_freq.to("meta")
         if self.inv_freq.is_meta:
             raise RuntimeError("RoPE frequencies are still on the meta device: call model.reset_buffers() after "
                                "materialising the model")

@@ -126,6 +126,16 @@ class ViTModel(ParallelModel):
     def build_head(self, config, device=None, dtype=None):
         self.pooler = ViTPooler(config, device, dtype)
 
+    def example_inputs(self, batch_size: int, seq_len: int | None = None, device=None) -> dict:
+        """A batch of the right shapes (zeros) for symbolic runs such as the profiler's; the image size sets the
+        sequence length, so `seq_len` is ignored."""
+        c = self.config
+        pixels = torch.zeros(batch_size, c.num_channels, *pair(c.image_size), device=device)
+        if self.task == "base":
+            return {"pixel_values": pixels}
+        dtype = torch.long if c.num_labels > 1 else torch.float
+        return {"pixel_values": pixels, "labels": torch.zeros(batch_size, dtype=dtype, device=device)}
+
     def forward(self, pixel_values, labels=None, return_logits=False, **kwargs) -> ModelOutput:
         return super().forward(pixel_values, None, labels=labels, return_logits=return_logits, **kwargs)
 

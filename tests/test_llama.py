@@ -101,3 +101,26 @@ def test_meta_init_restores_rope_buffers():
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     assert torch.equal(model.rotary.inv_freq, rope_inv_freq(config))
     assert torch.equal(model.rotary.inv_freq, hf.model.rotary_emb.inv_freq)
+
+
+REGISTERED = {"meta-llama/Llama-3.2-1B": 1_235_814_400, "Llama-3.1-8B": 8_030_261_248,
+              "Llama-3.1-70B": 70_553_706_496, "TinyLlama-1.1B": 1_100_048_384,
+              "bert-base-uncased": 109_514_298, "bert-large-uncased": 335_174_458,
+              "google/vit-base-patch16-224": 86_567_656, "vit-large-patch16-224": 304_326_632,
+              "vit-huge-patch14-224-in21k": 632_404_480}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_registered_configs_build_offline_with_the_published_sizes(name):
+    from colozoo.registry import count_parameters, get_config
+
+    assert count_parameters(get_config(name)) == REGISTERED[name]  # as transformers counts them (tied once)
+
+
+def test_registered_llama_symbolic_forward():
+    from colozoo.models import build_model
+    from colozoo.registry import get_config
+
+    model = build_model(get_config("Llama-3.2-1B"), device="meta")
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    assert model(ids, labels=ids).loss.is_meta
