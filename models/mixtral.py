@@ -6,8 +6,8 @@ sparse mixture-of-experts MLP in every layer.
                  -> norm -> lm_head; loss = LM loss + router_aux_loss_coef * load-balancing loss (all layers)
 
 With `output_router_logits` in the config (or passed to forward) the load-balancing loss is returned as
-`aux_loss` and added to the loss, as transformers does. `router_z_loss_coef` (not a Mixtral option) adds a
-router z-loss on top when set in the config.
+`aux_loss` and added to the loss, as transformers does. Two options beyond Mixtral's config, read when set on
+it: `router_z_loss_coef` adds a router z-loss, `capacity_factor` caps tokens per expert (dropless without).
 """
 from __future__ import annotations
 
