@@ -1,1 +1,54 @@
+"""Triton kernels for the hot paths, each module an autograd.Function beside its pure-torch reference.
 
+    norms            LayerNorm / RMSNorm, optionally fused with the residual add
+    flash_attention  causal / padding-masked / grouped-query flash attention
+    rope             rotary position embeddings
+    activations      SwiGLU, bias + GeLU
+    cross_entropy    vocab-parallel cross entropy, alone or chunked and fused with the LM-head matmul
+    moe              MoE token permute / unpermute
+
+`dispatch` picks Triton or torch (COLOZOO_KERNELS=auto|triton|torch, or `set_kernels`). The layers in
+`colozoo.layers` dispatch by themselves; the functions below do the same for ops no layer wraps yet.
+Kernel modules are imported only when used: triton decides at decoration time whether to interpret.
+"""
+from __future__ import annotations
+
+from .dispatch import interpreting, kernel_mode, set_kernels, triton_available, use_kernels, use_triton
+
+
+def apply_rotary(x, cos, sin, interleaved: bool = False):
+    """Rotate (batch, heads, seq, head_dim) by angles whose cos/sin are (seq | batch, seq, rotary_dim/2)."""
+    from . import rope
+
+    fn = rope.apply_rotary_triton if use_triton(x) else rope.apply_rotary_reference
+    return fn(x, cos, sin, interleaved)
+
+
+def linear_cross_entropy(hidden, weight, target, vocab_size: int, bias=None, group=None, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, chunk_size: int | None = None):
+    """Per-token vocab-parallel loss of the LM head `hidden @ weight.T + bias` (see cross_entropy)."""
+    from . import cross_entropy
+
+    fn = (cross_entropy.linear_cross_entropy_triton if use_triton(hidden, weight)
+          else cross_entropy.linear_cross_entropy_reference)
+    return fn(hidden, weight, target, vocab_size, bias=bias, group=group, ignore_index=ignore_index,
+              label_smoothing=label_smoothing, chunk_size=chunk_size)
+
+
+def moe_permute(hidden, expert_ids, num_experts: int):
+    """(permuted rows grouped by expert, row_map, tokens_per_expert); see kernels.moe."""
+    from . import moe
+
+    fn = moe.moe_permute_triton if use_triton(hidden) else moe.moe_permute_reference
+    return fn(hidden, expert_ids, num_experts)
+
+
+def moe_unpermute(expert_out, row_map, weights=None):
+    from . import moe
+
+    fn = moe.moe_unpermute_triton if use_triton(expert_out) else moe.moe_unpermute_reference
+    return fn(expert_out, row_map, weights)
+
+
+__all__ = ["apply_rotary", "interpreting", "kernel_mode", "linear_cross_entropy", "moe_permute", "moe_unpermute",
+           "set_kernels", "triton_available", "use_kernels", "use_triton"]

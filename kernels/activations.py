@@ -41,7 +41,8 @@ def _swiglu_backward(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
 @triton.jit
 def _gelu_and_slope(x, TANH: tl.constexpr):
     if TANH:
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        # tanh saturates in fp32 long before |inner| = 15; the clamp keeps exp() finite
+        inner = tl.minimum(tl.maximum(0.7978845608028654 * (x + 0.044715 * x * x * x), -15.0), 15.0)
         t = 2.0 * _sigmoid(2.0 * inner) - 1.0
         y = 0.5 * x * (1.0 + t)
         slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
