@@ -68,6 +68,8 @@ class RowParallelLinear(nn.Module):
         _init_linear(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:  # nothing to reduce: the bias rides in the matmul (addmm)
+            return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)

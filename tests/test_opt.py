@@ -115,3 +115,20 @@ def test_opt_module_names_match_the_converter_map():
         config = transformers.OPTConfig(**{**BASE, **option})
         names = {n for n, _ in _build({**BASE, **option}, 1).named_parameters()}
         assert names == set(family_module("opt").hf_sources(config)), option
+
+
+@pytest.mark.parametrize("option", ["default", "350m_post_ln_projected", "untied"])
+def test_opt_loads_a_save_pretrained_checkpoint(tmp_path, option):
+    from colozoo.converters import SafetensorsReader, load_hf_weights
+    from colozoo.models import build_model
+    from parity import batch, hf_causal_lm
+
+    config, hf = hf_causal_lm("opt", {**BASE, **OPTIONS[option]})
+    hf.save_pretrained(tmp_path)
+    model = build_model(config, device="meta")
+    load_hf_weights(model, SafetensorsReader(tmp_path), device="cpu")
+    ids, mask, _ = batch(config.vocab_size, 12)
+    with torch.no_grad():
+        diff = (model.eval()(ids, attention_mask=mask, return_logits=True).logits
+                - hf(ids, attention_mask=mask).logits)[mask.bool()].abs().max().item()
+    assert diff < 1e-5, diff
