@@ -103,8 +103,9 @@ def global_tensors(source, layout: ModelLayout) -> dict:
     for name, info in layout.tensors.items():
         tensor = source.tensor(name)
         if tuple(tensor.shape) != info.shape:
-            raise CheckpointError(f"tensor {name!r} (HF {getattr(tensor, 'source', None) and tensor.source.names}) has "
-                                  f"shape {tuple(tensor.shape)}, but the config gives {info.shape}")
+            hf_names = f" (HF {', '.join(tensor.source.names)})" if isinstance(tensor, GlobalTensor) else ""
+            raise CheckpointError(f"tensor {name!r}{hf_names} has shape {tuple(tensor.shape)}, but the config "
+                                  f"gives {info.shape}")
         out[name] = tensor
     return out
 
@@ -128,17 +129,21 @@ def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int 
     largest = 0
     with atomic_directory(dst) as tmp, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                                             desc="convert") as bar:
-        writers = {f: SafetensorsWriter(tmp / f, es) for f, es in entries.items()}
+        writers, files = {}, {}  # a file is open from its first piece to its last (stages are written in order)
         try:
             for name, pieces in plan.items():
                 full = tensors[name].read()  # the one global tensor held at a time
                 largest = max(largest, full.numel() * full.element_size())
                 for p in pieces:
                     piece = full[p.index].to(dtypes[name])
+                    if p.file not in writers:
+                        writers[p.file] = SafetensorsWriter(tmp / p.file, entries[p.file])
                     writers[p.file].write(p.key, piece)
+                    if writers[p.file].next == len(entries[p.file]):
+                        files[p.file] = writers.pop(p.file).close()
                     bar.update(piece.numel() * piece.element_size())
                 del full
-            files = {f: w.close() for f, w in writers.items()}
+            files = {f: files[f] for f in entries}
         except BaseException:
             for w in writers.values():
                 w.abort()
@@ -258,12 +263,14 @@ def _save_colozoo(model, dst: Path):
     tmp = dst.parent / f".{dst.name}.tmp-colozoo"
     layout = ModelLayout(model.config, model.pc.config.pp)
     _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank))
-    try:
-        shards = _collective(f"saving shards of {dst}", lambda: _write_own_shard(model, layout, tmp))
+    def write_index_and_publish(shards):
         if rank == 0:
             _write_index(model, layout, tmp, shards)
             publish(tmp, dst)
-        _collective(f"publishing {dst}", lambda: None)
+
+    try:
+        shards = _collective(f"saving shards of {dst}", lambda: _write_own_shard(model, layout, tmp))
+        _collective(f"publishing {dst}", lambda: write_index_and_publish(shards))
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

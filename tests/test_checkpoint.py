@@ -262,6 +262,34 @@ def test_experts_load_and_save_at_ep2(tmp_path):
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
 
 
+def _save_with_a_failing_rank(path, out):
+    import torch.distributed as dist
+
+    from colozoo import safetensors_io
+
+    model = colozoo.from_pretrained(path, tp=2)
+    original = safetensors_io.SafetensorsWriter.write
+    if dist.get_rank() == 1:
+        def disk_full(self, key, tensor):
+            raise OSError("No space left on device")
+        safetensors_io.SafetensorsWriter.write = disk_full
+    try:
+        model.save_pretrained(out)
+    except (OSError, CheckpointError) as e:
+        return str(e)
+    finally:
+        safetensors_io.SafetensorsWriter.write = original
+    return "saved"
+
+
+def test_save_pretrained_failing_rank_leaves_nothing(tmp_path):
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    messages = run_distributed(_save_with_a_failing_rank, 2, hf, tmp_path / "out", timeout=TIMEOUT)
+    assert "failed on rank 1" in messages[0] and "No space left" in messages[0]
+    assert "No space left" in messages[1]
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
 def test_save_pretrained_refuses_non_empty_destination(tmp_path):
     hf = make_hf(tmp_path / "hf", "gpt2")
     model = colozoo.from_pretrained(hf)
