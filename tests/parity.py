@@ -184,3 +184,34 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
     uncovered = [names for names in aliases.values() if not set(names) & set(exported)]
     assert not uncovered, f"HF tensors no parameter maps to: {uncovered}"
     return len(exported)
+
+
+def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, pp: int = 2, tp: int = 1,
+                    sequence_parallel: bool = False, num_microbatches: int = 2, atol=LOGITS_ATOL, grad_atol=GRAD_ATOL):
+    """A token model with per-token labels (causal or masked LM) split into pp stages: the eval forward gives
+    transformers' logits and loss on every rank, and a forward_backward through the schedule its gradients."""
+    from colozoo.partition import rank_layers
+    from colozoo.training import parallelize
+
+    pc = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
+    model_type = getattr(transformers, architecture).config_class.model_type
+    config = transformers.AutoConfig.for_model(model_type, architectures=[architecture], **config_kwargs)
+    hf = hf_model(architecture, config)
+    ref = hf(ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters() if p.grad is not None})
+
+    layer_ids = rank_layers(config.num_hidden_layers, pp, pc.rank("pp"))
+    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+    weights = StateDictReader(hf.state_dict())
+    load_hf_weights(model, weights, device="cpu")
+    parallelize(model)
+    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    keep = mask.bool()
+    report = {"logits": (out.logits - ref.logits)[keep].abs().max().item(), "loss": abs(out.loss.item() - ref.loss.item())}
+    assert report["logits"] < atol and report["loss"] < atol, report
+    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=num_microbatches)
+    report["train_loss"] = abs(loss.item() - ref.loss.item())
+    assert report["train_loss"] < atol, report
+    report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol)
+    return report

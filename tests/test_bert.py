@@ -81,3 +81,13 @@ def test_unsupported_options_are_clear_errors():
 
     with pytest.raises(ValueError, match="decoder"):
         build_model(transformers.BertConfig(**BASE, is_decoder=True), device="meta")
+
+
+def test_bert_masked_lm_pipeline_parallel():
+    # pp=2 x tp=2 with sequence parallelism; the tied decoder's word-embedding copy lives on the last stage
+    from parity import pipeline_parity
+
+    inputs, labels = inputs_and_labels("BertForMaskedLM")
+    config = {**BASE, "num_hidden_layers": 4}
+    run_distributed(pipeline_parity, 4, "BertForMaskedLM", config, inputs["input_ids"], inputs["attention_mask"],
+                    labels, 2, 2, True)

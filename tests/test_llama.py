@@ -124,3 +124,12 @@ def test_registered_llama_symbolic_forward():
     model = build_model(get_config("Llama-3.2-1B"), device="meta")
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
     assert model(ids, labels=ids).loss.is_meta
+
+
+@pytest.mark.parametrize("pp,tp,sp,tied", [(2, 2, True, True)])
+def test_llama_pipeline_parallel(pp, tp, sp, tied):
+    from parity import batch, pipeline_parity
+
+    config = {**BASE, "num_hidden_layers": 4, "tie_word_embeddings": tied, "rope_parameters": LLAMA3}
+    ids, mask, labels = batch(BASE["vocab_size"], 12)
+    run_distributed(pipeline_parity, pp * tp, "LlamaForCausalLM", config, ids, mask, labels, pp, tp, sp)
