@@ -212,7 +212,8 @@ def main():
     ranking = [{"plan": name, "predicted_s": round(p, 4), "measured_s": round(t, 4), "ratio": round(p / t, 3)}
                for (name, *_), p, t in zip(PLANS, predicted_t, measured_t)]
     print(json.dumps({"bench": "planner_ranking", "flop_rate": round(flop_rate / 1e9, 2),
-                      "bandwidth_gbs": round(bandwidth / 1e9, 3), "spearman": round(spearman(predicted_t, measured_t), 3),
+                      "bandwidth_gbs": round(bandwidth / 1e9, 3),
+                      "spearman": round(spearman(predicted_t, measured_t), 3),
                       "predicted_best": PLANS[min(range(len(PLANS)), key=predicted_t.__getitem__)][0],
                       "measured_best": PLANS[min(range(len(PLANS)), key=measured_t.__getitem__)][0],
                       "plans": ranking}))

@@ -74,7 +74,8 @@ def test_offloaded_adamw_matches_adamw():
 
 
 def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
-    result = plan("opt-125m", gpus=8, gpu_memory="80GB", seq_len=1024, global_batch=64, micro_batch_sizes=(1, 2))
+    result = plan("opt-125m", gpus=8, gpu_memory="80GB", seq_len=1024, global_batch=64,
+                  micro_batch_sizes=(1, 2))
     assert result.plans and result.best.step_seconds == min(p.step_seconds for p in result.plans)
     limit = get_hardware("H100-80GB", gpu_memory="80GB").memory_limit
     assert all(p.memory <= limit for p in result.plans)
@@ -87,7 +88,8 @@ def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
     assert again.peak_memory == pytest.approx(best.memory)
     assert "why" in result.table() and result.to_json().startswith("{")
     # squeeze memory: the same search now needs recompute, sharding or offload to fit
-    tight = plan("opt-125m", gpus=8, gpu_memory="3GB", seq_len=1024, global_batch=64, micro_batch_sizes=(1, 2))
+    tight = plan("opt-125m", gpus=8, gpu_memory="3GB", seq_len=1024, global_batch=64,
+                 micro_batch_sizes=(1, 2))
     for p in tight.plans:
         assert p.memory <= get_hardware("H100-80GB", gpu_memory="3GB").memory_limit
     assert any(p.checkpointing != "none" or p.zero or p.offload != "none" for p in tight.plans)
@@ -105,7 +107,8 @@ def test_plan_offloads_when_gpu_memory_runs_short():
 
 
 def test_best_plan_for_world_and_cli(capsys):
-    degrees = best_plan_for_world("opt-125m", 4, gpu_memory="16GB", seq_len=512, global_batch=16, micro_batch_sizes=(2,))
+    degrees = best_plan_for_world("opt-125m", 4, gpu_memory="16GB", seq_len=512, global_batch=16,
+                                  micro_batch_sizes=(2,))
     assert degrees["tp"] * degrees["pp"] * degrees["dp"] * degrees["cp"] == 4
     from colozoo.cli import main
 
