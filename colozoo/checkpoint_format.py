@@ -227,7 +227,9 @@ class ColozooTensor:
     def __init__(self, checkpoint: "ColozooCheckpoint", name: str, entry: dict):
         self.checkpoint, self.name = checkpoint, name
         self.shape = tuple(entry["shape"])
-        self.dtype = getattr(torch, entry["dtype"])
+        self.dtype = getattr(torch, entry["dtype"], None)
+        if not isinstance(self.dtype, torch.dtype):
+            raise CheckpointError(f"{checkpoint.path / INDEX_NAME}: {name!r} has an unknown dtype {entry['dtype']!r}")
         self.spec = tuple(Split.from_json(s) for s in entry.get("spec", ()))
         self.pieces = entry["pieces"]
 
@@ -235,11 +237,13 @@ class ColozooTensor:
         index = tuple(index or ())
         box = [range(*s.indices(n)) for s, n in zip(index, self.shape)]
         box += [range(n) for n in self.shape[len(box):]]
+        if any(len(r) == 0 for r in box):
+            return torch.empty([len(r) for r in box], dtype=self.dtype)
         out = None
         for piece in self.pieces:
             start = piece["offsets"]
             meet = [range(max(b.start, o), min(b.stop, o + n)) for b, o, n in zip(box, start, piece["shape"])]
-            if any(len(r) == 0 for r in meet) and self.shape:
+            if any(len(r) == 0 for r in meet):
                 continue
             local = tuple(slice(r.start - o, r.stop - o) for r, o in zip(meet, start))
             data = self.checkpoint.read_piece(self.name, piece, local)
