@@ -76,20 +76,30 @@ def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,
     return [i for run in virtual_stage_layers(num_layers, pp, virtual_stages, **balance)[pp_rank] for i in run]
 
 
+GATED_MLP_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
+LEARNED_POSITIONS = ("gpt2", "opt", "bert")  # a position table on the first stage (rotary models have none)
+
+
 def layer_cost(config, balance: str = "params", seq_len: int = 1024) -> tuple[float, float, float]:
     """(per layer, first-stage extra, last-stage extra) cost of a decoder-only transformer, in units of one layer.
 
     "params": embeddings and the LM head count by their weights (a tied head counts on both stages: the last
     stage holds a copy). "flops": per-token forward FLOPs; the embedding lookup is free, the head is a matmul.
     """
-    h, vocab = config.hidden_size, config.vocab_size
-    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or getattr(config, "ffn_dim", None) or 4 * h
+    h, vocab = config.hidden_size, getattr(config, "vocab_size", 0)
+    inner = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+             or getattr(config, "ffn_dim", None) or 4 * h)
+    gated = config.model_type in GATED_MLP_FAMILIES  # gate, up and down projections
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 1
+    mlp = (3 if gated else 2) * h * inner * experts
     if balance == "params":
-        layer = 4 * h * h + 2 * h * inner
-        first = vocab * h + getattr(config, "max_position_embeddings", 0) * h
+        layer = 4 * h * h + mlp
+        positions = getattr(config, "max_position_embeddings", 0) if config.model_type in LEARNED_POSITIONS else 0
+        first = vocab * h + positions * h
         last = vocab * h
     elif balance == "flops":
-        layer = 2 * (4 * h * h + 2 * h * inner) + 4 * seq_len * h  # projections + attention scores/values
+        active = mlp // experts * (getattr(config, "num_experts_per_tok", None) or 1)  # routed tokens only
+        layer = 2 * (4 * h * h + active) + 4 * seq_len * h  # projections + attention scores/values
         first, last = 0.0, 2 * vocab * h
     else:
         raise PartitionError(f"balance must be 'params' or 'flops', got {balance!r}")
