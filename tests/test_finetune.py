@@ -320,9 +320,6 @@ def test_bert_sequence_classification_from_a_base_checkpoint(tmp_path):
     assert _export_logits_diff(out, "AutoModelForSequenceClassification") < 1e-5
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="converters/vit.py maps transformers' in-memory ViT names (vit.layers.N.attention.q_proj); "
-                          "save_pretrained writes the legacy ones (vit.encoder.layer.N.attention.attention.query)")
 def test_vit_image_classification_from_npz(tmp_path):
     import transformers
 
