@@ -377,7 +377,10 @@ def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh
     if setup.seq_len == 0:
         setup.seq_len = default_seq_len(config)
     setup.check()
-    mt = trace_model(model_or_name, setup.batch_size, setup.seq_len, pc, setup.dtype, setup.target, inputs)
+    mt = trace_model(config if isinstance(model_or_name, str) else model_or_name, setup.batch_size, setup.seq_len,
+                     pc, setup.dtype, setup.target, inputs)
+    if isinstance(model_or_name, str):
+        mt.name = model_or_name
     report = assemble(mt, pc, setup)
     report.profile_seconds = time.perf_counter() - start
     return report
