@@ -63,13 +63,16 @@ def test_warmup_cosine_schedule():
     assert seen == pytest.approx([2.0 * x for x in lrs])
 
 
-def test_lm_packing_and_padding(tiny):
+def test_lm_packing_and_padding(tiny, tmp_path):
     tok = D.load_tokenizer(tiny, 131)
     packed = D.lm_dataset(STORIES, tok, seq_len=16, pack=True)
     docs = [tok(t, add_special_tokens=False)["input_ids"] for t in texts()]
     stream = [t for d in docs for t in d + [tok.eos_token_id]]
     assert packed.tensors["input_ids"].flatten().tolist() == stream[: len(packed) * 16]
     assert bool(packed.tensors["attention_mask"].all()) and (packed.tokens == 15).all()
+    (tmp_path / "stories.txt").write_text("\n\n".join(texts()[:5]) + "\n\n\n")
+    as_text = D.lm_dataset(tmp_path / "stories.txt", tok, seq_len=16, pack=True)
+    assert torch.equal(as_text.tensors["input_ids"], packed.tensors["input_ids"][: len(as_text)])
     padded = D.lm_dataset(STORIES, tok, seq_len=16, pack=False)
     first = docs[0]
     assert padded.tensors["input_ids"][0].tolist() == first[:16]
@@ -109,6 +112,14 @@ def test_classification_and_image_data(tiny, tmp_path):
     data = D.image_dataset(tmp_path / "img.npz", vit)
     expected = (torch.tensor(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
     assert torch.equal(data.tensors["pixel_values"], expected)
+    from PIL import Image
+
+    for i, label in enumerate(["cat", "dog", "cat"]):
+        (tmp_path / "folder" / label).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(images[i]).save(tmp_path / "folder" / label / f"{i}.png")
+    folder = D.image_dataset(tmp_path / "folder", vit)
+    assert folder.tensors["labels"].tolist() == [0, 0, 1]  # class folders in sorted order, files sorted inside
+    assert torch.equal(folder.tensors["pixel_values"], expected[[0, 2, 1]])
     with pytest.raises(D.DataError, match=r"outside the model's 3 classes"):
         np.savez(tmp_path / "bad.npz", images=images, labels=np.array([0, 1, 2, 3, 0]))
         D.image_dataset(tmp_path / "bad.npz", vit)
