@@ -62,9 +62,7 @@ def available(model_type: str) -> bool:
     return True
 
 
-# transformers 5 saves ViT under its legacy names (vit.encoder.layer.N.attention.attention.query.*), which
-# converters/vit.py (written against the in-memory names vit.layers.N.attention.q_proj) does not read yet
-KNOWN_ISSUES = {"vit": "converters/vit.py does not read the legacy HF names transformers writes to disk"}
+KNOWN_ISSUES: dict[str, str] = {}  # family -> reason, for an expected failure
 
 
 def family_param(name):
