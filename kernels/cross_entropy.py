@@ -31,17 +31,23 @@ def _row_stats(LOGITS, TARGET, MAX, SUMEXP, PRED, SUMLOGITS, stride, row_offset,
                SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     LOGITS += row * stride
-    m = float("-inf")
-    sumexp = 0.0
-    total = 0.0
+    # per-lane running max and sum of exp, reduced across lanes at the end (lanes that saw only
+    # masked columns keep max -inf and contribute nothing)
+    m_lane = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+    s_lane = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    t_lane = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for start in range(0, valid, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(LOGITS + cols, mask=cols < valid, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        sumexp = sumexp * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
+        m_new = tl.maximum(m_lane, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_lane = s_lane * tl.exp(m_lane - m_safe) + tl.exp(x - m_safe)
+        m_lane = m_new
         if SMOOTHING:
-            total += tl.sum(tl.where(cols < valid, x, 0.0), axis=0)
+            t_lane += tl.where(cols < valid, x, 0.0)
+    m = tl.max(m_lane, axis=0)
+    sumexp = tl.sum(s_lane * tl.exp(m_lane - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    total = tl.sum(t_lane, axis=0)
     target = tl.load(TARGET + row_offset + row)
     local = target - vocab_start
     hit = (target != ignore_index) & (local >= 0) & (local < valid)

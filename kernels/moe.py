@@ -27,15 +27,15 @@ def _scatter_rows(SRC, ROW_MAP, W, DST, Y, DW, K, H, HAS_WEIGHT: tl.constexpr, W
     scale = 1.0
     if HAS_WEIGHT:
         scale = tl.load(W + entry).to(tl.float32)
-    dot = 0.0
+    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for start in range(0, H, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
         x = tl.load(SRC + cols, mask=cols < H, other=0.0).to(tl.float32)
         tl.store(DST + cols, (x * scale).to(DST.dtype.element_ty), mask=cols < H)
         if WANT_DW:
-            dot += tl.sum(x * tl.load(Y + dest * H + cols, mask=cols < H, other=0.0).to(tl.float32), axis=0)
+            dot += x * tl.load(Y + dest * H + cols, mask=cols < H, other=0.0).to(tl.float32)
     if WANT_DW:
-        tl.store(DW + entry, dot)
+        tl.store(DW + entry, tl.sum(dot, axis=0))
 
 
 @triton.jit
