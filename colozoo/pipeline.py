@@ -118,8 +118,11 @@ def unwrap(stage: nn.Module) -> StageModule:
     return stage.module if isinstance(stage, nn.parallel.DistributedDataParallel) else stage
 
 
-def hidden_shape(model, batch: int, seq: int) -> tuple[int, int, int]:
-    local_seq = seq // model.pc.config.cp  # context parallel: the rank's share of the sequence
+def hidden_shape(model, batch: int, input_ids) -> tuple[int, ...]:
+    """Shape of the hidden states between stages; a family with other activations defines `stage_hidden_shape`."""
+    if hasattr(model, "stage_hidden_shape"):
+        return tuple(model.stage_hidden_shape(batch, input_ids))
+    local_seq = input_ids.shape[1] // model.pc.config.cp  # context parallel: the rank's share of the sequence
     local_seq = local_seq // model.pc.tp_size if model.sequence_parallel else local_seq
     return batch, local_seq, model.config.hidden_size
 
@@ -163,10 +166,9 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
 
 def _runner(model, stages, schedule, num_microbatches, input_ids):
     """The torch schedule over this rank's stages, with static input/output shapes; cached per batch shape."""
-    batch, seq = input_ids.shape
-    micro = batch // num_microbatches
+    micro = input_ids.shape[0] // num_microbatches
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
-    key = (schedule, num_microbatches, micro, seq, input_ids.dtype, dtype)
+    key = (schedule, num_microbatches, tuple(input_ids.shape), input_ids.dtype, dtype)
     cache = unwrap(stages[0]).__dict__.setdefault("_runners", {})  # new stages (parallelize) start afresh
     if key in cache:
         return cache[key]
@@ -174,8 +176,9 @@ def _runner(model, stages, schedule, num_microbatches, input_ids):
     pipe_stages = []
     for stage in stages:
         inner = unwrap(stage)
-        hidden = torch.empty(hidden_shape(model, micro, seq), dtype=dtype, device=device, requires_grad=True)
-        x_in = torch.empty(micro, seq, dtype=input_ids.dtype, device=device) if inner.is_first else hidden
+        hidden = torch.empty(hidden_shape(model, micro, input_ids), dtype=dtype, device=device, requires_grad=True)
+        first_input = torch.empty((micro, *input_ids.shape[1:]), dtype=input_ids.dtype, device=device)
+        x_in = first_input if inner.is_first else hidden
         x_out = torch.empty((), device=device, requires_grad=True) if inner.is_last else hidden
         pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=(x_in,),
                                          output_args=(x_out,), group=model.pc.group("pp")))
@@ -199,7 +202,6 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
     """Eval forward of the whole batch through the stages (no micro-batching); loss and logits on every rank."""
     stages = stages_of(model)
     pp = model.pc.config.pp
-    batch, seq = input_ids.shape
     kwargs = _batch_kwargs(input_ids, labels, attention_mask, position_ids)
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
     loss = logits = None
@@ -208,7 +210,7 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
         if inner.is_first:
             x = input_ids
         else:
-            x = torch.empty(hidden_shape(model, batch, seq), dtype=dtype, device=input_ids.device)
+            x = torch.empty(hidden_shape(model, input_ids.shape[0], input_ids), dtype=dtype, device=input_ids.device)
             dist.recv(x, src=_p2p_peer(model, inner.index - 1), group=None)
         out = stage(x, eval_outputs=True, **kwargs)
         if inner.is_last:
@@ -216,21 +218,21 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
         else:
             dist.send(out.contiguous(), dst=_p2p_peer(model, inner.index + 1))
     if pp > 1:
-        loss = _from_last_stage(model, loss, () if labels is not None else None, torch.float32)
-        if return_logits:
-            vocab = model.config.vocab_size
-            logits = _from_last_stage(model, logits, (batch, seq, vocab), dtype)
+        loss = _from_last_stage(model, loss)
+        logits = _from_last_stage(model, logits) if return_logits else None
     return ModelOutput(loss=loss, logits=logits if return_logits else None)
 
 
-def _from_last_stage(model, value, shape, dtype):
-    """Broadcast a tensor the last stage computed to every pp rank (None stays None on all)."""
-    if shape is None:
-        return None
+def _from_last_stage(model, value):
+    """Broadcast a tensor (or None) the last stage computed to every pp rank."""
     group = model.pc.group("pp")
     src = dist.get_global_rank(group, model.pc.config.pp - 1)
+    meta = [(tuple(value.shape), value.dtype) if value is not None else None]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    if meta[0] is None:
+        return None
     if value is None:
-        value = torch.empty(shape, dtype=dtype, device=model.pc.device)
-    value = value.to(dtype).contiguous()
+        value = torch.empty(meta[0][0], dtype=meta[0][1], device=model.pc.device)
+    value = value.contiguous()
     dist.broadcast(value, src=src, group=group)
     return value

@@ -178,8 +178,8 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     if batch % (dp * m):
         raise TrainingError(f"global batch size {batch} is not divisible by dp * num_microbatches = {dp} * {m}; "
                             f"every data-parallel rank needs {m} equal micro-batches")
-    if labels is None or labels.shape != input_ids.shape:
-        raise TrainingError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got "
+    if labels is None or labels.shape[:1] != input_ids.shape[:1]:
+        raise TrainingError(f"labels must have the batch size of the inputs ({batch}), got "
                             f"{None if labels is None else tuple(labels.shape)}")
     total_tokens = int(model.loss_token_count(labels))
     # each micro-batch mean is weighted by its tokens / global tokens; * dp undoes FSDP/DDP's dp average
