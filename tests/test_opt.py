@@ -16,6 +16,7 @@ OPTIONS = {
     "removed_final_ln": dict(_remove_final_layer_norm=True),
     "gelu": dict(activation_function="gelu"),
     "pad_in_last_vocab_slice": dict(pad_token_id=99),
+    "no_pad_token": dict(pad_token_id=None),
     "projected_untied_no_bias": dict(word_embed_proj_dim=48, tie_word_embeddings=False, enable_bias=False),
 }
 
@@ -132,3 +133,30 @@ def test_opt_loads_a_save_pretrained_checkpoint(tmp_path, option):
         diff = (model.eval()(ids, attention_mask=mask, return_logits=True).logits
                 - hf(ids, attention_mask=mask).logits)[mask.bool()].abs().max().item()
     assert diff < 1e-5, diff
+
+
+def _train_step_with_dropout(tp):
+    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+    from colozoo.rng import model_parallel_seed
+    from parity import batch, hf_causal_lm
+
+    pc = init_parallel(tp=tp, sequence_parallel=True)
+    config, hf = hf_causal_lm("opt", {**BASE, "dropout": 0.2, "attention_dropout": 0.2})
+    model = build_model(config, pc=pc, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    model_parallel_seed(0, pc)
+    ids, mask, labels = batch(config.vocab_size, 12)
+    with torch.no_grad():
+        eval_loss = model.eval()(ids, attention_mask=mask, labels=labels).loss.item()
+    train_loss = model.train()(ids, attention_mask=mask, labels=labels).loss
+    train_loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    return eval_loss, train_loss.item()
+
+
+def test_opt_dropout_in_training_tp2():
+    (eval0, train0), (eval1, train1) = run_distributed(_train_step_with_dropout, 2, 2, timeout=120)
+    assert eval0 == eval1 and train0 == train1  # the loss is the same on every tp rank
+    assert abs(train0 - eval0) > 1e-4  # dropout did something
