@@ -18,11 +18,10 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 
-from colozoo.hardware import GiB, Hardware, HardwareError, get_hardware
+from colozoo.hardware import Hardware, HardwareError, get_hardware
 from colozoo.offload import MemoryNeed, decide_offload
 from colozoo.parallel import ParallelConfig
-from colozoo.profiler import (ModelTrace, ProfilerError, Setup, StageCost, assemble, default_seq_len, get_config,
-                              human, trace_model)
+from colozoo.profiler import Setup, assemble, default_seq_len, get_config, human, trace_model
 
 BUS_FACTOR = {  # bytes each rank puts on the wire per payload byte, ring algorithms
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -435,5 +434,4 @@ def _main(args) -> int:
     return 0
 
 
-__all__ = ["plan", "best_plan_for_world", "Plan", "PlanResult", "estimate", "PlanError", "ProfilerError",
-           "StageCost", "Hardware"]
+__all__ = ["plan", "best_plan_for_world", "Plan", "PlanResult", "estimate", "PlanError"]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
@@ -450,7 +450,8 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
     from colozoo.kernels.dispatch import use_kernels
 
     traces = {}
-    with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)):
+    with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # c10d's deprecation notes on every traced collective
         if generic is not None:
             model, group_names = generic, {}
             params = {n: _meta_like(p, torch_dtype) for n, p in model.named_parameters()}
@@ -838,8 +839,6 @@ def add_parser(subparsers):
 
 
 def _main(args) -> int:
-    import warnings
-
     warnings.filterwarnings("ignore", category=FutureWarning)
     report = profile(args.name, batch_size=args.batch_size, seq_len=args.seq_len, mesh=args.mesh or None,
                      dtype=args.dtype, checkpointing=args.checkpointing, optimizer=args.optimizer, zero=args.zero,
