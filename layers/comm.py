@@ -17,6 +17,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.13 renames the single-tensor collectives; older releases only have the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -39,7 +44,7 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -51,7 +56,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter length {x.shape[dim]} over {size} ranks")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    _reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
