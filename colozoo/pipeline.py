@@ -89,14 +89,18 @@ class StageModule(nn.Module):
 def build_stage_modules(model) -> list[StageModule]:
     pp = model.pc.config.pp
     runs = layer_runs(model.layer_ids)
-    counts = [None] * pp
+    every_rank = [runs]
     if pp > 1:
-        dist.all_gather_object(counts, len(runs), group=model.pc.group("pp"))
-    else:
-        counts = [len(runs)]
+        every_rank = [None] * pp
+        dist.all_gather_object(every_rank, runs, group=model.pc.group("pp"))
+    counts = [len(r) for r in every_rank]
     if len(set(counts)) != 1:
         raise PipelineError(f"every pp rank needs the same number of virtual stages (contiguous layer runs); "
                             f"got {counts} (build layer_ids with colozoo.partition.rank_layers)")
+    in_stage_order = [i for k in range(counts[0]) for rank_runs in every_rank for i in rank_runs[k]]
+    if in_stage_order != list(range(model.num_layers(model.config))):
+        raise PipelineError(f"layers per pp rank {every_rank} are not in stage order: virtual stage k of rank r "
+                            f"must follow stage k of rank r-1 (build layer_ids with colozoo.partition.rank_layers)")
     if model._parameters:
         raise PipelineError(f"{type(model).__name__} holds parameters directly ({list(model._parameters)}); "
                             f"stages only place whole child modules")

@@ -125,8 +125,11 @@ def uneven_virtual_stages():
     model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
     with pytest.raises(PipelineError, match="same number of virtual stages"):
         stages_of(model)
+    swapped = build_model(config, pc=pc, layer_ids=[2, 3] if pc.rank("pp") == 0 else [0, 1], device="meta")
+    with pytest.raises(PipelineError, match="not in stage order"):
+        stages_of(swapped)
     return True
 
 
-def test_uneven_virtual_stages_are_a_clear_error():
+def test_misplaced_layers_are_a_clear_error():
     assert all(run_distributed(uneven_virtual_stages, 2, timeout=TIMEOUT))
