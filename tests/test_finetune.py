@@ -178,9 +178,15 @@ def test_bad_input_fails_before_training(case, tiny, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- resume
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
-    straight = tmp_path / "straight"
-    run(small_run(tiny, straight))
+@pytest.fixture(scope="module")
+def straight(tiny, tmp_path_factory):
+    """The uninterrupted run the interrupted ones must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    run(small_run(tiny, out))
+    return out
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny, straight, tmp_path):
     resumed = tmp_path / "resumed"
     first = run(small_run(tiny, resumed, stop_after=3))
     assert first["stopped"] and first["step"] == 3
@@ -197,9 +203,7 @@ class Crash(RuntimeError):
     pass
 
 
-def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
-    straight = tmp_path / "straight"
-    run(small_run(tiny, straight))
+def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tmp_path, monkeypatch):
     crashed = tmp_path / "crashed"
 
     def crash(tmp):
