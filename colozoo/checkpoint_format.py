@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from colozoo.converters.sources import CheckpointError
-from colozoo.layers.shard import Split, load_shard, local_shape, materialize, spec_of, stored_pieces
+from colozoo.layers.shard import Split, local_shape, materialize, spec_of, stored_pieces
 from colozoo.parallel import ParallelConfig, ParallelContext, coords_of
 from colozoo.safetensors_io import DTYPE_CODES, DTYPES, SafetensorsFile
 
@@ -233,13 +233,14 @@ class ColozooTensor:
         self.spec = tuple(Split.from_json(s) for s in entry.get("spec", ()))
         self.pieces = entry["pieces"]
 
-    def read(self, index: tuple | None = None) -> torch.Tensor:
+    def read(self, index: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The slice `index` of the global tensor; with `out`, copied (and cast) into it instead."""
         index = tuple(index or ())
         box = [range(*s.indices(n)) for s, n in zip(index, self.shape)]
         box += [range(n) for n in self.shape[len(box):]]
         if any(len(r) == 0 for r in box):
-            return torch.empty([len(r) for r in box], dtype=self.dtype)
-        out = None
+            return out if out is not None else torch.empty([len(r) for r in box], dtype=self.dtype)
+        found = False
         for piece in self.pieces:
             start = piece["offsets"]
             meet = [range(max(b.start, o), min(b.stop, o + n)) for b, o, n in zip(box, start, piece["shape"])]
@@ -247,12 +248,13 @@ class ColozooTensor:
                 continue
             local = tuple(slice(r.start - o, r.stop - o) for r, o in zip(meet, start))
             data = self.checkpoint.read_piece(self.name, piece, local)
-            if meet == box:
+            if meet == box and out is None:
                 return data
             if out is None:
                 out = torch.empty([len(r) for r in box], dtype=self.dtype)
             out[tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(meet, box))] = data
-        if out is None:
+            found = True
+        if not found:
             raise CheckpointError(f"{self.checkpoint.path}: no piece of {self.name!r} covers the slice {index}")
         return out
 
@@ -370,5 +372,23 @@ def load_global_tensors(model, lookup, device=None, layout: ModelLayout | None =
         if expected != tuple(param.shape):
             raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} gives a local shard {expected}, "
                                   f"but the model expects {tuple(param.shape)} (does the config match the weights?)")
-        param.copy_(load_shard(tensor.read, tensor.shape, spec, coords, dtype=param.dtype, device=param.device))
+        copy_slices(tensor, param, spec, coords)
     return model
+
+
+def copy_slices(tensor, param: torch.Tensor, spec, coords):
+    """Read each of the rank's slices of the global `tensor` straight into its place in `param`."""
+    pieces = list(stored_pieces(tuple(tensor.shape), spec, coords))
+    covered = sum(math.prod(s.stop - s.start for s in _bounded(g, tensor.shape)) for _, g, _ in pieces)
+    if covered != param.numel():
+        param.zero_()  # vocabulary padding rows
+    direct = isinstance(tensor, ColozooTensor) and param.device.type == "cpu"
+    for _, g_index, l_index in pieces:
+        if direct:
+            tensor.read(g_index, out=param[l_index])
+        else:
+            param[l_index].copy_(tensor.read(g_index))
+
+
+def _bounded(index, shape):
+    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)] + [slice(0, n) for n in shape[len(index):]]
