@@ -68,12 +68,14 @@ def report(name, passes, metric, amount, ms_triton, ms_torch, peak, **shape):
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).add_argument("--smoke", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, triton interpreter, tiny shapes")
+    parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not SMOKE else "cpu"
     if device == "cpu" and not SMOKE:
         print(json.dumps({"benchmark": "kernels", "skipped": "no CUDA device (run with --smoke for a CPU check)"}))
         return
-    from colozoo.kernels import activations, cross_entropy, flash_attention, moe, norms, rope
+    from colozoo.kernels import activations, cross_entropy, moe, norms, rope
     from colozoo.kernels.dispatch import use_kernels
     from colozoo.layers.attention import attention
 

@@ -11,10 +11,7 @@ dK/dV are summed over the group afterwards.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -200,10 +197,6 @@ def _check(q, k, v):
         raise TypeError(f"flash attention needs q, k, v of one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[3] > 256:
         raise ValueError(f"flash attention supports head_dim up to 256, got {q.shape[3]}")
-
-
-def _strides(t):
-    return t.stride()
 
 
 class _FlashAttention(torch.autograd.Function):
