@@ -95,6 +95,7 @@ class OPTDecoderLayer(nn.Module):
 
 class OPTForCausalLM(ParallelModel):
     family = "opt"
+    tied_embedding = "embed_tokens.weight"
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
@@ -104,8 +105,9 @@ class OPTForCausalLM(ParallelModel):
         kw = dict(device=device, dtype=dtype)
         sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
         projected = proj_dim != h
-        if self.is_first:
+        if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, config.pad_token_id, **sp, **kw)
+        if self.is_first:
             self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h, **kw)
             if projected:
                 self.project_in = ReplicatedLinear(proj_dim, h, **sp, **kw)
@@ -116,7 +118,7 @@ class OPTForCausalLM(ParallelModel):
                                                   **sp, **kw)
             if projected:
                 self.project_out = ReplicatedLinear(h, proj_dim, **sp, **kw)
-            tied = self.embed_tokens if (config.tie_word_embeddings and self.is_first) else None
+            tied = self.embed_tokens if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(proj_dim, config.vocab_size, tied_embedding=tied, **sp, **kw)
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:

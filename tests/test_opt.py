@@ -160,3 +160,28 @@ def test_opt_dropout_in_training_tp2():
     (eval0, train0), (eval1, train1) = run_distributed(_train_step_with_dropout, 2, 2, timeout=120)
     assert eval0 == eval1 and train0 == train1  # the loss is the same on every tp rank
     assert abs(train0 - eval0) > 1e-4  # dropout did something
+
+
+def _pipeline_parity(config_kwargs, pp, tp):
+    """Eval forward through pp stages (the last holds its own copy of the tied embedding) equals transformers."""
+    from parity import LOGITS_ATOL, batch, hf_causal_lm
+
+    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    pc = init_parallel(pp=pp, tp=tp)
+    config, hf = hf_causal_lm("opt", config_kwargs)
+    model = load_hf_weights(build_model(config, pc=pc, device="meta"), StateDictReader(hf.state_dict()),
+                            device="cpu").eval()
+    ids, mask, labels = batch(config.vocab_size, 12)
+    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    ref = hf(ids, attention_mask=mask, labels=labels)
+    diff = (out.logits - ref.logits)[mask.bool()].abs().max().item()
+    assert diff < LOGITS_ATOL, f"logits differ by {diff}"
+    assert abs(out.loss.item() - ref.loss.item()) < LOGITS_ATOL
+
+
+@pytest.mark.parametrize("option", ["default", "350m_post_ln_projected"])
+def test_opt_pipeline_pp2_tp2(option):
+    run_distributed(_pipeline_parity, 4, {**BASE, **OPTIONS[option]}, 2, 2, timeout=150)
