@@ -94,6 +94,8 @@ class Reporter:
                                highlight=False)
 
     def evaluation(self, step: int, results: dict):
+        if not results:  # a held-out set smaller than one batch
+            return
         self.log({"step": step, **results})
         if self.enabled:
             shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
