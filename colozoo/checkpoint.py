@@ -70,7 +70,8 @@ class HFCheckpoint:
         else:
             raise CheckpointError(f"{self.path} has a config.json but no weights (looked for {', '.join(HF_WEIGHT_FILES)})")
         conv = family_module(self.config.model_type)
-        self.sources = _resolve_prefix(self.reader, conv.hf_sources(self.config), getattr(conv, "HF_PREFIX", ""))
+        self.sources = _resolve_prefix(self.reader, conv.hf_sources(self.config), getattr(conv, "HF_PREFIX", ""),
+                                       getattr(conv, "NAME_ALIASES", ()))
         ignored = tuple(getattr(conv, "IGNORED_HF", ()))
         if getattr(self.config, "tie_word_embeddings", False):
             ignored += (r"^lm_head\.weight$",)  # the tied copy some state dicts carry

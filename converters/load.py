@@ -28,8 +28,15 @@ def hf_tensor_names(sources) -> set[str]:
     return {name for source in sources.values() for name in source.names}
 
 
-def _resolve_prefix(reader: TensorReader, sources, prefix: str):
-    """Checkpoints of a base model (e.g. GPT2Model) lack the task-model prefix; adapt the names."""
+def _resolve_prefix(reader: TensorReader, sources, prefix: str, aliases=()):
+    """Checkpoints of a base model (e.g. GPT2Model) lack the task-model prefix; adapt the names. `aliases`:
+    (regex, replacement) renames to another naming of the same tensors (ViT: transformers' in-memory names
+    differ from those it saves), used when they match the checkpoint better."""
+    if aliases:
+        renamed = {k: dataclasses.replace(s, names=tuple(_rename(n, aliases) for n in s.names)) for k, s in sources.items()}
+        names = set(reader.names())
+        candidates = [_resolve_prefix(reader, c, prefix) for c in (sources, renamed)]
+        return max(candidates, key=lambda c: len(hf_tensor_names(c) & names))
     names = set(reader.names())
     wanted = hf_tensor_names(sources)
     if not prefix or wanted & names or not any(n.startswith(prefix) for n in wanted):
@@ -37,6 +44,12 @@ def _resolve_prefix(reader: TensorReader, sources, prefix: str):
     stripped = {k: dataclasses.replace(s, names=tuple(n.removeprefix(prefix) for n in s.names))
                 for k, s in sources.items()}
     return stripped if hf_tensor_names(stripped) & names else sources
+
+
+def _rename(name: str, renames) -> str:
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def check_unexpected(reader: TensorReader, sources, ignored=()):
@@ -51,7 +64,8 @@ def check_unexpected(reader: TensorReader, sources, ignored=()):
 def load_hf_weights(model, reader: TensorReader, device=None, strict: bool = True):
     """Materialise `model` (meta or not) with its local shards read from an HF checkpoint."""
     conv = family_module(model.family)
-    sources = _resolve_prefix(reader, conv.hf_sources(model.config), getattr(conv, "HF_PREFIX", ""))
+    sources = _resolve_prefix(reader, conv.hf_sources(model.config), getattr(conv, "HF_PREFIX", ""),
+                              getattr(conv, "NAME_ALIASES", ()))
     if strict:
         ignored = tuple(getattr(conv, "IGNORED_HF", ()))
         if getattr(model.config, "tie_word_embeddings", False):

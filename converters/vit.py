@@ -1,5 +1,7 @@
-"""ViT names (transformers >= 5 layout): HF `[vit.]layers.{i}.attention.{q,k,v}_proj` (separate) <-> our fused
-`layers.{i}.qkv`; ViTModel has no `vit.` prefix and a pooler, ViTForImageClassification adds `classifier.*`."""
+"""ViT names as transformers saves them (and as the published checkpoints have them):
+`[vit.]encoder.layer.{i}.attention.attention.{query,key,value}` (separate) <-> our fused `layers.{i}.qkv`.
+ViTModel has no `vit.` prefix and a pooler; ViTForImageClassification adds `classifier.*`. transformers >= 5
+renames them in memory (`vit.layers.{i}.attention.q_proj`, ...); NAME_ALIASES reads state dicts in that form."""
 from __future__ import annotations
 
 from .sources import Source
@@ -7,8 +9,16 @@ from .sources import Source
 HF_PREFIX = "vit."
 IGNORED_HF = (r"(^|\.)pooler\.dense\.",)  # an image classifier drops the base model's pooler
 
-LAYER_PARTS = {"o_proj": "attention.o_proj", "layernorm_before": "layernorm_before",
-               "layernorm_after": "layernorm_after", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+# saved names -> transformers' in-memory names (order matters: attention.output before output)
+NAME_ALIASES = ((r"(^|\.)encoder\.layer\.(\d+)\.", r"\1layers.\2."),
+                (r"\.attention\.attention\.query\.", ".attention.q_proj."),
+                (r"\.attention\.attention\.key\.", ".attention.k_proj."),
+                (r"\.attention\.attention\.value\.", ".attention.v_proj."),
+                (r"\.attention\.output\.dense\.", ".attention.o_proj."),
+                (r"\.intermediate\.dense\.", ".mlp.fc1."), (r"\.output\.dense\.", ".mlp.fc2."))
+
+LAYER_PARTS = {"o_proj": "attention.output.dense", "layernorm_before": "layernorm_before",
+               "layernorm_after": "layernorm_after", "fc1": "intermediate.dense", "fc2": "output.dense"}
 
 
 def architecture(config) -> str:
@@ -24,9 +34,9 @@ def hf_sources(config) -> dict[str, Source]:
         out[f"embeddings.projection.{p}"] = Source.of(f"{v}embeddings.patch_embeddings.projection.{p}")
         out[f"layernorm.{p}"] = Source.of(f"{v}layernorm.{p}")
     for i in range(config.num_hidden_layers):
-        hf, ours = f"{v}layers.{i}.", f"layers.{i}."
+        hf, ours = f"{v}encoder.layer.{i}.", f"layers.{i}."
         for p in ("weight", "bias") if config.qkv_bias else ("weight",):
-            out[f"{ours}qkv.{p}"] = Source.of(*(f"{hf}attention.{x}_proj.{p}" for x in "qkv"))
+            out[f"{ours}qkv.{p}"] = Source.of(*(f"{hf}attention.attention.{x}.{p}" for x in ("query", "key", "value")))
         for p in ("weight", "bias"):
             for name, hf_name in LAYER_PARTS.items():
                 out[f"{ours}{name}.{p}"] = Source.of(f"{hf}{hf_name}.{p}")

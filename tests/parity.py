@@ -94,9 +94,18 @@ def hf_model(architecture: str, config, seed: int = 0):
     return model
 
 
+def resolved_sources(model, reader):
+    """The family map as the loader applies it to this reader (task prefix, alternative names)."""
+    from colozoo.converters.load import _resolve_prefix
+
+    conv = family_module(model.family)
+    return _resolve_prefix(reader, conv.hf_sources(model.config), getattr(conv, "HF_PREFIX", ""),
+                           getattr(conv, "NAME_ALIASES", ()))
+
+
 def check_gradients(model, pc, weights, hf_grads, grad_atol=GRAD_ATOL) -> float:
     """Every local gradient, gathered to its global HF layout, equals the HF gradient; returns the worst diff."""
-    sources = family_module(model.family).hf_sources(model.config)
+    sources = resolved_sources(model, weights)
     shapes = global_shapes(model, sources, weights)
     coords = coords_of(pc)
     worst = 0.0
@@ -155,34 +164,47 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
 
 def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architecture: str | None = None,
                   task: str | None = None):
-    """Load HF weights into a sharded model, gather every parameter back into HF names and layouts, and check
-    the result equals the original bit for bit and covers every HF tensor (tied aliases count once)."""
+    """Load a checkpoint transformers saved into a sharded model, gather every parameter back into HF names and
+    layouts, and check the result equals the saved tensors bit for bit and covers all of them."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from colozoo.converters import SafetensorsReader
+
     pc = init_parallel(tp=tp)
     arch = dict(architectures=[architecture]) if architecture else {}
     config = transformers.AutoConfig.for_model(model_type, **arch, **config_kwargs)
     hf = (hf_model(architecture, config) if architecture else hf_causal_lm(model_type, config_kwargs)[1])
-    state = hf.state_dict()
-    reader = StateDictReader(state)
-    model = build_model(config, pc=pc, device="meta", task=task)
-    load_hf_weights(model, reader, device="cpu")
-    sources = family_module(model.family).hf_sources(model.config)
-    coords = coords_of(pc)
-    exported = {}
-    for name, p in model.named_parameters():
-        source = sources[name]
-        tensor = GlobalTensor(reader, source, name)
-        full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
-        sizes = [shape[source.cat_dim] for shape in tensor.part_shapes]
-        for hf_name, part in zip(source.names, full.split(sizes, dim=source.cat_dim)):
-            assert hf_name not in exported, f"{hf_name} is produced twice"
-            exported[hf_name] = part.t() if source.transpose else part
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_pretrained(directory)  # under torch.distributed transformers writes on rank 0 only: share its path
+        if distributed:
+            shared = [directory]
+            dist.broadcast_object_list(shared, src=0)
+            directory = shared[0]
+        saved = load_file(f"{directory}/model.safetensors")
+        reader = SafetensorsReader(directory)
+        model = build_model(config, pc=pc, device="meta", task=task)
+        load_hf_weights(model, reader, device="cpu")
+        sources = family_module(model.family).hf_sources(model.config)
+        coords = coords_of(pc)
+        exported = {}
+        for name, p in model.named_parameters():
+            source = sources[name]
+            tensor = GlobalTensor(reader, source, name)
+            full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
+            sizes = [shape[source.cat_dim] for shape in tensor.part_shapes]
+            for hf_name, part in zip(source.names, full.split(sizes, dim=source.cat_dim)):
+                assert hf_name not in exported, f"{hf_name} is produced twice"
+                exported[hf_name] = part.t() if source.transpose else part
+        if distributed:
+            dist.barrier()  # rank 0 removes the directory on leaving
+    assert sorted(exported) == sorted(saved), set(exported) ^ set(saved)
     for hf_name, part in exported.items():
-        assert part.dtype == state[hf_name].dtype and torch.equal(part, state[hf_name]), f"{hf_name} differs"
-    aliases = {}
-    for hf_name, t in state.items():
-        aliases.setdefault((t.data_ptr(), tuple(t.shape)), []).append(hf_name)
-    uncovered = [names for names in aliases.values() if not set(names) & set(exported)]
-    assert not uncovered, f"HF tensors no parameter maps to: {uncovered}"
+        assert part.dtype == saved[hf_name].dtype and torch.equal(part, saved[hf_name]), f"{hf_name} differs"
     return len(exported)
 
 

@@ -56,3 +56,25 @@ def test_wrong_image_size_is_a_clear_error():
     model = build_model(transformers.ViTConfig(**BASE), device="cpu")
     with pytest.raises(ValueError, match="image size"):
         model(torch.zeros(1, 3, 16, 16))
+
+
+def test_published_names_and_in_memory_names_both_load():
+    """transformers saves ViT (and the hub checkpoints hold it) under encoder.layer.N.attention.attention.query...,
+    while its in-memory state dict says layers.N.attention.q_proj; the converter maps the saved names and reads both."""
+    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.converters.vit import hf_sources
+    from colozoo.models import build_model
+    from parity import hf_model
+
+    config = transformers.ViTConfig(**BASE, num_labels=3, architectures=["ViTForImageClassification"])
+    names = {n for s in hf_sources(config).values() for n in s.names}
+    for name in ("vit.encoder.layer.1.attention.attention.query.weight", "vit.encoder.layer.1.attention.output.dense.bias",
+                 "vit.encoder.layer.1.intermediate.dense.weight", "vit.encoder.layer.1.output.dense.weight",
+                 "vit.encoder.layer.1.layernorm_before.weight", "vit.embeddings.patch_embeddings.projection.weight"):
+        assert name in names, name
+    hf = hf_model("ViTForImageClassification", config)
+    model = build_model(config, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    pixels = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert (model.eval()(pixels).logits - hf(pixels).logits).abs().max() < 1e-5
