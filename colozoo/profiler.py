@@ -701,9 +701,11 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
             transient = max(transient, p.transient_bytes + extra)
         inflight = min(pc.pp - s, m) if setup.schedule == "1f1b" else m
         activations = saved * inflight
-        in_order = ([parts[len(keys)]] if s == 0 and len(parts) > len(keys) else []) + parts[:len(keys)] + \
-            ([units["head"]] if s == len(stages) - 1 and "head" in units else [])
-        policies = ["none" if p not in parts[:len(keys)] else recompute[parts.index(p)] for p in in_order]
+        extras = parts[len(keys):]  # embed on the first stage, head on the last, in that order
+        head = [units["head"]] if s == len(stages) - 1 and "head" in units else []
+        before = [p for p in extras if not any(p is h for h in head)]
+        in_order = before + parts[:len(keys)] + head
+        policies = ["none"] * len(before) + recompute + ["none"] * len(head)
         dynamic = _dynamic_peak(in_order, policies, saved, inflight, grads, param_bytes, m)
         peak = weights + master + optim + fsdp + dynamic
         stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
