@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +25,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 @dataclass
 class HFPart:
-    name: str  # as written to disk
+    name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    key: str = ""  # as the family map names it (differs where transformers writes legacy names)
 
     @property
     def nbytes(self) -> int:
@@ -50,8 +48,7 @@ def split_sizes(info, source) -> list[int] | None:
 
 def hf_plan(layout: ModelLayout, dtypes: dict[str, torch.dtype]):
     """[(our name, source, split sizes, [HFPart])] in model order; HF shapes found by splitting a meta tensor."""
-    conv = family_module(layout.family)
-    sources, renames = conv.hf_sources(layout.config), getattr(conv, "LEGACY_NAMES", ())
+    sources = family_module(layout.family).hf_sources(layout.config)
     plan = []
     for name, info in layout.tensors.items():
         source = sources.get(name)
@@ -62,16 +59,8 @@ def hf_plan(layout: ModelLayout, dtypes: dict[str, torch.dtype]):
             parts = source.split(torch.empty(info.shape, device="meta"), sizes)
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"cannot split {name!r} {info.shape} into the HF tensors {source.names}: {e}") from None
-        plan.append((name, source, sizes, [HFPart(on_disk_name(n, renames), tuple(t.shape), dtypes[name], n)
-                                           for n, t in parts.items()]))
+        plan.append((name, source, sizes, [HFPart(n, tuple(t.shape), dtypes[name]) for n, t in parts.items()]))
     return plan
-
-
-def on_disk_name(name: str, renames) -> str:
-    """transformers 5 still writes some families under their older names (LEGACY_NAMES of the family map)."""
-    for pattern, replacement in renames:
-        name = re.sub(pattern, replacement, name)
-    return name
 
 
 def shard_parts(parts: list[HFPart], max_bytes: int) -> list[list[HFPart]]:
@@ -116,7 +105,7 @@ def export_hf(tensors, layout: ModelLayout, dst, dtype: torch.dtype | None = Non
                     if i not in writers:
                         writers[i] = SafetensorsWriter(tmp / files[i], [(p.name, p.dtype, p.shape) for p in shards[i]],
                                                        metadata={"format": "pt"})
-                    writers[i].write(part.name, pieces.pop(part.key).to(part.dtype))
+                    writers[i].write(part.name, pieces.pop(part.name).to(part.dtype))
                     if writers[i].next == len(shards[i]):
                         writers.pop(i).close()
                     bar.update(part.nbytes)
