@@ -212,7 +212,8 @@ def run(cfg: FinetuneConfig) -> dict:
                 step += 1
                 tokens = int(train.tokens[indices].sum())
                 if step % cfg.log_interval == 0 or step == total_steps:
-                    reporter.step(step, float(loss.detach()), lr, tokens, time.perf_counter() - tick, grad_norm, global_batch)
+                    reporter.step(step, float(loss.detach()), lr, tokens, time.perf_counter() - tick, grad_norm,
+                                  global_batch)
                 if evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 \
                         and step < total_steps:
                     reporter.evaluation(step, evaluate(model, evaluation, cfg))
