@@ -210,7 +210,8 @@ def _traces(name, seq_len, dtype, target, tp, cp, ep, sp, cache, batch_sizes) ->
 def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len: int | None = None,
          global_batch: int | None = None, dtype: str = "bfloat16", optimizer: str = "adamw",
          micro_batch_sizes=(1, 2, 4, 8), schedules=("1f1b", "gpipe"), zero_levels=(0, 1, 3),
-         context_parallel: bool | None = None, allow_offload: bool = True, target: str = "cuda",
+         context_parallel: bool | None = None, allow_offload: bool = True, partial_checkpointing: bool = True,
+         target: str = "cuda",
          gpus_per_node: int | None = None, top: int | None = None, **hardware_overrides) -> PlanResult:
     """Search layouts x micro-batching x checkpointing x ZeRO x offload for the fastest plan that fits."""
     import time
@@ -262,7 +263,8 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
                                 for zero in (zero_levels if dp * cp > 1 else (0,)):
                                     searched += 1
                                     best = _best_recompute(traces[mbs], pc, mbs, m, schedule, zero, seq_len, dtype,
-                                                           optimizer, target, hw, global_batch, allow_offload)
+                                                           optimizer, target, hw, global_batch, allow_offload,
+                                                           partial_checkpointing)
                                     if isinstance(best, str):
                                         reject(best)
                                     else:
@@ -275,7 +277,7 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
 
 
 def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, target, hw, global_batch,
-                    allow_offload):
+                    allow_offload, partial_checkpointing=True):
     """The fastest checkpointing choice that fits this layout, with CPU offload only when nothing else does."""
     def evaluate(checkpointing, k=None, offload="none"):
         setup = Setup(batch_size=mbs, seq_len=seq_len, dtype=dtype, checkpointing=checkpointing,
@@ -292,7 +294,7 @@ def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, t
     max_layers = max(len(s["layers"]) for s in assemble(mt, pc, Setup(batch_size=mbs, seq_len=seq_len,
                                                                     dtype=dtype, num_microbatches=m)).stages)
     # fewest recomputed layers per stage that fit: memory falls monotonically with k
-    lo, hi = 1, max_layers
+    lo, hi = (1, max_layers) if partial_checkpointing else (max_layers, max_layers)
     report, setup = evaluate("full", hi)
     if _fits(report, hw):
         while lo < hi:
@@ -301,7 +303,7 @@ def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, t
                 hi = mid
             else:
                 lo = mid + 1
-        candidates.append(evaluate("full", hi))
+        candidates.append(evaluate("full", hi if partial_checkpointing else None))
     elif allow_offload:
         base = report
         for level in ("optimizer", "params"):
@@ -354,8 +356,10 @@ def _why(report, pc, setup, breakdown, step, hw, decision, max_layers) -> list[s
 def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, **kwargs) -> dict:
     """The best plan's degrees for `world_size` GPUs (for from_pretrained(..., plan="auto")).
 
-    GPU memory defaults to this machine's device. Inside a torch.distributed job rank 0 plans in a fresh
-    process (the profiler builds fake process groups of its own) and broadcasts the result.
+    GPU memory defaults to this machine's device. By default the search keeps to what colozoo.training runs
+    (DDP or FSDP, checkpointing of every layer or none, no cp, no offload); keyword arguments go to plan().
+    Inside a torch.distributed job rank 0 plans in a fresh process (the profiler builds fake process groups
+    of its own) and broadcasts the result.
     """
     import torch
     import torch.distributed as dist
@@ -367,6 +371,9 @@ def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, *
         hardware = next((k for k in ("H200", "H100-80GB", "A100-80GB", "A100-40GB", "L40S", "V100-32GB")
                          if k.split("-")[0] in device), "H100-80GB")
     gpus_per_node = min(world_size, torch.cuda.device_count()) if torch.cuda.is_available() else None
+    # what colozoo.training runs today: DDP or FSDP, no cp, whole-model checkpointing, no offload
+    kwargs = {"zero_levels": (0, 3), "context_parallel": False, "partial_checkpointing": False,
+              "allow_offload": False, **kwargs}
     args = (name, world_size, gpu_memory, hardware or "H100-80GB", gpus_per_node, kwargs)
     if not (dist.is_available() and dist.is_initialized()):
         return _best_degrees(*args)
