@@ -41,6 +41,10 @@ FAMILIES = {
     "mixtral": ("mixtral", dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                 num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)),
+    "qwen2_moe": ("qwen2_moe", dict(vocab_size=101, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
+                                    num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                    max_position_embeddings=32)),
     "bert": ("bert", dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           intermediate_size=128, max_position_embeddings=32, architectures=["BertForMaskedLM"])),
     "bert-classifier": ("bert", dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -49,8 +53,8 @@ FAMILIES = {
     "vit": ("vit", dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                         intermediate_size=128, num_labels=3, architectures=["ViTForImageClassification"])),
 }
-FIRST_MESH = {"mixtral": dict(tp=2, ep=2)}  # Mixtral does not run under pipeline parallelism yet
-CAUSAL = {"gpt2", "opt", "llama", "mixtral"}
+FIRST_MESH = {"mixtral": dict(tp=2, ep=2), "qwen2_moe": dict(tp=2, ep=2)}  # MoE models do not pipeline yet
+CAUSAL = {"gpt2", "opt", "llama", "mixtral", "qwen2_moe"}
 
 
 def available(model_type: str) -> bool:
