@@ -315,24 +315,48 @@ def _export_logits_diff(output, auto_class):
         return (hf(**probe["inputs"]).logits - probe["logits"]).abs().max().item()
 
 
-def test_bert_sequence_classification_from_a_base_checkpoint(tmp_path):
-    """A BertModel checkpoint (no classifier, like a sentence encoder) gets a fresh head and learns the labels."""
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A BertModel checkpoint (no classifier, like a sentence encoder; dropout off) and 16 labelled sentences."""
     import transformers
 
-    base = tmp_path / "bert"
-    tok = build_tokenizer([json.loads(line)["text"] for line in SENTIMENT.read_text().splitlines()], base)
+    base = tmp_path_factory.mktemp("bert")
+    lines = SENTIMENT.read_text().splitlines(keepends=True)
+    tok = build_tokenizer([json.loads(line)["text"] for line in lines], base)
     config = transformers.BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128, max_position_embeddings=32, pad_token_id=tok.pad_token_id)
+                                     intermediate_size=128, max_position_embeddings=32, pad_token_id=tok.pad_token_id,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     transformers.BertModel(config).save_pretrained(str(base))
-    subset = tmp_path / "sentiment16.jsonl"  # one full batch, seen every step: the loss must fall
-    subset.write_text("".join(SENTIMENT.read_text().splitlines(keepends=True)[:16]))
-    out = tmp_path / "run"
-    summary = run(small_run(base, out, task="seqcls", data=str(subset), eval_data=str(subset), micro_batch_size=16,
-                            steps=6, lr=3e-3, eval_interval=0, export_hf=True, num_labels=2))
-    curve = losses(out)
+    (base / "sentiment16.jsonl").write_text("".join(lines[:16]))
+    return base
+
+
+def _bert_run(base, output, degrees):
+    subset = str(base / "sentiment16.jsonl")  # one global batch, seen every step: the loss must fall
+    summary = run(small_run(base, output, task="seqcls", data=subset, eval_data=subset, micro_batch_size=8,
+                            global_batch_size=16, steps=6, lr=3e-3, eval_interval=0, export_hf=True, num_labels=2,
+                            **degrees))
+    return summary, losses(output)
+
+
+def test_bert_sequence_classification_from_a_base_checkpoint(tiny_bert, tmp_path):
+    """The checkpoint has no classifier: the head starts fresh, learns the labels and is exported with the rest."""
+    summary, curve = _bert_run(tiny_bert, tmp_path / "run", {})
     assert curve[-1] < curve[0] and summary["eval_acc"] > 0.5
-    assert _export_logits_diff(out, "AutoModelForSequenceClassification") < 1e-5
+    assert _export_logits_diff(tmp_path / "run", "AutoModelForSequenceClassification") < 1e-5
+
+
+def _bert_on_meshes(base, root):
+    return {name: _bert_run(base, Path(root) / name, degrees)[1]
+            for name, degrees in {"tp2": dict(tp=2), "dp2": dict(dp=2)}.items()}
+
+
+def test_bert_classification_on_tp2_and_dp2_matches_one_process(tiny_bert, tmp_path):
+    _, single = _bert_run(tiny_bert, tmp_path / "single", {})
+    curves = run_distributed(_bert_on_meshes, 2, tiny_bert, tmp_path, timeout=240)[0]
+    for name, curve in curves.items():
+        assert curve == pytest.approx(single, abs=2e-5), name
 
 
 def test_vit_image_classification_from_npz(tmp_path):
