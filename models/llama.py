@@ -4,7 +4,7 @@
                                       o_proj row) -> + post_attention_layernorm -> mlp(gate_up column, silu(gate) * up,
                                       down_proj row) -> +] x n -> norm -> lm_head (tied or not)
 
-RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3),
+RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3, YaRN),
 written here from the formulas, not imported.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from colozoo.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, Vo
 from colozoo.layers.activations import get_activation
 from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def head_dim_of(config) -> int:
@@ -57,7 +57,48 @@ def rope_inv_freq(config, seq_len: int | None = None, device=None) -> torch.Tens
         inv_freq = inv_freq / params["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_scaling(inv_freq, params)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(base ** exponents, params, dim, base, _yarn_factor(config, params))
     return inv_freq
+
+
+def _yarn_factor(config, params) -> float:
+    return params.get("factor") or config.max_position_embeddings / params["original_max_position_embeddings"]
+
+
+def rope_attention_factor(config) -> float:
+    """The scale of cos/sin: 1 except for YaRN, whose attention temperature grows with log(factor)."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    factor = _yarn_factor(config, params)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return float(mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(wavelengths: torch.Tensor, params: dict, dim: int, base: float, factor: float) -> torch.Tensor:
+    """Interpolate (divide by factor) the low frequencies, keep the high ones, ramp linearly in between."""
+    original = params["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(wavelengths.device)
+    keep = 1 - ramp
+    return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
@@ -89,6 +130,7 @@ class RotaryEmbedding(nn.Module):
         check_rope(config)
         self.config = config
         self.dynamic = rope_parameters(config)["rope_type"] == "dynamic"
+        self.attention_factor = rope_attention_factor(config)
         self.register_buffer("inv_freq", torch.empty(head_dim_of(config) // 2, device=device), persistent=False)
         if self.inv_freq.device.type != "meta":
             self.reset_buffers()
@@ -113,6 +155,7 @@ class RotaryEmbedding(nn.Module):
 @dataclass
 class RopeBatchContext(BatchContext):
     inv_freq: torch.Tensor | None = None
+    rope_scale: float = 1.0
     _rope: tuple | None = None
 
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +164,7 @@ class RopeBatchContext(BatchContext):
         if self._rope is None:
             freqs = self.position_ids[..., None].float() * self.inv_freq.to(self.position_ids.device)
             angles = torch.cat((freqs, freqs), dim=-1)
-            self._rope = (angles.cos(), angles.sin())
+            self._rope = (angles.cos() * self.rope_scale, angles.sin() * self.rope_scale)
         return self._rope
 
 
@@ -243,7 +286,8 @@ class LlamaForCausalLM(ParallelModel):
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         mask = attention_mask_for(attention_mask, s, self.sliding_window, input_ids.device)
-        return RopeBatchContext(attention_mask, mask, position_ids, s, inv_freq=self.rotary(position_ids))
+        return RopeBatchContext(attention_mask, mask, position_ids, s, inv_freq=self.rotary(position_ids),
+                                rope_scale=self.rotary.attention_factor)
 
     def embed(self, input_ids, ctx):
         return self.embed_tokens(input_ids)

@@ -21,6 +21,11 @@ OPTIONS = {
     "rope_dynamic": dict(max_position_embeddings=8, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                       "rope_theta": 10000.0}),
     "rope_llama3": dict(rope_parameters=LLAMA3),
+    "rope_yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                       "rope_theta": 10000.0}),
+    "rope_yarn_mscale": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                              "rope_theta": 10000.0, "mscale": 0.8, "mscale_all_dim": 0.3,
+                                              "beta_fast": 16, "truncate": False}),
 }
 
 
