@@ -69,19 +69,32 @@ def resolve(name_or_path: str | os.PathLike, allow_bin: bool = False, verify: bo
 
 def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1,
                     sequence_parallel: bool = False, dtype=None, device=None, allow_bin: bool = False,
-                    verify: bool = True):
+                    verify: bool = True, plan: str | None = None, gpu_memory=None):
     """Build this rank's shard of a model and load its slices. `dtype=None` keeps the checkpoint's dtype;
-    `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums."""
+    `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums.
+    `plan="auto"` replaces the degrees by the planner's best plan for the current world size (the whole plan,
+    micro-batching and checkpointing included, is left on `model.plan`)."""
     from colozoo.models import build_model
 
     device = torch.device(device) if device is not None else None
-    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
     source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
     config = source.config
+    chosen = None
+    if plan is not None:
+        if plan != "auto":
+            raise ValueError(f"plan must be None or 'auto', got {plan!r}")
+        from colozoo.parallel import init_distributed
+        from colozoo.planner import best_plan_for_world
+
+        chosen = best_plan_for_world(config, init_distributed(), gpu_memory=gpu_memory)
+        tp, pp, dp, cp, ep = (chosen[k] for k in ("tp", "pp", "dp", "cp", "ep"))
+        sequence_parallel = chosen["sequence_parallel"]
+    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
     layout = ModelLayout(config)
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
     dtype = parse_dtype(dtype) or source.tensor(next(iter(layout.tensors))).dtype
     model = build_model(config, pc=pc, device="meta", dtype=dtype)
     load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
+    model.plan = chosen
     return model.eval()

@@ -28,8 +28,14 @@ def _worker(rank, world_size, init_file, tasks, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died: do not linger
+                break
+            continue
         if task is None:
             break
         fn, args = task
@@ -50,7 +56,7 @@ class DistributedPool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.init_file, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world_size)]
+                                  daemon=False) for r in range(world_size)]  # ranks may spawn helpers
         for p in self.procs:
             p.start()
 

@@ -478,3 +478,25 @@ def test_cli_convert_and_models(tmp_path, capsys):
     assert cli.main(["models"]) == 0
     table = capsys.readouterr().out
     assert "opt-66b" in table and "facebook/opt-66b" in table and "gpt2-xl" in table
+
+
+def _auto_plan_logits(path, gpu_memory):
+    model = colozoo.from_pretrained(path, plan="auto", gpu_memory=gpu_memory)
+    degrees = model.plan
+    assert degrees["tp"] * degrees["pp"] * degrees["dp"] * degrees["cp"] == 2
+    assert (model.pc.config.tp, model.pc.config.pp) == (degrees["tp"], degrees["pp"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids, mask = batch(hf.config.vocab_size)
+    with torch.no_grad():
+        diff = (model(ids, attention_mask=mask, return_logits=True).logits - hf(ids, attention_mask=mask).logits)
+    assert diff[mask.bool()].abs().max().item() < LOGITS_ATOL
+    return degrees
+
+
+def test_from_pretrained_auto_plan(tmp_path):
+    """plan="auto" takes the planner's degrees for the world it runs in, and the model still matches transformers."""
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    plans = run_distributed(_auto_plan_logits, 2, hf, "8GB", timeout=TIMEOUT)
+    assert all(p == plans[0] for p in plans), "every rank must get the same plan"
+    with pytest.raises(ValueError, match="plan must be"):
+        colozoo.from_pretrained(hf, plan="fastest")
