@@ -11,6 +11,7 @@ Heads run on the full sequence: under sequence parallelism the last hidden state
 from __future__ import annotations
 
 import copy
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,7 @@ def resolve_task(cls, config, task: str | None) -> type:
         task = known[0] if known else "base"
     if task not in cls.TASKS:
         raise ValueError(f"unknown task {task!r} for {config.model_type}; choose one of {sorted(cls.TASKS)}")
-    module = __import__(cls.__module__, fromlist=["_"])
-    return getattr(module, cls.TASKS[task])
+    return getattr(importlib.import_module(cls.__module__), cls.TASKS[task])
 
 
 def with_architecture(config, architecture: str):
