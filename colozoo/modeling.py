@@ -19,6 +19,7 @@ class ModelOutput:
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    router_loss: torch.Tensor | None = None  # the part of `loss` that is a batch statistic (MoE), not a token mean
     pooler_output: torch.Tensor | None = None  # encoders (BERT, ViT): the pooled first token
 
 

@@ -93,8 +93,8 @@ class ParallelContext:
         self.config = config
         self.device = device or default_device()
         self.mesh = None
-        self.groups: dict[str, dist.ProcessGroup | None] = {d: None for d in (*MESH_DIMS, "ep", "dp_cp")}
-        self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "dp_cp")}
+        self.groups: dict[str, dist.ProcessGroup | None] = {d: None for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
+        self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world != config.world_size:
             raise ParallelConfigError(
@@ -115,6 +115,7 @@ class ParallelContext:
         self.groups["dp_cp"] = dp_cp.get_group()
         self.ranks["dp_cp"] = dp_cp.get_local_rank()
         self.groups["ep"], self.ranks["ep"] = self._expert_group()
+        self.groups["edp"], self.ranks["edp"] = self._expert_data_group()
 
     def _expert_group(self):
         """Split every dp*cp group into consecutive groups of ep ranks (all ranks must create all groups)."""
@@ -130,6 +131,18 @@ class ParallelContext:
                 mine, my_rank = group, ranks.index(me)
         return mine, my_rank
 
+    def _expert_data_group(self):
+        """The ranks of a dp*cp group holding the same experts (same ep rank): where expert gradients are reduced."""
+        ep = self.config.ep
+        mesh = self.mesh.mesh
+        dp_cp_lists = mesh.permute(0, 3, 1, 2).reshape(-1, self.config.dp * self.config.cp).tolist()
+        me, mine = dist.get_rank(), (None, 0)
+        for ranks in (ranks[j::ep] for ranks in dp_cp_lists for j in range(ep)):
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine = group, ranks.index(me)
+        return mine
+
     @classmethod
     def virtual(cls, pp: int = 1, pp_rank: int = 0, device=None) -> "ParallelContext":
         """A context for building meta models of one pipeline stage offline (tp=1; no process groups)."""
@@ -137,8 +150,8 @@ class ParallelContext:
         self.config = ParallelConfig(pp=pp)
         self.device = torch.device(device or "cpu")
         self.mesh = None
-        self.groups = {d: None for d in (*MESH_DIMS, "ep", "dp_cp")}
-        self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "dp_cp")}
+        self.groups = {d: None for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
+        self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
         self.ranks["pp"] = pp_rank
         return self
 
@@ -148,6 +161,8 @@ class ParallelContext:
     def size(self, dim: str) -> int:
         if dim == "dp_cp":
             return self.config.dp * self.config.cp
+        if dim == "edp":
+            return self.config.dp * self.config.cp // self.config.ep
         return getattr(self.config, dim)
 
     def rank(self, dim: str) -> int:

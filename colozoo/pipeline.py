@@ -57,6 +57,8 @@ class StageModule(nn.Module):
         if self.is_first or self.is_last:  # pp > 1 puts them on different ranks; pp == 1 has one stage
             self.edges = nn.ModuleDict({name: m for name, m in model.named_children() if name != "layers"})
         self.loss_scale = 1.0  # set per step: turns a micro-batch mean into its share of the global mean
+        self.router_loss_scale = None  # set per step (MoE): the weight of a micro-batch's router losses
+        self.router_losses: list[torch.Tensor] = []  # their detached values, for the reported loss
         self.autocast_dtype = None    # mixed precision by autocast (without FSDP's policy)
         self.activation_dtype = None  # dtype of the hidden states sent between stages (None: the parameters')
 
@@ -83,7 +85,13 @@ class StageModule(nn.Module):
             out = model.head(hidden, ctx, labels=labels, return_logits=eval_outputs)
         if eval_outputs:
             return out.loss, out.logits
-        return out.loss.float() * model.loss_token_count(labels) * self.loss_scale
+        loss = out.loss.float() * model.loss_token_count(labels) * self.loss_scale
+        if out.router_loss is not None and self.router_loss_scale is not None:
+            # router losses are statistics of the whole micro-batch (over every data rank), not token means
+            router = out.router_loss.float()
+            loss = loss + router * (self.router_loss_scale - model.loss_token_count(labels) * self.loss_scale)
+            self.router_losses.append(router.detach())
+        return loss
 
 
 def build_stage_modules(model) -> list[StageModule]:

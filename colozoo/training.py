@@ -7,9 +7,18 @@ local shards, mixed precision and per-layer activation checkpointing.
     loss = model.forward_backward(input_ids, labels, num_microbatches=8, schedule="1f1b")
     clip_grad_norm_(model, 1.0); optimizer.step(); optimizer.zero_grad()
 
-Every rank is given the same global batch; dp rank d trains on its 1/dp slice of the rows. Each micro-batch
-loss is weighted by its share of the global batch's loss tokens, so the gradients (after FSDP/DDP average
-over dp) and the returned loss are those of the mean loss over the whole global batch, on every rank.
+Every rank is given the same global batch; dp rank d trains on its 1/dp slice of the rows, and its cp ranks
+on their zigzag shares of those rows' sequence. Each micro-batch loss is weighted by its share of the global
+batch's loss tokens, so the gradients and the returned loss are those of the mean loss over the whole global
+batch, on every rank.
+
+Gradient reduction. cp ranks hold partial gradients of the same samples, so parameters are reduced over the
+dp*cp ranks (FSDP2 shards them there, or DDP replicates them there) and the loss carries a factor dp*cp that
+the reduction's average divides out. With ep > 1 the experts (parameters split over "ep") are instead
+reduced over the ranks holding the same experts (the "edp" group) with the same divisor dp*cp: each expert
+owner already summed its ep group's tokens. MoE router losses are statistics of each micro-batch over every
+data rank (the model sums its router statistics over dp*cp); each micro-batch's counts 1/num_microbatches,
+so with one micro-batch the step is that of the whole batch's router loss.
 """
 from __future__ import annotations
 
@@ -110,8 +119,12 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
     if activation_checkpointing not in CHECKPOINTING:
         raise TrainingError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {activation_checkpointing!r}")
     pc = model.pc
-    if pc.config.cp > 1 or pc.config.ep > 1:
-        raise TrainingError("the training step covers dp x pp x tp meshes; cp > 1 and ep > 1 are not supported yet")
+    experts = _expert_parameters(model)
+    if experts and pc.config.pp > 1:
+        raise TrainingError(f"{type(model).__name__}: mixture-of-experts training with pipeline parallelism is not "
+                            f"supported (the router loss needs every layer's router statistics); use pp=1")
+    if hasattr(model, "router_stats_group"):  # router losses of the global batch, not of each rank's rows
+        model.router_stats_group = pc.group("dp_cp")
     if activation_checkpointing:
         apply_activation_checkpointing(model, activation_checkpointing)
     tied = tied_embedding(model)
@@ -122,32 +135,65 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
     compute_dtype = MIXED_PRECISION[mixed_precision]
     stages = build_stage_modules(model)
-    dp = pc.size("dp")
-    sharded = dp > 1 and data_parallel == "fsdp"
+    replicas = pc.size("dp_cp")
+    sharded = replicas > 1 and data_parallel == "fsdp"
     wrapped = []
     for stage in stages:
         if sharded:
+            from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-            kw = dict(mesh=pc.mesh["dp"], mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            mesh = pc.mesh["dp_cp"]
+            expert_mesh = DeviceMesh.from_group(pc.group("edp"), pc.device.type) if experts else None
             for layer in stage.layers.values():
-                fully_shard(layer, **kw)
-            fully_shard(stage, **kw)
+                for module in _expert_modules(layer, experts):  # nested first: the layer's FSDP leaves them out
+                    fully_shard(module, mesh=expert_mesh, **kw)
+                    module.set_gradient_divide_factor(replicas)  # the divisor of every other gradient
+                    if pc.size("edp") > 1:  # gloo lacks PREMUL_SUM; on one rank torch would divide twice
+                        module.set_force_sum_reduction_for_comms(True)
+                fully_shard(layer, mesh=mesh, **kw)
+            fully_shard(stage, mesh=mesh, **kw)
             stage.activation_dtype = compute_dtype
         else:
             stage.autocast_dtype = stage.activation_dtype = compute_dtype
-            if dp > 1:
-                stage = torch.nn.parallel.DistributedDataParallel(stage, process_group=pc.group("dp"),
+            if replicas > 1:
+                DDP = torch.nn.parallel.DistributedDataParallel  # experts are reduced over edp by hand
+                DDP._set_params_and_buffers_to_ignore_for_model(
+                    stage, [n for n, p in stage.named_parameters() if id(p) in experts])
+                stage = torch.nn.parallel.DistributedDataParallel(stage, process_group=pc.group("dp_cp"),
                                                                   broadcast_buffers=False)
         wrapped.append(stage)
     for name, p in model.named_parameters():  # FSDP replaces the Parameter objects that carried the specs
         if specs[name]:
             p.shard_spec = specs[name]
     model.pipeline_stages = wrapped
-    model.training_setup = dict(data_parallel=data_parallel if dp > 1 else None, sharded=sharded,
-                                mixed_precision=mixed_precision, tied=tied, specs=specs)
+    model.training_setup = dict(data_parallel=data_parallel if replicas > 1 else None, sharded=sharded,
+                                mixed_precision=mixed_precision, tied=tied, specs=specs,
+                                experts={n for n, p in model.named_parameters() if id(p) in experts})
     return model
+
+
+def _expert_parameters(model) -> set[int]:
+    """ids of the parameters split over ep (each rank holds other experts), when ep > 1."""
+    if model.pc.size("ep") == 1:
+        return set()
+    return {id(p) for p in model.parameters() if any(s.mesh_dim == "ep" for s in spec_of(p))}
+
+
+def _expert_modules(layer, experts: set[int]) -> list[torch.nn.Module]:
+    """The modules of a layer that directly own expert parameters (FSDP shards them over the edp group)."""
+    found = []
+    for name, module in layer.named_modules():
+        own = list(module.parameters(recurse=False))
+        mine = [id(p) in experts for p in own]
+        if any(mine):
+            if not all(mine):
+                raise TrainingError(f"{type(module).__name__} ({name}) holds expert and non-expert parameters; "
+                                    f"FSDP reduces them over different groups, so they need separate modules")
+            found.append(module)
+    return found
 
 
 def _setup(model) -> dict:
@@ -178,22 +224,32 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     if batch % (dp * m):
         raise TrainingError(f"global batch size {batch} is not divisible by dp * num_microbatches = {dp} * {m}; "
                             f"every data-parallel rank needs {m} equal micro-batches")
+    cp = pc.size("cp")
+    if cp > 1 and input_ids.shape[1] % (2 * cp):
+        raise TrainingError(f"sequence length {input_ids.shape[1]} is not divisible by 2 * cp = {2 * cp}: context "
+                            f"parallelism gives every cp rank two equal chunks of the sequence")
     if labels is None or labels.shape[:1] != input_ids.shape[:1]:
         raise TrainingError(f"labels must have the batch size of the inputs ({batch}), got "
                             f"{None if labels is None else tuple(labels.shape)}")
     total_tokens = int(model.loss_token_count(labels))
-    # each micro-batch mean is weighted by its tokens / global tokens; * dp undoes FSDP/DDP's dp average
-    loss_scale = dp / max(total_tokens, 1)
+    # each micro-batch mean is weighted by its tokens / global tokens; * dp*cp undoes FSDP/DDP's dp*cp average
+    replicas = pc.size("dp_cp")
+    loss_scale = replicas / max(total_tokens, 1)
     rows = slice(pc.rank("dp") * batch // dp, (pc.rank("dp") + 1) * batch // dp)
     local = [t[rows] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
 
     tied_grad = _stash_tied_grad(model, setup)
+    expert_grads = _stash_expert_grads(model, setup)
+    for stage in stages_of(model):
+        unwrap(stage).router_loss_scale = replicas / m
+        unwrap(stage).router_losses = []
     if pc.config.pp > 1:
         local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
                                  num_microbatches=m, schedule=schedule, loss_scale=loss_scale)
     else:
         local_sum = _single_stage(model, *local, m, loss_scale)
     _sum_tied_grad(model, setup, tied_grad)
+    _reduce_expert_grads(model, setup, expert_grads)
     return _global_loss(model, local_sum)
 
 
@@ -248,14 +304,47 @@ def _sum_tied_grad(model, setup, previous):
         p.grad += previous
 
 
+def _stash_expert_grads(model, setup) -> dict | None:
+    """Under DDP the experts are reduced by hand: keep gradients of earlier steps aside, as for the tied copy."""
+    if setup["sharded"] or not setup["experts"] or setup["data_parallel"] is None:
+        return None
+    stash = {}
+    for name, p in model.named_parameters():
+        if name in setup["experts"]:
+            stash[name], p.grad = p.grad, None
+    return stash
+
+
+def _reduce_expert_grads(model, setup, stash):
+    """Sum this step's expert gradients over the ranks holding the same experts, divided like the others."""
+    if stash is None:
+        return
+    pc = model.pc
+    for name, p in model.named_parameters():
+        if name not in stash:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=pc.group("edp"))
+        p.grad /= pc.size("dp_cp")
+        if stash[name] is not None:
+            p.grad += stash[name]
+
+
 def _global_loss(model, local_sum) -> torch.Tensor:
-    """Sum of the weighted micro-batch losses over dp (undoing the * dp), then sent from the last stage to all."""
+    """Sum of the weighted micro-batch losses over dp (undoing the * dp*cp; cp ranks hold the same value), plus
+    the router losses (the same on every data rank) once, then sent from the last stage to all."""
     pc = model.pc
     if local_sum is None:
         local_sum = torch.zeros((), device=pc.device)
-    loss = local_sum.float() / pc.size("dp")
+    replicas = pc.size("dp_cp")
+    router = [loss for stage in stages_of(model) for loss in unwrap(stage).router_losses]
+    router_sum = torch.stack(router).sum() if router else torch.zeros((), device=pc.device)
+    router_scale = unwrap(stages_of(model)[0]).router_loss_scale
+    loss = (local_sum.float() - router_sum * router_scale) / replicas
     if pc.size("dp") > 1:
         dist.all_reduce(loss, group=pc.group("dp"))
+    loss = loss + router_sum * router_scale / replicas
     if pc.config.pp > 1:
         dist.broadcast(loss, src=dist.get_global_rank(pc.group("pp"), pc.config.pp - 1), group=pc.group("pp"))
     return loss
@@ -281,7 +370,8 @@ def global_grad_norm(model, norm_type: float = 2.0) -> torch.Tensor:
         dims = {split.mesh_dim for split in setup["specs"][name]}
         if "tp" not in dims and pc.rank("tp") != 0:
             continue
-        if not setup["sharded"] and pc.rank("dp") != 0:
+        replicated_over = "edp" if name in setup["experts"] else "dp_cp"
+        if not setup["sharded"] and pc.rank(replicated_over) != 0:
             continue
         g = _local(p.grad).float()
         acc = torch.maximum(acc, g.abs().max()) if norm_type == math.inf else acc + g.pow(2).sum()

@@ -23,9 +23,29 @@ from colozoo.parallel import single_process
 from .llama import LlamaAttention, LlamaForCausalLM, RopeBatchContext
 
 
+class RouterLogits:
+    """One (tokens, experts) tensor per MoE layer, in order. Deliberately not a list: FSDP rebuilds the lists and
+    dataclasses among a layer's inputs (to hook their tensors); every layer must append to the one the head reads."""
+
+    def __init__(self):
+        self.items: list = []
+
+    def append(self, logits):
+        self.items.append(logits)
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+    def __len__(self):
+        return len(self.items)
+
+
 @dataclass
 class MoEBatchContext(RopeBatchContext):
-    router_logits: list = field(default_factory=list)  # one (tokens, experts) tensor per MoE layer, in order
+    router_logits: RouterLogits = field(default_factory=RouterLogits)
     output_router_logits: bool = False                 # compute the load-balancing loss
 
 
@@ -53,6 +73,9 @@ class MoECausalLM(LlamaForCausalLM):
     """A LLaMA-style decoder with MoE layers: router logits collected per batch, load-balancing (and z) loss."""
 
     num_experts_key = "num_local_experts"  # the config attribute holding the number of experts
+    # where router statistics are summed (None: the cp group); colozoo.training sets the dp*cp group so the
+    # router losses are those of the global batch, whatever rows each data-parallel rank holds
+    router_stats_group = None
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         pc = pc or single_process()
@@ -84,12 +107,14 @@ class MoECausalLM(LlamaForCausalLM):
         if token_mask is not None and ctx.cp is not None:
             token_mask = ctx.cp.shard(token_mask)
         group = ctx.cp.group if ctx.cp is not None else None
+        group = self.router_stats_group if self.router_stats_group is not None else group
         out.aux_loss = load_balancing_loss(ctx.router_logits, self.num_experts, self.top_k, token_mask, group)
         if out.loss is not None:
-            out.loss = out.loss + c.router_aux_loss_coef * out.aux_loss
+            out.router_loss = c.router_aux_loss_coef * out.aux_loss
             z_coef = getattr(c, "router_z_loss_coef", 0.0) or 0.0
             if z_coef:
-                out.loss = out.loss + z_coef * router_z_loss(ctx.router_logits, token_mask, group)
+                out.router_loss = out.router_loss + z_coef * router_z_loss(ctx.router_logits, token_mask, group)
+            out.loss = out.loss + out.router_loss
         return out
 
 
