@@ -137,3 +137,23 @@ def bad_sequence_length():
 
 def test_sequence_not_divisible_by_2cp_is_a_clear_error():
     assert all(run_distributed(bad_sequence_length, 2, timeout=TIMEOUT))
+
+
+def test_router_loss_counts_once_per_micro_batch():
+    """With micro-batches the router loss is that of each micro-batch, weighted 1/num_microbatches, while the token
+    loss stays the mean over the whole batch: transformers' per-micro-batch outputs recombined that way."""
+    config, hf = hf_causal_lm("mixtral", MIXTRAL)
+    hf.train()
+    model = build(single_process(), "mixtral", config, hf, {})
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    total_tokens = (labels[:, 1:] != -100).sum()
+    ref = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        out = hf(ids[rows], attention_mask=mask[rows], labels=labels[rows])
+        router = config.router_aux_loss_coef * out.aux_loss
+        ref = ref + (out.loss - router) * (labels[rows, 1:] != -100).sum() / total_tokens + router / 2
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < LOSS_ATOL, (loss.item(), ref.item())
+    compare(model, StateDictReader({n: p.grad for n, p in hf.named_parameters()}),
+            hf_module_sources("mixtral", config), GRAD_ATOL, "gradient of", grad=True)
