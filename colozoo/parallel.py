@@ -158,6 +158,18 @@ class ParallelContext:
     def group(self, dim: str):
         return self.groups[dim]
 
+    def stage_ends_group(self):
+        """The group of the first and last pipeline stage at this rank's (dp, cp, tp) coordinate, e.g. for a
+        tied embedding. Collective the first time: every rank creates every pair's group."""
+        if "stage_ends" not in self.groups:
+            mine = None
+            for pair in torch.stack([self.mesh.mesh[0], self.mesh.mesh[-1]], dim=-1).reshape(-1, 2).tolist():
+                group = dist.new_group(pair)
+                if dist.get_rank() in pair:
+                    mine = group
+            self.groups["stage_ends"] = mine
+        return self.groups["stage_ends"]
+
     def size(self, dim: str) -> int:
         if dim == "dp_cp":
             return self.config.dp * self.config.cp
@@ -187,11 +199,24 @@ class ParallelContext:
         return f"ParallelContext({coords}, device={self.device})"
 
 
+# One context per mesh and device for the life of the default process group: building a mesh creates process
+# groups (NCCL communicators, gloo connections), which are costly and never freed while the job runs.
+_CONTEXTS: dict[tuple, tuple[object, ParallelContext]] = {}
+
+
 def init_parallel(tp=1, pp=1, dp=None, cp=1, ep=1, sequence_parallel=False, device=None) -> ParallelContext:
-    """Initialise distributed (if launched by torchrun) and build this rank's ParallelContext."""
+    """Initialise distributed (if launched by torchrun) and build this rank's ParallelContext (reused when the
+    same degrees and device are asked for again under the same default process group)."""
     world = init_distributed()
     config = ParallelConfig.for_world(world, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
-    return ParallelContext(config, device=device)
+    if world == 1:
+        return ParallelContext(config, device=device)
+    device = torch.device(device) if device is not None else default_device()
+    world_group, pc = _CONTEXTS.get((config, device), (None, None))
+    if world_group is not dist.group.WORLD:
+        pc = ParallelContext(config, device=device)
+        _CONTEXTS[(config, device)] = (dist.group.WORLD, pc)
+    return pc
 
 
 def single_process() -> ParallelContext:

@@ -94,12 +94,7 @@ def tied_embedding(model):
     if name is None:
         raise TrainingError(f"{type(model).__name__} ties its LM head to the input embedding but does not declare "
                             f"`tied_embedding` (the parameter the first and last pipeline stages share)")
-    mesh = pc.mesh.mesh  # (pp, dp, cp, tp) global ranks
-    mine = None
-    for pair in torch.stack([mesh[0], mesh[-1]], dim=-1).reshape(-1, 2).tolist():
-        group = dist.new_group(pair)
-        if dist.get_rank() in pair:
-            mine = group
+    mine = pc.stage_ends_group()
     if (model.is_first or model.is_last) and name not in dict(model.named_parameters()):
         raise TrainingError(f"{type(model).__name__} on pipeline stage {pc.rank('pp')} lacks the tied parameter "
                             f"{name!r}: the last stage must hold its own copy of the tied embedding")

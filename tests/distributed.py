@@ -10,15 +10,15 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import tempfile
 import traceback
 
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 DEFAULT_TIMEOUT = 180
 
 
-def _worker(rank, world_size, init_file, tasks, results):
+def _worker(rank, world_size, store_port, tasks, results):
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import datetime
 
@@ -26,8 +26,9 @@ def _worker(rank, world_size, init_file, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     parent = os.getppid()
     while True:
         try:
@@ -50,12 +51,11 @@ class DistributedPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        fd, self.init_file = tempfile.mkstemp(prefix="colozoo-dist-")
-        os.close(fd)
-        os.unlink(self.init_file)
+        # a TCP store served from the test process: a file store slows down with every key ever written
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.init_file, self.tasks[r], self.results),
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.store.port, self.tasks[r], self.results),
                                   daemon=False) for r in range(world_size)]  # ranks may spawn helpers
         for p in self.procs:
             p.start()
@@ -96,8 +96,6 @@ class DistributedPool:
             if p.is_alive():
                 p.kill()
                 p.join()
-        if os.path.exists(self.init_file):
-            os.unlink(self.init_file)
 
 
 _POOLS: dict[int, DistributedPool] = {}
