@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo parity-demo bench clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,13 @@ test: setup
 	$(PY) -m pytest -q tests
 
 demo: setup
-	$(PY) -m colozoo.demo
+	$(PY) -m colozoo.demo_finetune
 
 bench: setup
 	$(PY) bench/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+parity-demo: setup
+	$(PY) -m colozoo.demo
