@@ -1,4 +1,4 @@
-"""Parity demo (`make demo`): a tiny GPT-2 saved by transformers, loaded by colozoo at tp=2 on two CPU ranks,
+"""Parity demo (`make parity-demo`): a tiny GPT-2 saved by transformers, loaded by colozoo at tp=2 on two CPU ranks,
 compared with transformers on logits and loss. Prints PASS/FAIL and exits non-zero on a mismatch.
 
     python -m colozoo.demo [--tp 2] [--tolerance 1e-5]
