@@ -82,12 +82,30 @@ class MoECausalLM(LlamaForCausalLM):
         experts, ep = getattr(config, self.num_experts_key), pc.size("ep")
         if experts % ep:
             raise UnsupportedConfig(f"ep={ep} must divide the number of experts ({self.num_experts_key}={experts})")
-        if pc.config.pp > 1:
-            raise UnsupportedConfig(f"{type(self).__name__} with pipeline parallelism is not wired yet (the aux "
-                                    f"loss needs every layer's router statistics)")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
         self.family = type(self).family
         self.num_experts, self.top_k = getattr(config, self.num_experts_key), config.num_experts_per_tok
+
+    def check_router_losses(self, output_router_logits: bool | None = None):
+        """Refuse router losses under pipeline parallelism: every layer's router statistics would be needed on the
+        last stage, and each stage sees only its own. Called before any stage communicates."""
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        if output_router_logits and self.pc.config.pp > 1:
+            raise UnsupportedConfig(
+                f"router losses (output_router_logits=True) with pipeline parallelism (pp={self.pc.config.pp}) are "
+                f"not supported: the load-balancing loss needs every layer's router statistics. Set "
+                f"config.output_router_logits=False (transformers' default) or use pp=1")
+
+    def forward(self, input_ids, *args, output_router_logits: bool | None = None, **kwargs):
+        self.check_router_losses(output_router_logits)
+        if output_router_logits is not None:
+            kwargs["output_router_logits"] = output_router_logits
+        return super().forward(input_ids, *args, **kwargs)
+
+    def forward_backward(self, *args, **kwargs):
+        self.check_router_losses()
+        return super().forward_backward(*args, **kwargs)
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None,
                       output_router_logits: bool | None = None) -> MoEBatchContext:
@@ -95,6 +113,7 @@ class MoECausalLM(LlamaForCausalLM):
         ctx = super().batch_context(input_ids, attention_mask, position_ids=position_ids)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
+        self.check_router_losses(output_router_logits)
         return MoEBatchContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)},
                                output_router_logits=output_router_logits)
 

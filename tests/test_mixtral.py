@@ -46,21 +46,12 @@ class RecordingReader:
         return self.inner.read(name, index)
 
 
-def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", config_overrides=None,
-                   family="mixtral"):
-    from colozoo.converters import GlobalTensor, SafetensorsReader, StateDictReader, family_module, load_hf_weights
-    from colozoo.layers.shard import gather_tensor, spec_of
+def load_saved(hf, config, pc):
+    """Our model loaded from what transformers' save_pretrained writes (per-expert tensors; saved by global rank 0
+    only), and the reader that recorded which tensors were read."""
+    from colozoo.converters import SafetensorsReader, load_hf_weights
     from colozoo.models import build_model
-    from colozoo.parallel import coords_of, init_parallel
 
-    pc = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm(family, {**FAMILIES[family], **(config_overrides or {})})
-    ids, mask, labels = batch(config.vocab_size, 16)
-    ref = hf(ids, attention_mask=mask, labels=labels, output_router_logits=True)
-    ref.loss.backward()
-    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
-
-    # load from what save_pretrained writes (per-expert tensors); transformers saves on global rank 0 only
     distributed = dist.is_initialized()
     first = not distributed or dist.get_rank() == 0
     directory = [tempfile.mkdtemp(prefix="colozoo-mixtral-") if first else None]
@@ -77,6 +68,23 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
         dist.barrier()
     if first:
         shutil.rmtree(directory[0])
+    return model, reader
+
+
+def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", config_overrides=None,
+                   family="mixtral"):
+    from colozoo.converters import GlobalTensor, StateDictReader, family_module
+    from colozoo.layers.shard import gather_tensor, spec_of
+    from colozoo.parallel import coords_of, init_parallel
+
+    pc = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+    config, hf = hf_causal_lm(family, {**FAMILIES[family], **(config_overrides or {})})
+    ids, mask, labels = batch(config.vocab_size, 16)
+    ref = hf(ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    ref.loss.backward()
+    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
+
+    model, reader = load_saved(hf, config, pc)
     owned = range(pc.rank("ep") * model.num_experts // ep, (pc.rank("ep") + 1) * model.num_experts // ep)
     read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reader.read_names if ".experts." in n}
     assert read_experts == set(owned), f"ep rank {pc.rank('ep')} read experts {sorted(read_experts)}"
@@ -171,3 +179,44 @@ def test_qwen2_moe_tp2_ep2():
 
 def test_qwen2_moe_context_parallel():
     run_distributed(mixtral_parity, 2, 1, 2, 2, False, "all_to_all", None, "qwen2_moe", timeout=150)
+
+
+def _pipeline_parity(family, pp, tp, ep):
+    """MoE layers on pipeline stages (router losses off, transformers' default): eval logits and loss, then one
+    forward_backward over 2 micro-batches, loss and every gathered gradient, against transformers."""
+    from colozoo.converters import GlobalTensor, StateDictReader, family_module
+    from colozoo.layers.shard import gather_tensor, spec_of
+    from colozoo.modeling import UnsupportedConfig
+    from colozoo.parallel import coords_of, init_parallel
+    from colozoo.training import parallelize
+
+    pc = init_parallel(pp=pp, tp=tp, ep=ep)
+    config, hf = hf_causal_lm(family, {**FAMILIES[family], "output_router_logits": False})
+    model = load_saved(hf, config, pc)[0].eval()
+    ids, mask, labels = batch(config.vocab_size, 16, batch_size=4)
+    ref = hf(ids, attention_mask=mask, labels=labels)
+    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    assert (out.logits - ref.logits)[mask.bool()].abs().max().item() < ATOL
+    assert abs(out.loss.item() - ref.loss.item()) < ATOL
+    with pytest.raises(UnsupportedConfig, match="pipeline parallelism"):
+        model(ids, attention_mask=mask, labels=labels, output_router_logits=True)
+
+    ref.loss.backward()
+    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
+    model = parallelize(model.train(), data_parallel="ddp")
+    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    assert abs(loss.item() - ref.loss.item()) < ATOL
+    sources = family_module(family).module_sources(config)
+    for name, p in model.named_parameters():
+        expected = GlobalTensor(hf_grads, sources[name], name).read()
+        full = gather_tensor(p.grad, spec_of(p), expected.shape, pc.groups, coords_of(pc))
+        diff = (full - expected).abs().max().item()
+        assert diff < ATOL, f"gradient of {name} differs by {diff} (pp rank {pc.rank('pp')})"
+    return sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("family,pp,tp,ep", [("mixtral", 2, 2, 1), ("qwen2_moe", 2, 1, 2)])
+def test_moe_pipeline_parallel(family, pp, tp, ep):
+    names = run_distributed(_pipeline_parity, pp * tp * max(ep, 1), family, pp, tp, ep, timeout=90)
+    layers = {n.split(".")[1] for ranks in names for n in ranks if n.startswith("layers.")}
+    assert layers == {"0", "1"}  # both stages' layers were checked
