@@ -11,7 +11,6 @@ Everything is written into a temp dir beside the destination and renamed at the 
 """
 from __future__ import annotations
 
-import json
 import resource
 import shutil
 import time
@@ -27,7 +26,7 @@ from colozoo.checkpoint_format import (INDEX_NAME, ColozooCheckpoint, ModelLayou
                                        parse_dtype, plan_mesh, publish, rank_pieces, tensor_entry, write_index)
 from colozoo.converters import GlobalTensor, StateDictReader, family_module
 from colozoo.converters.load import _resolve_prefix, check_unexpected
-from colozoo.converters.sources import CheckpointError
+from colozoo.converters.sources import CheckpointError, index_files
 from colozoo.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from colozoo.safetensors_io import PlainSafetensorsReader, SafetensorsWriter
 
@@ -42,8 +41,7 @@ class BinReader(StateDictReader):
 
     def __init__(self, path: Path):
         if (path / "pytorch_model.bin.index.json").exists():
-            index = json.loads((path / "pytorch_model.bin.index.json").read_text())
-            files = sorted(set(index["weight_map"].values()))
+            files = index_files(path / "pytorch_model.bin.index.json")
         else:
             files = ["pytorch_model.bin"]
         state = {}

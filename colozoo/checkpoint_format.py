@@ -8,10 +8,12 @@ any other mesh's checkpoint by slices: a piece is read only where it meets the r
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import shutil
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -116,12 +118,34 @@ def check_destination(dst: Path):
         raise FileExistsError(f"destination {dst} already exists and is not empty; choose a new path or remove it")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(dst: Path):
+    """Remove temp dirs of writers to `dst` that died without cleaning up (SIGKILL, power loss): only those made on
+    this host whose process is gone. A live writer's dir, or another host's (on a shared disk), is left alone."""
+    host = socket.gethostname()
+    for sibling in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*"):
+        owner, _, pid = sibling.name.removeprefix(f".{dst.name}.tmp-").rpartition("-")
+        if owner == host and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
 @contextmanager
-def atomic_directory(dst, tmp_name: str | None = None):
+def atomic_directory(dst):
     """Yield a temp dir beside `dst`; on success it is fsynced and renamed to `dst`, on failure removed."""
     dst = Path(dst)
     check_destination(dst)
-    tmp = dst.parent / (tmp_name or f".{dst.name}.tmp-{os.getpid()}")
+    if dst.parent.is_dir():
+        remove_stale_temp_dirs(dst)
+    tmp = dst.parent / f".{dst.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -221,6 +245,41 @@ def write_index(directory: Path, index: dict):
 
 # --- reading -----------------------------------------------------------------------------------------------
 
+def _is_shape(value) -> bool:
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
+
+
+def _valid_piece(piece, shape: list) -> bool:
+    return (isinstance(piece, dict) and isinstance(piece.get("file"), str) and isinstance(piece.get("key"), str)
+            and _is_shape(piece.get("shape")) and _is_shape(piece.get("offsets"))
+            and len(piece["shape"]) == len(piece["offsets"]) == len(shape)
+            and all(o + n <= s for o, n, s in zip(piece["offsets"], piece["shape"], shape)))
+
+
+def index_problem(index) -> str | None:
+    """What is structurally wrong with a parsed colozoo index (a hand edit, a bad copy), or None."""
+    if not isinstance(index, dict):
+        return "it is not a JSON object"
+    for key in ("config", "mesh", "files", "tensors"):
+        if not isinstance(index.get(key), dict):
+            return f"{key!r} is missing or not an object"
+    for name, info in index["files"].items():
+        if not (isinstance(info, dict) and type(info.get("size")) is int and isinstance(info.get("sha256"), str)):
+            return f"the entry of file {name!r} is malformed"
+    for name, entry in index["tensors"].items():
+        if not (isinstance(entry, dict) and _is_shape(entry.get("shape")) and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("pieces"), list) and isinstance(entry.get("spec", []), list)):
+            return f"the entry of tensor {name!r} is malformed"
+        try:
+            for split in entry.get("spec", []):
+                Split.from_json(split)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return f"the shard spec of tensor {name!r} is malformed"
+        if not all(_valid_piece(p, entry["shape"]) for p in entry["pieces"]):
+            return f"a piece of tensor {name!r} is malformed or lies outside its shape {entry['shape']}"
+    return None
+
+
 class ColozooTensor:
     """One global tensor of a colozoo checkpoint: `shape`, `dtype`, and `read(index)` over its pieces."""
 
@@ -271,9 +330,14 @@ class ColozooCheckpoint:
             self.index = json.loads(index_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{index_path} is corrupted: {e}") from None
+        if not isinstance(self.index, dict):
+            raise CheckpointError(f"{index_path} is corrupted: it is not a JSON object")
         if self.index.get("format") != "colozoo" or self.index.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{index_path}: unsupported format {self.index.get('format')!r} version "
                                   f"{self.index.get('format_version')!r} (this colozoo reads version {FORMAT_VERSION})")
+        problem = index_problem(self.index)
+        if problem:
+            raise CheckpointError(f"{index_path} is corrupted: {problem}")
         self.verify = verify
         self._files: dict[str, SafetensorsFile] = {}
         for name, info in self.index["files"].items():
@@ -288,6 +352,10 @@ class ColozooCheckpoint:
             if covered != math.prod(entry["shape"]):
                 raise CheckpointError(f"{index_path}: the pieces of {name!r} cover {covered} of "
                                       f"{math.prod(entry['shape'])} elements")
+            for piece in entry["pieces"]:
+                if piece["file"] not in self.index["files"]:
+                    raise CheckpointError(f"{index_path}: a piece of {name!r} is in {piece['file']!r}, which the "
+                                          f"index does not list")
 
     @cached_property
     def config(self):
@@ -303,10 +371,9 @@ class ColozooCheckpoint:
         return list(self.index["tensors"])
 
     def tensor(self, name: str) -> ColozooTensor:
-        try:
-            return ColozooTensor(self, name, self.index["tensors"][name])
-        except KeyError:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {self.path}") from None
+        if name not in self.index["tensors"]:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {self.path}")
+        return ColozooTensor(self, name, self.index["tensors"][name])
 
     def file(self, name: str) -> SafetensorsFile:
         handle = self._files.get(name)

@@ -1,8 +1,10 @@
 """Named models shipped with the package: name -> HF repo id, architecture and complete HF config.
 
 The data lives in `colozoo/model_configs/<family>.json`, one file per family, in the format
-    {"<name>": {"repo": "<HF repo id>", "architecture": "<transformers class>", "config": {<config.to_dict()>}}}
-so configs need no network. Names are accepted bare ("opt-30b") or as the repo id ("facebook/opt-30b").
+    {"<name>": {"repo": "<HF repo id>", "architecture": "<transformers class>", "config": {<config.to_dict()>},
+                "aliases": ["<short name>", ...]}}      # aliases optional
+so configs need no network. Names are accepted bare ("opt-30b"), as an alias ("vit-large") or as the repo id
+("facebook/opt-30b").
 """
 from __future__ import annotations
 
@@ -32,9 +34,22 @@ def registry() -> dict[str, dict]:
     return out
 
 
+@lru_cache(maxsize=None)
+def aliases() -> dict[str, str]:
+    """Short name -> registered name."""
+    out = {}
+    for name, entry in registry().items():
+        for alias in entry.get("aliases", ()):
+            if alias in registry() or alias in out:
+                raise ValueError(f"alias {alias!r} of {name!r} is already a registered name or alias")
+            out[alias] = name
+    return out
+
+
 def lookup(name: str) -> tuple[str, dict] | None:
     """(name, entry) for a registered name or repo id, else None."""
     models = registry()
+    name = aliases().get(name, name)
     if name in models:
         return name, models[name]
     for key, entry in models.items():
@@ -46,7 +61,7 @@ def lookup(name: str) -> tuple[str, dict] | None:
 def get_entry(name: str) -> tuple[str, dict]:
     found = lookup(name)
     if found is None:
-        close = difflib.get_close_matches(name, list(registry()), n=3)
+        close = difflib.get_close_matches(name, [*registry(), *aliases()], n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise UnknownModelError(f"unknown model {name!r}{hint} (`colozoo models` lists the registry; "
                                 f"a local checkpoint directory works too)")
@@ -99,7 +114,8 @@ def print_models(file=None):
         table.add_column(column, justify="right" if column == "params" else "left")
     for name, entry in registry().items():
         config = config_from_dict(entry["config"], entry["architecture"])
-        table.add_row(name, entry["family"], _human(count_parameters(config)), entry["repo"])
+        shown = f"{name} ({', '.join(entry['aliases'])})" if entry.get("aliases") else name
+        table.add_row(shown, entry["family"], _human(count_parameters(config)), entry["repo"])
     Console(file=file, width=120).print(table)
 
 

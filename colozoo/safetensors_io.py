@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from colozoo.converters.sources import CheckpointError, TensorReader
+from colozoo.converters.sources import CheckpointError, TensorReader, index_files
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -47,6 +47,8 @@ class SafetensorsFile:
             if header_len > min(MAX_HEADER, size - 8):
                 raise ValueError(f"header length {header_len} does not fit a file of {size} bytes")
             header = json.loads(os.pread(self.fd, header_len, 8))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
         except (struct.error, ValueError, UnicodeDecodeError) as e:
             self.close()
             raise CheckpointError(f"{self.path} is not a valid safetensors file (truncated or corrupted?): {e}") from None
@@ -57,9 +59,12 @@ class SafetensorsFile:
             try:
                 begin, end = info["data_offsets"]
                 dtype, shape = DTYPES[info["dtype"]], tuple(info["shape"])
+                if not all(type(n) is int and n >= 0 for n in (begin, end, *shape)):
+                    raise ValueError
             except (KeyError, TypeError, ValueError):
                 self.close()
-                raise CheckpointError(f"{self.path}: malformed header entry for tensor {key!r}") from None
+                raise CheckpointError(f"{self.path}: malformed header entry for tensor {key!r} (corrupted "
+                                      f"safetensors file)") from None
             if end - begin != math.prod(shape) * dtype.itemsize or self.data_start + end > size:
                 self.close()
                 raise CheckpointError(f"{self.path}: tensor {key!r} extends past the end of the file "
@@ -134,8 +139,7 @@ class PlainSafetensorsReader(TensorReader):
         if path.is_file():
             files = [path]
         elif (path / "model.safetensors.index.json").exists():
-            index = json.loads((path / "model.safetensors.index.json").read_text())
-            files = [path / f for f in sorted(set(index["weight_map"].values()))]
+            files = [path / f for f in index_files(path / "model.safetensors.index.json")]
         elif (path / "model.safetensors").exists():
             files = [path / "model.safetensors"]
         else:

@@ -52,6 +52,18 @@ class Source:
         return {name: (part.t() if self.transpose else part).contiguous() for name, part in zip(self.names, parts)}
 
 
+def index_files(index_path: Path) -> list[str]:
+    """The weight files an HF index (model.safetensors.index.json and the like) maps tensors to, sorted."""
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, no weight_map, not a mapping
+        raise CheckpointError(f"{index_path} is corrupted: {type(e).__name__}: {e}") from None
+    if not all(isinstance(f, str) and f for f in files):
+        raise CheckpointError(f"{index_path} is corrupted: its weight_map values are not all file names")
+    return files
+
+
 class TensorReader:
     """Uniform access to named tensors: shape, dtype and slices."""
 
@@ -103,8 +115,7 @@ class SafetensorsReader(TensorReader):
         if path.is_file():
             files = [path]
         elif (path / "model.safetensors.index.json").exists():
-            index = json.loads((path / "model.safetensors.index.json").read_text())
-            files = sorted({path / f for f in index["weight_map"].values()})
+            files = [path / f for f in index_files(path / "model.safetensors.index.json")]
         elif (path / "model.safetensors").exists():
             files = [path / "model.safetensors"]
         else:

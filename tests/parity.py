@@ -14,10 +14,10 @@ LOGITS_ATOL = 1e-5
 GRAD_ATOL = 1e-5
 
 
-def hf_causal_lm(model_type: str, config_kwargs: dict, seed: int = 0):
+def hf_causal_lm(model_type: str, config_kwargs: dict, seed: int = 0, attn_implementation: str = "sdpa"):
     config = transformers.AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
     with torch.no_grad():  # random non-trivial norm weights and biases, so a misplaced one shows
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -41,9 +41,10 @@ def global_shapes(model, sources, reader):
 
 
 def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_parallel: bool = False,
-                     padded: bool = True, seq_len: int = 12, logits_atol=LOGITS_ATOL, grad_atol=GRAD_ATOL):
+                     padded: bool = True, seq_len: int = 12, logits_atol=LOGITS_ATOL, grad_atol=GRAD_ATOL,
+                     attn_implementation: str = "sdpa"):
     pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm(model_type, config_kwargs)
+    config, hf = hf_causal_lm(model_type, config_kwargs, attn_implementation=attn_implementation)
     ids, mask, labels = batch(config.vocab_size, seq_len, padded=padded)
 
     ref = hf(ids, attention_mask=mask, labels=labels)
@@ -233,6 +234,50 @@ def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, p
     report = {"logits": (out.logits - ref.logits)[keep].abs().max().item(), "loss": abs(out.loss.item() - ref.loss.item())}
     assert report["logits"] < atol and report["loss"] < atol, report
     loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=num_microbatches)
+    report["train_loss"] = abs(loss.item() - ref.loss.item())
+    assert report["train_loss"] < atol, report
+    report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol)
+    return report
+
+
+def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=None, pp: int = 2, tp: int = 1,
+                         sequence_parallel: bool = False, num_microbatches: int = 2, atol=LOGITS_ATOL,
+                         grad_atol=GRAD_ATOL):
+    """An encoder or classifier (BERT, ViT) split into pp stages, fed `inputs` (HF keyword names, the first one
+    the main input): the eval forward gives transformers' outputs on every rank; with labels, a forward_backward
+    through the schedule (the other inputs split into micro-batches too) gives its loss and gradients."""
+    from colozoo.partition import rank_layers
+    from colozoo.training import parallelize
+
+    pc = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
+    model_type = getattr(transformers, architecture).config_class.model_type
+    config = transformers.AutoConfig.for_model(model_type, architectures=[architecture], **config_kwargs)
+    hf = hf_model(architecture, config)
+    ref = hf(**inputs, labels=labels)
+
+    layer_ids = rank_layers(config.num_hidden_layers, pp, pc.rank("pp"))
+    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+    weights = StateDictReader(hf.state_dict())
+    load_hf_weights(model, weights, device="cpu")
+    parallelize(model)
+    out = model(**inputs, labels=labels, return_logits=True)
+    report = {}
+    for name, ours, theirs in (("logits", out.logits, getattr(ref, "logits", None)),
+                               ("hidden_states", out.hidden_states, getattr(ref, "last_hidden_state", None)),
+                               ("pooler_output", out.pooler_output, getattr(ref, "pooler_output", None)),
+                               ("loss", out.loss, getattr(ref, "loss", None))):
+        assert (ours is None) == (theirs is None), (name, ours, theirs)
+        if theirs is not None:
+            assert ours.shape == theirs.shape, (name, ours.shape, theirs.shape)
+            report[name] = (ours - theirs).abs().max().item()
+            assert report[name] < atol, f"{name} differ by {report[name]} (pp rank {pc.rank('pp')})"
+    if labels is None:
+        return report
+    ref.loss.backward()
+    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters() if p.grad is not None})
+    main, *others = inputs
+    loss = model.forward_backward(inputs[main], labels, num_microbatches=num_microbatches,
+                                  **{k: inputs[k] for k in others})
     report["train_loss"] = abs(loss.item() - ref.loss.item())
     assert report["train_loss"] < atol, report
     report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol)

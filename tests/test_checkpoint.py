@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
+import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -53,7 +56,7 @@ FAMILIES = {
     "vit": ("vit", dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                         intermediate_size=128, num_labels=3, architectures=["ViTForImageClassification"])),
 }
-FIRST_MESH = {"mixtral": dict(tp=2, ep=2), "qwen2_moe": dict(tp=2, ep=2)}  # MoE models do not pipeline yet
+FIRST_MESH = {"mixtral": dict(tp=2, pp=2, ep=2), "qwen2_moe": dict(tp=2, pp=2, ep=2)}  # experts sharded too
 CAUSAL = {"gpt2", "opt", "llama", "mixtral", "qwen2_moe"}
 
 
@@ -129,7 +132,7 @@ def test_round_trip_bit_identical(tmp_path, family, dtype):
     hf = make_hf(tmp_path / "hf", family, dtype)
     mesh = FIRST_MESH.get(family, dict(tp=2, pp=2))
     first = convert(hf, tmp_path / "tp2pp2", **mesh)
-    assert first["files"] == 4
+    assert first["files"] == math.prod(mesh.values())  # one file per (pp, tp, ep) owner
     second = convert(tmp_path / "tp2pp2", tmp_path / "tp4", tp=4, pp=1)
     assert second["files"] == 4 and second["bytes"] == first["bytes"]
     ckpt = ColozooCheckpoint(tmp_path / "tp4")
@@ -500,3 +503,109 @@ def test_from_pretrained_auto_plan(tmp_path):
     assert all(p == plans[0] for p in plans), "every rank must get the same plan"
     with pytest.raises(ValueError, match="plan must be"):
         colozoo.from_pretrained(hf, plan="fastest")
+
+
+# --- corrupted files (same size, so only their content can tell), through the API and the CLI ----------------
+
+SHARD = "model-pp00-tp01-ep00.safetensors"
+
+
+def edit_bytes(edit):
+    def apply(path: Path):
+        data = bytearray(path.read_bytes())
+        edit(data)
+        path.write_bytes(bytes(data))
+    return apply
+
+
+def edit_json(edit):
+    def apply(path: Path):
+        index = json.loads(path.read_text())
+        edit(index)
+        path.write_text(json.dumps(index))
+    return apply
+
+
+def _garbage_header_length(data):
+    data[:8] = struct.pack("<Q", 0x7A3F_0000_1234_5678)
+
+
+def _garbage_header_json(data):
+    data[9:25] = b"\xff" * 16
+
+
+def _unknown_dtype(data):
+    start = data.index(b'"dtype":"F32"', 8)
+    data[start:start + 13] = b'"dtype":"Q32"'
+
+
+def _piece_outside(index):
+    index["tensors"]["wte.weight"]["pieces"][1]["offsets"] = [90, 0]
+
+
+def _extra_tensor(index):
+    index["tensors"]["layers.9.mlp.extra"] = index["tensors"]["ln_f.bias"]
+
+
+CORRUPTIONS = {  # name -> (source kind, file damaged, how, the error it must give)
+    "hf_header_length": ("hf", "model.safetensors", edit_bytes(_garbage_header_length),
+                         r"model\.safetensors is not a valid safetensors file.*header length"),
+    "hf_header_json": ("hf", "model.safetensors", edit_bytes(_garbage_header_json),
+                       r"model\.safetensors is not a valid safetensors file"),
+    "hf_header_entry": ("hf", "model.safetensors", edit_bytes(_unknown_dtype),
+                        r"model\.safetensors: malformed header entry for tensor '[\w.]+'"),
+    "hf_index_json": ("hf_sharded", "model.safetensors.index.json", edit_bytes(lambda d: d.__setitem__(0, ord("["))),
+                      r"model\.safetensors\.index\.json is corrupted"),
+    "colozoo_header_length": ("colozoo", SHARD, edit_bytes(_garbage_header_length),
+                              rf"{SHARD} is not a valid safetensors file.*header length"),
+    "colozoo_header_entry": ("colozoo", SHARD, edit_bytes(_unknown_dtype),
+                             rf"{SHARD}: malformed header entry for tensor '[\w.:]+'"),
+    "colozoo_index_json": ("colozoo", INDEX_NAME, edit_bytes(lambda d: d.__delitem__(slice(len(d) // 2, None))),
+                           rf"{INDEX_NAME} is corrupted"),
+    "colozoo_index_piece": ("colozoo", INDEX_NAME, edit_json(_piece_outside),
+                            rf"{INDEX_NAME} is corrupted: a piece of tensor 'wte\.weight' .*outside"),
+    "colozoo_index_extra": ("colozoo", INDEX_NAME, edit_json(_extra_tensor),
+                            r"unexpected tensors in the checkpoint .*layers\.9\.mlp\.extra"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupted_input_one_clear_error(tmp_path, capsys, case):
+    """Through the API and the CLI: one error naming the file or tensor (exit code 1, one stderr line), nothing
+    written beside the destination."""
+    kind, file, damage, message = CORRUPTIONS[case]
+    src = make_hf(tmp_path / "hf", **({"max_shard_size": "100KB"} if kind == "hf_sharded" else {}))
+    if kind == "colozoo":
+        convert(src, tmp_path / "ckpt", tp=2)
+        src = tmp_path / "ckpt"
+    damage(src / file)
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    with pytest.raises(CheckpointError, match=message):
+        convert(src, parent / "out", tp=2)
+    capsys.readouterr()
+    assert cli.main(["convert", str(src), str(parent / "out"), "--tp", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("colozoo convert: error:") and re.search(message, err[0]), err
+    assert list(parent.iterdir()) == []
+
+
+def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
+    """A writer killed with SIGKILL leaves its temp dir; the next write to that destination removes it, but never the
+    dir of a writer that is still alive, nor one another host made on a shared disk."""
+    import socket
+    import subprocess
+
+    hf = make_hf(tmp_path / "hf")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is free now: a writer that died
+    host = socket.gethostname()
+    parent = tmp_path / "parent"
+    names = {"dead": f".out.tmp-{host}-{dead.pid}", "alive": f".out.tmp-{host}-{os.getppid()}",
+             "other_host": f".out.tmp-elsewhere.example-{dead.pid}",
+             "other_destination": f".out2.tmp-{host}-{dead.pid}"}
+    for name in names.values():
+        (parent / name).mkdir(parents=True)
+        (parent / name / "model-pp00-tp00-ep00.safetensors").write_bytes(b"half written")
+    convert(hf, parent / "out")
+    assert sorted(p.name for p in parent.iterdir()) == sorted(["out", *(names[k] for k in names if k != "dead")])

@@ -1,14 +1,19 @@
 import pytest
+import torch
+import transformers
 
+from colozoo.converters import StateDictReader, load_hf_weights
+from colozoo.modeling import UnsupportedConfig
+from colozoo.models import build_model
+from colozoo.parallel import init_parallel
 from distributed import run_distributed
-from parity import causal_lm_parity
+from parity import GRAD_ATOL, LOGITS_ATOL, batch, causal_lm_parity, hf_causal_lm
 
 BASE = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 OPTIONS = {
     "default": {},
     "inverse_layer_idx": dict(scale_attn_by_inverse_layer_idx=True),
-    "upcast": dict(reorder_and_upcast_attn=True),
     "untied_relu_inner": dict(tie_word_embeddings=False, activation_function="relu", n_inner=96),
     "unscaled": dict(scale_attn_weights=False),
 }
@@ -32,3 +37,72 @@ def test_gpt2_options_tp2(option):
 
 def test_gpt2_unpadded_batch_tp2():
     run_distributed(causal_lm_parity, 2, "gpt2", BASE, 2, False, False)
+
+
+UPCAST = {**BASE, "reorder_and_upcast_attn": True, "scale_attn_by_inverse_layer_idx": True}
+
+
+def test_gpt2_upcast_fp32_gradients_vs_eager():
+    # transformers honours reorder_and_upcast_attn only in its eager attention
+    causal_lm_parity("gpt2", UPCAST, tp=1, attn_implementation="eager")
+
+
+def test_gpt2_upcast_tp2_sequence_parallel():
+    run_distributed(causal_lm_parity, 2, "gpt2", UPCAST, 2, True, True, 12, LOGITS_ATOL, GRAD_ATOL, "eager")
+
+
+def test_gpt2_upcast_bf16_matches_eager_and_differs_without_it():
+    """In fp32 the option changes nothing; in bf16 it keeps the scores and softmax in fp32. Large weights give
+    large scores, where rounding them to bf16 visibly moves the logits, so the check can tell the option apart."""
+    options = {**UPCAST, "initializer_range": 0.3}
+    pc = init_parallel(tp=1)
+    config, hf_on = hf_causal_lm("gpt2", options, attn_implementation="eager")
+    _, hf_off = hf_causal_lm("gpt2", {**options, "reorder_and_upcast_attn": False}, attn_implementation="eager")
+    hf_on, hf_off = hf_on.to(torch.bfloat16), hf_off.to(torch.bfloat16)
+    model = build_model(config, pc=pc, device="meta", dtype=torch.bfloat16)
+    load_hf_weights(model, StateDictReader(hf_on.state_dict()), device="cpu")
+    model.eval()
+    ids, mask, labels = batch(config.vocab_size, 12)
+    keep = mask.bool()
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+        ref_on = hf_on(ids, attention_mask=mask, labels=labels)
+        ref_off = hf_off(ids, attention_mask=mask, labels=labels)
+    assert ours.logits.dtype == torch.bfloat16
+    unit_roundoff = torch.finfo(torch.bfloat16).eps / 2
+    atol = unit_roundoff * ref_on.logits[keep].abs().max().item()  # one bf16 rounding of the largest logit
+
+    def logits_diff(ref):
+        return (ours.logits.float() - ref.logits.float())[keep].abs().max().item()
+
+    assert logits_diff(ref_on) <= atol, f"logits differ by {logits_diff(ref_on)} (atol {atol})"
+    assert abs(ours.loss.item() - ref_on.loss.item()) <= unit_roundoff * ref_on.loss.item()
+    assert logits_diff(ref_off) > atol, "the test cannot tell reorder_and_upcast_attn on from off"
+
+
+@pytest.mark.parametrize("option,message", [
+    (dict(add_cross_attention=True), "cross-attention is not supported"),
+    (dict(activation_function="no_such_activation"), "unsupported activation 'no_such_activation'"),
+])
+def test_gpt2_refuses_unsupported_options(option, message):
+    config = transformers.GPT2Config(**BASE, **option)
+    with pytest.raises(UnsupportedConfig if "add_cross_attention" in option else ValueError, match=message):
+        build_model(config, pc=init_parallel(tp=1), device="meta")
+
+
+def test_upcast_attention_never_takes_the_triton_kernel(monkeypatch):
+    """The Triton flash kernel has no upcast mode: with the option on, attention stays on the torch path."""
+    import sys
+
+    from colozoo.layers import attention
+
+    module = sys.modules["colozoo.layers.attention"]
+    q, k, v = torch.randn(3, 2, 4, 6, 16, dtype=torch.bfloat16).unbind(0)
+    expected = attention(q, k, v, causal=True, upcast=True)
+    monkeypatch.setattr(module, "use_triton", lambda *tensors: True)  # as on a GPU with triton
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the Triton kernel ran for upcast attention")
+
+    monkeypatch.setattr("colozoo.kernels.flash_attention.flash_attention_triton", no_kernel, raising=False)
+    assert torch.equal(attention(q, k, v, causal=True, upcast=True), expected)

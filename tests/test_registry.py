@@ -3,6 +3,7 @@ import io
 import json
 
 import pytest
+import torch
 import transformers
 
 from colozoo import cli, registry
@@ -40,15 +41,47 @@ def test_parameter_counts_match_the_published_models(name, params):
     assert registry.count_parameters(registry.get_config(name)) == params
 
 
+@pytest.mark.parametrize("name,params", [("Qwen1.5-MoE-A2.7B", 14_315_784_192), ("Qwen2-57B-A14B", 57_408_658_944),
+                                         ("vit-large", 304_326_632), ("vit-huge", 632_404_480)])
+def test_parameter_counts_match_transformers(name, params):
+    """Our model on meta has the parameters transformers builds from the same config (and the published total)."""
+    config = registry.get_config(name)
+    with torch.device("meta"):
+        hf = getattr(transformers, config.architectures[0])(config)
+    assert registry.count_parameters(config) == sum(p.numel() for p in hf.parameters()) == params
+
+
+@pytest.mark.parametrize("alias,name,expected", [
+    ("vit-base", "vit-base-patch16-224", dict(hidden_size=768, num_hidden_layers=12, patch_size=16)),
+    ("vit-large", "vit-large-patch16-224", dict(hidden_size=1024, num_hidden_layers=24, patch_size=16)),
+    ("vit-huge", "vit-huge-patch14-224-in21k", dict(hidden_size=1280, num_hidden_layers=32, patch_size=14)),
+])
+def test_short_aliases(alias, name, expected):
+    assert registry.lookup(alias)[0] == name
+    config = registry.get_config(alias)
+    assert {k: getattr(config, k) for k in expected} == expected
+
+
+def test_qwen2_moe_configs():
+    config = registry.get_config("Qwen/Qwen1.5-MoE-A2.7B")
+    assert type(config) is transformers.Qwen2MoeConfig
+    expected = dict(hidden_size=2048, num_hidden_layers=24, num_experts=60, num_experts_per_tok=4,
+                    moe_intermediate_size=1408, shared_expert_intermediate_size=5632, vocab_size=151936)
+    assert {k: getattr(config, k) for k in expected} == expected
+
+
 def test_unknown_name_suggests_close_ones():
     with pytest.raises(registry.UnknownModelError, match=r"unknown model 'opt-13B'.*opt-13b"):
         registry.get_config("opt-13B")
+    with pytest.raises(registry.UnknownModelError, match=r"unknown model 'vit-larg'.*vit-large"):
+        registry.get_config("vit-larg")
 
 
 def test_registry_files_are_well_formed():
     for path in registry.CONFIG_DIR.glob("*.json"):
         for name, entry in json.loads(path.read_text()).items():
-            assert set(entry) == {"repo", "architecture", "config"}, (path.name, name)
+            assert set(entry) - {"aliases"} == {"repo", "architecture", "config"}, (path.name, name)
+            assert entry["config"]["model_type"] == path.stem, (path.name, name)
             assert entry["config"]["model_type"] and entry["repo"].count("/") == 1, (path.name, name)
 
 
@@ -61,3 +94,4 @@ def test_models_command(capsys):
     buffer = io.StringIO()
     registry.print_models(file=buffer)
     assert "openai-community/gpt2-xl" in buffer.getvalue()
+    assert "vit-large-patch16-224 (vit-large)" in buffer.getvalue() and "Qwen/Qwen1.5-MoE-A2.7B" in buffer.getvalue()
