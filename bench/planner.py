@@ -2,16 +2,21 @@
 
     .venv/bin/python bench/planner.py
 
+    .venv/bin/python bench/planner.py --steps 1 --plans 2    # a quick sanity run
+
 Prints two JSON lines:
-  planner_memory   per mesh: the profiler's predicted step memory per rank (peak minus what exists before the
-                   step: weights, optimizer states) against the bytes malloc reports in use at the worst op of a
-                   real step (glibc mallinfo2 sampled after every op), worst rank;
-  planner_ranking  the planner's predicted step time of each candidate plan against the measured one, and the
+  planner/memory   per mesh: the profiler's predicted peak memory per rank of a whole training step (weights,
+                   gradients, optimizer states, activations and temporaries) against the bytes malloc reports
+                   in use at the worst op of a real step (forward, backward and optimizer step; glibc mallinfo2
+                   sampled after every op) minus what was in use before the model was built, worst rank; and
+                   the same for the step's dynamic part alone (peak minus weights and optimizer states);
+  planner/ranking  the planner's predicted step time of each candidate plan against the measured one, and the
                    rank correlation. The CPU "hardware" is calibrated in the same run: its FLOP rate from a
                    one-rank step of the same model, its link bandwidth from a gloo all-reduce.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -29,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 CONFIG = dict(vocab_size=1000, n_positions=256, n_embd=256, n_layer=4, n_head=8,
               activation_function="gelu_pytorch_tanh")
-BATCH, SEQ, STEPS = 8, 128, 3
+BATCH, SEQ = 8, 128
 PLANS = [  # (name, mesh, micro-batches, data parallel wrapper)
     ("dp=2 fsdp", dict(dp=2), 1, "fsdp"),
     ("dp=2 fsdp m=2", dict(dp=2), 2, "fsdp"),
@@ -74,7 +79,7 @@ def config():
     return transformers.GPT2Config(**CONFIG)
 
 
-def run_plan(mesh, m, data_parallel):
+def run_plan(mesh, m, data_parallel, steps):
     """Time a few real steps and measure one step's memory on this rank."""
     from colozoo.kernels.dispatch import use_kernels
     from colozoo.models import build_model
@@ -83,13 +88,14 @@ def run_plan(mesh, m, data_parallel):
 
     torch.manual_seed(0)
     pc = init_parallel(**mesh)
+    before_model = malloc_in_use()
     model = build_model(config(), pc=pc, device="cpu").train()
     parallelize(model, data_parallel=data_parallel or "ddp")
     optimizer = build_optimizer(model)
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     times = []
     with use_kernels("torch"):
-        for step in range(STEPS + 2):
+        for step in range(steps + 2):
             optimizer.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
@@ -98,11 +104,13 @@ def run_plan(mesh, m, data_parallel):
             dist.barrier()
             times.append(time.perf_counter() - start)
         optimizer.zero_grad(set_to_none=True)
-        base = malloc_in_use()
+        base = malloc_in_use()  # weights and optimizer states (allocated by the steps above)
         with peak_mode() as mode:
             model.forward_backward(ids, ids, num_microbatches=m)
-        measured = mode.peak - base
-    return {"seconds": sorted(times[2:])[len(times[2:]) // 2], "measured": measured}
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"seconds": sorted(times[2:])[len(times[2:]) // 2], "total": mode.peak - before_model,
+            "dynamic": mode.peak - base}
 
 
 def allreduce_bandwidth() -> float:
@@ -115,13 +123,13 @@ def allreduce_bandwidth() -> float:
     return x.numel() * 4 * 2 * (2 - 1) / 2 / seconds  # bus bytes per second
 
 
-def worker(rank, world, init_file, out):
+def worker(rank, world, init_file, out, plans, steps):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {"bandwidth": allreduce_bandwidth()}
-    for name, mesh, m, data_parallel in PLANS:
-        results[name] = run_plan(mesh, m, data_parallel)
+    for name, mesh, m, data_parallel in plans:
+        results[name] = run_plan(mesh, m, data_parallel, steps)
         dist.barrier()
     out.put((rank, results))
     dist.destroy_process_group()
@@ -147,7 +155,7 @@ def single_rank_rate() -> float:
     return flops / seconds
 
 
-def predictions(flop_rate, bandwidth):
+def predictions(flop_rate, bandwidth, plans):
     from colozoo.hardware import Hardware
     from colozoo.planner import estimate
     from colozoo.profiler import Setup, profile
@@ -155,7 +163,7 @@ def predictions(flop_rate, bandwidth):
     cpu = Hardware("cpu-gloo", gpu_memory=2 ** 40, peak_flops=flop_rate, gpus_per_node=2, intra_node_bw=bandwidth,
                    inter_node_bw=bandwidth, hbm_bw=10e9, mfu=1.0, layer_overhead_s=0.0)
     out = {}
-    for name, mesh, m, data_parallel in PLANS:
+    for name, mesh, m, data_parallel in plans:
         from colozoo.profiler import parse_mesh
 
         pc = parse_mesh(mesh)
@@ -167,7 +175,7 @@ def predictions(flop_rate, bandwidth):
         step, _, _ = estimate(report, pc, setup, cpu)
         # what exists before the step: weights, master weights, optimizer states
         dynamic = max(s["peak"] - s["weights"] - s["master"] - s["optimizer"] for s in report.stages)
-        out[name] = {"seconds": step, "memory": dynamic}
+        out[name] = {"seconds": step, "total": report.peak_memory, "dynamic": dynamic}
     return out
 
 
@@ -185,38 +193,54 @@ def spearman(a, b) -> float:
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per plan (after 2 warmup steps)")
+    parser.add_argument("--plans", type=int, default=len(PLANS), help=f"run the first N of the {len(PLANS)} plans")
+    args = parser.parse_args()
+    if args.steps < 1 or not 2 <= args.plans <= len(PLANS):
+        parser.error(f"--steps must be >= 1 and --plans between 2 and {len(PLANS)}")
+    plans = PLANS[:args.plans]
     fd, init_file = tempfile.mkstemp(prefix="colozoo-bench-")
     os.close(fd)
     os.unlink(init_file)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     flop_rate = single_rank_rate()  # before the workers start: they would share the cores
-    procs = [ctx.Process(target=worker, args=(r, 2, init_file, out)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, init_file, out, plans, args.steps)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
     bandwidth = min(r["bandwidth"] for r in results.values())
-    predicted = predictions(flop_rate, bandwidth)
+    predicted = predictions(flop_rate, bandwidth, plans)
+    config_out = {"model": "gpt2 h256 l4", "batch": BATCH, "seq": SEQ, "dtype": "float32", "ranks": 2,
+                  "steps": args.steps, "plans": [name for name, *_ in plans]}
     memory = []
-    for name, *_ in PLANS:
-        measured = max(results[r][name]["measured"] for r in results)
-        memory.append({"plan": name, "predicted_mib": round(predicted[name]["memory"] / 2 ** 20, 2),
-                       "measured_mib": round(measured / 2 ** 20, 2),
-                       "ratio": round(predicted[name]["memory"] / measured, 3)})
-    print(json.dumps({"bench": "planner_memory", "model": "gpt2 h256 l4", "batch": BATCH, "seq": SEQ,
-                      "plans": memory}))
-    measured_t = [max(results[r][name]["seconds"] for r in results) for name, *_ in PLANS]
-    predicted_t = [predicted[name]["seconds"] for name, *_ in PLANS]
+    for name, *_ in plans:
+        row = {"plan": name}
+        for part in ("total", "dynamic"):
+            measured = max(results[r][name][part] for r in results)
+            row.update({f"{part}_predicted_mib": round(predicted[name][part] / 2 ** 20, 2),
+                        f"{part}_measured_mib": round(measured / 2 ** 20, 2),
+                        f"{part}_ratio": round(predicted[name][part] / measured, 3)})
+        memory.append(row)
+    worst = min(min(r["total_ratio"], 1 / r["total_ratio"]) for r in memory)
+    print(json.dumps({"bench": "planner/memory", "config": config_out, "metrics": {"plans": memory},
+                      "peer": "malloc bytes in use during a real gloo training step (mallinfo2)",
+                      "ratio": round(worst, 3)}))
+    measured_t = [max(results[r][name]["seconds"] for r in results) for name, *_ in plans]
+    predicted_t = [predicted[name]["seconds"] for name, *_ in plans]
     ranking = [{"plan": name, "predicted_s": round(p, 4), "measured_s": round(t, 4), "ratio": round(p / t, 3)}
-               for (name, *_), p, t in zip(PLANS, predicted_t, measured_t)]
-    print(json.dumps({"bench": "planner_ranking", "flop_rate": round(flop_rate / 1e9, 2),
-                      "bandwidth_gbs": round(bandwidth / 1e9, 3),
-                      "spearman": round(spearman(predicted_t, measured_t), 3),
-                      "predicted_best": PLANS[min(range(len(PLANS)), key=predicted_t.__getitem__)][0],
-                      "measured_best": PLANS[min(range(len(PLANS)), key=measured_t.__getitem__)][0],
-                      "plans": ranking}))
+               for (name, *_), p, t in zip(plans, predicted_t, measured_t)]
+    rho = spearman(predicted_t, measured_t)
+    print(json.dumps({"bench": "planner/ranking", "config": config_out,
+                      "metrics": {"flop_rate_gflops": round(flop_rate / 1e9, 2),
+                                  "bandwidth_gbs": round(bandwidth / 1e9, 3), "spearman": round(rho, 3),
+                                  "predicted_best": plans[min(range(len(plans)), key=predicted_t.__getitem__)][0],
+                                  "measured_best": plans[min(range(len(plans)), key=measured_t.__getitem__)][0],
+                                  "plans": ranking},
+                      "peer": "measured step times of the same plans", "ratio": round(rho, 3)}))
 
 
 if __name__ == "__main__":

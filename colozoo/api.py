@@ -69,11 +69,14 @@ def resolve(name_or_path: str | os.PathLike, allow_bin: bool = False, verify: bo
 
 def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1,
                     sequence_parallel: bool = False, dtype=None, device=None, allow_bin: bool = False,
-                    verify: bool = True, plan: str | None = None, gpu_memory=None):
+                    verify: bool = True, plan: str | None = None, gpu_memory=None,
+                    layers_per_stage: list[int] | None = None, balance: str | None = None):
     """Build this rank's shard of a model and load its slices. `dtype=None` keeps the checkpoint's dtype;
     `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums.
     `plan="auto"` replaces the degrees by the planner's best plan for the current world size (the whole plan,
-    micro-batching and checkpointing included, is left on `model.plan`)."""
+    micro-batching, checkpointing and offload included, is left on `model.plan`; colozoo.training.apply_plan(model)
+    applies it). Pipeline stages hold `layers_per_stage` layers each, or a partition balanced by `balance`
+    ("params" by default, "flops", or "layers" for equal counts)."""
     from colozoo.models import build_model
 
     device = torch.device(device) if device is not None else None
@@ -94,7 +97,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
     dtype = parse_dtype(dtype) or source.tensor(next(iter(layout.tensors))).dtype
-    model = build_model(config, pc=pc, device="meta", dtype=dtype)
+    model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance)
     load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
     model.plan = chosen
     return model.eval()

@@ -7,12 +7,14 @@ parameters and gradients too (FSDP2's CPUOffloadPolicy: every micro-batch copies
 prefetched behind compute). It prices each with the PCIe bandwidth, the CPU Adam rate and the compute
 time available to hide transfers, and checks the host has the memory.
 
-`OffloadedAdamW` runs the "optimizer" level: fp32 master weights and AdamW states live on the CPU; each
-gradient is copied down on a side stream as soon as backward produces it, and the updated weights go back
-with non-blocking copies.
+`OffloadedAdamW` runs the "optimizer" level: fp32 master weights and AdamW states live on the CPU; the
+final gradients are copied down on a side stream at `step()`, and the updated weights go back with
+non-blocking copies. `colozoo.training.parallelize(model, offload=...)` and `build_optimizer` wire both
+levels into training.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -121,54 +123,74 @@ def decide_offload(need: MemoryNeed, hw: Hardware, ranks_per_node: int | None = 
     return OffloadDecision(allowed[-1], False, gpu, cpu, 0.0, float("inf"), "; ".join(shortfalls))
 
 
-def fsdp2_offload_policy(decision: OffloadDecision):
-    """The FSDP2 `offload_policy` for `fully_shard`: CPU offload of parameters at the "params" level."""
+def fsdp2_offload_policy(level):
+    """The FSDP2 `offload_policy` for `fully_shard`: CPU offload of parameters at the "params" level.
+    `level` is an OffloadDecision, a level name or None."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    if decision.level == "params":
+    level = getattr(level, "level", level) or "none"
+    if level not in LEVELS:
+        raise ValueError(f"offload level {level!r} not one of {LEVELS}")
+    if level == "params":
         return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     return OffloadPolicy()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2 shard, tp shard): this rank's part
 
 
 class OffloadedAdamW:
     """AdamW whose fp32 master weights and states live in CPU memory (the "optimizer" offload level).
 
-    Gradients are copied to the CPU as each one is accumulated (a side stream overlaps the copies with the
-    rest of backward); `step()` waits for them, updates the masters with torch's AdamW on the CPU and copies
-    the new weights back without blocking.
+    Works on plain tensors and on DTensor shards (FSDP2, tensor parallel): it keeps this rank's local part.
+    `step()` copies the gradients down, as they are then (after the data-parallel reduction and after any
+    clipping; copying them as backward produces them would miss both), on a side stream whose copies run on
+    the copy engine in pinned memory; updates the masters with torch's AdamW on the CPU; and sends the new
+    weights up with non-blocking copies that the next forward queues behind. The next step waits for those
+    uploads before it writes the masters again. It is not a torch.optim.Optimizer: attach learning-rate
+    schedulers to its `.optimizer` (the CPU AdamW whose param_groups it shares).
     """
 
     def __init__(self, params, **adamw_kwargs):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("OffloadedAdamW got no parameters that require gradients")
+        local = [_local(p) for p in self.params]
         pin = torch.cuda.is_available()
-        self.master = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.master = [t.detach().to("cpu", torch.float32, copy=True) for t in local]
         if pin:
             self.master = [m.pin_memory() for m in self.master]
-        for m in self.master:
-            m.grad = torch.zeros_like(m, pin_memory=pin)
+        self.grad_buffers = [torch.zeros_like(m, pin_memory=pin) for m in self.master]
         self.optimizer = torch.optim.AdamW(self.master, **adamw_kwargs)
-        self.stream = torch.cuda.Stream() if any(p.is_cuda for p in self.params) else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._copy_down(i)) for i, p in enumerate(self.params)]
+        self.stream = torch.cuda.Stream() if any(t.is_cuda for t in local) else None
+        self._uploaded = None  # event after the last weight upload
 
-    def _copy_down(self, i):
-        def hook(p):
-            if self.stream is None:
-                self.master[i].grad.copy_(p.grad)
-                return
-            self.stream.wait_stream(torch.cuda.current_stream(p.device))
-            with torch.cuda.stream(self.stream):
-                self.master[i].grad.copy_(p.grad, non_blocking=True)
-        return hook
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
 
     @torch.no_grad()
     def step(self):
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last upload read the masters we are about to overwrite
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for p, m, buf in zip(self.params, self.master, self.grad_buffers):
+                if p.grad is None:
+                    m.grad = None  # as torch's AdamW: no gradient, no update
+                    continue
+                buf.copy_(_local(p.grad), non_blocking=True)
+                m.grad = buf
         if self.stream is not None:
             self.stream.synchronize()
         self.optimizer.step()
         for p, m in zip(self.params, self.master):
-            p.copy_(m, non_blocking=True)
+            _local(p).copy_(m, non_blocking=True)
+        if self.stream is not None:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
@@ -176,17 +198,13 @@ class OffloadedAdamW:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        for m in self.master:
-            m.grad.zero_()
 
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "master": [m.clone() for m in self.master]}
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state["optimizer"])
-        for m, saved in zip(self.master, state["master"]):
-            m.copy_(saved)
-
-    def remove_hooks(self):
-        for h in self._hooks:
-            h.remove()
+        with torch.no_grad():
+            for p, m, saved in zip(self.params, self.master, state["master"]):
+                m.copy_(saved)
+                _local(p).copy_(m)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from colozoo.hardware import Hardware, HardwareError, get_hardware
 from colozoo.offload import MemoryNeed, decide_offload
 from colozoo.parallel import ParallelConfig
-from colozoo.profiler import Setup, assemble, default_seq_len, get_config, human, trace_model
+from colozoo.profiler import OPTIMIZER_BYTES, Setup, assemble, default_seq_len, get_config, human, trace_model
 
 BUS_FACTOR = {  # bytes each rank puts on the wire per payload byte, ring algorithms
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -177,7 +177,7 @@ def estimate(report, pc: ParallelConfig, setup: Setup, hw: Hardware, base=None):
         b = base.stages[slowest]
         need = MemoryNeed(weights=b["weights"], grads=b["grads"], master=b["master"], optimizer=b["optimizer"],
                           activations=b["activations"], transient=b["transient"], fsdp_buffers=b["fsdp_buffers"],
-                          params=b["params"] // max(1, pc.dp * pc.cp if setup.zero >= 1 else 1),
+                          params=_optimizer_params(b, pc, setup),
                           compute_seconds=compute * m, num_microbatches=m)
         decision = decide_offload(need, hw, allowed=("none", setup.offload))
         offload = decision.exposed_seconds
@@ -190,13 +190,22 @@ def estimate(report, pc: ParallelConfig, setup: Setup, hw: Hardware, base=None):
     return step, breakdown, decision
 
 
+def _optimizer_params(stage: dict, pc: ParallelConfig, setup: Setup) -> int:
+    """Parameters this rank's optimizer updates: its ZeRO shard (experts shard over dp*cp/ep ranks only)."""
+    per_param = OPTIMIZER_BYTES[setup.optimizer]
+    if per_param:
+        return int(stage["optimizer"] / per_param)
+    return stage["params"] // max(1, pc.dp * pc.cp if setup.zero >= 1 else 1)
+
+
 def _fits(report, hw: Hardware) -> bool:
     return report.peak_memory <= hw.memory_limit
 
 
 def _traces(name, seq_len, dtype, target, tp, cp, ep, sp, cache, batch_sizes) -> dict | str:
-    """{micro-batch size: ModelTrace} at this tp/ep/sp (traced once per size: the worst op's
-    temporaries are not linear in the batch), or why the degrees do not apply."""
+    """{micro-batch size: ModelTrace} at this tp/ep/sp and local sequence (seq_len is already divided by cp;
+    traced once per size: the worst op's temporaries are not linear in the batch), or why the degrees do not
+    apply. Cached per (tp, cp, ep, sp)."""
     key = (tp, cp, ep, sp)
     if key not in cache:
         try:
@@ -244,7 +253,7 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
                 for ep in (divisors(pp_dp) if experts else [1]):
                     if experts and experts % ep:
                         continue
-                    traces = _traces(name, seq_len // cp, dtype, target, tp, 1, ep, tp > 1, cache,
+                    traces = _traces(name, seq_len // cp, dtype, target, tp, cp, ep, tp > 1, cache,
                                      micro_batch_sizes)
                     if isinstance(traces, str):
                         reject(traces)

@@ -131,12 +131,17 @@ class Trace:
         return out
 
 
+TARGETS = ("cuda", "cpu", "eager")
+
+
 class _SdpaKernel(TorchFunctionMode):
-    """Route meta attention (and, for CUDA, dropout) to the fused kernels the target device runs.
+    """Route meta attention (and, for CUDA, dropout) to the kernels the target device runs.
 
     On meta, SDPA would decompose into the eager math path, which saves the (s x s) probabilities. GPUs
     (and CPUs without dropout) run a flash kernel that saves only q, k, v, the output and the row
     log-sum-exp; the CPU flash op has the same saved set and meta support, so it stands in for both.
+    "eager" models a GPU running attention unfused in the activation dtype (Megatron's kernels, as in
+    Korthikanti et al. 2022): q @ k^T, softmax, a 1-byte-mask dropout and probs @ v.
     """
 
     def __init__(self, target: str):
@@ -147,7 +152,11 @@ class _SdpaKernel(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
             return self._fused(*args, **kwargs)
-        if func is F.dropout and self.target == "cuda" and args and args[0].device.type == "meta":
+        if func is torch.bincount and args and args[0].device.type == "meta":
+            # MoE expert counts depend on the data; the profiler routes tokens evenly (profiler._balanced_routing)
+            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.zeros(minlength, dtype=torch.long, device="meta")
+        if func is F.dropout and self.target in ("cuda", "eager") and args and args[0].device.type == "meta":
             return self._dropout(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -158,7 +167,27 @@ class _SdpaKernel(TorchFunctionMode):
             return x
         return torch.native_dropout(x, p, True)[0]
 
+    @staticmethod
+    def _eager(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        s_q, s_k = scores.shape[-2:]
+        if is_causal:  # additive biases: an add saves nothing for backward
+            scores = scores + torch.full((s_q, s_k), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:  # as an additive mask: the same sizes, nothing saved
+                attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+            scores = scores + attn_mask
+        probs = torch.softmax(scores, dim=-1)
+        if dropout_p > 0:
+            probs = torch.native_dropout(probs, dropout_p, True)[0]
+        return probs @ v
+
     def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if self.target == "eager":
+            return self._eager(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if self.target == "cpu" and dropout_p > 0:  # CPU runs dropout attention on the math path
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -264,6 +293,8 @@ def _record_graph_ops(trace: Trace, recorder, roots):
 
 def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: dict | None = None) -> Trace:
     """Trace `loss = run(module)` and `loss.backward()` on meta tensors; `module`'s parameters must be on meta."""
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r} not one of {TARGETS}")
     trace = Trace()
     param_keys = {}
     for name, p in module.named_parameters():

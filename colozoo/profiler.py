@@ -8,8 +8,11 @@ The model is built on the meta device with fake process groups of the right size
 "fake" backend), so tensor and expert parallel layers shard their parameters and issue their collectives
 exactly as on a real mesh. Only one layer of each kind (same class and parameter shapes) is traced with the
 embedding and the head; the others are multiplied in. Pipeline stages follow colozoo.partition, data
-parallel shards model states (ZeRO 1/2/3 = FSDP), context parallel divides the sequence (its ring traffic is
-modelled, not traced), and checkpointing trades saved activations for recomputation.
+parallel shards model states (ZeRO 1/2/3 = FSDP; experts only over the dp*cp/ep ranks that hold them),
+context parallel divides the sequence (its ring traffic and each rank's attention over every chunk's keys are
+modelled, not traced), and checkpointing trades saved activations for recomputation. Mixture-of-experts
+layers are traced with tokens spread evenly over the experts (their routing depends on data meta tensors
+lack). `target` picks the attention kernels: "cuda" (flash), "cpu", or "eager" (unfused, as Megatron).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from colozoo.parallel import ParallelConfig
-from colozoo.profile_trace import Trace, trace_step
+from colozoo.profile_trace import TARGETS, Trace, trace_step
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -101,7 +104,7 @@ class Setup:
     num_microbatches: int = 1
     schedule: str = "1f1b"
     offload: str = "none"                # none | optimizer (states + master on CPU) | params (FSDP2 CPU offload)
-    target: str = "cuda"                 # whose attention kernel to model: cuda (flash) or cpu
+    target: str = "cuda"                 # whose attention kernels: cuda (flash), cpu or eager (unfused GPU)
 
     def check(self):
         if self.dtype not in DTYPES:
@@ -116,6 +119,8 @@ class Setup:
             raise ProfilerError(f"schedule {self.schedule!r} not one of {SCHEDULES}")
         if self.offload not in OFFLOAD:
             raise ProfilerError(f"offload {self.offload!r} not one of {OFFLOAD}")
+        if self.target not in TARGETS:
+            raise ProfilerError(f"target {self.target!r} not one of {TARGETS}")
         if self.batch_size < 1 or self.seq_len < 1 or self.num_microbatches < 1:
             raise ProfilerError("batch_size, seq_len and num_microbatches must be >= 1")
 
@@ -131,6 +136,7 @@ class UnitCost:
     count: int = 1
     layers: list = field(default_factory=list)
     param_bytes: int = 0
+    expert_param_bytes: int = 0          # of param_bytes, the experts split over ep (sharded over dp*cp/ep)
     fwd_flops: int = 0
     bwd_flops: int = 0
     saved_bytes: int = 0
@@ -280,6 +286,35 @@ def _kinds(container) -> dict:
         first.setdefault(sig, str(key))
         groups[first[sig]].append(str(key))
     return dict(groups)
+
+
+def _balanced_split(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+@contextlib.contextmanager
+def _balanced_routing():
+    """MoE layers route by data (expert counts, then all-to-all splits), which meta tensors do not have:
+    trace them with every expert receiving an equal share of the tokens (what the load-balancing loss aims
+    for). The two all-to-alls of expert parallelism and the expert matmuls keep their real sizes."""
+    from colozoo.layers import moe
+    from colozoo.layers.comm import group_size
+
+    def run_experts(self, rows, counts):
+        ep, local = group_size(self.ep_group), self.experts.num_local
+        if ep == 1:
+            return self.experts(rows, _balanced_split(rows.shape[0], local))
+        splits = _balanced_split(rows.shape[0], ep)  # rows to each rank; as many arrive from each
+        received = moe.all_to_all_rows(rows, splits, splits, self.ep_group)
+        out = self.experts(received, _balanced_split(received.shape[0], local))
+        return moe.all_to_all_rows(out, splits, splits, self.ep_group)
+
+    original = moe.MoE._run_experts
+    moe.MoE._run_experts = run_experts
+    try:
+        yield
+    finally:
+        moe.MoE._run_experts = original
 
 
 def _build_parallel_model(config, pc: ParallelConfig, dtype):
@@ -450,7 +485,7 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
     from colozoo.kernels.dispatch import use_kernels
 
     traces = {}
-    with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)), warnings.catch_warnings():
+    with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)), _balanced_routing(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # c10d's deprecation notes on every traced collective
         if generic is not None:
             model, group_names = generic, {}
@@ -612,16 +647,22 @@ def _module_units(trace: Trace, step_unit) -> dict[str, str]:
 def _assign_params(units, params, prefix, kinds, module_unit, root: str):
     """Parameter bytes per unit: one layer of each kind, and the rest by where their module ran."""
     layer_of_key = {k: rep for rep, keys in kinds.items() for k in keys}
+    from colozoo.layers.shard import spec_of
+
     fallback = "embed" if "embed" in units else next(iter(units))
     for name, p in params.items():
         nbytes = p.numel() * p.element_size()
         if prefix and name.startswith(prefix + "."):
             key = name[len(prefix) + 1:].split(".")[0]
-            if layer_of_key.get(key) == key and f"layer:{key}" in units:
-                units[f"layer:{key}"].param_bytes += nbytes
-            continue
-        owner = module_unit.get(f"{root}.{name.rsplit('.', 1)[0]}", fallback)
-        units.get(owner, units[fallback]).param_bytes += nbytes
+            if layer_of_key.get(key) != key or f"layer:{key}" not in units:
+                continue
+            unit = units[f"layer:{key}"]
+        else:
+            owner = module_unit.get(f"{root}.{name.rsplit('.', 1)[0]}", fallback)
+            unit = units.get(owner, units[fallback])
+        unit.param_bytes += nbytes
+        if any(split.mesh_dim == "ep" for split in spec_of(p)):
+            unit.expert_param_bytes += nbytes
 
 
 def _tied_head_bytes(trace: Trace, params, prefix, module_unit, root) -> int:
@@ -672,12 +713,17 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
         grads = float(param_bytes)
         master = 4.0 * n_params if setup.torch_dtype != torch.float32 else 0.0
         optim = float(OPTIMIZER_BYTES[setup.optimizer] * n_params)
+        # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the
+        # same experts (the "edp" group), everything else over all dp*cp
+        expert = sum(p.expert_param_bytes for p in parts)
+        edp = max(1, shard // pc.ep)
+        kept = ((param_bytes - expert) / shard + expert / edp) / param_bytes if param_bytes else 1.0
         if setup.zero >= 1:
-            master, optim = master / shard, optim / shard
+            master, optim = master * kept, optim * kept
         if setup.zero >= 2:
-            grads /= shard
+            grads *= kept
         if setup.zero >= 3:
-            weights /= shard
+            weights *= kept
         cpu = 0.0
         if setup.offload in ("optimizer", "params"):
             cpu += master + optim
@@ -686,7 +732,9 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
             cpu += weights + grads
             weights = grads = 0.0
         layer_params = [layer_unit[k].param_bytes for k in keys] or [0]
-        fsdp = 2.0 * max(layer_params) * (1 - 1 / shard) if (setup.zero >= 3 and shard > 1) else 0.0
+        gathered = [(u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard)
+                    + u.expert_param_bytes * (1 - 1 / edp) for u in (layer_unit[k] for k in keys)] or [0]
+        fsdp = 2.0 * max(gathered) if (setup.zero >= 3 and shard > 1) else 0.0
         if setup.offload == "params":
             fsdp = 2.0 * max(layer_params)  # the gathered working copies still live on the GPU
         recompute = _recompute_plan(setup, len(keys))
@@ -695,8 +743,10 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
             is_layer = j < len(keys)
             policy = recompute[j] if is_layer else "none"
             saved += _saved_under(p, policy)
-            fwd += p.fwd_flops
-            bwd += p.bwd_flops + _recompute_flops(p, policy)
+            # ring attention: this rank's queries meet the keys of all cp chunks, cp x the local core's FLOPs
+            ring_fwd, ring_bwd = ((pc.cp - 1) * f for f in _core_flops(p))
+            fwd += p.fwd_flops + ring_fwd
+            bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy) + (ring_fwd if policy != "none" else 0)
             extra = p.saved_bytes if policy == "full" else 0  # a recomputed layer is rebuilt whole in backward
             transient = max(transient, p.transient_bytes + extra)
         inflight = min(pc.pp - s, m) if setup.schedule == "1f1b" else m
@@ -761,12 +811,21 @@ def _saved_under(u: UnitCost, policy: str) -> float:
     return float(u.saved_bytes)
 
 
+def _is_core(op: str) -> bool:
+    """The attention core's ops (fused kernels, or the math path's batched matmuls): what makes (s, s)."""
+    return "attention" in op or op in ("bmm", "softmax", "safe_softmax")
+
+
+def _core_flops(u: UnitCost) -> tuple[int, int]:
+    return (sum(s["fwd_flops"] for op, s in u.ops.items() if _is_core(op)),
+            sum(s["bwd_flops"] for op, s in u.ops.items() if _is_core(op)))
+
+
 def _recompute_flops(u: UnitCost, policy: str) -> int:
     if policy == "full":
         return u.fwd_flops
     if policy == "selective":  # the attention core's own forward, i.e. the ops that made the (s, s) tensors
-        return sum(s["fwd_flops"] for op, s in u.ops.items() if "attention" in op or op in ("bmm", "_softmax",
-                                                                                          "_safe_softmax"))
+        return _core_flops(u)[0]
     return 0
 
 

@@ -7,7 +7,7 @@ import torch
 from colozoo.hardware import GB, GiB, HardwareError, get_hardware, parse_bytes
 from colozoo.offload import MemoryNeed, OffloadedAdamW, decide_offload, fsdp2_offload_policy, split
 from colozoo.planner import best_plan_for_world, plan
-from colozoo.profiler import profile
+from colozoo.profiler import get_config, profile
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -76,9 +76,6 @@ def test_offloaded_adamw_matches_adamw():
 def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
     result = plan("opt-125m", gpus=8, gpu_memory="80GB", seq_len=1024, global_batch=64,
                   micro_batch_sizes=(1, 2))
-    assert result.plans and result.best.step_seconds == min(p.step_seconds for p in result.plans)
-    limit = get_hardware("H100-80GB", gpu_memory="80GB").memory_limit
-    assert all(p.memory <= limit for p in result.plans)
     best = result.best
     assert best.tp * best.pp * best.dp * best.cp == 8 and best.dp * best.micro_batch_size * best.num_microbatches == 64
     # the predicted memory is the profiler's for the same degrees
@@ -87,13 +84,78 @@ def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
                     checkpoint_layers=best.checkpoint_layers, schedule=best.schedule, offload=best.offload)
     assert again.peak_memory == pytest.approx(best.memory)
     assert "why" in result.table() and result.to_json().startswith("{")
-    # squeeze memory: the same search now needs recompute, sharding or offload to fit
-    tight = plan("opt-125m", gpus=8, gpu_memory="3GB", seq_len=1024, global_batch=64,
-                 micro_batch_sizes=(1, 2))
-    for p in tight.plans:
-        assert p.memory <= get_hardware("H100-80GB", gpu_memory="3GB").memory_limit
-    assert any(p.checkpointing != "none" or p.zero or p.offload != "none" for p in tight.plans)
-    assert tight.best.step_seconds >= result.best.step_seconds
+
+
+def test_partial_checkpointing_beats_recomputing_every_layer():
+    # opt-125m, 4 x 1024 tokens per micro-batch on one 5 GB GPU: without recompute the peak is over the limit,
+    # recomputing 7 of the 12 layers fits and costs less than recomputing all 12
+    kw = dict(gpus=1, gpu_memory="5GB", seq_len=1024, global_batch=8, micro_batch_sizes=(4,), allow_offload=False)
+    limit = get_hardware("H100-80GB", gpu_memory="5GB").memory_limit
+    partial, whole = plan("opt-125m", **kw).best, plan("opt-125m", partial_checkpointing=False, **kw).best
+    assert partial.checkpointing == whole.checkpointing == "full"
+    assert 0 < partial.checkpoint_layers < 12 and whole.checkpoint_layers is None
+    assert partial.step_seconds < whole.step_seconds and partial.memory <= limit
+    setup = dict(batch_size=4, seq_len=1024, num_microbatches=2)
+    assert profile("opt-125m", **setup).peak_memory > limit  # so some recompute is needed...
+    fewer = profile("opt-125m", checkpointing="full", checkpoint_layers=partial.checkpoint_layers - 1, **setup)
+    assert fewer.peak_memory > limit  # ...and the planner took the fewest layers that fit
+
+
+def test_long_sequences_choose_context_parallel():
+    # 32k tokens of a 1B LLaMA on two GPUs: splitting the sequence (cp=2) fits without recompute, plain data
+    # parallelism has to recompute most layers; the planner sees cp only when it may use it
+    kw = dict(gpus=2, gpu_memory="80GB", seq_len=32768, global_batch=2, micro_batch_sizes=(1,), zero_levels=(3,),
+              schedules=("1f1b",))
+    with_cp = plan("Llama-3.2-1B", **kw)
+    assert (with_cp.best.cp, with_cp.best.checkpointing) == (2, "none"), with_cp.best.mesh()
+    dp_only = next(p for p in with_cp.plans if (p.dp, p.cp, p.tp, p.pp) == (2, 1, 1, 1))
+    assert dp_only.checkpointing == "full" and dp_only.step_seconds > with_cp.best.step_seconds
+    without = plan("Llama-3.2-1B", context_parallel=False, **kw)
+    assert all(p.cp == 1 for p in without.plans) and without.best.step_seconds > with_cp.best.step_seconds
+
+
+def test_context_parallel_ranks_do_the_whole_sequences_attention():
+    # ring attention: a cp rank's queries meet every chunk's keys, so two half sequences on a cp=2 rank cost
+    # what one whole sequence costs on a cp=1 rank (the same tokens, the same (query, key) pairs)
+    config = get_config("Llama-3.2-1B")
+    whole = profile(config, batch_size=1, seq_len=8192)
+    halves = profile(config, batch_size=2, seq_len=8192, mesh="cp=2")
+    for key in ("fwd_flops", "bwd_flops"):
+        assert halves.stages[0][key] == pytest.approx(whole.stages[0][key], rel=1e-3), key
+    assert halves.stages[0]["activations"] == pytest.approx(whole.stages[0]["activations"], rel=0.01)
+
+
+def test_mixture_of_experts_chooses_expert_parallelism():
+    # Mixtral 8x7B on 16 GPUs: FSDP over plain data parallelism gathers all eight experts of every layer on
+    # every rank; splitting the experts over ep ranks gathers only their own and sends tokens instead
+    result = plan("Mixtral-8x7B-v0.1", gpus=16, gpu_memory="80GB", seq_len=4096, global_batch=16,
+                  micro_batch_sizes=(1,), zero_levels=(3,), schedules=("1f1b",))
+    best = result.best
+    assert best.ep > 1, best.mesh()
+    no_ep = min((p for p in result.plans if p.ep == 1), key=lambda p: p.step_seconds)
+    assert no_ep.step_seconds > best.step_seconds
+    # experts split over ep are sharded by FSDP only over the dp*cp/ep ranks holding the same experts: with
+    # ep=8 over dp=8 each rank keeps its one expert per layer whole, so its AdamW states (8 bytes a parameter)
+    # are still 1/8 of the model's, as under plain FSDP, not 1/64 of the experts'
+    kw = dict(batch_size=1, seq_len=1024, zero=3, checkpointing="full")
+    flat, split = (profile("Mixtral-8x7B-v0.1", mesh=m, **kw) for m in ("dp=8", "dp=8,ep=8"))
+    assert flat.stages[0]["optimizer"] == pytest.approx(8 * flat.total_params / 8, rel=1e-3)
+    assert split.stages[0]["optimizer"] == pytest.approx(flat.stages[0]["optimizer"], rel=1e-3)
+    assert split.stages[0]["comm"]["ep.all_to_all"] > 0 and "ep.all_to_all" not in flat.stages[0]["comm"]
+
+
+def test_one_f_one_b_fits_where_gpipe_does_not():
+    setup = dict(batch_size=4, seq_len=1024, mesh="pp=4", num_microbatches=8)
+    one_f, gpipe = (profile("opt-125m", schedule=s, **setup) for s in ("1f1b", "gpipe"))
+    # the first stage holds pp=4 micro-batches' activations under 1F1B, all 8 under GPipe
+    assert one_f.stages[0]["inflight"] == 4 and gpipe.stages[0]["inflight"] == 8
+    assert gpipe.peak_memory > 2 * one_f.peak_memory
+    result = plan("opt-125m", gpus=4, gpu_memory="4GB", seq_len=1024, global_batch=32, micro_batch_sizes=(4,),
+                  zero_levels=(0,))
+    pp4 = [p for p in result.plans if p.pp == 4]
+    assert pp4 and all(p.schedule == "1f1b" for p in pp4)
+    assert any(p.checkpointing == "none" and p.offload == "none" for p in pp4)
+    assert any("gpipe holds 8 micro-batches" in reason for reason in result.rejected)
 
 
 def test_plan_offloads_when_gpu_memory_runs_short():

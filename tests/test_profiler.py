@@ -1,5 +1,6 @@
 """The symbolic profiler against real runs (torch.utils.flop_counter, saved-tensor hooks) and against the
 published per-layer activation formulas of Korthikanti et al. 2022."""
+import resource
 import time
 import warnings
 
@@ -99,6 +100,38 @@ def test_layer_activations_match_korthikanti(tp, sp, checkpointing):
         2 * saved + sum(u["saved_bytes"] for u in report.units if not u["name"].startswith("layer")))
 
 
+# The paper's own forms, on the kernels it assumes: attention run unfused in fp16 (target="eager": q @ k^T,
+# softmax, dropout with a 1-byte mask, probs @ v) and dropout everywhere. Per layer, in bytes / sbh:
+#   attention 11 + 5as/h: QKV input 2, Q and K 4, softmax output 2as/h, its dropout mask as/h and output
+#   2as/h, V 2, output projection input 2, dropout mask 1; MLP 19: input 2, GeLU input 8, second linear
+#   input 8, dropout mask 1; LayerNorms 4. Selective recompute drops the 5as/h.
+# The one difference left: under sequence parallelism our column-parallel linears keep their all-gathered
+# input (Megatron keeps the 2sbh/t shard and gathers again in backward), + (2 + 2)(1 - 1/t).
+def korthikanti_paper(t=1, sp=False, selective=False) -> float:
+    s, b, h, a = S_K, B_K, H_K, A_K
+    core = 0 if selective else 5 * a * s / h
+    if sp:
+        return s * b * h * ((34 + core) / t + 4 * (1 - 1 / t))
+    return s * b * h * (10 + (24 + core) / t)
+
+
+@pytest.mark.parametrize("tp,sp,checkpointing", [(1, False, "none"), (1, False, "selective"), (2, False, "none"),
+                                                 (2, False, "selective"), (2, True, "none"), (2, True, "selective"),
+                                                 (4, True, "selective")])
+def test_eager_layer_activations_match_korthikanti_unconverted(tp, sp, checkpointing):
+    config = transformers.GPT2Config(vocab_size=101, n_positions=256, n_embd=H_K, n_layer=2, n_head=A_K,
+                                     activation_function="gelu_pytorch_tanh", attn_pdrop=0.1, resid_pdrop=0.1)
+    report = profile(config, batch_size=B_K, seq_len=S_K, mesh=dict(tp=tp, sequence_parallel=sp), dtype="float16",
+                     checkpointing=checkpointing, target="eager")
+    layer = next(u for u in report.units if u["name"].startswith("layer"))
+    assert layer["attention_core_bytes"] == pytest.approx(S_K * B_K * H_K * 5 * A_K * S_K / H_K / tp)
+    saved = layer["saved_bytes"] - (layer["attention_core_bytes"] if checkpointing == "selective" else 0)
+    expected = korthikanti_paper(tp, sp, checkpointing == "selective")
+    assert abs(saved - expected) / expected < 0.05, (saved, expected)
+    assert report.stages[0]["activations"] == pytest.approx(
+        2 * saved + sum(u["saved_bytes"] for u in report.units if not u["name"].startswith("layer")))
+
+
 def test_eager_attention_selective_drops_the_s_by_s_tensors():
     config = config_of("gpt2", attn_pdrop=0.1)  # CPU runs dropout attention on the math path
     none = profile(config, batch_size=B, seq_len=S, dtype="float32", target="cpu")
@@ -156,12 +189,13 @@ def test_any_module_and_big_models_profile_in_seconds():
     hf = transformers.GPT2LMHeadModel(hf_config)
     ours = profile(config_of("gpt2"), batch_size=B, seq_len=S, dtype="float32", target="cpu")
     theirs = profile(hf, batch_size=B, seq_len=S, dtype="float32", target="cpu")
-    assert theirs.total_params == ours.total_params - 64 * 0  # same model, HF's code
+    assert theirs.total_params == ours.total_params  # same model, HF's code
     assert theirs.step_flops == ours.step_flops
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     start = time.perf_counter()
     big = profile("opt-30b", batch_size=1, seq_len=2048, mesh="tp=8,pp=4,dp=2,sp", zero=1, num_microbatches=8,
                   checkpointing="selective")
-    assert time.perf_counter() - start < 60  # about 5 s on an idle core
+    assert time.perf_counter() - start < 20  # about 3.5 s on an idle core
     assert 29.9e9 < big.total_params < 30.1e9 and big.peak_memory < 80 * 2 ** 30
     text, blob = big.table(), big.to_json()
     assert "peak memory per rank" in text and '"peak_memory"' in blob
@@ -170,7 +204,9 @@ def test_any_module_and_big_models_profile_in_seconds():
         llama = transformers.LlamaForCausalLM(get_config("llama-2-70b"))
     start = time.perf_counter()
     step = profile(llama, batch_size=1, seq_len=4096, mesh="dp=32", zero=3, checkpointing="full")
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < 20
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    assert grown < 2 * 2 ** 30, f"profiling 30B and 70B models raised peak RSS by {grown / 2 ** 30:.1f} GiB"
     assert 68.9e9 < step.total_params < 69.1e9 and step.peak_memory < 80 * 2 ** 30
     # on 8 GPUs the 14 bytes per parameter that persist through a bf16 AdamW step (weights, fp32 master
     # weights, two fp32 states) alone exceed 80 GB
