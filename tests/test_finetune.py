@@ -2,6 +2,7 @@
 and an end-to-end run whose HF export transformers loads with the same logits."""
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -151,6 +152,19 @@ def _vocab_too_small(tiny, tmp_path):
     return dict(model_dir=small)
 
 
+def _pad_id_disagrees(tiny, tmp_path):
+    import shutil
+
+    import transformers
+
+    other = tmp_path / "other-pad"
+    shutil.copytree(tiny, other)
+    config = transformers.AutoConfig.from_pretrained(other)
+    config.pad_token_id = 7
+    config.save_pretrained(other)
+    return dict(model_dir=other)
+
+
 BAD_INPUT = {
     "missing": (lambda tiny, tmp: dict(data=str(tmp / "nope.jsonl")), r"nope\.jsonl does not exist"),
     "empty": (lambda tiny, tmp: (tmp / "empty.jsonl").write_text("\n") and dict(data=str(tmp / "empty.jsonl")),
@@ -160,6 +174,7 @@ BAD_INPUT = {
               r"global batch 8 is not divisible by micro batch x dp = 3 x 1"),
     "world": (lambda tiny, tmp: dict(tp=2), r"world size 3 is not divisible by tp\*pp\*cp = 2\*1\*1"),
     "vocab": (_vocab_too_small, r"tokenizer .* has 131 tokens but the model's vocabulary has 50"),
+    "special_tokens": (_pad_id_disagrees, r"tokenizer .* has pad_token_id 1 but the model config says 7"),
 }
 
 
@@ -219,6 +234,42 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tm
     run(small_run(tiny, crashed))
     assert losses(crashed) == losses(straight)
     assert not list((crashed / "checkpoints").glob(".tmp-*"))
+
+
+def _killed_mid_save_on_two_ranks(model, root):
+    import torch.distributed as dist
+
+    rank, degrees = dist.get_rank(), dict(dp=2, data_parallel="fsdp")
+    run(small_run(model, Path(root) / "straight", **degrees))
+    crashed = Path(root) / "crashed"
+
+    def killed(tmp):
+        if tmp.name.endswith("00000004"):
+            if rank == 1:  # rank 1 dies before its shard lands; torchrun then takes the whole job down
+                (tmp / "rank-00001.pt").unlink()
+            raise Crash(f"rank {rank}: killed while saving step 4")
+
+    original, state._before_commit = state._before_commit, killed
+    try:
+        with pytest.raises(Crash):
+            run(small_run(model, crashed, **degrees))
+    finally:
+        state._before_commit = original
+    dist.barrier()
+    latest = state.latest_checkpoint(crashed / "checkpoints").name
+    partial = sorted(p.name for p in (crashed / "checkpoints" / ".tmp-step-00000004").iterdir())
+    dist.barrier()
+    resumed = run(small_run(model, crashed, **degrees))
+    return latest, partial, resumed["step"], losses(Path(root) / "straight"), losses(crashed)
+
+
+def test_killed_mid_save_on_two_ranks_resumes_from_the_previous_checkpoint(tiny, tmp_path):
+    latest, partial, step, straight, resumed = run_distributed(_killed_mid_save_on_two_ranks, 2, tiny, tmp_path,
+                                                               timeout=240)[0]
+    assert latest == "step-00000002" and partial == ["rank-00000.pt"]
+    assert step == 6 and len(straight) == 6
+    assert resumed == straight
+    assert not list((tmp_path / "crashed" / "checkpoints").glob(".tmp-*"))
 
 
 def test_resume_on_another_mesh_is_refused(tiny, tmp_path):
@@ -357,11 +408,15 @@ def test_bert_classification_on_tp2_and_dp2_matches_one_process(tiny_bert, tmp_p
     curves = run_distributed(_bert_on_meshes, 2, tiny_bert, tmp_path, timeout=240)[0]
     for name, curve in curves.items():
         assert curve == pytest.approx(single, abs=2e-5), name
+        assert _export_logits_diff(tmp_path / name, "AutoModelForSequenceClassification") < 1e-5, name
 
 
-def test_vit_image_classification_from_npz(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_vit(tmp_path_factory):
+    """A ViT classifier saved by transformers and 16 images whose class is their brightness: (model, npz)."""
     import transformers
 
+    tmp_path = tmp_path_factory.mktemp("vit")
     base = tmp_path / "vit"
     config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, intermediate_size=128, num_labels=2,
@@ -372,10 +427,149 @@ def test_vit_image_classification_from_npz(tmp_path):
     labels = np.arange(16) % 2
     images = rng.integers(0, 128, (16, 8, 8, 3)) + 127 * labels[:, None, None, None]  # class 1 is brighter
     np.savez(tmp_path / "images.npz", images=images.astype(np.uint8), labels=labels)
+    return base, str(tmp_path / "images.npz")
+
+
+def _vit_run(base, data, output, **overrides):
+    options = dict(task="imgcls", data=data, eval_data=data, micro_batch_size=16, steps=6, lr=3e-3, eval_interval=0)
+    return run(small_run(base, output, **{**options, **overrides}))
+
+
+def test_vit_image_classification_from_npz(tiny_vit, tmp_path):
+    base, data = tiny_vit
     out = tmp_path / "run"
-    data = str(tmp_path / "images.npz")
-    summary = run(small_run(base, out, task="imgcls", data=data, eval_data=data, micro_batch_size=16, steps=6,
-                            lr=3e-3, eval_interval=0, export_hf=True))
+    summary = _vit_run(base, data, out, export_hf=True)
     curve = losses(out)
     assert curve[-1] < curve[0] and summary["eval_acc"] > 0.5
     assert _export_logits_diff(out, "AutoModelForImageClassification") < 1e-5
+
+
+# ------------------------------------------------------------------------------------------- options end to end
+
+
+def _watch_training(monkeypatch) -> dict:
+    """Record, during training, the trained model, the parameters' dtypes, the output dtype of the first layer's
+    first matmul, and how often the first layer's first block runs (twice per micro-batch when recomputed)."""
+    from colozoo.finetune import runtime
+
+    seen = {"matmul_dtypes": set(), "block_calls": 0}
+    prepare = runtime.prepare_training
+
+    def count(*_):
+        seen["block_calls"] += 1
+
+    def watched(model, cfg):
+        model = prepare(model, cfg)
+        layer = next(iter(model.layers.values()))
+        matmul = next(m for m in layer.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2)
+        matmul.register_forward_hook(lambda m, args, out: seen["matmul_dtypes"].add(out.dtype))
+        next(iter(layer.children())).register_forward_hook(count)
+        seen["model"], seen["param_dtypes"] = model, {p.dtype for p in model.parameters()}
+        return model
+
+    monkeypatch.setattr(runtime, "prepare_training", watched)
+    return seen
+
+
+@pytest.mark.parametrize("task", ["lm", "seqcls", "imgcls"])
+def test_bfloat16_trains_in_mixed_precision(task, tiny, tiny_bert, tiny_vit, tmp_path, monkeypatch):
+    """--dtype bfloat16 computes in bf16 over fp32 weights, for every task, and the loss still falls."""
+    seen = _watch_training(monkeypatch)
+    out = tmp_path / "run"
+    options = dict(dtype="bfloat16", eval_fraction=0.0)
+    if task == "lm":
+        run(small_run(tiny, out, lr=5e-3, **options))
+    elif task == "seqcls":
+        subset = str(tiny_bert / "sentiment16.jsonl")
+        run(small_run(tiny_bert, out, task="seqcls", data=subset, micro_batch_size=16, lr=3e-3, num_labels=2,
+                      **options))
+    else:
+        _vit_run(*tiny_vit, out, eval_data=None, **options)
+    assert seen["model"].training_setup["mixed_precision"] == "bf16"
+    assert seen["matmul_dtypes"] == {torch.bfloat16} and seen["param_dtypes"] == {torch.float32}
+    curve = losses(out)
+    assert len(curve) == 6 and curve[-1] < curve[0]
+
+
+def test_activation_checkpointing_recomputes_layers_and_keeps_the_loss_curve(tiny, tmp_path, monkeypatch):
+    runs = {}
+    for checkpointing in (True, False):
+        seen = _watch_training(monkeypatch)
+        out = tmp_path / f"checkpointing-{checkpointing}"
+        run(small_run(tiny, out, activation_checkpointing=checkpointing, eval_interval=0))
+        runs[checkpointing] = seen["block_calls"], losses(out)
+        monkeypatch.undo()
+    assert runs[True][0] - runs[False][0] == 6  # each of the 6 steps (one micro-batch) runs the layer again
+    assert len(runs[True][1]) == 6
+    assert runs[True][1] == pytest.approx(runs[False][1], abs=1e-6)  # dropout included: the same random draws
+
+
+def test_epochs_set_the_number_of_steps(tiny, tmp_path):
+    data = tmp_path / "stories12.jsonl"
+    data.write_text("".join(STORIES.read_text().splitlines(keepends=True)[:12]))
+    tok = D.load_tokenizer(tiny, 131)
+    train, _ = D.lm_dataset(data, tok, seq_len=16).split(0.1)
+    steps_per_epoch = len(train) // 4
+    assert steps_per_epoch >= 2
+    summary = run(small_run(tiny, tmp_path / "run", data=str(data), steps=None, epochs=1.5, micro_batch_size=4,
+                            eval_interval=0, save_interval=0))
+    assert summary["total_steps"] == int(1.5 * steps_per_epoch) and summary["step"] == summary["total_steps"]
+    assert len(losses(tmp_path / "run")) == summary["total_steps"]
+
+
+def _command(model, output, *extra):
+    return [sys.executable, "-m", "colozoo.finetune", "--model", str(model), "--data", str(STORIES),
+            "--output", str(output), "--seq-len", "16", "--steps", "100000", "--save-interval", "0",
+            "--eval-fraction", "0", "--no-export-hf", "--no-plot", *extra]
+
+
+def test_ctrl_c_saves_exits_cleanly_and_the_same_command_resumes(tiny, tmp_path):
+    """A real run (no terminal: plain progress lines) is sent SIGINT after its first logged step."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_command(tiny, out), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("step 1/"):
+                proc.send_signal(signal.SIGINT)
+                break
+        lines += proc.stderr.readlines()
+        assert proc.wait(timeout=120) == 0, "".join(lines)
+    finally:
+        proc.kill()
+    log = "".join(lines)
+    assert "running on CPU" in log
+    assert re.search(r"^step 1/100000  loss \d+\.\d{4}  lr \S+  [\d,]+ tok/s  MFU \d+\.\d%  ETA \d+:\d\d:\d\d$",
+                     log, re.M), log
+    stopped = json.loads((out / "summary.json").read_text())
+    assert stopped["stopped"] and stopped["step"] >= 1 and "stopped at step" in log
+    assert state.latest_checkpoint(out / "checkpoints").name == f"step-{stopped['step']:08d}"
+
+    again = subprocess.run(_command(tiny, out, "--stop-after", str(stopped["step"] + 1)), cwd=REPO, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"at step {stopped['step']}" in again.stderr and "resumed from" in again.stderr
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, stopped["step"] + 2))
+
+
+def _classifiers_on_pp2(bert, vit, images, root):
+    bert_curve = _bert_run(bert, Path(root) / "bert", dict(pp=2))[1]
+    _vit_run(vit, images, Path(root) / "vit", pp=2, micro_batch_size=8, global_batch_size=16, export_hf=True)
+    return bert_curve, losses(Path(root) / "vit")
+
+
+def test_classification_on_pp2_matches_one_process(tiny_bert, tiny_vit, tmp_path):
+    _, bert_single = _bert_run(tiny_bert, tmp_path / "bert-single", {})
+    _vit_run(*tiny_vit, tmp_path / "vit-single", micro_batch_size=8, global_batch_size=16)
+    bert_pp2, vit_pp2 = run_distributed(_classifiers_on_pp2, 2, tiny_bert, *tiny_vit, tmp_path / "pp2", timeout=240)[0]
+    assert bert_pp2 == pytest.approx(bert_single, abs=2e-5)
+    assert vit_pp2 == pytest.approx(losses(tmp_path / "vit-single"), abs=2e-5)
+    assert _export_logits_diff(tmp_path / "pp2" / "bert", "AutoModelForSequenceClassification") < 1e-5
+    assert _export_logits_diff(tmp_path / "pp2" / "vit", "AutoModelForImageClassification") < 1e-5

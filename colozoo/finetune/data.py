@@ -84,8 +84,13 @@ def read_records(path, fields: tuple[str, ...]) -> list[dict]:
     return records
 
 
-def load_tokenizer(model_dir, vocab_size: int):
-    """The tokenizer saved in the model directory (local files only), checked against the model's vocabulary."""
+# only padding is checked: published configs and tokenizers legitimately disagree on eos (e.g. chat models)
+SPECIAL_TOKENS = ("pad_token_id",)
+
+
+def load_tokenizer(model_dir, vocab_size: int, special_ids: dict | None = None):
+    """The tokenizer saved in the model directory (local files only), checked against the model's vocabulary
+    and against `special_ids` ({"pad_token_id": id, ...} from the model config; an id may be a list of ids)."""
     from transformers import AutoTokenizer
 
     if model_dir is None or not Path(model_dir, "tokenizer_config.json").exists() and \
@@ -95,7 +100,18 @@ def load_tokenizer(model_dir, vocab_size: int):
     if len(tokenizer) > vocab_size:
         raise DataError(f"the tokenizer in {model_dir} has {len(tokenizer)} tokens but the model's vocabulary has "
                         f"{vocab_size}: token ids would run past the embedding (wrong tokenizer for this model?)")
+    for name, expected in (special_ids or {}).items():
+        actual = getattr(tokenizer, name, None)
+        allowed = expected if isinstance(expected, (list, tuple)) else [expected]
+        if expected is not None and actual is not None and actual not in allowed:
+            raise DataError(f"the tokenizer in {model_dir} has {name} {actual} but the model config says {expected} "
+                            f"(wrong tokenizer for this model?)")
     return tokenizer
+
+
+def special_token_ids(config) -> dict:
+    """The special token ids of SPECIAL_TOKENS a model config declares (None where it declares none)."""
+    return {name: getattr(config, name, None) for name in SPECIAL_TOKENS}
 
 
 def check_seq_len(seq_len: int, max_positions: int | None):
@@ -160,9 +176,8 @@ def classification_dataset(path, tokenizer, seq_len: int, config, text_field="te
     enc = tokenizer([r[text_field] for r in records], max_length=seq_len, truncation=True, padding="max_length",
                     return_tensors="pt")
     labels = torch.tensor(label_ids([r[label_field] for r in records], config))
+    # one text per sample: every token is segment 0, the model's default, so token_type_ids are left out
     tensors = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
-    if "token_type_ids" in enc:
-        tensors["token_type_ids"] = enc["token_type_ids"]
     return TensorData(tensors, enc["attention_mask"].sum(1))
 
 

@@ -55,7 +55,7 @@ def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData
         read = lambda path: D.image_dataset(path, config, directory)  # noqa: E731
     else:
         D.check_seq_len(cfg.seq_len, getattr(config, "max_position_embeddings", None))
-        tokenizer = D.load_tokenizer(directory, config.vocab_size)
+        tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
         if cfg.task == "lm":
             read = lambda path: D.lm_dataset(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field)  # noqa: E731
         else:
@@ -139,8 +139,6 @@ def _is_rank0() -> bool:
 
 def run(cfg: FinetuneConfig) -> dict:
     mesh = check_mesh(cfg)
-    if cfg.task != "lm" and mesh.pp > 1:
-        raise ValueError(f"--task {cfg.task} trains with pp=1 for now (the pipeline step takes per-token labels)")
     num_microbatches = cfg.num_microbatches(mesh.dp)
     config, directory = model_source(cfg.model)
     if cfg.num_labels is not None:

@@ -54,7 +54,7 @@ class Reporter:
         self.enabled = enabled
         self.metrics_path = Path(output) / "metrics.jsonl"
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
-        self.total_steps = total_steps
+        self.total_steps, self.start_step = total_steps, start_step
         self.console = Console(stderr=True)
         self.progress = None
         self.plain_lines = enabled and progress and not self.console.is_terminal  # logs, pipes: no live bar
@@ -69,8 +69,8 @@ class Reporter:
             self.progress.start()
 
     def print(self, *args, **kwargs):
-        if self.enabled:
-            self.console.print(*args, **kwargs)
+        if self.enabled:  # soft wrap: a log line stays one line, however narrow the console
+            self.console.print(*args, soft_wrap=True, **kwargs)
 
     def log(self, record: dict):
         if not self.enabled:
@@ -90,8 +90,16 @@ class Reporter:
         elif self.plain_lines:
             speed = f"{tokens_per_s:,.0f} tok/s" if tokens else f"{samples / seconds:,.1f} samples/s"
             mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "-"
-            self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {speed}  MFU {mfu_text}",
-                               highlight=False)
+            self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {speed}  MFU {mfu_text}"
+                               f"  ETA {self.eta(step)}", highlight=False, soft_wrap=True)
+
+    def eta(self, step: int) -> str:
+        """Time left at this run's mean pace so far, as h:mm:ss."""
+        done = step - self.start_step
+        if done <= 0:
+            return "-"
+        seconds = round((time.time() - self.started) / done * (self.total_steps - step))
+        return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
     def evaluation(self, step: int, results: dict):
         if not results:  # a held-out set smaller than one batch

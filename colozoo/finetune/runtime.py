@@ -56,7 +56,7 @@ def load_model(cfg, task: str):
 def prepare_training(model, cfg):
     """Data-parallel wrapping, mixed precision and activation checkpointing (collective; before the optimizer)."""
     parallelize = optional("colozoo.training", "parallelize")
-    if parallelize is not None and cfg.task == "lm":
+    if parallelize is not None:
         return parallelize(model, data_parallel=cfg.data_parallel, mixed_precision=MIXED_PRECISION[cfg.dtype],
                            activation_checkpointing="full" if cfg.activation_checkpointing else None)
     if cfg.activation_checkpointing:
@@ -230,8 +230,29 @@ def parameter_count(model) -> int:
 def export_hf(model, path):
     """Write a directory transformers can load (collective: every rank calls it)."""
     if optional("colozoo.checkpoint", "save_pretrained") is not None:
-        return model.save_pretrained(path, format="hf")
+        return _without_fsdp_shards(model).save_pretrained(path, format="hf")
     return _export_hf_by_gathering(model, Path(path))
+
+
+def _without_fsdp_shards(model):
+    """The model itself, or when FSDP split its parameters over dp (DTensors) a copy holding each rank's whole
+    tensor-parallel shards, which colozoo.checkpoint writes. Collective over dp when it copies."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    if not any(isinstance(p, DTensor) for p in params.values()):
+        return model
+    copy = type(model)(model.config, pc=model.pc, layer_ids=model.layer_ids, device="meta",
+                       dtype=next(iter(params.values())).dtype)
+    copy.to_empty(device=model.pc.device)
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, p in copy.named_parameters():  # the same order on every dp rank: full_tensor gathers over dp
+            source = params[name]
+            p.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
+        for name, b in copy.named_buffers():
+            b.copy_(buffers[name])
+    return copy
 
 
 def _export_hf_by_gathering(model, path: Path):
