@@ -7,8 +7,9 @@
     cross_entropy    vocab-parallel cross entropy, alone or chunked and fused with the LM-head matmul
     moe              MoE token permute / unpermute
 
-`dispatch` picks Triton or torch (COLOZOO_KERNELS=auto|triton|torch, or `set_kernels`). The layers in
-`colozoo.layers` dispatch by themselves; the functions below do the same for ops no layer wraps yet.
+`dispatch` picks Triton or torch (COLOZOO_KERNELS=auto|triton|torch, or `set_kernels`). Norms, attention, the
+activations and the logits' cross entropy dispatch inside `colozoo.layers`; the functions below do the same for
+the models' rotary embedding, the LM head's fused loss and the MoE layer's token permutation.
 Kernel modules are imported only when used: triton decides at decoration time whether to interpret.
 """
 from __future__ import annotations

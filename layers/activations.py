@@ -65,8 +65,8 @@ def _gelu_with_kernel(torch_fn, approximate: str):
     return act
 
 
-for _name, _approximate in (("gelu", "none"), ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"),
-                            ("gelu_fast", "tanh")):
+GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+for _name, _approximate in GELU_APPROXIMATION.items():
     ACTIVATIONS[_name] = _gelu_with_kernel(ACTIVATIONS[_name], _approximate)
 
 
@@ -75,3 +75,16 @@ def get_activation(name: str):
         return ACTIVATIONS[name]
     except KeyError:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
+
+
+def get_gated_activation(name: str):
+    """(gate, up) -> act(gate) * up, the fused SwiGLU kernel when act is silu."""
+    if name in ("silu", "swish"):
+        return swiglu
+    act = get_activation(name)
+
+    def gated(gate, up):
+        return act(gate) * up
+
+    gated.__name__ = f"gated_{name}"
+    return gated

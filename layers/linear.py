@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colozoo.kernels.dispatch import use_triton
+
+from .activations import GELU_APPROXIMATION, bias_gelu, get_activation
 from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
                    reduce_from_parallel, reduce_scatter_to_sequence)
 from .shard import Split, local_pieces, shard
@@ -28,10 +31,15 @@ def _init_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int):
 
 
 class ColumnParallelLinear(nn.Module):
+    """`activation` (a config name) is applied to the local output; a GeLU takes the bias with it into one
+    fused kernel on the Triton path."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  sequence_parallel: bool = False, gather_output: bool = False,
-                 chunks: tuple[int, ...] | None = None, device=None, dtype=None):
+                 chunks: tuple[int, ...] | None = None, activation: str | None = None, device=None, dtype=None):
         super().__init__()
+        self.activation = activation
+        self.act = get_activation(activation) if activation is not None else None
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         tp = group_size(group)
         split = Split("tp", 0, chunks=tuple(chunks) if chunks else None)
@@ -47,11 +55,19 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence(x, self.group)
         else:
             x = copy_to_parallel(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        fuse_bias = (self.activation in GELU_APPROXIMATION and self.bias is not None
+                     and use_triton(x, self.weight, self.bias))
+        y = F.linear(x, self.weight, None if fuse_bias else self.bias)
+        if fuse_bias:
+            y = bias_gelu(y, self.bias, GELU_APPROXIMATION[self.activation])
+        elif self.act is not None:
+            y = self.act(y)
         return gather_from_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), bias={self.bias is not None}"
+        act = f", activation={self.activation}" if self.activation else ""
+        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+                f"bias={self.bias is not None}{act}")
 
 
 class RowParallelLinear(nn.Module):

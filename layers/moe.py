@@ -23,7 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .activations import get_activation
+from colozoo.kernels import moe_permute, moe_unpermute, use_triton
+
+from .activations import get_gated_activation
 from .comm import (copy_to_parallel, gather_from_parallel, group_rank, group_size, reduce_from_parallel,
                    split_to_parallel)
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -95,7 +97,7 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.first = group_rank(ep_group) * self.num_local
         self.tp_group = tp_group
-        self.act = get_activation(activation)
+        self.gated_act = get_gated_activation(activation)
         local_inner = inner_size // tp
         self.gate_up_proj = shard(nn.Parameter(torch.empty(self.num_local, 2 * local_inner, hidden_size, device=device,
                                                            dtype=dtype)),
@@ -111,7 +113,7 @@ class GroupedExperts(nn.Module):
         """x (rows, hidden) grouped by local expert, counts[e] rows for local expert e."""
         x = copy_to_parallel(x, self.tp_group)
         gate, up = grouped_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)
-        out = grouped_linear(self.act(gate) * up, self.down_proj, counts)
+        out = grouped_linear(self.gated_act(gate, up), self.down_proj, counts)
         return reduce_from_parallel(out, self.tp_group)
 
     def extra_repr(self):
@@ -146,11 +148,11 @@ class SharedExpert(nn.Module):
         kw = dict(bias=False, group=tp_group, device=device, dtype=dtype)
         self.gate_up = ColumnParallelLinear(hidden_size, 2 * inner_size, chunks=(inner_size, inner_size), **kw)
         self.down_proj = RowParallelLinear(inner_size, hidden_size, **kw)
-        self.act = get_activation(activation)
+        self.gated_act = get_gated_activation(activation)
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.gated_act(gate, up))
 
 
 class MoE(nn.Module):
@@ -182,6 +184,10 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits, weights, experts = self.gate(tokens)
+        if self.capacity_factor is None and use_triton(tokens):  # dropless: the fused permute kernels
+            rows, row_map, counts = moe_permute(tokens, experts, self.num_experts)
+            combined = moe_unpermute(self._run_experts(rows, counts), row_map, weights)
+            return self._finish(combined, tokens, shape), logits
         assignment = torch.arange(experts.numel(), device=x.device)
         if self.capacity_factor is not None:
             assignment = assignment[self._within_capacity(experts.reshape(-1))]
@@ -193,12 +199,16 @@ class MoE(nn.Module):
         out = self._run_experts(tokens[token_of], counts)
         out = (out * weights.reshape(-1)[assignment, None]).to(x.dtype)
         combined = torch.zeros_like(tokens).index_add(0, token_of, out)
+        return self._finish(combined, tokens, shape), logits
+
+    def _finish(self, combined, tokens, shape):
+        """Add the shared expert, restore (batch, seq, hidden) and, under sequence parallelism, the rank's share."""
         if self.shared_expert is not None:
             combined = combined + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
         combined = combined.view(shape)
         if self.sequence_parallel:
             combined = split_to_parallel(combined, self.tp_group, dim=1)
-        return combined, logits
+        return combined
 
     def _within_capacity(self, expert_of: torch.Tensor) -> torch.Tensor:
         capacity = math.ceil(self.capacity_factor * expert_of.numel() / self.num_experts)

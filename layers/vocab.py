@@ -153,28 +153,53 @@ class VocabParallelLMHead(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self.tied else self.weight
 
+    def _enter_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_from_sequence(hidden, self.group)
+        return copy_to_parallel(hidden, self.group)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded."""
-        if self.sequence_parallel:
-            hidden = gather_from_sequence(hidden, self.group)
-        else:
-            hidden = copy_to_parallel(hidden, self.group)
-        return F.linear(hidden, self.head_weight(), self.bias)
+        return F.linear(self._enter_parallel(hidden), self.head_weight(), self.bias)
+
+    def loss_and_logits(self, hidden, labels=None, return_logits=False, cp=None, ignore_index=-100,
+                        label_smoothing=0.0):
+        """(loss or None, full logits or None) from the final hidden states. When only the loss is wanted and
+        the kernels take the Triton path, the head matmul is fused into the loss in chunks: no logits tensor."""
+        weight = self.head_weight()
+        if labels is not None and not return_logits and use_triton(hidden, weight):
+            from colozoo.kernels import linear_cross_entropy
+
+            targets = self._next_tokens(labels, ignore_index, cp)
+            per_token = linear_cross_entropy(self._enter_parallel(hidden), weight, targets, self.vocab_size,
+                                             self.bias, self.group, ignore_index, label_smoothing)
+            return self._mean(per_token, targets, ignore_index, cp), None
+        logits_local = self(hidden)
+        loss = self.loss(logits_local, labels, ignore_index, label_smoothing, cp) if labels is not None else None
+        return loss, self.full_logits(logits_local, cp=cp) if return_logits else None
 
     def loss(self, logits_local, labels, ignore_index=-100, label_smoothing=0.0, cp=None) -> torch.Tensor:
         """Mean causal-LM loss over non-ignored tokens: logits at t predict labels at t+1.
 
         With `cp` (ctx.cp) the logits are the rank's zigzag share of the sequence and `labels` the full sequence;
         the mean is taken over the whole sequence (sum and count summed over the cp ranks)."""
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = self._next_tokens(labels, ignore_index, cp)
+        per_token = vocab_parallel_cross_entropy(logits_local, targets, self.vocab_size, self.group, ignore_index,
+                                                 label_smoothing)
+        return self._mean(per_token, targets, ignore_index, cp)
+
+    @staticmethod
+    def _next_tokens(labels, ignore_index, cp):
+        """The label each position predicts (this cp rank's share of them)."""
+        targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return cp.shard(targets) if cp is not None else targets
+
+    @staticmethod
+    def _mean(per_token, targets, ignore_index, cp):
+        count = (targets != ignore_index).sum()
         if cp is not None:
             from .context_parallel import sum_over
 
-            shift_labels = cp.shard(shift_labels)
-        per_token = vocab_parallel_cross_entropy(logits_local, shift_labels, self.vocab_size, self.group,
-                                                 ignore_index, label_smoothing)
-        count = (shift_labels != ignore_index).sum()
-        if cp is not None:
             return sum_over(per_token.sum(), cp.group) / sum_over(count, cp.group).clamp(min=1)
         return per_token.sum() / count.clamp(min=1)
 
