@@ -3,6 +3,7 @@ and the three-part forward (embed on the first stage, blocks on every stage, hea
 pipeline stages reuse."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +28,22 @@ class ModelOutput:
 class BatchContext:
     """Per-batch tensors every layer may need, built once from the full (unsharded) batch."""
     attention_mask: torch.Tensor | None  # (batch, seq) 1 = token, 0 = padding
-    mask: torch.Tensor | None            # boolean (batch, 1, q, k) or None for plain causal
+    # the dense boolean (batch, 1, q, k) mask (None: plain causal), or a function building it on first use: under
+    # context parallelism it is dropped unbuilt, since an (S, S) mask would grow with the full sequence squared
+    dense_mask: torch.Tensor | Callable[[], torch.Tensor | None] | None
     position_ids: torch.Tensor           # (batch, seq) global positions
     seq_len: int
     cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        if callable(self.dense_mask):
+            self.dense_mask = self.dense_mask()
+        return self.dense_mask
+
+    @mask.setter
+    def mask(self, value):
+        self.dense_mask = value
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
@@ -67,11 +80,10 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.config = config
         self.pc = pc or single_process()
-        n_layers = self.num_layers(config)
-        if layer_ids is None:
-            from colozoo.partition import stage_layers
+        if layer_ids is None:  # one stage per pp rank, balanced by parameters
+            from colozoo.partition import model_rank_layers
 
-            layer_ids = stage_layers(n_layers, self.pc.config.pp)[self.pc.rank("pp")]
+            layer_ids = model_rank_layers(config, self.pc.config.pp, self.pc.rank("pp"))
         self.layer_ids = list(layer_ids)
         self.is_first = self.pc.is_first_stage
         self.is_last = self.pc.is_last_stage

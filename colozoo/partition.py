@@ -2,7 +2,8 @@
 
 Layers are split into contiguous runs, one per (virtual) stage, minimising the heaviest stage. A layer's
 weight is its parameter count by default; the first stage also carries the embeddings and the last the
-head, so they get fewer layers when those are large. `layers_per_stage` overrides the balance.
+head, so they get fewer layers when those are large. `layers_per_stage` overrides the balance. Models built
+without explicit `layer_ids` use `model_rank_layers` (balanced by parameters unless told otherwise).
 """
 from __future__ import annotations
 
@@ -106,11 +107,28 @@ def layer_cost(config, balance: str = "params", seq_len: int = 1024) -> tuple[fl
     return 1.0, first / layer, last / layer
 
 
+BALANCE = ("params", "flops", "layers")
+
+
 def model_stage_layers(config, pp: int, virtual_stages: int = 1, balance: str = "params",
                        layers_per_stage: list[int] | None = None, seq_len: int = 1024) -> list[list[list[int]]]:
-    """`virtual_stage_layers` for an HF config, balanced by parameters or FLOPs unless `layers_per_stage` is given."""
+    """`virtual_stage_layers` for an HF config, balanced by parameters or FLOPs ("layers": equal layer counts)
+    unless `layers_per_stage` is given."""
     n = config.num_hidden_layers
     if layers_per_stage is not None:
         return virtual_stage_layers(n, pp, virtual_stages, layers_per_stage=layers_per_stage)
+    if balance not in BALANCE:
+        raise PartitionError(f"balance must be one of {BALANCE}, got {balance!r}")
+    if balance == "layers":
+        return virtual_stage_layers(n, pp, virtual_stages)
     _, first, last = layer_cost(config, balance, seq_len)
     return virtual_stage_layers(n, pp, virtual_stages, first_extra=first, last_extra=last)
+
+
+def model_rank_layers(config, pp: int, pp_rank: int, balance: str = "params",
+                      layers_per_stage: list[int] | None = None) -> list[int]:
+    """The layers of one pp rank (one stage per rank) of a model built without explicit `layer_ids`: by
+    default balanced by parameters, so the embedding and head stages get fewer layers when those are large."""
+    if pp == 1 and layers_per_stage is None:
+        return list(range(config.num_hidden_layers))
+    return model_stage_layers(config, pp, balance=balance, layers_per_stage=layers_per_stage)[pp_rank][0]

@@ -8,9 +8,12 @@ how many virtual stages a rank has: one per contiguous run.
 
 Stage inputs and outputs are declared statically (their shapes follow from the batch), so torch never runs
 its shape-inference pass through our tensor-parallel collectives. Every rank gets the same batch, and
-every stage rebuilds the BatchContext (masks, positions) from it; only hidden states travel between stages.
+every stage rebuilds the BatchContext (masks, positions, and extra per-sample inputs such as BERT's
+token_type_ids, split into micro-batches like input_ids) from it; only hidden states travel between stages.
 """
 from __future__ import annotations
+
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
@@ -46,7 +49,7 @@ def layer_runs(layer_ids: list[int]) -> list[list[int]]:
 
 class StageModule(nn.Module):
     """One (virtual) stage: forward(first stage: input_ids | later: hidden, **batch) -> hidden, or on the last
-    stage the loss scaled for the global batch (training) / (loss, logits) with `eval_outputs=True`."""
+    stage the loss scaled for the global batch (training) / the ModelOutput's fields with `eval_outputs=True`."""
 
     def __init__(self, model, index: int, num_stages: int, layer_ids: list[int]):
         super().__init__()
@@ -66,12 +69,13 @@ class StageModule(nn.Module):
     def model(self):
         return self._model[0]
 
-    def forward(self, x, token_ids, labels=None, attention_mask=None, position_ids=None, eval_outputs: bool = False):
+    def forward(self, x, token_ids, labels=None, attention_mask=None, eval_outputs: bool = False,
+                return_logits: bool = False, **inputs):
         """x: the input_ids on the first stage, else the previous stage's hidden states; token_ids: the input_ids
-        (every stage rebuilds the batch context from them)."""
+        (every stage rebuilds the batch context from them and the other model `inputs`, e.g. position_ids)."""
         model = self.model
         with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            ctx = model.batch_context(token_ids, attention_mask, position_ids=position_ids)
+            ctx = model.batch_context(token_ids, attention_mask, **inputs)
             if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
                 from colozoo.layers.context_parallel import shard_batch
 
@@ -82,9 +86,9 @@ class StageModule(nn.Module):
                 hidden = layer(hidden, ctx)
             if not self.is_last:
                 return hidden.to(self.activation_dtype or hidden.dtype).contiguous()  # p2p sends need contiguous
-            out = model.head(hidden, ctx, labels=labels, return_logits=eval_outputs)
-        if eval_outputs:
-            return out.loss, out.logits
+            out = model.head(hidden, ctx, labels=labels, return_logits=eval_outputs and return_logits)
+        if eval_outputs:  # a plain tuple: DDP/FSDP wrappers look for tensors in what a stage returns
+            return tuple(getattr(out, f.name) for f in fields(out))
         loss = out.loss.float() * model.loss_token_count(labels) * self.loss_scale
         if out.router_loss is not None and self.router_loss_scale is not None:
             # router losses are statistics of the whole micro-batch (over every data rank), not token means
@@ -139,8 +143,9 @@ def hidden_shape(model, batch: int, input_ids) -> tuple[int, ...]:
     return batch, local_seq, model.config.hidden_size
 
 
-def _batch_kwargs(input_ids, labels, attention_mask, position_ids):
-    kwargs = dict(token_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids)
+def _batch_kwargs(input_ids, labels, attention_mask, inputs: dict):
+    """The stage keywords; tensors among them are split into micro-batches along the batch dimension."""
+    kwargs = dict(token_ids=input_ids, labels=labels, attention_mask=attention_mask, **inputs)
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -154,9 +159,10 @@ def schedule_name(name: str) -> str:
 
 
 def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=None, num_microbatches: int = 1,
-                 schedule: str = "1f1b", loss_scale: float = 1.0) -> torch.Tensor | None:
+                 schedule: str = "1f1b", loss_scale: float = 1.0, **inputs) -> torch.Tensor | None:
     """One forward+backward of the whole batch through the pipeline; returns the sum of the scaled micro-batch
-    losses on the ranks that hold the last stage, None elsewhere. Gradients accumulate on the local shards."""
+    losses on the ranks that hold the last stage, None elsewhere. Gradients accumulate on the local shards.
+    `inputs`: further model inputs (e.g. token_type_ids); tensors are split into micro-batches by rows."""
     schedule = schedule_name(schedule)
     stages = stages_of(model)
     if schedule not in MULTI_STAGE and len(stages) > 1:
@@ -171,7 +177,7 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
     losses: list[torch.Tensor] = []
     args = (input_ids,) if unwrap(stages[0]).is_first else ()
     runner.step(*args, target=labels, losses=losses, return_outputs=False,
-                **_batch_kwargs(input_ids, labels, attention_mask, position_ids))
+                **_batch_kwargs(input_ids, labels, attention_mask, dict(position_ids=position_ids, **inputs)))
     holds_last = any(unwrap(s).is_last for s in stages)
     return torch.stack([l.detach() for l in losses]).sum() if holds_last else None
 
@@ -210,13 +216,14 @@ def _p2p_peer(model, stage_index: int) -> int:
 
 @torch.no_grad()
 def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_logits=False,
-                     position_ids=None) -> ModelOutput:
-    """Eval forward of the whole batch through the stages (no micro-batching); loss and logits on every rank."""
+                     **inputs) -> ModelOutput:
+    """Eval forward of the whole batch through the stages (no micro-batching); every output the last stage
+    computes (loss, logits, hidden states, pooled output) on every rank."""
     stages = stages_of(model)
     pp = model.pc.config.pp
-    kwargs = _batch_kwargs(input_ids, labels, attention_mask, position_ids)
+    kwargs = _batch_kwargs(input_ids, labels, attention_mask, inputs)
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
-    loss = logits = None
+    outputs = None
     for stage in stages:
         inner = unwrap(stage)
         if inner.is_first:
@@ -224,27 +231,29 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
         else:
             x = torch.empty(hidden_shape(model, input_ids.shape[0], input_ids), dtype=dtype, device=input_ids.device)
             dist.recv(x, src=_p2p_peer(model, inner.index - 1), group=None)
-        out = stage(x, eval_outputs=True, **kwargs)
+        out = stage(x, eval_outputs=True, return_logits=return_logits, **kwargs)
         if inner.is_last:
-            loss, logits = out
+            outputs = out
         else:
             dist.send(out.contiguous(), dst=_p2p_peer(model, inner.index + 1))
     if pp > 1:
-        loss = _from_last_stage(model, loss)
-        logits = _from_last_stage(model, logits) if return_logits else None
-    return ModelOutput(loss=loss, logits=logits if return_logits else None)
+        outputs = _from_last_stage(model, outputs)
+    return ModelOutput(*outputs)
 
 
-def _from_last_stage(model, value):
-    """Broadcast a tensor (or None) the last stage computed to every pp rank."""
+def _from_last_stage(model, values):
+    """Broadcast the tuple of tensors (or Nones) the last stage computed to every pp rank."""
     group = model.pc.group("pp")
     src = dist.get_global_rank(group, model.pc.config.pp - 1)
-    meta = [(tuple(value.shape), value.dtype) if value is not None else None]
+    meta = [None if values is None else [(tuple(v.shape), v.dtype) if v is not None else None for v in values]]
     dist.broadcast_object_list(meta, src=src, group=group)
-    if meta[0] is None:
-        return None
-    if value is None:
-        value = torch.empty(meta[0][0], dtype=meta[0][1], device=model.pc.device)
-    value = value.contiguous()
-    dist.broadcast(value, src=src, group=group)
-    return value
+    received = []
+    for i, shape_dtype in enumerate(meta[0]):
+        if shape_dtype is None:
+            received.append(None)
+            continue
+        value = values[i].contiguous() if values is not None else \
+            torch.empty(shape_dtype[0], dtype=shape_dtype[1], device=model.pc.device)
+        dist.broadcast(value, src=src, group=group)
+        received.append(value)
+    return tuple(received)

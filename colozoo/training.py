@@ -32,12 +32,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from colozoo.layers.shard import spec_of
+from colozoo.layers.vocab import VocabParallelLMHead
+from colozoo.offload import OffloadedAdamW, fsdp2_offload_policy
 from colozoo.pipeline import PipelineError, build_stage_modules, run_schedule, stages_of, unwrap
 from colozoo.rng import get_rng_tracker
 
 DATA_PARALLEL = ("fsdp", "ddp")
 MIXED_PRECISION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINTING = (None, "full", "selective")
+OFFLOAD = (None, "optimizer", "params")  # see colozoo.offload
 
 
 class TrainingError(ValueError):
@@ -68,20 +71,34 @@ def _rng_tracker_contexts():
     return contextlib.nullcontext(), recompute()
 
 
+ATTENTION_BLOCK_NAMES = ("attn", "self_attn", "attention")  # for layers that declare no `attention_block`
+
+
+def _checkpointed(fn):
+    return functools.partial(checkpoint, fn, use_reentrant=False, context_fn=_rng_tracker_contexts)
+
+
 def apply_activation_checkpointing(model, mode: str):
     """Recompute each layer ("full") or only its attention block ("selective") in backward. Forwards are
-    wrapped in place, so module names stay global."""
+    wrapped in place, so module names stay global. A layer names its attention block in `attention_block`:
+    a child module or a method of the layer (encoders whose attention is not a module of its own)."""
     for idx, layer in model.layers.items():
         if mode == "full":
-            targets = [layer]
+            layer.forward = _checkpointed(layer.forward)
+            continue
+        name = getattr(layer, "attention_block", None)
+        if name is None:
+            names = [n for n, _ in layer.named_children() if n in ATTENTION_BLOCK_NAMES]
+            name = names[0] if len(names) == 1 else None
+        block = getattr(layer, name, None) if name is not None else None
+        if block is None:
+            raise TrainingError(f"selective checkpointing found no attention block in layer {idx} "
+                                f"({type(layer).__name__}: {[n for n, _ in layer.named_children()]}); "
+                                f"the layer should name it in `attention_block`")
+        if isinstance(block, torch.nn.Module):
+            block.forward = _checkpointed(block.forward)
         else:
-            targets = [m for name, m in layer.named_children() if "attn" in name or "attention" in name]
-            if not targets:
-                raise TrainingError(f"selective checkpointing found no attention block in layer {idx} "
-                                    f"({type(layer).__name__}: {[n for n, _ in layer.named_children()]})")
-        for module in targets:
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False,
-                                               context_fn=_rng_tracker_contexts)
+            setattr(layer, name, _checkpointed(block))  # shadows the method on this instance
 
 
 def tied_embedding(model):
@@ -91,6 +108,8 @@ def tied_embedding(model):
     if pc.config.pp == 1 or not getattr(model.config, "tie_word_embeddings", False):
         return None
     name = getattr(model, "tied_embedding", None)
+    if name is None and not any(getattr(m, "tied", False) for m in model.modules() if isinstance(m, VocabParallelLMHead)):
+        return None  # no LM head shares the embedding (an encoder, a classifier), whatever the config says
     if name is None:
         raise TrainingError(f"{type(model).__name__} ties its LM head to the input embedding but does not declare "
                             f"`tied_embedding` (the parameter the first and last pipeline stages share)")
@@ -102,9 +121,12 @@ def tied_embedding(model):
 
 
 def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None = None,
-                activation_checkpointing: str | None = None, reshard_after_forward: bool = True):
+                activation_checkpointing: str | None = None, reshard_after_forward: bool = True,
+                offload: str | None = None):
     """Build the pipeline stages of `model` and wrap them for data parallelism over the dp mesh dimension.
-    Collective over the whole job. Call once, before building the optimizer."""
+    Collective over the whole job. Call once, before building the optimizer. `offload="optimizer"` keeps
+    the fp32 master weights and AdamW states in CPU memory (build_optimizer then returns an OffloadedAdamW);
+    `offload="params"` also keeps the sharded parameters and gradients there (FSDP2's CPUOffloadPolicy)."""
     if getattr(model, "training_setup", None) is not None:
         raise TrainingError("parallelize() was already called on this model")
     if data_parallel not in DATA_PARALLEL:
@@ -113,11 +135,17 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
         raise TrainingError(f"mixed_precision must be one of {list(MIXED_PRECISION)}, got {mixed_precision!r}")
     if activation_checkpointing not in CHECKPOINTING:
         raise TrainingError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {activation_checkpointing!r}")
+    offload = None if offload == "none" else offload
+    if offload not in OFFLOAD:
+        raise TrainingError(f"offload must be one of {OFFLOAD}, got {offload!r}")
     pc = model.pc
+    if offload == "params" and (data_parallel != "fsdp" or pc.size("dp_cp") == 1):
+        raise TrainingError(f"offload='params' needs FSDP2 (data_parallel='fsdp' over dp*cp > 1 ranks; here "
+                            f"data_parallel={data_parallel!r}, dp*cp={pc.size('dp_cp')}): its CPUOffloadPolicy "
+                            f"is what moves parameters to CPU memory; use offload='optimizer' instead")
     experts = _expert_parameters(model)
-    if experts and pc.config.pp > 1:
-        raise TrainingError(f"{type(model).__name__}: mixture-of-experts training with pipeline parallelism is not "
-                            f"supported (the router loss needs every layer's router statistics); use pp=1")
+    if hasattr(model, "check_router_losses"):  # MoE: router losses need every layer's statistics (no pp)
+        model.check_router_losses()
     if hasattr(model, "router_stats_group"):  # router losses of the global batch, not of each rank's rows
         model.router_stats_group = pc.group("dp_cp")
     if activation_checkpointing:
@@ -139,7 +167,8 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-            kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                      offload_policy=fsdp2_offload_policy(offload))
             mesh = pc.mesh["dp_cp"]
             expert_mesh = DeviceMesh.from_group(pc.group("edp"), pc.device.type) if experts else None
             for layer in stage.layers.values():
@@ -165,9 +194,41 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
             p.shard_spec = specs[name]
     model.pipeline_stages = wrapped
     model.training_setup = dict(data_parallel=data_parallel if replicas > 1 else None, sharded=sharded,
-                                mixed_precision=mixed_precision, tied=tied, specs=specs,
+                                mixed_precision=mixed_precision, tied=tied, specs=specs, offload=offload,
                                 experts={n for n, p in model.named_parameters() if id(p) in experts})
     return model
+
+
+def apply_plan(model, plan=None, mixed_precision: str | None = None) -> dict:
+    """Apply the rest of a planner's plan to a model built on its mesh (from_pretrained(plan="auto") sets
+    only the degrees and leaves the plan on `model.plan`): data parallelism (FSDP2 for ZeRO >= 1, DDP for 0),
+    activation checkpointing and CPU offload. Returns forward_backward's keyword arguments (micro-batch count
+    and schedule) for a global batch of dp * micro_batch_size * num_microbatches sequences:
+
+        model = colozoo.from_pretrained("opt-1.3b", plan="auto")
+        step = apply_plan(model); optimizer = build_optimizer(model)
+        loss = model.forward_backward(ids, labels, **step)
+    """
+    plan = getattr(model, "plan", None) if plan is None else plan
+    if plan is None:
+        raise TrainingError("apply_plan needs a plan: none given and model.plan is unset "
+                            "(from_pretrained(..., plan='auto') sets it)")
+    plan = plan.degrees() if hasattr(plan, "degrees") else dict(plan)
+    pc = model.pc
+    mesh = {k: pc.size(k) for k in ("tp", "pp", "dp", "cp", "ep")}
+    wrong = {k: (plan[k], mesh[k]) for k in mesh if k in plan and plan[k] != mesh[k]}
+    if wrong:
+        raise TrainingError(f"the plan's degrees differ from the model's mesh (plan, mesh): {wrong}; build the "
+                            f"model on the plan's mesh (from_pretrained(..., plan='auto') does)")
+    checkpointing = plan.get("checkpointing", "none")
+    layers = plan.get("checkpoint_layers")
+    if checkpointing == "full" and layers is not None and layers < len(model.layers):
+        raise TrainingError(f"the plan recomputes {layers} of {len(model.layers)} layers per stage; training "
+                            f"checkpoints every layer or none (plan with partial_checkpointing=False)")
+    parallelize(model, data_parallel="fsdp" if plan.get("zero", 0) >= 1 else "ddp", mixed_precision=mixed_precision,
+                activation_checkpointing=None if checkpointing == "none" else checkpointing,
+                offload=plan.get("offload", "none"))
+    return {"num_microbatches": plan.get("num_microbatches", 1), "schedule": plan.get("schedule", "1f1b")}
 
 
 def _expert_parameters(model) -> set[int]:
@@ -198,18 +259,30 @@ def _setup(model) -> dict:
 
 
 def build_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                    **kwargs) -> torch.optim.AdamW:
-    """AdamW over this rank's local shards (FSDP's DTensor shards or the tp/pp-local parameters)."""
-    _setup(model)
+                    offload: str | None = None, **kwargs):
+    """AdamW over this rank's local shards (FSDP's DTensor shards or the tp/pp-local parameters). With
+    offload="optimizer" (by default what parallelize() was given) an OffloadedAdamW keeping master weights
+    and states in CPU memory; under offload="params" FSDP2 already keeps the shards there."""
+    setup = _setup(model)
+    offload = setup.get("offload") if offload is None else (None if offload == "none" else offload)
+    if offload not in OFFLOAD:
+        raise TrainingError(f"offload must be one of {OFFLOAD}, got {offload!r}")
+    if offload == "params" and setup.get("offload") != "params":
+        raise TrainingError("build_optimizer(offload='params') needs parallelize(model, offload='params'): "
+                            "FSDP2 moves the parameters, not the optimizer")
+    if offload == "optimizer":
+        return OffloadedAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------- the step
 
 def forward_backward(model, input_ids, labels, attention_mask=None, num_microbatches: int = 1,
-                     schedule: str = "1f1b", position_ids=None) -> torch.Tensor:
+                     schedule: str = "1f1b", position_ids=None, **inputs) -> torch.Tensor:
     """Forward and backward of the global batch over the whole mesh. Gradients accumulate on the local shards
-    (tied embedding copies summed between their stages); returns the global mean loss on every rank."""
+    (tied embedding copies summed between their stages); returns the global mean loss on every rank.
+    `inputs`: further model inputs (e.g. BERT's token_type_ids); tensors, like input_ids, hold one row per
+    sample and are split over dp ranks and micro-batches."""
     setup = _setup(model)
     pc = model.pc
     dp, m = pc.size("dp"), num_microbatches
@@ -230,8 +303,12 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     # each micro-batch mean is weighted by its tokens / global tokens; * dp*cp undoes FSDP/DDP's dp*cp average
     replicas = pc.size("dp_cp")
     loss_scale = replicas / max(total_tokens, 1)
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.shape[:1] != input_ids.shape[:1]:
+            raise TrainingError(f"{name} must have the batch size of the inputs ({batch}), got {tuple(t.shape)}")
     rows = slice(pc.rank("dp") * batch // dp, (pc.rank("dp") + 1) * batch // dp)
     local = [t[rows] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
+    inputs = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if v is not None}
 
     tied_grad = _stash_tied_grad(model, setup)
     expert_grads = _stash_expert_grads(model, setup)
@@ -240,24 +317,24 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
         unwrap(stage).router_losses = []
     if pc.config.pp > 1:
         local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
-                                 num_microbatches=m, schedule=schedule, loss_scale=loss_scale)
+                                 num_microbatches=m, schedule=schedule, loss_scale=loss_scale, **inputs)
     else:
-        local_sum = _single_stage(model, *local, m, loss_scale)
+        local_sum = _single_stage(model, *local, m, loss_scale, inputs)
     _sum_tied_grad(model, setup, tied_grad)
     _reduce_expert_grads(model, setup, expert_grads)
     return _global_loss(model, local_sum)
 
 
-def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, loss_scale):
+def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, loss_scale, inputs):
     stage, = stages_of(model)
     unwrap(stage).loss_scale = loss_scale
-    chunks = [t.tensor_split(m) if t is not None else [None] * m
-              for t in (input_ids, labels, attention_mask, position_ids)]
+    batch = dict(labels=labels, attention_mask=attention_mask, position_ids=position_ids, **inputs)
+    batch = {k: v for k, v in batch.items() if v is not None}
+    chunks = {k: v.tensor_split(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in batch.items()}
     total = torch.zeros((), device=input_ids.device)
-    for i, (ids, lab, mask, pos) in enumerate(zip(*chunks)):
+    for i, ids in enumerate(input_ids.tensor_split(m)):
         with _gradient_sync(stage, last=i == m - 1):
-            kwargs = {k: v for k, v in dict(attention_mask=mask, position_ids=pos).items() if v is not None}
-            loss = stage(ids, ids, labels=lab, **kwargs)
+            loss = stage(ids, ids, **{k: v[i] for k, v in chunks.items()})
             loss.backward()
         total += loss.detach()
     return total
@@ -386,5 +463,5 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     return total
 
 
-__all__ = ["parallelize", "build_optimizer", "forward_backward", "clip_grad_norm_", "global_grad_norm",
+__all__ = ["parallelize", "apply_plan", "build_optimizer", "forward_backward", "clip_grad_norm_", "global_grad_norm",
            "apply_activation_checkpointing", "PipelineError", "TrainingError"]

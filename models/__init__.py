@@ -23,9 +23,21 @@ def model_class(model_type: str):
     return getattr(importlib.import_module(module), name)
 
 
-def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None):
+def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
+                layers_per_stage: list[int] | None = None, balance: str | None = None):
     """`task` picks the head of families that have several (bert: base / masked_lm / sequence_classification,
-    vit: base / image_classification); by default the one `config.architectures` names."""
+    vit: base / image_classification); by default the one `config.architectures` names. Under pipeline
+    parallelism the rank's layers are `layer_ids`, else `layers_per_stage[pp rank]` layers, else a partition
+    balanced by `balance` ("params", the default; "flops"; "layers": equal counts), see colozoo.partition."""
+    if layers_per_stage is not None or balance is not None:
+        if layer_ids is not None:
+            raise ValueError("give either layer_ids or layers_per_stage/balance, not both")
+        from colozoo.parallel import single_process
+        from colozoo.partition import model_rank_layers
+
+        pp = (pc or single_process()).config.pp
+        rank = pc.rank("pp") if pc is not None else 0
+        layer_ids = model_rank_layers(config, pp, rank, balance=balance or "params", layers_per_stage=layers_per_stage)
     cls = model_class(config.model_type)
     if hasattr(cls, "for_task"):
         cls = cls.for_task(config, task)

@@ -96,6 +96,8 @@ class BertEmbeddings(nn.Module):
 
 
 class BertLayer(nn.Module):
+    attention_block = "self_attention"  # what selective activation checkpointing recomputes
+
     def __init__(self, config, pc, device=None, dtype=None):
         super().__init__()
         h, inner = config.hidden_size, config.intermediate_size
@@ -107,23 +109,24 @@ class BertLayer(nn.Module):
         self.qkv = ColumnParallelLinear(h, 3 * h, chunks=(h, h, h), **kw)
         self.attention_output = RowParallelLinear(h, h, **kw)
         self.attention_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.intermediate = ColumnParallelLinear(h, inner, **kw)
-        self.act = get_activation(config.hidden_act)
+        self.intermediate = ColumnParallelLinear(h, inner, activation=config.hidden_act, **kw)
         self.output = RowParallelLinear(inner, h, **kw)
         self.output_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
 
     def _dropout(self, x):
         return dropout(x, self.hidden_pdrop, self.training, sharded=self.sharded_resid)
 
-    def forward(self, x, ctx):
+    def self_attention(self, x, ctx):
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         attn = attention(q, k, v, ctx.mask, causal=False, scale=self.head_dim ** -0.5,
                          dropout_p=self.attn_pdrop if self.training else 0.0)
-        attn = self.attention_output(attn.transpose(1, 2).reshape(b, s, -1))
-        x = self.attention_norm(x + self._dropout(attn))
-        return self.output_norm(x + self._dropout(self.output(self.act(self.intermediate(x)))))
+        return self.attention_output(attn.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x, ctx):
+        x = self.attention_norm(x + self._dropout(self.self_attention(x, ctx)))
+        return self.output_norm(x + self._dropout(self.output(self.intermediate(x))))
 
 
 class BertPooler(nn.Module):

@@ -5,12 +5,13 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, scatter_to_sequence)
-from colozoo.layers.activations import get_activation
 from colozoo.modeling import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
 
 
@@ -47,13 +48,12 @@ class GPT2MLP(nn.Module):
         inner = config.n_inner if config.n_inner is not None else 4 * h
         check_divisible("the MLP width (n_inner)", inner, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        self.c_fc = ColumnParallelLinear(h, inner, **kw)
+        self.c_fc = ColumnParallelLinear(h, inner, activation=config.activation_function, **kw)
         self.c_proj = RowParallelLinear(inner, h, **kw)
-        self.act = get_activation(config.activation_function)
         self.resid_pdrop, self.sharded_resid = config.resid_pdrop, pc.sequence_parallel
 
     def forward(self, x):
-        out = self.c_proj(self.act(self.c_fc(x)))
+        out = self.c_proj(self.c_fc(x))
         return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)
 
 
@@ -103,7 +103,8 @@ class GPT2ForCausalLM(ParallelModel):
         self.check_sequence(s)
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        return BatchContext(attention_mask, build_attention_mask(attention_mask, s, causal=True), position_ids, s)
+        dense_mask = functools.partial(build_attention_mask, attention_mask, s, causal=True)
+        return BatchContext(attention_mask, dense_mask, position_ids, s)
 
     def embed(self, input_ids, ctx):
         positions = self.wpe(ctx.position_ids)
@@ -113,7 +114,5 @@ class GPT2ForCausalLM(ParallelModel):
         return dropout(hidden, self.config.embd_pdrop, self.training, sharded=self.sequence_parallel)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        logits_local = self.lm_head(self.ln_f(hidden))
-        loss = self.lm_head.loss(logits_local, labels, cp=ctx.cp) if labels is not None else None
-        logits = self.lm_head.full_logits(logits_local, cp=ctx.cp) if return_logits else None
+        loss, logits = self.lm_head.loss_and_logits(self.ln_f(hidden), labels, return_logits, cp=ctx.cp)
         return ModelOutput(loss=loss, logits=logits)

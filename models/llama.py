@@ -9,6 +9,7 @@ written here from the formulas, not imported.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention)
-from colozoo.layers.activations import get_activation
+from colozoo.kernels import apply_rotary, use_triton
+from colozoo.layers.activations import get_gated_activation
 from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -119,7 +121,10 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim), their two halves equal."""
+    if use_triton(x):  # the kernel takes one angle per rotated pair
+        half = x.shape[-1] // 2
+        return apply_rotary(x, cos[..., :half], sin[..., :half])
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
@@ -205,11 +210,11 @@ class LlamaMLP(nn.Module):
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         self.gate_up = ColumnParallelLinear(h, 2 * inner, bias=bias, chunks=(inner, inner), **kw)
         self.down_proj = RowParallelLinear(inner, h, bias=bias, **kw)
-        self.act = get_activation(config.hidden_act)
+        self.gated_act = get_gated_activation(config.hidden_act)
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.gated_act(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -285,15 +290,13 @@ class LlamaForCausalLM(ParallelModel):
         self.check_sequence(s)
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        mask = attention_mask_for(attention_mask, s, self.sliding_window, input_ids.device)
-        return RopeBatchContext(attention_mask, mask, position_ids, s, inv_freq=self.rotary(position_ids),
+        dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
+        return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
                                 rope_scale=self.rotary.attention_factor)
 
     def embed(self, input_ids, ctx):
         return self.embed_tokens(input_ids)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        logits_local = self.lm_head(self.norm(hidden))
-        loss = self.lm_head.loss(logits_local, labels, cp=ctx.cp) if labels is not None else None
-        logits = self.lm_head.full_logits(logits_local, cp=ctx.cp) if return_logits else None
+        loss, logits = self.lm_head.loss_and_logits(self.norm(hidden), labels, return_logits, cp=ctx.cp)
         return ModelOutput(loss=loss, logits=logits)

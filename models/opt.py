@@ -8,6 +8,8 @@ ReLU MLP, optional word-embedding projections, LM head tied to the token embeddi
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,6 @@ from torch import nn
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, copy_to_parallel,
                             scatter_to_sequence)
-from colozoo.layers.activations import get_activation
 from colozoo.modeling import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
                               dropout, require)
 
@@ -76,9 +77,9 @@ class OPTDecoderLayer(nn.Module):
         self.self_attn_layer_norm = LayerNorm(h, **norm)
         self.self_attn = OPTAttention(config, pc, device, dtype)
         self.final_layer_norm = LayerNorm(h, **norm)
-        self.fc1 = ColumnParallelLinear(h, config.ffn_dim, bias=config.enable_bias, **kw)
+        self.fc1 = ColumnParallelLinear(h, config.ffn_dim, bias=config.enable_bias,
+                                        activation=config.activation_function, **kw)
         self.fc2 = RowParallelLinear(config.ffn_dim, h, bias=config.enable_bias, **kw)
-        self.act = get_activation(config.activation_function)
 
     def _dropout(self, x):
         return dropout(x, self.dropout_p, self.training, sharded=self.sharded_resid)
@@ -89,7 +90,7 @@ class OPTDecoderLayer(nn.Module):
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
         mlp_in = self.final_layer_norm(x) if self.pre_norm else x
-        x = x + self._dropout(self.fc2(self.act(self.fc1(mlp_in))))
+        x = x + self._dropout(self.fc2(self.fc1(mlp_in)))
         return x if self.pre_norm else self.final_layer_norm(x)
 
 
@@ -135,7 +136,8 @@ class OPTForCausalLM(ParallelModel):
             else:  # positions count real tokens only; padding gets -1 (row 1 of the table), as in OPT
                 mask = attention_mask.long()
                 position_ids = mask.cumsum(dim=1) * mask - 1
-        return BatchContext(attention_mask, build_attention_mask(attention_mask, s, causal=True), position_ids, s)
+        dense_mask = functools.partial(build_attention_mask, attention_mask, s, causal=True)
+        return BatchContext(attention_mask, dense_mask, position_ids, s)
 
     def embed(self, input_ids, ctx):
         positions = self.embed_positions(ctx.position_ids + POSITION_OFFSET)
@@ -151,7 +153,5 @@ class OPTForCausalLM(ParallelModel):
             hidden = self.final_layer_norm(hidden)
         if hasattr(self, "project_out"):
             hidden = self.project_out(hidden)
-        logits_local = self.lm_head(hidden)
-        loss = self.lm_head.loss(logits_local, labels, cp=ctx.cp) if labels is not None else None
-        logits = self.lm_head.full_logits(logits_local, cp=ctx.cp) if return_logits else None
+        loss, logits = self.lm_head.loss_and_logits(hidden, labels, return_logits, cp=ctx.cp)
         return ModelOutput(loss=loss, logits=logits)

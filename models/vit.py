@@ -54,6 +54,8 @@ class ViTEmbeddings(nn.Module):
 
 
 class ViTLayer(nn.Module):
+    attention_block = "self_attention"  # what selective activation checkpointing recomputes
+
     def __init__(self, config, pc, device=None, dtype=None):
         super().__init__()
         h, inner = config.hidden_size, config.intermediate_size
@@ -68,21 +70,23 @@ class ViTLayer(nn.Module):
         self.qkv = ColumnParallelLinear(h, 3 * width, bias=config.qkv_bias, chunks=(width, width, width), **kw)
         self.o_proj = RowParallelLinear(width, h, **kw)
         self.layernorm_after = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.fc1 = ColumnParallelLinear(h, inner, **kw)
-        self.act = get_activation(config.hidden_act)
+        self.fc1 = ColumnParallelLinear(h, inner, activation=config.hidden_act, **kw)
         self.fc2 = RowParallelLinear(inner, h, **kw)
 
     def _dropout(self, x):
         return dropout(x, self.hidden_pdrop, self.training, sharded=self.sharded_resid)
 
-    def forward(self, x, ctx):
+    def self_attention(self, x, ctx):
         qkv = self.qkv(self.layernorm_before(x))
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         attn = attention(q, k, v, ctx.mask, causal=False, scale=self.head_dim ** -0.5,
                          dropout_p=self.attn_pdrop if self.training else 0.0)
-        x = x + self._dropout(self.o_proj(attn.transpose(1, 2).reshape(b, s, -1)))
-        return x + self._dropout(self.fc2(self.act(self.fc1(self.layernorm_after(x)))))
+        return self.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x, ctx):
+        x = x + self._dropout(self.self_attention(x, ctx))
+        return x + self._dropout(self.fc2(self.fc1(self.layernorm_after(x))))
 
 
 class ViTPooler(nn.Module):
@@ -146,12 +150,22 @@ class ViTModel(ParallelModel):
         if tuple(pixel_values.shape[2:]) != pair(c.image_size):
             raise ValueError(f"image size {tuple(pixel_values.shape[2:])} does not match the model's "
                              f"{pair(c.image_size)} (position interpolation is not supported)")
-        seq = num_patches(c) + 1
-        padded = seq + (-seq) % self.pc.tp_size if self.sequence_parallel else seq
+        seq, padded = self.sequence_lengths()
         device = pixel_values.device
         positions = torch.arange(padded, device=device).expand(pixel_values.shape[0], padded)
         mask = (torch.arange(padded, device=device) < seq)[None, None, None, :] if padded > seq else None
         return BatchContext(None, mask, positions, seq)
+
+    def sequence_lengths(self) -> tuple[int, int]:
+        """(CLS + patches, that padded to a multiple of tp under sequence parallelism)."""
+        seq = num_patches(self.config) + 1
+        padded = seq + (-seq) % self.pc.tp_size if self.sequence_parallel else seq
+        return seq, padded
+
+    def stage_hidden_shape(self, batch: int, pixel_values) -> tuple[int, int, int]:
+        """The hidden states between pipeline stages: the (padded) token sequence, this rank's share under SP."""
+        padded = self.sequence_lengths()[1]
+        return batch, padded // self.pc.tp_size if self.sequence_parallel else padded, self.config.hidden_size
 
     def embed(self, pixel_values, ctx):
         return self.embeddings(pixel_values, ctx)

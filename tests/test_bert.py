@@ -10,19 +10,21 @@ BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_lay
 ARCHITECTURES = ["BertModel", "BertForMaskedLM", "BertForSequenceClassification"]
 
 
-def inputs_and_labels(architecture: str, num_labels: int = 3, seq_len: int = 12):
-    """Two sequences with two segments (token types), the second right-padded; labels for the task."""
+def inputs_and_labels(architecture: str, num_labels: int = 3, seq_len: int = 12, batch_size: int = 2):
+    """Sequences with two segments (token types), the last right-padded; labels for the task."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, BASE["vocab_size"], (2, seq_len), generator=g)
-    mask = torch.ones(2, seq_len, dtype=torch.long)
-    mask[1, seq_len - 3:] = 0
-    token_types = torch.zeros(2, seq_len, dtype=torch.long)
+    ids = torch.randint(0, BASE["vocab_size"], (batch_size, seq_len), generator=g)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    mask[-1, seq_len - 3:] = 0
+    token_types = torch.zeros(batch_size, seq_len, dtype=torch.long)
     token_types[:, seq_len // 2:] = 1
+    token_types[0, seq_len // 3:] = 1  # segments of different lengths
     inputs = dict(input_ids=ids, attention_mask=mask, token_type_ids=token_types)
     if architecture == "BertForMaskedLM":
-        labels = ids.masked_fill((torch.rand(2, seq_len, generator=g) < 0.5) | (mask == 0), -100)
+        labels = ids.masked_fill((torch.rand(batch_size, seq_len, generator=g) < 0.5) | (mask == 0), -100)
     elif architecture == "BertForSequenceClassification":
-        labels = torch.tensor([0.5, -1.0]) if num_labels == 1 else torch.tensor([0, num_labels - 1])
+        labels = (torch.linspace(1.0, -1.0, batch_size) if num_labels == 1
+                  else torch.arange(batch_size) % num_labels)
     else:
         labels = None
     return inputs, labels
@@ -91,3 +93,56 @@ def test_bert_masked_lm_pipeline_parallel():
     config = {**BASE, "num_hidden_layers": 4}
     run_distributed(pipeline_parity, 4, "BertForMaskedLM", config, inputs["input_ids"], inputs["attention_mask"],
                     labels, 2, 2, True)
+
+
+def bert_pipeline_parity(architecture, pp, tp, sp, batch_size=4):
+    from parity import task_pipeline_parity
+
+    inputs, labels = inputs_and_labels(architecture, batch_size=batch_size)
+    config = {**BASE, "num_hidden_layers": 4, "num_labels": 3}
+    return task_pipeline_parity(architecture, config, inputs, labels, pp=pp, tp=tp, sequence_parallel=sp)
+
+
+def test_bert_sequence_classification_pipeline_parallel():
+    # pp=2 x tp=2 with sequence parallelism: token_type_ids and padding go through the stages and micro-batches,
+    # the classification logits come back on every rank
+    run_distributed(bert_pipeline_parity, 4, "BertForSequenceClassification", 2, 2, True)
+
+
+def test_bert_base_model_pipeline_parallel():
+    # hidden states and pooled output from the last stage on every rank; its tie_word_embeddings ties nothing
+    run_distributed(bert_pipeline_parity, 2, "BertModel", 2, 1, False)
+
+
+def selective_checkpointing_gradients(mode):
+    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.models import build_model
+    from colozoo.rng import model_parallel_seed
+    from colozoo.training import parallelize
+
+    config = transformers.BertConfig(**{**BASE, "hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
+                                     num_labels=3, architectures=["BertForSequenceClassification"])
+    from parity import hf_model
+
+    model = build_model(config, device="meta")
+    load_hf_weights(model, StateDictReader(hf_model("BertForSequenceClassification", config).state_dict()),
+                    device="cpu")
+    parallelize(model.train(), activation_checkpointing=mode)
+    inputs, labels = inputs_and_labels("BertForSequenceClassification", batch_size=4)
+    model_parallel_seed(5, model.pc)  # the default and the tracked generator: earlier tests may have seeded it
+    loss = model.forward_backward(inputs["input_ids"], labels, attention_mask=inputs["attention_mask"],
+                                  token_type_ids=inputs["token_type_ids"], num_microbatches=2)
+    return model, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_selective_checkpointing_recomputes_bert_attention():
+    import functools
+
+    _, loss, grads = selective_checkpointing_gradients(None)
+    model, loss_ckpt, grads_ckpt = selective_checkpointing_gradients("selective")
+    for layer in model.layers.values():  # the whole attention block is recomputed, and nothing else
+        assert isinstance(layer.self_attention, functools.partial)
+        assert all(not isinstance(m.forward, functools.partial) for m in layer.children())
+    assert loss_ckpt == loss
+    for name, g in grads.items():  # dropout masks included: recomputation replays the same random numbers
+        torch.testing.assert_close(grads_ckpt[name], g, rtol=0, atol=1e-6, msg=name)

@@ -131,7 +131,7 @@ def test_registered_llama_symbolic_forward():
     assert model(ids, labels=ids).loss.is_meta
 
 
-@pytest.mark.parametrize("pp,tp,sp,tied", [(2, 2, True, True)])
+@pytest.mark.parametrize("pp,tp,sp,tied", [(2, 2, True, True), (2, 1, False, False)])
 def test_llama_pipeline_parallel(pp, tp, sp, tied):
     from parity import batch, pipeline_parity
 

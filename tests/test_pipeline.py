@@ -41,6 +41,27 @@ def test_balance_moves_layers_off_the_embedding_and_head_stages():
         layer_cost(config, "bytes")
 
 
+def test_models_are_balanced_by_default_and_take_layers_per_stage():
+    from colozoo.parallel import ParallelContext
+
+    config = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=5000, n_positions=32)  # embedding ~ 6.5 layers
+
+    def layers(pp, **partition):
+        return [build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=r), device="meta", **partition).layer_ids
+                for r in range(pp)]
+
+    balanced = [run for (run,) in model_stage_layers(config, 3)]
+    assert layers(3) == balanced and len(balanced[0]) < 4 and len(balanced[2]) < 4  # tied: a copy on the last
+    assert layers(3, balance="layers") == [list(range(4)), list(range(4, 8)), list(range(8, 12))]
+    assert layers(3, balance="flops") == [run for (run,) in model_stage_layers(config, 3, balance="flops")]
+    assert layers(3, layers_per_stage=[2, 6, 4]) == [[0, 1], list(range(2, 8)), list(range(8, 12))]
+    assert layers(1) == [list(range(12))]
+    with pytest.raises(PartitionError, match="balance"):
+        layers(2, balance="bytes")
+    with pytest.raises(ValueError, match="either layer_ids or layers_per_stage"):
+        build_model(config, pc=ParallelContext.virtual(pp=2), layer_ids=[0], layers_per_stage=[6, 6], device="meta")
+
+
 def test_virtual_stages_are_looped_over_ranks():
     assert virtual_stage_layers(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     assert rank_layers(8, 2, 1, virtual_stages=2) == [2, 3, 6, 7]

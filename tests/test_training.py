@@ -130,6 +130,12 @@ def test_loss_curve_ddp_dp2_pp2():
     assert all(r["tied_equal"] in (None, True) for r in results)
 
 
+def test_ddp_with_tensor_parallel_matches_single_process():
+    results = run_distributed(train_against_hf, 4, 2, 1, 2, 1, 2, "1f1b", 1, False, dict(data_parallel="ddp"),
+                              timeout=TIMEOUT)
+    check_all_names(results)
+
+
 @pytest.mark.parametrize("schedule,tp", [("interleaved_1f1b", 1), ("zero_bubble", 2)])
 def test_virtual_stages_match_single_process(schedule, tp):
     results = run_distributed(train_against_hf, 2 * tp, 1, 2, tp, 1, 2, schedule, 2, timeout=TIMEOUT)
@@ -142,8 +148,25 @@ def test_activation_checkpointing_matches_single_process(mode):
     run_distributed(train_against_hf, 4, 2, 1, 2, 1, 2, "1f1b", 1, True, options, timeout=TIMEOUT)
 
 
+def full_model_gradients(model, config, hf):
+    """Every parameter's gradient of the whole model, gathered over tp and the pipeline stages, on every rank."""
+    reader, sources = StateDictReader(hf.state_dict()), family_module("gpt2").hf_sources(config)
+    mine = {name: full_parameter(model, p.grad, GlobalTensor(reader, sources[name], name).shape, spec_of(p))
+            for name, p in model.named_parameters()}
+    every_stage = [None] * model.pc.config.pp
+    torch.distributed.all_gather_object(every_stage, mine, group=model.pc.group("pp"))
+    full = {}
+    for grads in every_stage:
+        for name, g in grads.items():
+            if name in full:  # the tied embedding: both copies hold the summed gradient
+                torch.testing.assert_close(g, full[name], rtol=0, atol=0, msg=name)
+            full[name] = g
+    return full
+
+
 def schedules_agree(schedules, virtual_stages, tp=1, sp=False):
-    """Loss and every local gradient of one forward_backward per schedule, compared with the first schedule's."""
+    """Loss and the whole model's gradients of one forward_backward per schedule, compared with the first
+    schedule's (virtual stages place other layers on a rank, so only the gathered gradients compare)."""
     pc = init_parallel(pp=2, tp=tp, sequence_parallel=sp)
     config, hf = hf_causal_lm("gpt2", CONFIG)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
@@ -152,14 +175,14 @@ def schedules_agree(schedules, virtual_stages, tp=1, sp=False):
         multi = schedule in ("interleaved_1f1b", "zero_bubble")
         model = build(pc, config, hf, virtual_stages if multi else 1)
         loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=4, schedule=schedule)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = full_model_gradients(model, config, hf)
+        check_all_names([dict(names=grads)])
         if first is None:
             first = schedule, loss, grads
             continue
         assert torch.allclose(loss, first[1], rtol=0, atol=1e-6), (schedule, loss.item(), first[0], first[1].item())
         for name, g in grads.items():
-            if name in first[2]:  # virtual stages hold other layers on this rank than one stage per rank
-                torch.testing.assert_close(g, first[2][name], rtol=0, atol=1e-6, msg=f"{schedule} vs {first[0]}: {name}")
+            torch.testing.assert_close(g, first[2][name], rtol=0, atol=1e-6, msg=f"{schedule} vs {first[0]}: {name}")
     return True
 
 
@@ -243,6 +266,8 @@ def test_bad_options_are_clear_errors():
         model.forward_backward(ids, labels, num_microbatches=0)
     with pytest.raises(TrainingError, match="labels must have the batch size"):
         model.forward_backward(ids, labels[:3])
+    with pytest.raises(TrainingError, match="token_type_ids must have the batch size"):
+        model.forward_backward(ids, labels, token_type_ids=ids[:3])
 
 
 def dropout_gradients(mode, tp):
