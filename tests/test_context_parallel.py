@@ -86,14 +86,14 @@ FAMILIES = {
 }
 
 
-def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2"):
+def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=None):
     from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.models import build_model
     from colozoo.parallel import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm(family, FAMILIES[family])
+    config, hf = hf_causal_lm(family, {**FAMILIES[family], **(overrides or {})})
     ids, mask, labels = batch(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels)
     ref.loss.backward()
@@ -135,6 +135,12 @@ def test_gpt2_cp2_tp2_matches_transformers(mode):
 
 def test_gpt2_cp4_ring_matches_transformers():
     run_distributed(cp_parity, 4, 1, 4, "ring", timeout=150)
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_gpt2_cp4_tp2_matches_transformers(mode):
+    # 8 ranks; 8 heads, so all-to-all spreads each tp rank's 4 heads over the 4 cp ranks
+    run_distributed(cp_parity, 8, 2, 4, mode, True, "gpt2", dict(n_head=8), timeout=240)
 
 
 @pytest.mark.parametrize("family", ["opt", "llama", "mistral"])
@@ -215,3 +221,26 @@ def cp_errors():
 
 def test_context_parallel_errors_name_the_problem():
     run_distributed(cp_errors, 2, timeout=60)
+
+
+def cp_builds_no_dense_mask(family, builder):
+    """Under cp the (batch, 1, S, S) mask of the full sequence is never built (it grows with S squared)."""
+    from unittest import mock
+
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    pc = init_parallel(cp=2)
+    config, _ = hf_causal_lm(family, FAMILIES[family])
+    model = build_model(config, pc=pc).eval()
+    ids, mask, labels = batch(config.vocab_size, 16)
+    with mock.patch(builder, side_effect=AssertionError("a dense (S, S) mask was built under cp")):
+        for mode in ("ring", "all_to_all"):
+            model(ids, attention_mask=mask, labels=labels, cp_mode=mode)
+
+
+@pytest.mark.parametrize("family,builder", [("gpt2", "colozoo.models.gpt2.build_attention_mask"),
+                                            ("opt", "colozoo.models.opt.build_attention_mask"),
+                                            ("mistral", "colozoo.models.llama.attention_mask_for")])
+def test_cp_never_builds_the_dense_mask(family, builder):
+    run_distributed(cp_builds_no_dense_mask, 2, family, builder, timeout=90)

@@ -66,10 +66,10 @@ def compare(model, reference, sources, atol, what, grad=False):
     return max(diffs.values())
 
 
-def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None, steps=1):
+def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None, steps=1, pp=1):
     """Runs on every rank: `steps` training steps of ours and of transformers' model; returns the worst differences."""
-    distributed = dp * cp * tp > 1
-    pc = init_parallel(tp=tp, dp=dp, cp=cp, ep=ep) if distributed else single_process()
+    distributed = dp * cp * tp * pp > 1
+    pc = init_parallel(tp=tp, dp=dp, cp=cp, ep=ep, pp=pp) if distributed else single_process()
     config, hf = hf_causal_lm(family, CONFIGS[family])
     hf.train()
     model = build(pc, family, config, hf, dict(options or {}))
@@ -108,6 +108,13 @@ def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None
 ])
 def test_context_parallel_step_matches_single_process(dp, cp, tp, microbatches, options):
     run_distributed(step_against_hf, dp * cp * tp, "gpt2", dp, cp, 1, tp, microbatches, options, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_context_parallel_on_pipeline_stages_step_matches_single_process(mode):
+    # cp=2 x pp=2: every stage shards its micro-batch's sequence; the tied embedding spans the stages
+    options = dict(cp_mode=mode) if mode == "all_to_all" else {}
+    run_distributed(step_against_hf, 4, "gpt2", 1, 2, 1, 1, 2, options, 1, 2, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("family,dp,cp,ep,tp,options", [
