@@ -257,10 +257,20 @@ def _write_index(model, layout: ModelLayout, tmp: Path, shards: list):
     write_index(tmp, make_index(layout, mesh, tensors, files))
 
 
+def _stage_layers(model) -> list[list[int]] | None:
+    """Every pp rank's global layer indices (collective over pp): the model may be split other than by default."""
+    pp = model.pc.config.pp
+    if pp == 1:
+        return None
+    every_rank = [None] * pp
+    dist.all_gather_object(every_rank, list(model.layer_ids), group=model.pc.group("pp"))
+    return every_rank
+
+
 def _save_colozoo(model, dst: Path):
     rank, _ = _world()
     tmp = dst.parent / f".{dst.name}.tmp-colozoo"
-    layout = ModelLayout(model.config, model.pc.config.pp)
+    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model))
     _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank))
     def write_index_and_publish(shards):
         if rank == 0:

@@ -62,11 +62,12 @@ def _tied_aliases(model) -> dict[str, str]:
     return out
 
 
-def build_virtual(config, pp: int = 1, pp_rank: int = 0):
+def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | None = None):
     """A meta model of one pipeline stage at tp=1, whose parameter shapes are the global shapes."""
     from colozoo.models import build_model
 
-    return build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=pp_rank), device="meta")
+    return build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=pp_rank), layer_ids=layer_ids,
+                       device="meta")
 
 
 def check_mesh(config, tp: int = 1, pp: int = 1, ep: int = 1):
@@ -89,7 +90,8 @@ class TensorInfo:
 class ModelLayout:
     """The global tensors of a model (canonical names, in model order), their specs and pipeline stages."""
 
-    def __init__(self, config, pp: int = 1):
+    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None):
+        """`stage_layers`: every pp rank's global layer indices, where a model was split other than by default."""
         full = build_virtual(config)
         self.config, self.pp = config, pp
         self.aliases = _tied_aliases(full)
@@ -97,7 +99,8 @@ class ModelLayout:
         if pp > 1:
             seen = set()
             for rank in range(pp):
-                for name, _ in build_virtual(config, pp, rank).named_parameters():
+                layer_ids = stage_layers[rank] if stage_layers is not None else None
+                for name, _ in build_virtual(config, pp, rank, layer_ids).named_parameters():
                     name = self.canonical(name)
                     if name not in seen:
                         self.tensors[name].stage = rank

@@ -213,8 +213,8 @@ def _logits_vs_transformers(path, reference, tp, pp=1, dtype=None, ep=1):
     return diff
 
 
-def _save_then_check(path, out_colozoo, out_hf, tp, pp=1, ep=1):
-    model = colozoo.from_pretrained(path, tp=tp, pp=pp, ep=ep)
+def _save_then_check(path, out_colozoo, out_hf, tp, pp=1, ep=1, layers_per_stage=None):
+    model = colozoo.from_pretrained(path, tp=tp, pp=pp, ep=ep, layers_per_stage=layers_per_stage)
     model.save_pretrained(out_colozoo)
     model.save_pretrained(out_hf, format="hf")
     return True
@@ -252,6 +252,19 @@ def test_save_pretrained_collectively_then_reload(tmp_path, tp, pp):
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
     assert not leftovers(tmp_path)
     _logits_vs_transformers(tmp_path / "saved", hf, tp=1)  # reloaded at another mesh
+    convert(tmp_path / "saved", tmp_path / "back", to_hf=True)
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
+
+
+def test_save_pretrained_from_an_uneven_stage_split(tmp_path):
+    # stages of 1 and 3 layers (not the default split); the tied embedding's copy on the last stage is not saved
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    run_distributed(_save_then_check, 2, hf, tmp_path / "saved", tmp_path / "saved_hf", 1, 2, 1, [1, 3],
+                    timeout=TIMEOUT)
+    index = json.loads((tmp_path / "saved" / INDEX_NAME).read_text())
+    pieces = index["tensors"]["layers.1.attn.c_attn.weight"]["pieces"]
+    assert {p["file"] for p in pieces} == {"model-pp01-tp00-ep00.safetensors"}  # layer 1 is on the second stage
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
     convert(tmp_path / "saved", tmp_path / "back", to_hf=True)
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
 
