@@ -439,6 +439,7 @@ class ModelTrace:
     dtype: str
 
     next_batch: "ModelTrace | None" = None  # the same model traced at batch_size + 1, for `scaled`
+    config: object = None  # the HF config of a colozoo model: pipeline stages are split as the model splits them
 
     def scaled(self, batch_size: int) -> "ModelTrace":
         """The same model at another micro-batch size. Activations, FLOPs and collectives are affine in the
@@ -464,7 +465,7 @@ class ModelTrace:
                           for k, n in st.items()} for op, st in u.ops.items()}
             units[key] = v
         return ModelTrace(self.name, units, self.layers, self.total_params, self.tied_bytes, batch_size,
-                          self.local_seq, self.dtype)
+                          self.local_seq, self.dtype, config=self.config)
 
 
 def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str = "bfloat16",
@@ -526,7 +527,8 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
         units = _units(trace, step_unit, layer_prefix, kinds, local_seq)
         _assign_params(units, params, prefix, kinds, module_unit, root)
         tied = _tied_head_bytes(trace, params, prefix, module_unit, root)
-        out[size] = ModelTrace(name, units, all_layers, _global_params(params, pc), tied, size, local_seq, dtype)
+        out[size] = ModelTrace(name, units, all_layers, _global_params(params, pc), tied, size, local_seq, dtype,
+                               config=config if generic is None else None)
     return out if isinstance(batch_size, (list, tuple)) else out[batch_size]
 
 
@@ -680,7 +682,7 @@ def _tied_head_bytes(trace: Trace, params, prefix, module_unit, root) -> int:
 
 def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
     """Per-rank memory, FLOPs and communication of a training step from a traced micro-batch."""
-    from colozoo.partition import stage_layers
+    from colozoo.partition import model_stage_layers, stage_layers
 
     pc = parse_mesh(mesh)
     setup.check()
@@ -694,7 +696,10 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
     if pc.pp > n_layers:
         raise ProfilerError(f"pp={pc.pp} exceeds the {n_layers} layers of the model")
     order = all_layers
-    stages = stage_layers(n_layers, pc.pp) if n_layers else [[]]
+    if mt.config is not None and n_layers:  # the split the model itself uses (balanced by parameters)
+        stages = [[i for run in runs for i in run] for runs in model_stage_layers(mt.config, pc.pp)]
+    else:
+        stages = stage_layers(n_layers, pc.pp) if n_layers else [[]]
     shard = pc.dp * pc.cp  # FSDP / ZeRO shard over the data and context ranks
     m = setup.num_microbatches
     stage_costs = []

@@ -230,3 +230,14 @@ def test_cli_json(capsys):
     assert main(["profile", "opt-125m", "--seq-len", "64", "--mesh", "tp=2,dp=2", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"tp": 2' in out
+
+
+def test_pipeline_stages_are_split_as_the_model_splits_them():
+    from colozoo.partition import model_rank_layers
+    from colozoo.registry import get_config
+
+    config = get_config("gpt2")
+    report = profile("gpt2", batch_size=1, seq_len=128, mesh="pp=4")
+    expected = [model_rank_layers(config, 4, rank) for rank in range(4)]
+    assert [[int(k) for k in s["layers"]] for s in report.stages] == expected
+    assert len(expected[0]) < len(expected[1])  # the embedding's stage holds fewer layers: not an even split
