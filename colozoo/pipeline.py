@@ -69,13 +69,17 @@ class StageModule(nn.Module):
     def model(self):
         return self._model[0]
 
-    def forward(self, x, token_ids, labels=None, attention_mask=None, eval_outputs: bool = False,
-                return_logits: bool = False, **inputs):
+    def forward(self, x, router_stats=None, *, token_ids, labels=None, attention_mask=None,
+                eval_outputs: bool = False, return_logits: bool = False, **inputs):
         """x: the input_ids on the first stage, else the previous stage's hidden states; token_ids: the input_ids
-        (every stage rebuilds the batch context from them and the other model `inputs`, e.g. position_ids)."""
+        (every stage rebuilds the batch context from them and the other model `inputs`, e.g. position_ids).
+        With MoE router losses, earlier stages' `router_stats` come along with the hidden states and this stage
+        hands on the sum with its own layers' (the last stage's losses need every layer's)."""
         model = self.model
         with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             ctx = model.batch_context(token_ids, attention_mask, **inputs)
+            if router_stats is not None:
+                ctx.router_stats_in = router_stats
             if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
                 from colozoo.layers.context_parallel import shard_batch
 
@@ -85,7 +89,10 @@ class StageModule(nn.Module):
             for layer in self.layers.values():
                 hidden = layer(hidden, ctx)
             if not self.is_last:
-                return hidden.to(self.activation_dtype or hidden.dtype).contiguous()  # p2p sends need contiguous
+                hidden = hidden.to(self.activation_dtype or hidden.dtype).contiguous()  # p2p sends need contiguous
+                if carries_router_stats(model, getattr(ctx, "output_router_logits", None)):
+                    return hidden, model.router_statistics(ctx, hidden.device)
+                return hidden
             out = model.head(hidden, ctx, labels=labels, return_logits=eval_outputs and return_logits)
         if eval_outputs:  # a plain tuple: DDP/FSDP wrappers look for tensors in what a stage returns
             return tuple(getattr(out, f.name) for f in fields(out))
@@ -96,6 +103,16 @@ class StageModule(nn.Module):
             loss = loss + router * (self.router_loss_scale - model.loss_token_count(labels) * self.loss_scale)
             self.router_losses.append(router.detach())
         return loss
+
+
+def carries_router_stats(model, output_router_logits: bool | None = None) -> bool:
+    """Do stages hand MoE router statistics on? With the router losses on (the batch's choice, else the config's)
+    and pp > 1."""
+    if not hasattr(model, "router_statistics") or model.pc.config.pp == 1:
+        return False
+    if output_router_logits is None:
+        output_router_logits = getattr(model.config, "output_router_logits", False)
+    return bool(output_router_logits)
 
 
 def build_stage_modules(model) -> list[StageModule]:
@@ -186,7 +203,8 @@ def _runner(model, stages, schedule, num_microbatches, input_ids):
     """The torch schedule over this rank's stages, with static input/output shapes; cached per batch shape."""
     micro = input_ids.shape[0] // num_microbatches
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
-    key = (schedule, num_microbatches, tuple(input_ids.shape), input_ids.dtype, dtype)
+    carry = carries_router_stats(model)
+    key = (schedule, num_microbatches, tuple(input_ids.shape), input_ids.dtype, dtype, carry)
     cache = unwrap(stages[0]).__dict__.setdefault("_runners", {})  # new stages (parallelize) start afresh
     if key in cache:
         return cache[key]
@@ -196,10 +214,13 @@ def _runner(model, stages, schedule, num_microbatches, input_ids):
         inner = unwrap(stage)
         hidden = torch.empty(hidden_shape(model, micro, input_ids), dtype=dtype, device=device, requires_grad=True)
         first_input = torch.empty((micro, *input_ids.shape[1:]), dtype=input_ids.dtype, device=device)
-        x_in = first_input if inner.is_first else hidden
-        x_out = torch.empty((), device=device, requires_grad=True) if inner.is_last else hidden
-        pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=(x_in,),
-                                         output_args=(x_out,), group=model.pc.group("pp")))
+        between = (hidden,)
+        if carry:
+            between += (torch.empty(model.router_stats_width(), device=device, requires_grad=True),)
+        inputs = (first_input,) if inner.is_first else between
+        outputs = (torch.empty((), device=device, requires_grad=True),) if inner.is_last else between
+        pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=inputs,
+                                         output_args=outputs, group=model.pc.group("pp")))
     # the last stage already returns its loss scaled for the global batch: no loss_fn work, no grad scaling
     stage_arg = pipe_stages if schedule in MULTI_STAGE else pipe_stages[0]
     cache[key] = SCHEDULES[schedule](stage_arg, num_microbatches, loss_fn=_take_loss, scale_grads=False)
@@ -223,19 +244,24 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
     pp = model.pc.config.pp
     kwargs = _batch_kwargs(input_ids, labels, attention_mask, inputs)
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
+    carry = carries_router_stats(model, inputs.get("output_router_logits"))
     outputs = None
     for stage in stages:
         inner = unwrap(stage)
-        if inner.is_first:
-            x = input_ids
-        else:
-            x = torch.empty(hidden_shape(model, input_ids.shape[0], input_ids), dtype=dtype, device=input_ids.device)
-            dist.recv(x, src=_p2p_peer(model, inner.index - 1), group=None)
-        out = stage(x, eval_outputs=True, return_logits=return_logits, **kwargs)
+        received = (input_ids,)
+        if not inner.is_first:
+            received = (torch.empty(hidden_shape(model, input_ids.shape[0], input_ids), dtype=dtype,
+                                    device=input_ids.device),)
+            if carry:
+                received += (torch.empty(model.router_stats_width(), device=input_ids.device),)
+            for t in received:
+                dist.recv(t, src=_p2p_peer(model, inner.index - 1), group=None)
+        out = stage(*received, eval_outputs=True, return_logits=return_logits, **kwargs)
         if inner.is_last:
             outputs = out
         else:
-            dist.send(out.contiguous(), dst=_p2p_peer(model, inner.index + 1))
+            for t in (out if isinstance(out, tuple) else (out,)):
+                dist.send(t.contiguous(), dst=_p2p_peer(model, inner.index + 1))
     if pp > 1:
         outputs = _from_last_stage(model, outputs)
     return ModelOutput(*outputs)

@@ -144,8 +144,6 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
                             f"data_parallel={data_parallel!r}, dp*cp={pc.size('dp_cp')}): its CPUOffloadPolicy "
                             f"is what moves parameters to CPU memory; use offload='optimizer' instead")
     experts = _expert_parameters(model)
-    if hasattr(model, "check_router_losses"):  # MoE: router losses need every layer's statistics (no pp)
-        model.check_router_losses()
     if hasattr(model, "router_stats_group"):  # router losses of the global batch, not of each rank's rows
         model.router_stats_group = pc.group("dp_cp")
     if activation_checkpointing:
@@ -334,7 +332,7 @@ def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, los
     total = torch.zeros((), device=input_ids.device)
     for i, ids in enumerate(input_ids.tensor_split(m)):
         with _gradient_sync(stage, last=i == m - 1):
-            loss = stage(ids, ids, **{k: v[i] for k, v in chunks.items()})
+            loss = stage(ids, token_ids=ids, **{k: v[i] for k, v in chunks.items()})
             loss.backward()
         total += loss.detach()
     return total

@@ -234,37 +234,50 @@ class MoE(nn.Module):
         return all_to_all_rows(restored, recv_splits, send_splits, self.ep_group)
 
 
+def router_statistics(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
+                      token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """What the router losses need from some MoE layers, as one fp32 vector that adds up over layers (and so
+    over pipeline stages and data ranks): [assignments per expert (E), router probability sums per expert (E),
+    tokens, logsumexp^2 sum, tokens]; padding excluded. Only the probability sums carry gradients."""
+    device = router_logits[0].device
+    mask = token_mask.reshape(-1).float().to(device) if token_mask is not None else None
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = z_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        w = mask if mask is not None else torch.ones(probs.shape[0], device=device)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        assigned = assigned.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * w[:, None]).sum(0)
+        rows = rows + w.sum()
+        z_sum = z_sum + (torch.logsumexp(logits.float(), dim=-1) ** 2 * w).sum()
+    return torch.cat([assigned, prob_sum, torch.stack([rows, z_sum, rows])])
+
+
+def router_losses(stats: torch.Tensor, num_experts: int, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) from `router_statistics` summed over every MoE layer; with `group` the
+    statistics are summed over its ranks first (the tokens of the whole batch)."""
+    from .context_parallel import sum_over
+
+    stats = sum_over(stats, group)
+    assigned, prob_sum = stats[:num_experts], stats[num_experts:2 * num_experts]
+    rows, z_sum, z_rows = stats[2 * num_experts:]
+    balance = num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+    return balance, z_sum / z_rows.clamp(min=1)
+
+
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
                         token_mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """Switch-Transformer auxiliary loss over all MoE layers, as Mixtral computes it:
     num_experts * sum_e (fraction of assignments to e) * (mean router probability of e), padding excluded.
     With `group` (cp) the token statistics are summed over its ranks first."""
-    from .context_parallel import sum_over
-
-    device = router_logits[0].device
-    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
-    mask = token_mask.reshape(-1).float().to(device) if token_mask is not None else None
-    for logits in router_logits:
-        probs = torch.softmax(logits.float(), dim=-1)
-        chosen = torch.topk(probs, top_k, dim=-1).indices
-        w = mask if mask is not None else torch.ones(probs.shape[0], device=device)
-        assigned = assigned.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
-        prob_sum = prob_sum + (probs * w[:, None]).sum(0)
-        rows = rows + w.sum()
-    assigned, prob_sum, rows = sum_over(assigned, group), sum_over(prob_sum, group), sum_over(rows, group)
-    return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+    stats = router_statistics(router_logits, num_experts, top_k, token_mask)
+    return router_losses(stats, num_experts, group)[0]
 
 
 def router_z_loss(router_logits: list[torch.Tensor], token_mask: torch.Tensor | None = None,
                   group=None) -> torch.Tensor:
     """ST-MoE router z-loss: mean over tokens (and layers) of logsumexp(router logits)^2."""
-    from .context_parallel import sum_over
-
-    total, count = 0.0, 0.0
-    for logits in router_logits:
-        z = torch.logsumexp(logits.float(), dim=-1) ** 2
-        w = token_mask.reshape(-1).float().to(z.device) if token_mask is not None else torch.ones_like(z)
-        total, count = total + (z * w).sum(), count + w.sum()
-    return sum_over(total, group) / sum_over(count, group).clamp(min=1)
+    stats = router_statistics(router_logits, router_logits[0].shape[-1], 1, token_mask)
+    return router_losses(stats, router_logits[0].shape[-1], group)[1]

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import torch
 from torch import nn
 
 from colozoo.layers import RMSNorm
-from colozoo.layers.moe import MoE, load_balancing_loss, router_z_loss
+from colozoo.layers.moe import MoE, router_losses, router_statistics
 from colozoo.modeling import ModelOutput, UnsupportedConfig
 from colozoo.parallel import single_process
 
@@ -47,6 +48,7 @@ class RouterLogits:
 class MoEBatchContext(RopeBatchContext):
     router_logits: RouterLogits = field(default_factory=RouterLogits)
     output_router_logits: bool = False                 # compute the load-balancing loss
+    router_stats_in: torch.Tensor | None = None        # router statistics of earlier pipeline stages' layers
 
 
 class MixtralDecoderLayer(nn.Module):
@@ -86,26 +88,20 @@ class MoECausalLM(LlamaForCausalLM):
         self.family = type(self).family
         self.num_experts, self.top_k = getattr(config, self.num_experts_key), config.num_experts_per_tok
 
-    def check_router_losses(self, output_router_logits: bool | None = None):
-        """Refuse router losses under pipeline parallelism: every layer's router statistics would be needed on the
-        last stage, and each stage sees only its own. Called before any stage communicates."""
-        if output_router_logits is None:
-            output_router_logits = getattr(self.config, "output_router_logits", False)
-        if output_router_logits and self.pc.config.pp > 1:
-            raise UnsupportedConfig(
-                f"router losses (output_router_logits=True) with pipeline parallelism (pp={self.pc.config.pp}) are "
-                f"not supported: the load-balancing loss needs every layer's router statistics. Set "
-                f"config.output_router_logits=False (transformers' default) or use pp=1")
+    def router_stats_width(self) -> int:
+        """Length of the router statistics vector a pipeline stage hands to the next (layers.moe)."""
+        return 2 * self.num_experts + 3
 
-    def forward(self, input_ids, *args, output_router_logits: bool | None = None, **kwargs):
-        self.check_router_losses(output_router_logits)
-        if output_router_logits is not None:
-            kwargs["output_router_logits"] = output_router_logits
-        return super().forward(input_ids, *args, **kwargs)
-
-    def forward_backward(self, *args, **kwargs):
-        self.check_router_losses()
-        return super().forward_backward(*args, **kwargs)
+    def router_statistics(self, ctx: MoEBatchContext, device) -> torch.Tensor:
+        """The router statistics of this stage's MoE layers plus those of earlier pipeline stages."""
+        token_mask = ctx.attention_mask
+        if token_mask is not None and ctx.cp is not None:
+            token_mask = ctx.cp.shard(token_mask)
+        if ctx.router_logits.items:
+            own = router_statistics(ctx.router_logits, self.num_experts, self.top_k, token_mask)
+        else:  # no MoE layer on this stage (Qwen2-MoE's dense layers)
+            own = torch.zeros(self.router_stats_width(), device=device, requires_grad=torch.is_grad_enabled())
+        return own if ctx.router_stats_in is None else ctx.router_stats_in + own
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None,
                       output_router_logits: bool | None = None) -> MoEBatchContext:
@@ -113,7 +109,6 @@ class MoECausalLM(LlamaForCausalLM):
         ctx = super().batch_context(input_ids, attention_mask, position_ids=position_ids)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
-        self.check_router_losses(output_router_logits)
         return MoEBatchContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)},
                                output_router_logits=output_router_logits)
 
@@ -122,17 +117,14 @@ class MoECausalLM(LlamaForCausalLM):
         if not ctx.output_router_logits:
             return out
         c = self.config
-        token_mask = ctx.attention_mask
-        if token_mask is not None and ctx.cp is not None:
-            token_mask = ctx.cp.shard(token_mask)
         group = ctx.cp.group if ctx.cp is not None else None
         group = self.router_stats_group if self.router_stats_group is not None else group
-        out.aux_loss = load_balancing_loss(ctx.router_logits, self.num_experts, self.top_k, token_mask, group)
+        out.aux_loss, z_loss = router_losses(self.router_statistics(ctx, hidden.device), self.num_experts, group)
         if out.loss is not None:
             out.router_loss = c.router_aux_loss_coef * out.aux_loss
             z_coef = getattr(c, "router_z_loss_coef", 0.0) or 0.0
             if z_coef:
-                out.router_loss = out.router_loss + z_coef * router_z_loss(ctx.router_logits, token_mask, group)
+                out.router_loss = out.router_loss + z_coef * z_loss
             out.loss = out.loss + out.router_loss
         return out
 

@@ -181,31 +181,51 @@ def test_qwen2_moe_context_parallel():
     run_distributed(mixtral_parity, 2, 1, 2, 2, False, "all_to_all", None, "qwen2_moe", timeout=150)
 
 
+def _per_microbatch_reference(hf, config, ids, mask, labels, dp, microbatches):
+    """transformers' loss as forward_backward defines it: the token loss averaged over the whole batch, plus each
+    micro-batch's router loss (over that micro-batch's rows of every data rank) weighted 1/microbatches."""
+    per_rank = ids.shape[0] // dp
+    per_micro = per_rank // microbatches
+    total_tokens = (labels[:, 1:] != -100).sum()
+    loss = 0.0
+    for i in range(microbatches):
+        rows = [r * per_rank + i * per_micro + j for r in range(dp) for j in range(per_micro)]
+        out = hf(ids[rows], attention_mask=mask[rows], labels=labels[rows])
+        router = config.router_aux_loss_coef * out.aux_loss
+        loss = loss + (out.loss - router) * (labels[rows, 1:] != -100).sum() / total_tokens + router / microbatches
+    return loss
+
+
 def _pipeline_parity(family, pp, tp, ep):
-    """MoE layers on pipeline stages (router losses off, transformers' default): eval logits and loss, then one
-    forward_backward over 2 micro-batches, loss and every gathered gradient, against transformers."""
+    """MoE layers on pipeline stages with the router losses on: every stage hands its layers' router statistics
+    on with the hidden states. Eval logits, loss and aux loss, then a forward_backward over 2 micro-batches (loss
+    and every gathered gradient), against transformers."""
     from colozoo.converters import GlobalTensor, StateDictReader, family_module
     from colozoo.layers.shard import gather_tensor, spec_of
-    from colozoo.modeling import UnsupportedConfig
     from colozoo.parallel import coords_of, init_parallel
     from colozoo.training import parallelize
 
     pc = init_parallel(pp=pp, tp=tp, ep=ep)
-    config, hf = hf_causal_lm(family, {**FAMILIES[family], "output_router_logits": False})
+    config, hf = hf_causal_lm(family, FAMILIES[family])
     model = load_saved(hf, config, pc)[0].eval()
     ids, mask, labels = batch(config.vocab_size, 16, batch_size=4)
-    ref = hf(ids, attention_mask=mask, labels=labels)
-    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
-    assert (out.logits - ref.logits)[mask.bool()].abs().max().item() < ATOL
-    assert abs(out.loss.item() - ref.loss.item()) < ATOL
-    with pytest.raises(UnsupportedConfig, match="pipeline parallelism"):
-        model(ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, labels=labels)
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+        assert (out.logits - ref.logits)[mask.bool()].abs().max().item() < ATOL
+        for what in ("loss", "aux_loss"):
+            diff = abs(getattr(out, what).item() - getattr(ref, what).item())
+            assert diff < ATOL, f"{what} differs by {diff} (pp rank {pc.rank('pp')})"
+        plain = model(ids, attention_mask=mask, labels=labels, output_router_logits=False)
+        ref_plain = hf(ids, attention_mask=mask, labels=labels, output_router_logits=False)
+        assert plain.aux_loss is None and abs(plain.loss.item() - ref_plain.loss.item()) < ATOL
 
-    ref.loss.backward()
+    ref = _per_microbatch_reference(hf, config, ids, mask, labels, pc.size("dp"), 2)
+    ref.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
     model = parallelize(model.train(), data_parallel="ddp")
     loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
-    assert abs(loss.item() - ref.loss.item()) < ATOL
+    assert abs(loss.item() - ref.item()) < ATOL, (loss.item(), ref.item())
     sources = family_module(family).module_sources(config)
     for name, p in model.named_parameters():
         expected = GlobalTensor(hf_grads, sources[name], name).read()
