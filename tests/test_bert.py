@@ -85,14 +85,15 @@ def test_unsupported_options_are_clear_errors():
         build_model(transformers.BertConfig(**BASE, is_decoder=True), device="meta")
 
 
-def test_bert_masked_lm_pipeline_parallel():
-    # pp=2 x tp=2 with sequence parallelism; the tied decoder's word-embedding copy lives on the last stage
+@pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
+def test_bert_masked_lm_pipeline_parallel(tp, sp):
+    # pp=2 x tp; the tied decoder's word-embedding copy lives on the last stage
     from parity import pipeline_parity
 
     inputs, labels = inputs_and_labels("BertForMaskedLM")
     config = {**BASE, "num_hidden_layers": 4}
-    run_distributed(pipeline_parity, 4, "BertForMaskedLM", config, inputs["input_ids"], inputs["attention_mask"],
-                    labels, 2, 2, True)
+    run_distributed(pipeline_parity, 2 * tp, "BertForMaskedLM", config, inputs["input_ids"], inputs["attention_mask"],
+                    labels, 2, tp, sp)
 
 
 def bert_pipeline_parity(architecture, pp, tp, sp, batch_size=4):

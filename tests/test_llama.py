@@ -131,10 +131,11 @@ def test_registered_llama_symbolic_forward():
     assert model(ids, labels=ids).loss.is_meta
 
 
-@pytest.mark.parametrize("pp,tp,sp,tied", [(2, 2, True, True), (2, 1, False, False)])
+@pytest.mark.parametrize("pp,tp,sp,tied", [(2, 2, True, True), (2, 1, False, False), (2, 4, True, False)])
 def test_llama_pipeline_parallel(pp, tp, sp, tied):
     from parity import batch, pipeline_parity
 
-    config = {**BASE, "num_hidden_layers": 4, "tie_word_embeddings": tied, "rope_parameters": LLAMA3}
+    heads = WIDE_GQA if tp == 4 else {}  # tp=4 needs 4 kv heads
+    config = {**BASE, **heads, "num_hidden_layers": 4, "tie_word_embeddings": tied, "rope_parameters": LLAMA3}
     ids, mask, labels = batch(BASE["vocab_size"], 12)
     run_distributed(pipeline_parity, pp * tp, "LlamaForCausalLM", config, ids, mask, labels, pp, tp, sp)

@@ -94,7 +94,7 @@ def vit_pipeline_parity(architecture, pp, tp, sp):
     return task_pipeline_parity(architecture, config, inputs, labels, pp=pp, tp=tp, sequence_parallel=sp)
 
 
-@pytest.mark.parametrize("pp,tp,sp", [(2, 1, False), (2, 2, True)])
+@pytest.mark.parametrize("pp,tp,sp", [(2, 1, False), (2, 2, True), (2, 4, False)])
 def test_vit_image_classification_pipeline_parallel(pp, tp, sp):
     # with sequence parallelism the 17 tokens are padded to 18 and split over tp between the stages
     run_distributed(vit_pipeline_parity, pp * tp, "ViTForImageClassification", pp, tp, sp)
