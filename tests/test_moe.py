@@ -176,3 +176,30 @@ def test_grouped_gemm_equals_expert_loop():
     ref = torch.cat([F.linear(rows, weight) for rows, weight in zip(x2.split(counts), w2)])
     ref.sum().backward()
     assert torch.equal(out, ref) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+
+
+def _capacity_under_expert_parallelism(factor):
+    """At ep=2 each rank routes its own tokens: the capacity holds per sending rank, and every rank's output equals
+    the one-process first-come-first-served reference over its tokens with all experts."""
+    from colozoo.layers.moe import MoE
+    from colozoo.layers.shard import shard_tensor, spec_of
+    from colozoo.parallel import coords_of, init_parallel
+
+    pc = init_parallel(ep=2)
+    torch.manual_seed(0)
+    full = MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor)
+    with torch.no_grad():
+        full.gate.weight.normal_(std=1.0)  # skewed routing, so capacity bites
+    moe = MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor, ep_group=pc.group("ep"))
+    weights = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            p.copy_(shard_tensor(weights[name], spec_of(p), coords_of(pc)))
+    x = torch.randn(2, 12, HIDDEN, generator=torch.Generator().manual_seed(10 + pc.rank("dp")))
+    out, _ = moe(x)
+    return (out - _reference_with_capacity(full, x, factor)).abs().max().item()
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_capacity_factor_under_expert_parallelism(factor):
+    assert max(run_distributed(_capacity_under_expert_parallelism, 2, factor, timeout=90)) < ATOL
