@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 TASKS = ("lm", "seqcls", "imgcls")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -26,20 +26,10 @@ from colozoo.rng import model_parallel_seed
 
 def model_source(name_or_path: str):
     """(transformers config, directory holding the tokenizer or None), without loading any weights."""
-    resolve = runtime.optional("colozoo.api", "resolve")
-    if resolve is not None:
-        source = resolve(name_or_path, verify=False)
-        return source.config, getattr(source, "path", None)
-    path = runtime.model_dir(name_or_path)
-    if path is None:
-        from colozoo.registry import get_config
+    from colozoo.api import resolve
 
-        return get_config(name_or_path), None
-    from transformers import AutoConfig
-
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model directory {path} has no config.json")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True), path
+    source = resolve(name_or_path, verify=False)
+    return source.config, getattr(source, "path", None)
 
 
 def check_mesh(cfg: FinetuneConfig) -> ParallelConfig:
