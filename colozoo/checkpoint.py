@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 import transformers
 from tqdm import tqdm
 
@@ -224,6 +225,8 @@ def _write_own_shard(model, layout: ModelLayout, tmp: Path):
         info = layout.tensors[name]
         if info.stage != pc.rank("pp"):  # a tied copy on a later stage
             continue
+        if isinstance(param, DTensor):  # FSDP's shards over the data ranks: all of them gather, the owner writes
+            param = param.full_tensor()
         expert = any(s.mesh_dim == "ep" for s in info.spec)
         if (dp_cp_rank // ep if expert else dp_cp_rank) != 0:
             continue

@@ -280,6 +280,25 @@ def test_experts_load_and_save_at_ep2(tmp_path):
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
 
 
+def _save_after_fsdp(path, out_colozoo, out_hf):
+    from colozoo.training import parallelize
+
+    model = parallelize(colozoo.from_pretrained(path, tp=2, dp=2).train(), data_parallel="fsdp")
+    assert any(hasattr(p, "full_tensor") for p in model.parameters())  # FSDP shards over dp
+    model.save_pretrained(out_colozoo)
+    model.save_pretrained(out_hf, format="hf")
+    return True
+
+
+def test_save_pretrained_of_an_fsdp_model(tmp_path):
+    # dp=2 x tp=2: FSDP splits each tp shard over the data ranks; saving gathers them tensor by tensor
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    run_distributed(_save_after_fsdp, 4, hf, tmp_path / "saved", tmp_path / "saved_hf", timeout=TIMEOUT)
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
+    convert(tmp_path / "saved", tmp_path / "back", to_hf=True)
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
+
+
 def _save_with_a_failing_rank(path, out):
     import torch.distributed as dist
 

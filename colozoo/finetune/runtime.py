@@ -115,25 +115,4 @@ def parameter_count(model) -> int:
 
 def export_hf(model, path):
     """Write a directory transformers can load (collective: every rank calls it)."""
-    return _without_fsdp_shards(model).save_pretrained(path, format="hf")
-
-
-def _without_fsdp_shards(model):
-    """The model itself, or when FSDP split its parameters over dp (DTensors) a copy holding each rank's whole
-    tensor-parallel shards, which colozoo.checkpoint writes. Collective over dp when it copies."""
-    from torch.distributed.tensor import DTensor
-
-    params = dict(model.named_parameters())
-    if not any(isinstance(p, DTensor) for p in params.values()):
-        return model
-    copy = type(model)(model.config, pc=model.pc, layer_ids=model.layer_ids, device="meta",
-                       dtype=next(iter(params.values())).dtype)
-    copy.to_empty(device=model.pc.device)
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, p in copy.named_parameters():  # the same order on every dp rank: full_tensor gathers over dp
-            source = params[name]
-            p.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
-        for name, b in copy.named_buffers():
-            b.copy_(buffers[name])
-    return copy
+    return model.save_pretrained(path, format="hf")
