@@ -9,7 +9,8 @@ how many virtual stages a rank has: one per contiguous run.
 Stage inputs and outputs are declared statically (their shapes follow from the batch), so torch never runs
 its shape-inference pass through our tensor-parallel collectives. Every rank gets the same batch, and
 every stage rebuilds the BatchContext (masks, positions, and extra per-sample inputs such as BERT's
-token_type_ids, split into micro-batches like input_ids) from it; only hidden states travel between stages.
+token_type_ids, split into micro-batches like input_ids) from it; only hidden states travel between stages
+(with MoE router losses, also the router statistics of the layers so far: see `carries_router_stats`).
 """
 from __future__ import annotations
 

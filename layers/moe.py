@@ -238,7 +238,7 @@ def router_statistics(router_logits: list[torch.Tensor], num_experts: int, top_k
                       token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """What the router losses need from some MoE layers, as one fp32 vector that adds up over layers (and so
     over pipeline stages and data ranks): [assignments per expert (E), router probability sums per expert (E),
-    tokens, logsumexp^2 sum, tokens]; padding excluded. Only the probability sums carry gradients."""
+    tokens, logsumexp^2 sum]; padding excluded. Only the probability sums carry gradients."""
     device = router_logits[0].device
     mask = token_mask.reshape(-1).float().to(device) if token_mask is not None else None
     assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -252,7 +252,7 @@ def router_statistics(router_logits: list[torch.Tensor], num_experts: int, top_k
         prob_sum = prob_sum + (probs * w[:, None]).sum(0)
         rows = rows + w.sum()
         z_sum = z_sum + (torch.logsumexp(logits.float(), dim=-1) ** 2 * w).sum()
-    return torch.cat([assigned, prob_sum, torch.stack([rows, z_sum, rows])])
+    return torch.cat([assigned, prob_sum, torch.stack([rows, z_sum])])
 
 
 def router_losses(stats: torch.Tensor, num_experts: int, group=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,9 +262,9 @@ def router_losses(stats: torch.Tensor, num_experts: int, group=None) -> tuple[to
 
     stats = sum_over(stats, group)
     assigned, prob_sum = stats[:num_experts], stats[num_experts:2 * num_experts]
-    rows, z_sum, z_rows = stats[2 * num_experts:]
+    rows, z_sum = stats[2 * num_experts:]
     balance = num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
-    return balance, z_sum / z_rows.clamp(min=1)
+    return balance, z_sum / rows.clamp(min=1)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,

@@ -90,7 +90,7 @@ class MoECausalLM(LlamaForCausalLM):
 
     def router_stats_width(self) -> int:
         """Length of the router statistics vector a pipeline stage hands to the next (layers.moe)."""
-        return 2 * self.num_experts + 3
+        return 2 * self.num_experts + 2
 
     def router_statistics(self, ctx: MoEBatchContext, device) -> torch.Tensor:
         """The router statistics of this stage's MoE layers plus those of earlier pipeline stages."""

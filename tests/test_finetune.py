@@ -139,30 +139,19 @@ def test_interrupt_is_a_clean_stop_request():
 # ------------------------------------------------------------------------------------------- bad input
 
 
-def _vocab_too_small(tiny, tmp_path):
+def _config_changed(tiny, tmp_path, **changes):
+    """A copy of the tiny model directory whose config.json differs by `changes`."""
     import shutil
 
     import transformers
 
-    small = tmp_path / "small-vocab"
-    shutil.copytree(tiny, small)
-    config = transformers.AutoConfig.from_pretrained(small)
-    config.vocab_size = 50
-    config.save_pretrained(small)
-    return dict(model_dir=small)
-
-
-def _pad_id_disagrees(tiny, tmp_path):
-    import shutil
-
-    import transformers
-
-    other = tmp_path / "other-pad"
-    shutil.copytree(tiny, other)
-    config = transformers.AutoConfig.from_pretrained(other)
-    config.pad_token_id = 7
-    config.save_pretrained(other)
-    return dict(model_dir=other)
+    changed = tmp_path / "changed-config"
+    shutil.copytree(tiny, changed)
+    config = transformers.AutoConfig.from_pretrained(changed)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    config.save_pretrained(changed)
+    return dict(model_dir=changed)
 
 
 BAD_INPUT = {
@@ -173,8 +162,10 @@ BAD_INPUT = {
     "batch": (lambda tiny, tmp: dict(micro_batch_size=3, global_batch_size=8),
               r"global batch 8 is not divisible by micro batch x dp = 3 x 1"),
     "world": (lambda tiny, tmp: dict(tp=2), r"world size 3 is not divisible by tp\*pp\*cp = 2\*1\*1"),
-    "vocab": (_vocab_too_small, r"tokenizer .* has 131 tokens but the model's vocabulary has 50"),
-    "special_tokens": (_pad_id_disagrees, r"tokenizer .* has pad_token_id 1 but the model config says 7"),
+    "vocab": (lambda tiny, tmp: _config_changed(tiny, tmp, vocab_size=50),
+              r"tokenizer .* has 131 tokens but the model's vocabulary has 50"),
+    "special_tokens": (lambda tiny, tmp: _config_changed(tiny, tmp, pad_token_id=7),
+                       r"tokenizer .* has pad_token_id 1 but the model config says 7"),
 }
 
 
