@@ -11,8 +11,11 @@ Prints two JSON lines:
                    sampled after every op) minus what was in use before the model was built, worst rank; and
                    the same for the step's dynamic part alone (peak minus weights and optimizer states);
   planner/ranking  the planner's predicted step time of each candidate plan against the measured one, and the
-                   rank correlation. The CPU "hardware" is calibrated in the same run: its FLOP rate from a
-                   one-rank step of the same model, its link bandwidth from a gloo all-reduce.
+                   rank correlation. The CPU "hardware" is calibrated in the same run, on both ranks at once
+                   (they share the machine's cores and memory bandwidth as they do in the plans): FLOP rate and
+                   fixed per-layer overhead from a fit of unsharded steps at three micro-batch sizes; latency
+                   and bandwidth of each gloo collective from small and large calls. Nothing is fitted to the
+                   plans' own step times.
 """
 from __future__ import annotations
 
@@ -36,13 +39,19 @@ CONFIG = dict(vocab_size=1000, n_positions=256, n_embd=256, n_layer=4, n_head=8,
               activation_function="gelu_pytorch_tanh")
 BATCH, SEQ = 8, 128
 PLANS = [  # (name, mesh, micro-batches, data parallel wrapper)
+    ("dp=2 ddp", dict(dp=2), 1, "ddp"),
     ("dp=2 fsdp", dict(dp=2), 1, "fsdp"),
     ("dp=2 fsdp m=2", dict(dp=2), 2, "fsdp"),
     ("tp=2", dict(tp=2), 1, None),
     ("tp=2 sp", dict(tp=2, sequence_parallel=True), 1, None),
+    ("pp=2 m=1", dict(pp=2), 1, None),
     ("pp=2 m=2", dict(pp=2), 2, None),
     ("pp=2 m=4", dict(pp=2), 4, None),
 ]
+
+
+def schedule_for(mesh: dict, m: int) -> str:
+    return "1f1b" if m >= mesh.get("pp", 1) else "gpipe"  # 1F1B needs a micro-batch per stage
 
 
 class _MallInfo2(ctypes.Structure):
@@ -99,69 +108,135 @@ def run_plan(mesh, m, data_parallel, steps):
             optimizer.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
-            model.forward_backward(ids, ids, num_microbatches=m)
+            model.forward_backward(ids, ids, num_microbatches=m, schedule=schedule_for(mesh, m))
             optimizer.step()
             dist.barrier()
             times.append(time.perf_counter() - start)
         optimizer.zero_grad(set_to_none=True)
         base = malloc_in_use()  # weights and optimizer states (allocated by the steps above)
         with peak_mode() as mode:
-            model.forward_backward(ids, ids, num_microbatches=m)
+            model.forward_backward(ids, ids, num_microbatches=m, schedule=schedule_for(mesh, m))
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"seconds": sorted(times[2:])[len(times[2:]) // 2], "total": mode.peak - before_model,
             "dynamic": mode.peak - base}
 
 
-def allreduce_bandwidth() -> float:
-    x = torch.zeros(2 ** 22 // 4)
-    dist.all_reduce(x)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def _time_collective(name: str, numel: int, repeats: int) -> float:
+    x = torch.zeros(numel)
+    gathered, scattered = torch.zeros(2 * numel), torch.zeros(numel // 2)
+    peer = 1 - dist.get_rank()
+
+    def call():
+        if name == "all_reduce":
+            dist.all_reduce(x)
+        elif name == "all_gather":
+            dist.all_gather_into_tensor(gathered, x)
+        elif name == "reduce_scatter":
+            dist.reduce_scatter_tensor(scattered, x)
+        else:  # one exchange between the two ranks, as a pipeline boundary does
+            ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, scattered.new_empty(numel), peer)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    call()
+    dist.barrier()
     start = time.perf_counter()
-    for _ in range(5):
-        dist.all_reduce(x)
-    seconds = (time.perf_counter() - start) / 5
-    return x.numel() * 4 * 2 * (2 - 1) / 2 / seconds  # bus bytes per second
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - start) / repeats
 
 
-def worker(rank, world, init_file, out, plans, steps):
+def calibrate_links() -> dict:
+    """{collective: (seconds per latency step, bus bytes per second)} of gloo between the two ranks: the
+    latency from 1 KiB calls, the bandwidth from 16 MiB ones (payload as colozoo.profiler counts it: the
+    output of an all-gather, the input of the others)."""
+    from colozoo.planner import BUS_FACTOR, RING_STEPS
+
+    small, large = 256, 2 ** 22
+    out = {}
+    for name in COLLECTIVES:
+        t_small = _time_collective(name, small, 20)
+        t_large = _time_collective(name, large, 3)
+        payload = large * 4 * (2 if name == "all_gather" else 1)
+        bus = payload * BUS_FACTOR[name](2)
+        out[name] = (t_small / RING_STEPS.get(name, lambda n: 1)(2), bus / max(t_large - t_small, 1e-9))
+    return out
+
+
+CALIBRATION_SIZES = (1, 2, 4)
+
+
+def step_flops() -> dict:
+    """{micro-batch size: FLOPs of an unsharded fwd + bwd}, from the profiler (before the workers start:
+    it cannot run inside a torch.distributed job)."""
+    from colozoo.profiler import profile
+
+    return {mbs: profile(config(), batch_size=mbs, seq_len=SEQ, dtype="float32", target="cpu").step_flops
+            for mbs in CALIBRATION_SIZES}
+
+
+def calibrate_compute(flops: dict) -> tuple[float, float]:
+    """(FLOP/s, seconds of fixed overhead per layer and micro-batch) of this rank, from unsharded fwd + bwd
+    steps of the same model at a few micro-batch sizes, fitted as time = overhead + FLOPs / rate. Both ranks
+    run it at once, so the rate is what each gets while the other computes too."""
+    from colozoo.kernels.dispatch import use_kernels
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    model = build_model(config(), pc=init_parallel(dp=2), device="cpu").train()  # a whole replica per rank
+    points = []
+    with use_kernels("torch"):
+        for mbs in CALIBRATION_SIZES:
+            ids = torch.randint(0, CONFIG["vocab_size"], (mbs, SEQ))
+            times = []
+            for _ in range(4):
+                dist.barrier()
+                start = time.perf_counter()
+                model(ids, labels=ids).loss.backward()
+                times.append(time.perf_counter() - start)
+            points.append((flops[mbs], sorted(times[1:])[1]))
+    (f0, t0), (f1, t1) = points[0], points[-1]
+    rate = (f1 - f0) / (t1 - t0)
+    overhead = max(0.0, t0 - f0 / rate)
+    return rate, overhead / CONFIG["n_layer"]
+
+
+def worker(rank, world, init_file, out, plans, steps, flops):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    results = {"bandwidth": allreduce_bandwidth()}
+    results = {}
     for name, mesh, m, data_parallel in plans:
         results[name] = run_plan(mesh, m, data_parallel, steps)
         dist.barrier()
+    # after the plans, so their memory readings start from the same allocator state as before
+    results.update(links=calibrate_links(), compute=calibrate_compute(flops))
     out.put((rank, results))
     dist.destroy_process_group()
 
 
-def single_rank_rate() -> float:
-    """FLOP/s of a real one-rank step of the same model (fwd + bwd), with 1 thread like each worker."""
-    from colozoo.kernels.dispatch import use_kernels
-    from colozoo.models import build_model
-    from colozoo.profiler import profile
-
-    torch.set_num_threads(1)
-    model = build_model(config(), device="cpu").train()
-    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH // 2, SEQ))
-    with use_kernels("torch"):
-        for _ in range(2):
-            model(ids, labels=ids).loss.backward()
-        start = time.perf_counter()
-        for _ in range(3):
-            model(ids, labels=ids).loss.backward()
-    seconds = (time.perf_counter() - start) / 3
-    flops = profile(config(), batch_size=BATCH // 2, seq_len=SEQ, dtype="float32", target="cpu").step_flops
-    return flops / seconds
-
-
-def predictions(flop_rate, bandwidth, plans):
+def cpu_hardware(links: dict, compute: tuple[float, float]):
+    """The two-rank CPU as the planner's Hardware: what it measured, and no overlap (gloo's collectives
+    need the cores the compute is using)."""
     from colozoo.hardware import Hardware
+
+    rate, layer_overhead = compute
+    link = links["all_reduce"][1]
+    latency = sorted(lat for lat, _ in links.values())[len(links) // 2]
+    return Hardware("cpu-gloo", gpu_memory=2 ** 40, peak_flops=rate, gpus_per_node=2, intra_node_bw=link,
+                    inter_node_bw=link, hbm_bw=10e9, mfu=1.0, layer_overhead_s=layer_overhead,
+                    collective_latency_s=latency, comm_overlap=0.0,
+                    collective_efficiency={name: bw / link for name, (_, bw) in links.items()})
+
+
+def predictions(cpu, plans):
     from colozoo.planner import estimate
     from colozoo.profiler import Setup, profile
 
-    cpu = Hardware("cpu-gloo", gpu_memory=2 ** 40, peak_flops=flop_rate, gpus_per_node=2, intra_node_bw=bandwidth,
-                   inter_node_bw=bandwidth, hbm_bw=10e9, mfu=1.0, layer_overhead_s=0.0)
     out = {}
     for name, mesh, m, data_parallel in plans:
         from colozoo.profiler import parse_mesh
@@ -169,9 +244,11 @@ def predictions(flop_rate, bandwidth, plans):
         pc = parse_mesh(mesh)
         zero = 3 if data_parallel == "fsdp" and pc.dp > 1 else 0
         mbs = BATCH // (pc.dp * m)
-        setup = Setup(batch_size=mbs, seq_len=SEQ, dtype="float32", zero=zero, num_microbatches=m, target="cpu")
+        schedule = schedule_for(mesh, m)
+        setup = Setup(batch_size=mbs, seq_len=SEQ, dtype="float32", zero=zero, num_microbatches=m, target="cpu",
+                      schedule=schedule)
         report = profile(config(), batch_size=mbs, seq_len=SEQ, mesh=pc, dtype="float32", zero=zero,
-                         num_microbatches=m, target="cpu")
+                         num_microbatches=m, schedule=schedule, target="cpu")
         step, _, _ = estimate(report, pc, setup, cpu)
         # what exists before the step: weights, master weights, optimizer states
         dynamic = max(s["peak"] - s["weights"] - s["master"] - s["optimizer"] for s in report.stages)
@@ -192,9 +269,24 @@ def spearman(a, b) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
+def _result(queue, procs, timeout=600):
+    """One worker's result; fails at once when a worker died instead of waiting out the timeout."""
+    import queue as queue_module
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1)
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"a worker failed (exit code {dead[0]}); its traceback is above")
+    raise SystemExit(f"no result within {timeout} s")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per plan (after 2 warmup steps)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (after 2 warmup steps; the median counts)")
     parser.add_argument("--plans", type=int, default=len(PLANS), help=f"run the first N of the {len(PLANS)} plans")
     args = parser.parse_args()
     if args.steps < 1 or not 2 <= args.plans <= len(PLANS):
@@ -205,15 +297,18 @@ def main():
     os.unlink(init_file)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    flop_rate = single_rank_rate()  # before the workers start: they would share the cores
-    procs = [ctx.Process(target=worker, args=(r, 2, init_file, out, plans, args.steps)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, init_file, out, plans, args.steps, step_flops())) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=600) for _ in procs)
+    results = dict(_result(out, procs) for _ in procs)
     for p in procs:
         p.join()
-    bandwidth = min(r["bandwidth"] for r in results.values())
-    predicted = predictions(flop_rate, bandwidth, plans)
+    # the slower rank's view of each calibration: a step waits for the slowest
+    links = {name: (max(r["links"][name][0] for r in results.values()),
+                    min(r["links"][name][1] for r in results.values())) for name in COLLECTIVES}
+    compute = (min(r["compute"][0] for r in results.values()), max(r["compute"][1] for r in results.values()))
+    cpu = cpu_hardware(links, compute)
+    predicted = predictions(cpu, plans)
     config_out = {"model": "gpt2 h256 l4", "batch": BATCH, "seq": SEQ, "dtype": "float32", "ranks": 2,
                   "steps": args.steps, "plans": [name for name, *_ in plans]}
     memory = []
@@ -235,8 +330,11 @@ def main():
                for (name, *_), p, t in zip(plans, predicted_t, measured_t)]
     rho = spearman(predicted_t, measured_t)
     print(json.dumps({"bench": "planner/ranking", "config": config_out,
-                      "metrics": {"flop_rate_gflops": round(flop_rate / 1e9, 2),
-                                  "bandwidth_gbs": round(bandwidth / 1e9, 3), "spearman": round(rho, 3),
+                      "metrics": {"flop_rate_gflops": round(cpu.peak_flops / 1e9, 2),
+                                  "layer_overhead_ms": round(cpu.layer_overhead_s * 1e3, 3),
+                                  "latency_ms": round(cpu.collective_latency_s * 1e3, 3),
+                                  "bandwidth_gbs": {name: round(bw / 1e9, 3) for name, (_, bw) in links.items()},
+                                  "spearman": round(rho, 3),
                                   "predicted_best": plans[min(range(len(plans)), key=predicted_t.__getitem__)][0],
                                   "measured_best": plans[min(range(len(plans)), key=measured_t.__getitem__)][0],
                                   "plans": ranking},

@@ -6,7 +6,7 @@ node, the node's network share between nodes, PCIe to host memory). Peak FLOP/s 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 GB, GiB = 10 ** 9, 2 ** 30
 
@@ -30,7 +30,17 @@ class Hardware:
     mfu: float = 0.5             # fraction of peak that large matmuls reach in practice
     usable_memory: float = 0.92  # CUDA context, allocator fragmentation, NCCL buffers take the rest
     cpu_adam_params_per_s: float = 0.5e9  # CPU Adam throughput available to one GPU's share of the cores
-    layer_overhead_s: float = 40e-6  # launches and collective latency per layer and micro-batch (fwd + bwd)
+    layer_overhead_s: float = 40e-6  # kernel launches per layer and micro-batch (fwd + bwd)
+    collective_latency_s: float = 8e-6  # per step of a ring collective (a ring all-reduce takes 2(n-1) steps)
+    comm_overlap: float = 1.0    # how much of the overlappable traffic compute hides: 1 when the collectives
+    #                              have engines of their own (NCCL), 0 when they share busy cores (gloo on CPU)
+    collective_efficiency: dict = field(default_factory=dict)  # collective -> fraction of the link it reaches
+
+    def bandwidth(self, collective: str, span: int) -> float:
+        """Bytes/s one collective reaches in a group whose ranks lie within `span` consecutive ranks: NVLink
+        when that fits in a node, else the network."""
+        link = self.intra_node_bw if span <= self.gpus_per_node else self.inter_node_bw
+        return link * self.collective_efficiency.get(collective, 1.0)
 
     @property
     def gpus(self) -> int:

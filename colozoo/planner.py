@@ -124,28 +124,30 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _group_bandwidth(span: int, hw: Hardware) -> float:
-    """A group whose ranks lie within `span` consecutive ranks talks over NVLink when that fits in a node."""
-    return hw.intra_node_bw if span <= hw.gpus_per_node else hw.inter_node_bw
+RING_STEPS = {  # latency-bound steps of each collective, ring algorithms
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+}
 
 
-def _comm_seconds(comm: dict, pc: ParallelConfig, hw: Hardware) -> dict:
-    """Seconds per step of each group's traffic on one rank."""
+def _comm_seconds(comm: dict, calls: dict, pc: ParallelConfig, hw: Hardware) -> dict:
+    """Seconds per step of each group's traffic on one rank: bytes over the bandwidth the collective reaches
+    on its link, plus a latency for every step of every call."""
     sizes = {"tp": pc.tp, "cp": pc.cp, "dp_cp": pc.dp * pc.cp, "pp": pc.pp, "ep": pc.ep}
     spans = {"tp": pc.tp, "cp": pc.tp * pc.cp, "dp_cp": pc.tp * pc.cp * pc.dp, "ep": pc.tp * pc.cp * pc.dp,
-             "pp": pc.world_size}
+             "pp": pc.tp * pc.cp * pc.dp + 1}  # pipeline neighbours are tp*cp*dp ranks apart
     out = {}
     for key, nbytes in comm.items():
         group, _, collective = key.partition(".")
         n = sizes.get(group, 1)
         if n <= 1 and group != "pp":
             continue
-        if group == "pp":  # neighbours are tp*cp*dp ranks apart
-            bw = _group_bandwidth(pc.tp * pc.cp * pc.dp + 1, hw)
-        else:
-            bw = _group_bandwidth(spans.get(group, pc.world_size), hw)
-        factor = BUS_FACTOR.get(collective, lambda n: 1.0)(max(n, 2))
-        out[group] = out.get(group, 0.0) + nbytes * factor / bw
+        n = max(n, 2)
+        seconds = nbytes * BUS_FACTOR.get(collective, lambda n: 1.0)(n) / hw.bandwidth(collective, spans[group])
+        seconds += calls.get(key, 0) * RING_STEPS.get(collective, lambda n: 1)(n) * hw.collective_latency_s
+        out[group] = out.get(group, 0.0) + seconds
     return out
 
 
@@ -156,11 +158,12 @@ def estimate(report, pc: ParallelConfig, setup: Setup, hw: Hardware, base=None):
     flop_rate = hw.peak_flops * hw.mfu
     per_stage, parts = [], []
     for st in report.stages:
-        comm = _comm_seconds(st["comm"], pc, hw)
+        comm = _comm_seconds(st["comm"], st["comm_calls"], pc, hw)
         compute = (st["fwd_flops"] + st["bwd_flops"]) / flop_rate
-        # tp collectives sit between the matmuls; about half of the ring attention traffic hides behind
+        # tp collectives sit between the matmuls; about half of the ring attention traffic can hide behind
         # attention compute; stage boundaries send one activation each way
-        critical = (comm.get("tp", 0) + 0.5 * comm.get("cp", 0) + comm.get("pp", 0) + comm.get("ep", 0)) / m
+        cp_exposed = (1 - 0.5 * hw.comm_overlap) * comm.get("cp", 0)
+        critical = (comm.get("tp", 0) + cp_exposed + comm.get("pp", 0) + comm.get("ep", 0)) / m
         compute += hw.layer_overhead_s * max(1, len(st["layers"]))
         per_stage.append(compute + critical)
         parts.append((compute, comm))
@@ -171,7 +174,8 @@ def estimate(report, pc: ParallelConfig, setup: Setup, hw: Hardware, base=None):
     st = report.stages[slowest]
     # data parallel: gradient reduction overlaps the last backward; ZeRO-3 gathers prefetch behind compute
     dp = comm.get("dp_cp", 0.0)
-    exposed_dp = max(0.0, dp - (0.8 * compute * m if setup.zero >= 3 else 0.66 * compute))
+    hideable = 0.8 * compute * m if setup.zero >= 3 else 0.66 * compute
+    exposed_dp = max(0.0, dp - hw.comm_overlap * hideable)
     decision, offload, optimizer_step = None, 0.0, 0.0
     if setup.offload != "none" and base is not None:
         b = base.stages[slowest]
@@ -315,7 +319,8 @@ def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, t
         candidates.append(evaluate("full", hi if partial_checkpointing else None))
     elif allow_offload:
         base = report
-        for level in ("optimizer", "params"):
+        # parameters go to CPU memory through FSDP's offload policy: only when they are sharded
+        for level in ("optimizer", "params") if zero >= 3 and pc.dp * pc.cp > 1 else ("optimizer",):
             report, setup = evaluate("full", max_layers, level)
             if _fits(report, hw):
                 candidates.append((report, setup, base))
@@ -365,8 +370,8 @@ def _why(report, pc, setup, breakdown, step, hw, decision, max_layers) -> list[s
 def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, **kwargs) -> dict:
     """The best plan's degrees for `world_size` GPUs (for from_pretrained(..., plan="auto")).
 
-    GPU memory defaults to this machine's device. By default the search keeps to what colozoo.training runs
-    (DDP or FSDP, checkpointing of every layer or none, no cp, no offload); keyword arguments go to plan().
+    GPU memory defaults to this machine's device. The search keeps to what colozoo.training.apply_plan runs:
+    DDP or FSDP (ZeRO 0 or 3; ZeRO-1 and 2 are not in colozoo.training); keyword arguments go to plan().
     Inside a torch.distributed job rank 0 plans in a fresh process (the profiler builds fake process groups
     of its own) and broadcasts the result.
     """
@@ -380,9 +385,7 @@ def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, *
         hardware = next((k for k in ("H200", "H100-80GB", "A100-80GB", "A100-40GB", "L40S", "V100-32GB")
                          if k.split("-")[0] in device), "H100-80GB")
     gpus_per_node = min(world_size, torch.cuda.device_count()) if torch.cuda.is_available() else None
-    # what colozoo.training runs today: DDP or FSDP, no cp, whole-model checkpointing, no offload
-    kwargs = {"zero_levels": (0, 3), "context_parallel": False, "partial_checkpointing": False,
-              "allow_offload": False, **kwargs}
+    kwargs = {"zero_levels": (0, 3), **kwargs}
     args = (name, world_size, gpu_memory, hardware or "H100-80GB", gpus_per_node, kwargs)
     if not (dist.is_available() and dist.is_initialized()):
         return _best_degrees(*args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -37,6 +38,7 @@ CHECKPOINTING = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}  # fp32 state bytes per parameter
 OFFLOAD = ("none", "optimizer", "params")
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # DistributedDataParallel's default bucket_cap_mb
 
 
 class ProfilerError(ValueError):
@@ -146,6 +148,7 @@ class UnitCost:
     fwd_transient_bytes: int = 0
     bwd_transient_bytes: int = 0
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per micro-batch (fwd + bwd)
+    comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per micro-batch (fwd + bwd)
     ops: dict = field(default_factory=dict)   # op -> {"calls", "fwd_flops", "bwd_flops", "saved_bytes"}
 
 
@@ -167,6 +170,7 @@ class StageCost:
     fwd_flops: int               # per micro-batch on one rank
     bwd_flops: int               # including recomputation
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per step
+    comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per step (what latency costs)
 
 
 @dataclass
@@ -179,6 +183,7 @@ class ProfileReport:
     units: list                  # UnitCost as dicts
     stages: list                 # StageCost as dicts
     comm: dict                   # "group.collective" -> bytes per step per rank (busiest stage)
+    comm_calls: dict             # "group.collective" -> calls per step per rank (busiest stage)
     peak_memory: float           # bytes, worst rank
     step_flops: int              # per rank, busiest stage, whole step (all micro-batches)
     profile_seconds: float
@@ -223,8 +228,9 @@ class ProfileReport:
         comm = Table(title="communication per step per rank")
         comm.add_column("collective")
         comm.add_column("bytes", justify="right")
+        comm.add_column("calls", justify="right")
         for name, nbytes in sorted(self.comm.items()):
-            comm.add_row(name, human(nbytes))
+            comm.add_row(name, human(nbytes), f"{self.comm_calls.get(name, 0):,.0f}")
         for t in (units, ops, stages, comm):
             console.print(t)
         console.print(f"peak memory per rank {human(self.peak_memory)}; {flops(self.step_flops)} per rank per step; "
@@ -617,6 +623,7 @@ def _units(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> dict
             continue
         key = f"{c.group}.{c.name}"
         u.comm[key] = u.comm.get(key, 0) + c.nbytes
+        u.comm_calls[key] = u.comm_calls.get(key, 0) + 1
     if layer_prefix:
         for name, u in units.items():
             if name.startswith("layer:"):
@@ -765,8 +772,7 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
         peak = weights + master + optim + fsdp + dynamic
         stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
                                      master, optim, fsdp, activations, transient, peak, cpu, inflight, int(fwd),
-                                     int(bwd), _stage_comm(parts, keys, pc, setup, param_bytes, s, len(stages),
-                                                           units)))
+                                     int(bwd), *_stage_comm(parts, keys, pc, setup, param_bytes, s, len(stages))))
         comm_by_stage.append(stage_costs[-1].comm)
     busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
     total, name = mt.total_params, mt.name
@@ -775,7 +781,8 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
     return ProfileReport(
         model=name, mesh=mesh, setup=asdict(setup), num_layers=n_layers, total_params=total,
         units=[asdict(u) for u in units.values()], stages=[asdict(s) for s in stage_costs],
-        comm=comm_by_stage[busiest], peak_memory=max(s.peak for s in stage_costs),
+        comm=comm_by_stage[busiest], comm_calls=stage_costs[busiest].comm_calls,
+        peak_memory=max(s.peak for s in stage_costs),
         step_flops=(stage_costs[busiest].fwd_flops + stage_costs[busiest].bwd_flops) * m, profile_seconds=0.0)
 
 
@@ -834,35 +841,43 @@ def _recompute_flops(u: UnitCost, policy: str) -> int:
     return 0
 
 
-def _stage_comm(parts, keys, pc: ParallelConfig, setup: Setup, param_bytes, s, n_stages, units) -> dict:
-    """Bytes each rank of stage `s` moves per step, by group and collective."""
+def _stage_comm(parts, keys, pc: ParallelConfig, setup: Setup, param_bytes, s, n_stages) -> tuple[dict, dict]:
+    """Bytes each rank of stage `s` moves per step, and how many collective calls carry them, by group and
+    collective (the calls are what latency costs: many small collectives are slow on any network)."""
     m = setup.num_microbatches
-    out = defaultdict(float)
+    out, calls = defaultdict(float), defaultdict(float)
+
+    def add(key, nbytes, n):
+        out[key] += nbytes
+        calls[key] += n
+
     for p in parts:
         for key, nbytes in p.comm.items():
-            out[key] += nbytes * m
+            add(key, nbytes * m, p.comm_calls.get(key, 0) * m)
     recompute = _recompute_plan(setup, len(keys))
     for j, k in enumerate(keys):  # a recomputed layer repeats its forward collectives
         if recompute[j] == "full":
             for key, nbytes in parts[j].comm.items():
-                out[key] += nbytes * m / 2
+                add(key, nbytes * m / 2, parts[j].comm_calls.get(key, 0) * m / 2)
     boundary = max((p.input_bytes for p in parts[:len(keys)]), default=0)
     if pc.pp > 1:
         sends = (s < n_stages - 1) + (s > 0)  # activations forward and gradients backward over each boundary
-        out["pp.send_recv"] += 2 * sends * boundary * m / 2
+        add("pp.send_recv", 2 * sends * boundary * m / 2, sends * m)
     if pc.cp > 1:  # ring attention: K and V of every other cp rank pass by, forward and twice in backward
-        out["cp.send_recv"] += 3 * 2 * boundary * (pc.cp - 1) * len(keys) * m
+        add("cp.send_recv", 3 * 2 * boundary * (pc.cp - 1) * len(keys) * m, 3 * (pc.cp - 1) * len(keys) * m)
     shard = pc.dp * pc.cp
     if shard > 1:
-        if setup.zero >= 3:
-            out["dp_cp.all_gather"] += 2 * param_bytes * m
-            out["dp_cp.reduce_scatter"] += param_bytes
+        units = len(keys) + 1  # FSDP wraps every layer and the stage (embeddings, head) around them
+        buckets = max(1, math.ceil(param_bytes / DDP_BUCKET_BYTES))
+        if setup.zero >= 3:  # gathered for forward and again for backward; reduced after the last micro-batch
+            add("dp_cp.all_gather", 2 * param_bytes * m, (2 * units - 1) * m)
+            add("dp_cp.reduce_scatter", param_bytes, units)
         elif setup.zero >= 1:
-            out["dp_cp.reduce_scatter"] += param_bytes
-            out["dp_cp.all_gather"] += param_bytes
+            add("dp_cp.reduce_scatter", param_bytes, buckets)
+            add("dp_cp.all_gather", param_bytes, buckets)
         else:
-            out["dp_cp.all_reduce"] += param_bytes
-    return dict(out)
+            add("dp_cp.all_reduce", param_bytes, buckets)
+    return dict(out), dict(calls)
 
 
 def _global_params(params, pc: ParallelConfig) -> int:
