@@ -78,13 +78,19 @@ def _checkpointed(fn):
     return functools.partial(checkpoint, fn, use_reentrant=False, context_fn=_rng_tracker_contexts)
 
 
-def apply_activation_checkpointing(model, mode: str):
-    """Recompute each layer ("full") or only its attention block ("selective") in backward. Forwards are
-    wrapped in place, so module names stay global. A layer names its attention block in `attention_block`:
-    a child module or a method of the layer (encoders whose attention is not a module of its own)."""
-    for idx, layer in model.layers.items():
+def apply_activation_checkpointing(model, mode: str, layers: int | None = None):
+    """Recompute each layer ("full") or only its attention block ("selective") in backward. With "full",
+    `layers` recomputes only the first that many layers of this rank's stage (what the planner's
+    checkpoint_layers means): the fewest that fit cost the least recomputation. Forwards are wrapped in
+    place, so module names stay global. A layer names its attention block in `attention_block`: a child
+    module or a method of the layer (encoders whose attention is not a module of its own)."""
+    if layers is not None and (mode != "full" or not isinstance(layers, int) or layers < 0):
+        raise TrainingError(f"checkpoint layers must be a count >= 0 with activation_checkpointing='full', got "
+                            f"{layers!r} with {mode!r}")
+    for position, (idx, layer) in enumerate(model.layers.items()):
         if mode == "full":
-            layer.forward = _checkpointed(layer.forward)
+            if layers is None or position < layers:
+                layer.forward = _checkpointed(layer.forward)
             continue
         name = getattr(layer, "attention_block", None)
         if name is None:
@@ -122,11 +128,13 @@ def tied_embedding(model):
 
 def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None = None,
                 activation_checkpointing: str | None = None, reshard_after_forward: bool = True,
-                offload: str | None = None):
+                offload: str | None = None, checkpoint_layers: int | None = None):
     """Build the pipeline stages of `model` and wrap them for data parallelism over the dp mesh dimension.
     Collective over the whole job. Call once, before building the optimizer. `offload="optimizer"` keeps
     the fp32 master weights and AdamW states in CPU memory (build_optimizer then returns an OffloadedAdamW);
-    `offload="params"` also keeps the sharded parameters and gradients there (FSDP2's CPUOffloadPolicy)."""
+    `offload="params"` also keeps the sharded parameters and gradients there (FSDP2's CPUOffloadPolicy).
+    `checkpoint_layers` with activation_checkpointing="full" recomputes only the first that many layers of
+    each stage."""
     if getattr(model, "training_setup", None) is not None:
         raise TrainingError("parallelize() was already called on this model")
     if data_parallel not in DATA_PARALLEL:
@@ -147,7 +155,9 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
     if hasattr(model, "router_stats_group"):  # router losses of the global batch, not of each rank's rows
         model.router_stats_group = pc.group("dp_cp")
     if activation_checkpointing:
-        apply_activation_checkpointing(model, activation_checkpointing)
+        apply_activation_checkpointing(model, activation_checkpointing, checkpoint_layers)
+    elif checkpoint_layers is not None:
+        raise TrainingError("checkpoint_layers needs activation_checkpointing='full'")
     tied = tied_embedding(model)
     if tied is not None and (model.is_first or model.is_last):
         with torch.no_grad():  # the first stage's copy wins, whatever the last stage was initialised with
@@ -219,12 +229,9 @@ def apply_plan(model, plan=None, mixed_precision: str | None = None) -> dict:
         raise TrainingError(f"the plan's degrees differ from the model's mesh (plan, mesh): {wrong}; build the "
                             f"model on the plan's mesh (from_pretrained(..., plan='auto') does)")
     checkpointing = plan.get("checkpointing", "none")
-    layers = plan.get("checkpoint_layers")
-    if checkpointing == "full" and layers is not None and layers < len(model.layers):
-        raise TrainingError(f"the plan recomputes {layers} of {len(model.layers)} layers per stage; training "
-                            f"checkpoints every layer or none (plan with partial_checkpointing=False)")
     parallelize(model, data_parallel="fsdp" if plan.get("zero", 0) >= 1 else "ddp", mixed_precision=mixed_precision,
                 activation_checkpointing=None if checkpointing == "none" else checkpointing,
+                checkpoint_layers=plan.get("checkpoint_layers") if checkpointing == "full" else None,
                 offload=plan.get("offload", "none"))
     return {"num_microbatches": plan.get("num_microbatches", 1), "schedule": plan.get("schedule", "1f1b")}
 
@@ -276,9 +283,11 @@ def build_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e
 # ----------------------------------------------------------------------------------------- the step
 
 def forward_backward(model, input_ids, labels, attention_mask=None, num_microbatches: int = 1,
-                     schedule: str = "1f1b", position_ids=None, **inputs) -> torch.Tensor:
+                     schedule: str = "1f1b", position_ids=None, grad_scale: float = 1.0, **inputs) -> torch.Tensor:
     """Forward and backward of the global batch over the whole mesh. Gradients accumulate on the local shards
     (tied embedding copies summed between their stages); returns the global mean loss on every rank.
+    `grad_scale`: the backward runs on the loss times this (fp16 loss scaling, see colozoo.amp), so gradients,
+    router losses' included, come out scaled by it; the returned loss is not.
     `inputs`: further model inputs (e.g. BERT's token_type_ids); tensors, like input_ids, hold one row per
     sample and are split over dp ranks and micro-batches."""
     setup = _setup(model)
@@ -313,6 +322,7 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     for stage in stages_of(model):
         unwrap(stage).router_loss_scale = replicas / m
         unwrap(stage).router_losses = []
+        unwrap(stage).grad_scale = grad_scale
     if pc.config.pp > 1:
         local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
                                  num_microbatches=m, schedule=schedule, loss_scale=loss_scale, **inputs)
@@ -320,6 +330,8 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
         local_sum = _single_stage(model, *local, m, loss_scale, inputs)
     _sum_tied_grad(model, setup, tied_grad)
     _reduce_expert_grads(model, setup, expert_grads)
+    if local_sum is not None and grad_scale != 1.0:
+        local_sum = local_sum / grad_scale  # exact for a power-of-two scale
     return _global_loss(model, local_sum)
 
 

@@ -61,6 +61,45 @@ def test_flops_and_activations_match_a_real_run(family, dropout):
     assert abs(predicted - real_saved) / real_saved < 0.05, (predicted, real_saved)
 
 
+def checkpointed_step(config, layers):
+    """Bytes saved for backward (outside recomputed regions) and gradients of a real training step whose first
+    `layers` layers recompute (None: no checkpointing)."""
+    from colozoo.training import parallelize
+
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu").train()
+    parallelize(model, data_parallel="ddp", activation_checkpointing=None if layers is None else "full",
+                checkpoint_layers=layers)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
+    with use_kernels("torch"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.forward_backward(ids, ids)
+    return sum(saved.values()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_partial_checkpointing_saves_what_the_profiler_predicts():
+    config = config_of("gpt2", n_layer=4)
+    none_saved, none_grads = checkpointed_step(config, None)
+    measured = []
+    for k in (1, 3):
+        saved, grads = checkpointed_step(config, k)
+        for name, g in none_grads.items():  # recomputation changes memory, not the numbers
+            torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-6, msg=name)
+        predicted = profile(config, batch_size=B, seq_len=S, dtype="float32", target="cpu", checkpointing="full",
+                            checkpoint_layers=k).stages[0]["activations"]
+        assert abs(predicted - saved) / saved < 0.05, (k, predicted, saved)
+        measured.append(saved)
+    assert none_saved > measured[0] > measured[1], (none_saved, measured)
+
+
 # Korthikanti et al. 2022, bytes saved per layer for fp16 activations, 1-byte dropout masks and eager attention:
 #   sbh (34 + 5as/h)                        no parallelism
 #   sbh (10 + 24/t + 5as/(ht))              tensor parallel
