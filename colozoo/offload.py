@@ -7,14 +7,15 @@ parameters and gradients too (FSDP2's CPUOffloadPolicy: every micro-batch copies
 prefetched behind compute). It prices each with the PCIe bandwidth, the CPU Adam rate and the compute
 time available to hide transfers, and checks the host has the memory.
 
-`OffloadedAdamW` runs the "optimizer" level: fp32 master weights and AdamW states live on the CPU; the
-final gradients are copied down on a side stream at `step()`, and the updated weights go back with
-non-blocking copies. `colozoo.training.parallelize(model, offload=...)` and `build_optimizer` wire both
-levels into training.
+`OffloadedAdamW` runs the "optimizer" level: fp32 master weights and AdamW states live on the CPU. At
+`step()` the parameters go through a three-stage pipeline in chunks (the ZeRO-Offload schedule): chunk i+1's
+gradients copy down and chunk i-1's new weights copy up, on copy-engine streams, while the CPU updates chunk
+i. `colozoo.training.parallelize(model, offload=...)` and `build_optimizer` wire both levels into training.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from colozoo.hardware import GiB, Hardware
 
 LEVELS = ("none", "optimizer", "params")
+CHUNK_BYTES = 64 * 2 ** 20  # fp32 master bytes per pipelined chunk of OffloadedAdamW.step
 
 
 @dataclass
@@ -78,18 +80,21 @@ def transfer_cost(need: MemoryNeed, level: str, hw: Hardware) -> tuple[float, fl
     if level == "none":
         return 0.0, 0.0
     m = need.num_microbatches
-    per_mb = need.compute_seconds / m
     cpu_step = need.params / hw.cpu_adam_params_per_s
     if level == "optimizer":
         down, up = need.grads, need.weights
-        # gradients stream down during the last micro-batch's backward (~2/3 of it), weights come back up
-        # while the next step's first forward (~1/3) waits on them layer by layer
-        exposed = max(0.0, down / hw.pcie_bw - per_mb * 2 / 3) + max(0.0, up / hw.pcie_bw - per_mb / 3)
-        return down + up, exposed + cpu_step
+        return down + up, pipelined((down / hw.pcie_bw, cpu_step, up / hw.pcie_bw),
+                                    chunks=max(1, math.ceil(need.master / CHUNK_BYTES)))
     # params: every micro-batch brings the sharded weights up for forward and again for backward and sends
     # its gradient shard down, all prefetched behind that micro-batch's compute
     traffic = m * (2 * need.weights + need.grads)
     return traffic, max(0.0, traffic / hw.pcie_bw - need.compute_seconds * 0.8) + cpu_step
+
+
+def pipelined(stages, chunks: int) -> float:
+    """Seconds of a pipeline whose stages each take stages[k] for the whole work, cut into equal chunks: the
+    slowest stage runs throughout, every other one adds a chunk's worth as the pipeline fills and drains."""
+    return max(stages) + (sum(stages) - max(stages)) / chunks
 
 
 def decide_offload(need: MemoryNeed, hw: Hardware, ranks_per_node: int | None = None,
@@ -136,6 +141,18 @@ def fsdp2_offload_policy(level):
     return OffloadPolicy()
 
 
+def _chunks(sizes: list[int], chunk_bytes: int) -> list[set[int]]:
+    """Consecutive parameter indices grouped into chunks of about chunk_bytes (a larger tensor is its own)."""
+    chunks, current, filled = [], set(), 0
+    for i, size in enumerate(sizes):
+        if current and filled + size > chunk_bytes:
+            chunks.append(current)
+            current, filled = set(), 0
+        current.add(i)
+        filled += size
+    return chunks + [current] if current else chunks
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2 shard, tp shard): this rank's part
 
@@ -144,15 +161,16 @@ class OffloadedAdamW:
     """AdamW whose fp32 master weights and states live in CPU memory (the "optimizer" offload level).
 
     Works on plain tensors and on DTensor shards (FSDP2, tensor parallel): it keeps this rank's local part.
-    `step()` copies the gradients down, as they are then (after the data-parallel reduction and after any
-    clipping; copying them as backward produces them would miss both), on a side stream whose copies run on
-    the copy engine in pinned memory; updates the masters with torch's AdamW on the CPU; and sends the new
-    weights up with non-blocking copies that the next forward queues behind. The next step waits for those
-    uploads before it writes the masters again. It is not a torch.optim.Optimizer: attach learning-rate
-    schedulers to its `.optimizer` (the CPU AdamW whose param_groups it shares).
+    `step()` takes the gradients as they are then (after the data-parallel reduction and after any clipping;
+    copying them as backward produces them would miss both) and pipelines the update over chunks of about
+    CHUNK_BYTES of masters: all gradient copies are queued on a download stream at once, the CPU updates each
+    chunk as soon as its gradients have arrived, and queues its new weights on an upload stream, so the copy
+    engines work while the CPU does. The next forward queues behind the uploads; the next step waits for them
+    before it writes the masters again. It is not a torch.optim.Optimizer: attach learning-rate schedulers to
+    its `.optimizer` (the CPU AdamW whose param_groups it shares).
     """
 
-    def __init__(self, params, **adamw_kwargs):
+    def __init__(self, params, chunk_bytes: int = CHUNK_BYTES, **adamw_kwargs):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("OffloadedAdamW got no parameters that require gradients")
@@ -163,7 +181,10 @@ class OffloadedAdamW:
             self.master = [m.pin_memory() for m in self.master]
         self.grad_buffers = [torch.zeros_like(m, pin_memory=pin) for m in self.master]
         self.optimizer = torch.optim.AdamW(self.master, **adamw_kwargs)
-        self.stream = torch.cuda.Stream() if any(t.is_cuda for t in local) else None
+        self.chunks = _chunks([m.numel() * 4 for m in self.master], chunk_bytes)
+        on_gpu = any(t.is_cuda for t in local)
+        self.down = torch.cuda.Stream() if on_gpu else None
+        self.up = torch.cuda.Stream() if on_gpu else None
         self._uploaded = None  # event after the last weight upload
 
     @property
@@ -174,23 +195,42 @@ class OffloadedAdamW:
     def step(self):
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload read the masters we are about to overwrite
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for p, m, buf in zip(self.params, self.master, self.grad_buffers):
-                if p.grad is None:
-                    m.grad = None  # as torch's AdamW: no gradient, no update
-                    continue
-                buf.copy_(_local(p.grad), non_blocking=True)
-                m.grad = buf
-        if self.stream is not None:
-            self.stream.synchronize()
-        self.optimizer.step()
-        for p, m in zip(self.params, self.master):
-            _local(p).copy_(m, non_blocking=True)
-        if self.stream is not None:
+        arrived = [self._download(chunk) for chunk in self.chunks]
+        for chunk, event in zip(self.chunks, arrived):
+            if event is not None:
+                event.synchronize()
+            # AdamW skips masters without a gradient: one step() per chunk updates every parameter once
+            for i, m in enumerate(self.master):
+                m.grad = self.grad_buffers[i] if i in chunk and self.params[i].grad is not None else None
+            self.optimizer.step()
+            self._upload(chunk)
+        for m in self.master:
+            m.grad = None
+        if self.up is not None:
+            torch.cuda.current_stream().wait_stream(self.up)  # the next forward reads the new weights
             self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
+            self._uploaded.record(self.up)
+
+    def _download(self, chunk):
+        """Queue this chunk's gradient copies; the event they complete (None on CPU, where they are done)."""
+        if self.down is None:
+            for i in chunk:
+                if self.params[i].grad is not None:
+                    self.grad_buffers[i].copy_(_local(self.params[i].grad))
+            return None
+        self.down.wait_stream(torch.cuda.current_stream())  # the final gradients are written
+        with torch.cuda.stream(self.down):
+            for i in chunk:
+                if self.params[i].grad is not None:
+                    self.grad_buffers[i].copy_(_local(self.params[i].grad), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return event
+
+    def _upload(self, chunk):
+        with torch.cuda.stream(self.up) if self.up is not None else contextlib.nullcontext():
+            for i in chunk:
+                _local(self.params[i]).copy_(self.master[i], non_blocking=self.up is not None)
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
