@@ -63,6 +63,7 @@ class StageModule(nn.Module):
         self.loss_scale = 1.0  # set per step: turns a micro-batch mean into its share of the global mean
         self.router_loss_scale = None  # set per step (MoE): the weight of a micro-batch's router losses
         self.router_losses: list[torch.Tensor] = []  # their detached values, for the reported loss
+        self.grad_scale = 1.0  # set per step: fp16 loss scaling multiplies the whole loss the backward starts from
         self.autocast_dtype = None    # mixed precision by autocast (without FSDP's policy)
         self.activation_dtype = None  # dtype of the hidden states sent between stages (None: the parameters')
 
@@ -103,7 +104,7 @@ class StageModule(nn.Module):
             router = out.router_loss.float()
             loss = loss + router * (self.router_loss_scale - model.loss_token_count(labels) * self.loss_scale)
             self.router_losses.append(router.detach())
-        return loss
+        return loss * self.grad_scale if self.grad_scale != 1.0 else loss
 
 
 def carries_router_stats(model, output_router_logits: bool | None = None) -> bool:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 TASKS = ("lm", "seqcls", "imgcls")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_PARALLEL = ("fsdp", "ddp")
+PLANS = ("auto",)
+PLANNED = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel", "data_parallel", "activation_checkpointing")
 
 
 @dataclass
@@ -15,6 +17,7 @@ class FinetuneConfig:
     data: str                           # jsonl / txt (language), npz / folder of images (ViT)
     output: str = "runs/finetune"
     task: str = "lm"                    # lm (causal LM), seqcls (BERT), imgcls (ViT)
+    plan: str | None = None             # "auto": the planner picks mesh, micro-batching, FSDP/DDP, checkpointing
     eval_data: str | None = None        # default: the last `eval_fraction` of `data`
     eval_fraction: float = 0.1
     tp: int = 1
@@ -23,7 +26,7 @@ class FinetuneConfig:
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
-    data_parallel: str = "fsdp"         # fsdp (sharded) or ddp (replicated) over the dp ranks
+    data_parallel: str | None = None    # fsdp (sharded, the default) or ddp (replicated) over the dp ranks
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # default: micro_batch_size * dp (one micro-batch per step)
     lr: float = 1e-4
@@ -56,8 +59,17 @@ class FinetuneConfig:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        if self.data_parallel not in DATA_PARALLEL:
+        if self.data_parallel not in (None, *DATA_PARALLEL):
             raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {self.data_parallel!r}")
+        if self.plan not in (None, *PLANS):
+            raise ValueError(f"plan must be one of {PLANS}, got {self.plan!r}")
+        if self.plan is not None:
+            defaults = {f.name: f.default for f in fields(self)}
+            chosen = [name for name in PLANNED if getattr(self, name) != defaults[name]]
+            if chosen:
+                flags = ", ".join("--" + name.replace("_", "-") for name in chosen)
+                raise ValueError(f"--plan {self.plan} chooses the mesh, data parallelism and checkpointing itself; "
+                                 f"drop {flags} (or drop --plan)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("micro_batch_size", "seq_len", "log_interval", "eval_batches", "keep_last"):
@@ -89,11 +101,16 @@ _HELP = {
     "data": "training data: .jsonl or .txt for language tasks; .npz or a folder of class folders for images",
     "output": "run directory: checkpoints, metrics.jsonl, loss.png and the HF export",
     "eval_data": "held-out data (default: the last --eval-fraction of --data)",
+    "plan": "'auto': let the planner choose tp/pp/dp/ep, micro-batching, schedule, FSDP or DDP and activation "
+            "checkpointing for --global-batch-size x --seq-len (excludes --tp/--pp/--dp/--cp/--ep etc.)",
     "dp": "data-parallel degree (default: world size / (tp*pp*cp))",
-    "global_batch_size": "samples per optimizer step over all dp ranks (default: micro batch x dp)",
+    "data_parallel": "fsdp (sharded, the default) or ddp (replicated) over the dp ranks",
+    "global_batch_size": "samples per optimizer step over all dp ranks (default: micro batch x dp; "
+                         "with --plan auto: micro batch x world size)",
     "steps": "optimizer steps (default: --epochs passes over the data)",
     "pack": "concatenate documents into full --seq-len sequences (--no-pack pads each document instead)",
-    "dtype": "compute dtype (bfloat16/float16 train in mixed precision over fp32 weights)",
+    "dtype": "compute dtype (bfloat16/float16 train in mixed precision over fp32 weights; float16 with "
+             "dynamic loss scaling)",
     "activation_checkpointing": "recompute layer activations in backward to save memory",
     "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over, "
               "replacing OUTPUT's checkpoints and metrics)",
@@ -117,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kwargs)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
-            choices = {"task": TASKS, "dtype": DTYPES, "data_parallel": DATA_PARALLEL}.get(f.name)
+            choices = {"task": TASKS, "dtype": DTYPES, "data_parallel": DATA_PARALLEL, "plan": PLANS}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, **kwargs)
     return parser
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colozoo.amp import DynamicLossScaler
 from colozoo.finetune import data as D
 from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
@@ -32,10 +33,26 @@ def model_source(name_or_path: str):
     return source.config, getattr(source, "path", None)
 
 
-def check_mesh(cfg: FinetuneConfig) -> ParallelConfig:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return ParallelConfig.for_world(world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, ep=cfg.ep,
-                                    sequence_parallel=cfg.sequence_parallel)
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_mesh(cfg: FinetuneConfig, plan: dict | None = None) -> ParallelConfig:
+    """The mesh of the config's degrees, or of the plan's under --plan auto."""
+    degrees = plan or vars(cfg)
+    return ParallelConfig.for_world(_world_size(), **{k: degrees[k] for k in ("tp", "pp", "dp", "cp", "ep",
+                                                                              "sequence_parallel")})
+
+
+def plan_run(cfg: FinetuneConfig, config) -> tuple[dict, ParallelConfig, int]:
+    """--plan auto: (the plan, its mesh, the global batch it splits: --global-batch-size, else micro batch x world)."""
+    global_batch = cfg.global_batch_size or cfg.micro_batch_size * _world_size()
+    plan = runtime.plan_training(cfg, config, global_batch)
+    mesh = check_mesh(cfg, plan)
+    if plan["dp"] * plan["micro_batch_size"] * plan["num_microbatches"] != global_batch:
+        raise ValueError(f"the plan {plan} does not split the global batch of {global_batch} into dp x micro batch "
+                         f"x micro-batches")
+    return plan, mesh, global_batch
 
 
 def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData, D.TensorData, object]:
@@ -128,24 +145,32 @@ def _is_rank0() -> bool:
 
 
 def run(cfg: FinetuneConfig) -> dict:
-    mesh = check_mesh(cfg)
-    num_microbatches = cfg.num_microbatches(mesh.dp)
+    plan = None
+    if cfg.plan is None:  # bad degrees or batch sizes fail before anything is read
+        mesh = check_mesh(cfg)
+        cfg.num_microbatches(mesh.dp)
     config, directory = model_source(cfg.model)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
-    global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
+    if cfg.plan is None:
+        global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
+    else:
+        plan, mesh, global_batch = plan_run(cfg, config)
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
 
-    model = runtime.load_model(cfg, cfg.task)
+    model = runtime.load_model(cfg, cfg.task, plan)
     pc = model.pc
     sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
     total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
     model_parallel_seed(cfg.seed, pc)
     runtime.prepare_training(model, cfg)
+    step_options = model.plan_step if plan else {"num_microbatches": cfg.num_microbatches(mesh.dp)}
+    micro_batch_size = plan["micro_batch_size"] if plan else cfg.micro_batch_size
     model.train()
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
+    scaler = DynamicLossScaler(enabled=cfg.dtype == "float16")  # fp16 gradients underflow without loss scaling
 
     output, rank0 = Path(cfg.output), _is_rank0()
     checkpoints = output / "checkpoints"
@@ -153,10 +178,11 @@ def run(cfg: FinetuneConfig) -> dict:
     start = 0
     latest = state.latest_checkpoint(checkpoints) if cfg.resume else None
     if latest is not None:
-        start = state.load_training_state(latest, model, optimizer, scheduler, mesh_json)["step"]
+        start = state.load_training_state(latest, model, optimizer, scheduler, mesh_json, scaler)["step"]
     if rank0:
         output.mkdir(parents=True, exist_ok=True)
-        (output / "config.json").write_text(json.dumps(cfg.to_json(), indent=1))
+        saved_config = {**cfg.to_json(), "planned": plan} if plan else cfg.to_json()
+        (output / "config.json").write_text(json.dumps(saved_config, indent=1))
         if start:
             truncate_metrics(output / "metrics.jsonl", start)
         else:  # a fresh start in this directory: an earlier run's metrics and checkpoints would only mislead
@@ -172,7 +198,9 @@ def run(cfg: FinetuneConfig) -> dict:
     reporter.print(f"{device_notice(pc.device)}; {n_params:,} parameters on mesh "
                    f"{' x '.join(f'{k}={v}' for k, v in mesh_json.items() if v > 1) or 'of one process'}; "
                    f"{len(train)} training samples, {total_steps} steps of {global_batch} "
-                   f"({num_microbatches} micro-batches of {cfg.micro_batch_size} per dp rank)")
+                   f"({step_options['num_microbatches']} micro-batches of {micro_batch_size} per dp rank)")
+    if plan:
+        reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.items()))
     if latest is not None:
         reporter.print(f"resumed from {latest} at step {start}")
     if getattr(model, "fresh_parameters", None):
@@ -180,7 +208,8 @@ def run(cfg: FinetuneConfig) -> dict:
 
     def save(step):
         return state.save_training_state(checkpoints, step, model, optimizer, scheduler, mesh_json,
-                                         extra={"total_steps": total_steps}, keep_last=cfg.keep_last)
+                                         extra={"total_steps": total_steps}, keep_last=cfg.keep_last,
+                                         scaler=scaler)
 
     step, saved_at, stopped = start, None, False
     if start == 0 and evaluation is not None and cfg.eval_interval:
@@ -192,16 +221,22 @@ def run(cfg: FinetuneConfig) -> dict:
                 indices = sampler.global_indices(step)
                 batch = _to(train.take(indices), pc.device)
                 optimizer.zero_grad(set_to_none=True)
-                loss = runtime.forward_backward(model, batch, num_microbatches)
-                grad_norm = runtime.clip_grad_norm(model, cfg.grad_clip)
+                loss_scale = scaler.scale
+                loss = runtime.forward_backward(model, batch, grad_scale=loss_scale, **step_options)
+                overflow = scaler.unscale_(model)  # every rank agrees; clipping then sees the true gradients
+                grad_norm = None if overflow else runtime.clip_grad_norm(model, cfg.grad_clip)
                 lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step()
+                if not overflow:  # a skipped step leaves the learning-rate schedule where it is too
+                    optimizer.step()
+                    scheduler.step()
+                scaler.update(overflow)
                 step += 1
                 tokens = int(train.tokens[indices].sum())
                 if step % cfg.log_interval == 0 or step == total_steps:
+                    amp = {"loss_scale": loss_scale, "skipped": overflow,
+                           "skipped_steps": scaler.skipped_steps} if scaler.enabled else {}
                     reporter.step(step, float(loss.detach()), lr, tokens, time.perf_counter() - tick, grad_norm,
-                                  global_batch)
+                                  global_batch, **amp)
                 if evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 \
                         and step < total_steps:
                     reporter.evaluation(step, evaluate(model, evaluation, cfg))

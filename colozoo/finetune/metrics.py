@@ -78,11 +78,13 @@ class Reporter:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def step(self, step: int, loss: float, lr: float, tokens: int, seconds: float, grad_norm: float, samples: int):
+    def step(self, step: int, loss: float, lr: float, tokens: int, seconds: float, grad_norm: float | None,
+             samples: int, **extra):
+        """`extra`: further fields of the step's record (fp16: loss_scale, skipped, skipped_steps)."""
         tokens_per_s = tokens / seconds if seconds > 0 else 0.0
         mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size) if tokens else None
         self.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                  "samples": samples, "tokens_per_s": tokens_per_s, "mfu": mfu, "time": time.time()})
+                  "samples": samples, "tokens_per_s": tokens_per_s, "mfu": mfu, **extra, "time": time.time()})
         if self.progress is not None:
             speed = f"{tokens_per_s:,.0f} tok/s" if tokens else f"{samples / seconds:,.1f} samples/s"
             self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=speed,
@@ -90,8 +92,10 @@ class Reporter:
         elif self.plain_lines:
             speed = f"{tokens_per_s:,.0f} tok/s" if tokens else f"{samples / seconds:,.1f} samples/s"
             mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "-"
+            skipped = f"  skipped: fp16 gradients overflowed at loss scale {extra['loss_scale']:g}" \
+                if extra.get("skipped") else ""
             self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {speed}  MFU {mfu_text}"
-                               f"  ETA {self.eta(step)}", highlight=False, soft_wrap=True)
+                               f"  ETA {self.eta(step)}{skipped}", highlight=False, soft_wrap=True)
 
     def eta(self, step: int) -> str:
         """Time left at this run's mean pace so far, as h:mm:ss."""

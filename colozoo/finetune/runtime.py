@@ -12,22 +12,44 @@ TASK_HEADS = {"lm": None, "seqcls": "sequence_classification", "imgcls": "image_
 MIXED_PRECISION = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
 
 
-def load_model(cfg, task: str):
-    """Build this rank's shard of the model on the mesh the config asks for; returns the model (model.pc is the mesh).
-    Weights stay fp32: a lower --dtype becomes mixed precision in prepare_training."""
+def plan_training(cfg, config, global_batch: int) -> dict:
+    """--plan auto: the planner's best plan for this world size, `global_batch` sequences of the run's length and
+    its dtype (collective: rank 0 plans, every rank gets the same plan). Returns Plan.degrees()."""
+    from colozoo.parallel import init_distributed
+    from colozoo.planner import best_plan_for_world
+
+    seq_len = cfg.seq_len
+    if cfg.task == "imgcls":  # a ViT's sequence is its patches and the class token
+        seq_len = (config.image_size // config.patch_size) ** 2 + 1
+    return best_plan_for_world(config, init_distributed(), global_batch=global_batch, seq_len=seq_len,
+                               dtype=cfg.dtype)
+
+
+def load_model(cfg, task: str, plan: dict | None = None):
+    """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.plan) asks for;
+    returns the model (model.pc is the mesh). Weights stay fp32: a lower --dtype becomes mixed precision in
+    prepare_training."""
     from colozoo.api import from_pretrained
 
-    degrees = dict(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel)
+    source = plan or vars(cfg)
+    degrees = {k: source[k] for k in ("tp", "pp", "dp", "cp", "ep", "sequence_parallel")}
     if TASK_HEADS[task]:
-        return _load_with_task_head(cfg, task, degrees, torch.float32)
-    return from_pretrained(cfg.model, dtype=torch.float32, **degrees)
+        model = _load_with_task_head(cfg, task, degrees, torch.float32)
+    else:
+        model = from_pretrained(cfg.model, dtype=torch.float32, **degrees)
+    model.plan = plan
+    return model
 
 
 def prepare_training(model, cfg):
-    """Data-parallel wrapping, mixed precision and activation checkpointing (collective; before the optimizer)."""
-    from colozoo.training import parallelize
+    """Data-parallel wrapping, mixed precision and activation checkpointing (collective; before the optimizer);
+    under a plan, apply_plan's choices (its micro-batching for forward_backward is left on model.plan_step)."""
+    from colozoo.training import apply_plan, parallelize
 
-    return parallelize(model, data_parallel=cfg.data_parallel, mixed_precision=MIXED_PRECISION[cfg.dtype],
+    if getattr(model, "plan", None) is not None:
+        model.plan_step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
+        return model
+    return parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
                        activation_checkpointing="full" if cfg.activation_checkpointing else None)
 
 
@@ -82,11 +104,14 @@ def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k != "labels"}
 
 
-def forward_backward(model, batch: dict, num_microbatches: int) -> torch.Tensor:
-    """Forward and backward of the global batch (each dp rank trains on its rows); returns the mean loss on every rank."""
+def forward_backward(model, batch: dict, num_microbatches: int = 1, schedule: str = "1f1b",
+                     grad_scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward of the global batch (each dp rank trains on its rows); returns the mean loss on every rank.
+    `grad_scale`: fp16 loss scaling (gradients come out scaled by it, the loss does not)."""
     inputs = model_inputs(batch)
     first = "input_ids" if "input_ids" in inputs else "pixel_values"
-    return model.forward_backward(inputs.pop(first), batch["labels"], num_microbatches=num_microbatches, **inputs)
+    return model.forward_backward(inputs.pop(first), batch["labels"], num_microbatches=num_microbatches,
+                                  schedule=schedule, grad_scale=grad_scale, **inputs)
 
 
 def build_optimizer(model, lr: float, weight_decay: float):

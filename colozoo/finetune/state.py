@@ -79,8 +79,9 @@ def complete_checkpoints(root) -> list[Path]:
 
 
 def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
-                        keep_last: int = 2) -> Path:
-    """Collective: every rank writes its file into a temp dir; rank 0 commits it by renaming, then prunes."""
+                        keep_last: int = 2, scaler=None) -> Path:
+    """Collective: every rank writes its file into a temp dir; rank 0 commits it by renaming, then prunes.
+    `scaler`: an fp16 loss scaler (colozoo.amp), saved when enabled."""
     root = Path(root)
     final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP_PREFIX}{step:08d}"
     if _rank() == 0:
@@ -91,6 +92,8 @@ def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict
     _barrier()
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "scheduler": scheduler.state_dict(), "rng": rng_state()}
+    if scaler is not None and scaler.enabled:
+        payload["scaler"] = scaler.state_dict()
     _fsync_write(tmp / f"rank-{_rank():05d}.pt", lambda f: torch.save(payload, f))
     _before_commit(tmp)
     _barrier()
@@ -111,8 +114,9 @@ def _before_commit(tmp: Path):
     """Test hook: a point where every rank has written but nothing is committed yet."""
 
 
-def load_training_state(path, model, optimizer, scheduler, mesh: dict) -> dict:
-    """Restore this rank's state from a complete checkpoint; returns its meta (with the step)."""
+def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=None) -> dict:
+    """Restore this rank's state from a complete checkpoint; returns its meta (with the step). A loss `scaler`
+    is restored when the checkpoint has one (a run that switches to fp16 starts from the initial scale)."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("format") != FORMAT:
@@ -129,6 +133,8 @@ def load_training_state(path, model, optimizer, scheduler, mesh: dict) -> dict:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
+    if scaler is not None and scaler.enabled and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
     return meta
 
 

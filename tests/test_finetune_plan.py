@@ -1,0 +1,50 @@
+"""`colozoo finetune --plan auto`: the planner picks the mesh and micro-batching for the run's global batch, the
+loop trains on it (a causal LM, and a BERT classifier with its fresh head), and explicit degrees alongside it are
+refused in one line."""
+import json
+from pathlib import Path
+
+import pytest
+
+from distributed import run_distributed
+from test_finetune import losses, small_run, tiny, tiny_bert  # noqa: F401 (fixtures)
+
+from colozoo.finetune import main, state
+from colozoo.finetune.config import FinetuneConfig
+from colozoo.finetune.loop import run
+
+
+def _planned_runs(lm, bert, root):
+    root = Path(root)
+    run(small_run(lm, root / "lm", plan="auto", global_batch_size=4, lr=5e-3, dtype="float16"))
+    subset = str(bert / "sentiment16.jsonl")
+    run(small_run(bert, root / "bert", plan="auto", task="seqcls", data=subset, eval_data=subset,
+                  global_batch_size=16, lr=3e-3, eval_interval=0, num_labels=2))
+    return {name: losses(root / name) for name in ("lm", "bert")}
+
+
+def test_plan_auto_plans_the_mesh_and_trains(tiny, tiny_bert, tmp_path):  # noqa: F811
+    curves = run_distributed(_planned_runs, 2, tiny, tiny_bert, tmp_path, timeout=240)[0]
+    for name, global_batch in (("lm", 4), ("bert", 16)):
+        curve = curves[name]
+        assert len(curve) == 6 and curve[-1] < curve[0], name
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        plan = saved["planned"]
+        assert saved["plan"] == "auto" and plan["tp"] * plan["pp"] * plan["dp"] == 2, plan
+        assert plan["dp"] * plan["micro_batch_size"] * plan["num_microbatches"] == global_batch, plan
+        meta = json.loads((state.latest_checkpoint(tmp_path / name / "checkpoints") / "meta.json").read_text())
+        assert meta["mesh"] == {k: plan[k] for k in ("tp", "pp", "dp", "cp", "ep")}  # trained on the planned mesh
+
+
+@pytest.mark.parametrize("flags", [dict(tp=2), dict(dp=1, data_parallel="ddp"), dict(activation_checkpointing=True)])
+def test_plan_auto_with_explicit_degrees_is_refused(flags):
+    with pytest.raises(ValueError, match=r"--plan auto chooses .* itself; drop --"):
+        FinetuneConfig(model="m", data="d.jsonl", plan="auto", **flags)
+
+
+def test_plan_auto_conflict_on_the_command_line_is_one_line(tiny, tmp_path, capsys):  # noqa: F811
+    code = main(["--model", str(tiny), "--data", "d.jsonl", "--output", str(tmp_path / "o"), "--plan", "auto",
+                 "--tp", "2", "--pp", "2"], task="lm")
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.count("\n") == 0 and "drop --tp, --pp" in err
+    assert not (tmp_path / "o").exists()
