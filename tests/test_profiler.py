@@ -27,12 +27,9 @@ def config_of(family, **overrides):
     return transformers.AutoConfig.for_model(family, **{**CONFIGS[family], **overrides})
 
 
-def real_step(config, record_saved=False):
-    """A real CPU forward+backward: (FLOPs from flop_counter, bytes saved for backward deduplicated by storage)."""
-    torch.manual_seed(0)
-    model = build_model(config, device="cpu").train()
+def recording_saved(model, saved: dict):
+    """Saved-tensor hooks that record, by storage, the bytes saved for backward that are not parameters."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
@@ -40,9 +37,17 @@ def real_step(config, record_saved=False):
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def real_step(config):
+    """A real CPU forward+backward: (FLOPs from flop_counter, bytes saved for backward deduplicated by storage)."""
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu").train()
+    saved = {}
     ids = torch.randint(0, config.vocab_size, (B, S))
     with use_kernels("torch"), FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with recording_saved(model, saved):
             loss = model(ids, labels=ids).loss
         loss.backward()
     return counter.get_total_flops(), sum(saved.values())
@@ -70,17 +75,9 @@ def checkpointed_step(config, layers):
     model = build_model(config, device="cpu").train()
     parallelize(model, data_parallel="ddp", activation_checkpointing=None if layers is None else "full",
                 checkpoint_layers=layers)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
-    with use_kernels("torch"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with use_kernels("torch"), recording_saved(model, saved):
         model.forward_backward(ids, ids)
     return sum(saved.values()), {n: p.grad for n, p in model.named_parameters()}
 
