@@ -69,9 +69,11 @@ def test_flops_and_activations_match_a_real_run(family, dropout):
 def checkpointed_step(config, layers):
     """Bytes saved for backward (outside recomputed regions) and gradients of a real training step whose first
     `layers` layers recompute (None: no checkpointing)."""
+    from colozoo.parallel import single_process
+    from colozoo.rng import model_parallel_seed
     from colozoo.training import parallelize
 
-    torch.manual_seed(0)
+    model_parallel_seed(0, single_process())  # the same weights and dropout masks in every run
     model = build_model(config, device="cpu").train()
     parallelize(model, data_parallel="ddp", activation_checkpointing=None if layers is None else "full",
                 checkpoint_layers=layers)
