@@ -107,6 +107,7 @@ class _Norm(torch.autograd.Function):
                 raise ValueError(f"norm {name} has shape {tuple(p.shape)}, expected ({n},) for input {tuple(x.shape)}")
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"residual shape {tuple(residual.shape)} differs from input shape {tuple(x.shape)}")
+        ctx.set_materialize_grads(False)  # a post-norm layer drops the sum h: backward then skips its gradient
         x2 = _rows(x, n)
         r2 = _rows(residual, n) if residual is not None else None
         m = x2.shape[0]

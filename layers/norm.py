@@ -22,8 +22,9 @@ class _SequenceParallelAware(nn.Module):
         return copy_to_parallel(p, self.group)
 
     def _triton(self, x, residual, *params) -> bool:
-        """The Triton kernel returns the input dtype, so it only stands in when the parameters share it."""
-        return use_triton(x, residual) and all(p is None or p.dtype == x.dtype for p in params)
+        """The Triton kernel returns the input dtype, so it only stands in when the residual and the parameters
+        share it (torch would promote a mixed-dtype sum)."""
+        return use_triton(x, residual) and all(t is None or t.dtype == x.dtype for t in (residual, *params))
 
 
 class LayerNorm(_SequenceParallelAware):

@@ -91,8 +91,8 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids, ctx: BertBatchContext):
         hidden = self.word_embeddings(input_ids) + self._replicated(self.token_type_embeddings(ctx.token_type_ids))
-        hidden = hidden + self._replicated(self.position_embeddings(ctx.position_ids))
-        return dropout(self.LayerNorm(hidden), self.dropout_p, self.training, sharded=self.sequence_parallel)
+        hidden, _ = self.LayerNorm(hidden, residual=self._replicated(self.position_embeddings(ctx.position_ids)))
+        return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
 
 class BertLayer(nn.Module):
@@ -125,8 +125,9 @@ class BertLayer(nn.Module):
         return self.attention_output(attn.transpose(1, 2).reshape(b, s, -1))
 
     def forward(self, x, ctx):
-        x = self.attention_norm(x + self._dropout(self.self_attention(x, ctx)))
-        return self.output_norm(x + self._dropout(self.output(self.intermediate(x))))
+        x, _ = self.attention_norm(self._dropout(self.self_attention(x, ctx)), residual=x)
+        x, _ = self.output_norm(self._dropout(self.output(self.intermediate(x))), residual=x)
+        return x
 
 
 class BertPooler(nn.Module):

@@ -68,8 +68,9 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(config, pc, device, dtype)
 
     def forward(self, x, ctx):
-        x = x + self.attn(self.ln_1(x), ctx)
-        return x + self.mlp(self.ln_2(x))
+        attn_out = self.attn(self.ln_1(x), ctx)
+        mlp_in, x = self.ln_2(attn_out, residual=x)  # x + attn_out, and that normalised
+        return x + self.mlp(mlp_in)
 
 
 class GPT2ForCausalLM(ParallelModel):

@@ -228,8 +228,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, pc, device, dtype)
 
     def forward(self, x, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), ctx)
+        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
+        return x + self.mlp(mlp_in)
 
 
 def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None, device):

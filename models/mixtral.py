@@ -65,8 +65,9 @@ class MixtralDecoderLayer(nn.Module):
                        tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
 
     def forward(self, x, ctx: MoEBatchContext):
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        out, router_logits = self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), ctx)
+        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
+        out, router_logits = self.mlp(mlp_in)
         ctx.router_logits.append(router_logits)
         return x + out
 

@@ -85,13 +85,14 @@ class OPTDecoderLayer(nn.Module):
         return dropout(x, self.dropout_p, self.training, sharded=self.sharded_resid)
 
     def forward(self, x, ctx):
-        attn_in = self.self_attn_layer_norm(x) if self.pre_norm else x
-        x = x + self._dropout(self.self_attn(attn_in, ctx))
-        if not self.pre_norm:
-            x = self.self_attn_layer_norm(x)
-        mlp_in = self.final_layer_norm(x) if self.pre_norm else x
-        x = x + self._dropout(self.fc2(self.fc1(mlp_in)))
-        return x if self.pre_norm else self.final_layer_norm(x)
+        if self.pre_norm:
+            attn_out = self._dropout(self.self_attn(self.self_attn_layer_norm(x), ctx))
+            mlp_in, x = self.final_layer_norm(attn_out, residual=x)  # x + attn_out, and that normalised
+            return x + self._dropout(self.fc2(self.fc1(mlp_in)))
+        # post-LayerNorm (opt-350m): each norm takes its residual sum
+        x, _ = self.self_attn_layer_norm(self._dropout(self.self_attn(x, ctx)), residual=x)
+        x, _ = self.final_layer_norm(self._dropout(self.fc2(self.fc1(x))), residual=x)
+        return x
 
 
 class OPTForCausalLM(ParallelModel):

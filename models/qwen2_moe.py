@@ -53,11 +53,11 @@ class Qwen2MoeDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(config, pc, device, dtype)
 
     def forward(self, x, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        hidden = self.post_attention_layernorm(x)
+        attn_out = self.self_attn(self.input_layernorm(x), ctx)
+        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
         if not self.sparse:
-            return x + self.mlp(hidden)
-        out, router_logits = self.mlp(hidden)
+            return x + self.mlp(mlp_in)
+        out, router_logits = self.mlp(mlp_in)
         ctx.router_logits.append(router_logits)
         return x + out
 

@@ -85,8 +85,9 @@ class ViTLayer(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
 
     def forward(self, x, ctx):
-        x = x + self._dropout(self.self_attention(x, ctx))
-        return x + self._dropout(self.fc2(self.fc1(self.layernorm_after(x))))
+        attn_out = self._dropout(self.self_attention(x, ctx))
+        mlp_in, x = self.layernorm_after(attn_out, residual=x)  # x + attn_out, and that normalised
+        return x + self._dropout(self.fc2(self.fc1(mlp_in)))
 
 
 class ViTPooler(nn.Module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import inspect
 import os
 import tempfile
 
@@ -426,6 +427,56 @@ def count_kernel_calls(monkeypatch) -> collections.Counter:
             original = getattr(mod, name)
             monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name, **k: calls.update([_n]) or _f(*a, **k))
     return calls
+
+
+def count_fused_norm_calls(monkeypatch) -> collections.Counter:
+    """Counts the norm kernels' calls that were handed a residual, i.e. that fused the residual add (patched, still
+    computing)."""
+    norms = kernel_module("norms")
+    calls = collections.Counter()
+    for name in ("layer_norm_triton", "rms_norm_triton"):
+        original = getattr(norms, name)
+
+        def counted(*args, _f=original, _n=name, _signature=inspect.signature(original), **kwargs):
+            if _signature.bind(*args, **kwargs).arguments.get("residual") is not None:
+                calls[_n] += 1
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(norms, name, counted)
+    return calls
+
+
+OPT_POST_LN = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4,
+                   max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1,
+                   do_layer_norm_before=False)
+
+
+@CPU_PARITY
+@pytest.mark.parametrize("family,config,kernel,fused_calls", [
+    ("gpt2", GPT2, "layer_norm_triton", 2),         # ln_2 of each of 2 layers
+    ("llama", LLAMA, "rms_norm_triton", 2),         # post_attention_layernorm of each layer
+    ("opt", OPT_POST_LN, "layer_norm_triton", 4),   # post-LN: both norms of each layer take their residual sums
+])
+def test_models_fuse_the_residual_add_into_the_norm_kernel(monkeypatch, family, config, kernel, fused_calls):
+    """The model's residual adds run inside the norm kernel, and logits, loss and every gradient still match HF."""
+    calls = count_fused_norm_calls(monkeypatch)
+    report = _parity_on_kernels("triton", family, config)
+    assert report["logits"] < 1e-5
+    assert calls == {kernel: fused_calls}, calls
+
+
+@CPU_PARITY
+def test_bert_fuses_the_residual_add_into_the_norm_kernel(monkeypatch):
+    """Post-LN BERT: both norms of every layer and the embeddings' LayerNorm take their sums fused; still HF's
+    hidden states, masked-LM logits, loss and gradients."""
+    from test_bert import bert_parity
+
+    calls = count_fused_norm_calls(monkeypatch)
+    for name in KERNEL_MODULES:
+        kernel_module(name)
+    with dispatch.use_kernels("triton"):
+        bert_parity("BertForMaskedLM")
+    assert calls == {"layer_norm_triton": 2 * 2 + 1}, calls
 
 
 def _fused_loss_parity(model_type, config_kwargs, tp=1, sequence_parallel=False):
