@@ -21,8 +21,10 @@ sharded by `shard_batch`, called by `ParallelModel.forward` (pp == 1, via `conte
 each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral. `model.cp_mode` (or the
 `cp_mode=` forward keyword) picks the mode; "ring" by default.
 Parameter gradients are partial on each cp rank: sum them over the cp group (the dp_cp reduction).
-Memory: the ring never builds an (S, S) mask; with a padded batch the family's `batch_context` still builds
-its dense mask once per batch (it is dropped at once), packed unpadded sequences never do.
+Memory: neither mode builds a (batch, 1, S, S) mask at long S; the family's dense mask is dropped unbuilt. The
+ring masks per block. Ulysses without padding or window needs no mask; bidirectional attention over padding takes
+a (batch, 1, 1, S) key mask; causal attention over padding and sliding windows run in chunks of queries, each
+against the keys it can reach, with a (batch, 1, chunk, keys) mask: exact at every position, padding included.
 """
 from __future__ import annotations
 
@@ -323,13 +325,42 @@ def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None,
         return all_to_all(x, cp.group, scatter_dim=1, gather_dim=2).index_select(2, natural)
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    mask = full_mask(cp.attention_mask, cp.seq_len, causal, window, q.device)
-    out = attention(q, k, v, mask, causal=causal and mask is None, scale=scale, dropout_p=dropout_p, upcast=upcast)
+    options = dict(scale=scale, dropout_p=dropout_p, upcast=upcast)
+    padding = cp.attention_mask
+    window = window if window is not None and window < cp.seq_len else None  # a window as long masks nothing
+    if padding is None and window is None:
+        out = attention(q, k, v, causal=causal, **options)
+    elif window is None and not causal:  # a key mask broadcasts over the queries
+        out = attention(q, k, v, padding.to(q.device).bool()[:, None, None, :], causal=False, **options)
+    else:
+        out = _chunked_attention(q, k, v, padding, causal, window, **options)
     return all_to_all(out.index_select(2, order), cp.group, scatter_dim=2, gather_dim=1)
 
 
+QUERY_CHUNK = 512  # at least this many queries per chunk of masked attention
+
+
+def _chunked_attention(q, k, v, padding, causal: bool, window: int | None, **options):
+    """Masked attention in chunks of queries, each against the keys it can reach (causal: none after the chunk;
+    a window: none before it): masks are (batch|1, 1, chunk, keys), never (S, S), and unreachable keys are not
+    computed at all."""
+    from .attention import attention
+
+    seq, chunk = q.shape[2], max(window or 0, QUERY_CHUNK)
+    pos = torch.arange(seq, device=q.device)
+    keep = padding.to(q.device).bool() if padding is not None else None
+    outs = []
+    for start in range(0, seq, chunk):
+        stop = min(start + chunk, seq)
+        keys = slice(max(0, start - window + 1) if window else 0, stop if causal else seq)
+        mask = _block_mask(pos[start:stop], pos[keys], keep[:, keys] if keep is not None else None, causal, window)
+        outs.append(attention(q[:, :, start:stop], k[:, :, keys], v[:, :, keys], mask, causal=False, **options))
+    return torch.cat(outs, dim=2)
+
+
 def full_mask(attention_mask, seq_len: int, causal: bool, window: int | None, device=None):
-    """Boolean (batch|1, 1, S, S) mask of the whole sequence, or None for plain causal / no masking."""
+    """Boolean (batch|1, 1, S, S) mask of the whole sequence, or None for plain causal / no masking (the reference
+    the cp modes are tested against)."""
     if attention_mask is None and window is None:
         return None
     pos = torch.arange(seq_len, device=device)
@@ -344,6 +375,7 @@ def context_parallel_attention(q, k, v, cp: ContextParallel, *, causal: bool, sc
                                  window=window)
     if dropout_p > 0.0:
         raise ValueError("attention dropout is not supported with cp_mode='ring'; use cp_mode='all_to_all'")
+    # no `upcast` to pass: the ring computes scores, softmax and their product with v in fp32 whatever the dtype
     return ring_attention(q, k, v, cp, causal=causal, scale=scale, window=window)
 
 

@@ -31,6 +31,9 @@ def _reference(q, k, v, dout, mask, causal, window):
 
 
 def cp_attention_matches(cp_size, mode):
+    from unittest import mock
+
+    from colozoo.layers import context_parallel
     from colozoo.layers.attention import attention
     from colozoo.layers.context_parallel import ContextParallel, gather_sequence, shard_sequence
     from colozoo.parallel import init_parallel
@@ -46,7 +49,8 @@ def cp_attention_matches(cp_size, mode):
                 ref = _reference(q, k, v, dout, mask, causal, window)
                 cp = ContextParallel(group, mode, q.shape[2], mask)
                 local = [shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v)]
-                out = attention(*local, causal=causal, cp=cp, window=window)
+                with mock.patch.object(context_parallel, "QUERY_CHUNK", 4):  # Ulysses' masks in 3 query chunks
+                    out = attention(*local, causal=causal, cp=cp, window=window)
                 out.backward(shard_sequence(dout, group, dim=2))
                 got = [gather_sequence(out.detach(), group, dim=2)] + [gather_sequence(t.grad, group, dim=2)
                                                                         for t in local]
@@ -86,7 +90,16 @@ FAMILIES = {
 }
 
 
-def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=None):
+def right_padded_batch(vocab_size: int, seq_len: int):
+    """Right padding with labels on it too (as when pad = eos), so the loss reads the padded positions."""
+    ids, _, _ = batch(vocab_size, seq_len, padded=False)
+    mask = torch.ones_like(ids)
+    mask[0, seq_len - 6:] = 0  # padding on both cp ranks' shares (zigzag chunks of 4)
+    mask[1, seq_len - 1:] = 0
+    return ids, mask, ids
+
+
+def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=None, right_padded=False):
     from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.models import build_model
@@ -94,7 +107,7 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
 
     pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     config, hf = hf_causal_lm(family, {**FAMILIES[family], **(overrides or {})})
-    ids, mask, labels = batch(config.vocab_size, 16)
+    ids, mask, labels = (right_padded_batch if right_padded else batch)(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels)
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
@@ -244,3 +257,83 @@ def cp_builds_no_dense_mask(family, builder):
                                             ("mistral", "colozoo.models.llama.attention_mask_for")])
 def test_cp_never_builds_the_dense_mask(family, builder):
     run_distributed(cp_builds_no_dense_mask, 2, family, builder, timeout=90)
+
+
+def ulysses_padding_parity(family):
+    """Padding under all-to-all: logits, loss and gradients are transformers' (which cp=1 matches), with masks of
+    a chunk of queries at the most (QUERY_CHUNK, here 4 of 16) reaching the attention core, never (S, S)."""
+    import sys
+    from unittest import mock
+
+    from colozoo.layers import context_parallel
+
+    core_module = sys.modules["colozoo.layers.attention"]
+    core, masks = core_module.attention, []
+
+    def recording(q, k, v, mask=None, **kwargs):
+        masks.append(mask)
+        return core(q, k, v, mask, **kwargs)
+
+    dense = AssertionError("the (S, S) mask of the whole sequence was built")
+    with mock.patch.object(core_module, "attention", recording), mock.patch.object(context_parallel, "QUERY_CHUNK", 4), \
+            mock.patch.object(context_parallel, "full_mask", side_effect=dense):
+        cp_parity(1, 2, "all_to_all", family=family, right_padded=True)
+        cp_parity(1, 2, "all_to_all", family=family)  # left padding
+    shapes = [tuple(m.shape) for m in masks if m is not None]
+    assert shapes and all(shape[-2] <= 4 for shape in shapes), shapes
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_ulysses_padding_never_builds_the_whole_mask(family):
+    run_distributed(ulysses_padding_parity, 2, family, timeout=120)
+
+
+def add_large_score_offset(hf_gpt2, offset: float = 1000.0):
+    """Give every head's scores a per-query constant near `offset` (softmax ignores it): the first coordinate of
+    each head's q gets +offset and that of k becomes 1. Rounded to bf16 (spacing 4 to 8 there) the scores lose
+    their differences, which only fp32 scores (GPT-2's reorder_and_upcast_attn) keep."""
+    h = hf_gpt2.config.n_embd
+    first = torch.arange(0, h, h // hf_gpt2.config.n_head)
+    with torch.no_grad():
+        for block in hf_gpt2.transformer.h:
+            weight, bias = block.attn.c_attn.weight, block.attn.c_attn.bias  # Conv1D: (h, 3h), q | k | v
+            bias[first] += offset
+            weight[:, h + first] = 0.0
+            bias[h + first] = 1.0
+
+
+def gpt2_upcast_ring_matches_cp1_bf16():
+    """bf16 GPT-2 with reorder_and_upcast_attn: the ring's logits are cp=1's to a few roundings, a tolerance that
+    attention with bf16 scores (transformers' eager path without the option) misses by far."""
+    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.models import build_model
+    from colozoo.parallel import init_parallel
+
+    options = {**FAMILIES["gpt2"], "reorder_and_upcast_attn": True, "initializer_range": 0.1}
+    config, hf = hf_causal_lm("gpt2", options, attn_implementation="eager")
+    _, hf_off = hf_causal_lm("gpt2", {**options, "reorder_and_upcast_attn": False}, attn_implementation="eager")
+    add_large_score_offset(hf)
+    hf_off.load_state_dict(hf.state_dict())
+    hf, hf_off = hf.to(torch.bfloat16), hf_off.to(torch.bfloat16)
+    ids, mask, _ = batch(config.vocab_size, 16)
+    keep = mask.bool()
+    logits = {}
+    with torch.no_grad():
+        for cp in (1, 2):
+            model = build_model(config, pc=init_parallel(cp=cp), device="meta", dtype=torch.bfloat16)
+            load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+            model.cp_mode = "ring"
+            logits[cp] = model.eval()(ids, attention_mask=mask, return_logits=True).logits.float()
+        without_upcast = hf_off(ids, attention_mask=mask).logits.float()
+    atol = 4 * torch.finfo(torch.bfloat16).eps / 2 * logits[1][keep].abs().max().item()  # 4 roundings of the top
+
+    def diff(a, b):
+        return (a - b)[keep].abs().max().item()
+
+    assert diff(logits[2], logits[1]) <= atol, f"ring logits differ from cp=1 by {diff(logits[2], logits[1])} > {atol}"
+    assert diff(without_upcast, logits[1]) > 4 * atol, "the test cannot tell reorder_and_upcast_attn on from off"
+    return diff(logits[2], logits[1]), diff(without_upcast, logits[1]), atol
+
+
+def test_gpt2_upcast_attention_on_the_ring_bf16():
+    run_distributed(gpt2_upcast_ring_matches_cp1_bf16, 2, timeout=120)
