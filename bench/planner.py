@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import sys
@@ -97,6 +98,7 @@ def run_plan(mesh, m, data_parallel, steps):
 
     torch.manual_seed(0)
     pc = init_parallel(**mesh)
+    gc.collect()  # the last plan's model lives in reference cycles: freed now, not in the middle of this one
     before_model = malloc_in_use()
     model = build_model(config(), pc=pc, device="cpu").train()
     parallelize(model, data_parallel=data_parallel or "ddp")
