@@ -428,9 +428,32 @@ def add_parser(subparsers):
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
     p.add_argument("--no-offload", action="store_true", help="never offload to CPU memory")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field of the hardware preset, e.g. --set inter_node_bw=100e9 "
+                        "--set collective_latency_s=2e-5 (fields: " + ", ".join(_numeric_fields()) + ")")
     p.add_argument("--top", type=int, default=10, help="plans to show")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
+
+
+def _numeric_fields() -> list[str]:
+    from dataclasses import fields
+
+    return [f.name for f in fields(Hardware) if f.type in ("float", "int") and f.name not in ("gpus_per_node", "nodes")]
+
+
+def _overrides(items) -> dict:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in _numeric_fields():
+            raise HardwareError(f"--set {item!r}: the hardware has no field {name!r}; fields: "
+                                f"{', '.join(_numeric_fields())}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise HardwareError(f"--set {item!r}: {value!r} is not a number") from None
+    return out
 
 
 def _main(args) -> int:
@@ -440,7 +463,8 @@ def _main(args) -> int:
     try:
         result = plan(args.name, gpus=args.gpus, gpu_memory=args.gpu_memory, hardware=args.hardware,
                       gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,
-                      dtype=args.dtype, optimizer=args.optimizer, allow_offload=not args.no_offload)
+                      dtype=args.dtype, optimizer=args.optimizer, allow_offload=not args.no_offload,
+                      **_overrides(args.set))
     except HardwareError as e:
         raise ValueError(str(e)) from None
     if args.json:

@@ -219,3 +219,11 @@ def test_best_plan_for_world_and_cli(capsys):
                  "--global-batch", "8", "--json", "--top", "2"]) == 0
     assert '"plans"' in capsys.readouterr().out
     assert main(["plan", "opt-125m", "--hardware", "TPU"]) == 1
+    args = ["plan", "opt-125m", "--gpus", "2", "--seq-len", "512", "--global-batch", "8", "--json", "--top", "1"]
+    assert main(args + ["--set", "collective_latency_s=0.5", "--set", "comm_overlap=0"]) == 0
+    import json
+
+    chosen = json.loads(capsys.readouterr().out)
+    assert chosen["hardware"]["collective_latency_s"] == 0.5 and chosen["hardware"]["comm_overlap"] == 0
+    assert chosen["plans"][0]["tp"] == 1  # half a second a collective step: tp's many collectives lose
+    assert main(args + ["--set", "nvlink=1"]) == 1 and "no field 'nvlink'" in capsys.readouterr().err
