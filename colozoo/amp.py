@@ -23,9 +23,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from colozoo.layers.shard import local_part
 
 
 class DynamicLossScaler:
@@ -50,7 +48,7 @@ class DynamicLossScaler:
         by_device = defaultdict(list)  # torch's fused check-and-unscale takes tensors of one device and dtype
         for p in model.parameters():
             if p.grad is not None:
-                g = _local(p.grad)
+                g = local_part(p.grad)
                 by_device[(g.device, g.dtype)].append(g)
         device = model.pc.device if hasattr(model, "pc") else torch.device("cpu")
         found_inf = torch.zeros(1, device=device)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from colozoo.hardware import GiB, Hardware
+from colozoo.layers.shard import local_part
 
 LEVELS = ("none", "optimizer", "params")
 CHUNK_BYTES = 64 * 2 ** 20  # fp32 master bytes per pipelined chunk of OffloadedAdamW.step
@@ -153,10 +154,6 @@ def _chunks(sizes: list[int], chunk_bytes: int) -> list[set[int]]:
     return chunks + [current] if current else chunks
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2 shard, tp shard): this rank's part
-
-
 class OffloadedAdamW:
     """AdamW whose fp32 master weights and states live in CPU memory (the "optimizer" offload level).
 
@@ -174,7 +171,7 @@ class OffloadedAdamW:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("OffloadedAdamW got no parameters that require gradients")
-        local = [_local(p) for p in self.params]
+        local = [local_part(p) for p in self.params]
         pin = torch.cuda.is_available()
         self.master = [t.detach().to("cpu", torch.float32, copy=True) for t in local]
         if pin:
@@ -216,13 +213,13 @@ class OffloadedAdamW:
         if self.down is None:
             for i in chunk:
                 if self.params[i].grad is not None:
-                    self.grad_buffers[i].copy_(_local(self.params[i].grad))
+                    self.grad_buffers[i].copy_(local_part(self.params[i].grad))
             return None
         self.down.wait_stream(torch.cuda.current_stream())  # the final gradients are written
         with torch.cuda.stream(self.down):
             for i in chunk:
                 if self.params[i].grad is not None:
-                    self.grad_buffers[i].copy_(_local(self.params[i].grad), non_blocking=True)
+                    self.grad_buffers[i].copy_(local_part(self.params[i].grad), non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         return event
@@ -230,7 +227,7 @@ class OffloadedAdamW:
     def _upload(self, chunk):
         with torch.cuda.stream(self.up) if self.up is not None else contextlib.nullcontext():
             for i in chunk:
-                _local(self.params[i]).copy_(self.master[i], non_blocking=self.up is not None)
+                local_part(self.params[i]).copy_(self.master[i], non_blocking=self.up is not None)
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
@@ -247,4 +244,4 @@ class OffloadedAdamW:
         with torch.no_grad():
             for p, m, saved in zip(self.params, self.master, state["master"]):
                 m.copy_(saved)
-                _local(p).copy_(m)
+                local_part(p).copy_(m)

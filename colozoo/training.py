@@ -28,10 +28,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from colozoo.layers.shard import spec_of
+from colozoo.layers.shard import local_part, spec_of
 from colozoo.layers.vocab import VocabParallelLMHead
 from colozoo.offload import OffloadedAdamW, fsdp2_offload_policy
 from colozoo.pipeline import PipelineError, build_stage_modules, run_schedule, stages_of, unwrap
@@ -45,10 +44,6 @@ OFFLOAD = (None, "optimizer", "params")  # see colozoo.offload
 
 class TrainingError(ValueError):
     pass
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -381,7 +376,7 @@ def _sum_tied_grad(model, setup, previous):
         return
     if p.grad is None:
         p.grad = torch.zeros_like(p)
-    dist.all_reduce(_local(p.grad), group=setup["tied"][1])
+    dist.all_reduce(local_part(p.grad), group=setup["tied"][1])
     if previous is not None:
         p.grad += previous
 
@@ -455,7 +450,7 @@ def global_grad_norm(model, norm_type: float = 2.0) -> torch.Tensor:
         replicated_over = "edp" if name in setup["experts"] else "dp_cp"
         if not setup["sharded"] and pc.rank(replicated_over) != 0:
             continue
-        g = _local(p.grad).float()
+        g = local_part(p.grad).float()
         acc = torch.maximum(acc, g.abs().max()) if norm_type == math.inf else acc + g.pow(2).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
@@ -469,7 +464,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in model.parameters():
         if p.grad is not None:
-            _local(p.grad).mul_(coef)
+            local_part(p.grad).mul_(coef)
     return total
 
 

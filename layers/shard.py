@@ -53,6 +53,11 @@ def shard(param: torch.Tensor, *splits: Split) -> torch.Tensor:
     return param
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 or DTensor-parallel shard); a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def spec_of(param: torch.Tensor) -> tuple[Split, ...]:
     return getattr(param, "shard_spec", ())
 
