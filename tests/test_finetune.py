@@ -495,6 +495,25 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_loss_curve(tin
     assert runs[True][1] == pytest.approx(runs[False][1], abs=1e-6)  # dropout included: the same random draws
 
 
+def test_optimizer_offload_keeps_the_loss_curve(tiny, tmp_path, monkeypatch):
+    from colozoo.finetune import runtime
+
+    built, build = [], runtime.build_optimizer
+    monkeypatch.setattr(runtime, "build_optimizer", lambda *a: built.append(build(*a)) or built[-1])
+    curves = {}
+    for offload in ("optimizer", "none"):
+        out = tmp_path / offload
+        run(small_run(tiny, out, offload=offload, eval_interval=0, save_interval=3))
+        curves[offload] = losses(out), [r["lr"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r]
+    assert [type(o).__name__ for o in built] == ["OffloadedAdamW", "AdamW"]
+    assert curves["optimizer"][1] == curves["none"][1]  # the schedule drives the CPU AdamW's learning rate
+    assert curves["optimizer"][0] == pytest.approx(curves["none"][0], abs=1e-5)
+    resumed = tmp_path / "resumed"  # the offloaded optimizer's state round-trips through a checkpoint
+    assert run(small_run(tiny, resumed, offload="optimizer", eval_interval=0, save_interval=3, stop_after=3))["stopped"]
+    run(small_run(tiny, resumed, offload="optimizer", eval_interval=0, save_interval=3))
+    assert losses(resumed) == curves["optimizer"][0]
+
+
 def test_epochs_set_the_number_of_steps(tiny, tmp_path):
     data = tmp_path / "stories12.jsonl"
     data.write_text("".join(STORIES.read_text().splitlines(keepends=True)[:12]))

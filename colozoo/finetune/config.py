@@ -7,8 +7,9 @@ from dataclasses import dataclass, fields
 TASKS = ("lm", "seqcls", "imgcls")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_PARALLEL = ("fsdp", "ddp")
+OFFLOAD = ("none", "optimizer", "params")
 PLANS = ("auto",)
-PLANNED = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel", "data_parallel", "activation_checkpointing")
+PLANNED = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel", "data_parallel", "activation_checkpointing", "offload")
 
 
 @dataclass
@@ -43,6 +44,7 @@ class FinetuneConfig:
     label_field: str = "label"
     dtype: str = "float32"
     activation_checkpointing: bool = False
+    offload: str = "none"               # CPU memory for optimizer states ("optimizer"), or FSDP shards too ("params")
     seed: int = 1234
     log_interval: int = 1
     eval_interval: int = 0              # 0: evaluate only at the end
@@ -70,6 +72,8 @@ class FinetuneConfig:
                 flags = ", ".join("--" + name.replace("_", "-") for name in chosen)
                 raise ValueError(f"--plan {self.plan} chooses the mesh, data parallelism and checkpointing itself; "
                                  f"drop {flags} (or drop --plan)")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"offload must be one of {OFFLOAD}, got {self.offload!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("micro_batch_size", "seq_len", "log_interval", "eval_batches", "keep_last"):
@@ -112,6 +116,9 @@ _HELP = {
     "dtype": "compute dtype (bfloat16/float16 train in mixed precision over fp32 weights; float16 with "
              "dynamic loss scaling)",
     "activation_checkpointing": "recompute layer activations in backward to save memory",
+    "offload": "keep fp32 master weights and AdamW states in CPU memory ('optimizer'), or the FSDP parameter and "
+               "gradient shards too ('params', needs FSDP over dp > 1): for models whose training state does not "
+               "fit the GPUs",
     "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over, "
               "replacing OUTPUT's checkpoints and metrics)",
     "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end",
@@ -134,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kwargs)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
-            choices = {"task": TASKS, "dtype": DTYPES, "data_parallel": DATA_PARALLEL, "plan": PLANS}.get(f.name)
+            choices = {"task": TASKS, "dtype": DTYPES, "data_parallel": DATA_PARALLEL, "plan": PLANS,
+                       "offload": OFFLOAD}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, **kwargs)
     return parser
 

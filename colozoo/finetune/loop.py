@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.amp import DynamicLossScaler
+from colozoo.offload import OffloadedAdamW
 from colozoo.finetune import data as D
 from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
@@ -169,7 +170,9 @@ def run(cfg: FinetuneConfig) -> dict:
     micro_batch_size = plan["micro_batch_size"] if plan else cfg.micro_batch_size
     model.train()
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
+    # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
+    scheduled = optimizer.optimizer if isinstance(optimizer, OffloadedAdamW) else optimizer
+    scheduler = build_scheduler(scheduled, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
     scaler = DynamicLossScaler(enabled=cfg.dtype == "float16")  # fp16 gradients underflow without loss scaling
 
     output, rank0 = Path(cfg.output), _is_rank0()

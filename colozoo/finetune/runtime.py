@@ -50,7 +50,8 @@ def prepare_training(model, cfg):
         model.plan_step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
         return model
     return parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
-                       activation_checkpointing="full" if cfg.activation_checkpointing else None)
+                       activation_checkpointing="full" if cfg.activation_checkpointing else None,
+                       offload=cfg.offload)
 
 
 class FreshTensor:
