@@ -165,7 +165,7 @@ def calibrate_links() -> dict:
         t_large = _time_collective(name, large, 3)
         payload = large * 4 * (2 if name == "all_gather" else 1)
         bus = payload * BUS_FACTOR[name](2)
-        out[name] = (t_small / RING_STEPS.get(name, lambda n: 1)(2), bus / max(t_large - t_small, 1e-9))
+        out[name] = (t_small / RING_STEPS[name](2), bus / max(t_large - t_small, 1e-9))
     return out
 
 
@@ -237,21 +237,15 @@ def cpu_hardware(links: dict, compute: tuple[float, float]):
 
 def predictions(cpu, plans):
     from colozoo.planner import estimate
-    from colozoo.profiler import Setup, profile
+    from colozoo.profiler import Setup, parse_mesh, profile
 
     out = {}
     for name, mesh, m, data_parallel in plans:
-        from colozoo.profiler import parse_mesh
-
         pc = parse_mesh(mesh)
         zero = 3 if data_parallel == "fsdp" and pc.dp > 1 else 0
-        mbs = BATCH // (pc.dp * m)
-        schedule = schedule_for(mesh, m)
-        setup = Setup(batch_size=mbs, seq_len=SEQ, dtype="float32", zero=zero, num_microbatches=m, target="cpu",
-                      schedule=schedule)
-        report = profile(config(), batch_size=mbs, seq_len=SEQ, mesh=pc, dtype="float32", zero=zero,
-                         num_microbatches=m, schedule=schedule, target="cpu")
-        step, _, _ = estimate(report, pc, setup, cpu)
+        report = profile(config(), batch_size=BATCH // (pc.dp * m), seq_len=SEQ, mesh=pc, dtype="float32", zero=zero,
+                         num_microbatches=m, schedule=schedule_for(mesh, m), target="cpu")
+        step, _, _ = estimate(report, pc, Setup(**report.setup), cpu)
         # what exists before the step: weights, master weights, optimizer states
         dynamic = max(s["peak"] - s["weights"] - s["master"] - s["optimizer"] for s in report.stages)
         out[name] = {"seconds": step, "total": report.peak_memory, "dynamic": dynamic}

@@ -24,7 +24,7 @@ import torch
 from colozoo.converters.sources import CheckpointError
 from colozoo.layers.shard import Split, local_shape, materialize, spec_of, stored_pieces
 from colozoo.parallel import ParallelConfig, ParallelContext, coords_of
-from colozoo.safetensors_io import DTYPE_CODES, DTYPES, SafetensorsFile
+from colozoo.safetensors_io import SafetensorsFile
 
 INDEX_NAME = "colozoo_index.json"
 FORMAT_VERSION = 1

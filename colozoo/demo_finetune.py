@@ -81,15 +81,6 @@ def convert(src: Path, dst: Path, tp: int, pp: int) -> Path:
     return dst
 
 
-def pipeline_ready() -> bool:
-    try:
-        from colozoo.training import forward_backward  # noqa: F401
-        from colozoo.pipeline import pipeline_forward  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def finetune(model: Path, output: Path, tp: int, pp: int, steps: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "colozoo.finetune", "--model", str(model), "--data", str(DATA), "--output", str(output),
@@ -121,9 +112,6 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)  # the demo always starts from scratch
     started = time.time()
     tp, pp = 2, 2
-    if not pipeline_ready():
-        pp = 1
-        print("note: the pipeline runtime is not available yet; the demo runs tp=2 x dp=2 instead of tp=2 x pp=2")
 
     print(f"[1/4] a small GPT-2 made by transformers' save_pretrained, with a tokenizer for {DATA.name}")
     hf_dir = make_tiny_gpt2(work / "gpt2-tiny")

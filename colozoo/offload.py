@@ -142,16 +142,15 @@ def fsdp2_offload_policy(level):
     return OffloadPolicy()
 
 
-def _chunks(sizes: list[int], chunk_bytes: int) -> list[set[int]]:
+def _chunks(sizes: list[int], chunk_bytes: int) -> list[range]:
     """Consecutive parameter indices grouped into chunks of about chunk_bytes (a larger tensor is its own)."""
-    chunks, current, filled = [], set(), 0
+    chunks, start, filled = [], 0, 0
     for i, size in enumerate(sizes):
-        if current and filled + size > chunk_bytes:
-            chunks.append(current)
-            current, filled = set(), 0
-        current.add(i)
+        if i > start and filled + size > chunk_bytes:
+            chunks.append(range(start, i))
+            start, filled = i, 0
         filled += size
-    return chunks + [current] if current else chunks
+    return chunks + [range(start, len(sizes))] if sizes else chunks
 
 
 class OffloadedAdamW:
@@ -192,17 +191,19 @@ class OffloadedAdamW:
     def step(self):
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload read the masters we are about to overwrite
+        if self.down is not None:
+            self.down.wait_stream(torch.cuda.current_stream())  # the final gradients are written
         arrived = [self._download(chunk) for chunk in self.chunks]
         for chunk, event in zip(self.chunks, arrived):
             if event is not None:
                 event.synchronize()
-            # AdamW skips masters without a gradient: one step() per chunk updates every parameter once
-            for i, m in enumerate(self.master):
-                m.grad = self.grad_buffers[i] if i in chunk and self.params[i].grad is not None else None
-            self.optimizer.step()
+            with_grad = [i for i in chunk if self.params[i].grad is not None]
+            for i in with_grad:
+                self.master[i].grad = self.grad_buffers[i]
+            self.optimizer.step()  # AdamW skips masters without a gradient: this updates the chunk's alone
+            for i in with_grad:
+                self.master[i].grad = None
             self._upload(chunk)
-        for m in self.master:
-            m.grad = None
         if self.up is not None:
             torch.cuda.current_stream().wait_stream(self.up)  # the next forward reads the new weights
             self._uploaded = torch.cuda.Event()
@@ -215,7 +216,6 @@ class OffloadedAdamW:
                 if self.params[i].grad is not None:
                     self.grad_buffers[i].copy_(local_part(self.params[i].grad))
             return None
-        self.down.wait_stream(torch.cuda.current_stream())  # the final gradients are written
         with torch.cuda.stream(self.down):
             for i in chunk:
                 if self.params[i].grad is not None:

@@ -129,6 +129,7 @@ RING_STEPS = {  # latency-bound steps of each collective, ring algorithms
     "all_gather": lambda n: n - 1,
     "reduce_scatter": lambda n: n - 1,
     "all_to_all": lambda n: n - 1,
+    "send_recv": lambda n: 1,
 }
 
 

@@ -655,9 +655,9 @@ def _module_units(trace: Trace, step_unit) -> dict[str, str]:
 
 def _assign_params(units, params, prefix, kinds, module_unit, root: str):
     """Parameter bytes per unit: one layer of each kind, and the rest by where their module ran."""
-    layer_of_key = {k: rep for rep, keys in kinds.items() for k in keys}
     from colozoo.layers.shard import spec_of
 
+    layer_of_key = {k: rep for rep, keys in kinds.items() for k in keys}
     fallback = "embed" if "embed" in units else next(iter(units))
     for name, p in params.items():
         nbytes = p.numel() * p.element_size()

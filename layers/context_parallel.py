@@ -383,11 +383,6 @@ def context_parallel_attention(q, k, v, cp: ContextParallel, *, causal: bool, sc
 # model wiring
 
 
-def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """labels[t+1] at position t (the causal-LM target), computed on the full sequence before sharding."""
-    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-
-
 class _SumOverRanks(torch.autograd.Function):
     """Forward all-reduce sum; backward identity (each rank's loss is the global one, its graph its own share)."""
 

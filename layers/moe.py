@@ -265,19 +265,3 @@ def router_losses(stats: torch.Tensor, num_experts: int, group=None) -> tuple[to
     rows, z_sum = stats[2 * num_experts:]
     balance = num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
     return balance, z_sum / rows.clamp(min=1)
-
-
-def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
-                        token_mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
-    """Switch-Transformer auxiliary loss over all MoE layers, as Mixtral computes it:
-    num_experts * sum_e (fraction of assignments to e) * (mean router probability of e), padding excluded.
-    With `group` (cp) the token statistics are summed over its ranks first."""
-    stats = router_statistics(router_logits, num_experts, top_k, token_mask)
-    return router_losses(stats, num_experts, group)[0]
-
-
-def router_z_loss(router_logits: list[torch.Tensor], token_mask: torch.Tensor | None = None,
-                  group=None) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens (and layers) of logsumexp(router logits)^2."""
-    stats = router_statistics(router_logits, router_logits[0].shape[-1], 1, token_mask)
-    return router_losses(stats, router_logits[0].shape[-1], group)[1]

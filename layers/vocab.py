@@ -7,7 +7,6 @@ slice with three small all-reduces (max, sum of exp, target logit); full-vocabul
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist

@@ -18,7 +18,7 @@ from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, 
                             VocabParallelLMHead, attention, build_attention_mask, copy_to_parallel,
                             scatter_to_sequence)
 from colozoo.modeling import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
-                              dropout, require)
+                              dropout)
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 

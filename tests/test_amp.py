@@ -11,33 +11,20 @@ import torch.distributed as dist
 from distributed import run_distributed
 from parity import batch, hf_causal_lm
 from test_finetune import losses, small_run, tiny  # noqa: F401 (tiny is a fixture)
+from test_training import build as gpt2
 from test_training_cp_ep import MIXTRAL, build as build_from_hf
 
 from colozoo.amp import DynamicLossScaler
-from colozoo.converters import StateDictReader, load_hf_weights
 from colozoo.finetune import loop, state
 from colozoo.finetune.loop import run
 from colozoo.finetune.metrics import read_metrics
-from colozoo.models import build_model
+from colozoo.layers.shard import local_part
 from colozoo.parallel import init_parallel, single_process
-from colozoo.partition import rank_layers
-from colozoo.training import build_optimizer, clip_grad_norm_, parallelize
+from colozoo.training import build_optimizer, clip_grad_norm_
 
 GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0)
 SEQ, BATCH, TIMEOUT = 12, 4, 150
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def gpt2(pc, config, hf, **options):
-    layer_ids = rank_layers(config.num_hidden_layers, pc.config.pp, pc.rank("pp"))
-    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
-    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    model.train()
-    return parallelize(model, **options)
 
 
 def test_scale_halves_on_overflow_and_doubles_after_growth_interval():
@@ -89,7 +76,7 @@ def test_loss_scaling_keeps_gradients_that_fp16_flushes_to_zero():
 
 
 def _local_parameters(model):
-    return {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+    return {n: local_part(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def overflow_on_one_rank(degrees, options):
@@ -104,7 +91,7 @@ def overflow_on_one_rank(degrees, options):
         optimizer.zero_grad()
         model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2, grad_scale=scaler.scale)
         if inject:
-            grad = max((_local(p.grad) for p in model.parameters() if p.grad is not None), key=torch.numel)
+            grad = max((local_part(p.grad) for p in model.parameters() if p.grad is not None), key=torch.numel)
             grad.view(-1)[0] = float("inf")
         overflow = scaler.unscale_(model)
         if not overflow:

@@ -11,6 +11,7 @@ from colozoo.converters import StateDictReader, load_hf_weights
 from colozoo.models import build_model
 from colozoo.offload import OffloadedAdamW
 from colozoo.parallel import init_parallel, single_process
+from colozoo.layers.shard import local_part
 from colozoo.training import TrainingError, apply_plan, build_optimizer, clip_grad_norm_, parallelize
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -27,7 +28,7 @@ def build(pc, hf, config):
 
 
 def local(t):
-    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+    return local_part(t).detach().clone()
 
 
 def train(model, optimizer, ids, labels, mask):

@@ -1,7 +1,6 @@
 """Stage placement (partitioner, virtual stages, global names) and the eval forward through the pipeline,
 against transformers' logits and loss on every rank."""
 import pytest
-import torch
 from transformers import GPT2Config
 
 from distributed import run_distributed

@@ -13,7 +13,7 @@ from colozoo.models import build_model
 from colozoo.parallel import coords_of, init_parallel, single_process
 from colozoo.partition import rank_layers
 from colozoo.rng import model_parallel_seed
-from colozoo.training import (TrainingError, build_optimizer, clip_grad_norm_, global_grad_norm, parallelize)
+from colozoo.training import TrainingError, build_optimizer, clip_grad_norm_, parallelize
 
 CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

@@ -20,7 +20,9 @@ def plan_training(cfg, config, global_batch: int) -> dict:
 
     seq_len = cfg.seq_len
     if cfg.task == "imgcls":  # a ViT's sequence is its patches and the class token
-        seq_len = (config.image_size // config.patch_size) ** 2 + 1
+        from colozoo.models.vit import num_patches
+
+        seq_len = num_patches(config) + 1
     return best_plan_for_world(config, init_distributed(), global_batch=global_batch, seq_len=seq_len,
                                dtype=cfg.dtype)
 
