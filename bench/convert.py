@@ -57,7 +57,7 @@ def generate(directory: Path, gb: float):
     import torch
     import transformers
 
-    from colozoo.safetensors_io import SafetensorsWriter
+    from colozoo.checkpoint.safetensors_io import SafetensorsWriter
 
     config = gpt2_config(gb)
     with torch.device("meta"):
@@ -92,7 +92,7 @@ def work_raw(src: Path, dst: Path) -> dict:
 
 
 def work_colozoo(src: Path, dst: Path) -> dict:
-    from colozoo.checkpoint import convert
+    from colozoo.checkpoint.convert import convert
 
     summary = convert(src, dst, tp=4, pp=2)
     return {"seconds": summary["seconds"], "bytes": summary["bytes"], "largest_tensor_bytes": summary["largest_tensor_bytes"]}
@@ -104,8 +104,9 @@ def work_naive(src: Path, dst: Path) -> dict:
     import transformers
     from safetensors.torch import save_file
 
-    from colozoo.checkpoint_format import ModelLayout, plan_mesh
-    from colozoo.converters import GlobalTensor, StateDictReader, family_module
+    from colozoo.checkpoint.format import ModelLayout, plan_mesh
+    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.converters import family_module
 
     start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -162,7 +163,7 @@ def _rank_main(rank, world, init, ckpt, results):
     import torch.distributed as dist
 
     import colozoo
-    from colozoo.models import build_model  # noqa: F401 - imported before the baseline is taken
+    from colozoo.api import build_model  # noqa: F401 - imported before the baseline is taken
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     import torch._dynamo  # noqa: F401 - see worker()
@@ -186,7 +187,7 @@ def worker(kind: str, *paths: str) -> None:
 
     import torch._dynamo  # noqa: F401 - torch imports it on the first meta-device init (~2 s); not conversion work
 
-    import colozoo.checkpoint  # noqa: F401
+    import colozoo.checkpoint.convert  # noqa: F401
 
     transformers.AutoConfig.for_model("gpt2")  # transformers' lazy module scan (~2 s), paid by every approach
 

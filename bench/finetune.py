@@ -1,6 +1,6 @@
 """Fine-tuning step and checkpoint cost at tp=1 against a plain transformers training loop.
 
-Ours: the colozoo.finetune step (colozoo.training forward/backward, global-norm clipping, AdamW, warmup+cosine
+Ours: the colozoo.finetune step (colozoo.runtime.training forward/backward, global-norm clipping, AdamW, warmup+cosine
 schedule) on a GPT-2 loaded from an HF directory. Peer: the textbook loop on the transformers model with the
 same weights (loss.backward, torch.nn.utils.clip_grad_norm_, AdamW, the same LambdaLR). Steps alternate and
 the clock is the process's CPU time (one thread) on CPU, so neighbours on a shared machine matter less.

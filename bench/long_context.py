@@ -47,8 +47,8 @@ def run_rank(rank, world, init_file, args, results):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     import transformers
 
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(cp=world)
     config = transformers.GPT2Config(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=4,

@@ -34,9 +34,10 @@ def run_rank(rank, init_file, args, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     import transformers
 
-    from colozoo.converters import SafetensorsReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.parallel import ParallelConfig, ParallelContext
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.api import build_model
+    from colozoo.core.mesh import ParallelConfig, ParallelContext
 
     config = transformers.MixtralConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inner,
                                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from colozoo.modeling import BatchContext, ModelOutput, ParallelModel  # noqa: E402
+from colozoo.models.base import BatchContext, ModelOutput, ParallelModel  # noqa: E402
 
 
 class _Sleep(torch.autograd.Function):
@@ -106,14 +106,14 @@ def spawn(fn, world, *args):
 
 
 def bubbles(pp, m, t_ms, steps, schedules=(("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))):
-    from colozoo.parallel import init_parallel
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(pp=pp)
     return [bubble(pc, m, virtual, schedule, t_ms, steps) for schedule, virtual in schedules]
 
 
 def bubble(pc, m, virtual, schedule, t_ms, steps):
-    from colozoo.partition import rank_layers
+    from colozoo.core.partition import rank_layers
 
     pp = pc.config.pp
     n_layers = pp * virtual
@@ -143,10 +143,11 @@ def bubble(pc, m, virtual, schedule, t_ms, steps):
 def train_step(tp, pp, m, steps, config_kwargs, batch_size, seq):
     import transformers
 
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
-    from colozoo.training import build_optimizer, clip_grad_norm_
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
+    from colozoo.runtime.training import build_optimizer, clip_grad_norm_
 
     pc = init_parallel(tp=tp, pp=pp)
     config = transformers.GPT2Config(**config_kwargs)

@@ -92,9 +92,9 @@ def config():
 def run_plan(mesh, m, data_parallel, steps):
     """Time a few real steps and measure one step's memory on this rank."""
     from colozoo.kernels.dispatch import use_kernels
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
-    from colozoo.training import build_optimizer, parallelize
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
+    from colozoo.runtime.training import build_optimizer, parallelize
 
     torch.manual_seed(0)
     pc = init_parallel(**mesh)
@@ -154,9 +154,9 @@ def _time_collective(name: str, numel: int, repeats: int) -> float:
 
 def calibrate_links() -> dict:
     """{collective: (seconds per latency step, bus bytes per second)} of gloo between the two ranks: the
-    latency from 1 KiB calls, the bandwidth from 16 MiB ones (payload as colozoo.profiler counts it: the
+    latency from 1 KiB calls, the bandwidth from 16 MiB ones (payload as colozoo.cost.profiler counts it: the
     output of an all-gather, the input of the others)."""
-    from colozoo.planner import BUS_FACTOR, RING_STEPS
+    from colozoo.cost.planner import BUS_FACTOR, RING_STEPS
 
     small, large = 256, 2 ** 22
     out = {}
@@ -175,7 +175,7 @@ CALIBRATION_SIZES = (1, 2, 4)
 def step_flops() -> dict:
     """{micro-batch size: FLOPs of an unsharded fwd + bwd}, from the profiler (before the workers start:
     it cannot run inside a torch.distributed job)."""
-    from colozoo.profiler import profile
+    from colozoo.cost.profiler import profile
 
     return {mbs: profile(config(), batch_size=mbs, seq_len=SEQ, dtype="float32", target="cpu").step_flops
             for mbs in CALIBRATION_SIZES}
@@ -186,8 +186,8 @@ def calibrate_compute(flops: dict) -> tuple[float, float]:
     steps of the same model at a few micro-batch sizes, fitted as time = overhead + FLOPs / rate. Both ranks
     run it at once, so the rate is what each gets while the other computes too."""
     from colozoo.kernels.dispatch import use_kernels
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     model = build_model(config(), pc=init_parallel(dp=2), device="cpu").train()  # a whole replica per rank
     points = []
@@ -224,7 +224,7 @@ def worker(rank, world, init_file, out, plans, steps, flops):
 def cpu_hardware(links: dict, compute: tuple[float, float]):
     """The two-rank CPU as the planner's Hardware: what it measured, and no overlap (gloo's collectives
     need the cores the compute is using)."""
-    from colozoo.hardware import Hardware
+    from colozoo.cost.hardware import Hardware
 
     rate, layer_overhead = compute
     link = links["all_reduce"][1]
@@ -236,8 +236,8 @@ def cpu_hardware(links: dict, compute: tuple[float, float]):
 
 
 def predictions(cpu, plans):
-    from colozoo.planner import estimate
-    from colozoo.profiler import Setup, parse_mesh, profile
+    from colozoo.cost.planner import estimate
+    from colozoo.cost.profiler import Setup, parse_mesh, profile
 
     out = {}
     for name, mesh, m, data_parallel in plans:

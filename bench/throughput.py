@@ -24,8 +24,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from colozoo.converters import StateDictReader, load_hf_weights  # noqa: E402
-from colozoo.models import build_model  # noqa: E402
+from colozoo.checkpoint.load import load_hf_weights  # noqa: E402
+from colozoo.checkpoint.sources import StateDictReader
+from colozoo.api import build_model  # noqa: E402
 
 
 def hf_config(family: str, layers: int, seq: int, vocab: int):

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import importlib
 
-from colozoo.parallel import ParallelConfig, ParallelContext, init_parallel
+from colozoo.core.mesh import ParallelConfig, ParallelContext, init_parallel
 
 __version__ = "0.1.0"
 
 # Public names resolved on first use, so `import colozoo` stays light.
 _LAZY = {
     "from_pretrained": "colozoo.api",
-    "convert": "colozoo.checkpoint",
-    "profile": "colozoo.profiler",
-    "plan": "colozoo.planner",
-    "build_model": "colozoo.models",
+    "convert": "colozoo.checkpoint.convert",
+    "profile": "colozoo.cost.profiler",
+    "plan": "colozoo.cost.planner",
+    "build_model": "colozoo.api",
 }
 
 __all__ = ["ParallelConfig", "ParallelContext", "init_parallel", *_LAZY]

@@ -13,10 +13,33 @@ from pathlib import Path
 
 import torch
 
-from colozoo.checkpoint import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint
-from colozoo.checkpoint_format import ColozooCheckpoint, ModelLayout, load_global_tensors, parse_dtype
-from colozoo.parallel import init_parallel
+from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint
+from colozoo.checkpoint.format import ColozooCheckpoint, ModelLayout, load_global_tensors
+from colozoo.core.dtypes import parse_dtype
+from colozoo.core.mesh import init_parallel
+from colozoo.models import build_model as build_layers
 from colozoo.registry import config_from_dict, get_entry, lookup
+from colozoo.runtime.run import Run
+
+
+class ModelRun(Run):
+    """The run colozoo's public builders attach: a Run that can also write the model's files (the checkpoint
+    package sits above the runtime)."""
+
+    def save_pretrained(self, path, format: str = "colozoo", **kwargs):
+        from colozoo.checkpoint.convert import save_pretrained
+
+        return save_pretrained(self.model, path, format=format, **kwargs)
+
+
+def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
+                layers_per_stage: list[int] | None = None, balance: str | None = None, plan=None):
+    """This rank's shard of a model of `config` (see colozoo.models.build_model) with its Run attached, so it
+    runs on its mesh: pipeline stages, cp sharding, forward_backward, save_pretrained."""
+    model = build_layers(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
+                         layers_per_stage=layers_per_stage, balance=balance)
+    ModelRun(model, plan=plan)
+    return model
 
 
 def hf_cache_dirs() -> list[Path]:
@@ -74,11 +97,9 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     """Build this rank's shard of a model and load its slices. `dtype=None` keeps the checkpoint's dtype;
     `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums.
     `plan="auto"` replaces the degrees by the planner's best plan for the current world size (the whole plan,
-    micro-batching, checkpointing and offload included, is left on `model.plan`; colozoo.training.apply_plan(model)
+    micro-batching, checkpointing and offload included, is left on `model.run.plan`; colozoo.runtime.training.apply_plan(model)
     applies it). Pipeline stages hold `layers_per_stage` layers each, or a partition balanced by `balance`
     ("params" by default, "flops", or "layers" for equal counts)."""
-    from colozoo.models import build_model
-
     device = torch.device(device) if device is not None else None
     source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
     config = source.config
@@ -86,8 +107,8 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     if plan is not None:
         if plan != "auto":
             raise ValueError(f"plan must be None or 'auto', got {plan!r}")
-        from colozoo.parallel import init_distributed
-        from colozoo.planner import best_plan_for_world
+        from colozoo.core.mesh import init_distributed
+        from colozoo.cost.planner import best_plan_for_world
 
         chosen = best_plan_for_world(config, init_distributed(), gpu_memory=gpu_memory)
         tp, pp, dp, cp, ep = (chosen[k] for k in ("tp", "pp", "dp", "cp", "ep"))
@@ -97,7 +118,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
     dtype = parse_dtype(dtype) or source.tensor(next(iter(layout.tensors))).dtype
-    model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance)
+    model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
+                        plan=chosen)
     load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
-    model.plan = chosen
     return model.eval()

@@ -8,10 +8,10 @@ import sys
 # subcommand -> module exposing `add_parser(subparsers)`; the parser's `func(args)` returns an exit code
 COMMANDS = {
     "models": "colozoo.registry",
-    "convert": "colozoo.checkpoint",
+    "convert": "colozoo.checkpoint.convert",
     "finetune": "colozoo.finetune",
-    "profile": "colozoo.profiler",
-    "plan": "colozoo.planner",
+    "profile": "colozoo.cost.profiler",
+    "plan": "colozoo.cost.planner",
 }
 
 

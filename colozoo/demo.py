@@ -53,9 +53,10 @@ def _rank(rank: int, world: int, init_file: str, path: str, results):
     try:
         import transformers
 
-        from colozoo.converters import SafetensorsReader, load_hf_weights
-        from colozoo.models import build_model
-        from colozoo.parallel import init_parallel
+        from colozoo.checkpoint.load import load_hf_weights
+        from colozoo.checkpoint.sources import SafetensorsReader
+        from colozoo.api import build_model
+        from colozoo.core.mesh import init_parallel
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         pc = init_parallel(tp=world)

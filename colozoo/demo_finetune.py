@@ -70,9 +70,9 @@ def make_tiny_gpt2(path, corpus=None, n_layer=4, n_embd=64, n_head=4, n_position
 def convert(src: Path, dst: Path, tp: int, pp: int) -> Path:
     """An HF directory -> a colozoo checkpoint on tp x pp (the tokenizer travels along); the HF dir if convert is missing."""
     try:
-        from colozoo.checkpoint import convert as colozoo_convert
+        from colozoo.checkpoint.convert import convert as colozoo_convert
     except ImportError:
-        print("  (colozoo.checkpoint is not available: training starts from the HF directory instead)")
+        print("  (colozoo.checkpoint.convert is not available: training starts from the HF directory instead)")
         return src
     colozoo_convert(str(src), str(dst), tp=tp, pp=pp)
     for file in src.iterdir():

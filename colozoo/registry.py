@@ -13,6 +13,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from colozoo.core.dtypes import human_count
+
 import transformers
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -87,22 +89,13 @@ def get_config(name: str):
 def count_parameters(config) -> int | None:
     """Parameters of the model as colozoo builds it (tied weights once); None if the family is not available."""
     from colozoo.models import build_model
-    from colozoo.parallel import ParallelContext
+    from colozoo.core.mesh import ParallelContext
 
     try:
         model = build_model(config, pc=ParallelContext.virtual(), device="meta")
     except (ImportError, ValueError):
         return None
     return sum(p.numel() for p in model.parameters())
-
-
-def _human(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
 
 
 def print_models(file=None):
@@ -115,7 +108,7 @@ def print_models(file=None):
     for name, entry in registry().items():
         config = config_from_dict(entry["config"], entry["architecture"])
         shown = f"{name} ({', '.join(entry['aliases'])})" if entry.get("aliases") else name
-        table.add_row(shown, entry["family"], _human(count_parameters(config)), entry["repo"])
+        table.add_row(shown, entry["family"], human_count(count_parameters(config)), entry["repo"])
     Console(file=file, width=120).print(table)
 
 

@@ -3,7 +3,7 @@
 BertForMaskedLM adds `cls.predictions.*`, BertForSequenceClassification adds `classifier.*`)."""
 from __future__ import annotations
 
-from .sources import Source
+from .source import Source
 
 HF_PREFIX = "bert."
 # buffers of old checkpoints, the pre-training NSP head and pooler a masked-LM model drops, and the decoder's

@@ -1,7 +1,7 @@
 """GPT-2 names: HF `transformer.h.{i}.attn.c_attn` (Conv1D, stored (in, out)) <-> our `layers.{i}.attn.c_attn` (out, in)."""
 from __future__ import annotations
 
-from .sources import Source
+from .source import Source
 
 HF_PREFIX = "transformer."
 IGNORED_HF = (r"\.attn\.bias$", r"\.attn\.masked_bias$")  # causal-mask buffers in old checkpoints

@@ -3,7 +3,7 @@ fused `layers.{i}.self_attn.qkv` and `layers.{i}.mlp.gate_up` (concatenated alon
 chunks cut each part separately, so grouped-query attention keeps whole kv heads per rank)."""
 from __future__ import annotations
 
-from .sources import Source
+from .source import Source
 
 HF_PREFIX = "model."
 IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)  # a buffer some old checkpoints carry

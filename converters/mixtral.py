@@ -12,7 +12,7 @@ experts opens only the tensors of the experts it owns.
 from __future__ import annotations
 
 from .llama import hf_sources as llama_sources
-from .sources import Source
+from .source import Source
 
 HF_PREFIX = "model."
 IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)

@@ -1,7 +1,7 @@
 """OPT names: HF `model.decoder.layers.{i}.self_attn.{q,k,v}_proj` (separate) <-> our fused `layers.{i}.self_attn.qkv`."""
 from __future__ import annotations
 
-from .sources import Source
+from .source import Source
 
 HF_PREFIX = "model.decoder."
 IGNORED_HF = ()

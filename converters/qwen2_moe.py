@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from colozoo.models.qwen2_moe import is_sparse
 
-from .sources import Source
+from .source import Source
 
 HF_PREFIX = "model."
 IGNORED_HF = ()

@@ -4,7 +4,7 @@ ViTModel has no `vit.` prefix and a pooler; ViTForImageClassification adds `clas
 renames them in memory (`vit.layers.{i}.attention.q_proj`, ...); NAME_ALIASES reads state dicts in that form."""
 from __future__ import annotations
 
-from .sources import Source
+from .source import Source
 
 HF_PREFIX = "vit."
 IGNORED_HF = (r"(^|\.)pooler\.dense\.",)  # an image classifier drops the base model's pooler

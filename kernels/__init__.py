@@ -9,7 +9,8 @@
 
 `dispatch` picks Triton or torch (COLOZOO_KERNELS=auto|triton|torch, or `set_kernels`). Norms, attention, the
 activations and the logits' cross entropy dispatch inside `colozoo.layers`; the functions below do the same for
-the models' rotary embedding, the LM head's fused loss and the MoE layer's token permutation.
+the models' rotary embedding and the MoE layer's token permutation (the LM head calls the fused loss of
+`cross_entropy` itself on the Triton path; its torch reference is `colozoo.layers.vocab`).
 Kernel modules are imported only when used: triton decides at decoration time whether to interpret.
 """
 from __future__ import annotations
@@ -23,17 +24,6 @@ def apply_rotary(x, cos, sin, interleaved: bool = False):
 
     fn = rope.apply_rotary_triton if use_triton(x) else rope.apply_rotary_reference
     return fn(x, cos, sin, interleaved)
-
-
-def linear_cross_entropy(hidden, weight, target, vocab_size: int, bias=None, group=None, ignore_index: int = -100,
-                         label_smoothing: float = 0.0, chunk_size: int | None = None):
-    """Per-token vocab-parallel loss of the LM head `hidden @ weight.T + bias` (see cross_entropy)."""
-    from . import cross_entropy
-
-    fn = (cross_entropy.linear_cross_entropy_triton if use_triton(hidden, weight)
-          else cross_entropy.linear_cross_entropy_reference)
-    return fn(hidden, weight, target, vocab_size, bias=bias, group=group, ignore_index=ignore_index,
-              label_smoothing=label_smoothing, chunk_size=chunk_size)
 
 
 def moe_permute(hidden, expert_ids, num_experts: int):
@@ -51,5 +41,5 @@ def moe_unpermute(expert_out, row_map, weights=None):
     return fn(expert_out, row_map, weights)
 
 
-__all__ = ["apply_rotary", "interpreting", "kernel_mode", "linear_cross_entropy", "moe_permute", "moe_unpermute",
+__all__ = ["apply_rotary", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
            "set_kernels", "triton_available", "use_kernels", "use_triton"]

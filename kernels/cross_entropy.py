@@ -19,8 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from colozoo.layers.comm import all_reduce, group_size
-from colozoo.layers.vocab import vocab_range
+from colozoo.core.groups import all_reduce, group_size, vocab_range
 
 BLOCK_V = 1024
 CHUNK_BYTES = 64 * 2**20  # logits of one chunk in the fused path
@@ -208,18 +207,3 @@ def linear_cross_entropy_triton(hidden, weight, target, vocab_size: int, bias=No
     from the sequence), exactly as it would enter `F.linear` in `VocabParallelLMHead.forward`."""
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, vocab_size, group, ignore_index,
                                      float(label_smoothing), chunk_size)
-
-
-def cross_entropy_reference(logits_local, target, vocab_size: int, group=None, ignore_index: int = -100,
-                            label_smoothing: float = 0.0):
-    from colozoo.kernels.dispatch import use_kernels
-    from colozoo.layers.vocab import vocab_parallel_cross_entropy
-
-    with use_kernels("torch"):
-        return vocab_parallel_cross_entropy(logits_local, target, vocab_size, group, ignore_index, label_smoothing)
-
-
-def linear_cross_entropy_reference(hidden, weight, target, vocab_size: int, bias=None, group=None,
-                                   ignore_index: int = -100, label_smoothing: float = 0.0, chunk_size=None):
-    return cross_entropy_reference(F.linear(hidden, weight, bias), target, vocab_size, group, ignore_index,
-                                   label_smoothing)

@@ -1,17 +1,12 @@
-"""Attention core on torch's scaled_dot_product_attention, for the heads this rank owns.
-
-Inputs are (batch, heads_local, seq, head_dim). Dropout inside attention runs on the tracked
-tensor-parallel RNG, since each rank holds different heads.
-"""
+"""Attention for the heads this rank owns: local (colozoo.layers.local_attention) or, under context
+parallelism, across the cp ranks (colozoo.layers.context_parallel). Inputs are (batch, heads_local, seq,
+head_dim)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
-import torch.nn.functional as F
 
-from colozoo.kernels.dispatch import use_triton
-from colozoo.rng import get_rng_tracker
+from .context_parallel import context_parallel_attention
+from .local_attention import local_attention
 
 
 def build_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, causal: bool,
@@ -35,43 +30,6 @@ def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, d
     come from cp.attention_mask, `causal` and the sliding `window` (without cp, put the window in `mask`).
     """
     if cp is not None and cp.size > 1:
-        from .context_parallel import context_parallel_attention
-
         return context_parallel_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p,
                                           upcast=upcast, window=window)
-    if (not upcast and dropout_p == 0.0 and (mask is None or mask.dtype == torch.bool) and q.shape[-1] <= 256
-            and use_triton(q, k, v)):
-        from colozoo.kernels.flash_attention import flash_attention_triton
-
-        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale)
-    if k.shape[1] != q.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    if upcast:
-        return _upcast_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
-    is_causal = causal and mask is None
-    with get_rng_tracker().fork(device_type=q.device.type):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                             scale=scale)
-    return out
-
-
-def _upcast_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float) -> torch.Tensor:
-    """GPT-2's reorder_and_upcast_attn, in transformers' order: scores and softmax in fp32, then the weights are
-    cast down to v's dtype before they multiply v (so low-precision results match, not just fp32 ones)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    device = q.device.type  # autocast would run the fp32 matmul in low precision again
-    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal and mask is None:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:  # added, not filled in: a fully masked (padding) row still passes gradient, as in HF
-        if mask.dtype == torch.bool:
-            mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
-        scores = scores + mask.float()
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)
-    if dropout_p > 0.0:
-        with get_rng_tracker().fork(device_type=q.device.type):
-            weights = F.dropout(weights, dropout_p)
-    return torch.matmul(weights, v)
+    return local_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast)

@@ -16,26 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from colozoo.core.groups import all_reduce, group_rank, group_size  # noqa: F401 (part of this module's surface)
+
 
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
 
 
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:

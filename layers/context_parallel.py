@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce, group_rank, group_size
+from .comm import group_rank, group_size
+from .local_attention import local_attention
 
 CP_MODES = ("ring", "all_to_all")
 
@@ -312,8 +313,6 @@ def all_to_all(x, group, scatter_dim: int, gather_dim: int):
 
 def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None, dropout_p: float = 0.0,
                       upcast: bool = False, window: int | None = None) -> torch.Tensor:
-    from .attention import attention
-
     if q.shape[1] % cp.size:
         raise ValueError(f"cp_mode='all_to_all' needs the local attention heads ({q.shape[1]}) divisible by cp={cp.size}")
     if k.shape[1] % cp.size:  # too few kv heads to split: give every q head its own copy
@@ -329,9 +328,9 @@ def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None,
     padding = cp.attention_mask
     window = window if window is not None and window < cp.seq_len else None  # a window as long masks nothing
     if padding is None and window is None:
-        out = attention(q, k, v, causal=causal, **options)
+        out = local_attention(q, k, v, causal=causal, **options)
     elif window is None and not causal:  # a key mask broadcasts over the queries
-        out = attention(q, k, v, padding.to(q.device).bool()[:, None, None, :], causal=False, **options)
+        out = local_attention(q, k, v, padding.to(q.device).bool()[:, None, None, :], causal=False, **options)
     else:
         out = _chunked_attention(q, k, v, padding, causal, window, **options)
     return all_to_all(out.index_select(2, order), cp.group, scatter_dim=2, gather_dim=1)
@@ -344,8 +343,6 @@ def _chunked_attention(q, k, v, padding, causal: bool, window: int | None, **opt
     """Masked attention in chunks of queries, each against the keys it can reach (causal: none after the chunk;
     a window: none before it): masks are (batch|1, 1, chunk, keys), never (S, S), and unreachable keys are not
     computed at all."""
-    from .attention import attention
-
     seq, chunk = q.shape[2], max(window or 0, QUERY_CHUNK)
     pos = torch.arange(seq, device=q.device)
     keep = padding.to(q.device).bool() if padding is not None else None
@@ -354,7 +351,7 @@ def _chunked_attention(q, k, v, padding, causal: bool, window: int | None, **opt
         stop = min(start + chunk, seq)
         keys = slice(max(0, start - window + 1) if window else 0, stop if causal else seq)
         mask = _block_mask(pos[start:stop], pos[keys], keep[:, keys] if keep is not None else None, causal, window)
-        outs.append(attention(q[:, :, start:stop], k[:, :, keys], v[:, :, keys], mask, causal=False, **options))
+        outs.append(local_attention(q[:, :, start:stop], k[:, :, keys], v[:, :, keys], mask, causal=False, **options))
     return torch.cat(outs, dim=2)
 
 
@@ -377,50 +374,3 @@ def context_parallel_attention(q, k, v, cp: ContextParallel, *, causal: bool, sc
         raise ValueError("attention dropout is not supported with cp_mode='ring'; use cp_mode='all_to_all'")
     # no `upcast` to pass: the ring computes scores, softmax and their product with v in fp32 whatever the dtype
     return ring_attention(q, k, v, cp, causal=causal, scale=scale, window=window)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# model wiring
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Forward all-reduce sum; backward identity (each rank's loss is the global one, its graph its own share)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    return _SumOverRanks.apply(x, group) if group_size(group) > 1 else x
-
-
-def shard_batch(model, ctx, cp_mode: str | None = None):
-    """Turn the family's BatchContext of the full batch into this rank's cp share (in place).
-
-    Positions come from the full batch (they may depend on the padding, as in OPT) and are then sharded; the
-    dense (S, S) mask is dropped: cp attention builds its masks per block from the padding mask and positions."""
-    pc = model.pc
-    mode = cp_mode or getattr(model, "cp_mode", "ring")
-    cp = ContextParallel(pc.group("cp"), mode, ctx.seq_len, ctx.attention_mask)
-    local = ctx.seq_len // cp.size
-    if model.sequence_parallel and local % pc.tp_size:
-        raise ValueError(f"sequence parallel needs the per-rank sequence ({local} = {ctx.seq_len}/cp) divisible by "
-                         f"tp={pc.tp_size}")
-    ctx.mask, ctx.seq_len, ctx.cp = None, local, cp
-    ctx.position_ids = cp.shard(ctx.position_ids)
-    return ctx
-
-
-def context_parallel_forward(model, input_ids, attention_mask=None, labels=None, return_logits=False,
-                             cp_mode: str | None = None, **kwargs):
-    """ParallelModel.forward under cp > 1 (pp == 1): shard the batch in zigzag order, run embed / layers / head.
-    With pp > 1 the pipeline's stages call `shard_batch` themselves."""
-    ctx = shard_batch(model, model.batch_context(input_ids, attention_mask, **kwargs), cp_mode)
-    hidden = model.embed(ctx.cp.shard(input_ids), ctx)
-    hidden = model.run_layers(hidden, ctx)
-    return model.head(hidden, ctx, labels=labels, return_logits=return_logits)

@@ -258,9 +258,7 @@ def router_statistics(router_logits: list[torch.Tensor], num_experts: int, top_k
 def router_losses(stats: torch.Tensor, num_experts: int, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, z-loss) from `router_statistics` summed over every MoE layer; with `group` the
     statistics are summed over its ranks first (the tokens of the whole batch)."""
-    from .context_parallel import sum_over
-
-    stats = sum_over(stats, group)
+    stats = reduce_from_parallel(stats, group)
     assigned, prob_sum = stats[:num_experts], stats[num_experts:2 * num_experts]
     rows, z_sum = stats[2 * num_experts:]
     balance = num_experts * torch.sum((assigned / rows) * (prob_sum / rows))

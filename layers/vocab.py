@@ -13,19 +13,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from colozoo.core.groups import vocab_range
 from colozoo.kernels.dispatch import use_triton
 
-from .comm import (all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
-                   group_size, reduce_from_parallel, reduce_scatter_to_sequence)
-from .shard import Split, pad_to_multiple, shard
-
-
-def vocab_range(vocab_size: int, group) -> tuple[int, int, int]:
-    """(start, stop, local_size) of this rank's vocab slice; stop excludes padding."""
-    tp = group_size(group)
-    per = pad_to_multiple(vocab_size, tp) // tp
-    start = group_rank(group) * per
-    return start, max(start, min(start + per, vocab_size)), per  # stop >= start: a rank may hold only padding
+from .comm import (all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
+                   reduce_from_parallel, reduce_scatter_to_sequence)
+from .shard import Split, shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -167,7 +160,7 @@ class VocabParallelLMHead(nn.Module):
         the kernels take the Triton path, the head matmul is fused into the loss in chunks: no logits tensor."""
         weight = self.head_weight()
         if labels is not None and not return_logits and use_triton(hidden, weight):
-            from colozoo.kernels import linear_cross_entropy
+            from colozoo.kernels.cross_entropy import linear_cross_entropy_triton as linear_cross_entropy
 
             targets = self._next_tokens(labels, ignore_index, cp)
             per_token = linear_cross_entropy(self._enter_parallel(hidden), weight, targets, self.vocab_size,
@@ -197,9 +190,7 @@ class VocabParallelLMHead(nn.Module):
     def _mean(per_token, targets, ignore_index, cp):
         count = (targets != ignore_index).sum()
         if cp is not None:
-            from .context_parallel import sum_over
-
-            return sum_over(per_token.sum(), cp.group) / sum_over(count, cp.group).clamp(min=1)
+            return reduce_from_parallel(per_token.sum(), cp.group) / reduce_from_parallel(count, cp.group).clamp(min=1)
         return per_token.sum() / count.clamp(min=1)
 
     def full_logits(self, logits_local: torch.Tensor, cp=None) -> torch.Tensor:

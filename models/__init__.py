@@ -28,12 +28,12 @@ def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: 
     """`task` picks the head of families that have several (bert: base / masked_lm / sequence_classification,
     vit: base / image_classification); by default the one `config.architectures` names. Under pipeline
     parallelism the rank's layers are `layer_ids`, else `layers_per_stage[pp rank]` layers, else a partition
-    balanced by `balance` ("params", the default; "flops"; "layers": equal counts), see colozoo.partition."""
+    balanced by `balance` ("params", the default; "flops"; "layers": equal counts), see colozoo.core.partition."""
     if layers_per_stage is not None or balance is not None:
         if layer_ids is not None:
             raise ValueError("give either layer_ids or layers_per_stage/balance, not both")
-        from colozoo.parallel import single_process
-        from colozoo.partition import model_rank_layers
+        from colozoo.core.mesh import single_process
+        from colozoo.core.partition import model_rank_layers
 
         pp = (pc or single_process()).config.pp
         rank = pc.rank("pp") if pc is not None else 0

@@ -22,7 +22,7 @@ from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, 
                             VocabParallelLMHead, attention, build_attention_mask, gather_from_parallel,
                             scatter_to_sequence, vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
-from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
 
 
 def resolve_task(cls, config, task: str | None) -> type:

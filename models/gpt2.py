@@ -12,7 +12,7 @@ from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, scatter_to_sequence)
-from colozoo.modeling import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
 
 
 class GPT2Attention(nn.Module):

@@ -20,7 +20,7 @@ from colozoo.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, Vo
                             VocabParallelLMHead, attention)
 from colozoo.kernels import apply_rotary, use_triton
 from colozoo.layers.activations import get_gated_activation
-from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
+from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 

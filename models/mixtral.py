@@ -18,8 +18,8 @@ from torch import nn
 
 from colozoo.layers import RMSNorm
 from colozoo.layers.moe import MoE, router_losses, router_statistics
-from colozoo.modeling import ModelOutput, UnsupportedConfig
-from colozoo.parallel import single_process
+from colozoo.models.base import ModelOutput, UnsupportedConfig
+from colozoo.core.mesh import single_process
 
 from .llama import LlamaAttention, LlamaForCausalLM, RopeBatchContext
 
@@ -76,9 +76,6 @@ class MoECausalLM(LlamaForCausalLM):
     """A LLaMA-style decoder with MoE layers: router logits collected per batch, load-balancing (and z) loss."""
 
     num_experts_key = "num_local_experts"  # the config attribute holding the number of experts
-    # where router statistics are summed (None: the cp group); colozoo.training sets the dp*cp group so the
-    # router losses are those of the global batch, whatever rows each data-parallel rank holds
-    router_stats_group = None
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         pc = pc or single_process()
@@ -118,8 +115,8 @@ class MoECausalLM(LlamaForCausalLM):
         if not ctx.output_router_logits:
             return out
         c = self.config
-        group = ctx.cp.group if ctx.cp is not None else None
-        group = self.router_stats_group if self.router_stats_group is not None else group
+        # the runtime sums over dp*cp (ctx.data_group), so the losses are those of the global batch
+        group = ctx.data_group if ctx.data_group is not None else ctx.cp.group if ctx.cp is not None else None
         out.aux_loss, z_loss = router_losses(self.router_statistics(ctx, hidden.device), self.num_experts, group)
         if out.loss is not None:
             out.router_loss = c.router_aux_loss_coef * out.aux_loss

@@ -17,7 +17,7 @@ from torch import nn
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, copy_to_parallel,
                             scatter_to_sequence)
-from colozoo.modeling import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
                               dropout)
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows

@@ -11,7 +11,7 @@ from torch import nn
 
 from colozoo.layers import ColumnParallelLinear, RMSNorm
 from colozoo.layers.moe import MoE
-from colozoo.modeling import UnsupportedConfig
+from colozoo.models.base import UnsupportedConfig
 
 from .llama import LlamaAttention, LlamaMLP
 from .mixtral import MoECausalLM

@@ -16,7 +16,7 @@ from torch import nn
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, attention, gather_from_parallel,
                             scatter_to_sequence)
 from colozoo.layers.activations import get_activation
-from colozoo.modeling import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
 
 from .bert import classification_loss, resolve_task, with_architecture
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import transformers
 
-from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
+from colozoo.checkpoint.load import load_hf_weights
+from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+from colozoo.converters import family_module
 from colozoo.layers.shard import gather_tensor, spec_of
-from colozoo.models import build_model
-from colozoo.parallel import coords_of, init_parallel
+from colozoo.api import build_model
+from colozoo.core.mesh import coords_of, init_parallel
 
 LOGITS_ATOL = 1e-5
 GRAD_ATOL = 1e-5
@@ -97,7 +99,7 @@ def hf_model(architecture: str, config, seed: int = 0):
 
 def resolved_sources(model, reader):
     """The family map as the loader applies it to this reader (task prefix, alternative names)."""
-    from colozoo.converters.load import _resolve_prefix
+    from colozoo.checkpoint.load import _resolve_prefix
 
     conv = family_module(model.family)
     return _resolve_prefix(reader, conv.hf_sources(model.config), getattr(conv, "HF_PREFIX", ""),
@@ -171,7 +173,7 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
 
     from safetensors.torch import load_file
 
-    from colozoo.converters import SafetensorsReader
+    from colozoo.checkpoint.sources import SafetensorsReader
 
     pc = init_parallel(tp=tp)
     arch = dict(architectures=[architecture]) if architecture else {}
@@ -213,8 +215,8 @@ def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, p
                     sequence_parallel: bool = False, num_microbatches: int = 2, atol=LOGITS_ATOL, grad_atol=GRAD_ATOL):
     """A token model with per-token labels (causal or masked LM) split into pp stages: the eval forward gives
     transformers' logits and loss on every rank, and a forward_backward through the schedule its gradients."""
-    from colozoo.partition import rank_layers
-    from colozoo.training import parallelize
+    from colozoo.core.partition import rank_layers
+    from colozoo.runtime.training import parallelize
 
     pc = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
     model_type = getattr(transformers, architecture).config_class.model_type
@@ -246,8 +248,8 @@ def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, l
     """An encoder or classifier (BERT, ViT) split into pp stages, fed `inputs` (HF keyword names, the first one
     the main input): the eval forward gives transformers' outputs on every rank; with labels, a forward_backward
     through the schedule (the other inputs split into micro-batches too) gives its loss and gradients."""
-    from colozoo.partition import rank_layers
-    from colozoo.training import parallelize
+    from colozoo.core.partition import rank_layers
+    from colozoo.runtime.training import parallelize
 
     pc = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
     model_type = getattr(transformers, architecture).config_class.model_type

@@ -1,4 +1,4 @@
-"""fp16 dynamic loss scaling (colozoo.amp): the scale's update rule; forward_backward's grad_scale scales every
+"""fp16 dynamic loss scaling (colozoo.runtime.amp): the scale's update rule; forward_backward's grad_scale scales every
 gradient (router losses and pipeline schedules included) but not the returned loss; an overflow on one rank
 skips the step on every rank; gradients that fp16 flushes to zero survive scaling; fine-tuning in fp16 trains
 and resumes with its scale."""
@@ -14,13 +14,13 @@ from test_finetune import losses, small_run, tiny  # noqa: F401 (tiny is a fixtu
 from test_training import build as gpt2
 from test_training_cp_ep import MIXTRAL, build as build_from_hf
 
-from colozoo.amp import DynamicLossScaler
+from colozoo.runtime.amp import DynamicLossScaler
 from colozoo.finetune import loop, state
 from colozoo.finetune.loop import run
 from colozoo.finetune.metrics import read_metrics
 from colozoo.layers.shard import local_part
-from colozoo.parallel import init_parallel, single_process
-from colozoo.training import build_optimizer, clip_grad_norm_
+from colozoo.core.mesh import init_parallel, single_process
+from colozoo.runtime.training import build_optimizer, clip_grad_norm_
 
 GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0)
@@ -136,7 +136,7 @@ def scaled_backward_through_pipeline_with_router_losses():
         loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2, grad_scale=scale)
         runs.append((loss.item(), {n: p.grad / scale for n, p in model.named_parameters()}))
     (loss, grads), (scaled_loss, unscaled) = runs
-    router_losses = sum(len(s.router_losses) for s in model.pipeline_stages)
+    router_losses = len(model.run.last_step.router_losses)
     worst = max(((unscaled[n] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item() for n, g in grads.items())
     return loss, scaled_loss, worst, router_losses, model.is_last
 

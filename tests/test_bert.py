@@ -66,7 +66,7 @@ def test_bert_converter_round_trip_tp2():
 
 
 def test_task_follows_architectures_and_can_be_chosen():
-    from colozoo.models import build_model
+    from colozoo.api import build_model
 
     config = transformers.BertConfig(**BASE, architectures=["BertForPreTraining"])
     assert type(build_model(config, device="meta")).__name__ == "BertForMaskedLM"
@@ -79,7 +79,7 @@ def test_task_follows_architectures_and_can_be_chosen():
 
 
 def test_unsupported_options_are_clear_errors():
-    from colozoo.models import build_model
+    from colozoo.api import build_model
 
     with pytest.raises(ValueError, match="decoder"):
         build_model(transformers.BertConfig(**BASE, is_decoder=True), device="meta")
@@ -116,10 +116,11 @@ def test_bert_base_model_pipeline_parallel():
 
 
 def selective_checkpointing_gradients(mode):
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.rng import model_parallel_seed
-    from colozoo.training import parallelize
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
+    from colozoo.core.rng import model_parallel_seed
+    from colozoo.runtime.training import parallelize
 
     config = transformers.BertConfig(**{**BASE, "hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
                                      num_labels=3, architectures=["BertForSequenceClassification"])

@@ -18,10 +18,10 @@ from distributed import run_distributed
 
 import colozoo
 from colozoo import cli
-from colozoo.checkpoint import convert
-from colozoo.checkpoint_format import INDEX_NAME, ColozooCheckpoint
-from colozoo.converters.sources import CheckpointError
-from colozoo.modeling import UnsupportedConfig
+from colozoo.checkpoint.convert import convert
+from colozoo.checkpoint.format import INDEX_NAME, ColozooCheckpoint
+from colozoo.core.errors import CheckpointError
+from colozoo.models.base import UnsupportedConfig
 from colozoo.models import MODEL_CLASSES
 from colozoo.registry import UnknownModelError
 
@@ -281,9 +281,10 @@ def test_experts_load_and_save_at_ep2(tmp_path):
 
 
 def _save_after_fsdp(path, out_colozoo, out_hf):
-    from colozoo.training import parallelize
+    from colozoo.runtime.training import parallelize
 
-    model = parallelize(colozoo.from_pretrained(path, tp=2, dp=2).train(), data_parallel="fsdp")
+    model = colozoo.from_pretrained(path, tp=2, dp=2).train()
+    parallelize(model, data_parallel="fsdp")
     assert any(hasattr(p, "full_tensor") for p in model.parameters())  # FSDP shards over dp
     model.save_pretrained(out_colozoo)
     model.save_pretrained(out_hf, format="hf")
@@ -302,7 +303,7 @@ def test_save_pretrained_of_an_fsdp_model(tmp_path):
 def _save_with_a_failing_rank(path, out):
     import torch.distributed as dist
 
-    from colozoo import safetensors_io
+    from colozoo.checkpoint import safetensors_io
 
     model = colozoo.from_pretrained(path, tp=2)
     original = safetensors_io.SafetensorsWriter.write
@@ -466,7 +467,7 @@ def test_non_empty_destination(tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
-    from colozoo import safetensors_io
+    from colozoo.checkpoint import safetensors_io
 
     hf = make_hf(tmp_path / "hf")
     calls = {"n": 0}
@@ -517,7 +518,7 @@ def test_cli_convert_and_models(tmp_path, capsys):
 
 def _auto_plan_logits(path, gpu_memory):
     model = colozoo.from_pretrained(path, plan="auto", gpu_memory=gpu_memory)
-    degrees = model.plan
+    degrees = model.run.plan
     assert degrees["tp"] * degrees["pp"] * degrees["dp"] * degrees["cp"] == 2
     assert (model.pc.config.tp, model.pc.config.pp) == (degrees["tp"], degrees["pp"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()

@@ -36,7 +36,7 @@ def cp_attention_matches(cp_size, mode):
     from colozoo.layers import context_parallel
     from colozoo.layers.attention import attention
     from colozoo.layers.context_parallel import ContextParallel, gather_sequence, shard_sequence
-    from colozoo.parallel import init_parallel
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(cp=cp_size)
     group = pc.group("cp")
@@ -100,10 +100,12 @@ def right_padded_batch(vocab_size: int, seq_len: int):
 
 
 def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=None, right_padded=False):
-    from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
-    from colozoo.models import build_model
-    from colozoo.parallel import coords_of, init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     config, hf = hf_causal_lm(family, {**FAMILIES[family], **(overrides or {})})
@@ -166,7 +168,7 @@ def test_other_families_cp2_tp2_match_transformers(family):
 def ring_bf16_close(cp_size):
     from colozoo.layers.attention import attention
     from colozoo.layers.context_parallel import ContextParallel, gather_sequence, shard_sequence
-    from colozoo.parallel import init_parallel
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(cp=cp_size)
     q, k, v, dout, mask = _inputs()
@@ -188,9 +190,10 @@ def test_ring_attention_bf16():
 
 
 def cp_pipeline_forward_parity(family, mode):
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(pp=2, cp=2)
     config, hf = hf_causal_lm(family, FAMILIES[family])
@@ -200,7 +203,7 @@ def cp_pipeline_forward_parity(family, mode):
     model = build_model(config, pc=pc, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.eval()
-    model.cp_mode = mode
+    model.run.cp_mode = mode
     out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
     diff = (out.logits - ref.logits)[mask.bool()].abs().max().item()
     assert diff < ATOL, f"logits differ by {diff}"
@@ -215,8 +218,8 @@ def test_cp2_with_pipeline_pp2_forward(family, mode):
 def cp_errors():
     from colozoo.layers.attention import attention
     from colozoo.layers.context_parallel import ContextParallel
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(cp=2)
     config, _ = hf_causal_lm("gpt2", FAMILIES["gpt2"])
@@ -240,8 +243,8 @@ def cp_builds_no_dense_mask(family, builder):
     """Under cp the (batch, 1, S, S) mask of the full sequence is never built (it grows with S squared)."""
     from unittest import mock
 
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(cp=2)
     config, _ = hf_causal_lm(family, FAMILIES[family])
@@ -262,20 +265,19 @@ def test_cp_never_builds_the_dense_mask(family, builder):
 def ulysses_padding_parity(family):
     """Padding under all-to-all: logits, loss and gradients are transformers' (which cp=1 matches), with masks of
     a chunk of queries at the most (QUERY_CHUNK, here 4 of 16) reaching the attention core, never (S, S)."""
-    import sys
     from unittest import mock
 
     from colozoo.layers import context_parallel
 
-    core_module = sys.modules["colozoo.layers.attention"]
-    core, masks = core_module.attention, []
+    core, masks = context_parallel.local_attention, []
 
     def recording(q, k, v, mask=None, **kwargs):
         masks.append(mask)
         return core(q, k, v, mask, **kwargs)
 
     dense = AssertionError("the (S, S) mask of the whole sequence was built")
-    with mock.patch.object(core_module, "attention", recording), mock.patch.object(context_parallel, "QUERY_CHUNK", 4), \
+    with mock.patch.object(context_parallel, "local_attention", recording), \
+            mock.patch.object(context_parallel, "QUERY_CHUNK", 4), \
             mock.patch.object(context_parallel, "full_mask", side_effect=dense):
         cp_parity(1, 2, "all_to_all", family=family, right_padded=True)
         cp_parity(1, 2, "all_to_all", family=family)  # left padding
@@ -305,9 +307,10 @@ def add_large_score_offset(hf_gpt2, offset: float = 1000.0):
 def gpt2_upcast_ring_matches_cp1_bf16():
     """bf16 GPT-2 with reorder_and_upcast_attn: the ring's logits are cp=1's to a few roundings, a tolerance that
     attention with bf16 scores (transformers' eager path without the option) misses by far."""
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     options = {**FAMILIES["gpt2"], "reorder_and_upcast_attn": True, "initializer_range": 0.1}
     config, hf = hf_causal_lm("gpt2", options, attn_implementation="eager")

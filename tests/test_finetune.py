@@ -450,13 +450,13 @@ def _watch_training(monkeypatch) -> dict:
         seen["block_calls"] += 1
 
     def watched(model, cfg):
-        model = prepare(model, cfg)
+        step_options = prepare(model, cfg)
         layer = next(iter(model.layers.values()))
         matmul = next(m for m in layer.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2)
         matmul.register_forward_hook(lambda m, args, out: seen["matmul_dtypes"].add(out.dtype))
         next(iter(layer.children())).register_forward_hook(count)
         seen["model"], seen["param_dtypes"] = model, {p.dtype for p in model.parameters()}
-        return model
+        return step_options
 
     monkeypatch.setattr(runtime, "prepare_training", watched)
     return seen
@@ -476,7 +476,7 @@ def test_bfloat16_trains_in_mixed_precision(task, tiny, tiny_bert, tiny_vit, tmp
                       **options))
     else:
         _vit_run(*tiny_vit, out, eval_data=None, **options)
-    assert seen["model"].training_setup["mixed_precision"] == "bf16"
+    assert seen["model"].run.setup.mixed_precision == "bf16"
     assert seen["matmul_dtypes"] == {torch.bfloat16} and seen["param_dtypes"] == {torch.float32}
     curve = losses(out)
     assert len(curve) == 6 and curve[-1] < curve[0]

@@ -2,10 +2,11 @@ import pytest
 import torch
 import transformers
 
-from colozoo.converters import StateDictReader, load_hf_weights
-from colozoo.modeling import UnsupportedConfig
-from colozoo.models import build_model
-from colozoo.parallel import init_parallel
+from colozoo.checkpoint.load import load_hf_weights
+from colozoo.checkpoint.sources import StateDictReader
+from colozoo.models.base import UnsupportedConfig
+from colozoo.api import build_model
+from colozoo.core.mesh import init_parallel
 from distributed import run_distributed
 from parity import GRAD_ATOL, LOGITS_ATOL, batch, causal_lm_parity, hf_causal_lm
 
@@ -96,7 +97,7 @@ def test_upcast_attention_never_takes_the_triton_kernel(monkeypatch):
 
     from colozoo.layers import attention
 
-    module = sys.modules["colozoo.layers.attention"]
+    module = sys.modules["colozoo.layers.local_attention"]
     q, k, v = torch.randn(3, 2, 4, 6, 16, dtype=torch.bfloat16).unbind(0)
     expected = attention(q, k, v, causal=True, upcast=True)
     monkeypatch.setattr(module, "use_triton", lambda *tensors: True)  # as on a GPU with triton

@@ -25,6 +25,15 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from distributed import run_distributed  # noqa: E402
+
+
+def torch_cross_entropy(logits_local, target, vocab_size, group=None, label_smoothing=0.0):
+    """The torch path of the vocab-parallel loss (colozoo.layers.vocab), the cross-entropy kernels' reference."""
+    from colozoo.kernels.dispatch import use_kernels
+    from colozoo.layers.vocab import vocab_parallel_cross_entropy
+
+    with use_kernels("torch"):
+        return vocab_parallel_cross_entropy(logits_local, target, vocab_size, group, label_smoothing=label_smoothing)
 from parity import causal_lm_parity  # noqa: E402
 
 from colozoo.kernels import dispatch  # noqa: E402
@@ -262,7 +271,7 @@ def test_cross_entropy(small_vocab_blocks, smoothing, dtype):
     ce = small_vocab_blocks
     target = _targets(12, 37).view(3, 4)
     check(lambda logits: ce.cross_entropy_triton(logits, target, 37, label_smoothing=smoothing),
-          lambda logits: ce.cross_entropy_reference(logits, target, 37, label_smoothing=smoothing),
+          lambda logits: torch_cross_entropy(logits, target, 37, label_smoothing=smoothing),
           dtype, [randn(3, 4, 37, seed=1, scale=3)], "cross entropy", out_dtype=torch.float32)
 
 
@@ -274,7 +283,7 @@ def test_linear_cross_entropy(small_vocab_blocks, smoothing, dtype):
     tensors = [randn(11, 24, seed=1), randn(37, 24, seed=2, scale=0.3), randn(37, seed=3, scale=0.1)]
     check(lambda h, w, b: ce.linear_cross_entropy_triton(h, w, target, 37, bias=b, label_smoothing=smoothing,
                                                          chunk_size=4),  # 3 chunks, the last one short
-          lambda h, w, b: ce.linear_cross_entropy_reference(h, w, target, 37, bias=b, label_smoothing=smoothing),
+          lambda h, w, b: torch_cross_entropy(torch.nn.functional.linear(h, w, b), target, 37, label_smoothing=smoothing),
           dtype, tensors, "linear cross entropy", out_dtype=torch.float32)
 
 
@@ -282,7 +291,7 @@ def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
     """On each tp rank: the kernel on the rank's vocab slice equals the full-vocab reference."""
     import torch.distributed as dist
 
-    from colozoo.layers.vocab import vocab_range
+    from colozoo.core.groups import vocab_range
 
     ce = kernel_module("cross_entropy")
     ce.BLOCK_V = 16
@@ -300,7 +309,7 @@ def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
     else:
         loss = ce.cross_entropy_triton(hidden @ local_weight.t(), target, vocab, group=group,
                                        label_smoothing=smoothing)
-    ref = ce.cross_entropy_reference(hidden @ weight.t(), target, vocab, label_smoothing=smoothing)
+    ref = torch_cross_entropy(hidden @ weight.t(), target, vocab, label_smoothing=smoothing)
     grad = torch.linspace(0.5, 1.5, 11, device=DEVICE)
     dh, dw = torch.autograd.grad(loss, (hidden, local_weight), grad)
     dist.all_reduce(dh, group=group)  # what copy_to_parallel's backward does in the LM head
@@ -484,10 +493,12 @@ def _fused_loss_parity(model_type, config_kwargs, tp=1, sequence_parallel=False)
     aux loss, for MoE) and every (gathered) gradient. Loaded from save_pretrained, the layout converters read."""
     from parity import batch, hf_causal_lm
 
-    from colozoo.converters import GlobalTensor, SafetensorsReader, StateDictReader, family_module, load_hf_weights
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import GlobalTensor, SafetensorsReader, StateDictReader
+    from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
-    from colozoo.models import build_model
-    from colozoo.parallel import coords_of, init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
 
@@ -589,7 +600,7 @@ def test_models_take_the_triton_path_only_when_asked(monkeypatch):
     """Every newly wired hot path reaches its kernel with triton forced, and none does with torch forced."""
     from transformers import AutoConfig
 
-    from colozoo.models import build_model
+    from colozoo.api import build_model
 
     calls = count_kernel_calls(monkeypatch)
     tiny = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, vocab_size=50)

@@ -11,7 +11,7 @@ from colozoo.layers import (ColumnParallelLinear, RowParallelLinear, Split, Voca
 from colozoo.layers import comm
 from colozoo.layers.shard import ShardError, local_shape, stored_pieces
 from colozoo.layers.vocab import vocab_range
-from colozoo.parallel import coords_of, init_parallel
+from colozoo.core.mesh import coords_of, init_parallel
 from distributed import run_distributed
 
 ATOL = 1e-5

@@ -59,8 +59,8 @@ def test_mistral_sliding_window_tp2():
 
 
 def _build_at_tp(config_kwargs, tp):
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(tp=tp)
     config = transformers.LlamaConfig(**config_kwargs)
@@ -80,7 +80,7 @@ def test_unsupported_rope_type_is_a_clear_error():
     config = transformers.LlamaConfig(**BASE, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                                                "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
                                                                "original_max_position_embeddings": 16})
-    from colozoo.models import build_model
+    from colozoo.api import build_model
 
     with pytest.raises(ValueError, match="RoPE type 'longrope'"):
         build_model(config, device="meta")
@@ -96,8 +96,9 @@ def test_llama_converter_round_trip_tp2():
 
 
 def test_meta_init_restores_rope_buffers():
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
     from colozoo.models.llama import rope_inv_freq
 
     config = transformers.LlamaConfig(**BASE, rope_parameters=LLAMA3)
@@ -123,7 +124,7 @@ def test_registered_configs_build_offline_with_the_published_sizes(name):
 
 
 def test_registered_llama_symbolic_forward():
-    from colozoo.models import build_model
+    from colozoo.api import build_model
     from colozoo.registry import get_config
 
     model = build_model(get_config("Llama-3.2-1B"), device="meta")

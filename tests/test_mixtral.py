@@ -49,8 +49,9 @@ class RecordingReader:
 def load_saved(hf, config, pc):
     """Our model loaded from what transformers' save_pretrained writes (per-expert tensors; saved by global rank 0
     only), and the reader that recorded which tensors were read."""
-    from colozoo.converters import SafetensorsReader, load_hf_weights
-    from colozoo.models import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.api import build_model
 
     distributed = dist.is_initialized()
     first = not distributed or dist.get_rank() == 0
@@ -73,9 +74,10 @@ def load_saved(hf, config, pc):
 
 def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", config_overrides=None,
                    family="mixtral"):
-    from colozoo.converters import GlobalTensor, StateDictReader, family_module
+    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
-    from colozoo.parallel import coords_of, init_parallel
+    from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
     config, hf = hf_causal_lm(family, {**FAMILIES[family], **(config_overrides or {})})
@@ -144,7 +146,8 @@ def test_mixtral_context_parallel_with_ep(mode):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_converter_round_trip_bit_exact(family):
-    from colozoo.converters import GlobalTensor, SafetensorsReader, family_module
+    from colozoo.checkpoint.sources import GlobalTensor, SafetensorsReader
+    from colozoo.converters import family_module
 
     config, hf = hf_causal_lm(family, FAMILIES[family])
     hf_sources = family_module(family).hf_sources
@@ -200,10 +203,11 @@ def _pipeline_parity(family, pp, tp, ep):
     """MoE layers on pipeline stages with the router losses on: every stage hands its layers' router statistics
     on with the hidden states. Eval logits, loss and aux loss, then a forward_backward over 2 micro-batches (loss
     and every gathered gradient), against transformers."""
-    from colozoo.converters import GlobalTensor, StateDictReader, family_module
+    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
-    from colozoo.parallel import coords_of, init_parallel
-    from colozoo.training import parallelize
+    from colozoo.core.mesh import coords_of, init_parallel
+    from colozoo.runtime.training import parallelize
 
     pc = init_parallel(pp=pp, tp=tp, ep=ep)
     config, hf = hf_causal_lm(family, FAMILIES[family])
@@ -223,7 +227,7 @@ def _pipeline_parity(family, pp, tp, ep):
     ref = _per_microbatch_reference(hf, config, ids, mask, labels, pc.size("dp"), 2)
     ref.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
-    model = parallelize(model.train(), data_parallel="ddp")
+    parallelize(model.train(), data_parallel="ddp")
     loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
     assert abs(loss.item() - ref.item()) < ATOL, (loss.item(), ref.item())
     sources = family_module(family).module_sources(config)

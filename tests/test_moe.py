@@ -52,7 +52,7 @@ def moe_matches_qwen(tp, ep, sequence_parallel):
     from colozoo.layers.comm import gather_from_parallel, split_to_parallel
     from colozoo.layers.moe import MoE
     from colozoo.layers.shard import gather_tensor, shard_tensor, spec_of
-    from colozoo.parallel import coords_of, init_parallel
+    from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, ep=ep, sequence_parallel=sequence_parallel)
     block = qwen_block()
@@ -185,7 +185,7 @@ def _capacity_under_expert_parallelism(factor):
     the one-process first-come-first-served reference over its tokens with all experts."""
     from colozoo.layers.moe import MoE
     from colozoo.layers.shard import shard_tensor, spec_of
-    from colozoo.parallel import coords_of, init_parallel
+    from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(ep=2)
     torch.manual_seed(0)

@@ -1,5 +1,4 @@
-"""CPU offload wired into training (colozoo.offload through colozoo.training), and applying a planner's plan."""
-import functools
+"""CPU offload wired into training (colozoo.runtime.offload through colozoo.runtime.training), and applying a planner's plan."""
 import warnings
 
 import pytest
@@ -7,12 +6,14 @@ import torch
 from distributed import run_distributed
 from parity import batch, hf_causal_lm
 
-from colozoo.converters import StateDictReader, load_hf_weights
-from colozoo.models import build_model
-from colozoo.offload import OffloadedAdamW
-from colozoo.parallel import init_parallel, single_process
+from colozoo.checkpoint.load import load_hf_weights
+from colozoo.checkpoint.sources import StateDictReader
+from colozoo.api import build_model
+from colozoo.runtime.checkpointing import is_checkpointed
+from colozoo.runtime.offload import OffloadedAdamW
+from colozoo.core.mesh import init_parallel, single_process
 from colozoo.layers.shard import local_part
-from colozoo.training import TrainingError, apply_plan, build_optimizer, clip_grad_norm_, parallelize
+from colozoo.runtime.training import TrainingError, apply_plan, build_optimizer, clip_grad_norm_, parallelize
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -51,10 +52,11 @@ def offloaded_step_matches(offload, data_parallel):
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
     results = []
     for level in (None, offload):
-        model = parallelize(build(pc, hf, config), data_parallel=data_parallel, offload=level)
+        model = build(pc, hf, config)
+        parallelize(model, data_parallel=data_parallel, offload=level)
         optimizer = build_optimizer(model, lr=1e-2, eps=1e-6)
         assert isinstance(optimizer, OffloadedAdamW) == (level == "optimizer")
-        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.pipeline_stages[0].modules()
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.run.stages[0].modules()
                   if hasattr(m, "_get_fsdp_state")]
         offloaded = {fp.offload_to_cpu for g in groups if g is not None for fp in g.fsdp_params}
         assert offloaded == ({level == "params"} if data_parallel == "fsdp" else set()), offloaded
@@ -84,7 +86,8 @@ def test_offload_refused_where_it_cannot_apply():
         parallelize(build(single_process(), hf, config), offload="params")  # one rank: nothing to shard
     with pytest.raises(TrainingError, match="offload must be one of"):
         parallelize(build(single_process(), hf, config), offload="disk")
-    model = parallelize(build(single_process(), hf, config))
+    model = build(single_process(), hf, config)
+    parallelize(model)
     with pytest.raises(TrainingError, match="needs parallelize"):
         build_optimizer(model, offload="params")
     assert isinstance(build_optimizer(model, offload="optimizer"), OffloadedAdamW)
@@ -106,18 +109,18 @@ def test_apply_plan_sets_checkpointing_offload_and_microbatching():
     plan = dict(tp=1, pp=1, dp=1, cp=1, ep=1, sequence_parallel=False, micro_batch_size=2, num_microbatches=2,
                 schedule="1f1b", zero=0, checkpointing="full", checkpoint_layers=None, offload="optimizer")
     model = build(single_process(), hf, config)
-    model.plan = plan  # as from_pretrained(plan="auto") leaves it
+    model.run.plan = plan  # as from_pretrained(plan="auto") leaves it
     step = apply_plan(model)
     assert step == {"num_microbatches": 2, "schedule": "1f1b"}
-    setup = model.training_setup
-    assert setup["offload"] == "optimizer" and isinstance(build_optimizer(model), OffloadedAdamW)
-    assert all(isinstance(layer.forward, functools.partial) for layer in model.layers.values())  # checkpointed
+    setup = model.run.setup
+    assert setup.offload == "optimizer" and isinstance(build_optimizer(model), OffloadedAdamW)
+    assert all(is_checkpointed(layer) for layer in model.layers.values())  # checkpointed
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
     ref_loss = hf(ids, attention_mask=mask, labels=labels).loss.item()
     assert model.forward_backward(ids, labels, attention_mask=mask, **step).item() == pytest.approx(ref_loss, abs=1e-5)
     partial = build(single_process(), hf, config)
     apply_plan(partial, dict(plan, checkpoint_layers=1))  # the planner's fewest layers that fit
-    assert [isinstance(layer.forward, functools.partial) for layer in partial.layers.values()] == [True, False]
+    assert [is_checkpointed(layer) for layer in partial.layers.values()] == [True, False]
     with pytest.raises(TrainingError, match="differ from the model's mesh"):
         apply_plan(build(single_process(), hf, config), dict(plan, tp=2))
     with pytest.raises(TrainingError, match="needs a plan"):

@@ -77,8 +77,8 @@ def test_opt_wrong_head_split_fails_parity():
 def _build(config_kwargs, tp, training=False):
     import transformers
 
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(tp=tp)
     model = build_model(transformers.OPTConfig(**config_kwargs), pc=pc, device="meta")
@@ -120,8 +120,9 @@ def test_opt_module_names_match_the_converter_map():
 
 @pytest.mark.parametrize("option", ["default", "350m_post_ln_projected", "untied"])
 def test_opt_loads_a_save_pretrained_checkpoint(tmp_path, option):
-    from colozoo.converters import SafetensorsReader, load_hf_weights
-    from colozoo.models import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.api import build_model
     from parity import batch, hf_causal_lm
 
     config, hf = hf_causal_lm("opt", {**BASE, **OPTIONS[option]})
@@ -136,10 +137,11 @@ def test_opt_loads_a_save_pretrained_checkpoint(tmp_path, option):
 
 
 def _train_step_with_dropout(tp):
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
-    from colozoo.rng import model_parallel_seed
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
+    from colozoo.core.rng import model_parallel_seed
     from parity import batch, hf_causal_lm
 
     pc = init_parallel(tp=tp, sequence_parallel=True)
@@ -166,9 +168,10 @@ def _pipeline_parity(config_kwargs, pp, tp):
     """Eval forward through pp stages (the last holds its own copy of the tied embedding) equals transformers."""
     from parity import LOGITS_ATOL, batch, hf_causal_lm
 
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(pp=pp, tp=tp)
     config, hf = hf_causal_lm("opt", config_kwargs)

@@ -6,13 +6,14 @@ from transformers import GPT2Config
 from distributed import run_distributed
 from parity import LOGITS_ATOL, batch, hf_causal_lm
 
-from colozoo.converters import StateDictReader, load_hf_weights
-from colozoo.models import build_model
-from colozoo.parallel import init_parallel
-from colozoo.partition import (PartitionError, layer_cost, model_stage_layers, rank_layers, stage_layers,
+from colozoo.checkpoint.load import load_hf_weights
+from colozoo.checkpoint.sources import StateDictReader
+from colozoo.api import build_model
+from colozoo.core.mesh import init_parallel
+from colozoo.core.partition import (PartitionError, layer_cost, model_stage_layers, rank_layers, stage_layers,
                                virtual_stage_layers)
-from colozoo.pipeline import PipelineError, layer_runs, schedule_name, stages_of
-from colozoo.training import parallelize
+from colozoo.runtime.pipeline import PipelineError, layer_runs, schedule_name, stages_of
+from colozoo.runtime.training import parallelize
 
 CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -41,7 +42,7 @@ def test_balance_moves_layers_off_the_embedding_and_head_stages():
 
 
 def test_models_are_balanced_by_default_and_take_layers_per_stage():
-    from colozoo.parallel import ParallelContext
+    from colozoo.core.mesh import ParallelContext
 
     config = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=5000, n_positions=32)  # embedding ~ 6.5 layers
 

@@ -5,11 +5,11 @@ import warnings
 import pytest
 import torch
 
-from colozoo.hardware import GB, GiB, HardwareError, get_hardware, parse_bytes
-from colozoo.offload import (CHUNK_BYTES, MemoryNeed, OffloadedAdamW, decide_offload, fsdp2_offload_policy, pipelined,
-                             split)
-from colozoo.planner import best_plan_for_world, plan
-from colozoo.profiler import get_config, profile
+from colozoo.cost.hardware import GB, GiB, HardwareError, get_hardware, parse_bytes
+from colozoo.cost.offload import MemoryNeed, decide_offload, pipelined, split
+from colozoo.runtime.offload import CHUNK_BYTES, OffloadedAdamW, fsdp2_offload_policy
+from colozoo.cost.planner import best_plan_for_world, plan
+from colozoo.cost.profiler import get_config, profile
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -179,9 +179,9 @@ def test_plan_offloads_when_gpu_memory_runs_short():
 
 
 def test_collective_latency_and_overlap_are_priced():
-    from colozoo.parallel import ParallelConfig
-    from colozoo.planner import estimate
-    from colozoo.profiler import Setup
+    from colozoo.core.mesh import ParallelConfig
+    from colozoo.cost.planner import estimate
+    from colozoo.cost.profiler import Setup
 
     setup = Setup(batch_size=2, seq_len=256, dtype="bfloat16", zero=3, num_microbatches=2)
     kw = dict(batch_size=2, seq_len=256, zero=3, num_microbatches=2)

@@ -10,9 +10,9 @@ import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 from colozoo.kernels.dispatch import use_kernels
-from colozoo.models import build_model
-from colozoo.profile_trace import EXTRA_FLOP_FORMULAS
-from colozoo.profiler import ProfilerError, get_config, profile
+from colozoo.api import build_model
+from colozoo.cost.trace import EXTRA_FLOP_FORMULAS
+from colozoo.cost.profiler import ProfilerError, get_config, profile
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -69,9 +69,9 @@ def test_flops_and_activations_match_a_real_run(family, dropout):
 def checkpointed_step(config, layers):
     """Bytes saved for backward (outside recomputed regions) and gradients of a real training step whose first
     `layers` layers recompute (None: no checkpointing)."""
-    from colozoo.parallel import single_process
-    from colozoo.rng import model_parallel_seed
-    from colozoo.training import parallelize
+    from colozoo.core.mesh import single_process
+    from colozoo.core.rng import model_parallel_seed
+    from colozoo.runtime.training import parallelize
 
     model_parallel_seed(0, single_process())  # the same weights and dropout masks in every run
     model = build_model(config, device="cpu").train()
@@ -271,7 +271,7 @@ def test_cli_json(capsys):
 
 
 def test_pipeline_stages_are_split_as_the_model_splits_them():
-    from colozoo.partition import model_rank_layers
+    from colozoo.core.partition import model_rank_layers
     from colozoo.registry import get_config
 
     config = get_config("gpt2")

@@ -43,9 +43,10 @@ def reference(minilm):
 
 
 def load_and_compare(path, batch, hidden, pooled, tp, sequence_parallel=False):
-    from colozoo.converters import SafetensorsReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.api import build_model
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
     config = transformers.AutoConfig.from_pretrained(path)
@@ -71,7 +72,7 @@ def test_minilm_matches_transformers(minilm, reference, tp, sp):
 
 
 def test_minilm_converted_checkpoint_round_trips_bit_for_bit(minilm, tmp_path):
-    convert = pytest.importorskip("colozoo.checkpoint").convert
+    convert = pytest.importorskip("colozoo.checkpoint.convert").convert
     convert(minilm, tmp_path / "tp4", tp=4)
     convert(tmp_path / "tp4", tmp_path / "tp2", tp=2)
     convert(tmp_path / "tp2", tmp_path / "back", to_hf=True)

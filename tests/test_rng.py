@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from colozoo.layers import attention
-from colozoo.modeling import dropout
-from colozoo.parallel import init_parallel, single_process
-from colozoo.rng import TENSOR_PARALLEL, get_rng_tracker, model_parallel_seed
+from colozoo.models.base import dropout
+from colozoo.core.mesh import init_parallel, single_process
+from colozoo.core.rng import TENSOR_PARALLEL, get_rng_tracker, model_parallel_seed
 from distributed import run_distributed
 
 X = torch.ones(4, 64)

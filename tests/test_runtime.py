@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-from colozoo.parallel import (MESH_DIMS, ParallelConfig, ParallelConfigError, ParallelContext, coords_of,
+from colozoo.core.mesh import (MESH_DIMS, ParallelConfig, ParallelConfigError, ParallelContext, coords_of,
                               init_parallel)
 from distributed import run_distributed
 

@@ -7,13 +7,15 @@ import torch
 from distributed import run_distributed
 from parity import batch, hf_causal_lm
 
-from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
+from colozoo.checkpoint.load import load_hf_weights
+from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+from colozoo.converters import family_module
 from colozoo.layers.shard import gather_tensor, spec_of
-from colozoo.models import build_model
-from colozoo.parallel import coords_of, init_parallel, single_process
-from colozoo.partition import rank_layers
-from colozoo.rng import model_parallel_seed
-from colozoo.training import TrainingError, build_optimizer, clip_grad_norm_, parallelize
+from colozoo.api import build_model
+from colozoo.core.mesh import coords_of, init_parallel, single_process
+from colozoo.core.partition import rank_layers
+from colozoo.core.rng import model_parallel_seed
+from colozoo.runtime.training import TrainingError, build_optimizer, clip_grad_norm_, parallelize
 
 CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -27,7 +29,8 @@ def build(pc, config, hf, virtual_stages=1, **parallel):
     model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.train()
-    return parallelize(model, **parallel)
+    parallelize(model, **parallel)
+    return model
 
 
 def full_parameter(model, t, shape, spec=None):
@@ -87,7 +90,7 @@ def compare(model, reference, sources, atol, what, grad=False):
 
 def tied_copies_equal(model):
     """On the first and last stage: is this rank's tied embedding bitwise equal to its partner's?"""
-    tied = model.training_setup["tied"]
+    tied = model.run.setup.tied
     if tied is None or not (model.is_first or model.is_last):
         return None
     p = dict(model.named_parameters())[tied[0]]

@@ -7,11 +7,13 @@ import torch
 from distributed import run_distributed
 from parity import batch, hf_causal_lm
 
-from colozoo.converters import GlobalTensor, StateDictReader, family_module, load_hf_weights
+from colozoo.checkpoint.load import load_hf_weights
+from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+from colozoo.converters import family_module
 from colozoo.layers.shard import gather_tensor, materialize, shard_tensor, spec_of
-from colozoo.models import build_model
-from colozoo.parallel import coords_of, init_parallel, single_process
-from colozoo.training import TrainingError, build_optimizer, clip_grad_norm_, parallelize
+from colozoo.api import build_model
+from colozoo.core.mesh import coords_of, init_parallel, single_process
+from colozoo.runtime.training import TrainingError, build_optimizer, clip_grad_norm_, parallelize
 
 GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0)
@@ -49,7 +51,8 @@ def build(pc, family, config, hf, options):
     model.train()
     if options.pop("cp_mode", None):
         model.cp_mode = "all_to_all"
-    return parallelize(model, **options)
+    parallelize(model, **options)
+    return model
 
 
 def compare(model, reference, sources, atol, what, grad=False):

@@ -57,7 +57,7 @@ def test_vit_converter_round_trip_tp2():
 
 
 def test_wrong_image_size_is_a_clear_error():
-    from colozoo.models import build_model
+    from colozoo.api import build_model
 
     model = build_model(transformers.ViTConfig(**BASE), device="cpu")
     with pytest.raises(ValueError, match="image size"):
@@ -67,9 +67,10 @@ def test_wrong_image_size_is_a_clear_error():
 def test_published_names_and_in_memory_names_both_load():
     """transformers saves ViT (and the hub checkpoints hold it) under encoder.layer.N.attention.attention.query...,
     while its in-memory state dict says layers.N.attention.q_proj; the converter maps the saved names and reads both."""
-    from colozoo.converters import StateDictReader, load_hf_weights
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
     from colozoo.converters.vit import hf_sources
-    from colozoo.models import build_model
+    from colozoo.api import build_model
     from parity import hf_model
 
     config = transformers.ViTConfig(**BASE, num_labels=3, architectures=["ViTForImageClassification"])
@@ -101,10 +102,11 @@ def test_vit_image_classification_pipeline_parallel(pp, tp, sp):
 
 
 def checkpointed_step(mode):
-    from colozoo.converters import StateDictReader, load_hf_weights
-    from colozoo.models import build_model
-    from colozoo.rng import model_parallel_seed
-    from colozoo.training import parallelize
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.api import build_model
+    from colozoo.core.rng import model_parallel_seed
+    from colozoo.runtime.training import parallelize
     from parity import hf_model
 
     config = transformers.ViTConfig(**{**BASE, "hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},

@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from colozoo.amp import DynamicLossScaler
-from colozoo.offload import OffloadedAdamW
+from colozoo.runtime.amp import DynamicLossScaler
+from colozoo.runtime.offload import OffloadedAdamW
 from colozoo.finetune import data as D
 from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
 from colozoo.finetune.schedule import build_scheduler
-from colozoo.parallel import ParallelConfig
-from colozoo.rng import model_parallel_seed
+from colozoo.core.mesh import ParallelConfig
+from colozoo.core.rng import model_parallel_seed
 
 
 def model_source(name_or_path: str):
@@ -165,8 +165,8 @@ def run(cfg: FinetuneConfig) -> dict:
     sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
     total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
     model_parallel_seed(cfg.seed, pc)
-    runtime.prepare_training(model, cfg)
-    step_options = model.plan_step if plan else {"num_microbatches": cfg.num_microbatches(mesh.dp)}
+    plan_step = runtime.prepare_training(model, cfg)
+    step_options = plan_step if plan else {"num_microbatches": cfg.num_microbatches(mesh.dp)}
     micro_batch_size = plan["micro_batch_size"] if plan else cfg.micro_batch_size
     model.train()
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)

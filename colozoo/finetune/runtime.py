@@ -1,6 +1,6 @@
 """The few places where fine-tuning meets the rest of colozoo: loading the model, one training step, the
-optimizer, clipping, saving; each is the library's own entry point (colozoo.api, colozoo.training,
-colozoo.checkpoint) with the fine-tuning defaults."""
+optimizer, clipping, saving; each is the library's own entry point (colozoo.api, colozoo.runtime.training,
+colozoo.checkpoint.convert) with the fine-tuning defaults."""
 from __future__ import annotations
 
 import torch
@@ -15,8 +15,8 @@ MIXED_PRECISION = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
 def plan_training(cfg, config, global_batch: int) -> dict:
     """--plan auto: the planner's best plan for this world size, `global_batch` sequences of the run's length and
     its dtype (collective: rank 0 plans, every rank gets the same plan). Returns Plan.degrees()."""
-    from colozoo.parallel import init_distributed
-    from colozoo.planner import best_plan_for_world
+    from colozoo.core.mesh import init_distributed
+    from colozoo.cost.planner import best_plan_for_world
 
     seq_len = cfg.seq_len
     if cfg.task == "imgcls":  # a ViT's sequence is its patches and the class token
@@ -28,7 +28,7 @@ def plan_training(cfg, config, global_batch: int) -> dict:
 
 
 def load_model(cfg, task: str, plan: dict | None = None):
-    """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.plan) asks for;
+    """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.run.plan) asks for;
     returns the model (model.pc is the mesh). Weights stay fp32: a lower --dtype becomes mixed precision in
     prepare_training."""
     from colozoo.api import from_pretrained
@@ -39,21 +39,20 @@ def load_model(cfg, task: str, plan: dict | None = None):
         model = _load_with_task_head(cfg, task, degrees, torch.float32)
     else:
         model = from_pretrained(cfg.model, dtype=torch.float32, **degrees)
-    model.plan = plan
+    model.run.plan = plan
     return model
 
 
-def prepare_training(model, cfg):
+def prepare_training(model, cfg) -> dict | None:
     """Data-parallel wrapping, mixed precision and activation checkpointing (collective; before the optimizer);
-    under a plan, apply_plan's choices (its micro-batching for forward_backward is left on model.plan_step)."""
-    from colozoo.training import apply_plan, parallelize
+    under a plan, apply_plan's choices, returning its micro-batching for forward_backward."""
+    from colozoo.runtime.training import apply_plan, parallelize
 
-    if getattr(model, "plan", None) is not None:
-        model.plan_step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
-        return model
-    return parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
-                       activation_checkpointing="full" if cfg.activation_checkpointing else None,
-                       offload=cfg.offload)
+    if model.run.plan is not None:
+        return apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
+    parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
+                activation_checkpointing="full" if cfg.activation_checkpointing else None, offload=cfg.offload)
+    return None
 
 
 class FreshTensor:
@@ -76,10 +75,9 @@ def _load_with_task_head(cfg, task, degrees, dtype):
     the checkpoint lacks starts fresh (normal(0, initializer_range), zero bias); everything else is loaded."""
     import copy
 
-    from colozoo.api import resolve
-    from colozoo.checkpoint_format import ModelLayout, load_global_tensors
-    from colozoo.models import build_model
-    from colozoo.parallel import init_parallel
+    from colozoo.api import build_model, resolve
+    from colozoo.checkpoint.format import ModelLayout, load_global_tensors
+    from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(**degrees)
     source = resolve(cfg.model, verify=False)
@@ -118,14 +116,14 @@ def forward_backward(model, batch: dict, num_microbatches: int = 1, schedule: st
 
 
 def build_optimizer(model, lr: float, weight_decay: float):
-    from colozoo.training import build_optimizer as build
+    from colozoo.runtime.training import build_optimizer as build
 
     return build(model, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
 def clip_grad_norm(model, max_norm: float) -> float:
     """Clip by the norm of the whole (global) gradient; returns the norm before clipping."""
-    from colozoo.training import clip_grad_norm_
+    from colozoo.runtime.training import clip_grad_norm_
 
     return float(clip_grad_norm_(model, max_norm))
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from colozoo.rng import get_rng_tracker
+from colozoo.core.rng import get_rng_tracker
 
 FORMAT = "colozoo-finetune-state/1"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
@@ -81,7 +81,7 @@ def complete_checkpoints(root) -> list[Path]:
 def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
                         keep_last: int = 2, scaler=None) -> Path:
     """Collective: every rank writes its file into a temp dir; rank 0 commits it by renaming, then prunes.
-    `scaler`: an fp16 loss scaler (colozoo.amp), saved when enabled."""
+    `scaler`: an fp16 loss scaler (colozoo.runtime.amp), saved when enabled."""
     root = Path(root)
     final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP_PREFIX}{step:08d}"
     if _rank() == 0:

@@ -1,6 +1,11 @@
 """What every colozoo model shares: the output type, the batch context, dropout under model parallelism,
 and the three-part forward (embed on the first stage, blocks on every stage, head on the last) that
-pipeline stages reuse."""
+pipeline stages reuse.
+
+A model knows only its layers. How it runs on its mesh (pipeline stages and schedules, context-parallel
+sharding of the batch, data-parallel wrapping, the training step, saving) is the business of the layers
+above: `colozoo.runtime.run.Run` attaches itself as `model.run`, and the methods users call on a model
+(`model(...)` on a pipeline or cp mesh, `forward_backward`, `save_pretrained`) are handed to it."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.parallel import ParallelContext, single_process
-from colozoo.rng import get_rng_tracker
+from colozoo.core.mesh import ParallelContext, single_process
+from colozoo.core.partition import model_rank_layers
+from colozoo.core.rng import get_rng_tracker
 
 
 @dataclass
@@ -34,6 +40,7 @@ class BatchContext:
     position_ids: torch.Tensor           # (batch, seq) global positions
     seq_len: int
     cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
+    data_group: object | None = None     # where batch statistics (MoE router losses) are summed; None: the cp group
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -81,8 +88,6 @@ class ParallelModel(nn.Module):
         self.config = config
         self.pc = pc or single_process()
         if layer_ids is None:  # one stage per pp rank, balanced by parameters
-            from colozoo.partition import model_rank_layers
-
             layer_ids = model_rank_layers(config, self.pc.config.pp, self.pc.rank("pp"))
         self.layer_ids = list(layer_ids)
         self.is_first = self.pc.is_first_stage
@@ -109,17 +114,21 @@ class ParallelModel(nn.Module):
             hidden = layer(hidden, ctx)
         return hidden
 
+    run = None  # the colozoo.runtime.run.Run that runs this model on its mesh; attached by the runtime
+
     def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs) -> ModelOutput:
-        if self.pc.config.cp > 1 and self.pc.config.pp == 1 and not getattr(self, "pipeline_stages", None):
-            from colozoo.layers.context_parallel import context_parallel_forward
-
-            return context_parallel_forward(self, input_ids, attention_mask=attention_mask, labels=labels,
-                                            return_logits=return_logits, **kwargs)
-        if self.pc.config.pp > 1 or getattr(self, "pipeline_stages", None):  # stages exist once parallelized
-            from colozoo.pipeline import pipeline_forward
-
-            return pipeline_forward(self, input_ids, attention_mask=attention_mask, labels=labels,
+        if self.run is not None:
+            return self.run.forward(input_ids, attention_mask=attention_mask, labels=labels,
                                     return_logits=return_logits, **kwargs)
+        if self.pc.config.pp > 1 or self.pc.config.cp > 1:
+            raise RuntimeError(f"on a mesh with pp={self.pc.config.pp}, cp={self.pc.config.cp} a model runs through "
+                               f"its Run: build it with colozoo.build_model or colozoo.from_pretrained (or attach "
+                               f"colozoo.runtime.run.Run(model))")
+        return self.local_forward(input_ids, attention_mask=attention_mask, labels=labels,
+                                  return_logits=return_logits, **kwargs)
+
+    def local_forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs):
+        """embed -> layers -> head on this rank's whole model, the batch unsharded (pp == cp == 1)."""
         ctx = self.batch_context(input_ids, attention_mask, **kwargs)
         hidden = self.embed(input_ids, ctx)
         hidden = self.run_layers(hidden, ctx)
@@ -129,15 +138,17 @@ class ParallelModel(nn.Module):
         """How many label positions the mean loss averages over (causal LM: labels shift by one)."""
         return (labels[..., 1:] != -100).sum()
 
+    def _run(self):
+        if self.run is None:
+            raise RuntimeError(f"{type(self).__name__} has no Run: build it with colozoo.build_model or "
+                               f"colozoo.from_pretrained (a model on its own knows only its layers)")
+        return self.run
+
     def forward_backward(self, input_ids, labels, attention_mask=None, num_microbatches: int = 1, **kwargs):
         """One training step's forward and backward over the whole mesh; returns the mean loss on every rank."""
-        from colozoo.training import forward_backward
-
-        return forward_backward(self, input_ids, labels, attention_mask=attention_mask,
-                                num_microbatches=num_microbatches, **kwargs)
+        return self._run().forward_backward(input_ids, labels, attention_mask=attention_mask,
+                                            num_microbatches=num_microbatches, **kwargs)
 
     def save_pretrained(self, path, format: str = "colozoo", **kwargs):
         """Write a colozoo sharded checkpoint (collectively, each rank its shard) or, with format="hf", an HF directory."""
-        from colozoo.checkpoint import save_pretrained
-
-        return save_pretrained(self, path, format=format, **kwargs)
+        return self._run().save_pretrained(path, format=format, **kwargs)

@@ -21,28 +21,14 @@ from pathlib import Path
 
 import torch
 
-from colozoo.converters.sources import CheckpointError
+from colozoo.core.dtypes import dtype_name
+from colozoo.core.errors import CheckpointError
 from colozoo.layers.shard import Split, local_shape, materialize, spec_of, stored_pieces
-from colozoo.parallel import ParallelConfig, ParallelContext, coords_of
-from colozoo.safetensors_io import SafetensorsFile
+from colozoo.core.mesh import ParallelConfig, ParallelContext, coords_of
+from colozoo.checkpoint.safetensors_io import SafetensorsFile
 
 INDEX_NAME = "colozoo_index.json"
 FORMAT_VERSION = 1
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-    try:
-        return names[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; use fp32, fp16 or bf16") from None
 
 
 def is_colozoo_checkpoint(path) -> bool:

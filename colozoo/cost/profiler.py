@@ -7,7 +7,7 @@
 The model is built on the meta device with fake process groups of the right sizes (`torch.distributed`'s
 "fake" backend), so tensor and expert parallel layers shard their parameters and issue their collectives
 exactly as on a real mesh. Only one layer of each kind (same class and parameter shapes) is traced with the
-embedding and the head; the others are multiplied in. Pipeline stages follow colozoo.partition, data
+embedding and the head; the others are multiplied in. Pipeline stages follow colozoo.core.partition, data
 parallel shards model states (ZeRO 1/2/3 = FSDP; experts only over the dp*cp/ep ranks that hold them),
 context parallel divides the sequence (its ring traffic and each rank's attention over every chunk's keys are
 modelled, not traced), and checkpointing trades saved activations for recomputation. Mixture-of-experts
@@ -29,15 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from colozoo.parallel import ParallelConfig
-from colozoo.profile_trace import TARGETS, Trace, trace_step
+from colozoo.core.mesh import ParallelConfig
+from colozoo.core.dtypes import NAMES as DTYPES
+from colozoo.core.dtypes import human_bytes as human
+from colozoo.cost.trace import TARGETS, Trace, trace_step
+from colozoo.runtime.options import CHECKPOINTING, OFFLOAD
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-CHECKPOINTING = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe")  # what the cost model prices (of colozoo.runtime.options.SCHEDULES)
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}  # fp32 state bytes per parameter
-OFFLOAD = ("none", "optimizer", "params")
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # DistributedDataParallel's default bucket_cap_mb
 
 
@@ -238,13 +237,6 @@ class ProfileReport:
         return console.export_text()
 
 
-def human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-
-
 def flops(n: float) -> str:
     for unit in ("", "K", "M", "G", "T", "P", "E"):
         if abs(n) < 1000 or unit == "E":
@@ -326,7 +318,7 @@ def _balanced_routing():
 def _build_parallel_model(config, pc: ParallelConfig, dtype):
     """Our model of `config` on meta with fake tp/ep groups of the mesh's sizes (pp and cp are modelled)."""
     from colozoo.models import build_model
-    from colozoo.parallel import ParallelContext
+    from colozoo.core.mesh import ParallelContext
 
     trace_config = ParallelConfig(tp=pc.tp, dp=pc.ep, ep=pc.ep, sequence_parallel=pc.sequence_parallel)
     context = ParallelContext(trace_config, device=torch.device("cpu"))
@@ -540,7 +532,7 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
 
 def _resolve(model_or_name):
     """(config, generic module or None)."""
-    from colozoo.modeling import ParallelModel
+    from colozoo.models.base import ParallelModel
 
     if isinstance(model_or_name, str):
         return get_config(model_or_name), None
@@ -689,7 +681,7 @@ def _tied_head_bytes(trace: Trace, params, prefix, module_unit, root) -> int:
 
 def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
     """Per-rank memory, FLOPs and communication of a training step from a traced micro-batch."""
-    from colozoo.partition import model_stage_layers, stage_layers
+    from colozoo.core.partition import model_stage_layers, stage_layers
 
     pc = parse_mesh(mesh)
     setup.check()

@@ -9,47 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, malformed, or disagrees with the model."""
-
-
-@dataclass(frozen=True)
-class Source:
-    names: tuple[str, ...]
-    transpose: bool = False
-    cat_dim: int = 0
-    # stack > 0: `names` are `stack` equal groups (one per expert); each group is concatenated along cat_dim
-    # (a dim of the HF tensors) into one item, and the items are stacked along a new leading dim of ours
-    stack: int = 0
-
-    @classmethod
-    def of(cls, *names: str, transpose: bool = False, cat_dim: int = 0, stack: int = 0) -> "Source":
-        if stack and len(names) % stack:
-            raise ValueError(f"{len(names)} names cannot form {stack} stacked items")
-        return cls(tuple(names), transpose, cat_dim, stack)
-
-    def groups(self) -> list["Source"]:
-        """One plain Source per stacked item."""
-        n = len(self.names) // self.stack
-        return [Source(self.names[i * n:(i + 1) * n], self.transpose, self.cat_dim) for i in range(self.stack)]
-
-    def split(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
-        """Our global tensor back into its HF tensors; `sizes` are the part lengths along cat_dim (default equal)."""
-        if self.stack:
-            if tensor.shape[0] != self.stack:
-                raise CheckpointError(f"expected {self.stack} stacked items, got a tensor of shape {tuple(tensor.shape)}")
-            return {k: v for item, group in zip(tensor.unbind(0), self.groups()) for k, v in group.split(item, sizes).items()}
-        if sizes is None:
-            sizes = [tensor.shape[self.cat_dim] // len(self.names)] * len(self.names)
-        parts = tensor.split(list(sizes), dim=self.cat_dim)
-        return {name: (part.t() if self.transpose else part).contiguous() for name, part in zip(self.names, parts)}
+from colozoo.converters.source import Source
+from colozoo.core.dtypes import SAFETENSORS
+from colozoo.core.errors import CheckpointError
 
 
 def index_files(index_path: Path) -> list[str]:
@@ -101,9 +69,6 @@ class StateDictReader(TensorReader):
         return t if index is None else t[index]
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class SafetensorsReader(TensorReader):
@@ -149,7 +114,7 @@ class SafetensorsReader(TensorReader):
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def dtype(self, name):
-        return _SAFETENSORS_DTYPES[self._handle(name).get_slice(name).get_dtype()]
+        return SAFETENSORS[self._handle(name).get_slice(name).get_dtype()]
 
     def read(self, name, index=None):
         handle = self._handle(name)

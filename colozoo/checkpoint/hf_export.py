@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from colozoo.checkpoint_format import ModelLayout, atomic_directory
+from colozoo.checkpoint.format import ModelLayout, atomic_directory
 from colozoo.converters import family_module
-from colozoo.converters.sources import CheckpointError
-from colozoo.safetensors_io import SafetensorsWriter
+from colozoo.core.errors import CheckpointError
+from colozoo.checkpoint.safetensors_io import SafetensorsWriter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 

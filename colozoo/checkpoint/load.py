@@ -2,31 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 
 import torch
 
 from colozoo.layers.shard import load_shard, local_shape, materialize, spec_of
-from colozoo.parallel import coords_of
+from colozoo.core.mesh import coords_of
 
-from .sources import CheckpointError, GlobalTensor, TensorReader
+from colozoo.converters import family_module, hf_tensor_names
+from colozoo.core.errors import CheckpointError
 
-FAMILY_CONVERTERS = {"gpt2": "gpt2", "opt": "opt", "bert": "bert", "vit": "vit", "llama": "llama",
-                     "mistral": "llama", "mixtral": "mixtral",
-                     "qwen2_moe": "qwen2_moe"}
-
-
-def family_module(family: str):
-    try:
-        return importlib.import_module(f"colozoo.converters.{FAMILY_CONVERTERS[family]}")
-    except KeyError:
-        raise CheckpointError(f"no converter for model family {family!r}; known: {sorted(FAMILY_CONVERTERS)}") from None
-
-
-def hf_tensor_names(sources) -> set[str]:
-    return {name for source in sources.values() for name in source.names}
-
+from .sources import GlobalTensor, TensorReader
 
 def _resolve_prefix(reader: TensorReader, sources, prefix: str, aliases=()):
     """Checkpoints of a base model (e.g. GPT2Model) lack the task-model prefix; adapt the names. `aliases`:

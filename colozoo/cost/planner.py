@@ -4,11 +4,11 @@
     print(result.table()); result.best.degrees()
     colozoo plan opt-30b --gpus 8 --gpu-memory 80GB --hardware H100-80GB
 
-For every tensor/context parallel degree the profiler traces one micro-batch once (colozoo.profiler);
+For every tensor/context parallel degree the profiler traces one micro-batch once (colozoo.cost.profiler);
 everything else is arithmetic on that trace: pipeline depth and schedule, data parallel and ZeRO/FSDP level,
 micro-batch size and count, how many layers of each stage recompute (the fewest that fit, found per layout,
 so checkpointing is decided with the layout rather than after it), and CPU offload when nothing else fits
-(colozoo.offload). Step time = pipelined compute at a realistic fraction of peak + tensor/context/pipeline
+(colozoo.runtime.offload). Step time = pipelined compute at a realistic fraction of peak + tensor/context/pipeline
 collectives that sit on the critical path + the data-parallel traffic and offload transfers compute cannot
 hide. Plans are ranked by step time among those under the memory limit.
 """
@@ -18,10 +18,10 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 
-from colozoo.hardware import Hardware, HardwareError, get_hardware
-from colozoo.offload import MemoryNeed, decide_offload
-from colozoo.parallel import ParallelConfig
-from colozoo.profiler import OPTIMIZER_BYTES, Setup, assemble, default_seq_len, get_config, human, trace_model
+from colozoo.cost.hardware import Hardware, HardwareError, get_hardware
+from colozoo.cost.offload import MemoryNeed, decide_offload
+from colozoo.core.mesh import ParallelConfig
+from colozoo.cost.profiler import OPTIMIZER_BYTES, Setup, assemble, default_seq_len, get_config, human, trace_model
 
 BUS_FACTOR = {  # bytes each rank puts on the wire per payload byte, ring algorithms
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -371,8 +371,8 @@ def _why(report, pc, setup, breakdown, step, hw, decision, max_layers) -> list[s
 def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, **kwargs) -> dict:
     """The best plan's degrees for `world_size` GPUs (for from_pretrained(..., plan="auto")).
 
-    GPU memory defaults to this machine's device. The search keeps to what colozoo.training.apply_plan runs:
-    DDP or FSDP (ZeRO 0 or 3; ZeRO-1 and 2 are not in colozoo.training); keyword arguments go to plan().
+    GPU memory defaults to this machine's device. The search keeps to what colozoo.runtime.training.apply_plan runs:
+    DDP or FSDP (ZeRO 0 or 3; ZeRO-1 and 2 are not in colozoo.runtime.training); keyword arguments go to plan().
     Inside a torch.distributed job rank 0 plans in a fresh process (the profiler builds fake process groups
     of its own) and broadcasts the result.
     """
@@ -409,8 +409,8 @@ def _best_degrees(name, world_size, gpu_memory, hardware, gpus_per_node, kwargs)
 
 
 def add_parser(subparsers):
-    from colozoo.hardware import PRESETS
-    from colozoo.profiler import DTYPES, OPTIMIZER_BYTES
+    from colozoo.cost.hardware import PRESETS
+    from colozoo.cost.profiler import DTYPES, OPTIMIZER_BYTES
 
     p = subparsers.add_parser(
         "plan", help="choose tp/pp/dp/cp/ep, micro-batching, checkpointing, ZeRO and offload for a cluster",

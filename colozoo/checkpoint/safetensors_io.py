@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 
-from colozoo.converters.sources import CheckpointError, TensorReader, index_files
+from colozoo.checkpoint.sources import TensorReader, index_files
+from colozoo.core.dtypes import SAFETENSORS as DTYPES, SAFETENSORS_CODES as DTYPE_CODES
+from colozoo.core.errors import CheckpointError
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
-DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 BLOCK_BYTES = 16 << 20  # a strided slice is read in blocks of whole rows of about this size
 MAX_HEADER = 100 << 20
 

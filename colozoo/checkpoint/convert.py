@@ -22,14 +22,17 @@ from torch.distributed.tensor import DTensor
 import transformers
 from tqdm import tqdm
 
-from colozoo.checkpoint_format import (INDEX_NAME, ColozooCheckpoint, ModelLayout, atomic_directory, check_destination,
-                                       check_mesh, dtype_name, file_name, is_colozoo_checkpoint, make_index,
-                                       parse_dtype, plan_mesh, publish, rank_pieces, tensor_entry, write_index)
-from colozoo.converters import GlobalTensor, StateDictReader, family_module
-from colozoo.converters.load import _resolve_prefix, check_unexpected
-from colozoo.converters.sources import CheckpointError, index_files
-from colozoo.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
-from colozoo.safetensors_io import PlainSafetensorsReader, SafetensorsWriter
+from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, ModelLayout, atomic_directory, check_destination,
+                                       check_mesh, file_name, is_colozoo_checkpoint, make_index, plan_mesh, publish,
+                                       rank_pieces, tensor_entry, write_index)
+from colozoo.core.dtypes import dtype_name, parse_dtype
+from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+from colozoo.converters import family_module
+from colozoo.checkpoint.load import _resolve_prefix, check_unexpected
+from colozoo.checkpoint.sources import index_files
+from colozoo.core.errors import CheckpointError
+from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+from colozoo.checkpoint.safetensors_io import PlainSafetensorsReader, SafetensorsWriter
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")

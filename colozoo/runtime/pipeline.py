@@ -22,7 +22,10 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
 
-from colozoo.modeling import ModelOutput
+from colozoo.models.base import ModelOutput
+from colozoo.runtime.context_parallel import shard_batch
+from colozoo.runtime.errors import PipelineError
+from colozoo.runtime.options import SCHEDULES as SCHEDULE_NAMES
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -30,11 +33,19 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,  # ZB1P: input and weight gradients split to fill the bubble
 }
+assert tuple(SCHEDULES) == SCHEDULE_NAMES
 MULTI_STAGE = {"interleaved_1f1b", "zero_bubble"}
 
 
-class PipelineError(ValueError):
-    pass
+class StepScales:
+    """Per-step values a training step hands every stage's forward (an argument, never module state). A plain
+    class, not a dataclass: DDP and FSDP copy dataclass arguments, and `router_losses` is written to."""
+
+    def __init__(self, loss_scale: float = 1.0, router_loss_scale: float | None = None, grad_scale: float = 1.0):
+        self.loss_scale = loss_scale                # turns a micro-batch mean into its share of the global mean
+        self.router_loss_scale = router_loss_scale  # MoE: the weight of a micro-batch's router losses
+        self.grad_scale = grad_scale                # fp16 loss scaling multiplies the loss the backward starts from
+        self.router_losses: list[torch.Tensor] = []  # out: their detached values, for the reported loss
 
 
 def layer_runs(layer_ids: list[int]) -> list[list[int]]:
@@ -52,7 +63,8 @@ class StageModule(nn.Module):
     """One (virtual) stage: forward(first stage: input_ids | later: hidden, **batch) -> hidden, or on the last
     stage the loss scaled for the global batch (training) / the ModelOutput's fields with `eval_outputs=True`."""
 
-    def __init__(self, model, index: int, num_stages: int, layer_ids: list[int]):
+    def __init__(self, model, index: int, num_stages: int, layer_ids: list[int], *, autocast_dtype=None,
+                 activation_dtype=None, data_group=None):
         super().__init__()
         self._model = [model]  # not a child: each stage owns only its part of the model's parameters
         self.index, self.num_stages = index, num_stages
@@ -60,32 +72,29 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
         if self.is_first or self.is_last:  # pp > 1 puts them on different ranks; pp == 1 has one stage
             self.edges = nn.ModuleDict({name: m for name, m in model.named_children() if name != "layers"})
-        self.loss_scale = 1.0  # set per step: turns a micro-batch mean into its share of the global mean
-        self.router_loss_scale = None  # set per step (MoE): the weight of a micro-batch's router losses
-        self.router_losses: list[torch.Tensor] = []  # their detached values, for the reported loss
-        self.grad_scale = 1.0  # set per step: fp16 loss scaling multiplies the whole loss the backward starts from
-        self.autocast_dtype = None    # mixed precision by autocast (without FSDP's policy)
-        self.activation_dtype = None  # dtype of the hidden states sent between stages (None: the parameters')
+        self.autocast_dtype = autocast_dtype      # mixed precision by autocast (without FSDP's policy)
+        self.activation_dtype = activation_dtype  # dtype of the hidden states sent between stages (None: the parameters')
+        self.data_group = data_group              # where batch statistics (MoE router losses) are summed
 
     @property
     def model(self):
         return self._model[0]
 
     def forward(self, x, router_stats=None, *, token_ids, labels=None, attention_mask=None,
-                eval_outputs: bool = False, return_logits: bool = False, **inputs):
+                eval_outputs: bool = False, return_logits: bool = False, step: StepScales | None = None, **inputs):
         """x: the input_ids on the first stage, else the previous stage's hidden states; token_ids: the input_ids
         (every stage rebuilds the batch context from them and the other model `inputs`, e.g. position_ids).
         With MoE router losses, earlier stages' `router_stats` come along with the hidden states and this stage
-        hands on the sum with its own layers' (the last stage's losses need every layer's)."""
+        hands on the sum with its own layers' (the last stage's losses need every layer's). `step`: the training
+        step's scales (a forward without labels needs none)."""
         model = self.model
         with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             ctx = model.batch_context(token_ids, attention_mask, **inputs)
+            ctx.data_group = self.data_group
             if router_stats is not None:
                 ctx.router_stats_in = router_stats
             if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
-                from colozoo.layers.context_parallel import shard_batch
-
-                ctx = shard_batch(model, ctx)
+                ctx = shard_batch(model, ctx, model.run.cp_mode)
                 x = ctx.cp.shard(x) if self.is_first else x
             hidden = model.embed(x, ctx) if self.is_first else x
             for layer in self.layers.values():
@@ -98,13 +107,14 @@ class StageModule(nn.Module):
             out = model.head(hidden, ctx, labels=labels, return_logits=eval_outputs and return_logits)
         if eval_outputs:  # a plain tuple: DDP/FSDP wrappers look for tensors in what a stage returns
             return tuple(getattr(out, f.name) for f in fields(out))
-        loss = out.loss.float() * model.loss_token_count(labels) * self.loss_scale
-        if out.router_loss is not None and self.router_loss_scale is not None:
+        step = step or StepScales()
+        loss = out.loss.float() * model.loss_token_count(labels) * step.loss_scale
+        if out.router_loss is not None and step.router_loss_scale is not None:
             # router losses are statistics of the whole micro-batch (over every data rank), not token means
             router = out.router_loss.float()
-            loss = loss + router * (self.router_loss_scale - model.loss_token_count(labels) * self.loss_scale)
-            self.router_losses.append(router.detach())
-        return loss * self.grad_scale if self.grad_scale != 1.0 else loss
+            loss = loss + router * (step.router_loss_scale - model.loss_token_count(labels) * step.loss_scale)
+            step.router_losses.append(router.detach())
+        return loss * step.grad_scale if step.grad_scale != 1.0 else loss
 
 
 def carries_router_stats(model, output_router_logits: bool | None = None) -> bool:
@@ -117,7 +127,8 @@ def carries_router_stats(model, output_router_logits: bool | None = None) -> boo
     return bool(output_router_logits)
 
 
-def build_stage_modules(model) -> list[StageModule]:
+def build_stage_modules(model, **options) -> list[StageModule]:
+    """This rank's (virtual) stages of `model`; `options` go to every StageModule."""
     pp = model.pc.config.pp
     runs = layer_runs(model.layer_ids)
     every_rank = [runs]
@@ -127,26 +138,22 @@ def build_stage_modules(model) -> list[StageModule]:
     counts = [len(r) for r in every_rank]
     if len(set(counts)) != 1:
         raise PipelineError(f"every pp rank needs the same number of virtual stages (contiguous layer runs); "
-                            f"got {counts} (build layer_ids with colozoo.partition.rank_layers)")
+                            f"got {counts} (build layer_ids with colozoo.core.partition.rank_layers)")
     in_stage_order = [i for k in range(counts[0]) for rank_runs in every_rank for i in rank_runs[k]]
     if in_stage_order != list(range(model.num_layers(model.config))):
         raise PipelineError(f"layers per pp rank {every_rank} are not in stage order: virtual stage k of rank r "
-                            f"must follow stage k of rank r-1 (build layer_ids with colozoo.partition.rank_layers)")
+                            f"must follow stage k of rank r-1 (build layer_ids with colozoo.core.partition.rank_layers)")
     if model._parameters:
         raise PipelineError(f"{type(model).__name__} holds parameters directly ({list(model._parameters)}); "
                             f"stages only place whole child modules")
     num_stages = pp * len(runs)
     rank = model.pc.rank("pp")
-    return [StageModule(model, rank + k * pp, num_stages, run) for k, run in enumerate(runs)]
+    return [StageModule(model, rank + k * pp, num_stages, layers, **options) for k, layers in enumerate(runs)]
 
 
 def stages_of(model) -> list[nn.Module]:
-    """The (possibly FSDP/DDP-wrapped) stage modules of a model, built on first use."""
-    stages = getattr(model, "pipeline_stages", None)
-    if stages is None:
-        stages = build_stage_modules(model)
-        model.pipeline_stages = stages
-    return stages
+    """The (possibly FSDP/DDP-wrapped) stage modules of a model's run, built on first use."""
+    return model.run.stages
 
 
 def unwrap(stage: nn.Module) -> StageModule:
@@ -178,7 +185,7 @@ def schedule_name(name: str) -> str:
 
 
 def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=None, num_microbatches: int = 1,
-                 schedule: str = "1f1b", loss_scale: float = 1.0, **inputs) -> torch.Tensor | None:
+                 schedule: str = "1f1b", step: StepScales | None = None, **inputs) -> torch.Tensor | None:
     """One forward+backward of the whole batch through the pipeline; returns the sum of the scaled micro-batch
     losses on the ranks that hold the last stage, None elsewhere. Gradients accumulate on the local shards.
     `inputs`: further model inputs (e.g. token_type_ids); tensors are split into micro-batches by rows."""
@@ -190,12 +197,11 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
     if schedule != "gpipe" and num_microbatches < model.pc.config.pp:
         raise PipelineError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline ranks "
                             f"({model.pc.config.pp}), got {num_microbatches}; raise num_microbatches or use 'gpipe'")
-    for stage in stages:
-        unwrap(stage).loss_scale = loss_scale
     runner = _runner(model, stages, schedule, num_microbatches, input_ids)
     losses: list[torch.Tensor] = []
     args = (input_ids,) if unwrap(stages[0]).is_first else ()
-    runner.step(*args, target=labels, losses=losses, return_outputs=False,
+    # `step` is no tensor: torch's micro-batch split hands the same object to every micro-batch
+    runner.step(*args, target=labels, losses=losses, return_outputs=False, step=step or StepScales(),
                 **_batch_kwargs(input_ids, labels, attention_mask, dict(position_ids=position_ids, **inputs)))
     holds_last = any(unwrap(s).is_last for s in stages)
     return torch.stack([l.detach() for l in losses]).sum() if holds_last else None
@@ -207,7 +213,7 @@ def _runner(model, stages, schedule, num_microbatches, input_ids):
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
     carry = carries_router_stats(model)
     key = (schedule, num_microbatches, tuple(input_ids.shape), input_ids.dtype, dtype, carry)
-    cache = unwrap(stages[0]).__dict__.setdefault("_runners", {})  # new stages (parallelize) start afresh
+    cache = model.run.runners
     if key in cache:
         return cache[key]
     device = input_ids.device

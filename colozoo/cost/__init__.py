@@ -1,0 +1,1 @@
+"""Cost: the symbolic profiler (trace -> cost model -> report), hardware presets and the planner."""

@@ -1,0 +1,51 @@
+"""Gradient clipping by the true global norm: every element of the full model's gradient counted once."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from colozoo.layers.shard import local_part
+from colozoo.runtime.errors import TrainingError
+
+
+@torch.no_grad()
+def global_grad_norm(model, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the full model's gradient: every element counted once, whatever holds it (tp/ep shards,
+    FSDP dp shards, pipeline stages; tp-replicated, dp-replicated and tied-copy gradients only once)."""
+    setup = model.run.setup
+    if setup is None:
+        raise TrainingError("clipping needs the gradients of a training step (forward_backward) first")
+    pc = model.pc
+    if norm_type not in (2.0, math.inf):
+        raise TrainingError(f"norm_type must be 2 or inf, got {norm_type!r}")
+    tied = setup.tied
+    acc = torch.zeros((), dtype=torch.float32, device=pc.device)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if tied is not None and name == tied[0] and not model.is_first:
+            continue  # the last stage's copy of the tied embedding
+        dims = {split.mesh_dim for split in setup.specs[name]}
+        if "tp" not in dims and pc.rank("tp") != 0:
+            continue
+        replicated_over = "edp" if name in setup.experts else "dp_cp"
+        if not setup.sharded and pc.rank(replicated_over) != 0:
+            continue
+        g = local_part(p.grad).float()
+        acc = torch.maximum(acc, g.abs().max()) if norm_type == math.inf else acc + g.pow(2).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+    return acc if norm_type == math.inf else acc.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale all local gradients so the global norm is at most max_norm (torch's rule); returns the norm before."""
+    total = global_grad_norm(model, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            local_part(p.grad).mul_(coef)
+    return total

@@ -1,0 +1,10 @@
+"""Every list of allowed run options, defined once: the training runtime checks against these, the planner
+searches only these, the CLI offers these."""
+from __future__ import annotations
+
+DATA_PARALLEL = ("fsdp", "ddp")
+MIXED_PRECISION = ("bf16", "fp16")                     # None: the parameters' dtype
+CHECKPOINTING = ("none", "selective", "full")          # activation checkpointing of each layer
+OFFLOAD = ("none", "optimizer", "params")              # see colozoo.runtime.offload
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+BALANCE = ("params", "flops", "layers")                # how pipeline stages split the layers

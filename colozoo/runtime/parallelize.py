@@ -1,0 +1,168 @@
+"""parallelize(): a model's pipeline stages wrapped for data parallelism (FSDP2 or DDP over dp*cp), mixed
+precision, activation checkpointing and offload, recorded in its Run as a TrainingSetup."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from colozoo.layers.shard import spec_of
+from colozoo.layers.vocab import VocabParallelLMHead
+from colozoo.runtime.checkpointing import apply_activation_checkpointing
+from colozoo.runtime.errors import TrainingError
+from colozoo.runtime.offload import fsdp2_offload_policy
+from colozoo.runtime.options import CHECKPOINTING, DATA_PARALLEL, MIXED_PRECISION, OFFLOAD
+from colozoo.runtime.pipeline import build_stage_modules
+
+COMPUTE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainingSetup:
+    """What parallelize() decided, read by the training step, clipping and the optimizer."""
+    data_parallel: str | None = None     # "fsdp" | "ddp", None with one data rank
+    sharded: bool = False                # FSDP2 shards parameters over dp*cp
+    mixed_precision: str | None = None
+    offload: str = "none"
+    tied: tuple | None = None            # (name, group) of an embedding tied across the first and last stage
+    specs: dict = field(default_factory=dict)     # parameter name -> shard spec (FSDP replaces the Parameters)
+    experts: set = field(default_factory=set)     # names of the parameters split over ep
+
+
+def tied_embedding(model):
+    """(name, process group) of an embedding tied to an LM head on another pipeline stage, or None.
+    Collective: every rank creates the first+last stage groups (one per dp/cp/tp coordinate)."""
+    pc = model.pc
+    if pc.config.pp == 1 or not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    name = getattr(model, "tied_embedding", None)
+    if name is None and not any(getattr(m, "tied", False) for m in model.modules() if isinstance(m, VocabParallelLMHead)):
+        return None  # no LM head shares the embedding (an encoder, a classifier), whatever the config says
+    if name is None:
+        raise TrainingError(f"{type(model).__name__} ties its LM head to the input embedding but does not declare "
+                            f"`tied_embedding` (the parameter the first and last pipeline stages share)")
+    mine = pc.stage_ends_group()
+    if (model.is_first or model.is_last) and name not in dict(model.named_parameters()):
+        raise TrainingError(f"{type(model).__name__} on pipeline stage {pc.rank('pp')} lacks the tied parameter "
+                            f"{name!r}: the last stage must hold its own copy of the tied embedding")
+    return name, mine
+
+
+def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None = None,
+                activation_checkpointing: str | None = None, reshard_after_forward: bool = True,
+                offload: str | None = None, checkpoint_layers: int | None = None):
+    """Build the pipeline stages of `model` and wrap them for data parallelism over the dp mesh dimension; returns
+    the model's Run, which holds them. Collective over the whole job. Call once, before building the optimizer
+    (FSDP replaces the parameters). `offload="optimizer"` keeps
+    the fp32 master weights and AdamW states in CPU memory (build_optimizer then returns an OffloadedAdamW);
+    `offload="params"` also keeps the sharded parameters and gradients there (FSDP2's CPUOffloadPolicy).
+    `checkpoint_layers` with activation_checkpointing="full" recomputes only the first that many layers of
+    each stage."""
+    run = model.run
+    if run is None:
+        raise TrainingError(f"{type(model).__name__} has no Run: build it with colozoo.build_model or "
+                            f"colozoo.from_pretrained")
+    if run.setup is not None:
+        raise TrainingError("parallelize() was already called on this model")
+    if data_parallel not in DATA_PARALLEL:
+        raise TrainingError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if mixed_precision not in (None, *MIXED_PRECISION):
+        raise TrainingError(f"mixed_precision must be one of {[None, *MIXED_PRECISION]}, got {mixed_precision!r}")
+    activation_checkpointing = None if activation_checkpointing == "none" else activation_checkpointing
+    if activation_checkpointing not in (None, *CHECKPOINTING):
+        raise TrainingError(f"activation_checkpointing must be one of {[None, *CHECKPOINTING]}, got "
+                            f"{activation_checkpointing!r}")
+    offload = offload or "none"
+    if offload not in OFFLOAD:
+        raise TrainingError(f"offload must be one of {OFFLOAD}, got {offload!r}")
+    pc = model.pc
+    if offload == "params" and (data_parallel != "fsdp" or pc.size("dp_cp") == 1):
+        raise TrainingError(f"offload='params' needs FSDP2 (data_parallel='fsdp' over dp*cp > 1 ranks; here "
+                            f"data_parallel={data_parallel!r}, dp*cp={pc.size('dp_cp')}): its CPUOffloadPolicy "
+                            f"is what moves parameters to CPU memory; use offload='optimizer' instead")
+    experts = _expert_parameters(model)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model, activation_checkpointing, checkpoint_layers)
+    elif checkpoint_layers is not None:
+        raise TrainingError("checkpoint_layers needs activation_checkpointing='full'")
+    tied = tied_embedding(model)
+    if tied is not None and (model.is_first or model.is_last):
+        with torch.no_grad():  # the first stage's copy wins, whatever the last stage was initialised with
+            src = dist.get_global_rank(pc.group("pp"), 0)
+            dist.broadcast(dict(model.named_parameters())[tied[0]], src=src, group=tied[1])
+    specs = {name: spec_of(p) for name, p in model.named_parameters()}
+    compute_dtype = COMPUTE_DTYPES[mixed_precision]
+    replicas = pc.size("dp_cp")
+    sharded = replicas > 1 and data_parallel == "fsdp"
+    # router losses are statistics of the global batch, not of each rank's rows: summed over dp*cp
+    stages = build_stage_modules(model, activation_dtype=compute_dtype, data_group=pc.group("dp_cp"),
+                                 autocast_dtype=None if sharded else compute_dtype)
+    wrapped = []
+    for stage in stages:
+        if sharded:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                      offload_policy=fsdp2_offload_policy(offload))
+            mesh = pc.mesh["dp_cp"]
+            expert_mesh = DeviceMesh.from_group(pc.group("edp"), pc.device.type) if experts else None
+            for layer in stage.layers.values():
+                for module in _expert_modules(layer, experts):  # nested first: the layer's FSDP leaves them out
+                    fully_shard(module, mesh=expert_mesh, **kw)
+                    module.set_gradient_divide_factor(replicas)  # the divisor of every other gradient
+                    if pc.size("edp") > 1:  # gloo lacks PREMUL_SUM; on one rank torch would divide twice
+                        module.set_force_sum_reduction_for_comms(True)
+                fully_shard(layer, mesh=mesh, **kw)
+            fully_shard(stage, mesh=mesh, **kw)
+        elif replicas > 1:
+            DDP = torch.nn.parallel.DistributedDataParallel  # experts are reduced over edp by hand
+            DDP._set_params_and_buffers_to_ignore_for_model(
+                stage, [n for n, p in stage.named_parameters() if id(p) in experts])
+            stage = DDP(stage, process_group=pc.group("dp_cp"), broadcast_buffers=False)
+        wrapped.append(stage)
+    for name, p in model.named_parameters():  # FSDP replaces the Parameter objects that carried the specs
+        if specs[name]:
+            p.shard_spec = specs[name]
+    run.set_stages(wrapped)
+    run.setup = TrainingSetup(data_parallel=data_parallel if replicas > 1 else None, sharded=sharded,
+                              mixed_precision=mixed_precision, tied=tied, specs=specs, offload=offload,
+                              experts={n for n, p in model.named_parameters() if id(p) in experts})
+    return run
+
+
+def _expert_parameters(model) -> set[int]:
+    """ids of the parameters split over ep (each rank holds other experts), when ep > 1."""
+    if model.pc.size("ep") == 1:
+        return set()
+    return {id(p) for p in model.parameters() if any(s.mesh_dim == "ep" for s in spec_of(p))}
+
+
+def _expert_modules(layer, experts: set[int]) -> list[torch.nn.Module]:
+    """The modules of a layer that directly own expert parameters (FSDP shards them over the edp group)."""
+    found = []
+    for name, module in layer.named_modules():
+        own = list(module.parameters(recurse=False))
+        mine = [id(p) in experts for p in own]
+        if any(mine):
+            if not all(mine):
+                raise TrainingError(f"{type(module).__name__} ({name}) holds expert and non-expert parameters; "
+                                    f"FSDP reduces them over different groups, so they need separate modules")
+            found.append(module)
+    return found
+
+
+def training_setup(model) -> TrainingSetup:
+    """The model's TrainingSetup. Without parallelize() a model with one data rank is set up with the defaults
+    (nothing is wrapped, no parameter is replaced); with more, the user's optimizer would hold parameters FSDP
+    or DDP is about to replace, so that is refused."""
+    run = model.run
+    if run.setup is None:
+        if model.pc.size("dp_cp") > 1:
+            raise TrainingError(f"call colozoo.runtime.training.parallelize(model) before training on dp*cp = "
+                                f"{model.pc.size('dp_cp')} ranks, and build the optimizer after it: data parallelism "
+                                f"replaces the parameters an optimizer built before would hold")
+        parallelize(model)
+    return run.setup

@@ -1,0 +1,165 @@
+"""The training step: forward and backward of the global batch over the whole mesh.
+
+Every rank is given the same global batch; dp rank d trains on its 1/dp slice of the rows, and its cp ranks
+on their zigzag shares of those rows' sequence. Each micro-batch loss is weighted by its share of the global
+batch's loss tokens, so the gradients and the returned loss are those of the mean loss over the whole global
+batch, on every rank. See colozoo.runtime.training for how gradients are reduced.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from colozoo.layers.shard import local_part
+from colozoo.runtime.errors import TrainingError
+from colozoo.runtime.parallelize import training_setup
+from colozoo.runtime.pipeline import StepScales, run_schedule
+
+
+def forward_backward(model, input_ids, labels, attention_mask=None, num_microbatches: int = 1,
+                     schedule: str = "1f1b", position_ids=None, grad_scale: float = 1.0, **inputs) -> torch.Tensor:
+    """Forward and backward of the global batch over the whole mesh. Gradients accumulate on the local shards
+    (tied embedding copies summed between their stages); returns the global mean loss on every rank.
+    `grad_scale`: the backward runs on the loss times this (fp16 loss scaling, see colozoo.runtime.amp), so gradients,
+    router losses' included, come out scaled by it; the returned loss is not.
+    `inputs`: further model inputs (e.g. BERT's token_type_ids); tensors, like input_ids, hold one row per
+    sample and are split over dp ranks and micro-batches."""
+    setup = training_setup(model)
+    pc = model.pc
+    dp, m = pc.size("dp"), num_microbatches
+    if not isinstance(m, int) or m < 1:
+        raise TrainingError(f"num_microbatches must be a positive integer, got {m!r}")
+    batch = input_ids.shape[0]
+    if batch % (dp * m):
+        raise TrainingError(f"global batch size {batch} is not divisible by dp * num_microbatches = {dp} * {m}; "
+                            f"every data-parallel rank needs {m} equal micro-batches")
+    cp = pc.size("cp")
+    if cp > 1 and input_ids.shape[1] % (2 * cp):
+        raise TrainingError(f"sequence length {input_ids.shape[1]} is not divisible by 2 * cp = {2 * cp}: context "
+                            f"parallelism gives every cp rank two equal chunks of the sequence")
+    if labels is None or labels.shape[:1] != input_ids.shape[:1]:
+        raise TrainingError(f"labels must have the batch size of the inputs ({batch}), got "
+                            f"{None if labels is None else tuple(labels.shape)}")
+    total_tokens = int(model.loss_token_count(labels))
+    # each micro-batch mean is weighted by its tokens / global tokens; * dp*cp undoes FSDP/DDP's dp*cp average
+    replicas = pc.size("dp_cp")
+    loss_scale = replicas / max(total_tokens, 1)
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.shape[:1] != input_ids.shape[:1]:
+            raise TrainingError(f"{name} must have the batch size of the inputs ({batch}), got {tuple(t.shape)}")
+    rows = slice(pc.rank("dp") * batch // dp, (pc.rank("dp") + 1) * batch // dp)
+    local = [t[rows] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
+    inputs = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if v is not None}
+
+    tied_grad = _stash_tied_grad(model, setup)
+    expert_grads = _stash_expert_grads(model, setup)
+    step = StepScales(loss_scale=loss_scale, router_loss_scale=replicas / m, grad_scale=grad_scale)
+    if pc.config.pp > 1:
+        local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
+                                 num_microbatches=m, schedule=schedule, step=step, **inputs)
+    else:
+        local_sum = _single_stage(model, *local, m, step, inputs)
+    _sum_tied_grad(model, setup, tied_grad)
+    _reduce_expert_grads(model, setup, expert_grads)
+    if local_sum is not None and grad_scale != 1.0:
+        local_sum = local_sum / grad_scale  # exact for a power-of-two scale
+    model.run.last_step = step
+    return _global_loss(model, local_sum, step)
+
+
+def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, step, inputs):
+    stage, = model.run.stages
+    batch = dict(labels=labels, attention_mask=attention_mask, position_ids=position_ids, **inputs)
+    batch = {k: v for k, v in batch.items() if v is not None}
+    chunks = {k: v.tensor_split(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in batch.items()}
+    total = torch.zeros((), device=input_ids.device)
+    for i, ids in enumerate(input_ids.tensor_split(m)):
+        with _gradient_sync(stage, last=i == m - 1):
+            loss = stage(ids, token_ids=ids, step=step, **{k: v[i] for k, v in chunks.items()})
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _gradient_sync(stage, last: bool):
+    """Reduce gradients over dp only after the last micro-batch."""
+    if isinstance(stage, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if last else stage.no_sync()
+    if hasattr(stage, "set_requires_gradient_sync"):  # an FSDP2 module
+        stage.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def _tied_param(model, setup):
+    tied = setup.tied
+    if tied is None or not (model.is_first or model.is_last):
+        return None
+    return dict(model.named_parameters())[tied[0]]
+
+
+def _stash_tied_grad(model, setup):
+    """Keep the gradient accumulated before this step aside, so only this step's part is summed across stages."""
+    p = _tied_param(model, setup)
+    if p is None or p.grad is None:
+        return None
+    previous, p.grad = p.grad, None
+    return previous
+
+
+def _sum_tied_grad(model, setup, previous):
+    p = _tied_param(model, setup)
+    if p is None:
+        return
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    dist.all_reduce(local_part(p.grad), group=setup.tied[1])
+    if previous is not None:
+        p.grad += previous
+
+
+def _stash_expert_grads(model, setup) -> dict | None:
+    """Under DDP the experts are reduced by hand: keep gradients of earlier steps aside, as for the tied copy."""
+    if setup.sharded or not setup.experts or setup.data_parallel is None:
+        return None
+    stash = {}
+    for name, p in model.named_parameters():
+        if name in setup.experts:
+            stash[name], p.grad = p.grad, None
+    return stash
+
+
+def _reduce_expert_grads(model, setup, stash):
+    """Sum this step's expert gradients over the ranks holding the same experts, divided like the others."""
+    if stash is None:
+        return
+    pc = model.pc
+    for name, p in model.named_parameters():
+        if name not in stash:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=pc.group("edp"))
+        p.grad /= pc.size("dp_cp")
+        if stash[name] is not None:
+            p.grad += stash[name]
+
+
+def _global_loss(model, local_sum, step: StepScales) -> torch.Tensor:
+    """Sum of the weighted micro-batch losses over dp (undoing the * dp*cp; cp ranks hold the same value), plus
+    the router losses (the same on every data rank) once, then sent from the last stage to all."""
+    pc = model.pc
+    if local_sum is None:
+        local_sum = torch.zeros((), device=pc.device)
+    replicas = pc.size("dp_cp")
+    router = step.router_losses
+    router_sum = torch.stack(router).sum() if router else torch.zeros((), device=pc.device)
+    router_scale = step.router_loss_scale
+    loss = (local_sum.float() - router_sum * router_scale) / replicas
+    if pc.size("dp") > 1:
+        dist.all_reduce(loss, group=pc.group("dp"))
+    loss = loss + router_sum * router_scale / replicas
+    if pc.config.pp > 1:
+        dist.broadcast(loss, src=dist.get_global_rank(pc.group("pp"), pc.config.pp - 1), group=pc.group("pp"))
+    return loss

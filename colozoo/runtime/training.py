@@ -1,0 +1,83 @@
+"""The distributed training step over every mesh: data parallel wrapping (FSDP2 or DDP) composed with tensor
+and pipeline parallelism, one forward/backward API, gradient clipping by the true global norm, AdamW over
+local shards, mixed precision and per-layer activation checkpointing.
+
+    parallelize(model, data_parallel="fsdp", mixed_precision="bf16", activation_checkpointing="selective")
+    optimizer = build_optimizer(model, lr=3e-4)     # after parallelize: FSDP replaces the parameters
+    loss = model.forward_backward(input_ids, labels, num_microbatches=8, schedule="1f1b")
+    clip_grad_norm_(model, 1.0); optimizer.step(); optimizer.zero_grad()
+
+Every rank is given the same global batch; dp rank d trains on its 1/dp slice of the rows, and its cp ranks
+on their zigzag shares of those rows' sequence. Each micro-batch loss is weighted by its share of the global
+batch's loss tokens, so the gradients and the returned loss are those of the mean loss over the whole global
+batch, on every rank.
+
+Gradient reduction. cp ranks hold partial gradients of the same samples, so parameters are reduced over the
+dp*cp ranks (FSDP2 shards them there, or DDP replicates them there) and the loss carries a factor dp*cp that
+the reduction's average divides out. With ep > 1 the experts (parameters split over "ep") are instead
+reduced over the ranks holding the same experts (the "edp" group) with the same divisor dp*cp: each expert
+owner already summed its ep group's tokens. MoE router losses are statistics of each micro-batch over every
+data rank (the model sums its router statistics over dp*cp); each micro-batch's counts 1/num_microbatches,
+so with one micro-batch the step is that of the whole batch's router loss.
+"""
+from __future__ import annotations
+
+import torch
+
+from colozoo.runtime.checkpointing import apply_activation_checkpointing
+from colozoo.runtime.clipping import clip_grad_norm_, global_grad_norm
+from colozoo.runtime.errors import PipelineError, TrainingError
+from colozoo.runtime.offload import OffloadedAdamW
+from colozoo.runtime.options import OFFLOAD
+from colozoo.runtime.parallelize import parallelize, training_setup
+from colozoo.runtime.step import forward_backward
+
+
+def apply_plan(model, plan=None, mixed_precision: str | None = None) -> dict:
+    """Apply the rest of a planner's plan to a model built on its mesh (from_pretrained(plan="auto") sets
+    only the degrees and leaves the plan on `model.run.plan`): data parallelism (FSDP2 for ZeRO >= 1, DDP for 0),
+    activation checkpointing and CPU offload. Returns forward_backward's keyword arguments (micro-batch count
+    and schedule) for a global batch of dp * micro_batch_size * num_microbatches sequences:
+
+        model = colozoo.from_pretrained("opt-1.3b", plan="auto")
+        step = apply_plan(model); optimizer = build_optimizer(model)
+        loss = model.forward_backward(ids, labels, **step)
+    """
+    plan = model.run.plan if plan is None else plan
+    if plan is None:
+        raise TrainingError("apply_plan needs a plan: none given and model.run.plan is unset "
+                            "(from_pretrained(..., plan='auto') sets it)")
+    plan = plan.degrees() if hasattr(plan, "degrees") else dict(plan)
+    pc = model.pc
+    mesh = {k: pc.size(k) for k in ("tp", "pp", "dp", "cp", "ep")}
+    wrong = {k: (plan[k], mesh[k]) for k in mesh if k in plan and plan[k] != mesh[k]}
+    if wrong:
+        raise TrainingError(f"the plan's degrees differ from the model's mesh (plan, mesh): {wrong}; build the "
+                            f"model on the plan's mesh (from_pretrained(..., plan='auto') does)")
+    checkpointing = plan.get("checkpointing", "none")
+    parallelize(model, data_parallel="fsdp" if plan.get("zero", 0) >= 1 else "ddp", mixed_precision=mixed_precision,
+                activation_checkpointing=None if checkpointing == "none" else checkpointing,
+                checkpoint_layers=plan.get("checkpoint_layers") if checkpointing == "full" else None,
+                offload=plan.get("offload", "none"))
+    return {"num_microbatches": plan.get("num_microbatches", 1), "schedule": plan.get("schedule", "1f1b")}
+
+
+def build_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                    offload: str | None = None, **kwargs):
+    """AdamW over this rank's local shards (FSDP's DTensor shards or the tp/pp-local parameters). With
+    offload="optimizer" (by default what parallelize() was given) an OffloadedAdamW keeping master weights
+    and states in CPU memory; under offload="params" FSDP2 already keeps the shards there."""
+    setup = training_setup(model)
+    offload = offload or setup.offload
+    if offload not in OFFLOAD:
+        raise TrainingError(f"offload must be one of {OFFLOAD}, got {offload!r}")
+    if offload == "params" and setup.offload != "params":
+        raise TrainingError("build_optimizer(offload='params') needs parallelize(model, offload='params'): "
+                            "FSDP2 moves the parameters, not the optimizer")
+    if offload == "optimizer":
+        return OffloadedAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+
+
+__all__ = ["parallelize", "apply_plan", "build_optimizer", "forward_backward", "clip_grad_norm_", "global_grad_norm",
+           "apply_activation_checkpointing", "training_setup", "PipelineError", "TrainingError"]

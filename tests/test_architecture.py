@@ -1,0 +1,153 @@
+"""The architecture holds: imports flow one way (core <- kernels <- layers <- models <- converters/registry <-
+runtime <- checkpoint/cost <- api, cli, finetune, demos), with no cycle, counting imports inside functions and
+names re-exported by a package's __init__; and no file in colozoo/ is over 450 lines."""
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Each module's level is that of the longest prefix listed here; a module may import only from its own level or
+# below (modules of one level may import each other, cycles aside).
+LEVELS = {
+    "colozoo.core": 0,
+    "colozoo.kernels": 1,
+    "colozoo.layers": 2,
+    "colozoo.models": 3,
+    "colozoo.converters": 4,
+    "colozoo.registry": 4,
+    "colozoo.runtime": 5,
+    "colozoo.checkpoint": 6,
+    "colozoo.cost": 6,
+    "colozoo.api": 7,
+    "colozoo.finetune": 8,
+    "colozoo.cli": 9,
+    "colozoo.demo": 9,
+    "colozoo.demo_finetune": 9,
+    "colozoo": 10,  # the package's own __init__: lazy names only
+}
+# Siblings of one level that must not import each other.
+APART = [("colozoo.checkpoint", "colozoo.cost")]
+MAX_LINES = 450
+
+
+def modules() -> dict[str, Path]:
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    found = {}
+    for package, folder in table.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imported(module: str, path: Path) -> set[str]:
+    """The project modules `module` imports, anywhere in its body, following names through packages."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    edges = {m: imported(m, p) for m, p in MODULES.items()}
+    # an import of a package stands for what its __init__ imports (re-exports are followed)
+    for _ in range(len(edges)):
+        changed = False
+        for m, targets in edges.items():
+            for t in list(targets):
+                if MODULES[t].name == "__init__.py" and t != "colozoo" and not m.startswith(t + "."):
+                    extra = edges[t] - targets - {m}
+                    if extra:
+                        targets |= extra
+                        changed = True
+        if not changed:
+            break
+    return edges
+
+
+def level(module: str) -> tuple[str, int]:
+    key = max((k for k in LEVELS if module == k or module.startswith(k + ".")), key=len)
+    return key, LEVELS[key]
+
+
+def test_every_module_has_a_level():
+    assert all(level(m) for m in MODULES)
+
+
+def test_imports_flow_one_way():
+    wrong = []
+    for m, targets in graph().items():
+        if m == "colozoo":
+            continue
+        mine, rank = level(m)
+        for t in sorted(targets):
+            theirs, other = level(t)
+            if other > rank or (mine, theirs) in APART or (theirs, mine) in APART:
+                wrong.append(f"{m} ({mine}) imports {t} ({theirs})")
+    assert not wrong, "imports against the one direction:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    edges = graph()
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_files_stay_short():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_models_know_only_layers():
+    """A model file imports nothing of pipelines, training, checkpoints or files."""
+    for m, targets in graph().items():
+        if m.startswith("colozoo.models"):
+            assert all(level(t)[1] <= LEVELS["colozoo.models"] for t in targets), (m, targets)
