@@ -22,6 +22,7 @@ class Run:
         self.cp_mode = cp_mode           # "ring" | "all_to_all"
         self.setup = None                # a TrainingSetup once colozoo.runtime.parallelize.parallelize ran
         self.runners: dict = {}          # torch pipelining schedules, per schedule and batch shape
+        self.last_step = None            # the StepScales of the last training step (its router losses, for logs)
         self._stages = None
         model.run = self
 
