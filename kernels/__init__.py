@@ -2,6 +2,7 @@
 
     norms            LayerNorm / RMSNorm, optionally fused with the residual add
     flash_attention  causal / padding-masked / grouped-query flash attention
+    decode           flash-decoding: one new token per sequence against a KV cache
     rope             rotary position embeddings
     activations      SwiGLU, bias + GeLU
     cross_entropy    vocab-parallel cross entropy, alone or chunked and fused with the LM-head matmul
@@ -9,8 +10,9 @@
 
 `dispatch` picks Triton or torch (COLOZOO_KERNELS=auto|triton|torch, or `set_kernels`). Norms, attention, the
 activations and the logits' cross entropy dispatch inside `colozoo.layers`; the functions below do the same for
-the models' rotary embedding and the MoE layer's token permutation (the LM head calls the fused loss of
-`cross_entropy` itself on the Triton path; its torch reference is `colozoo.layers.vocab`).
+the models' rotary embedding, decode attention over a KV cache and the MoE layer's token permutation (the LM
+head calls the fused loss of `cross_entropy` itself on the Triton path; its torch reference is
+`colozoo.layers.vocab`).
 Kernel modules are imported only when used: triton decides at decoration time whether to interpret.
 """
 from __future__ import annotations
@@ -24,6 +26,16 @@ def apply_rotary(x, cos, sin, interleaved: bool = False):
 
     fn = rope.apply_rotary_triton if use_triton(x) else rope.apply_rotary_reference
     return fn(x, cos, sin, interleaved)
+
+
+def decode_attention(q, k_cache, v_cache, length: int, key_mask=None, scale: float | None = None,
+                     window: int | None = None):
+    """One new token's attention (batch, heads_q, 1, head_dim) over the first `length` positions of
+    (batch, heads_kv, max_len, head_dim) caches; see kernels.decode."""
+    from . import decode
+
+    fn = decode.decode_attention_triton if use_triton(q, k_cache, v_cache) else decode.decode_attention_reference
+    return fn(q, k_cache, v_cache, length, key_mask, scale, window)
 
 
 def moe_permute(hidden, expert_ids, num_experts: int):
@@ -41,5 +53,5 @@ def moe_unpermute(expert_out, row_map, weights=None):
     return fn(expert_out, row_map, weights)
 
 
-__all__ = ["apply_rotary", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
+__all__ = ["apply_rotary", "decode_attention", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
            "set_kernels", "triton_available", "use_kernels", "use_triton"]
