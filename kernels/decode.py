@@ -145,6 +145,8 @@ def decode_attention_triton(q, k_cache, v_cache, length: int, key_mask=None, sca
     parts = torch.empty(b, hq, num_chunks, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(b, hq, num_chunks, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
+    if not out.numel():
+        return out
     mask = q if key_mask is None else key_mask.view(torch.uint8)  # a dummy pointer when there is none
     mask_strides = (0, 0) if key_mask is None else mask.stride()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
