@@ -10,6 +10,7 @@ COMMANDS = {
     "models": "colozoo.registry",
     "convert": "colozoo.checkpoint.convert",
     "finetune": "colozoo.finetune",
+    "generate": "colozoo.generate_cli",
     "profile": "colozoo.cost.profiler",
     "plan": "colozoo.cost.planner",
 }
@@ -18,7 +19,7 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="colozoo", description="Pre-parallelized transformers: list models, convert and reshard checkpoints, "
-                                    "fine-tune, profile and plan a device mesh.")
+                                    "fine-tune, generate, profile and plan a device mesh.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():
         try:

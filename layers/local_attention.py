@@ -15,7 +15,14 @@ from colozoo.kernels.dispatch import use_triton
 
 def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
                     upcast: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q)."""
+    """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q). One query token against
+    a KV cache with a key mask (batch, 1, 1, keys) takes the flash-decoding kernel on the Triton path."""
+    decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
+    if decoding and not upcast and dropout_p == 0.0 and q.shape[-1] <= 256 and use_triton(q, k, v):
+        from colozoo.kernels.decode import decode_attention_triton
+
+        key_mask = mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
+        return decode_attention_triton(q, k, v, k.shape[2], key_mask, scale)
     if (not upcast and dropout_p == 0.0 and (mask is None or mask.dtype == torch.bool) and q.shape[-1] <= 256
             and use_triton(q, k, v)):
         from colozoo.kernels.flash_attention import flash_attention_triton

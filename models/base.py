@@ -41,6 +41,7 @@ class BatchContext:
     seq_len: int
     cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
     data_group: object | None = None     # where batch statistics (MoE router losses) are summed; None: the cp group
+    cache: object | None = None          # layers.kv_cache.KVCache while generating: attention reads and extends it
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -148,6 +149,12 @@ class ParallelModel(nn.Module):
         """One training step's forward and backward over the whole mesh; returns the mean loss on every rank."""
         return self._run().forward_backward(input_ids, labels, attention_mask=attention_mask,
                                             num_microbatches=num_microbatches, **kwargs)
+
+    def generate(self, input_ids, attention_mask=None, **options):
+        """Token ids (batch, prompt + new) on every rank, as transformers' generate returns them: greedy or sampled
+        (max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id, pad_token_id,
+        seed, streamer)."""
+        return self._run().generate(input_ids, attention_mask=attention_mask, **options)
 
     def save_pretrained(self, path, format: str = "colozoo", **kwargs):
         """Write a colozoo sharded checkpoint (collectively, each rank its shard) or, with format="hf", an HF directory."""

@@ -23,6 +23,7 @@ LEVELS = {
     "colozoo.cost": 6,
     "colozoo.api": 7,
     "colozoo.finetune": 8,
+    "colozoo.generate_cli": 8,
     "colozoo.cli": 9,
     "colozoo.demo": 9,
     "colozoo.demo_finetune": 9,

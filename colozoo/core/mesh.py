@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -71,18 +72,36 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+COLLECTIVE_TIMEOUT_S = 600.0  # a rank stuck this long in a collective ends the job (COLOZOO_COLLECTIVE_TIMEOUT)
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective may wait for its peers: COLOZOO_COLLECTIVE_TIMEOUT seconds, else 10 minutes. A lost
+    rank (a dead node, which torchrun's local monitoring does not see) then makes every rank fail, not hang."""
+    value = os.environ.get("COLOZOO_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ParallelConfigError(f"COLOZOO_COLLECTIVE_TIMEOUT must be a number of seconds, got {value!r}") from None
+    if seconds <= 0:
+        raise ParallelConfigError(f"COLOZOO_COLLECTIVE_TIMEOUT must be > 0 seconds, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
 def init_distributed() -> int:
-    """Initialise torch.distributed from torchrun's environment; NCCL on CUDA, gloo on CPU. Returns world size."""
+    """Initialise torch.distributed from torchrun's environment; NCCL on CUDA, gloo on CPU, with an explicit
+    collective timeout (see `collective_timeout`). Returns the world size."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 1
+    timeout = collective_timeout()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()), timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return world_size
 
 

@@ -81,16 +81,17 @@ class StageModule(nn.Module):
         return self._model[0]
 
     def forward(self, x, router_stats=None, *, token_ids, labels=None, attention_mask=None,
-                eval_outputs: bool = False, return_logits: bool = False, step: StepScales | None = None, **inputs):
+                eval_outputs: bool = False, return_logits: bool = False, step: StepScales | None = None,
+                cache=None, **inputs):
         """x: the input_ids on the first stage, else the previous stage's hidden states; token_ids: the input_ids
         (every stage rebuilds the batch context from them and the other model `inputs`, e.g. position_ids).
         With MoE router losses, earlier stages' `router_stats` come along with the hidden states and this stage
         hands on the sum with its own layers' (the last stage's losses need every layer's). `step`: the training
-        step's scales (a forward without labels needs none)."""
+        step's scales (a forward without labels needs none); `cache`: the KV cache of incremental decoding."""
         model = self.model
         with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             ctx = model.batch_context(token_ids, attention_mask, **inputs)
-            ctx.data_group = self.data_group
+            ctx.data_group, ctx.cache = self.data_group, cache
             if router_stats is not None:
                 ctx.router_stats_in = router_stats
             if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
@@ -248,11 +249,19 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
                      **inputs) -> ModelOutput:
     """Eval forward of the whole batch through the stages (no micro-batching); every output the last stage
     computes (loss, logits, hidden states, pooled output) on every rank."""
-    stages = stages_of(model)
-    pp = model.pc.config.pp
     kwargs = _batch_kwargs(input_ids, labels, attention_mask, inputs)
-    dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
     carry = carries_router_stats(model, inputs.get("output_router_logits"))
+    outputs = through_stages(model, input_ids, carry=carry, eval_outputs=True, return_logits=return_logits, **kwargs)
+    if model.pc.config.pp > 1:
+        outputs = _from_last_stage(model, outputs)
+    return ModelOutput(*outputs)
+
+
+def through_stages(model, input_ids, carry: bool = False, **kwargs):
+    """One batch through this rank's stages in order, hidden states passed to the next pp rank by p2p; returns
+    what the last stage returns on the ranks holding it, None elsewhere. `kwargs` go to every stage."""
+    stages = stages_of(model)
+    dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
     outputs = None
     for stage in stages:
         inner = unwrap(stage)
@@ -264,15 +273,13 @@ def pipeline_forward(model, input_ids, attention_mask=None, labels=None, return_
                 received += (torch.empty(model.router_stats_width(), device=input_ids.device),)
             for t in received:
                 dist.recv(t, src=_p2p_peer(model, inner.index - 1), group=None)
-        out = stage(*received, eval_outputs=True, return_logits=return_logits, **kwargs)
+        out = stage(*received, **kwargs)
         if inner.is_last:
             outputs = out
         else:
             for t in (out if isinstance(out, tuple) else (out,)):
                 dist.send(t.contiguous(), dst=_p2p_peer(model, inner.index + 1))
-    if pp > 1:
-        outputs = _from_last_stage(model, outputs)
-    return ModelOutput(*outputs)
+    return outputs
 
 
 def _from_last_stage(model, values):

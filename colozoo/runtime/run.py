@@ -10,6 +10,7 @@ handed to it.
 from __future__ import annotations
 
 from colozoo.runtime.context_parallel import context_parallel_forward
+from colozoo.runtime.generate import generate
 from colozoo.runtime.pipeline import build_stage_modules, pipeline_forward
 from colozoo.runtime.step import forward_backward
 
@@ -23,6 +24,7 @@ class Run:
         self.setup = None                # a TrainingSetup once colozoo.runtime.parallelize.parallelize ran
         self.runners: dict = {}          # torch pipelining schedules, per schedule and batch shape
         self.last_step = None            # the StepScales of the last training step (its router losses, for logs)
+        self.last_generation = None      # timings and KV-cache size of the last generate()
         self._stages = None
         model.run = self
 
@@ -56,6 +58,9 @@ class Run:
 
     def forward_backward(self, input_ids, labels, **kwargs):
         return forward_backward(self.model, input_ids, labels, **kwargs)
+
+    def generate(self, input_ids, attention_mask=None, **options):
+        return generate(self.model, input_ids, attention_mask=attention_mask, **options)
 
     def save_pretrained(self, path, format: str = "colozoo", **kwargs):
         raise NotImplementedError("this Run cannot write files: build the model with colozoo.build_model or "

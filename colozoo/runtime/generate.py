@@ -1,0 +1,115 @@
+"""Incremental decoding on any mesh: `model.generate(...)`, with transformers' arguments and result.
+
+One prefill of the (left-padded) prompts, then one token per step. Each rank keeps the KV cache of its own heads
+(layers.kv_cache). Under pipeline parallelism the batch is cut into micro-batches that follow each other through
+the stages, so stages work on different micro-batches at once; the last stage chooses the next tokens and
+broadcasts them over the pp group. Token choice (colozoo.runtime.sampling) runs on identical logits with the same
+seeded generator on every rank that chooses, so every rank returns the same (batch, prompt + new) tensor.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from colozoo.layers.kv_cache import KVCache
+from colozoo.runtime.pipeline import through_stages
+from colozoo.runtime.sampling import GenerationOptions, finish, next_tokens
+
+LEARNED_POSITIONS = ("gpt2", "opt")  # a position table: prompt + new tokens must fit in it
+
+
+def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions as transformers' generate gives them: real tokens count from 0, left padding sits at 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def check_generation(model, input_ids, attention_mask, options: GenerationOptions):
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be a (batch, length) LongTensor, got {tuple(input_ids.shape)} "
+                         f"{input_ids.dtype}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
+                         f"{tuple(input_ids.shape)}")
+    pc = model.pc
+    if pc.config.cp > 1 or pc.sequence_parallel:
+        raise ValueError("generate runs one token at a time: build the model with cp=1 and sequence_parallel=False")
+    if not hasattr(model, "lm_head") and pc.is_last_stage:
+        raise ValueError(f"{type(model).__name__} has no language-model head to generate with")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    total = input_ids.shape[1] + options.max_new_tokens
+    if limit is not None and input_ids.shape[1] > limit:
+        raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) is longer than the model's maximum positions "
+                         f"(max_position_embeddings={limit})")
+    if limit is not None and model.family in LEARNED_POSITIONS and total > limit:
+        raise ValueError(f"prompt + max_new_tokens = {total} exceeds {model.family}'s position table "
+                         f"(max_position_embeddings={limit}); lower max_new_tokens")
+
+
+@torch.no_grad()
+def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatches: int | None = None,
+             **options) -> torch.Tensor:
+    """(batch, prompt + new tokens) on every rank; sequences that finished are padded with pad_token_id."""
+    options = GenerationOptions.from_config(model.config, **options)
+    check_generation(model, input_ids, attention_mask, options)
+    pc = model.pc
+    input_ids = input_ids.to(pc.device)
+    mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(pc.device)).long()
+    batch = input_ids.shape[0]
+    micro = num_microbatches or (min(batch, pc.config.pp) if pc.config.pp > 1 else 1)
+    rows = [slice(r[0].item(), r[-1].item() + 1) for r in torch.arange(batch).tensor_split(micro) if len(r)]
+    cache = KVCache(mask, max_len=input_ids.shape[1] + options.max_new_tokens)
+    generator = torch.Generator(device=pc.device)
+    generator.manual_seed(options.seed if options.seed is not None else torch.seed() % 2 ** 63)
+    extra = {"output_router_logits": False} if hasattr(model, "router_statistics") else {}
+    sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
+    new = input_ids
+    timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    for step in range(options.max_new_tokens):
+        started = time.perf_counter()
+        positions = generation_positions(mask)[:, -new.shape[1]:]
+        logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r), extra) for r in rows]
+        cache.length += new.shape[1]
+        tokens = None
+        if pc.is_last_stage:
+            tokens = next_tokens(torch.cat(logits).float(), sequences, options, generator)
+        tokens = _from_last_stage(model, tokens, batch)
+        tokens, unfinished = finish(tokens, unfinished, options)
+        sequences = torch.cat([sequences, tokens[:, None]], dim=1)
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        new = tokens[:, None]
+        timings["prefill_s" if step == 0 else "decode_s"] += time.perf_counter() - started
+        timings["decode_steps"] += step > 0
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        if not unfinished.any():
+            break
+    if streamer is not None:
+        streamer.end()
+    model.run.last_generation = dict(timings, batch=batch, prompt_tokens=input_ids.shape[1],
+                                     new_tokens=sequences.shape[1] - input_ids.shape[1], cache_elements=cache.numel())
+    return sequences
+
+
+def _last_logits(model, ids, positions, cache, extra):
+    """Logits (rows, vocab) of the last position of `ids` on the last stage's ranks, None elsewhere."""
+    out = through_stages(model, ids, token_ids=ids, position_ids=positions, cache=cache, eval_outputs=True,
+                         return_logits=True, **extra)
+    if out is None:
+        return None
+    logits = out[1]  # ModelOutput's fields as a tuple: loss, logits, ...
+    return logits[:, -1]
+
+
+def _from_last_stage(model, tokens, batch: int) -> torch.Tensor:
+    if model.pc.config.pp == 1:
+        return tokens
+    buffer = tokens if tokens is not None else torch.empty(batch, dtype=torch.long, device=model.pc.device)
+    group = model.pc.group("pp")
+    dist.broadcast(buffer, src=dist.get_global_rank(group, model.pc.config.pp - 1), group=group)
+    return buffer
+

@@ -1,0 +1,63 @@
+"""The KV cache of incremental decoding, sharded like the attention weights: each rank keeps the keys and values
+of its own (kv) heads, (batch, local kv heads, max_len, head_dim) per attention module, allocated once at the
+first write (the prefill) for the whole generation. Batches are left-padded: every row has the same length,
+and `key_keep` says which cached positions are real tokens.
+
+An attention module with `ctx.cache` set writes its new keys/values and attends over everything cached:
+
+    k, v, mask = ctx.cache.update(self, k, v, window=self.window)   # mask: (batch, 1, new, cached + new)
+
+The caller (colozoo.runtime.generate) advances `length` once per forward, after every layer wrote.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, key_keep: torch.Tensor, max_len: int):
+        """`key_keep`: (batch, prompt) the prompt's attention mask (1 = token, 0 = left padding)."""
+        batch, prompt = key_keep.shape
+        if prompt > max_len:
+            raise ValueError(f"the prompt ({prompt} tokens) is longer than the cache ({max_len})")
+        self.max_len, self.length = max_len, 0
+        self.key_keep = torch.ones(batch, max_len, dtype=torch.bool, device=key_keep.device)
+        self.key_keep[:, :prompt] = key_keep.bool()
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(module) -> (keys, values)
+        self.rows = slice(None)
+
+    def micro_batch(self, rows: slice) -> "KVCache":
+        """A view of some rows sharing this cache's buffers (pipeline stages decode micro-batches in turn)."""
+        view = object.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        view.rows = rows
+        return view
+
+    def update(self, module, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
+        """Store k/v (batch, kv heads, new, head_dim) at positions length.. and return every cached key and value
+        with the boolean mask (batch, 1, new, length + new) of what each new query attends to."""
+        new = k.shape[2]
+        end = self.length + new
+        if end > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} positions; {end} were asked for")
+        if id(module) not in self.buffers:
+            batch = self.key_keep.shape[0]
+            shape = (batch, k.shape[1], self.max_len, k.shape[3])
+            self.buffers[id(module)] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = (b[self.rows] for b in self.buffers[id(module)])
+        keys[:, :, self.length:end] = k
+        values[:, :, self.length:end] = v
+        return keys[:, :, :end], values[:, :, :end], self.mask(new, window)
+
+    def mask(self, new: int, window: int | None = None) -> torch.Tensor:
+        end = self.length + new
+        q_pos = torch.arange(self.length, end, device=self.key_keep.device)[:, None]
+        k_pos = torch.arange(end, device=self.key_keep.device)[None, :]
+        keep = k_pos <= q_pos
+        if window is not None:
+            keep = keep & (k_pos > q_pos - window)
+        return keep[None, None] & self.key_keep[self.rows, None, None, :end]
+
+    def numel(self) -> int:
+        """Elements held for keys and values on this rank."""
+        return sum(k.numel() + v.numel() for k, v in self.buffers.values())
