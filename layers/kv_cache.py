@@ -61,3 +61,13 @@ class KVCache:
     def numel(self) -> int:
         """Elements held for keys and values on this rank."""
         return sum(k.numel() + v.numel() for k, v in self.buffers.values())
+
+
+def keys_values_mask(ctx, owner, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window: int | None = None):
+    """What an attention module attends over: its new k/v with the batch's mask, or, while generating
+    (`ctx.cache`), every cached k/v with the cache's mask (causal order and window already in it).
+    Returns (k, v, mask, causal) for `colozoo.layers.attention.attention`."""
+    if ctx.cache is None:
+        return k, v, ctx.mask, causal
+    k, v, mask = ctx.cache.update(owner, k, v, window)
+    return k, v, mask, False

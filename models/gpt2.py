@@ -12,6 +12,7 @@ from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, scatter_to_sequence)
+from colozoo.layers.kv_cache import keys_values_mask
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
 
 
@@ -35,7 +36,8 @@ class GPT2Attention(nn.Module):
         qkv = self.c_attn(x)  # (b, s, 3 * local_heads * head_dim)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = attention(q, k, v, ctx.mask, causal=True, scale=self.scale, upcast=self.upcast, cp=ctx.cp,
+        k, v, mask, causal = keys_values_mask(ctx, self, k, v)
+        out = attention(q, k, v, mask, causal=causal, scale=self.scale, upcast=self.upcast, cp=ctx.cp,
                         dropout_p=self.attn_pdrop if self.training else 0.0)
         out = self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
         return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)

@@ -20,6 +20,7 @@ from colozoo.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, Vo
                             VocabParallelLMHead, attention)
 from colozoo.kernels import apply_rotary, use_triton
 from colozoo.layers.activations import get_gated_activation
+from colozoo.layers.kv_cache import keys_values_mask
 from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -197,7 +198,8 @@ class LlamaAttention(nn.Module):
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = ctx.rope()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, ctx.mask, causal=True, scale=self.head_dim ** -0.5, cp=ctx.cp, window=self.window,
+        k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
+        out = attention(q, k, v, mask, causal=causal, scale=self.head_dim ** -0.5, cp=ctx.cp, window=self.window,
                         dropout_p=self.dropout_p if self.training else 0.0)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -17,6 +17,7 @@ from torch import nn
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, copy_to_parallel,
                             scatter_to_sequence)
+from colozoo.layers.kv_cache import keys_values_mask
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
                               dropout)
 
@@ -59,8 +60,9 @@ class OPTAttention(nn.Module):
         qkv = self.qkv(x)  # (b, s, 3 * local_heads * head_dim): this rank's heads of q, then of k, then of v
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v, mask, causal = keys_values_mask(ctx, self, k, v)
         # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
-        out = attention(q * self.scale, k, v, ctx.mask, causal=True, scale=1.0, cp=ctx.cp,
+        out = attention(q * self.scale, k, v, mask, causal=causal, scale=1.0, cp=ctx.cp,
                         dropout_p=self.attention_dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).reshape(b, s, -1))
 
