@@ -76,48 +76,27 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
+def _along_dim(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """An autograd op along a tensor dim: `forward_op(x, dim, group)` in forward, its adjoint in backward."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+    class AlongDim(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return forward_op(x, dim, group)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward_op(grad, ctx.dim, ctx.group), None, None
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
+    AlongDim.__name__ = AlongDim.__qualname__ = name
+    return AlongDim
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+_Split = _along_dim("_Split", split, all_gather)
+_Gather = _along_dim("_Gather", all_gather, split)
+_GatherFromSequence = _along_dim("_GatherFromSequence", all_gather, reduce_scatter)
+_ReduceScatterToSequence = _along_dim("_ReduceScatterToSequence", reduce_scatter, all_gather)
 
 
 def _active(group) -> bool:
