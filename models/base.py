@@ -1,6 +1,5 @@
-"""What every colozoo model shares: the output type, the batch context, dropout under model parallelism,
-and the three-part forward (embed on the first stage, blocks on every stage, head on the last) that
-pipeline stages reuse.
+"""What every colozoo model shares: the output type, the batch context, config checks, and the three-part
+forward (embed on the first stage, blocks on every stage, head on the last) that pipeline stages reuse.
 
 A model knows only its layers. How it runs on its mesh (pipeline stages and schedules, context-parallel
 sharding of the batch, data-parallel wrapping, the training step, saving) is the business of the layers
@@ -12,12 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from colozoo.core.mesh import ParallelContext, single_process
 from colozoo.core.partition import model_rank_layers
-from colozoo.core.rng import get_rng_tracker
+from colozoo.layers.dropout import dropout  # noqa: F401 (the families import it from here)
 
 
 @dataclass
@@ -51,16 +49,6 @@ class BatchContext:
     @mask.setter
     def mask(self, value):
         self.dense_mask = value
-
-
-def dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
-    """Dropout whose mask agrees across tp ranks for replicated activations and differs for sharded ones."""
-    if not training or p == 0.0:
-        return x
-    if sharded:
-        with get_rng_tracker().fork(device_type=x.device.type):
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
 
 
 class UnsupportedConfig(ValueError):
