@@ -1,7 +1,7 @@
 """BERT: word + position + token-type embeddings, post-LayerNorm encoder blocks, pooler, and task heads.
 
-    embeddings (word: vocab-parallel) -> LayerNorm -> [qkv column -> bidirectional attention -> out row -> + -> LayerNorm
-                                                      -> intermediate column -> act -> output row -> + -> LayerNorm] x n
+    embeddings (word: vocab-parallel) -> LayerNorm -> [self_attn (qkv column -> bidirectional attention -> out_proj row)
+                                                      -> + -> LayerNorm -> fc1 column -> act -> fc2 row -> + -> LayerNorm] x n
     base:                    hidden states, pooler = tanh(dense(first token))
     masked_lm:               dense -> act -> LayerNorm -> vocab-parallel decoder (tied to the word embedding, own bias)
     sequence_classification: pooler -> dropout -> classifier (replicated; CE, MSE or BCE as transformers picks)
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                            VocabParallelLMHead, attention, build_attention_mask, gather_from_parallel,
-                            scatter_to_sequence, vocab_parallel_cross_entropy)
+from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding, VocabParallelLMHead,
+                            build_attention_mask, gather_from_parallel, scatter_to_sequence,
+                            vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
 from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
 
@@ -95,39 +95,15 @@ class BertEmbeddings(nn.Module):
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
 
-class BertLayer(nn.Module):
-    attention_block = "self_attention"  # what selective activation checkpointing recomputes
+class BertLayer(TransformerLayer):
+    """Post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm."""
 
     def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
-        h, inner = config.hidden_size, config.intermediate_size
-        self.head_dim = h // config.num_attention_heads
-        self.local_heads = config.num_attention_heads // pc.tp_size
-        self.attn_pdrop, self.hidden_pdrop = config.attention_probs_dropout_prob, config.hidden_dropout_prob
-        self.sharded_resid = pc.sequence_parallel
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        self.qkv = ColumnParallelLinear(h, 3 * h, chunks=(h, h, h), **kw)
-        self.attention_output = RowParallelLinear(h, h, **kw)
-        self.attention_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.intermediate = ColumnParallelLinear(h, inner, activation=config.hidden_act, **kw)
-        self.output = RowParallelLinear(inner, h, **kw)
-        self.output_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-
-    def _dropout(self, x):
-        return dropout(x, self.hidden_pdrop, self.training, sharded=self.sharded_resid)
-
-    def self_attention(self, x, ctx):
-        qkv = self.qkv(x)
-        b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        attn = attention(q, k, v, ctx.mask, causal=False, scale=self.head_dim ** -0.5,
-                         dropout_p=self.attn_pdrop if self.training else 0.0)
-        return self.attention_output(attn.transpose(1, 2).reshape(b, s, -1))
-
-    def forward(self, x, ctx):
-        x, _ = self.attention_norm(self._dropout(self.self_attention(x, ctx)), residual=x)
-        x, _ = self.output_norm(self._dropout(self.output(self.intermediate(x))), residual=x)
-        return x
+        attention = SelfAttention(config.hidden_size, config.num_attention_heads, causal=False,
+                                  dropout=config.attention_probs_dropout_prob, **kw)
+        super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
+                         pre_norm=False, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
 
 
 class BertPooler(nn.Module):
