@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                            VocabParallelLMHead, attention, build_attention_mask, scatter_to_sequence)
+                            VocabParallelLMHead, attention, build_attention_mask, merge_heads, scatter_to_sequence,
+                            split_heads)
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
 
 
@@ -32,12 +33,10 @@ class GPT2Attention(nn.Module):
         self.c_proj = RowParallelLinear(h, h, **kw)
 
     def forward(self, x, ctx: BatchContext):
-        qkv = self.c_attn(x)  # (b, s, 3 * local_heads * head_dim)
-        b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = split_heads(self.c_attn(x), self.local_heads, self.local_heads, self.head_dim)
         out = attention(q, k, v, ctx.mask, causal=True, scale=self.scale, upcast=self.upcast, cp=ctx.cp,
                         dropout_p=self.attn_pdrop if self.training else 0.0)
-        out = self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = self.c_proj(merge_heads(out))
         return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)
 
 
