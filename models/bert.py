@@ -1,7 +1,8 @@
 """BERT: word + position + token-type embeddings, post-LayerNorm encoder blocks, pooler, and task heads.
 
-    embeddings (word: vocab-parallel) -> LayerNorm -> [self_attn (qkv column -> bidirectional attention -> out_proj row)
-                                                      -> + -> LayerNorm -> fc1 column -> act -> fc2 row -> + -> LayerNorm] x n
+    embeddings (word: vocab-parallel) -> LayerNorm
+        -> [self_attn (qkv column -> bidirectional attention -> out_proj row) -> + -> LayerNorm
+            -> fc1 column -> act -> fc2 row -> + -> LayerNorm] x n
     base:                    hidden states, pooler = tanh(dense(first token))
     masked_lm:               dense -> act -> LayerNorm -> vocab-parallel decoder (tied to the word embedding, own bias)
     sequence_classification: pooler -> dropout -> classifier (replicated; CE, MSE or BCE as transformers picks)
