@@ -60,6 +60,14 @@ def require(condition: bool, message: str):
         raise UnsupportedConfig(message)
 
 
+def default_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`position_ids`, or 0..seq-1 for every sequence of the batch."""
+    if position_ids is not None:
+        return position_ids
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).expand(b, s)
+
+
 def check_divisible(what: str, value: int, tp: int):
     if value % tp:
         raise UnsupportedConfig(f"tp={tp} must divide {what} ({value})")
@@ -93,7 +101,10 @@ class ParallelModel(nn.Module):
     def sequence_parallel(self) -> bool:
         return self.pc.sequence_parallel
 
-    def check_sequence(self, seq_len: int):
+    def check_sequence(self, seq_len: int, max_positions: int | None = None):
+        """The sequence fits a learned position table of `max_positions` rows (if any) and sequence parallelism."""
+        if max_positions is not None and seq_len > max_positions:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings={max_positions}")
         if self.sequence_parallel and seq_len % self.pc.tp_size:
             raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.pc.tp_size}")
 

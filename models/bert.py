@@ -23,7 +23,8 @@ from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabPar
                             build_attention_mask, gather_from_parallel, scatter_to_sequence,
                             vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions, dropout,
+                                 require)
 
 
 def resolve_task(cls, config, task: str | None) -> type:
@@ -96,15 +97,19 @@ class BertEmbeddings(nn.Module):
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
 
-class BertLayer(TransformerLayer):
-    """Post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm."""
+class EncoderLayer(TransformerLayer):
+    """A layer of BERT (post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm) or of ViT (pre-LayerNorm:
+    LayerNorm -> attention -> + -> LayerNorm -> MLP -> +), built from the config fields the two share."""
 
-    def __init__(self, config, pc, device=None, dtype=None):
+    def __init__(self, config, pc, pre_norm: bool, device=None, dtype=None):
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        attention = SelfAttention(config.hidden_size, config.num_attention_heads, causal=False,
+        attention = SelfAttention(config.hidden_size, config.num_attention_heads, getattr(config, "head_dim", None),
+                                  causal=False, qkv_bias=getattr(config, "qkv_bias", True),
                                   dropout=config.attention_probs_dropout_prob, **kw)
         super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
-                         pre_norm=False, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
+                         pre_norm=pre_norm, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
 
 
 class BertPooler(nn.Module):
@@ -140,12 +145,11 @@ class BertModel(ParallelModel):
         require(position_type == "absolute",
                 f"BERT position_embedding_type={position_type!r} is not supported (only 'absolute')")
         require(pc.config.cp == 1, "context parallelism is not supported for BERT (use sequence parallelism)")
-        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
-        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = BertEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): BertLayer(config, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, pc, pre_norm=False, **kw)
+                                     for i in self.layer_ids})
         if self.is_last:
             self.build_head(config, pc, **kw)
 
@@ -161,12 +165,9 @@ class BertModel(ParallelModel):
         return {}
 
     def batch_context(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
-        b, s = input_ids.shape
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
-        self.check_sequence(s)
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        s = input_ids.shape[1]
+        self.check_sequence(s, self.config.max_position_embeddings)
+        position_ids = default_positions(input_ids, position_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         mask = build_attention_mask(attention_mask, s, causal=False)

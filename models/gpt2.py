@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, merge_heads, scatter_to_sequence,
                             split_heads)
-from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions, dropout,
+                                 require)
 
 
 class GPT2Attention(nn.Module):
@@ -97,12 +97,9 @@ class GPT2ForCausalLM(ParallelModel):
                                                sequence_parallel=pc.sequence_parallel, tied_embedding=tied, **kw)
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:
-        b, s = input_ids.shape
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
-        self.check_sequence(s)
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        s = input_ids.shape[1]
+        self.check_sequence(s, self.config.max_position_embeddings)
+        position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(build_attention_mask, attention_mask, s, causal=True)
         return BatchContext(attention_mask, dense_mask, position_ids, s)
 

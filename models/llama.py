@@ -23,7 +23,8 @@ from colozoo.kernels import apply_rotary, use_triton
 from colozoo.layers import (ColumnParallelLinear, GatedMLP, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, merge_heads, split_heads)
 from colozoo.layers.moe import MoE
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
+                                 default_positions, require)
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -304,10 +305,9 @@ class LlamaForCausalLM(ParallelModel):
         self.rotary.reset_buffers()
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
-        b, s = input_ids.shape
+        s = input_ids.shape[1]
         self.check_sequence(s)
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
         return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
                                 rope_scale=self.rotary.attention_factor)

@@ -16,7 +16,8 @@ from torch import nn
 
 from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding, VocabParallelLMHead,
                             build_attention_mask, copy_to_parallel, scatter_to_sequence)
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
+                                 default_positions)
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 
@@ -91,19 +92,16 @@ class OPTForCausalLM(ParallelModel):
             self.lm_head = VocabParallelLMHead(proj_dim, config.vocab_size, tied_embedding=tied, **sp, **kw)
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:
-        b, s = input_ids.shape
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
-        self.check_sequence(s)
+        s = input_ids.shape[1]
+        self.check_sequence(s, self.config.max_position_embeddings)
         if self.training and self.config.layerdrop > 0:
             raise UnsupportedConfig(f"OPT layerdrop={self.config.layerdrop} in training is not supported "
                                     f"(set config.layerdrop = 0)")
-        if position_ids is None:
-            if attention_mask is None:
-                position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-            else:  # positions count real tokens only; padding gets -1 (row 1 of the table), as in OPT
-                mask = attention_mask.long()
-                position_ids = mask.cumsum(dim=1) * mask - 1
+        if position_ids is None and attention_mask is not None:
+            # positions count real tokens only; padding gets -1 (row 1 of the table), as in OPT
+            mask = attention_mask.long()
+            position_ids = mask.cumsum(dim=1) * mask - 1
+        position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(build_attention_mask, attention_mask, s, causal=True)
         return BatchContext(attention_mask, dense_mask, position_ids, s)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colozoo.layers import LayerNorm, SelfAttention, TransformerLayer, gather_from_parallel, scatter_to_sequence
+from colozoo.layers import LayerNorm, gather_from_parallel, scatter_to_sequence
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, dropout, require
 
-from .bert import classification_loss, resolve_task, with_architecture
+from .bert import EncoderLayer, classification_loss, resolve_task, with_architecture
 
 
 def pair(x):
@@ -52,18 +52,6 @@ class ViTEmbeddings(nn.Module):
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
 
-class ViTLayer(TransformerLayer):
-    """Pre-LayerNorm: LayerNorm -> attention -> + -> LayerNorm -> MLP -> +."""
-
-    def __init__(self, config, pc, device=None, dtype=None):
-        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        attention = SelfAttention(config.hidden_size, config.num_attention_heads, getattr(config, "head_dim", None),
-                                  causal=False, qkv_bias=config.qkv_bias, dropout=config.attention_probs_dropout_prob,
-                                  **kw)
-        super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
-                         pre_norm=True, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
-
-
 class ViTPooler(nn.Module):
     def __init__(self, config, device=None, dtype=None):
         super().__init__()
@@ -91,12 +79,11 @@ class ViTModel(ParallelModel):
         super().__init__(config, pc, layer_ids)
         pc = self.pc
         require(pc.config.cp == 1, "context parallelism is not supported for ViT (use sequence parallelism)")
-        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
-        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = ViTEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): ViTLayer(config, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, pc, pre_norm=True, **kw)
+                                     for i in self.layer_ids})
         if self.is_last:
             self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=pc.tp_group,
                                        sequence_parallel=pc.sequence_parallel, **kw)
