@@ -24,14 +24,20 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _collective_along(collective, x: torch.Tensor, dim: int, length: int, group) -> torch.Tensor:
+    """A single-tensor collective along `dim` (moved first, where the collective works), whose output is `length`
+    long there."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((length, *moved.shape[1:]))
+    collective(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    _all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _collective_along(_all_gather_single, x, dim, size * x.shape[dim], group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -40,10 +46,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"cannot reduce-scatter length {x.shape[dim]} over {size} ranks")
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    _reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _collective_along(_reduce_scatter_single, x, dim, x.shape[dim] // size, group)
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -76,7 +79,7 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-def _along_dim(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+def _mapping(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
     """An autograd op along a tensor dim: `forward_op(x, dim, group)` in forward, its adjoint in backward."""
 
     class AlongDim(torch.autograd.Function):
@@ -93,10 +96,10 @@ def _along_dim(name: str, forward_op, backward_op) -> type[torch.autograd.Functi
     return AlongDim
 
 
-_Split = _along_dim("_Split", split, all_gather)
-_Gather = _along_dim("_Gather", all_gather, split)
-_GatherFromSequence = _along_dim("_GatherFromSequence", all_gather, reduce_scatter)
-_ReduceScatterToSequence = _along_dim("_ReduceScatterToSequence", reduce_scatter, all_gather)
+_Split = _mapping("_Split", split, all_gather)
+_Gather = _mapping("_Gather", all_gather, split)
+_GatherFromSequence = _mapping("_GatherFromSequence", all_gather, reduce_scatter)
+_ReduceScatterToSequence = _mapping("_ReduceScatterToSequence", reduce_scatter, all_gather)
 
 
 def _active(group) -> bool:
