@@ -23,8 +23,8 @@ from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabPar
                             build_attention_mask, gather_from_parallel, scatter_to_sequence,
                             vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions, dropout,
-                                 require)
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions,
+                                 dropout, require)
 
 
 def resolve_task(cls, config, task: str | None) -> type:
@@ -112,6 +112,24 @@ class EncoderLayer(TransformerLayer):
                          pre_norm=pre_norm, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
 
 
+class EncoderModel(ParallelModel):
+    """What the encoders (BERT, ViT) share: a class per task head (TASKS, chosen from config.architectures, the
+    config marked with the class whose weights the model holds) and sequence parallelism, not context parallelism."""
+
+    task = "base"
+    TASKS: dict[str, str] = {}
+    title = ""  # the family's name in messages
+
+    @classmethod
+    def for_task(cls, config, task=None):
+        return resolve_task(cls, config, task)
+
+    def __init__(self, config, pc=None, layer_ids=None):
+        super().__init__(with_architecture(config, self.TASKS[self.task]), pc, layer_ids)
+        require(self.pc.config.cp == 1,
+                f"context parallelism is not supported for {self.title} (use sequence parallelism)")
+
+
 class BertPooler(nn.Module):
     def __init__(self, config, device=None, dtype=None):
         super().__init__()
@@ -121,30 +139,23 @@ class BertPooler(nn.Module):
         return torch.tanh(self.dense(hidden[:, 0]))
 
 
-class BertModel(ParallelModel):
+class BertModel(EncoderModel):
     """The encoder with its pooler: returns hidden_states and pooler_output (full sequence, on every rank)."""
 
-    family = "bert"
-    task = "base"
+    family, title = "bert", "BERT"
     TASKS = {"base": "BertModel", "masked_lm": "BertForMaskedLM",
              "sequence_classification": "BertForSequenceClassification"}
     ARCHITECTURE_ALIASES = {"BertForPreTraining": "masked_lm"}  # its NSP head is ignored when loading
     with_pooler = True
 
-    @classmethod
-    def for_task(cls, config, task=None):
-        return resolve_task(cls, config, task)
-
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        config = with_architecture(config, self.TASKS[self.task])
         super().__init__(config, pc, layer_ids)
-        pc = self.pc
+        config, pc = self.config, self.pc
         require(not config.is_decoder and not config.add_cross_attention,
                 "BERT as a decoder (is_decoder / add_cross_attention) is not supported")
         position_type = getattr(config, "position_embedding_type", "absolute")
         require(position_type == "absolute",
                 f"BERT position_embedding_type={position_type!r} is not supported (only 'absolute')")
-        require(pc.config.cp == 1, "context parallelism is not supported for BERT (use sequence parallelism)")
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = BertEmbeddings(config, pc, **kw)

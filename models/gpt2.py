@@ -12,8 +12,8 @@ from torch import nn
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, merge_heads, scatter_to_sequence,
                             split_heads)
-from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions, dropout,
-                                 require)
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions,
+                                 dropout, require)
 
 
 class GPT2Attention(nn.Module):

@@ -15,9 +15,9 @@ from torch import nn
 
 from colozoo.layers import LayerNorm, gather_from_parallel, scatter_to_sequence
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, dropout, require
+from colozoo.models.base import BatchContext, ModelOutput, dropout, require
 
-from .bert import EncoderLayer, classification_loss, resolve_task, with_architecture
+from .bert import EncoderLayer, EncoderModel, classification_loss
 
 
 def pair(x):
@@ -62,23 +62,16 @@ class ViTPooler(nn.Module):
         return self.act(self.dense(hidden[:, 0]))
 
 
-class ViTModel(ParallelModel):
+class ViTModel(EncoderModel):
     """The encoder with its pooler: returns hidden_states (CLS + patches) and pooler_output on every rank.
     Called as model(pixel_values, labels=None, return_logits=False)."""
 
-    family = "vit"
-    task = "base"
+    family, title = "vit", "ViT"
     TASKS = {"base": "ViTModel", "image_classification": "ViTForImageClassification"}
 
-    @classmethod
-    def for_task(cls, config, task=None):
-        return resolve_task(cls, config, task)
-
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        config = with_architecture(config, self.TASKS[self.task])
         super().__init__(config, pc, layer_ids)
-        pc = self.pc
-        require(pc.config.cp == 1, "context parallelism is not supported for ViT (use sequence parallelism)")
+        config, pc = self.config, self.pc
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = ViTEmbeddings(config, pc, **kw)
