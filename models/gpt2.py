@@ -57,6 +57,8 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
+    attention_block = "attn"  # what selective activation checkpointing recomputes
+
     def __init__(self, config, layer_idx, pc, device=None, dtype=None):
         super().__init__()
         norm = dict(eps=config.layer_norm_epsilon, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
