@@ -1,6 +1,7 @@
 """BERT names: HF `[bert.]encoder.layer.{i}.attention.self.{query,key,value}` (separate) <-> our fused
-`layers.{i}.qkv`; the other names follow the HF class in config.architectures (BertModel has no `bert.` prefix,
-BertForMaskedLM adds `cls.predictions.*`, BertForSequenceClassification adds `classifier.*`)."""
+`layers.{i}.self_attn.qkv`, and the rest of a layer one to one onto our TransformerLayer (LAYER_PARTS); the other
+names follow the HF class in config.architectures (BertModel has no `bert.` prefix, BertForMaskedLM adds
+`cls.predictions.*`, BertForSequenceClassification adds `classifier.*`)."""
 from __future__ import annotations
 
 from .source import Source
@@ -11,12 +12,24 @@ HF_PREFIX = "bert."
 IGNORED_HF = (r"embeddings\.position_ids$", r"^cls\.seq_relationship\.", r"(^|\.)pooler\.dense\.",
               r"^cls\.predictions\.decoder\.(weight|bias)$", r"^cls\.predictions\.bias$")
 
-LAYER_PARTS = {"attention_output": "attention.output.dense", "attention_norm": "attention.output.LayerNorm",
-               "intermediate": "intermediate.dense", "output": "output.dense", "output_norm": "output.LayerNorm"}
+LAYER_PARTS = {"self_attn.out_proj": "attention.output.dense", "self_attn_layer_norm": "attention.output.LayerNorm",
+               "fc1": "intermediate.dense", "fc2": "output.dense", "final_layer_norm": "output.LayerNorm"}
 
 
-def architecture(config) -> str:
-    return (getattr(config, "architectures", None) or ["BertModel"])[0]
+def architecture(config, default: str = "BertModel") -> str:
+    return (getattr(config, "architectures", None) or [default])[0]
+
+
+def layer_sources(hf: str, ours: str, qkv: str, parts: dict[str, str], qkv_bias: bool = True) -> dict[str, Source]:
+    """One encoder layer (BERT, ViT): HF `{hf}{qkv}.{query,key,value}` fused into our `{ours}self_attn.qkv`, and
+    `parts` (our name -> HF name) one to one."""
+    out = {}
+    for p in ("weight", "bias"):
+        if p == "weight" or qkv_bias:
+            out[f"{ours}self_attn.qkv.{p}"] = Source.of(*(f"{hf}{qkv}.{x}.{p}" for x in ("query", "key", "value")))
+        for name, hf_name in parts.items():
+            out[f"{ours}{name}.{p}"] = Source.of(f"{hf}{hf_name}.{p}")
+    return out
 
 
 def hf_sources(config) -> dict[str, Source]:
@@ -28,11 +41,7 @@ def hf_sources(config) -> dict[str, Source]:
     for p in ("weight", "bias"):
         out[f"embeddings.LayerNorm.{p}"] = Source.of(f"{b}embeddings.LayerNorm.{p}")
     for i in range(config.num_hidden_layers):
-        hf, ours = f"{b}encoder.layer.{i}.", f"layers.{i}."
-        for p in ("weight", "bias"):
-            out[f"{ours}qkv.{p}"] = Source.of(*(f"{hf}attention.self.{x}.{p}" for x in ("query", "key", "value")))
-            for name, hf_name in LAYER_PARTS.items():
-                out[f"{ours}{name}.{p}"] = Source.of(f"{hf}{hf_name}.{p}")
+        out.update(layer_sources(f"{b}encoder.layer.{i}.", f"layers.{i}.", "attention.self", LAYER_PARTS))
     if arch in ("BertModel", "BertForSequenceClassification"):
         for p in ("weight", "bias"):
             out[f"pooler.dense.{p}"] = Source.of(f"{b}pooler.dense.{p}")

@@ -10,24 +10,38 @@ IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)  # a buffer some old checkpoints carr
 
 
 def hf_sources(config) -> dict[str, Source]:
-    m = HF_PREFIX
+    out = attention_and_norms(config)
+    for i in range(config.num_hidden_layers):
+        out.update(dense_mlp(f"{HF_PREFIX}layers.{i}.mlp.", f"layers.{i}.mlp.", getattr(config, "mlp_bias", False)))
+    return out
+
+
+def params(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
+
+
+def attention_and_norms(config, qkv_bias: bool | None = None, out_bias: bool | None = None) -> dict[str, Source]:
+    """Embeddings, final norm, LM head and every layer's attention and norms: what the families on this decoder
+    share (the biases default to config.attention_bias, as in models.llama.LlamaAttention)."""
+    m, bias = HF_PREFIX, getattr(config, "attention_bias", False)
     out = {"embed_tokens.weight": Source.of(f"{m}embed_tokens.weight"), "norm.weight": Source.of(f"{m}norm.weight")}
-    attention_bias = getattr(config, "attention_bias", False)
-    mlp_bias = getattr(config, "mlp_bias", False)
     for i in range(config.num_hidden_layers):
         hf, ours = f"{m}layers.{i}.", f"layers.{i}."
-        fused = {"self_attn.qkv": [f"self_attn.{p}_proj" for p in "qkv"], "mlp.gate_up": ["mlp.gate_proj", "mlp.up_proj"]}
-        for name, parts in fused.items():
-            out[f"{ours}{name}.weight"] = Source.of(*(f"{hf}{p}.weight" for p in parts))
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            out[f"{ours}{name}.weight"] = Source.of(f"{hf}{name}.weight")
-        biased = (["self_attn.qkv", "self_attn.o_proj"] if attention_bias else []) + \
-                 (["mlp.gate_up", "mlp.down_proj"] if mlp_bias else [])
-        for name in biased:
-            parts = fused.get(name, [name])
-            out[f"{ours}{name}.bias"] = Source.of(*(f"{hf}{p}.bias" for p in parts))
+        for p in params(bias if qkv_bias is None else qkv_bias):
+            out[f"{ours}self_attn.qkv.{p}"] = Source.of(*(f"{hf}self_attn.{x}_proj.{p}" for x in "qkv"))
+        for p in params(bias if out_bias is None else out_bias):
+            out[f"{ours}self_attn.o_proj.{p}"] = Source.of(f"{hf}self_attn.o_proj.{p}")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{ours}{norm}.weight"] = Source.of(f"{hf}{norm}.weight")
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = Source.of("lm_head.weight")
+    return out
+
+
+def dense_mlp(hf: str, ours: str, bias: bool = False) -> dict[str, Source]:
+    """A SwiGLU MLP: HF `{hf}{gate,up}_proj` fused into our `{ours}gate_up`, `{hf}down_proj` one to one."""
+    out = {}
+    for p in params(bias):
+        out[f"{ours}gate_up.{p}"] = Source.of(f"{hf}gate_proj.{p}", f"{hf}up_proj.{p}")
+        out[f"{ours}down_proj.{p}"] = Source.of(f"{hf}down_proj.{p}")
     return out

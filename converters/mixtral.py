@@ -11,19 +11,15 @@ experts opens only the tensors of the experts it owns.
 """
 from __future__ import annotations
 
-from .llama import hf_sources as llama_sources
+from .llama import attention_and_norms
 from .source import Source
 
 HF_PREFIX = "model."
 IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)
 
 
-def _attention_and_norms(config) -> dict[str, Source]:
-    return {k: v for k, v in llama_sources(config).items() if ".mlp." not in k}
-
-
 def hf_sources(config) -> dict[str, Source]:
-    out = _attention_and_norms(config)
+    out = attention_and_norms(config)
     experts = range(config.num_local_experts)
     for i in range(config.num_hidden_layers):
         hf, ours = f"{HF_PREFIX}layers.{i}.block_sparse_moe.", f"layers.{i}.mlp."
@@ -37,7 +33,7 @@ def hf_sources(config) -> dict[str, Source]:
 
 def module_sources(config) -> dict[str, Source]:
     """Our names -> the parameter names of a transformers MixtralForCausalLM in memory (e.g. its gradients)."""
-    out = _attention_and_norms(config)
+    out = attention_and_norms(config)
     for i in range(config.num_hidden_layers):
         for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj"):
             out[f"layers.{i}.mlp.{name}"] = Source.of(f"{HF_PREFIX}layers.{i}.mlp.{name}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from colozoo.models.qwen2_moe import is_sparse
 
+from .llama import attention_and_norms, dense_mlp
 from .source import Source
 
 HF_PREFIX = "model."
@@ -20,29 +21,17 @@ IGNORED_HF = ()
 
 
 def _common(config) -> dict[str, Source]:
-    m = HF_PREFIX
-    out = {"embed_tokens.weight": Source.of(f"{m}embed_tokens.weight"), "norm.weight": Source.of(f"{m}norm.weight")}
+    """Everything but the stacked experts (biases on q/k/v only, as models.qwen2_moe builds its attention)."""
+    out = attention_and_norms(config, qkv_bias=config.qkv_bias, out_bias=False)
     for i in range(config.num_hidden_layers):
-        hf, ours = f"{m}layers.{i}.", f"layers.{i}."
-        out[f"{ours}self_attn.qkv.weight"] = Source.of(*(f"{hf}self_attn.{p}_proj.weight" for p in "qkv"))
-        if config.qkv_bias:
-            out[f"{ours}self_attn.qkv.bias"] = Source.of(*(f"{hf}self_attn.{p}_proj.bias" for p in "qkv"))
-        out[f"{ours}self_attn.o_proj.weight"] = Source.of(f"{hf}self_attn.o_proj.weight")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{ours}{norm}.weight"] = Source.of(f"{hf}{norm}.weight")
-        mlp = f"{hf}mlp."
-        if is_sparse(config, i):
-            out[f"{ours}mlp.gate.weight"] = Source.of(f"{mlp}gate.weight")
-            if config.shared_expert_intermediate_size:
-                out[f"{ours}mlp.shared_expert.gate_up.weight"] = Source.of(f"{mlp}shared_expert.gate_proj.weight",
-                                                                           f"{mlp}shared_expert.up_proj.weight")
-                out[f"{ours}mlp.shared_expert.down_proj.weight"] = Source.of(f"{mlp}shared_expert.down_proj.weight")
-                out[f"{ours}mlp.shared_expert_gate.weight"] = Source.of(f"{mlp}shared_expert_gate.weight")
-        else:
-            out[f"{ours}mlp.gate_up.weight"] = Source.of(f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")
-            out[f"{ours}mlp.down_proj.weight"] = Source.of(f"{mlp}down_proj.weight")
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = Source.of("lm_head.weight")
+        mlp, ours = f"{HF_PREFIX}layers.{i}.mlp.", f"layers.{i}.mlp."
+        if not is_sparse(config, i):
+            out.update(dense_mlp(mlp, ours))
+            continue
+        out[f"{ours}gate.weight"] = Source.of(f"{mlp}gate.weight")
+        if config.shared_expert_intermediate_size:
+            out.update(dense_mlp(f"{mlp}shared_expert.", f"{ours}shared_expert."))
+            out[f"{ours}shared_expert_gate.weight"] = Source.of(f"{mlp}shared_expert_gate.weight")
     return out
 
 

@@ -1,9 +1,11 @@
 """ViT names as transformers saves them (and as the published checkpoints have them):
-`[vit.]encoder.layer.{i}.attention.attention.{query,key,value}` (separate) <-> our fused `layers.{i}.qkv`.
+`[vit.]encoder.layer.{i}.attention.attention.{query,key,value}` (separate) <-> our fused `layers.{i}.self_attn.qkv`,
+the rest of a layer one to one onto our TransformerLayer (LAYER_PARTS).
 ViTModel has no `vit.` prefix and a pooler; ViTForImageClassification adds `classifier.*`. transformers >= 5
 renames them in memory (`vit.layers.{i}.attention.q_proj`, ...); NAME_ALIASES reads state dicts in that form."""
 from __future__ import annotations
 
+from .bert import architecture, layer_sources
 from .source import Source
 
 HF_PREFIX = "vit."
@@ -17,16 +19,12 @@ NAME_ALIASES = ((r"(^|\.)encoder\.layer\.(\d+)\.", r"\1layers.\2."),
                 (r"\.attention\.output\.dense\.", ".attention.o_proj."),
                 (r"\.intermediate\.dense\.", ".mlp.fc1."), (r"\.output\.dense\.", ".mlp.fc2."))
 
-LAYER_PARTS = {"o_proj": "attention.output.dense", "layernorm_before": "layernorm_before",
-               "layernorm_after": "layernorm_after", "fc1": "intermediate.dense", "fc2": "output.dense"}
-
-
-def architecture(config) -> str:
-    return (getattr(config, "architectures", None) or ["ViTModel"])[0]
+LAYER_PARTS = {"self_attn.out_proj": "attention.output.dense", "self_attn_layer_norm": "layernorm_before",
+               "final_layer_norm": "layernorm_after", "fc1": "intermediate.dense", "fc2": "output.dense"}
 
 
 def hf_sources(config) -> dict[str, Source]:
-    arch = architecture(config)
+    arch = architecture(config, "ViTModel")
     v = "" if arch == "ViTModel" else HF_PREFIX
     out = {"embeddings.cls_token": Source.of(f"{v}embeddings.cls_token"),
            "embeddings.position_embeddings": Source.of(f"{v}embeddings.position_embeddings")}
@@ -34,12 +32,8 @@ def hf_sources(config) -> dict[str, Source]:
         out[f"embeddings.projection.{p}"] = Source.of(f"{v}embeddings.patch_embeddings.projection.{p}")
         out[f"layernorm.{p}"] = Source.of(f"{v}layernorm.{p}")
     for i in range(config.num_hidden_layers):
-        hf, ours = f"{v}encoder.layer.{i}.", f"layers.{i}."
-        for p in ("weight", "bias") if config.qkv_bias else ("weight",):
-            out[f"{ours}qkv.{p}"] = Source.of(*(f"{hf}attention.attention.{x}.{p}" for x in ("query", "key", "value")))
-        for p in ("weight", "bias"):
-            for name, hf_name in LAYER_PARTS.items():
-                out[f"{ours}{name}.{p}"] = Source.of(f"{hf}{hf_name}.{p}")
+        out.update(layer_sources(f"{v}encoder.layer.{i}.", f"layers.{i}.", "attention.attention", LAYER_PARTS,
+                                 qkv_bias=config.qkv_bias))
     if arch == "ViTModel":
         for p in ("weight", "bias"):
             out[f"pooler.dense.{p}"] = Source.of(f"pooler.dense.{p}")

@@ -24,14 +24,20 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _collective_along(collective, x: torch.Tensor, dim: int, length: int, group) -> torch.Tensor:
+    """A single-tensor collective along `dim` (moved first, where the collective works), whose output is `length`
+    long there."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((length, *moved.shape[1:]))
+    collective(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    _all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _collective_along(_all_gather_single, x, dim, size * x.shape[dim], group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -40,10 +46,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"cannot reduce-scatter length {x.shape[dim]} over {size} ranks")
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    _reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _collective_along(_reduce_scatter_single, x, dim, x.shape[dim] // size, group)
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -76,48 +79,27 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
+def _mapping(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """An autograd op along a tensor dim: `forward_op(x, dim, group)` in forward, its adjoint in backward."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+    class AlongDim(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return forward_op(x, dim, group)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward_op(grad, ctx.dim, ctx.group), None, None
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
+    AlongDim.__name__ = AlongDim.__qualname__ = name
+    return AlongDim
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+_Split = _mapping("_Split", split, all_gather)
+_Gather = _mapping("_Gather", all_gather, split)
+_GatherFromSequence = _mapping("_GatherFromSequence", all_gather, reduce_scatter)
+_ReduceScatterToSequence = _mapping("_ReduceScatterToSequence", reduce_scatter, all_gather)
 
 
 def _active(group) -> bool:

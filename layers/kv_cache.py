@@ -63,7 +63,8 @@ class KVCache:
         return sum(k.numel() + v.numel() for k, v in self.buffers.values())
 
 
-def keys_values_mask(ctx, owner, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window: int | None = None):
+def keys_values_mask(ctx, owner, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                     window: int | None = None):
     """What an attention module attends over: its new k/v with the batch's mask, or, while generating
     (`ctx.cache`), every cached k/v with the cache's mask (causal order and window already in it).
     Returns (k, v, mask, causal) for `colozoo.layers.attention.attention`."""

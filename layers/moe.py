@@ -28,7 +28,7 @@ from colozoo.kernels import moe_permute, moe_unpermute, use_triton
 from .activations import get_gated_activation
 from .comm import (copy_to_parallel, gather_from_parallel, group_rank, group_size, reduce_from_parallel,
                    split_to_parallel)
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .mlp import GatedMLP
 from .shard import Split, shard
 
 
@@ -139,26 +139,11 @@ def all_to_all_rows(x, send_splits: list[int], recv_splits: list[int], group):
     return _AllToAllV.apply(x, send_splits, recv_splits, group)
 
 
-class SharedExpert(nn.Module):
-    """A dense SwiGLU MLP every token goes through (Qwen-MoE), tensor parallel like the experts."""
-
-    def __init__(self, hidden_size: int, inner_size: int, activation: str = "silu", *, tp_group=None, device=None,
-                 dtype=None):
-        super().__init__()
-        kw = dict(bias=False, group=tp_group, device=device, dtype=dtype)
-        self.gate_up = ColumnParallelLinear(hidden_size, 2 * inner_size, chunks=(inner_size, inner_size), **kw)
-        self.down_proj = RowParallelLinear(inner_size, hidden_size, **kw)
-        self.gated_act = get_gated_activation(activation)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.gated_act(gate, up))
-
-
 class MoE(nn.Module):
     """Router + experts for input (batch, seq, hidden); returns (output, router logits (tokens, experts)).
 
-    `shared_expert_size` adds Qwen-MoE's shared expert, scaled per token by sigmoid(shared_expert_gate(x))."""
+    `shared_expert_size` adds Qwen-MoE's shared expert (a GatedMLP every token goes through, tensor parallel like
+    the experts), scaled per token by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, hidden_size: int, inner_size: int, num_experts: int, top_k: int, *, activation="silu",
                  normalize_top_k: bool = True, capacity_factor: float | None = None,
@@ -174,8 +159,8 @@ class MoE(nn.Module):
                                       tp_group=tp_group, device=device, dtype=dtype)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_size:
-            self.shared_expert = SharedExpert(hidden_size, shared_expert_size, activation, tp_group=tp_group,
-                                              device=device, dtype=dtype)
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_size, activation, group=tp_group,
+                                          device=device, dtype=dtype)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor):

@@ -1,4 +1,5 @@
-"""Shard specs: every parameter declares how it is split over the mesh (DESIGN.md principle 2).
+"""Shard specs: every parameter declares, once and on itself, how it is split over the mesh; converters,
+checkpoint I/O, gradient clipping and the profiler read that declaration instead of slicing by name.
 
 A spec is a tuple of `Split`s stored on the parameter as `param.shard_spec`. Each split names a mesh
 dimension ("tp" or "ep"), the tensor dimension it cuts, optionally the fused parts inside that dimension

@@ -1,6 +1,5 @@
-"""What every colozoo model shares: the output type, the batch context, dropout under model parallelism,
-and the three-part forward (embed on the first stage, blocks on every stage, head on the last) that
-pipeline stages reuse.
+"""What every colozoo model shares: the output type, the batch context, config checks, and the three-part
+forward (embed on the first stage, blocks on every stage, head on the last) that pipeline stages reuse.
 
 A model knows only its layers. How it runs on its mesh (pipeline stages and schedules, context-parallel
 sharding of the batch, data-parallel wrapping, the training step, saving) is the business of the layers
@@ -12,12 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from colozoo.core.mesh import ParallelContext, single_process
 from colozoo.core.partition import model_rank_layers
-from colozoo.core.rng import get_rng_tracker
+from colozoo.layers.dropout import dropout  # noqa: F401 (the families import it from here)
 
 
 @dataclass
@@ -54,16 +52,6 @@ class BatchContext:
         self.dense_mask = value
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
-    """Dropout whose mask agrees across tp ranks for replicated activations and differs for sharded ones."""
-    if not training or p == 0.0:
-        return x
-    if sharded:
-        with get_rng_tracker().fork(device_type=x.device.type):
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
-
-
 class UnsupportedConfig(ValueError):
     """A transformers option this family does not implement."""
 
@@ -71,6 +59,14 @@ class UnsupportedConfig(ValueError):
 def require(condition: bool, message: str):
     if not condition:
         raise UnsupportedConfig(message)
+
+
+def default_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`position_ids`, or 0..seq-1 for every sequence of the batch."""
+    if position_ids is not None:
+        return position_ids
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).expand(b, s)
 
 
 def check_divisible(what: str, value: int, tp: int):
@@ -106,7 +102,10 @@ class ParallelModel(nn.Module):
     def sequence_parallel(self) -> bool:
         return self.pc.sequence_parallel
 
-    def check_sequence(self, seq_len: int):
+    def check_sequence(self, seq_len: int, max_positions: int | None = None):
+        """The sequence fits a learned position table of `max_positions` rows (if any) and sequence parallelism."""
+        if max_positions is not None and seq_len > max_positions:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings={max_positions}")
         if self.sequence_parallel and seq_len % self.pc.tp_size:
             raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.pc.tp_size}")
 

@@ -1,7 +1,8 @@
 """BERT: word + position + token-type embeddings, post-LayerNorm encoder blocks, pooler, and task heads.
 
-    embeddings (word: vocab-parallel) -> LayerNorm -> [qkv column -> bidirectional attention -> out row -> + -> LayerNorm
-                                                      -> intermediate column -> act -> output row -> + -> LayerNorm] x n
+    embeddings (word: vocab-parallel) -> LayerNorm
+        -> [self_attn (qkv column -> bidirectional attention -> out_proj row) -> + -> LayerNorm
+            -> fc1 column -> act -> fc2 row -> + -> LayerNorm] x n
     base:                    hidden states, pooler = tanh(dense(first token))
     masked_lm:               dense -> act -> LayerNorm -> vocab-parallel decoder (tied to the word embedding, own bias)
     sequence_classification: pooler -> dropout -> classifier (replicated; CE, MSE or BCE as transformers picks)
@@ -18,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                            VocabParallelLMHead, attention, build_attention_mask, gather_from_parallel,
-                            scatter_to_sequence, vocab_parallel_cross_entropy)
+from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding, VocabParallelLMHead,
+                            build_attention_mask, gather_from_parallel, scatter_to_sequence,
+                            vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions,
+                                 dropout, require)
 
 
 def resolve_task(cls, config, task: str | None) -> type:
@@ -95,39 +97,37 @@ class BertEmbeddings(nn.Module):
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
 
-class BertLayer(nn.Module):
-    attention_block = "self_attention"  # what selective activation checkpointing recomputes
+class EncoderLayer(TransformerLayer):
+    """A layer of BERT (post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm) or of ViT (pre-LayerNorm:
+    LayerNorm -> attention -> + -> LayerNorm -> MLP -> +), built from the config fields the two share."""
 
-    def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
-        h, inner = config.hidden_size, config.intermediate_size
-        self.head_dim = h // config.num_attention_heads
-        self.local_heads = config.num_attention_heads // pc.tp_size
-        self.attn_pdrop, self.hidden_pdrop = config.attention_probs_dropout_prob, config.hidden_dropout_prob
-        self.sharded_resid = pc.sequence_parallel
+    def __init__(self, config, pc, pre_norm: bool, device=None, dtype=None):
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        self.qkv = ColumnParallelLinear(h, 3 * h, chunks=(h, h, h), **kw)
-        self.attention_output = RowParallelLinear(h, h, **kw)
-        self.attention_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.intermediate = ColumnParallelLinear(h, inner, activation=config.hidden_act, **kw)
-        self.output = RowParallelLinear(inner, h, **kw)
-        self.output_norm = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        attention = SelfAttention(config.hidden_size, config.num_attention_heads, getattr(config, "head_dim", None),
+                                  causal=False, qkv_bias=getattr(config, "qkv_bias", True),
+                                  dropout=config.attention_probs_dropout_prob, **kw)
+        super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
+                         pre_norm=pre_norm, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
 
-    def _dropout(self, x):
-        return dropout(x, self.hidden_pdrop, self.training, sharded=self.sharded_resid)
 
-    def self_attention(self, x, ctx):
-        qkv = self.qkv(x)
-        b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        attn = attention(q, k, v, ctx.mask, causal=False, scale=self.head_dim ** -0.5,
-                         dropout_p=self.attn_pdrop if self.training else 0.0)
-        return self.attention_output(attn.transpose(1, 2).reshape(b, s, -1))
+class EncoderModel(ParallelModel):
+    """What the encoders (BERT, ViT) share: a class per task head (TASKS, chosen from config.architectures, the
+    config marked with the class whose weights the model holds) and sequence parallelism, not context parallelism."""
 
-    def forward(self, x, ctx):
-        x, _ = self.attention_norm(self._dropout(self.self_attention(x, ctx)), residual=x)
-        x, _ = self.output_norm(self._dropout(self.output(self.intermediate(x))), residual=x)
-        return x
+    task = "base"
+    TASKS: dict[str, str] = {}
+    title = ""  # the family's name in messages
+
+    @classmethod
+    def for_task(cls, config, task=None):
+        return resolve_task(cls, config, task)
+
+    def __init__(self, config, pc=None, layer_ids=None):
+        super().__init__(with_architecture(config, self.TASKS[self.task]), pc, layer_ids)
+        require(self.pc.config.cp == 1,
+                f"context parallelism is not supported for {self.title} (use sequence parallelism)")
 
 
 class BertPooler(nn.Module):
@@ -139,36 +139,28 @@ class BertPooler(nn.Module):
         return torch.tanh(self.dense(hidden[:, 0]))
 
 
-class BertModel(ParallelModel):
+class BertModel(EncoderModel):
     """The encoder with its pooler: returns hidden_states and pooler_output (full sequence, on every rank)."""
 
-    family = "bert"
-    task = "base"
+    family, title = "bert", "BERT"
     TASKS = {"base": "BertModel", "masked_lm": "BertForMaskedLM",
              "sequence_classification": "BertForSequenceClassification"}
     ARCHITECTURE_ALIASES = {"BertForPreTraining": "masked_lm"}  # its NSP head is ignored when loading
     with_pooler = True
 
-    @classmethod
-    def for_task(cls, config, task=None):
-        return resolve_task(cls, config, task)
-
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        config = with_architecture(config, self.TASKS[self.task])
         super().__init__(config, pc, layer_ids)
-        pc = self.pc
+        config, pc = self.config, self.pc
         require(not config.is_decoder and not config.add_cross_attention,
                 "BERT as a decoder (is_decoder / add_cross_attention) is not supported")
         position_type = getattr(config, "position_embedding_type", "absolute")
         require(position_type == "absolute",
                 f"BERT position_embedding_type={position_type!r} is not supported (only 'absolute')")
-        require(pc.config.cp == 1, "context parallelism is not supported for BERT (use sequence parallelism)")
-        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
-        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = BertEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): BertLayer(config, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, pc, pre_norm=False, **kw)
+                                     for i in self.layer_ids})
         if self.is_last:
             self.build_head(config, pc, **kw)
 
@@ -184,12 +176,9 @@ class BertModel(ParallelModel):
         return {}
 
     def batch_context(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
-        b, s = input_ids.shape
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
-        self.check_sequence(s)
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        s = input_ids.shape[1]
+        self.check_sequence(s, self.config.max_position_embeddings)
+        position_ids = default_positions(input_ids, position_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         mask = build_attention_mask(attention_mask, s, causal=False)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                            VocabParallelLMHead, attention, build_attention_mask, scatter_to_sequence)
+                            VocabParallelLMHead, attention, build_attention_mask, merge_heads, scatter_to_sequence,
+                            split_heads)
 from colozoo.layers.kv_cache import keys_values_mask
-from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require)
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions,
+                                 dropout, require)
 
 
 class GPT2Attention(nn.Module):
@@ -33,13 +34,11 @@ class GPT2Attention(nn.Module):
         self.c_proj = RowParallelLinear(h, h, **kw)
 
     def forward(self, x, ctx: BatchContext):
-        qkv = self.c_attn(x)  # (b, s, 3 * local_heads * head_dim)
-        b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = split_heads(self.c_attn(x), self.local_heads, self.local_heads, self.head_dim)
         k, v, mask, causal = keys_values_mask(ctx, self, k, v)
         out = attention(q, k, v, mask, causal=causal, scale=self.scale, upcast=self.upcast, cp=ctx.cp,
                         dropout_p=self.attn_pdrop if self.training else 0.0)
-        out = self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = self.c_proj(merge_heads(out))
         return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)
 
 
@@ -60,6 +59,8 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
+    attention_block = "attn"  # what selective activation checkpointing recomputes
+
     def __init__(self, config, layer_idx, pc, device=None, dtype=None):
         super().__init__()
         norm = dict(eps=config.layer_norm_epsilon, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
@@ -100,12 +101,9 @@ class GPT2ForCausalLM(ParallelModel):
                                                sequence_parallel=pc.sequence_parallel, tied_embedding=tied, **kw)
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:
-        b, s = input_ids.shape
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
-        self.check_sequence(s)
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        s = input_ids.shape[1]
+        self.check_sequence(s, self.config.max_position_embeddings)
+        position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(build_attention_mask, attention_mask, s, causal=True)
         return BatchContext(attention_mask, dense_mask, position_ids, s)
 

@@ -4,6 +4,9 @@
                                       o_proj row) -> + post_attention_layernorm -> mlp(gate_up column, silu(gate) * up,
                                       down_proj row) -> +] x n -> norm -> lm_head (tied or not)
 
+One DecoderLayer serves every family on this decoder (Mixtral, Qwen2-MoE): a family picks each layer's attention
+options (`build_attention`: biases, sliding window) and its MLP (`build_mlp`: dense, experts, experts + shared).
+
 RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3, YaRN),
 written here from the formulas, not imported.
 """
@@ -16,12 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
-                            VocabParallelLMHead, attention)
 from colozoo.kernels import apply_rotary, use_triton
-from colozoo.layers.activations import get_gated_activation
+from colozoo.layers import (ColumnParallelLinear, GatedMLP, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+                            VocabParallelLMHead, attention, merge_heads, split_heads)
 from colozoo.layers.kv_cache import keys_values_mask
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, require
+from colozoo.layers.moe import MoE
+from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
+                                 default_positions, require)
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -175,64 +179,67 @@ class RopeBatchContext(BatchContext):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
+    """Grouped-query attention with RoPE. Families on this decoder set its options here: `qkv_bias` / `out_bias`
+    (default: config.attention_bias) and the sliding `window` (None: full causal attention)."""
+
+    def __init__(self, config, pc, device=None, dtype=None, *, qkv_bias: bool | None = None,
+                 out_bias: bool | None = None, window: int | None = None):
         super().__init__()
         h, tp, hd = config.hidden_size, pc.tp_size, head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.local_heads, self.local_kv_heads = hd, heads // tp, kv_heads // tp
         self.dropout_p = config.attention_dropout
-        self.window = getattr(config, "sliding_window", None)  # in ctx.mask without context parallelism
+        self.window = window  # in ctx.mask without context parallelism
         bias = getattr(config, "attention_bias", False)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias,
+        self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias if qkv_bias is None else qkv_bias,
                                         chunks=(heads * hd, kv_heads * hd, kv_heads * hd), **kw)
-        self.o_proj = RowParallelLinear(heads * hd, h, bias=bias, **kw)
+        self.o_proj = RowParallelLinear(heads * hd, h, bias=bias if out_bias is None else out_bias, **kw)
 
     def forward(self, x, ctx: RopeBatchContext):
-        qkv = self.qkv(x)
-        b, s, _ = qkv.shape
-        q_size, kv_size = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
-        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_kv_heads, self.head_dim)
         cos, sin = ctx.rope()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
         out = attention(q, k, v, mask, causal=causal, scale=self.head_dim ** -0.5, cp=ctx.cp, window=self.window,
                         dropout_p=self.dropout_p if self.training else 0.0)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(merge_heads(out))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
-        h, inner = config.hidden_size, config.intermediate_size
-        bias = getattr(config, "mlp_bias", False)
-        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        self.gate_up = ColumnParallelLinear(h, 2 * inner, bias=bias, chunks=(inner, inner), **kw)
-        self.down_proj = RowParallelLinear(inner, h, bias=bias, **kw)
-        self.gated_act = get_gated_activation(config.hidden_act)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.gated_act(gate, up))
+def dense_mlp(config, pc, device=None, dtype=None) -> GatedMLP:
+    """The dense SwiGLU MLP (gate_up column, silu(gate) * up, down_proj row)."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                    bias=getattr(config, "mlp_bias", False), group=pc.tp_group,
+                    sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
+class DecoderLayer(nn.Module):
+    """input_layernorm -> self_attn -> + post_attention_layernorm -> mlp -> +, for every family on this decoder.
+
+    The MLP is the family's: dense SwiGLU (LLaMA, Mistral, Qwen2-MoE's dense layers), a mixture of experts
+    (Mixtral), or experts plus a shared expert (Qwen2-MoE). A MoE returns (output, router logits); the logits
+    are appended to ctx.router_logits for the load-balancing loss."""
+
+    attention_block = "self_attn"  # what selective activation checkpointing recomputes
+
+    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
         super().__init__()
         norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
                     device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attn = LlamaAttention(config, pc, device, dtype)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = LlamaMLP(config, pc, device, dtype)
+        self.mlp = mlp
+        self.routed = isinstance(mlp, MoE)
 
     def forward(self, x, ctx):
         attn_out = self.self_attn(self.input_layernorm(x), ctx)
         mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
-        return x + self.mlp(mlp_in)
+        if not self.routed:
+            return x + self.mlp(mlp_in)
+        out, router_logits = self.mlp(mlp_in)
+        ctx.router_logits.append(router_logits)
+        return x + out
 
 
 def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None, device):
@@ -254,7 +261,6 @@ def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None,
 class LlamaForCausalLM(ParallelModel):
     family = "llama"
     tied_embedding = "embed_tokens.weight"
-    decoder_layer = LlamaDecoderLayer  # Mixtral swaps in its MoE layer
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
@@ -267,7 +273,7 @@ class LlamaForCausalLM(ParallelModel):
         check_divisible("the key/value heads (num_key_value_heads); grouped-query attention shards whole kv heads",
                         kv_heads, pc.tp_size)
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
-        self.sliding_window = getattr(config, "sliding_window", None)
+        self.sliding_window = self.attention_window(config)
         h = config.hidden_size
         kw = dict(device=device, dtype=dtype)
         sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
@@ -280,19 +286,30 @@ class LlamaForCausalLM(ParallelModel):
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
         self.rotary = RotaryEmbedding(config, device=device)
 
-    def build_layer(self, layer_idx: int, config, pc, **kw) -> nn.Module:
-        """Families on this decoder (Mixtral, Qwen2-MoE) override `decoder_layer` or this."""
-        return self.decoder_layer(config, pc, **kw)
+    def build_layer(self, layer_idx: int, config, pc, **kw) -> DecoderLayer:
+        return DecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
+                            self.build_mlp(layer_idx, config, pc, **kw), **kw)
+
+    def attention_window(self, config) -> int | None:
+        """The sliding attention window (None: full causal attention), in the mask and in every layer."""
+        return getattr(config, "sliding_window", None)
+
+    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        """Layer `layer_idx`'s attention; families on this decoder pass their options to LlamaAttention here."""
+        return LlamaAttention(config, pc, window=self.sliding_window, **kw)
+
+    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        """Layer `layer_idx`'s MLP: dense here, a mixture of experts in Mixtral and Qwen2-MoE."""
+        return dense_mlp(config, pc, **kw)
 
     def reset_buffers(self):
         """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
         self.rotary.reset_buffers()
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
-        b, s = input_ids.shape
+        s = input_ids.shape[1]
         self.check_sequence(s)
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
         return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
                                 rope_scale=self.rotary.attention_factor)

@@ -14,14 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 import torch
-from torch import nn
 
-from colozoo.layers import RMSNorm
 from colozoo.layers.moe import MoE, router_losses, router_statistics
 from colozoo.models.base import ModelOutput, UnsupportedConfig
 from colozoo.core.mesh import single_process
 
-from .llama import LlamaAttention, LlamaForCausalLM, RopeBatchContext
+from .llama import LlamaForCausalLM, RopeBatchContext
 
 
 class RouterLogits:
@@ -49,27 +47,6 @@ class MoEBatchContext(RopeBatchContext):
     router_logits: RouterLogits = field(default_factory=RouterLogits)
     output_router_logits: bool = False                 # compute the load-balancing loss
     router_stats_in: torch.Tensor | None = None        # router statistics of earlier pipeline stages' layers
-
-
-class MixtralDecoderLayer(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
-        norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
-                    device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attn = LlamaAttention(config, pc, device, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = MoE(config.hidden_size, config.intermediate_size, config.num_local_experts,
-                       config.num_experts_per_tok, activation=config.hidden_act,
-                       capacity_factor=getattr(config, "capacity_factor", None), ep_group=pc.group("ep"),
-                       tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-
-    def forward(self, x, ctx: MoEBatchContext):
-        attn_out = self.self_attn(self.input_layernorm(x), ctx)
-        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
-        out, router_logits = self.mlp(mlp_in)
-        ctx.router_logits.append(router_logits)
-        return x + out
 
 
 class MoECausalLM(LlamaForCausalLM):
@@ -129,9 +106,14 @@ class MoECausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(MoECausalLM):
     family = "mixtral"
-    decoder_layer = MixtralDecoderLayer
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         if getattr(config, "router_jitter_noise", 0.0):
             raise UnsupportedConfig("router_jitter_noise is not supported (set it to 0.0)")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+
+    def build_mlp(self, layer_idx, config, pc, device=None, dtype=None):
+        return MoE(config.hidden_size, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
+                   activation=config.hidden_act, capacity_factor=getattr(config, "capacity_factor", None),
+                   ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                   device=device, dtype=dtype)

@@ -14,12 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                            VocabParallelLMHead, attention, build_attention_mask, copy_to_parallel,
-                            scatter_to_sequence)
-from colozoo.layers.kv_cache import keys_values_mask
+from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding, VocabParallelLMHead,
+                            build_attention_mask, copy_to_parallel, scatter_to_sequence)
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
-                              dropout)
+                                 default_positions)
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 
@@ -41,60 +39,28 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, weight)
 
 
-class OPTAttention(nn.Module):
+class OPTAttention(SelfAttention):
     def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
         h = config.hidden_size
         if h % config.num_attention_heads:
             raise UnsupportedConfig(f"hidden_size ({h}) must be divisible by num_attention_heads "
                                     f"({config.num_attention_heads})")
-        self.head_dim = h // config.num_attention_heads
-        self.local_heads = config.num_attention_heads // pc.tp_size
-        self.scale = self.head_dim ** -0.5
-        self.attention_dropout = config.attention_dropout
-        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        self.qkv = ColumnParallelLinear(h, 3 * h, bias=config.enable_bias, chunks=(h, h, h), **kw)
-        self.out_proj = RowParallelLinear(h, h, bias=config.enable_bias, **kw)
-
-    def forward(self, x, ctx: BatchContext):
-        qkv = self.qkv(x)  # (b, s, 3 * local_heads * head_dim): this rank's heads of q, then of k, then of v
-        b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        k, v, mask, causal = keys_values_mask(ctx, self, k, v)
         # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
-        out = attention(q * self.scale, k, v, mask, causal=causal, scale=1.0, cp=ctx.cp,
-                        dropout_p=self.attention_dropout if self.training else 0.0)
-        return self.out_proj(out.transpose(1, 2).reshape(b, s, -1))
+        super().__init__(h, config.num_attention_heads, causal=True, qkv_bias=config.enable_bias,
+                         out_bias=config.enable_bias, dropout=config.attention_dropout, scale_query=True,
+                         group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
 
 
-class OPTDecoderLayer(nn.Module):
+class OPTDecoderLayer(TransformerLayer):
+    """Pre-LayerNorm, or post-LayerNorm (each norm after its residual add) for models like opt-350m."""
+
     def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
-        h = config.hidden_size
         check_divisible("the MLP width (ffn_dim)", config.ffn_dim, pc.tp_size)
-        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        norm = dict(elementwise_affine=config.layer_norm_elementwise_affine, **kw)
-        self.pre_norm = config.do_layer_norm_before
-        self.dropout_p, self.sharded_resid = config.dropout, pc.sequence_parallel
-        self.self_attn_layer_norm = LayerNorm(h, **norm)
-        self.self_attn = OPTAttention(config, pc, device, dtype)
-        self.final_layer_norm = LayerNorm(h, **norm)
-        self.fc1 = ColumnParallelLinear(h, config.ffn_dim, bias=config.enable_bias,
-                                        activation=config.activation_function, **kw)
-        self.fc2 = RowParallelLinear(config.ffn_dim, h, bias=config.enable_bias, **kw)
-
-    def _dropout(self, x):
-        return dropout(x, self.dropout_p, self.training, sharded=self.sharded_resid)
-
-    def forward(self, x, ctx):
-        if self.pre_norm:
-            attn_out = self._dropout(self.self_attn(self.self_attn_layer_norm(x), ctx))
-            mlp_in, x = self.final_layer_norm(attn_out, residual=x)  # x + attn_out, and that normalised
-            return x + self._dropout(self.fc2(self.fc1(mlp_in)))
-        # post-LayerNorm (opt-350m): each norm takes its residual sum
-        x, _ = self.self_attn_layer_norm(self._dropout(self.self_attn(x, ctx)), residual=x)
-        x, _ = self.final_layer_norm(self._dropout(self.fc2(self.fc1(x))), residual=x)
-        return x
+        super().__init__(OPTAttention(config, pc, device, dtype), config.hidden_size, config.ffn_dim,
+                         activation=config.activation_function, pre_norm=config.do_layer_norm_before,
+                         dropout=config.dropout, bias=config.enable_bias,
+                         norm_affine=config.layer_norm_elementwise_affine, group=pc.tp_group,
+                         sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
 
 
 class OPTForCausalLM(ParallelModel):
@@ -126,19 +92,16 @@ class OPTForCausalLM(ParallelModel):
             self.lm_head = VocabParallelLMHead(proj_dim, config.vocab_size, tied_embedding=tied, **sp, **kw)
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:
-        b, s = input_ids.shape
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}")
-        self.check_sequence(s)
+        s = input_ids.shape[1]
+        self.check_sequence(s, self.config.max_position_embeddings)
         if self.training and self.config.layerdrop > 0:
             raise UnsupportedConfig(f"OPT layerdrop={self.config.layerdrop} in training is not supported "
                                     f"(set config.layerdrop = 0)")
-        if position_ids is None:
-            if attention_mask is None:
-                position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-            else:  # positions count real tokens only; padding gets -1 (row 1 of the table), as in OPT
-                mask = attention_mask.long()
-                position_ids = mask.cumsum(dim=1) * mask - 1
+        if position_ids is None and attention_mask is not None:
+            # positions count real tokens only; padding gets -1 (row 1 of the table), as in OPT
+            mask = attention_mask.long()
+            position_ids = mask.cumsum(dim=1) * mask - 1
+        position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(build_attention_mask, attention_mask, s, causal=True)
         return BatchContext(attention_mask, dense_mask, position_ids, s)
 

@@ -7,59 +7,16 @@ with un-normalised top-k weights (unless norm_topk_prob) plus a shared expert ga
 """
 from __future__ import annotations
 
-from torch import nn
-
-from colozoo.layers import ColumnParallelLinear, RMSNorm
 from colozoo.layers.moe import MoE
 from colozoo.models.base import UnsupportedConfig
 
-from .llama import LlamaAttention, LlamaMLP
+from .llama import LlamaAttention, dense_mlp
 from .mixtral import MoECausalLM
 
 
 def is_sparse(config, layer_idx: int) -> bool:
     return (layer_idx not in (config.mlp_only_layers or []) and config.num_experts > 0
             and (layer_idx + 1) % config.decoder_sparse_step == 0)
-
-
-class Qwen2MoeAttention(LlamaAttention):
-    def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__(config, pc, device, dtype)
-        self.window = None  # the config's sliding_window is 0 when unused; sliding layers are refused
-        h, hd = config.hidden_size, self.head_dim
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=config.qkv_bias,
-                                        chunks=(heads * hd, kv_heads * hd, kv_heads * hd), group=pc.tp_group,
-                                        sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-
-
-class Qwen2MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, pc, device=None, dtype=None):
-        super().__init__()
-        norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
-                    device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attn = Qwen2MoeAttention(config, pc, device, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.sparse = is_sparse(config, layer_idx)
-        if self.sparse:
-            self.mlp = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                           config.num_experts_per_tok, activation=config.hidden_act,
-                           normalize_top_k=config.norm_topk_prob,
-                           shared_expert_size=config.shared_expert_intermediate_size or None,
-                           ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
-                           device=device, dtype=dtype)
-        else:
-            self.mlp = LlamaMLP(config, pc, device, dtype)
-
-    def forward(self, x, ctx):
-        attn_out = self.self_attn(self.input_layernorm(x), ctx)
-        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
-        if not self.sparse:
-            return x + self.mlp(mlp_in)
-        out, router_logits = self.mlp(mlp_in)
-        ctx.router_logits.append(router_logits)
-        return x + out
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):
@@ -70,7 +27,17 @@ class Qwen2MoeForCausalLM(MoECausalLM):
         if getattr(config, "use_sliding_window", False):
             raise UnsupportedConfig("Qwen2-MoE with use_sliding_window=True is not supported")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
-        self.sliding_window = None  # 0 in the config when unused, which would mask everything
 
-    def build_layer(self, layer_idx, config, pc, **kw):
-        return Qwen2MoeDecoderLayer(config, layer_idx, pc, **kw)
+    def attention_window(self, config):
+        return None  # sliding layers are refused; the config's sliding_window (0 when unused) would mask everything
+
+    def build_attention(self, layer_idx, config, pc, **kw):
+        return LlamaAttention(config, pc, qkv_bias=config.qkv_bias, window=self.sliding_window, **kw)  # no o_proj bias
+
+    def build_mlp(self, layer_idx, config, pc, device=None, dtype=None):
+        if not is_sparse(config, layer_idx):
+            return dense_mlp(config, pc, device, dtype)
+        return MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+                   activation=config.hidden_act, normalize_top_k=config.norm_topk_prob,
+                   shared_expert_size=config.shared_expert_intermediate_size or None, ep_group=pc.group("ep"),
+                   tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)

@@ -1,7 +1,7 @@
 """ViT: patch-embedding convolution, CLS token, learned positions, pre-LayerNorm encoder blocks, task heads.
 
-    conv patches (replicated) -> [CLS, patches] + positions -> [layernorm_before -> qkv column -> bidirectional
-    attention -> o_proj row -> + layernorm_after -> fc1 column -> act -> fc2 row -> +] x n -> layernorm
+    conv patches (replicated) -> [CLS, patches] + positions -> [LayerNorm -> self_attn (qkv column -> bidirectional
+    attention -> out_proj row) -> + LayerNorm -> fc1 column -> act -> fc2 row -> +] x n -> layernorm
     base:                 hidden states, pooler = act(dense(CLS))
     image_classification: classifier(CLS) (replicated; CE, MSE or BCE as transformers picks)
 
@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, attention, gather_from_parallel,
-                            scatter_to_sequence)
+from colozoo.layers import LayerNorm, gather_from_parallel, scatter_to_sequence
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel, check_divisible, dropout, require
+from colozoo.models.base import BatchContext, ModelOutput, dropout, require
 
-from .bert import classification_loss, resolve_task, with_architecture
+from .bert import EncoderLayer, EncoderModel, classification_loss
 
 
 def pair(x):
@@ -53,43 +52,6 @@ class ViTEmbeddings(nn.Module):
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
 
-class ViTLayer(nn.Module):
-    attention_block = "self_attention"  # what selective activation checkpointing recomputes
-
-    def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
-        h, inner = config.hidden_size, config.intermediate_size
-        heads = config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or h // heads
-        self.local_heads = heads // pc.tp_size
-        self.attn_pdrop, self.hidden_pdrop = config.attention_probs_dropout_prob, config.hidden_dropout_prob
-        self.sharded_resid = pc.sequence_parallel
-        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        width = heads * self.head_dim
-        self.layernorm_before = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.qkv = ColumnParallelLinear(h, 3 * width, bias=config.qkv_bias, chunks=(width, width, width), **kw)
-        self.o_proj = RowParallelLinear(width, h, **kw)
-        self.layernorm_after = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.fc1 = ColumnParallelLinear(h, inner, activation=config.hidden_act, **kw)
-        self.fc2 = RowParallelLinear(inner, h, **kw)
-
-    def _dropout(self, x):
-        return dropout(x, self.hidden_pdrop, self.training, sharded=self.sharded_resid)
-
-    def self_attention(self, x, ctx):
-        qkv = self.qkv(self.layernorm_before(x))
-        b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        attn = attention(q, k, v, ctx.mask, causal=False, scale=self.head_dim ** -0.5,
-                         dropout_p=self.attn_pdrop if self.training else 0.0)
-        return self.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
-
-    def forward(self, x, ctx):
-        attn_out = self._dropout(self.self_attention(x, ctx))
-        mlp_in, x = self.layernorm_after(attn_out, residual=x)  # x + attn_out, and that normalised
-        return x + self._dropout(self.fc2(self.fc1(mlp_in)))
-
-
 class ViTPooler(nn.Module):
     def __init__(self, config, device=None, dtype=None):
         super().__init__()
@@ -100,29 +62,21 @@ class ViTPooler(nn.Module):
         return self.act(self.dense(hidden[:, 0]))
 
 
-class ViTModel(ParallelModel):
+class ViTModel(EncoderModel):
     """The encoder with its pooler: returns hidden_states (CLS + patches) and pooler_output on every rank.
     Called as model(pixel_values, labels=None, return_logits=False)."""
 
-    family = "vit"
-    task = "base"
+    family, title = "vit", "ViT"
     TASKS = {"base": "ViTModel", "image_classification": "ViTForImageClassification"}
 
-    @classmethod
-    def for_task(cls, config, task=None):
-        return resolve_task(cls, config, task)
-
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        config = with_architecture(config, self.TASKS[self.task])
         super().__init__(config, pc, layer_ids)
-        pc = self.pc
-        require(pc.config.cp == 1, "context parallelism is not supported for ViT (use sequence parallelism)")
-        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
-        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
+        config, pc = self.config, self.pc
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = ViTEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): ViTLayer(config, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, pc, pre_norm=True, **kw)
+                                     for i in self.layer_ids})
         if self.is_last:
             self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=pc.tp_group,
                                        sequence_parallel=pc.sequence_parallel, **kw)

@@ -137,26 +137,22 @@ class ParallelContext:
         self.groups["edp"], self.ranks["edp"] = self._expert_data_group()
 
     def _expert_group(self):
-        """Split every dp*cp group into consecutive groups of ep ranks (all ranks must create all groups)."""
+        """Split every dp*cp group into consecutive groups of ep ranks: the ranks that exchange tokens."""
         ep = self.config.ep
-        mesh = self.mesh.mesh  # (pp, dp, cp, tp) tensor of global ranks
-        dp_cp_lists = mesh.permute(0, 3, 1, 2).reshape(-1, self.config.dp * self.config.cp).tolist()
-        subgroups = [ranks[i : i + ep] for ranks in dp_cp_lists for i in range(0, len(ranks), ep)]
-        me = dist.get_rank()
-        mine = None
-        for ranks in subgroups:
-            group = dist.new_group(ranks)
-            if me in ranks:
-                mine, my_rank = group, ranks.index(me)
-        return mine, my_rank
+        return self._dp_cp_subgroups(lambda ranks: [ranks[i : i + ep] for i in range(0, len(ranks), ep)])
 
     def _expert_data_group(self):
         """The ranks of a dp*cp group holding the same experts (same ep rank): where expert gradients are reduced."""
         ep = self.config.ep
-        mesh = self.mesh.mesh
+        return self._dp_cp_subgroups(lambda ranks: [ranks[j::ep] for j in range(ep)])
+
+    def _dp_cp_subgroups(self, subgroups_of):
+        """Create the groups `subgroups_of(ranks)` cuts from every dp*cp group's ranks (collective: every rank
+        creates every group, in the same order); return this rank's group and its rank in it."""
+        mesh = self.mesh.mesh  # (pp, dp, cp, tp) tensor of global ranks
         dp_cp_lists = mesh.permute(0, 3, 1, 2).reshape(-1, self.config.dp * self.config.cp).tolist()
         me, mine = dist.get_rank(), (None, 0)
-        for ranks in (ranks[j::ep] for ranks in dp_cp_lists for j in range(ep)):
+        for ranks in (sub for dp_cp in dp_cp_lists for sub in subgroups_of(dp_cp)):
             group = dist.new_group(ranks)
             if me in ranks:
                 mine = group, ranks.index(me)

@@ -1,0 +1,177 @@
+"""Generation speed: prefill and decode tokens/s of colozoo's generate against transformers' generate.
+
+tp=1: the same LLaMA-shaped model (same weights, batch, prompts, threads) in one process, greedy, both sides
+timed the same way: prefill = the time of generate(max_new_tokens=1), decode tokens/s = (new - 1) x batch over
+generate(new) minus that. tp=2: two gloo processes of one thread each, colozoo's tensor parallelism against
+transformers' native one (from_pretrained(tp_plan="auto")). The generated tokens must agree; the KV-cache bytes
+per rank are reported with their formula.
+
+    python bench/generate.py [--hidden 512] [--layers 4] [--batch 4] [--prompt 64] [--new 32] [--repeats 3]
+    python bench/generate.py --tp 1            # only the one-process case
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import transformers  # noqa: E402
+
+
+def llama_config(args):
+    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                    num_key_value_heads=args.heads // 2, max_position_embeddings=4096,
+                                    pad_token_id=0)
+
+
+def prompts(args):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, args.vocab, (args.batch, args.prompt), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(args.batch):  # left padding of different lengths
+        mask[row, : row * args.prompt // (2 * args.batch)] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def timed(generate, repeats: int, new: int):
+    """(median prefill seconds, median seconds of the whole generate(new), the tokens)."""
+    first, whole, tokens = [], [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generate(1)
+        first.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        tokens = generate(new)
+        whole.append(time.perf_counter() - start)
+    return statistics.median(first), statistics.median(whole), tokens
+
+
+def rates(prefill_s, whole_s, args, prompt_tokens):
+    return {"prefill_tokens_per_s": prompt_tokens / prefill_s,
+            "decode_tokens_per_s": (args.new - 1) * args.batch / max(whole_s - prefill_s, 1e-9),
+            "prefill_s": prefill_s, "generate_s": whole_s}
+
+
+def measure(ours, hf, ids, mask, args, pc=None):
+    options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    ours_gen = lambda n: ours.generate(ids, attention_mask=mask, max_new_tokens=n, **options)  # noqa: E731
+    hf_gen = lambda n: hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, **options)  # noqa: E731
+    for warm in (ours_gen, hf_gen):
+        warm(2)
+    results = {"ours": [], "hf": []}
+    tokens = {}
+    for _ in range(args.repeats):  # alternate, so noise hits both sides alike
+        for side, fn in (("ours", ours_gen), ("hf", hf_gen)):
+            p, w, tokens[side] = timed(fn, 1, args.new)
+            results[side].append((p, w))
+    prompt_tokens = int(mask.sum())
+    out = {}
+    for side, runs in results.items():
+        p, w = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        out[side] = rates(p, w, args, prompt_tokens)
+    out["same_tokens"] = bool(torch.equal(tokens["ours"], tokens["hf"]))
+    return out
+
+
+def cache_bytes(model, config, args, tp):
+    head_dim = config.hidden_size // config.num_attention_heads
+    formula = (2 * config.num_hidden_layers * (config.num_key_value_heads // tp) * head_dim
+               * (args.prompt + args.new) * args.batch * 4)
+    return model.run.last_generation["cache_elements"] * 4, formula
+
+
+def report(case, config_fields, metrics, peer):
+    ours, hf = metrics["ours"], metrics["hf"]
+    print(json.dumps({"bench": f"generate/{case}", "config": config_fields,
+                      "metrics": {**{f"colozoo_{k}": v for k, v in ours.items()},
+                                  **{f"hf_{k}": v for k, v in hf.items()},
+                                  **{k: v for k, v in metrics.items() if k not in ("ours", "hf")}},
+                      "peer": peer,
+                      "ratio": ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"],
+                      "prefill_ratio": ours["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]}), flush=True)
+
+
+def one_process(args):
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+
+    torch.set_num_threads(args.threads)
+    config = llama_config(args)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ours = build_model(config, device="meta")
+    load_hf_weights(ours, StateDictReader(hf.state_dict()), device="cpu")
+    ids, mask = prompts(args)
+    with torch.no_grad():
+        metrics = measure(ours.eval(), hf, ids, mask, args)
+    metrics["kv_cache_bytes"], metrics["kv_cache_bytes_formula"] = cache_bytes(ours, config, args, 1)
+    report("tp1", dict(vars(args), tp=1), metrics, "transformers generate (LlamaForCausalLM, sdpa, DynamicCache)")
+
+
+def _tp_rank(rank, world, port, path, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import colozoo
+
+    ours = colozoo.from_pretrained(path, tp=world).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+    ids, mask = prompts(args)
+    with torch.no_grad():
+        metrics = measure(ours, hf, ids, mask, args)
+    metrics["kv_cache_bytes"], metrics["kv_cache_bytes_formula"] = cache_bytes(ours, ours.config, args, world)
+    queue.put((rank, metrics))
+
+
+def tensor_parallel(args, world=2):
+    config = llama_config(args)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as path:
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_tp_rank, args=(r, world, port, path, args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=900) for _ in procs)
+        for p in procs:
+            p.join()
+    report("tp2", dict(vars(args), tp=world, threads_per_rank=1), results[0],
+           "transformers generate with its native tensor parallelism (tp_plan='auto', gloo)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=None, help="only this case (default: both)")
+    args = parser.parse_args()
+    if args.tp in (None, 1):
+        one_process(args)
+    if args.tp in (None, 2):
+        tensor_parallel(args)
+
+
+if __name__ == "__main__":
+    main()
