@@ -26,6 +26,7 @@ demo: setup
 	$(PY) -m colozoo.demo_finetune
 
 bench: setup
+	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) bench/run.py
 
 clean:

@@ -147,7 +147,15 @@ def tensor_parallel(args, world=2):
         procs = [ctx.Process(target=_tp_rank, args=(r, world, port, path, args, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        results = dict(queue.get(timeout=900) for _ in procs)
+        results = {}
+        while len(results) < world:
+            try:
+                rank, metrics = queue.get(timeout=10)
+                results[rank] = metrics
+            except Exception:  # queue.Empty: is a rank dead?
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"a tensor-parallel rank failed (exit codes {dead}); see its traceback above")
         for p in procs:
             p.join()
     report("tp2", dict(vars(args), tp=world, threads_per_rank=1), results[0],

@@ -130,6 +130,11 @@ def main(argv=None) -> int:
     evals = [r for r in read_metrics(output / "metrics.jsonl") if "eval_loss" in r]
     print(f"      train loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
           f"eval perplexity {evals[0]['eval_ppl']:.1f} -> {evals[-1]['eval_ppl']:.1f} (before -> after); curve: {output / 'loss.png'}")
+    samples = [json.loads(line) for line in (output / "samples.jsonl").read_text().splitlines()]
+    first = [r for r in samples if r["prompt"] == samples[0]["prompt"]]
+    print(f"      what it writes after {first[0]['prompt']!r}:")
+    print(f"        before: {first[0]['completion']!r}")
+    print(f"        after:  {first[-1]['completion']!r}  (all samples: {output / 'samples.jsonl'})")
     print("[4/4] loading the export with transformers and comparing logits with the colozoo model")
     diff = check_export(output)
     ok = diff < 1e-5 and losses[-1] < losses[0]

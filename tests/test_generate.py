@@ -114,6 +114,27 @@ def test_seeded_sampling_is_identical_on_every_rank_and_across_runs():
     assert other[0] != ranks[0], "another seed should sample other tokens"
 
 
+def unseeded(tp):
+    """Without a seed: the same tokens on every rank, and every rank's global generator advanced alike (dropout
+    masks of replicated activations must keep agreeing across tp ranks after a generate during training)."""
+    pc = init_parallel(tp=tp)
+    config, hf, model = ours_and_hf("llama", pc)
+    ids, mask = prompts(config.vocab_size)
+    torch.manual_seed(11)
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=None)
+    after_greedy = torch.get_rng_state()
+    torch.manual_seed(11)
+    assert torch.equal(after_greedy, torch.get_rng_state()), "greedy decoding must not draw random numbers"
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, pad_token_id=0,
+                            eos_token_id=None)
+    return greedy.tolist(), tokens.tolist(), torch.rand(3).tolist()
+
+
+def test_unseeded_sampling_agrees_across_ranks_and_keeps_their_generators_in_step():
+    ranks = run_distributed(unseeded, 2, 2, timeout=TIMEOUT)
+    assert ranks[0] == ranks[1]
+
+
 def cache_elements(tp, pp):
     pc = init_parallel(tp=tp, pp=pp)
     config, hf, model = ours_and_hf("llama", pc)

@@ -49,6 +49,8 @@ class FinetuneConfig:
     log_interval: int = 1
     eval_interval: int = 0              # 0: evaluate only at the end
     eval_batches: int = 8
+    samples: int = 3                    # causal LM: greedy continuations of this many held-out prompts per eval
+    sample_tokens: int = 24             # new tokens per sample
     save_interval: int = 0              # 0: only the final checkpoint
     keep_last: int = 2
     resume: bool = True                 # pick up the newest complete checkpoint in output/checkpoints
@@ -124,6 +126,9 @@ _HELP = {
     "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end",
     "peak_tflops": "peak TFLOP/s of one device, for the MFU estimate",
     "stop_after": "save and stop at this step, as if interrupted (resume later with the same command)",
+    "samples": "causal LM: at every evaluation print (and append to OUTPUT/samples.jsonl) greedy continuations of "
+               "this many held-out prompts (0: none)",
+    "sample_tokens": "new tokens per sample",
 }
 
 

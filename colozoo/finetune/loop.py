@@ -18,7 +18,7 @@ import torch.distributed as dist
 from colozoo.runtime.amp import DynamicLossScaler
 from colozoo.runtime.offload import OffloadedAdamW
 from colozoo.finetune import data as D
-from colozoo.finetune import runtime, state
+from colozoo.finetune import runtime, samples, state
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
 from colozoo.finetune.schedule import build_scheduler
@@ -214,9 +214,21 @@ def run(cfg: FinetuneConfig) -> dict:
                                          extra={"total_steps": total_steps}, keep_last=cfg.keep_last,
                                          scaler=scaler)
 
+    prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2) if cfg.task == "lm" else None
+    if prompts is not None and samples.why_no_samples(model):
+        reporter.print(f"no samples: {samples.why_no_samples(model)}")
+        prompts = None
+
+    def evaluation_at(step):
+        results = evaluate(model, evaluation, cfg)
+        reporter.evaluation(step, results)
+        if prompts is not None:
+            samples.write_samples(model, prompts, tokenizer, step, output, cfg.sample_tokens, reporter, rank0)
+        return results
+
     step, saved_at, stopped = start, None, False
     if start == 0 and evaluation is not None and cfg.eval_interval:
-        reporter.evaluation(0, evaluate(model, evaluation, cfg))  # the baseline the fine-tuning improves on
+        evaluation_at(0)  # the baseline the fine-tuning improves on
     try:
         with Interrupt() as interrupt:
             while step < total_steps:
@@ -242,7 +254,7 @@ def run(cfg: FinetuneConfig) -> dict:
                                   global_batch, **amp)
                 if evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 \
                         and step < total_steps:
-                    reporter.evaluation(step, evaluate(model, evaluation, cfg))
+                    evaluation_at(step)
                 stopped = interrupt.agreed(pc.device) or step == cfg.stop_after
                 if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total_steps:
                     save(step)
@@ -258,9 +270,7 @@ def run(cfg: FinetuneConfig) -> dict:
         reporter.print(f"stopped at step {step}/{total_steps}; checkpoint saved. Run the same command to resume.")
     else:
         if evaluation is not None:
-            results = evaluate(model, evaluation, cfg)
-            reporter.evaluation(step, results)
-            summary.update(results)
+            summary.update(evaluation_at(step))
         if cfg.export_hf:
             summary["export"] = str(export(model, cfg, output, evaluation or train, tokenizer))
             reporter.print(f"exported a transformers model to {summary['export']}")

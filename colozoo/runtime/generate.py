@@ -61,8 +61,10 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     micro = num_microbatches or (min(batch, pc.config.pp) if pc.config.pp > 1 else 1)
     rows = [slice(r[0].item(), r[-1].item() + 1) for r in torch.arange(batch).tensor_split(micro) if len(r)]
     cache = KVCache(mask, max_len=input_ids.shape[1] + options.max_new_tokens)
-    generator = torch.Generator(device=pc.device)
-    generator.manual_seed(options.seed if options.seed is not None else torch.seed() % 2 ** 63)
+    generator = None
+    if options.do_sample:  # greedy decoding draws nothing: training's random state stays as it was
+        generator = torch.Generator(device=pc.device)
+        generator.manual_seed(options.seed if options.seed is not None else _shared_seed(pc))
     extra = {"output_router_logits": False} if hasattr(model, "router_statistics") else {}
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
     new = input_ids
@@ -93,6 +95,17 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     model.run.last_generation = dict(timings, batch=batch, prompt_tokens=input_ids.shape[1],
                                      new_tokens=sequences.shape[1] - input_ids.shape[1], cache_elements=cache.numel())
     return sequences
+
+
+def _shared_seed(pc) -> int:
+    """Without a seed, sampling draws from torch's global generator as transformers' does: one draw on every rank
+    (so generators that agree across ranks keep agreeing, as dropout under tensor parallelism needs), and rank 0's
+    value for all, so every rank samples the same tokens."""
+    seed = torch.randint(2 ** 62, (1,))
+    if dist.is_available() and dist.is_initialized():
+        seed = seed.to(pc.device)
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _last_logits(model, ids, positions, cache, extra):
