@@ -25,6 +25,7 @@ class KVCache:
         self.key_keep[:, :prompt] = key_keep.bool()
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(module) -> (keys, values)
         self.rows = slice(None)
+        self.masks: dict = {}  # the masks of the current step, built once for every layer
 
     def micro_batch(self, rows: slice) -> "KVCache":
         """A view of some rows sharing this cache's buffers (pipeline stages decode micro-batches in turn)."""
@@ -50,6 +51,13 @@ class KVCache:
         return keys[:, :, :end], values[:, :, :end], self.mask(new, window)
 
     def mask(self, new: int, window: int | None = None) -> torch.Tensor:
+        key = (self.length, new, window, self.rows.start, self.rows.stop)
+        if key not in self.masks:
+            self.masks = {k: v for k, v in self.masks.items() if k[0] == self.length}
+            self.masks[key] = self._mask(new, window)
+        return self.masks[key]
+
+    def _mask(self, new: int, window: int | None) -> torch.Tensor:
         end = self.length + new
         q_pos = torch.arange(self.length, end, device=self.key_keep.device)[:, None]
         k_pos = torch.arange(end, device=self.key_keep.device)[None, :]

@@ -100,6 +100,8 @@ class StageModule(nn.Module):
             hidden = model.embed(x, ctx) if self.is_first else x
             for layer in self.layers.values():
                 hidden = layer(hidden, ctx)
+            if cache is not None and self.is_last:
+                hidden = hidden[:, -1:]  # generating: only the last position's logits are wanted
             if not self.is_last:
                 hidden = hidden.to(self.activation_dtype or hidden.dtype).contiguous()  # p2p sends need contiguous
                 if carries_router_stats(model, getattr(ctx, "output_router_logits", None)):
