@@ -237,7 +237,8 @@ def cpu_hardware(links: dict, compute: tuple[float, float]):
 
 def predictions(cpu, plans):
     from colozoo.cost.planner import estimate
-    from colozoo.cost.profiler import Setup, parse_mesh, profile
+    from colozoo.cost.profiler import profile
+    from colozoo.cost.setup import Setup, parse_mesh
 
     out = {}
     for name, mesh, m, data_parallel in plans:

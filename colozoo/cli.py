@@ -12,7 +12,7 @@ COMMANDS = {
     "finetune": "colozoo.finetune",
     "generate": "colozoo.generate_cli",
     "profile": "colozoo.cost.profiler",
-    "plan": "colozoo.cost.planner",
+    "plan": "colozoo.cost.plan_cli",
 }
 
 

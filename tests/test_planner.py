@@ -9,7 +9,8 @@ from colozoo.cost.hardware import GB, GiB, HardwareError, get_hardware, parse_by
 from colozoo.cost.offload import MemoryNeed, decide_offload, pipelined, split
 from colozoo.runtime.offload import CHUNK_BYTES, OffloadedAdamW, fsdp2_offload_policy
 from colozoo.cost.planner import best_plan_for_world, plan
-from colozoo.cost.profiler import get_config, profile
+from colozoo.cost.profiler import profile
+from colozoo.cost.setup import get_config
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -181,7 +182,7 @@ def test_plan_offloads_when_gpu_memory_runs_short():
 def test_collective_latency_and_overlap_are_priced():
     from colozoo.core.mesh import ParallelConfig
     from colozoo.cost.planner import estimate
-    from colozoo.cost.profiler import Setup
+    from colozoo.cost.setup import Setup
 
     setup = Setup(batch_size=2, seq_len=256, dtype="bfloat16", zero=3, num_microbatches=2)
     kw = dict(batch_size=2, seq_len=256, zero=3, num_microbatches=2)

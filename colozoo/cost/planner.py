@@ -14,14 +14,16 @@ hide. Plans are ranked by step time among those under the memory limit.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass, field
 
-from colozoo.cost.hardware import Hardware, HardwareError, get_hardware
+from colozoo.cost.hardware import Hardware, get_hardware
 from colozoo.cost.offload import MemoryNeed, decide_offload
 from colozoo.core.mesh import ParallelConfig
-from colozoo.cost.profiler import OPTIMIZER_BYTES, Setup, assemble, default_seq_len, get_config, human, trace_model
+from colozoo.core.dtypes import human_bytes as human
+from colozoo.cost.cost_model import assemble
+from colozoo.cost.model_trace import default_seq_len, trace_model
+from colozoo.cost.setup import OPTIMIZER_BYTES, Setup, get_config
 
 BUS_FACTOR = {  # bytes each rank puts on the wire per payload byte, ring algorithms
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -406,76 +408,6 @@ def _best_degrees(name, world_size, gpu_memory, hardware, gpus_per_node, kwargs)
     result = plan(name, gpus=world_size, gpu_memory=gpu_memory, hardware=hardware, gpus_per_node=gpus_per_node,
                   **kwargs)
     return result.best.degrees()
-
-
-def add_parser(subparsers):
-    from colozoo.cost.hardware import PRESETS
-    from colozoo.cost.profiler import DTYPES, OPTIMIZER_BYTES
-
-    p = subparsers.add_parser(
-        "plan", help="choose tp/pp/dp/cp/ep, micro-batching, checkpointing, ZeRO and offload for a cluster",
-        description="Search parallel layouts jointly with activation checkpointing, ZeRO/FSDP and CPU offload "
-                    "for the fastest predicted training step that fits in GPU memory, and print the ranked "
-                    "plans with predicted memory per GPU, step time and why each was chosen.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("name", help="registered model name (see `colozoo models`)")
-    p.add_argument("--gpus", type=int, default=8, help="total GPUs")
-    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB or 40GiB (default: the preset's)")
-    p.add_argument("--hardware", default="H100-80GB", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step "
-                                                                  "(default: about 1M tokens)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
-    p.add_argument("--no-offload", action="store_true", help="never offload to CPU memory")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the hardware preset, e.g. --set inter_node_bw=100e9 "
-                        "--set collective_latency_s=2e-5 (fields: " + ", ".join(_numeric_fields()) + ")")
-    p.add_argument("--top", type=int, default=10, help="plans to show")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_main)
-
-
-def _numeric_fields() -> list[str]:
-    from dataclasses import fields
-
-    return [f.name for f in fields(Hardware) if f.type in ("float", "int") and f.name not in ("gpus_per_node", "nodes")]
-
-
-def _overrides(items) -> dict:
-    out = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        if name not in _numeric_fields():
-            raise HardwareError(f"--set {item!r}: the hardware has no field {name!r}; fields: "
-                                f"{', '.join(_numeric_fields())}")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            raise HardwareError(f"--set {item!r}: {value!r} is not a number") from None
-    return out
-
-
-def _main(args) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        result = plan(args.name, gpus=args.gpus, gpu_memory=args.gpu_memory, hardware=args.hardware,
-                      gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,
-                      dtype=args.dtype, optimizer=args.optimizer, allow_offload=not args.no_offload,
-                      **_overrides(args.set))
-    except HardwareError as e:
-        raise ValueError(str(e)) from None
-    if args.json:
-        print(json.dumps({**result.to_dict(), "plans": result.to_dict()["plans"][:args.top]}, indent=1))
-    else:
-        print(result.table(args.top))
-    if not result.plans:
-        print(f"no plan fits: {result._rejections()}")
-        return 1
-    return 0
 
 
 __all__ = ["plan", "best_plan_for_world", "Plan", "PlanResult", "estimate", "PlanError"]

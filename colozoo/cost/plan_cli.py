@@ -1,0 +1,78 @@
+"""`colozoo plan`: the planner's ranked plans for a model on a number of GPUs, from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+from colozoo.cost.hardware import Hardware, HardwareError
+from colozoo.cost.planner import plan
+
+
+def add_parser(subparsers):
+    from colozoo.cost.hardware import PRESETS
+    from colozoo.core.dtypes import NAMES as DTYPES
+    from colozoo.cost.setup import OPTIMIZER_BYTES
+
+    p = subparsers.add_parser(
+        "plan", help="choose tp/pp/dp/cp/ep, micro-batching, checkpointing, ZeRO and offload for a cluster",
+        description="Search parallel layouts jointly with activation checkpointing, ZeRO/FSDP and CPU offload "
+                    "for the fastest predicted training step that fits in GPU memory, and print the ranked "
+                    "plans with predicted memory per GPU, step time and why each was chosen.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("name", help="registered model name (see `colozoo models`)")
+    p.add_argument("--gpus", type=int, default=8, help="total GPUs")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB or 40GiB (default: the preset's)")
+    p.add_argument("--hardware", default="H100-80GB", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step "
+                                                                  "(default: about 1M tokens)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    p.add_argument("--no-offload", action="store_true", help="never offload to CPU memory")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field of the hardware preset, e.g. --set inter_node_bw=100e9 "
+                        "--set collective_latency_s=2e-5 (fields: " + ", ".join(_numeric_fields()) + ")")
+    p.add_argument("--top", type=int, default=10, help="plans to show")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_main)
+
+
+def _numeric_fields() -> list[str]:
+    return [f.name for f in fields(Hardware) if f.type in ("float", "int") and f.name not in ("gpus_per_node", "nodes")]
+
+
+def _overrides(items) -> dict:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in _numeric_fields():
+            raise HardwareError(f"--set {item!r}: the hardware has no field {name!r}; fields: "
+                                f"{', '.join(_numeric_fields())}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise HardwareError(f"--set {item!r}: {value!r} is not a number") from None
+    return out
+
+
+def _main(args) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        result = plan(args.name, gpus=args.gpus, gpu_memory=args.gpu_memory, hardware=args.hardware,
+                      gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,
+                      dtype=args.dtype, optimizer=args.optimizer, allow_offload=not args.no_offload,
+                      **_overrides(args.set))
+    except HardwareError as e:
+        raise ValueError(str(e)) from None
+    if args.json:
+        print(json.dumps({**result.to_dict(), "plans": result.to_dict()["plans"][:args.top]}, indent=1))
+    else:
+        print(result.table(args.top))
+    if not result.plans:
+        print(f"no plan fits: {result._rejections()}")
+        return 1
+    return 0

@@ -1,0 +1,107 @@
+"""What a profile is of: the model (a registry name, a config, or a fallback config), the mesh and the step's
+settings (batch, sequence, dtype, checkpointing, optimizer, ZeRO, micro-batching, schedule, offload)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from colozoo.core.mesh import ParallelConfig
+from colozoo.core.dtypes import NAMES as DTYPES
+from colozoo.cost.trace import TARGETS
+from colozoo.runtime.options import CHECKPOINTING, OFFLOAD
+
+
+SCHEDULES = ("1f1b", "gpipe")  # what the cost model prices (of colozoo.runtime.options.SCHEDULES)
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}  # fp32 state bytes per parameter
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # DistributedDataParallel's default bucket_cap_mb
+
+
+class ProfilerError(ValueError):
+    pass
+
+
+# Configs for names the registry does not carry (yet): real hyperparameters of the published models.
+FALLBACK_CONFIGS = {
+    "llama-2-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                                  max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama-3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                  max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)),
+    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                 max_position_embeddings=4096, tie_word_embeddings=False)),
+}
+
+
+def get_config(name: str):
+    """A transformers config by registered name (colozoo.registry), falling back to FALLBACK_CONFIGS."""
+    import transformers
+
+    if name in FALLBACK_CONFIGS:
+        model_type, kwargs = FALLBACK_CONFIGS[name]
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    from colozoo import registry
+
+    return registry.get_config(name)
+
+
+def parse_mesh(mesh) -> ParallelConfig:
+    """A ParallelConfig from a ParallelConfig, a dict, or 'tp=2,pp=2,dp=4,cp=1,ep=1,sp'."""
+    if mesh is None:
+        return ParallelConfig()
+    if isinstance(mesh, ParallelConfig):
+        return mesh
+    if isinstance(mesh, dict):
+        return ParallelConfig(**mesh)
+    if isinstance(mesh, str):
+        degrees = {}
+        for part in filter(None, (p.strip() for p in mesh.split(","))):
+            if part in ("sp", "sequence_parallel"):
+                degrees["sequence_parallel"] = True
+                continue
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("tp", "pp", "dp", "cp", "ep") or not value.isdigit():
+                raise ProfilerError(f"bad mesh entry {part!r} in {mesh!r}; write e.g. 'tp=2,pp=2,dp=4,sp'")
+            degrees[key] = int(value)
+        return ParallelConfig(**degrees)
+    raise ProfilerError(f"mesh must be a ParallelConfig, a dict or a string like 'tp=2,pp=2', got {mesh!r}")
+
+
+@dataclass
+class Setup:
+    """How the step is run: everything besides the mesh that changes its cost."""
+    batch_size: int = 1                 # micro-batch size per data-parallel rank
+    seq_len: int = 1024
+    dtype: str = "bfloat16"              # parameter and activation dtype; 16-bit keeps fp32 master weights
+    checkpointing: str = "none"          # none | selective (attention core) | full (whole layer)
+    checkpoint_layers: int | None = None  # with full: how many layers of each stage recompute (None = all)
+    optimizer: str = "adamw"
+    zero: int = 0                        # 0 = DDP, 1 = optimizer states, 2 = + gradients, 3 = FSDP (+ weights)
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    offload: str = "none"                # none | optimizer (states + master on CPU) | params (FSDP2 CPU offload)
+    target: str = "cuda"                 # whose attention kernels: cuda (flash), cpu or eager (unfused GPU)
+
+    def check(self):
+        if self.dtype not in DTYPES:
+            raise ProfilerError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ProfilerError(f"checkpointing {self.checkpointing!r} not one of {CHECKPOINTING}")
+        if self.optimizer not in OPTIMIZER_BYTES:
+            raise ProfilerError(f"optimizer {self.optimizer!r} not one of {sorted(OPTIMIZER_BYTES)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ProfilerError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.schedule not in SCHEDULES:
+            raise ProfilerError(f"schedule {self.schedule!r} not one of {SCHEDULES}")
+        if self.offload not in OFFLOAD:
+            raise ProfilerError(f"offload {self.offload!r} not one of {OFFLOAD}")
+        if self.target not in TARGETS:
+            raise ProfilerError(f"target {self.target!r} not one of {TARGETS}")
+        if self.batch_size < 1 or self.seq_len < 1 or self.num_microbatches < 1:
+            raise ProfilerError("batch_size, seq_len and num_microbatches must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
