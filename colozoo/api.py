@@ -111,8 +111,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
         from colozoo.cost.planner import best_plan_for_world
 
         chosen = best_plan_for_world(config, init_distributed(), gpu_memory=gpu_memory)
-        tp, pp, dp, cp, ep = (chosen[k] for k in ("tp", "pp", "dp", "cp", "ep"))
-        sequence_parallel = chosen["sequence_parallel"]
+        tp, pp, dp, cp, ep, sequence_parallel = chosen.degrees().values()
     pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
     layout = ModelLayout(config)
     if isinstance(source, ColozooCheckpoint):

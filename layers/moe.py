@@ -200,9 +200,13 @@ class MoE(nn.Module):
         seen = F.one_hot(expert_of, self.num_experts).cumsum(0)  # how many earlier assignments share the expert
         return seen.gather(1, expert_of[:, None]).squeeze(1) <= capacity
 
+    routing = "learned"  # or "balanced": see _run_balanced
+
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows sorted by global expert, counts (experts,) -> expert outputs in the same order."""
         ep, local = group_size(self.ep_group), self.experts.num_local
+        if self.routing == "balanced":
+            return self._run_balanced(rows)
         if ep == 1:
             return self.experts(rows, counts.tolist())
         recv_counts = torch.empty_like(counts)
@@ -217,6 +221,21 @@ class MoE(nn.Module):
         out = self.experts(received[regroup], recv_counts.sum(0).tolist())
         restored = torch.empty_like(out).index_copy(0, regroup, out)
         return all_to_all_rows(restored, recv_splits, send_splits, self.ep_group)
+
+    def _run_balanced(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every expert receives an equal share of the rows (what the load-balancing loss aims for), whatever the
+        router chose: for symbolic runs on meta tensors (the profiler), where routing counts do not exist. The
+        all-to-alls of expert parallelism and the expert matmuls keep their real sizes."""
+        ep, local = group_size(self.ep_group), self.experts.num_local
+        if ep == 1:
+            return self.experts(rows, equal_split(rows.shape[0], local))
+        splits = equal_split(rows.shape[0], ep)  # rows to each rank; as many arrive from each
+        out = self.experts(all_to_all_rows(rows, splits, splits, self.ep_group), equal_split(sum(splits), local))
+        return all_to_all_rows(out, splits, splits, self.ep_group)
+
+
+def equal_split(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
 def router_statistics(router_logits: list[torch.Tensor], num_experts: int, top_k: int,

@@ -1,5 +1,6 @@
 """CPU offload wired into training (colozoo.runtime.offload through colozoo.runtime.training), and applying a planner's plan."""
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from colozoo.checkpoint.load import load_hf_weights
 from colozoo.checkpoint.sources import StateDictReader
 from colozoo.api import build_model
 from colozoo.runtime.checkpointing import is_checkpointed
+from colozoo.runtime.plan import Plan
 from colozoo.runtime.offload import OffloadedAdamW
 from colozoo.core.mesh import init_parallel, single_process
 from colozoo.layers.shard import local_part
@@ -106,7 +108,7 @@ def test_params_offload_refused_under_ddp():
 
 def test_apply_plan_sets_checkpointing_offload_and_microbatching():
     config, hf = hf_causal_lm("gpt2", CONFIG)
-    plan = dict(tp=1, pp=1, dp=1, cp=1, ep=1, sequence_parallel=False, micro_batch_size=2, num_microbatches=2,
+    plan = Plan(tp=1, pp=1, dp=1, cp=1, ep=1, sequence_parallel=False, micro_batch_size=2, num_microbatches=2,
                 schedule="1f1b", zero=0, checkpointing="full", checkpoint_layers=None, offload="optimizer")
     model = build(single_process(), hf, config)
     model.run.plan = plan  # as from_pretrained(plan="auto") leaves it
@@ -119,9 +121,9 @@ def test_apply_plan_sets_checkpointing_offload_and_microbatching():
     ref_loss = hf(ids, attention_mask=mask, labels=labels).loss.item()
     assert model.forward_backward(ids, labels, attention_mask=mask, **step).item() == pytest.approx(ref_loss, abs=1e-5)
     partial = build(single_process(), hf, config)
-    apply_plan(partial, dict(plan, checkpoint_layers=1))  # the planner's fewest layers that fit
+    apply_plan(partial, replace(plan, checkpoint_layers=1))  # the planner's fewest layers that fit
     assert [is_checkpointed(layer) for layer in partial.layers.values()] == [True, False]
     with pytest.raises(TrainingError, match="differ from the model's mesh"):
-        apply_plan(build(single_process(), hf, config), dict(plan, tp=2))
+        apply_plan(build(single_process(), hf, config), replace(plan, tp=2))
     with pytest.raises(TrainingError, match="needs a plan"):
         apply_plan(build(single_process(), hf, config))

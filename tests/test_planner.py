@@ -216,7 +216,7 @@ def test_collective_latency_and_overlap_are_priced():
 
 def test_best_plan_for_world_and_cli(capsys):
     degrees = best_plan_for_world("opt-125m", 4, gpu_memory="16GB", seq_len=512, global_batch=16,
-                                  micro_batch_sizes=(2,))
+                                  micro_batch_sizes=(2,)).to_dict()
     assert degrees["tp"] * degrees["pp"] * degrees["dp"] * degrees["cp"] == 4
     from colozoo.cli import main
 

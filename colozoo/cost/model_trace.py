@@ -61,35 +61,6 @@ def _kinds(container) -> dict:
     return dict(groups)
 
 
-def _balanced_split(n: int, parts: int) -> list[int]:
-    return [n // parts + (i < n % parts) for i in range(parts)]
-
-
-@contextlib.contextmanager
-def _balanced_routing():
-    """MoE layers route by data (expert counts, then all-to-all splits), which meta tensors do not have:
-    trace them with every expert receiving an equal share of the tokens (what the load-balancing loss aims
-    for). The two all-to-alls of expert parallelism and the expert matmuls keep their real sizes."""
-    from colozoo.layers import moe
-    from colozoo.layers.comm import group_size
-
-    def run_experts(self, rows, counts):
-        ep, local = group_size(self.ep_group), self.experts.num_local
-        if ep == 1:
-            return self.experts(rows, _balanced_split(rows.shape[0], local))
-        splits = _balanced_split(rows.shape[0], ep)  # rows to each rank; as many arrive from each
-        received = moe.all_to_all_rows(rows, splits, splits, self.ep_group)
-        out = self.experts(received, _balanced_split(received.shape[0], local))
-        return moe.all_to_all_rows(out, splits, splits, self.ep_group)
-
-    original = moe.MoE._run_experts
-    moe.MoE._run_experts = run_experts
-    try:
-        yield
-    finally:
-        moe.MoE._run_experts = original
-
-
 def _build_parallel_model(config, pc: ParallelConfig, dtype):
     """Our model of `config` on meta with fake tp/ep groups of the mesh's sizes (pp and cp are modelled)."""
     from colozoo.models import build_model
@@ -98,6 +69,23 @@ def _build_parallel_model(config, pc: ParallelConfig, dtype):
     trace_config = ParallelConfig(tp=pc.tp, dp=pc.ep, ep=pc.ep, sequence_parallel=pc.sequence_parallel)
     context = ParallelContext(trace_config, device=torch.device("cpu"))
     return build_model(config, pc=context, device="meta", dtype=dtype), context
+
+
+@contextlib.contextmanager
+def balanced_routing(model: nn.Module):
+    """Meta tensors have no routing counts: trace every MoE layer with its "balanced" routing option (each expert
+    gets an equal share of the tokens), then give the layers back their own routing."""
+    from colozoo.layers.moe import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    before = [m.routing for m in layers]
+    for m in layers:
+        m.routing = "balanced"
+    try:
+        yield
+    finally:
+        for m, routing in zip(layers, before):
+            m.routing = routing
 
 
 def _meta_like(p: torch.Tensor, dtype) -> torch.Tensor:
@@ -231,7 +219,7 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
     from colozoo.kernels.dispatch import use_kernels
 
     traces = {}
-    with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)), _balanced_routing(), warnings.catch_warnings():
+    with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # c10d's deprecation notes on every traced collective
         if generic is not None:
             model, group_names = generic, {}
@@ -257,7 +245,8 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
                     run = lambda m, batch=batch: _loss_of(m(**batch))  # noqa: E731
                 for p in params.values():
                     p.grad = None
-                traces[size] = trace_step(model, run, target=target, group_names=group_names)
+                with balanced_routing(model):
+                    traces[size] = trace_step(model, run, target=target, group_names=group_names)
     root = type(model).__name__
     layer_prefix = f"{root}.{prefix}." if prefix else None
     if all(k.isdigit() for k in all_layers):

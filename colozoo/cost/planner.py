@@ -1,7 +1,7 @@
 """Auto-parallel planner (the Colossal-Auto idea): layout and activation checkpointing chosen together.
 
     result = colozoo.plan("opt-30b", gpus=8, gpu_memory="80GB")
-    print(result.table()); result.best.degrees()
+    print(result.table()); result.best.choices()   # a colozoo.runtime.plan.Plan
     colozoo plan opt-30b --gpus 8 --gpu-memory 80GB --hardware H100-80GB
 
 For every tensor/context parallel degree the profiler traces one micro-batch once (colozoo.cost.profiler);
@@ -24,6 +24,8 @@ from colozoo.core.dtypes import human_bytes as human
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import default_seq_len, trace_model
 from colozoo.cost.setup import OPTIMIZER_BYTES, Setup, get_config
+from colozoo.runtime.options import ZERO
+from colozoo.runtime.plan import Plan
 
 BUS_FACTOR = {  # bytes each rank puts on the wire per payload byte, ring algorithms
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -40,36 +42,14 @@ class PlanError(ValueError):
 
 
 @dataclass
-class Plan:
-    tp: int
-    pp: int
-    dp: int
-    cp: int
-    ep: int
-    sequence_parallel: bool
-    micro_batch_size: int
-    num_microbatches: int
-    schedule: str
-    zero: int
-    checkpointing: str
-    checkpoint_layers: int | None
-    offload: str
-    memory: float                # predicted peak bytes on the fullest GPU
-    step_seconds: float
-    breakdown: dict              # seconds: compute, bubble, tp, cp, pp, dp, offload, optimizer
-    tokens_per_second: float
-    mfu: float
+class RankedPlan(Plan):
+    """A Plan with what the planner predicts for it."""
+    memory: float = 0.0                  # predicted peak bytes on the fullest GPU
+    step_seconds: float = 0.0
+    breakdown: dict = field(default_factory=dict)  # seconds: compute, bubble, tp, cp, pp, dp, offload, optimizer
+    tokens_per_second: float = 0.0
+    mfu: float = 0.0
     why: list = field(default_factory=list)
-
-    def degrees(self) -> dict:
-        """What from_pretrained / the training loop need to apply this plan."""
-        return {k: getattr(self, k) for k in ("tp", "pp", "dp", "cp", "ep", "sequence_parallel",
-                                              "micro_batch_size", "num_microbatches", "schedule", "zero",
-                                              "checkpointing", "checkpoint_layers", "offload")}
-
-    def mesh(self) -> str:
-        text = f"tp={self.tp},pp={self.pp},dp={self.dp},cp={self.cp},ep={self.ep}"
-        return text + (",sp" if self.sequence_parallel else "")
 
 
 @dataclass
@@ -84,7 +64,7 @@ class PlanResult:
     seconds: float
 
     @property
-    def best(self) -> Plan:
+    def best(self) -> RankedPlan:
         if not self.plans:
             raise PlanError(f"no plan fits {self.model} on {self.hardware['gpus_per_node'] * self.hardware['nodes']} "
                             f"x {self.hardware['name']}: {self._rejections()}")
@@ -225,7 +205,7 @@ def _traces(name, seq_len, dtype, target, tp, cp, ep, sp, cache, batch_sizes) ->
 
 def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len: int | None = None,
          global_batch: int | None = None, dtype: str = "bfloat16", optimizer: str = "adamw",
-         micro_batch_sizes=(1, 2, 4, 8), schedules=("1f1b", "gpipe"), zero_levels=(0, 1, 3),
+         micro_batch_sizes=(1, 2, 4, 8), schedules=("1f1b", "gpipe"), zero_levels=ZERO,
          context_parallel: bool | None = None, allow_offload: bool = True, partial_checkpointing: bool = True,
          target: str = "cuda",
          gpus_per_node: int | None = None, top: int | None = None, **hardware_overrides) -> PlanResult:
@@ -341,10 +321,9 @@ def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, t
     # model FLOPs utilisation counts forward + backward (~2x forward), not recomputation
     useful = 3 * sum(st["fwd_flops"] for st in report.stages) / len(report.stages) * m
     why = _why(report, pc, setup, breakdown, step, hw, decision, max_layers)
-    return Plan(pc.tp, pc.pp, pc.dp, pc.cp, pc.ep, pc.sequence_parallel, mbs, m, schedule, zero, setup.checkpointing,
-                setup.checkpoint_layers, setup.offload, report.peak_memory, step, breakdown,
-                global_batch * seq_len / step,
-                useful / step / hw.peak_flops, why)
+    return RankedPlan(pc.tp, pc.pp, pc.dp, pc.cp, pc.ep, pc.sequence_parallel, mbs, m, schedule, zero,
+                      setup.checkpointing, setup.checkpoint_layers, setup.offload, report.peak_memory, step, breakdown,
+                      global_batch * seq_len / step, useful / step / hw.peak_flops, why)
 
 
 def _why(report, pc, setup, breakdown, step, hw, decision, max_layers) -> list[str]:
@@ -370,8 +349,8 @@ def _why(report, pc, setup, breakdown, step, hw, decision, max_layers) -> list[s
     return why
 
 
-def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, **kwargs) -> dict:
-    """The best plan's degrees for `world_size` GPUs (for from_pretrained(..., plan="auto")).
+def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, **kwargs) -> Plan:
+    """The best Plan for `world_size` GPUs (for from_pretrained(..., plan="auto")).
 
     GPU memory defaults to this machine's device. The search keeps to what colozoo.runtime.training.apply_plan runs:
     DDP or FSDP (ZeRO 0 or 3; ZeRO-1 and 2 are not in colozoo.runtime.training); keyword arguments go to plan().
@@ -388,7 +367,6 @@ def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, *
         hardware = next((k for k in ("H200", "H100-80GB", "A100-80GB", "A100-40GB", "L40S", "V100-32GB")
                          if k.split("-")[0] in device), "H100-80GB")
     gpus_per_node = min(world_size, torch.cuda.device_count()) if torch.cuda.is_available() else None
-    kwargs = {"zero_levels": (0, 3), **kwargs}
     args = (name, world_size, gpu_memory, hardware or "H100-80GB", gpus_per_node, kwargs)
     if not (dist.is_available() and dist.is_initialized()):
         return _best_degrees(*args)
@@ -403,11 +381,11 @@ def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, *
     return box[0]
 
 
-def _best_degrees(name, world_size, gpu_memory, hardware, gpus_per_node, kwargs) -> dict:
+def _best_degrees(name, world_size, gpu_memory, hardware, gpus_per_node, kwargs) -> Plan:
     kwargs = dict(kwargs)
     result = plan(name, gpus=world_size, gpu_memory=gpu_memory, hardware=hardware, gpus_per_node=gpus_per_node,
                   **kwargs)
-    return result.best.degrees()
+    return result.best.choices()
 
 
-__all__ = ["plan", "best_plan_for_world", "Plan", "PlanResult", "estimate", "PlanError"]
+__all__ = ["plan", "best_plan_for_world", "Plan", "RankedPlan", "PlanResult", "estimate", "PlanError"]

@@ -153,7 +153,7 @@ class _SdpaKernel(TorchFunctionMode):
         if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
             return self._fused(*args, **kwargs)
         if func is torch.bincount and args and args[0].device.type == "meta":
-            # MoE expert counts depend on the data; the profiler routes tokens evenly (profiler._balanced_routing)
+            # MoE expert counts depend on the data; the profiler routes tokens evenly (MoE.routing = "balanced")
             minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
             return torch.zeros(minlength, dtype=torch.long, device="meta")
         if func is F.dropout and self.target in ("cuda", "eager") and args and args[0].device.type == "meta":

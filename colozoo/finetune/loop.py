@@ -24,6 +24,7 @@ from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perple
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.rng import model_parallel_seed
+from colozoo.runtime.plan import DEGREES, Plan
 
 
 def model_source(name_or_path: str):
@@ -38,19 +39,18 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_mesh(cfg: FinetuneConfig, plan: dict | None = None) -> ParallelConfig:
+def check_mesh(cfg: FinetuneConfig, plan: Plan | None = None) -> ParallelConfig:
     """The mesh of the config's degrees, or of the plan's under --plan auto."""
-    degrees = plan or vars(cfg)
-    return ParallelConfig.for_world(_world_size(), **{k: degrees[k] for k in ("tp", "pp", "dp", "cp", "ep",
-                                                                              "sequence_parallel")})
+    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    return ParallelConfig.for_world(_world_size(), **degrees)
 
 
-def plan_run(cfg: FinetuneConfig, config) -> tuple[dict, ParallelConfig, int]:
+def plan_run(cfg: FinetuneConfig, config) -> tuple[Plan, ParallelConfig, int]:
     """--plan auto: (the plan, its mesh, the global batch it splits: --global-batch-size, else micro batch x world)."""
     global_batch = cfg.global_batch_size or cfg.micro_batch_size * _world_size()
     plan = runtime.plan_training(cfg, config, global_batch)
     mesh = check_mesh(cfg, plan)
-    if plan["dp"] * plan["micro_batch_size"] * plan["num_microbatches"] != global_batch:
+    if plan.dp * plan.micro_batch_size * plan.num_microbatches != global_batch:
         raise ValueError(f"the plan {plan} does not split the global batch of {global_batch} into dp x micro batch "
                          f"x micro-batches")
     return plan, mesh, global_batch
@@ -167,7 +167,7 @@ def run(cfg: FinetuneConfig) -> dict:
     model_parallel_seed(cfg.seed, pc)
     plan_step = runtime.prepare_training(model, cfg)
     step_options = plan_step if plan else {"num_microbatches": cfg.num_microbatches(mesh.dp)}
-    micro_batch_size = plan["micro_batch_size"] if plan else cfg.micro_batch_size
+    micro_batch_size = plan.micro_batch_size if plan else cfg.micro_batch_size
     model.train()
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
     # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
@@ -184,7 +184,7 @@ def run(cfg: FinetuneConfig) -> dict:
         start = state.load_training_state(latest, model, optimizer, scheduler, mesh_json, scaler)["step"]
     if rank0:
         output.mkdir(parents=True, exist_ok=True)
-        saved_config = {**cfg.to_json(), "planned": plan} if plan else cfg.to_json()
+        saved_config = {**cfg.to_json(), "planned": plan.to_dict()} if plan else cfg.to_json()
         (output / "config.json").write_text(json.dumps(saved_config, indent=1))
         if start:
             truncate_metrics(output / "metrics.jsonl", start)
@@ -203,7 +203,7 @@ def run(cfg: FinetuneConfig) -> dict:
                    f"{len(train)} training samples, {total_steps} steps of {global_batch} "
                    f"({step_options['num_microbatches']} micro-batches of {micro_batch_size} per dp rank)")
     if plan:
-        reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.items()))
+        reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items()))
     if latest is not None:
         reporter.print(f"resumed from {latest} at step {start}")
     if getattr(model, "fresh_parameters", None):

@@ -7,14 +7,15 @@ import torch
 import torch.distributed as dist
 
 from colozoo.layers.shard import spec_of
+from colozoo.runtime.plan import DEGREES
 
 TASK_HEADS = {"lm": None, "seqcls": "sequence_classification", "imgcls": "image_classification"}
 MIXED_PRECISION = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
 
 
-def plan_training(cfg, config, global_batch: int) -> dict:
+def plan_training(cfg, config, global_batch: int):
     """--plan auto: the planner's best plan for this world size, `global_batch` sequences of the run's length and
-    its dtype (collective: rank 0 plans, every rank gets the same plan). Returns Plan.degrees()."""
+    its dtype (collective: rank 0 plans, every rank gets the same plan): a colozoo.runtime.plan.Plan."""
     from colozoo.core.mesh import init_distributed
     from colozoo.cost.planner import best_plan_for_world
 
@@ -27,14 +28,13 @@ def plan_training(cfg, config, global_batch: int) -> dict:
                                dtype=cfg.dtype)
 
 
-def load_model(cfg, task: str, plan: dict | None = None):
+def load_model(cfg, task: str, plan=None):
     """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.run.plan) asks for;
     returns the model (model.pc is the mesh). Weights stay fp32: a lower --dtype becomes mixed precision in
     prepare_training."""
     from colozoo.api import from_pretrained
 
-    source = plan or vars(cfg)
-    degrees = {k: source[k] for k in ("tp", "pp", "dp", "cp", "ep", "sequence_parallel")}
+    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
     if TASK_HEADS[task]:
         model = _load_with_task_head(cfg, task, degrees, torch.float32)
     else:

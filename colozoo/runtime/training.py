@@ -30,12 +30,13 @@ from colozoo.runtime.errors import PipelineError, TrainingError
 from colozoo.runtime.offload import OffloadedAdamW
 from colozoo.runtime.options import OFFLOAD
 from colozoo.runtime.parallelize import parallelize, training_setup
+from colozoo.runtime.plan import Plan
 from colozoo.runtime.step import forward_backward
 
 
-def apply_plan(model, plan=None, mixed_precision: str | None = None) -> dict:
-    """Apply the rest of a planner's plan to a model built on its mesh (from_pretrained(plan="auto") sets
-    only the degrees and leaves the plan on `model.run.plan`): data parallelism (FSDP2 for ZeRO >= 1, DDP for 0),
+def apply_plan(model, plan: Plan | None = None, mixed_precision: str | None = None) -> dict:
+    """Apply the rest of a Plan to a model built on its mesh (from_pretrained(plan="auto") sets only the degrees
+    and leaves the plan on `model.run.plan`): data parallelism (FSDP2 for ZeRO 3, DDP for 0),
     activation checkpointing and CPU offload. Returns forward_backward's keyword arguments (micro-batch count
     and schedule) for a global batch of dp * micro_batch_size * num_microbatches sequences:
 
@@ -47,19 +48,18 @@ def apply_plan(model, plan=None, mixed_precision: str | None = None) -> dict:
     if plan is None:
         raise TrainingError("apply_plan needs a plan: none given and model.run.plan is unset "
                             "(from_pretrained(..., plan='auto') sets it)")
-    plan = plan.degrees() if hasattr(plan, "degrees") else dict(plan)
+    if not isinstance(plan, Plan):
+        raise TrainingError(f"apply_plan takes a colozoo.runtime.plan.Plan, got {type(plan).__name__}")
     pc = model.pc
-    mesh = {k: pc.size(k) for k in ("tp", "pp", "dp", "cp", "ep")}
-    wrong = {k: (plan[k], mesh[k]) for k in mesh if k in plan and plan[k] != mesh[k]}
+    wrong = {k: (getattr(plan, k), pc.size(k)) for k in ("tp", "pp", "dp", "cp", "ep") if getattr(plan, k) != pc.size(k)}
     if wrong:
         raise TrainingError(f"the plan's degrees differ from the model's mesh (plan, mesh): {wrong}; build the "
                             f"model on the plan's mesh (from_pretrained(..., plan='auto') does)")
-    checkpointing = plan.get("checkpointing", "none")
-    parallelize(model, data_parallel="fsdp" if plan.get("zero", 0) >= 1 else "ddp", mixed_precision=mixed_precision,
-                activation_checkpointing=None if checkpointing == "none" else checkpointing,
-                checkpoint_layers=plan.get("checkpoint_layers") if checkpointing == "full" else None,
-                offload=plan.get("offload", "none"))
-    return {"num_microbatches": plan.get("num_microbatches", 1), "schedule": plan.get("schedule", "1f1b")}
+    full = plan.checkpointing == "full"
+    parallelize(model, data_parallel="fsdp" if plan.zero == 3 else "ddp", mixed_precision=mixed_precision,
+                activation_checkpointing=plan.checkpointing, checkpoint_layers=plan.checkpoint_layers if full else None,
+                offload=plan.offload)
+    return {"num_microbatches": plan.num_microbatches, "schedule": plan.schedule}
 
 
 def build_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,

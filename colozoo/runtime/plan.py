@@ -1,0 +1,48 @@
+"""The one plan type: how to run a model. The planner (colozoo.cost.planner) produces it,
+`from_pretrained(plan="auto")` builds the model on its mesh and keeps it as `model.run.plan`, `apply_plan` applies
+the rest (data parallelism, activation checkpointing, offload) and `colozoo finetune --plan auto` trains with it."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, SCHEDULES, ZERO
+
+DEGREES = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel")
+
+
+@dataclass
+class Plan:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    zero: int = 0                        # 0: DDP, 3: FSDP2 (what colozoo.runtime runs)
+    checkpointing: str = "none"
+    checkpoint_layers: int | None = None  # with "full": only the first k layers of each stage recompute
+    offload: str = "none"
+
+    def __post_init__(self):
+        for name, allowed in (("schedule", SCHEDULES), ("checkpointing", CHECKPOINTING), ("offload", OFFLOAD),
+                              ("zero", ZERO)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"plan {name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def degrees(self) -> dict:
+        """The mesh: keyword arguments of init_parallel / from_pretrained."""
+        return {k: getattr(self, k) for k in DEGREES}
+
+    def choices(self) -> "Plan":
+        """Just the plan (a subclass adds the planner's predictions)."""
+        return Plan(**{f.name: getattr(self, f.name) for f in fields(Plan)})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def mesh(self) -> str:
+        text = f"tp={self.tp},pp={self.pp},dp={self.dp},cp={self.cp},ep={self.ep}"
+        return text + (",sp" if self.sequence_parallel else "")
