@@ -35,7 +35,7 @@ def run_rank(rank, init_file, args, results):
     import transformers
 
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.checkpoint.safetensors_io import SafetensorsReader
     from colozoo.api import build_model
     from colozoo.core.mesh import ParallelConfig, ParallelContext
 

@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, init_file: str, path: str, results):
         import transformers
 
         from colozoo.checkpoint.load import load_hf_weights
-        from colozoo.checkpoint.sources import SafetensorsReader
+        from colozoo.checkpoint.safetensors_io import SafetensorsReader
         from colozoo.api import build_model
         from colozoo.core.mesh import init_parallel
 

@@ -173,7 +173,7 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
 
     from safetensors.torch import load_file
 
-    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.checkpoint.safetensors_io import SafetensorsReader
 
     pc = init_parallel(tp=tp)
     arch = dict(architectures=[architecture]) if architecture else {}

@@ -50,7 +50,7 @@ def load_saved(hf, config, pc):
     """Our model loaded from what transformers' save_pretrained writes (per-expert tensors; saved by global rank 0
     only), and the reader that recorded which tensors were read."""
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.checkpoint.safetensors_io import SafetensorsReader
     from colozoo.api import build_model
 
     distributed = dist.is_initialized()
@@ -146,7 +146,8 @@ def test_mixtral_context_parallel_with_ep(mode):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_converter_round_trip_bit_exact(family):
-    from colozoo.checkpoint.sources import GlobalTensor, SafetensorsReader
+    from colozoo.checkpoint.safetensors_io import SafetensorsReader
+    from colozoo.checkpoint.sources import GlobalTensor
     from colozoo.converters import family_module
 
     config, hf = hf_causal_lm(family, FAMILIES[family])

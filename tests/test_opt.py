@@ -121,7 +121,7 @@ def test_opt_module_names_match_the_converter_map():
 @pytest.mark.parametrize("option", ["default", "350m_post_ln_projected", "untied"])
 def test_opt_loads_a_save_pretrained_checkpoint(tmp_path, option):
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.checkpoint.safetensors_io import SafetensorsReader
     from colozoo.api import build_model
     from parity import batch, hf_causal_lm
 

@@ -44,7 +44,7 @@ def reference(minilm):
 
 def load_and_compare(path, batch, hidden, pooled, tp, sequence_parallel=False):
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import SafetensorsReader
+    from colozoo.checkpoint.safetensors_io import SafetensorsReader
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 

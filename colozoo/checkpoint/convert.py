@@ -32,7 +32,7 @@ from colozoo.checkpoint.load import _resolve_prefix, check_unexpected
 from colozoo.checkpoint.sources import index_files
 from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
-from colozoo.checkpoint.safetensors_io import PlainSafetensorsReader, SafetensorsWriter
+from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -62,7 +62,7 @@ class HFCheckpoint:
         self.path = Path(path)
         self.config = config or transformers.AutoConfig.from_pretrained(self.path)
         if (self.path / "model.safetensors").exists() or (self.path / "model.safetensors.index.json").exists():
-            self.reader = PlainSafetensorsReader(self.path)
+            self.reader = SafetensorsReader(self.path)
         elif (self.path / "pytorch_model.bin").exists() or (self.path / "pytorch_model.bin.index.json").exists():
             if not allow_bin:
                 raise CheckpointError(f"{self.path} holds only PyTorch .bin weights; pass allow_bin=True (CLI: "

@@ -129,7 +129,7 @@ class SafetensorsFile:
             offset += got
 
 
-class PlainSafetensorsReader(TensorReader):
+class SafetensorsReader(TensorReader):
     """An HF checkpoint (one safetensors file, model.safetensors, or shards with an index) read with pread."""
 
     def __init__(self, path: str | os.PathLike):

@@ -3,20 +3,18 @@
 A family map says, for each of our global parameter names, which HF tensors make it up: a `Source` with
 the HF names (concatenated along `cat_dim`, e.g. q/k/v into one fused weight) and whether HF stores it
 transposed (GPT-2's Conv1D). `GlobalTensor` turns that into a lazy global tensor that can be sliced;
-slices are read straight from memory-mapped safetensors, so nothing is materialised beyond the slice.
+slices are read straight from the files (colozoo.checkpoint.safetensors_io), so nothing is materialised
+beyond the slice.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 
 from colozoo.converters.source import Source
-from colozoo.core.dtypes import SAFETENSORS
 from colozoo.core.errors import CheckpointError
 
 
@@ -67,63 +65,6 @@ class StateDictReader(TensorReader):
     def read(self, name, index=None):
         t = self.state_dict[name]
         return t if index is None else t[index]
-
-
-
-
-class SafetensorsReader(TensorReader):
-    """One safetensors file, a directory with model.safetensors, or a sharded directory with an index."""
-
-    def __init__(self, path: str | os.PathLike):
-        path = Path(path)
-        self.files: dict[str, Path] = {}
-        if path.is_file():
-            files = [path]
-        elif (path / "model.safetensors.index.json").exists():
-            files = [path / f for f in index_files(path / "model.safetensors.index.json")]
-        elif (path / "model.safetensors").exists():
-            files = [path / "model.safetensors"]
-        else:
-            raise CheckpointError(f"no safetensors weights in {path} (looked for model.safetensors and "
-                                  f"model.safetensors.index.json)")
-        self._handles = {}
-        for file in files:
-            if not file.exists():
-                raise CheckpointError(f"{file} is listed in the index but missing")
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as e:
-                raise CheckpointError(f"cannot read {file}: {e} (truncated or corrupted safetensors file?)") from e
-            self._handles[file] = handle
-            for key in handle.keys():
-                self.files[key] = file
-
-    def _handle(self, name):
-        try:
-            return self._handles[self.files[name]]
-        except KeyError:
-            raise CheckpointError(f"tensor {name!r} not found in the checkpoint") from None
-
-    def names(self):
-        return list(self.files)
-
-    def __contains__(self, name):
-        return name in self.files
-
-    def shape(self, name):
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def dtype(self, name):
-        return SAFETENSORS[self._handle(name).get_slice(name).get_dtype()]
-
-    def read(self, name, index=None):
-        handle = self._handle(name)
-        try:
-            if index is None:
-                return handle.get_tensor(name)
-            return handle.get_slice(name)[index]
-        except Exception as e:
-            raise CheckpointError(f"cannot read tensor {name!r} from {self.files[name]}: {e}") from e
 
 
 class GlobalTensor:
