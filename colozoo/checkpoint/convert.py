@@ -27,8 +27,7 @@ from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, ModelLayou
                                        rank_pieces, tensor_entry, write_index)
 from colozoo.core.dtypes import dtype_name, parse_dtype
 from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
-from colozoo.converters import family_module
-from colozoo.checkpoint.load import _resolve_prefix, check_unexpected
+from colozoo.checkpoint.load import HFTensors
 from colozoo.checkpoint.sources import index_files
 from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
@@ -57,32 +56,23 @@ class BinReader(StateDictReader):
         super().__init__(state)
 
 
-class HFCheckpoint:
+class HFCheckpoint(HFTensors):
+    """An HF directory: its config and its safetensors (or, allowed, .bin) weights under our global names."""
+
     def __init__(self, path, config=None, allow_bin: bool = False):
         self.path = Path(path)
-        self.config = config or transformers.AutoConfig.from_pretrained(self.path)
+        config = config or transformers.AutoConfig.from_pretrained(self.path)
         if (self.path / "model.safetensors").exists() or (self.path / "model.safetensors.index.json").exists():
-            self.reader = SafetensorsReader(self.path)
+            reader = SafetensorsReader(self.path)
         elif (self.path / "pytorch_model.bin").exists() or (self.path / "pytorch_model.bin.index.json").exists():
             if not allow_bin:
                 raise CheckpointError(f"{self.path} holds only PyTorch .bin weights; pass allow_bin=True (CLI: "
                                       f"--allow-bin) to read them with torch.load(weights_only=True), or convert "
                                       f"them to safetensors")
-            self.reader = BinReader(self.path)
+            reader = BinReader(self.path)
         else:
             raise CheckpointError(f"{self.path} has a config.json but no weights (looked for {', '.join(HF_WEIGHT_FILES)})")
-        conv = family_module(self.config.model_type)
-        self.sources = _resolve_prefix(self.reader, conv.hf_sources(self.config), getattr(conv, "HF_PREFIX", ""),
-                                       getattr(conv, "NAME_ALIASES", ()))
-        ignored = tuple(getattr(conv, "IGNORED_HF", ()))
-        if getattr(self.config, "tie_word_embeddings", False):
-            ignored += (r"^lm_head\.weight$",)  # the tied copy some state dicts carry
-        check_unexpected(self.reader, self.sources, ignored)
-
-    def tensor(self, name: str) -> GlobalTensor:
-        if name not in self.sources:
-            raise CheckpointError(f"{self.config.model_type}: no HF source for {name!r} (converter map incomplete)")
-        return GlobalTensor(self.reader, self.sources[name], name)
+        super().__init__(reader, config)
 
 
 def open_checkpoint(path, allow_bin: bool = False, verify: bool = True, config=None):

@@ -23,8 +23,8 @@ import torch
 
 from colozoo.core.dtypes import dtype_name
 from colozoo.core.errors import CheckpointError
-from colozoo.layers.shard import Split, local_shape, materialize, spec_of, stored_pieces
-from colozoo.core.mesh import ParallelConfig, ParallelContext, coords_of
+from colozoo.layers.shard import Split, spec_of, stored_pieces
+from colozoo.core.mesh import ParallelConfig, ParallelContext
 from colozoo.checkpoint.safetensors_io import SafetensorsFile
 
 INDEX_NAME = "colozoo_index.json"
@@ -402,49 +402,3 @@ class ColozooCheckpoint:
             if shape != info.shape:
                 raise CheckpointError(f"tensor {name!r} has shape {shape} in {self.path}, but the config gives "
                                       f"{info.shape}")
-
-
-# --- loading into a live (sharded) model -------------------------------------------------------------------
-
-@torch.no_grad()
-def load_global_tensors(model, lookup, device=None, layout: ModelLayout | None = None):
-    """Materialise `model` with its local shards, reading only its slices of `lookup(global name)`."""
-    aliases = layout.aliases if layout is not None else {}
-    device = torch.device(device) if device is not None else model.pc.device
-    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        materialize(model, device)
-        if hasattr(model, "reset_buffers"):
-            model.reset_buffers()
-    coords = coords_of(model.pc)
-    for name, param in model.named_parameters():
-        tensor = lookup(aliases.get(name, name))
-        spec = spec_of(param)
-        if layout is not None:
-            expected_global = layout.tensors[aliases.get(name, name)].shape
-            if tuple(tensor.shape) != expected_global:
-                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, but the "
-                                      f"config gives {expected_global}")
-        expected = local_shape(tensor.shape, spec, coords)
-        if expected != tuple(param.shape):
-            raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} gives a local shard {expected}, "
-                                  f"but the model expects {tuple(param.shape)} (does the config match the weights?)")
-        copy_slices(tensor, param, spec, coords)
-    return model
-
-
-def copy_slices(tensor, param: torch.Tensor, spec, coords):
-    """Read each of the rank's slices of the global `tensor` straight into its place in `param`."""
-    pieces = list(stored_pieces(tuple(tensor.shape), spec, coords))
-    covered = sum(math.prod(s.stop - s.start for s in _bounded(g, tensor.shape)) for _, g, _ in pieces)
-    if covered != param.numel():
-        param.zero_()  # vocabulary padding rows
-    direct = isinstance(tensor, ColozooTensor) and param.device.type == "cpu"
-    for _, g_index, l_index in pieces:
-        if direct:
-            tensor.read(g_index, out=param[l_index])
-        else:
-            param[l_index].copy_(tensor.read(g_index))
-
-
-def _bounded(index, shape):
-    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)] + [slice(0, n) for n in shape[len(index):]]

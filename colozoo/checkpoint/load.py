@@ -1,4 +1,5 @@
-"""Load HF weights into a (possibly meta-initialised) sharded model: each rank reads only its own slices."""
+"""The one loader: a (possibly meta-initialised) sharded model reads only its own slices, from any source that
+looks tensors up by our global names (an HF checkpoint through `HFTensors`, a colozoo checkpoint, fresh tensors)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,12 +7,15 @@ import re
 
 import torch
 
-from colozoo.layers.shard import load_shard, local_shape, materialize, spec_of
+import math
+
+from colozoo.layers.shard import local_shape, materialize, spec_of, stored_pieces
 from colozoo.core.mesh import coords_of
 
 from colozoo.converters import family_module, hf_tensor_names
 from colozoo.core.errors import CheckpointError
 
+from .format import ColozooTensor, ModelLayout
 from .sources import GlobalTensor, TensorReader
 
 def _resolve_prefix(reader: TensorReader, sources, prefix: str, aliases=()):
@@ -46,17 +50,32 @@ def check_unexpected(reader: TensorReader, sources, ignored=()):
                               f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)")
 
 
+class HFTensors:
+    """An HF checkpoint's tensors under our global names: the family's map resolved against what the reader holds
+    (with or without the base-model prefix, either naming of a family with two), unexpected tensors refused.
+    `tensor(name)` is a lazy GlobalTensor, read slice by slice."""
+
+    def __init__(self, reader: TensorReader, config, family: str | None = None, strict: bool = True):
+        conv = family_module(family or config.model_type)
+        self.reader, self.config = reader, config
+        self.sources = _resolve_prefix(reader, conv.hf_sources(config), getattr(conv, "HF_PREFIX", ""),
+                                       getattr(conv, "NAME_ALIASES", ()))
+        if strict:
+            ignored = tuple(getattr(conv, "IGNORED_HF", ()))
+            if getattr(config, "tie_word_embeddings", False):
+                ignored += (r"^lm_head\.weight$",)  # the tied copy some state dicts carry
+            check_unexpected(reader, self.sources, ignored)
+
+    def tensor(self, name: str) -> GlobalTensor:
+        if name not in self.sources:
+            raise CheckpointError(f"{self.config.model_type}: no HF source for {name!r} (converter map incomplete)")
+        return GlobalTensor(self.reader, self.sources[name], name)
+
+
 @torch.no_grad()
-def load_hf_weights(model, reader: TensorReader, device=None, strict: bool = True):
-    """Materialise `model` (meta or not) with its local shards read from an HF checkpoint."""
-    conv = family_module(model.family)
-    sources = _resolve_prefix(reader, conv.hf_sources(model.config), getattr(conv, "HF_PREFIX", ""),
-                              getattr(conv, "NAME_ALIASES", ()))
-    if strict:
-        ignored = tuple(getattr(conv, "IGNORED_HF", ()))
-        if getattr(model.config, "tie_word_embeddings", False):
-            ignored += (r"^lm_head\.weight$",)  # the tied copy some state dicts carry
-        check_unexpected(reader, sources, ignored)
+def load_global_tensors(model, lookup, device=None, layout: ModelLayout | None = None):
+    """Materialise `model` with its local shards, reading only its slices of `lookup(global name)`."""
+    aliases = layout.aliases if layout is not None else {}
     device = torch.device(device) if device is not None else model.pc.device
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         materialize(model, device)
@@ -64,14 +83,39 @@ def load_hf_weights(model, reader: TensorReader, device=None, strict: bool = Tru
             model.reset_buffers()
     coords = coords_of(model.pc)
     for name, param in model.named_parameters():
-        if name not in sources:
-            raise CheckpointError(f"parameter {name!r} of {model.family} has no HF source (converter map incomplete)")
-        tensor = GlobalTensor(reader, sources[name], name)
+        tensor = lookup(aliases.get(name, name))
         spec = spec_of(param)
+        if layout is not None:
+            expected_global = layout.tensors[aliases.get(name, name)].shape
+            if tuple(tensor.shape) != expected_global:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, but the "
+                                      f"config gives {expected_global}")
         expected = local_shape(tensor.shape, spec, coords)
         if expected != tuple(param.shape):
-            raise CheckpointError(f"{name}: checkpoint tensor {sources[name].names} has global shape {tensor.shape}, "
-                                  f"which gives a local shard {expected}, but the model expects {tuple(param.shape)} "
-                                  f"(does the config match the weights?)")
-        param.copy_(load_shard(tensor.read, tensor.shape, spec, coords, dtype=param.dtype, device=param.device))
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} gives a local shard {expected}, "
+                                  f"but the model expects {tuple(param.shape)} (does the config match the weights?)")
+        copy_slices(tensor, param, spec, coords)
     return model
+
+
+def copy_slices(tensor, param: torch.Tensor, spec, coords):
+    """Read each of the rank's slices of the global `tensor` straight into its place in `param`."""
+    pieces = list(stored_pieces(tuple(tensor.shape), spec, coords))
+    covered = sum(math.prod(s.stop - s.start for s in _bounded(g, tensor.shape)) for _, g, _ in pieces)
+    if covered != param.numel():
+        param.zero_()  # vocabulary padding rows
+    direct = isinstance(tensor, ColozooTensor) and param.device.type == "cpu"
+    for _, g_index, l_index in pieces:
+        if direct:
+            tensor.read(g_index, out=param[l_index])
+        else:
+            param[l_index].copy_(tensor.read(g_index))
+
+
+def _bounded(index, shape):
+    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)] + [slice(0, n) for n in shape[len(index):]]
+
+
+def load_hf_weights(model, reader: TensorReader, device=None, strict: bool = True):
+    """Materialise `model` (meta or not) with its local shards read from an HF checkpoint's reader."""
+    return load_global_tensors(model, HFTensors(reader, model.config, model.family, strict).tensor, device)
