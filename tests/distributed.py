@@ -39,9 +39,9 @@ def _worker(rank, world_size, store_port, tasks, results):
             continue
         if task is None:
             break
-        fn, args = task
+        fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args)))
+            results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -60,9 +60,9 @@ class DistributedPool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT):
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs):
         for q in self.tasks:
-            q.put((fn, args))
+            q.put((fn, args, kwargs))
         outcomes, failures = {}, {}
         try:
             while len(outcomes) + len(failures) < self.world_size:
@@ -101,13 +101,14 @@ class DistributedPool:
 _POOLS: dict[int, DistributedPool] = {}
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT):
-    """Run `fn(*args)` on `world_size` gloo ranks; returns the list of per-rank results."""
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs):
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; returns the list of per-rank results. Prefer keyword
+    arguments: `run_distributed(check, 2, family="gpt2", tp=2, timeout=60)` reads as what it runs."""
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
         pool = _POOLS[world_size] = DistributedPool(world_size)
     try:
-        return pool.run(fn, *args, timeout=timeout)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
     except BaseException:
         _POOLS.pop(world_size, None)
         pool.close(force=True)

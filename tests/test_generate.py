@@ -83,17 +83,17 @@ def test_generate_pads_after_eos_and_stops_when_all_finished():
 def test_greedy_generate_equals_transformers_tensor_parallel(tp):
     # at tp=4 the families whose 4 kv heads split (llama and mixtral have 2: GQA at tp=2 and under pp)
     families = ["gpt2", "opt", "llama", "mistral", "mixtral"] if tp == 2 else ["gpt2", "opt", "mistral"]
-    results = run_distributed(greedy_matches_transformers, tp, families, tp, timeout=TIMEOUT)
+    results = run_distributed(greedy_matches_transformers, tp, families=families, tp=tp, timeout=TIMEOUT)
     assert all(r == results[0] for r in results)
 
 
 def test_greedy_generate_equals_transformers_tp2_pp2():
-    results = run_distributed(greedy_matches_transformers, 4, list(FAMILIES), 2, 2, timeout=TIMEOUT)
+    results = run_distributed(greedy_matches_transformers, 4, families=list(FAMILIES), tp=2, pp=2, timeout=TIMEOUT)
     assert all(r == results[0] for r in results)
 
 
 def test_greedy_generate_moe_expert_parallel():
-    run_distributed(greedy_matches_transformers, 2, ["mixtral", "qwen2_moe"], 1, 1, 2, 2, timeout=TIMEOUT)
+    run_distributed(greedy_matches_transformers, 2, families=["mixtral", "qwen2_moe"], dp=2, ep=2, timeout=TIMEOUT)
 
 
 def sampled(tp, seed):
@@ -108,9 +108,9 @@ def sampled(tp, seed):
 
 
 def test_seeded_sampling_is_identical_on_every_rank_and_across_runs():
-    ranks = run_distributed(sampled, 2, 2, 123, timeout=TIMEOUT)
+    ranks = run_distributed(sampled, 2, tp=2, seed=123, timeout=TIMEOUT)
     assert ranks[0] == ranks[1]
-    other = run_distributed(sampled, 2, 2, 124, timeout=TIMEOUT)
+    other = run_distributed(sampled, 2, tp=2, seed=124, timeout=TIMEOUT)
     assert other[0] != ranks[0], "another seed should sample other tokens"
 
 
@@ -131,7 +131,7 @@ def unseeded(tp):
 
 
 def test_unseeded_sampling_agrees_across_ranks_and_keeps_their_generators_in_step():
-    ranks = run_distributed(unseeded, 2, 2, timeout=TIMEOUT)
+    ranks = run_distributed(unseeded, 2, tp=2, timeout=TIMEOUT)
     assert ranks[0] == ranks[1]
 
 
@@ -148,7 +148,7 @@ def cache_elements(tp, pp):
 
 
 def test_kv_cache_holds_exactly_its_shard():
-    for got, expected in run_distributed(cache_elements, 4, 2, 2, timeout=TIMEOUT):
+    for got, expected in run_distributed(cache_elements, 4, tp=2, pp=2, timeout=TIMEOUT):
         assert got == expected
 
 

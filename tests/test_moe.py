@@ -92,12 +92,12 @@ def moe_matches_qwen(tp, ep, sequence_parallel):
 
 
 def test_moe_matches_qwen2_moe_block():
-    run_distributed(moe_matches_qwen, 1, 1, 1, False, timeout=60)
+    run_distributed(moe_matches_qwen, 1, tp=1, ep=1, sequence_parallel=False, timeout=60)
 
 
 @pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 1, True)])
 def test_moe_parallel_matches_qwen2_moe_block(tp, ep, sp):
-    run_distributed(moe_matches_qwen, tp * ep, tp, ep, sp, timeout=90)
+    run_distributed(moe_matches_qwen, tp * ep, tp=tp, ep=ep, sequence_parallel=sp, timeout=90)
 
 
 def _reference_with_capacity(moe, x, factor):
