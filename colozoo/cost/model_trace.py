@@ -171,31 +171,23 @@ class ModelTrace:
     local_seq: int
     dtype: str
 
-    next_batch: "ModelTrace | None" = None  # the same model traced at batch_size + 1, for `scaled`
     config: object = None  # the HF config of a colozoo model: pipeline stages are split as the model splits them
 
     def scaled(self, batch_size: int) -> "ModelTrace":
-        """The same model at another micro-batch size. Activations, FLOPs and collectives are affine in the
-        batch (weight-gradient temporaries and replicated-weight reductions are not proportional to it), so
-        two traces at consecutive sizes give every other size exactly; with one trace, scale proportionally."""
+        """The same model at another micro-batch size, scaled proportionally (the planner traces every size it
+        searches, so this serves only sizes it did not trace)."""
         import copy
 
-        nxt = self.next_batch
-        f = batch_size - self.batch_size if nxt is not None else batch_size / self.batch_size
-
-        def at(a, b):  # a at self.batch_size, b at batch_size + 1
-            return a + (b - a) * f if nxt is not None else a * f
-
+        f = batch_size / self.batch_size
         units = {}
         for key, u in self.units.items():
-            w = nxt.units[key] if nxt is not None else u
             v = copy.deepcopy(u)
             for attr in ("fwd_flops", "bwd_flops", "saved_bytes", "attention_core_bytes", "input_bytes",
                          "transient_bytes", "fwd_transient_bytes", "bwd_transient_bytes"):
-                setattr(v, attr, int(round(at(getattr(u, attr), getattr(w, attr)))))
-            v.comm = {k: at(n, w.comm.get(k, n)) for k, n in u.comm.items()}
-            v.ops = {op: {k: (n if k == "calls" else int(round(at(n, w.ops.get(op, st)[k]))))
-                          for k, n in st.items()} for op, st in u.ops.items()}
+                setattr(v, attr, int(round(getattr(u, attr) * f)))
+            v.comm = {k: n * f for k, n in u.comm.items()}
+            v.ops = {op: {k: (n if k == "calls" else int(round(n * f))) for k, n in st.items()}
+                     for op, st in u.ops.items()}
             units[key] = v
         return ModelTrace(self.name, units, self.layers, self.total_params, self.tied_bytes, batch_size,
                           self.local_seq, self.dtype, config=self.config)

@@ -236,35 +236,35 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
         for cp in (divisors(gpus // tp) if use_cp else [1]):
             if seq_len % (2 * cp if cp > 1 else 1):
                 continue
-            for pp_dp in [gpus // (tp * cp)]:
-                for ep in (divisors(pp_dp) if experts else [1]):
-                    if experts and experts % ep:
+            pp_dp = gpus // (tp * cp)
+            for ep in (divisors(pp_dp) if experts else [1]):
+                if experts and experts % ep:
+                    continue
+                traces = _traces(name, seq_len // cp, dtype, target, tp, cp, ep, tp > 1, cache,
+                                 micro_batch_sizes)
+                if isinstance(traces, str):
+                    reject(traces)
+                    continue
+                mt = next(iter(traces.values()))
+                for pp in divisors(pp_dp):
+                    dp = pp_dp // pp
+                    if pp > len(mt.layers) or (experts and (dp * cp) % ep):
                         continue
-                    traces = _traces(name, seq_len // cp, dtype, target, tp, cp, ep, tp > 1, cache,
-                                     micro_batch_sizes)
-                    if isinstance(traces, str):
-                        reject(traces)
-                        continue
-                    mt = next(iter(traces.values()))
-                    for pp in divisors(pp_dp):
-                        dp = pp_dp // pp
-                        if pp > len(mt.layers) or (experts and (dp * cp) % ep):
+                    pc = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1)
+                    for mbs in micro_batch_sizes:
+                        if global_batch % (dp * mbs):
                             continue
-                        pc = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1)
-                        for mbs in micro_batch_sizes:
-                            if global_batch % (dp * mbs):
-                                continue
-                            m = global_batch // (dp * mbs)
-                            for schedule in (schedules if pp > 1 else ("1f1b",)):
-                                for zero in (zero_levels if dp * cp > 1 else (0,)):
-                                    searched += 1
-                                    best = _best_recompute(traces[mbs], pc, mbs, m, schedule, zero, seq_len, dtype,
-                                                           optimizer, target, hw, global_batch, allow_offload,
-                                                           partial_checkpointing)
-                                    if isinstance(best, str):
-                                        reject(best)
-                                    else:
-                                        plans.append(best)
+                        m = global_batch // (dp * mbs)
+                        for schedule in (schedules if pp > 1 else ("1f1b",)):
+                            for zero in (zero_levels if dp * cp > 1 else (0,)):
+                                searched += 1
+                                best = _best_recompute(traces[mbs], pc, mbs, m, schedule, zero, seq_len, dtype,
+                                                       optimizer, target, hw, global_batch, allow_offload,
+                                                       partial_checkpointing)
+                                if isinstance(best, str):
+                                    reject(best)
+                                else:
+                                    plans.append(best)
     plans.sort(key=lambda p: (p.step_seconds, p.memory))
     hw_dict = hw.to_dict()
     result = PlanResult(name if isinstance(name, str) else type(name).__name__, hw_dict, seq_len, global_batch,
