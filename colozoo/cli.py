@@ -11,7 +11,7 @@ COMMANDS = {
     "convert": "colozoo.checkpoint.convert",
     "finetune": "colozoo.finetune",
     "generate": "colozoo.generate_cli",
-    "profile": "colozoo.cost.profiler",
+    "profile": "colozoo.cost.profile_cli",
     "plan": "colozoo.cost.plan_cli",
 }
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import fields
 
 from colozoo.cost.hardware import Hardware, HardwareError
+from colozoo.cost.inference import plan_generation
 from colozoo.cost.planner import plan
 
 
@@ -36,6 +37,10 @@ def add_parser(subparsers):
                         "--set collective_latency_s=2e-5 (fields: " + ", ".join(_numeric_fields()) + ")")
     p.add_argument("--top", type=int, default=10, help="plans to show")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--generate", action="store_true",
+                   help="plan generation instead: the smallest tp x pp whose GPUs hold the weights and the KV cache "
+                        "of --batch-size sequences of --seq-len tokens (then the fastest decode bound)")
+    p.add_argument("--batch-size", type=int, default=1, help="with --generate: sequences decoded together")
     p.set_defaults(func=_main)
 
 
@@ -61,6 +66,11 @@ def _main(args) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.generate:
+        found = plan_generation(args.name, gpus=args.gpus, batch_size=args.batch_size, seq_len=args.seq_len or 2048,
+                                dtype=args.dtype, hardware=args.hardware)
+        print(json.dumps(found.to_dict(), indent=1) if args.json else found.table())
+        return 0
     try:
         result = plan(args.name, gpus=args.gpus, gpu_memory=args.gpu_memory, hardware=args.hardware,
                       gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,

@@ -16,17 +16,13 @@ lack). `target` picks the attention kernels: "cuda" (flash), "cpu", or "eager" (
 """
 from __future__ import annotations
 
-import argparse
 import time
-import warnings
 
 
-from colozoo.core.dtypes import NAMES as DTYPES
-from colozoo.runtime.options import CHECKPOINTING, OFFLOAD
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import _resolve, default_seq_len, trace_model
 from colozoo.cost.report import ProfileReport
-from colozoo.cost.setup import OPTIMIZER_BYTES, SCHEDULES, Setup, parse_mesh
+from colozoo.cost.setup import Setup, parse_mesh
 
 
 def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh=None, dtype: str = "bfloat16",
@@ -55,38 +51,3 @@ def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh
     report = assemble(mt, pc, setup)
     report.profile_seconds = time.perf_counter() - start
     return report
-
-
-
-def add_setup_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, max positions))")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
-def add_parser(subparsers):
-    p = subparsers.add_parser(
-        "profile", help="FLOPs, memory and communication of a training step, on meta tensors",
-        description="Profile one training step of a model on a mesh without running it: per layer and per op "
-                    "FLOPs, parameter/gradient/optimizer bytes, activations saved for backward, peak memory per "
-                    "rank and communication per collective.")
-    p.add_argument("name", help="registered model name (see `colozoo models`)")
-    p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp'")
-    add_setup_arguments(p)
-    p.add_argument("--checkpointing", default="none", choices=CHECKPOINTING)
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="0 DDP, 1/2 ZeRO, 3 FSDP")
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    p.add_argument("--offload", default="none", choices=OFFLOAD)
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    report = profile(args.name, batch_size=args.batch_size, seq_len=args.seq_len, mesh=args.mesh or None,
-                     dtype=args.dtype, checkpointing=args.checkpointing, optimizer=args.optimizer, zero=args.zero,
-                     num_microbatches=args.microbatches, schedule=args.schedule, offload=args.offload)
-    print(report.to_json(indent=1) if args.json else report.table())
-    return 0

@@ -1,0 +1,103 @@
+"""What generation costs on a mesh, before any weight is read: weights and KV cache per rank, the bytes one decode
+step reads, and the memory-bandwidth bound on decode tokens/s; and the smallest mesh whose ranks hold it all.
+
+    colozoo profile Llama-3.1-70B --generate --batch-size 8 --seq-len 4096 --mesh tp=4
+    colozoo plan Llama-3.1-70B --generate --gpus 8 --batch-size 8 --seq-len 4096
+
+Decoding reads every weight and the whole cache of a rank once per step; a token passes the pipeline stages one
+after the other, so a step takes the sum over stages of (stage bytes / HBM bandwidth). The weights per rank come
+from the profiler's trace of the sharded model (tied copies, vocabulary padding and replicated norms included).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from colozoo.core.dtypes import NAMES as DTYPES
+from colozoo.core.dtypes import human_bytes
+from colozoo.cost.hardware import get_hardware
+from colozoo.cost.profiler import profile
+from colozoo.cost.setup import ProfilerError, get_config, parse_mesh
+
+
+@dataclass
+class GenerationProfile:
+    model: str
+    mesh: str
+    batch_size: int
+    seq_len: int                  # prompt + new tokens the cache holds
+    dtype: str
+    weights_bytes: float          # per rank, on the fullest stage
+    kv_cache_bytes: float         # per rank, on the fullest stage
+    bytes_per_decode_step: float  # per rank, summed over the stages a token passes
+    decode_tokens_per_s_bound: float  # the whole batch, at the hardware's HBM bandwidth
+    fits: bool
+    hardware: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        return (f"{self.model} generating on {self.mesh} ({self.hardware}), batch {self.batch_size} x {self.seq_len} "
+                f"tokens, {self.dtype}\n"
+                f"  weights per rank      {human_bytes(self.weights_bytes)}\n"
+                f"  KV cache per rank     {human_bytes(self.kv_cache_bytes)}\n"
+                f"  bytes per decode step {human_bytes(self.bytes_per_decode_step)}\n"
+                f"  decode bound          {self.decode_tokens_per_s_bound:,.0f} tokens/s (HBM bandwidth)\n"
+                f"  fits                  {'yes' if self.fits else 'no'}")
+
+
+def kv_cache_bytes(config, layers: int, tp: int, batch_size: int, seq_len: int, element_bytes: int) -> int:
+    """2 (keys, values) x layers x kv heads / tp x head_dim x length x batch, as colozoo's cache holds them."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if kv_heads % tp:
+        raise ProfilerError(f"tp={tp} must divide the key/value heads ({kv_heads})")
+    return 2 * layers * (kv_heads // tp) * head_dim * seq_len * batch_size * element_bytes
+
+
+def profile_generation(name, batch_size: int = 1, seq_len: int = 2048, mesh=None, dtype: str = "bfloat16",
+                       hardware="H100-80GB") -> GenerationProfile:
+    degrees = parse_mesh(mesh)
+    if degrees.cp > 1 or degrees.dp > 1:
+        raise ProfilerError("generation profiles a model replica: give tp and pp (cp and dp are 1)")
+    hw = get_hardware(hardware)
+    config = get_config(name) if isinstance(name, str) else name
+    element = DTYPES[dtype].itemsize
+    report = profile(name, batch_size=1, seq_len=min(seq_len, 128), mesh=degrees, dtype=dtype, optimizer="none")
+    stages = []
+    for stage in report.stages:
+        weights = stage["params"] * element
+        cache = kv_cache_bytes(config, len(stage["layers"]), degrees.tp, batch_size, seq_len, element)
+        stages.append((weights, cache))
+    weights, cache = max(stages, key=sum)
+    step_bytes = sum(w + c for w, c in stages)
+    return GenerationProfile(model=name if isinstance(name, str) else type(name).__name__, mesh=degrees_text(degrees),
+                             batch_size=batch_size, seq_len=seq_len, dtype=dtype, weights_bytes=weights,
+                             kv_cache_bytes=cache, bytes_per_decode_step=step_bytes,
+                             decode_tokens_per_s_bound=batch_size * hw.hbm_bw / step_bytes,
+                             fits=weights + cache <= hw.memory_limit, hardware=hw.name)
+
+
+def degrees_text(degrees) -> str:
+    return f"tp={degrees.tp},pp={degrees.pp}"
+
+
+def plan_generation(name, gpus: int = 8, batch_size: int = 1, seq_len: int = 2048, dtype: str = "bfloat16",
+                    hardware="H100-80GB") -> GenerationProfile:
+    """The smallest tp x pp (fewest GPUs, then the fastest bound) whose ranks hold the weights and the cache."""
+    config = get_config(name) if isinstance(name, str) else name
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    candidates = []
+    for size in range(1, gpus + 1):
+        for tp in (d for d in range(1, size + 1) if size % d == 0):
+            pp = size // tp
+            if kv_heads % tp or config.num_attention_heads % tp or pp > config.num_hidden_layers:
+                continue
+            found = profile_generation(name, batch_size, seq_len, f"tp={tp},pp={pp}", dtype, hardware)
+            if found.fits:
+                candidates.append(found)
+        if candidates:
+            return max(candidates, key=lambda p: p.decode_tokens_per_s_bound)
+    raise ProfilerError(f"{name} does not fit on {gpus} x {get_hardware(hardware).name} for generation at batch "
+                        f"{batch_size} x {seq_len} tokens in {dtype}")

@@ -1,0 +1,57 @@
+"""`colozoo profile`: the symbolic profiler from the command line, for a training step or (--generate) for
+generation."""
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+from colozoo.core.dtypes import NAMES as DTYPES
+from colozoo.cost.inference import profile_generation
+from colozoo.cost.profiler import profile
+from colozoo.cost.setup import OPTIMIZER_BYTES, SCHEDULES
+from colozoo.runtime.options import CHECKPOINTING, OFFLOAD
+
+
+def add_setup_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, max positions))")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "profile", help="FLOPs, memory and communication of a training step, on meta tensors",
+        description="Profile one training step of a model on a mesh without running it: per layer and per op "
+                    "FLOPs, parameter/gradient/optimizer bytes, activations saved for backward, peak memory per "
+                    "rank and communication per collective.")
+    p.add_argument("name", help="registered model name (see `colozoo models`)")
+    p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp'")
+    add_setup_arguments(p)
+    p.add_argument("--checkpointing", default="none", choices=CHECKPOINTING)
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="0 DDP, 1/2 ZeRO, 3 FSDP")
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    p.add_argument("--offload", default="none", choices=OFFLOAD)
+    p.add_argument("--generate", action="store_true",
+                   help="profile generation instead: weights and KV cache per rank, bytes read per decode step and "
+                        "the memory-bandwidth bound on tokens/s (--batch-size sequences of --seq-len tokens)")
+    p.add_argument("--hardware", default="H100-80GB", help="with --generate: the preset whose HBM bandwidth bounds "
+                                                           "decoding (see colozoo plan --help)")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.generate:
+        found = profile_generation(args.name, batch_size=args.batch_size, seq_len=args.seq_len or 2048,
+                                   mesh=args.mesh or None, dtype=args.dtype, hardware=args.hardware)
+        print(json.dumps(found.to_dict(), indent=1) if args.json else found.table())
+        return 0
+    report = profile(args.name, batch_size=args.batch_size, seq_len=args.seq_len, mesh=args.mesh or None,
+                     dtype=args.dtype, checkpointing=args.checkpointing, optimizer=args.optimizer, zero=args.zero,
+                     num_microbatches=args.microbatches, schedule=args.schedule, offload=args.offload)
+    print(report.to_json(indent=1) if args.json else report.table())
+    return 0
