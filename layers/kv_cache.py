@@ -1,6 +1,6 @@
 """The KV cache of incremental decoding, sharded like the attention weights: each rank keeps the keys and values
-of its own (kv) heads, (batch, local kv heads, max_len, head_dim) per attention module, allocated once at the
-first write (the prefill) for the whole generation. Batches are left-padded: every row has the same length,
+of its own (kv) heads, (batch, local kv heads, max_len, head_dim) per attention module (a sliding-window layer only
+its window), allocated once at the first write (the prefill) for the whole generation. Batches are left-padded: every row has the same length,
 and `key_keep` says which cached positions are real tokens.
 
 An attention module with `ctx.cache` set writes its new keys/values and attends over everything cached:
@@ -35,20 +35,39 @@ class KVCache:
         return view
 
     def update(self, module, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
-        """Store k/v (batch, kv heads, new, head_dim) at positions length.. and return every cached key and value
-        with the boolean mask (batch, 1, new, length + new) of what each new query attends to."""
+        """Store k/v (batch, kv heads, new, head_dim) at positions length.. and return the keys and values the new
+        queries attend over with their boolean mask (batch, 1, new, keys). A sliding-window layer keeps only its
+        last `window` positions, in a ring of `window` slots."""
         new = k.shape[2]
         end = self.length + new
         if end > self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} positions; {end} were asked for")
+        ring = window is not None and window < self.max_len
         if id(module) not in self.buffers:
             batch = self.key_keep.shape[0]
-            shape = (batch, k.shape[1], self.max_len, k.shape[3])
+            shape = (batch, k.shape[1], window if ring else self.max_len, k.shape[3])
             self.buffers[id(module)] = (k.new_empty(shape), v.new_empty(shape))
         keys, values = (b[self.rows] for b in self.buffers[id(module)])
-        keys[:, :, self.length:end] = k
-        values[:, :, self.length:end] = v
-        return keys[:, :, :end], values[:, :, :end], self.mask(new, window)
+        if not ring:
+            keys[:, :, self.length:end] = k
+            values[:, :, self.length:end] = v
+            return keys[:, :, :end], values[:, :, :end], self.mask(new, window)
+        if self.length and new > 1:
+            raise ValueError("a sliding-window cache takes one prefill, then one token at a time")
+        kept = torch.arange(max(self.length, end - window), end, device=k.device)  # new positions the ring keeps
+        keys[:, :, kept % window] = k[:, :, kept - self.length]
+        values[:, :, kept % window] = v[:, :, kept - self.length]
+        if self.length == 0:  # the prefill attends over its own keys, causal within the window
+            return k, v, self.mask(new, window)
+        return keys, values, self.ring_mask(window)
+
+    def ring_mask(self, window: int) -> torch.Tensor:
+        """(batch, 1, 1, window): which slots hold a real token for the query at position `length`."""
+        slot = torch.arange(window, device=self.key_keep.device)
+        position = self.length - (self.length - slot) % window  # the newest position each slot holds
+        filled = position >= 0
+        keep = self.key_keep[self.rows][:, position.clamp(min=0)] & filled
+        return keep[:, None, None, :]
 
     def mask(self, new: int, window: int | None = None) -> torch.Tensor:
         key = (self.length, new, window, self.rows.start, self.rows.stop)

@@ -185,3 +185,13 @@ def test_cli_streams_text_and_reports_tokens_per_second(tmp_path, capsys):
     assert "prefill" in err and "decode" in err and "tokens/s" in err
     assert main(["generate", str(path), "--max-new-tokens", "5"]) == 1  # no prompt: one clear error
     assert "give at least one --prompt" in capsys.readouterr().err
+
+
+def test_sliding_window_layers_keep_only_their_window():
+    config, hf, model = ours_and_hf("mistral", single_process())  # window 5 < prompt 9 + 6 new tokens
+    ids, mask = prompts(config.vocab_size)
+    model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    head_dim = config.hidden_size // config.num_attention_heads
+    window = config.sliding_window
+    assert model.run.last_generation["cache_elements"] == (2 * config.num_hidden_layers * config.num_key_value_heads
+                                                           * head_dim * window * ids.shape[0])
