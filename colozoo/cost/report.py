@@ -54,7 +54,8 @@ class StageCost:
 class ProfileReport:
     model: str
     mesh: dict
-    setup: dict
+    plan: dict                   # the colozoo.runtime.plan.Plan priced, as a dict
+    workload: dict               # seq_len, dtype, optimizer, target (colozoo.cost.setup.Workload)
     num_layers: int
     total_params: int            # global, tied weights once, vocab padding included
     units: list                  # UnitCost as dicts
@@ -77,8 +78,9 @@ class ProfileReport:
 
         console = Console(width=140, record=True, file=open("/dev/null", "w"))
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.items())
-        units = Table(title=f"{self.model}: per micro-batch of {self.setup['batch_size']} x {self.setup['seq_len']} "
-                            f"({mesh}, {self.setup['dtype']}, checkpointing={self.setup['checkpointing']})")
+        units = Table(title=f"{self.model}: per micro-batch of {self.plan['micro_batch_size']} x "
+                            f"{self.workload['seq_len']} ({mesh}, {self.workload['dtype']}, "
+                            f"checkpointing={self.plan['checkpointing']})")
         for col in ("unit", "x", "params/rank", "fwd FLOPs", "bwd FLOPs", "saved act.", "transient", "comm"):
             units.add_column(col, justify="left" if col == "unit" else "right")
         for u in self.units:
