@@ -117,7 +117,7 @@ def overflow_on_one_rank(degrees, options):
     (dict(dp=2), dict(data_parallel="fsdp", offload="optimizer")),
 ], ids=["pp2", "tp2", "dp2_fsdp_offloaded_adamw"])
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(degrees, options):
-    results = run_distributed(overflow_on_one_rank, 2, degrees, options, timeout=TIMEOUT)
+    results = run_distributed(overflow_on_one_rank, 2, degrees=degrees, options=options, timeout=TIMEOUT)
     for rank, r in enumerate(results):
         assert r["skipped"] and r["scale_after_skip"] == 2.0 ** 15 and r["unchanged"], (rank, r)
         assert r["stepped"] and r["moved"] and r["scale"] == 2.0 ** 15, (rank, r)  # the next clean step goes on

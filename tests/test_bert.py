@@ -53,7 +53,7 @@ def test_bert_untied_mlm_decoder_relu():
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_bert_tensor_parallel(architecture, tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary of the tied MLM decoder is exercised
-    run_distributed(bert_parity, tp, architecture, tp, sp)
+    run_distributed(bert_parity, tp, architecture=architecture, tp=tp, sp=sp)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -62,7 +62,7 @@ def test_bert_converter_round_trip(architecture):
 
 
 def test_bert_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "bert", BASE, 2, "BertForMaskedLM")
+    run_distributed(hf_round_trip, 2, model_type="bert", config_kwargs=BASE, tp=2, architecture="BertForMaskedLM")
 
 
 def test_task_follows_architectures_and_can_be_chosen():
@@ -92,8 +92,9 @@ def test_bert_masked_lm_pipeline_parallel(tp, sp):
 
     inputs, labels = inputs_and_labels("BertForMaskedLM")
     config = {**BASE, "num_hidden_layers": 4}
-    run_distributed(pipeline_parity, 2 * tp, "BertForMaskedLM", config, inputs["input_ids"], inputs["attention_mask"],
-                    labels, 2, tp, sp)
+    run_distributed(pipeline_parity, 2 * tp, architecture="BertForMaskedLM", config_kwargs=config,
+                    ids=inputs["input_ids"], mask=inputs["attention_mask"], labels=labels, pp=2, tp=tp,
+                    sequence_parallel=sp)
 
 
 def bert_pipeline_parity(architecture, pp, tp, sp, batch_size=4):
@@ -107,12 +108,12 @@ def bert_pipeline_parity(architecture, pp, tp, sp, batch_size=4):
 def test_bert_sequence_classification_pipeline_parallel():
     # pp=2 x tp=2 with sequence parallelism: token_type_ids and padding go through the stages and micro-batches,
     # the classification logits come back on every rank
-    run_distributed(bert_pipeline_parity, 4, "BertForSequenceClassification", 2, 2, True)
+    run_distributed(bert_pipeline_parity, 4, architecture="BertForSequenceClassification", pp=2, tp=2, sp=True)
 
 
 def test_bert_base_model_pipeline_parallel():
     # hidden states and pooled output from the last stage on every rank; its tie_word_embeddings ties nothing
-    run_distributed(bert_pipeline_parity, 2, "BertModel", 2, 1, False)
+    run_distributed(bert_pipeline_parity, 2, architecture="BertModel", pp=2, tp=1, sp=False)
 
 
 def selective_checkpointing_gradients(mode):

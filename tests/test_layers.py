@@ -12,6 +12,7 @@ from colozoo.layers import comm
 from colozoo.layers.shard import ShardError, local_shape, stored_pieces
 from colozoo.layers.vocab import vocab_range
 from colozoo.core.mesh import coords_of, init_parallel
+from parity import close
 from distributed import run_distributed
 
 ATOL = 1e-5
@@ -27,8 +28,7 @@ def _run(fn, tp, *args):
 
 def _close(actual, expected, what):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
-    assert diff < ATOL, f"{what} differs by {diff}"
+    close(actual, expected, ATOL, what)
 
 
 def _seq_chunk(t, pc, dim=1):
@@ -274,7 +274,7 @@ def _comm_pairs(tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_comm_mapping_pairs(tp):
-    run_distributed(_comm_pairs, tp, tp, timeout=60)
+    run_distributed(_comm_pairs, tp, tp=tp, timeout=60)
 
 
 def test_comm_mappings_are_identities_without_a_group():
@@ -383,4 +383,4 @@ def test_gather_tensor_round_trip(degrees):
     for v in degrees.values():
         world *= v if v else 1
     world //= degrees.get("ep", 1)  # ep is folded over dp, it adds no ranks
-    run_distributed(_gather_round_trip, world, degrees, timeout=60)
+    run_distributed(_gather_round_trip, world, degrees=degrees, timeout=60)
