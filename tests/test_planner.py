@@ -95,6 +95,10 @@ def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
                     checkpoint_layers=best.checkpoint_layers, schedule=best.schedule, offload=best.offload)
     assert again.peak_memory == pytest.approx(best.memory)
     assert "why" in result.table() and result.to_json().startswith("{")
+    # ranked fastest first, among plans that differ: the best is the fastest of all those searched
+    times = [p.step_seconds for p in result.plans]
+    assert len(result.plans) > 1 and times == sorted(times) and times[0] < times[-1]
+    assert all(p.memory <= get_hardware("H100-80GB", gpus=8, gpu_memory="80GB").memory_limit for p in result.plans)
 
 
 def test_partial_checkpointing_beats_recomputing_every_layer():
