@@ -197,7 +197,7 @@ def ring_bf16_close(cp_size):
 
 
 def test_ring_attention_bf16():
-    run_distributed(ring_bf16_close, 2, cp_size=2, timeout=60)
+    run_distributed(ring_bf16_close, 2, cp_size=2, timeout=180)
 
 
 def cp_pipeline_forward_parity(family, mode):
