@@ -54,7 +54,13 @@ def _ignore_mixed_precision():
 
 
 def _checkpoint_nothing():
-    _replace("colozoo.runtime.checkpointing", "checkpoint_module", lambda original: lambda module: None)
+    from torch.distributed._composable.contract import contract
+
+    @contract()
+    def checkpoint(module, **kwargs):  # marks the module checkpointed (is_checkpointed says yes), recomputes nothing
+        return module
+
+    _replace("colozoo.runtime.checkpointing", "checkpoint", lambda original: checkpoint)
 
 
 def _rank_worst_first():

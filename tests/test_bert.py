@@ -125,7 +125,7 @@ def selective_checkpointing_gradients(mode):
 
     config = transformers.BertConfig(**{**BASE, "hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
                                      num_labels=3, architectures=["BertForSequenceClassification"])
-    from parity import hf_model
+    from parity import check_recomputation, hf_model, weight_calls
 
     model = build_model(config, device="meta")
     load_hf_weights(model, StateDictReader(hf_model("BertForSequenceClassification", config).state_dict()),
@@ -133,8 +133,10 @@ def selective_checkpointing_gradients(mode):
     parallelize(model.train(), activation_checkpointing=mode)
     inputs, labels = inputs_and_labels("BertForSequenceClassification", batch_size=4)
     model_parallel_seed(5, model.pc)  # the default and the tracked generator: earlier tests may have seeded it
-    loss = model.forward_backward(inputs["input_ids"], labels, attention_mask=inputs["attention_mask"],
-                                  token_type_ids=inputs["token_type_ids"], num_microbatches=2)
+    with weight_calls(model) as calls:
+        loss = model.forward_backward(inputs["input_ids"], labels, attention_mask=inputs["attention_mask"],
+                                      token_type_ids=inputs["token_type_ids"], num_microbatches=2)
+    check_recomputation(calls, model, mode, microbatches=2)
     return model, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from parity import batch, close, hf_causal_lm
+from parity import batch, check_sequence_sharding, close, hf_causal_lm, layer_input_lengths
 
 MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
@@ -92,7 +92,10 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
     assert read_experts == set(owned), f"ep rank {pc.rank('ep')} read experts {sorted(read_experts)}"
 
     model.eval()
-    out = model(ids, attention_mask=mask, labels=labels, return_logits=True, **({"cp_mode": cp_mode} if cp > 1 else {}))
+    with layer_input_lengths(model) as lengths:
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=True,
+                    **({"cp_mode": cp_mode} if cp > 1 else {}))
+    check_sequence_sharding(lengths, ids.shape[1] // cp, tp, sequence_parallel)
     out.loss.backward()
     keep = mask.bool()
     report = {"logits": (out.logits - ref.logits)[keep].abs().max().item(),

@@ -145,7 +145,7 @@ def _train_step_with_dropout(tp):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
     from colozoo.core.rng import model_parallel_seed
-    from parity import batch, hf_causal_lm
+    from parity import batch, check_sequence_sharding, hf_causal_lm, layer_input_lengths
 
     pc = init_parallel(tp=tp, sequence_parallel=True)
     config, hf = hf_causal_lm("opt", {**BASE, "dropout": 0.2, "attention_dropout": 0.2})
@@ -155,7 +155,9 @@ def _train_step_with_dropout(tp):
     ids, mask, labels = batch(config.vocab_size, 12)
     with torch.no_grad():
         eval_loss = model.eval()(ids, attention_mask=mask, labels=labels).loss.item()
-    train_loss = model.train()(ids, attention_mask=mask, labels=labels).loss
+    with layer_input_lengths(model) as lengths:
+        train_loss = model.train()(ids, attention_mask=mask, labels=labels).loss
+    check_sequence_sharding(lengths, ids.shape[1], tp, sequence_parallel=True)
     train_loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     return eval_loss, train_loss.item()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from parity import batch, close, hf_causal_lm
+from parity import (batch, check_recomputation, check_sequence_sharding, close, hf_causal_lm, layer_input_lengths,
+                    weight_calls)
 
 from colozoo.checkpoint.load import load_hf_weights
 from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
@@ -53,8 +54,11 @@ def train_against_hf(dp, pp, tp, steps=1, microbatches=2, schedule="1f1b", virtu
     worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
     losses = []
     for step in range(steps):
-        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches,
-                                      schedule=schedule)
+        with layer_input_lengths(model) as lengths, weight_calls(model) as calls:
+            loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches,
+                                          schedule=schedule)
+        check_sequence_sharding(lengths, ids.shape[1], tp, sp)
+        check_recomputation(calls, model, (options or {}).get("activation_checkpointing"), microbatches)
         norm = clip_grad_norm_(model, MAX_NORM)
         ref = hf(ids, attention_mask=mask, labels=labels).loss
         ref.backward()
@@ -289,7 +293,9 @@ def dropout_gradients(mode, tp):
     model = build(pc, config, hf, activation_checkpointing=mode)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
     model_parallel_seed(1234, pc)
-    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    with weight_calls(model) as calls:
+        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    check_recomputation(calls, model, mode, microbatches=2)
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

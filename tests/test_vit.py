@@ -108,7 +108,7 @@ def checkpointed_step(mode):
     from colozoo.api import build_model
     from colozoo.core.rng import model_parallel_seed
     from colozoo.runtime.training import parallelize
-    from parity import hf_model
+    from parity import check_recomputation, hf_model, weight_calls
 
     config = transformers.ViTConfig(**{**BASE, "hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
                                     num_labels=3, architectures=["ViTForImageClassification"])
@@ -117,7 +117,9 @@ def checkpointed_step(mode):
     parallelize(model.train(), activation_checkpointing=mode)
     inputs, labels = images_and_labels("ViTForImageClassification", BASE, batch_size=4)
     model_parallel_seed(5, model.pc)  # the default and the tracked generator: earlier tests may have seeded it
-    loss = model.forward_backward(inputs["pixel_values"], labels, num_microbatches=2)
+    with weight_calls(model) as calls:
+        loss = model.forward_backward(inputs["pixel_values"], labels, num_microbatches=2)
+    check_recomputation(calls, model, mode, microbatches=2)
     return model, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
