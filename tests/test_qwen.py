@@ -71,6 +71,48 @@ def test_qwen3_moe_expert_and_tensor_parallel(tp, ep, sp):
     run_distributed(mixtral_parity, tp * ep, tp, ep, 1, sp, "ring", QWEN3_MOE, "qwen3_moe", timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_qwen3_sliding_layers_context_parallel(mode):
+    """cp=2 x tp=2: full and sliding layers across the cp ranks, the q/k norms on the rank's tokens."""
+    from test_context_parallel import cp_parity
+
+    config = {**BASE, **CASES["qwen3_sliding_bias"][1]}
+    run_distributed(cp_parity, 4, 2, 2, mode, True, "qwen3", config, timeout=TIMEOUT)
+
+
+def convert_round_trip(directory, family, config_kwargs, mesh):
+    """transformers' save_pretrained -> colozoo on `mesh` -> colozoo at tp=4 -> HF: bit for bit, and transformers
+    loads the export."""
+    from safetensors.torch import load_file
+
+    from colozoo.checkpoint.convert import convert
+    from parity import hf_causal_lm
+
+    config, hf = hf_causal_lm(family, config_kwargs)
+    hf.save_pretrained(directory / "hf")
+    convert(directory / "hf", directory / "first", **mesh)
+    convert(directory / "first", directory / "tp4", tp=4)
+    convert(directory / "tp4", directory / "back", to_hf=True)
+    original, back = load_file(directory / "hf" / "model.safetensors"), load_file(directory / "back" / "model.safetensors")
+    assert sorted(original) == sorted(back), set(original) ^ set(back)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, back[name]), name
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(directory / "back").eval()
+    ids, mask, _ = batch(config.vocab_size, 12)
+    with torch.no_grad():
+        assert torch.equal(hf(ids, attention_mask=mask).logits, exported(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+def test_qwen_convert_reshard_export(tmp_path, family):
+    config = {"qwen2": {**BASE, **WIDE, **SLIDING}, "qwen3": {**BASE, **WIDE, **CASES["qwen3_sliding_bias"][1]},
+              "qwen3_moe": {**QWEN3_MOE, **WIDE}}[family]
+    mesh = dict(tp=2, pp=2, ep=2) if family == "qwen3_moe" else dict(tp=2, pp=2)
+    convert_round_trip(tmp_path, family, config, mesh)
+
+
 def test_qwen3_pipeline_parallel():
     config = {**BASE, **CASES["qwen3"][1], "num_hidden_layers": 4}
     ids, mask, labels = batch(BASE["vocab_size"], 12)
