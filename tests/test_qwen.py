@@ -138,6 +138,20 @@ def test_qwen_greedy_generate_one_process():
     greedy_matches_transformers(list(GENERATE), configs=GENERATE)
 
 
+def test_qwen2_cache_keeps_a_window_only_for_sliding_layers():
+    from colozoo.core.mesh import single_process
+    from test_generate import NEW, ours_and_hf, prompts
+
+    config, hf, model = ours_and_hf("qwen2", single_process(), GENERATE["qwen2"])
+    ids, mask = prompts(config.vocab_size)  # 9 + 6 positions, window 5
+    model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    per_position = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * ids.shape[0]
+    full, sliding = config.layer_types.count("full_attention"), config.layer_types.count("sliding_attention")
+    assert (full, sliding) == (2, 2)
+    expected = per_position * (full * (ids.shape[1] + NEW) + sliding * config.sliding_window)
+    assert model.run.last_generation["cache_elements"] == expected
+
+
 def test_qwen_greedy_generate_tp2():
     results = run_distributed(greedy_matches_transformers, 2, families=list(GENERATE), tp=2, configs=GENERATE,
                               timeout=TIMEOUT)
