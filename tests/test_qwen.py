@@ -119,6 +119,23 @@ def test_qwen3_pipeline_parallel():
     run_distributed(pipeline_parity, 2, "Qwen3ForCausalLM", config, ids, mask, labels, 2, 1, False, timeout=TIMEOUT)
 
 
+def training_step(family, config, *args, **kwargs):
+    """test_training_cp_ep's optimizer step against transformers (clipped gradients, AdamW), on a Qwen config."""
+    import test_training_cp_ep
+
+    test_training_cp_ep.CONFIGS[family] = config
+    return test_training_cp_ep.step_against_hf(family, *args, **kwargs)
+
+
+@pytest.mark.parametrize("family,options", [("qwen3", {}), ("qwen3_moe", dict(data_parallel="ddp"))])
+def test_qwen3_training_step_dp2_tp2(family, options):
+    """dp=2 x tp=2 (FSDP for Qwen3, DDP and ep=2 for Qwen3-MoE): loss, clipped gradients (the replicated q/k norms
+    counted once in the norm) and parameters after one AdamW step equal transformers'."""
+    config = {"qwen3": {**BASE, **CASES["qwen3"][1]}, "qwen3_moe": QWEN3_MOE}[family]
+    ep = 2 if family == "qwen3_moe" else 1
+    run_distributed(training_step, 4, family, config, 2, 1, ep, 2, 1, options, timeout=TIMEOUT)
+
+
 # --- generation ------------------------------------------------------------------------------------------------
 
 GENERATE = {
