@@ -268,10 +268,11 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
             source = sources[name]
             tensor = GlobalTensor(reader, source, name)
             full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
-            sizes = [shape[source.cat_dim] for shape in tensor.part_shapes]
-            for hf_name, part in zip(source.names, full.split(sizes, dim=source.cat_dim)):
+            first = tensor.items[0] if source.stack else tensor  # stacked experts: every item has these parts
+            sizes = [shape[source.cat_dim] for shape in first.part_shapes]
+            for hf_name, part in source.split(full, sizes).items():
                 assert hf_name not in exported, f"{hf_name} is produced twice"
-                exported[hf_name] = part.t() if source.transpose else part
+                exported[hf_name] = part
         if distributed:
             dist.barrier()  # rank 0 removes the directory on leaving
     assert sorted(exported) == sorted(saved), set(exported) ^ set(saved)

@@ -117,7 +117,7 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm(family, {**FAMILIES[family], **(overrides or {})})
+    config, hf = hf_causal_lm(family, {**FAMILIES.get(family, {}), **(overrides or {})})  # others: whole config
     ids, mask, labels = (right_padded_batch if right_padded else batch)(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels)
     ref.loss.backward()

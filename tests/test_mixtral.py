@@ -80,7 +80,7 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
     from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm(family, {**FAMILIES[family], **(config_overrides or {})})
+    config, hf = hf_causal_lm(family, {**FAMILIES.get(family, {}), **(config_overrides or {})})  # others: whole config
     ids, mask, labels = batch(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels, output_router_logits=True)
     ref.loss.backward()
