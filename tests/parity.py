@@ -64,6 +64,22 @@ def weight_calls(model):
             handle.remove()
 
 
+@contextlib.contextmanager
+def matmul_dtypes(model):
+    """The dtypes of every linear layer's output while the block runs: mixed precision's observable effect (FSDP2
+    casts the weights, autocast the matmuls; either way the projections compute in the low precision)."""
+    from colozoo.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    seen = set()
+    handles = [module.register_forward_hook(lambda m, args, out: seen.add(out.dtype)) for module in model.modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear, torch.nn.Linear))]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def check_recomputation(counts, model, mode: str | None, microbatches: int):
     """Activation checkpointing's observable effect on `weight_calls`: every layer ("full") or its attention block
     ("selective") ran twice per micro-batch, everything else once."""

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from parity import batch, hf_causal_lm
+from parity import batch, hf_causal_lm, matmul_dtypes
 from test_finetune import losses, small_run, tiny  # noqa: F401 (tiny is a fixture)
 from test_training import build as gpt2
 from test_training_cp_ep import MIXTRAL, build as build_from_hf
@@ -89,7 +89,9 @@ def overflow_on_one_rank(degrees, options):
 
     def step(inject: bool) -> bool:
         optimizer.zero_grad()
-        model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2, grad_scale=scaler.scale)
+        with matmul_dtypes(model) as dtypes:
+            model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2, grad_scale=scaler.scale)
+        assert dtypes == {torch.float16}, f"the projections computed in {dtypes}, not fp16"
         if inject:
             grad = max((local_part(p.grad) for p in model.parameters() if p.grad is not None), key=torch.numel)
             grad.view(-1)[0] = float("inf")

@@ -6,7 +6,7 @@ import torch
 
 from distributed import run_distributed
 from parity import (batch, check_recomputation, check_sequence_sharding, close, hf_causal_lm, layer_input_lengths,
-                    weight_calls)
+                    matmul_dtypes, weight_calls)
 
 from colozoo.checkpoint.load import load_hf_weights
 from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
@@ -231,7 +231,9 @@ def mixed_precision_step(dp, pp, tp):
     config, hf = hf_causal_lm("gpt2", CONFIG)
     model = build(pc, config, hf, mixed_precision="bf16")
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
-    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    with matmul_dtypes(model) as dtypes:
+        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    assert dtypes == {torch.bfloat16}, f"the projections computed in {dtypes}, not bf16"
     ref = hf(ids, attention_mask=mask, labels=labels).loss
     ref.backward()
     assert abs(loss.item() - ref.item()) < 2e-2, (loss.item(), ref.item())
@@ -311,4 +313,4 @@ def checkpointing_keeps_dropout_masks(tp):
 
 def test_checkpointing_recomputes_the_same_dropout_masks():
     assert checkpointing_keeps_dropout_masks(1)
-    assert all(run_distributed(checkpointing_keeps_dropout_masks, 2, tp=2, timeout=TIMEOUT))
+    assert all(run_distributed(checkpointing_keeps_dropout_masks, 2, tp=2, timeout=2 * TIMEOUT))
