@@ -178,10 +178,12 @@ def run(cfg: FinetuneConfig) -> dict:
     output, rank0 = Path(cfg.output), _is_rank0()
     checkpoints = output / "checkpoints"
     mesh_json = {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep}
-    start = 0
+    start, resumed = 0, None
+    data_position = {"global_batch": global_batch, "seed": cfg.seed, "samples": len(train)}
     latest = state.latest_checkpoint(checkpoints) if cfg.resume else None
     if latest is not None:
-        start = state.load_training_state(latest, model, optimizer, scheduler, mesh_json, scaler)["step"]
+        resumed = state.load_training_state(latest, model, optimizer, scheduler, mesh_json, scaler, data_position)
+        start = resumed["step"]
     if rank0:
         output.mkdir(parents=True, exist_ok=True)
         saved_config = {**cfg.to_json(), "planned": plan.to_dict()} if plan else cfg.to_json()
@@ -206,12 +208,15 @@ def run(cfg: FinetuneConfig) -> dict:
         reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items()))
     if latest is not None:
         reporter.print(f"resumed from {latest} at step {start}")
+        if not resumed["rng_restored"]:
+            reporter.print(f"resharded from mesh {resumed['mesh']}: random states restart from --seed")
     if getattr(model, "fresh_parameters", None):
         reporter.print(f"new task head, initialised fresh: {', '.join(model.fresh_parameters)}")
 
     def save(step):
         return state.save_training_state(checkpoints, step, model, optimizer, scheduler, mesh_json,
-                                         extra={"total_steps": total_steps}, keep_last=cfg.keep_last,
+                                         extra={"total_steps": total_steps, "data": data_position},
+                                         keep_last=cfg.keep_last,
                                          scaler=scaler)
 
     prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2) if cfg.task == "lm" else None
