@@ -80,7 +80,8 @@ def test_dp2_fsdp_to_tp2(tiny, tmp_path):
 
 def test_tp2_pp2_to_pp2_dp2_ddp_and_the_checkpoint_exports_like_the_model(tiny, tmp_path):
     straight, resumed = run_distributed(_on_ranks, 4, tiny, tmp_path, dict(tp=2, pp=2),
-                                        dict(pp=2, dp=2, data_parallel="ddp"), export=True, timeout=400)[0]
+                                        dict(pp=2, dp=2, data_parallel="ddp", micro_batch_size=1), export=True,
+                                        timeout=400)[0]
     check_continues(straight, resumed, "tp2 x pp2 -> pp2 x dp2 DDP")
     from colozoo.cli import main
 
