@@ -22,7 +22,6 @@ from colozoo.finetune.metrics import read_metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO / "data" / "stories.jsonl"
-STOP = 3
 
 
 @pytest.fixture(scope="module")
@@ -43,28 +42,25 @@ def losses(output) -> list[float]:
     return [r["loss"] for r in read_metrics(Path(output) / "metrics.jsonl") if "loss" in r]
 
 
-def stop_then_resume(model, root, before: dict, after: dict, export: bool = False):
-    """(losses of an uninterrupted run on `after`, losses of a run stopped on `before` and resumed on `after`)."""
+def resume_across(model, root, legs: list[dict], last: dict, export: bool = False):
+    """(losses of an uninterrupted run on mesh `last`, losses of a run stopped on each of `legs` in turn, evenly
+    spread over the 6 steps, and finished on `last`)."""
     straight, resumed = Path(root) / "straight", Path(root) / "resumed"
-    run(small_run(model, straight, **after))
-    assert run(small_run(model, resumed, stop_after=STOP, **before))["stopped"]
-    summary = run(small_run(model, resumed, export_hf=export, **after))
-    assert summary["step"] == 6
+    run(small_run(model, straight, **last))
+    for i, mesh in enumerate(legs):
+        stop = 6 * (i + 1) // (len(legs) + 1)
+        assert run(small_run(model, resumed, stop_after=stop, save_interval=stop, **mesh))["step"] == stop
+    assert run(small_run(model, resumed, export_hf=export, **last))["step"] == 6
     return losses(straight), losses(resumed)
 
 
 def check_continues(straight, resumed, what):
     assert len(straight) == len(resumed) == 6, what
-    close(resumed[:STOP], straight[:STOP], 1e-5, f"{what}: losses before the stop (old mesh vs new)")
-    close(resumed[STOP:], straight[STOP:], 1e-5, f"{what}: losses after the resume")
-
-
-def _on_ranks(model, root, before, after, export=False):
-    return stop_then_resume(model, root, before, after, export)
+    close(resumed, straight, 1e-5, f"{what}: losses of the resumed run and of an uninterrupted one on the last mesh")
 
 
 def test_tp2_to_tp1_with_offload(tiny, tmp_path):
-    run_distributed(run, 2, small_run(tiny, tmp_path / "resumed", tp=2, stop_after=STOP), timeout=240)
+    run_distributed(run, 2, small_run(tiny, tmp_path / "resumed", tp=2, stop_after=3), timeout=240)
     straight = tmp_path / "straight"
     run(small_run(tiny, straight, offload="optimizer"))
     summary = run(small_run(tiny, tmp_path / "resumed", offload="optimizer"))
@@ -72,17 +68,17 @@ def test_tp2_to_tp1_with_offload(tiny, tmp_path):
     check_continues(losses(straight), losses(tmp_path / "resumed"), "tp2 -> tp1 (optimizer offload)")
 
 
-def test_dp2_fsdp_to_tp2(tiny, tmp_path):
-    straight, resumed = run_distributed(_on_ranks, 2, tiny, tmp_path, dict(dp=2, data_parallel="fsdp"),
+def test_dp2_fsdp_to_dp2_ddp_to_tp2(tiny, tmp_path):
+    straight, resumed = run_distributed(resume_across, 2, tiny, tmp_path, [dict(dp=2, data_parallel="fsdp"),
+                                                                           dict(dp=2, data_parallel="ddp")],
                                         dict(tp=2), timeout=300)[0]
-    check_continues(straight, resumed, "dp2 FSDP -> tp2")
+    check_continues(straight, resumed, "dp2 FSDP -> dp2 DDP -> tp2")
 
 
-def test_tp2_pp2_to_pp2_dp2_ddp_and_the_checkpoint_exports_like_the_model(tiny, tmp_path):
-    straight, resumed = run_distributed(_on_ranks, 4, tiny, tmp_path, dict(tp=2, pp=2),
-                                        dict(pp=2, dp=2, data_parallel="ddp", micro_batch_size=1), export=True,
-                                        timeout=400)[0]
-    check_continues(straight, resumed, "tp2 x pp2 -> pp2 x dp2 DDP")
+def test_tp2_pp2_to_pp2_dp2_and_the_checkpoint_exports_like_the_model(tiny, tmp_path):
+    straight, resumed = run_distributed(resume_across, 4, tiny, tmp_path, [dict(tp=2, pp=2)],
+                                        dict(pp=2, dp=2, micro_batch_size=1), export=True, timeout=400)[0]
+    check_continues(straight, resumed, "tp2 x pp2 -> pp2 x dp2 FSDP")
     from colozoo.cli import main
 
     final = state.latest_checkpoint(tmp_path / "resumed" / "checkpoints")
