@@ -4,6 +4,7 @@ training checkpoint exports to HF like the model itself; another model's state i
 import json
 import os
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -158,3 +159,28 @@ def test_another_model_or_data_position_is_refused(tiny, tmp_path):
         run(small_run(other, out, steps=4))
     with pytest.raises(state.ResumeError, match=r"global_batch 4 in the checkpoint, 8 here"):
         run(small_run(tiny, out, steps=4, global_batch_size=8))
+
+
+def test_async_save_lets_training_go_on_and_resumes_exactly(tiny, tmp_path, monkeypatch):
+    """--async-save: a save's commit waits here until the next step has been logged, which only a save that runs
+    beside training allows; the committed checkpoint then resumes the run exactly."""
+    import time
+
+    out, committed_after = tmp_path / "run", {}
+
+    def commit_after_next_step(tmp):
+        step = int(tmp.name.rpartition("-")[2])
+        if step < 6:  # the last save is written at once: the run ends after it
+            deadline = time.monotonic() + 60
+            while len(losses(out)) <= step and time.monotonic() < deadline:
+                time.sleep(0.05)
+        committed_after[step] = len(losses(out))
+
+    monkeypatch.setattr(state, "_before_commit", commit_after_next_step)
+    run(small_run(tiny, out, async_save=True))
+    monkeypatch.undo()
+    assert committed_after[2] > 2 and committed_after[4] > 4, committed_after
+    straight = losses(out)
+    shutil.rmtree(out / "checkpoints" / "step-00000006")
+    assert run(small_run(tiny, out, async_save=True))["step"] == 6  # from the asynchronously written step 4
+    assert losses(out) == straight

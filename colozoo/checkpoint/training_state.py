@@ -76,8 +76,9 @@ def _writes(param, spec, pc) -> bool:
     return replica == 0
 
 
-def own_tensors(model, layout: ModelLayout, states: dict[str, dict[str, torch.Tensor]]):
-    """[(global name, local tensor, global slices, local slices)] this rank writes. `states[param name]`:
+@torch.no_grad()
+def own_pieces(model, layout: ModelLayout, states: dict[str, dict[str, torch.Tensor]]):
+    """[(global name, global slices, the data: a view of a local tensor)] this rank writes. `states[param name]`:
     {kind: tensor of the parameter's local shape} (optimizer states, masters)."""
     pc, coords = model.pc, coords_of(model.pc)
     out = []
@@ -89,34 +90,33 @@ def own_tensors(model, layout: ModelLayout, states: dict[str, dict[str, torch.Te
             continue
         boxes = local_boxes(param, info.shape, info.spec, coords)
         for tensor_name, tensor in [(name, param), *((state_name(k, name), t) for k, t in states.get(name, {}).items())]:
-            out += [(tensor_name, local_part(tensor), g, loc) for g, loc in boxes]
+            out += [(tensor_name, g, local_part(tensor).detach()[loc]) for g, loc in boxes]
     return out
 
 
-@torch.no_grad()
-def write_rank_file(model, layout: ModelLayout, directory: Path, file: str, states) -> dict | None:
-    """This rank's safetensors file; returns {"file", "info", "pieces": [(name, piece json, dtype name)]}."""
-    owned = own_tensors(model, layout, states)
-    if not owned:
+def write_rank_file(directory: Path, file: str, pieces) -> dict | None:
+    """This rank's safetensors file of `own_pieces`; returns {"file", "info", "pieces": [(name, piece json,
+    dtype name)]} for write_indexes."""
+    if not pieces:
         return None
     counts = {}
-    for name, *_ in owned:
+    for name, *_ in pieces:
         counts[name] = counts.get(name, 0) + 1
     keys, seen = [], {}
-    for name, *_ in owned:
+    for name, *_ in pieces:
         i = seen[name] = seen.get(name, -1) + 1
         keys.append(name if counts[name] == 1 else f"{name}#{i}")
-    shapes = [tuple(s.stop - s.start for s in g) for _, _, g, _ in owned]
-    writer = SafetensorsWriter(directory / file, [(k, t.dtype, s) for k, (_, t, _, _), s in zip(keys, owned, shapes)])
+    writer = SafetensorsWriter(directory / file, [(k, data.dtype, tuple(data.shape))
+                                                  for k, (_, _, data) in zip(keys, pieces)])
     try:
-        for key, (_, tensor, _, loc) in zip(keys, owned):
-            writer.write(key, tensor.detach()[loc].cpu())
+        for key, (_, _, data) in zip(keys, pieces):
+            writer.write(key, data.cpu())
     except BaseException:
         writer.abort()
         raise
-    pieces = [(name, {"file": file, "key": key, "offsets": [s.start for s in g], "shape": list(shape)},
-               dtype_name(t.dtype)) for key, (name, t, g, _), shape in zip(keys, owned, shapes)]
-    return {"file": file, "info": writer.close(), "pieces": pieces}
+    entries = [(name, {"file": file, "key": key, "offsets": [s.start for s in g], "shape": list(data.shape)},
+                dtype_name(data.dtype)) for key, (name, g, data) in zip(keys, pieces)]
+    return {"file": file, "info": writer.close(), "pieces": entries}
 
 
 def write_indexes(directory: Path, layout: ModelLayout, mesh: dict, shards: list):

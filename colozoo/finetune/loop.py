@@ -21,6 +21,7 @@ from colozoo.finetune import data as D
 from colozoo.finetune import runtime, samples, state
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
+from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.rng import model_parallel_seed
@@ -213,11 +214,12 @@ def run(cfg: FinetuneConfig) -> dict:
     if getattr(model, "fresh_parameters", None):
         reporter.print(f"new task head, initialised fresh: {', '.join(model.fresh_parameters)}")
 
-    def save(step):
-        return state.save_training_state(checkpoints, step, model, optimizer, scheduler, mesh_json,
-                                         extra={"total_steps": total_steps, "data": data_position},
-                                         keep_last=cfg.keep_last,
-                                         scaler=scaler)
+    saver = CheckpointSaver(asynchronous=cfg.async_save)
+
+    def save(step, final):
+        return saver.save(checkpoints, step, model, optimizer, scheduler, mesh_json, final=final,
+                          extra={"total_steps": total_steps, "data": data_position}, keep_last=cfg.keep_last,
+                          scaler=scaler)
 
     prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2) if cfg.task == "lm" else None
     if prompts is not None and samples.why_no_samples(model):
@@ -262,11 +264,13 @@ def run(cfg: FinetuneConfig) -> dict:
                     evaluation_at(step)
                 stopped = interrupt.agreed(pc.device) or step == cfg.stop_after
                 if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total_steps:
-                    save(step)
+                    save(step, final=stopped or step == total_steps)
                     saved_at = step
                 if stopped:
                     break
+        saver.wait()
     finally:
+        saver.wait(raise_error=False)  # a failed run still lets the save in flight finish (or fail) first
         reporter.close()
 
     summary = {"step": step, "total_steps": total_steps, "stopped": stopped,

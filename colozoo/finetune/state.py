@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.checkpoint.format import ModelLayout
-from colozoo.checkpoint.training_state import TrainingCheckpoint, write_indexes, write_rank_file
+from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
 from colozoo.core.errors import CheckpointError
 from colozoo.core.rng import get_rng_tracker
 from colozoo.finetune.optimizer_state import optimizer_tensors, restore_optimizer
@@ -51,16 +52,16 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _barrier():
+def _barrier(group=None):
     if _world() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _all_gather(value) -> list:
+def _all_gather(value, group=None) -> list:
     if _world() == 1:
         return [value]
     out = [None] * _world()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -127,40 +128,71 @@ def _stage_layers(model) -> list[list[int]] | None:
     return every_rank
 
 
-def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
-                        keep_last: int = 2, scaler=None) -> Path:
-    """Collective: every rank writes its tensors and RNG states into a temp dir; rank 0 writes the indexes and
-    meta.json, commits by renaming, then prunes. `scaler`: an fp16 loss scaler (colozoo.runtime.amp), kept when
-    enabled. `extra` goes into meta.json (the data position, total steps)."""
-    root = Path(root)
-    final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP_PREFIX}{step:08d}"
+@dataclass
+class Snapshot:
+    """One rank's training state at a step, ready to write: its pieces of the global tensors, its RNG states and
+    (for rank 0) the meta."""
+    root: Path
+    step: int
+    layout: ModelLayout
+    pieces: list
+    rng: dict
+    meta: dict
+    keep_last: int
+
+
+def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
+                            keep_last: int = 2, scaler=None, copy: bool = False) -> Snapshot:
+    """Collective over pp. `copy`: the tensors are copied to CPU memory, so training may go on while they are
+    written (an asynchronous save); otherwise they are views of the live state."""
     layout = ModelLayout(model.config, model.pc.size("pp"), _stage_layers(model))
+    states, hyper = optimizer_tensors(model, optimizer, layout.canonical)
+    pieces = own_pieces(model, layout, states)
+    if copy:
+        pieces = [(name, g, data.to("cpu", copy=True)) for name, g, data in pieces]
+    meta = {"format": FORMAT, "step": step, "world_size": _world(), "mesh": mesh, "time": time.time(),
+            "optimizer": hyper, "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None and scaler.enabled else None, **(extra or {})}
+    return Snapshot(Path(root), step, layout, pieces, rng_state(), json.loads(json.dumps(meta)), keep_last)
+
+
+def write_snapshot(snapshot: Snapshot, group=None) -> Path:
+    """Collective over `group` (all ranks): every rank writes its files into a temp dir; rank 0 writes the indexes
+    and meta.json, commits by renaming, then prunes to the newest `keep_last`."""
+    root, step = snapshot.root, snapshot.step
+    final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP_PREFIX}{step:08d}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(TMP_PREFIX + "*"):  # a save that a crash interrupted
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
-    states, hyper = optimizer_tensors(model, optimizer, layout.canonical)
-    shard = write_rank_file(model, layout, tmp, f"state-rank-{_rank():05d}.safetensors", states)
-    _write_json(tmp / f"rng-rank-{_rank():05d}.json", rng_state())
-    shards = _all_gather((shard, hyper["scalars"]))
+    _barrier(group)
+    shard = write_rank_file(tmp, f"state-rank-{_rank():05d}.safetensors", snapshot.pieces)
+    _write_json(tmp / f"rng-rank-{_rank():05d}.json", snapshot.rng)
+    shards = _all_gather((shard, snapshot.meta["optimizer"]["scalars"]), group)
     _before_commit(tmp)
-    _barrier()
+    _barrier(group)
     if _rank() == 0:
-        write_indexes(tmp, layout, mesh, [s for s, _ in shards])
-        hyper["scalars"] = {name: value for _, scalars in shards for name, value in scalars.items()}
-        meta = {"format": FORMAT, "step": step, "world_size": _world(), "mesh": mesh, "time": time.time(),
-                "optimizer": hyper, "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None and scaler.enabled else None, **(extra or {})}
+        write_indexes(tmp, snapshot.layout, snapshot.meta["mesh"], [s for s, _ in shards])
+        meta = snapshot.meta
+        meta["optimizer"]["scalars"] = {name: value for _, scalars in shards for name, value in scalars.items()}
         _write_json(tmp / "meta.json", meta)
         if final.exists():  # the same step saved before (e.g. an interrupted run re-saving): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        for old in complete_checkpoints(root)[:-keep_last]:
+        for old in complete_checkpoints(root)[:-snapshot.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
+
+
+def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
+                        keep_last: int = 2, scaler=None) -> Path:
+    """Collective: save the whole training state at `step` under `root` and return its directory. `scaler`: an
+    fp16 loss scaler (colozoo.runtime.amp), kept when enabled. `extra` goes into meta.json (the data position,
+    total steps)."""
+    return write_snapshot(snapshot_training_state(root, step, model, optimizer, scheduler, mesh, extra, keep_last,
+                                                  scaler))
 
 
 def _before_commit(tmp: Path):
