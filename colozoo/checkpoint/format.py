@@ -94,8 +94,8 @@ def tensor_entry(info: TensorInfo, dtype: torch.dtype, pieces) -> dict:
             "pieces": [p.to_json() if isinstance(p, Piece) else p for p in pieces]}
 
 
-def write_index(directory: Path, index: dict):
-    path = directory / INDEX_NAME
+def write_index(directory: Path, index: dict, name: str = INDEX_NAME):
+    path = directory / name
     with open(path, "w") as f:
         json.dump(index, f, indent=1)
         f.flush()
@@ -180,11 +180,12 @@ class ColozooTensor:
 class ColozooCheckpoint:
     """A colozoo checkpoint directory opened for slice reads; files are checked (size, sha256) when first used."""
 
-    def __init__(self, path, verify: bool = True):
+    def __init__(self, path, verify: bool = True, index_name: str = INDEX_NAME):
+        """`index_name`: another index of the same schema (a training state's optimizer tensors)."""
         self.path = Path(path)
-        index_path = self.path / INDEX_NAME
+        index_path = self.path / index_name
         if not index_path.is_file():
-            raise CheckpointError(f"{self.path} is not a colozoo checkpoint (no {INDEX_NAME})")
+            raise CheckpointError(f"{self.path} is not a colozoo checkpoint (no {index_name})")
         try:
             self.index = json.loads(index_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
