@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, ModelLayout, make_index, tensor_entry,
-                                       write_index)
+from colozoo.checkpoint.format import INDEX_NAME, ColozooCheckpoint, make_index, tensor_entry, write_index
+from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.safetensors_io import SafetensorsWriter
 from colozoo.core.dtypes import dtype_name
 from colozoo.core.errors import CheckpointError

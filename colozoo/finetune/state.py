@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from colozoo.checkpoint.format import ModelLayout
+from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
 from colozoo.core.errors import CheckpointError
 from colozoo.core.rng import get_rng_tracker
