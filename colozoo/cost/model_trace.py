@@ -415,7 +415,7 @@ def _global_params(params, pc: ParallelConfig) -> int:
     total = 0
     for p in params.values():
         n = p.numel()
-        for split in spec_of(p):
-            n *= sizes.get(split.mesh_dim, 1)
+        for split in spec_of(p):  # fused chunks know their global length (replicated kv heads count once)
+            n = n // p.shape[split.dim] * sum(split.chunks) if split.chunks else n * sizes.get(split.mesh_dim, 1)
         total += n
     return total
