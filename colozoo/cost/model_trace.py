@@ -219,7 +219,9 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
         else:
             model, context = _build_parallel_model(config, pc, torch_dtype)
             params = dict(model.named_parameters())
-            group_names = {g: name for name, g in context.groups.items() if g is not None and name in ("tp", "ep")}
+            # tp sub-groups ("tp/2": replicated kv heads summing their gradients) are priced as tp traffic
+            group_names = {g: name.split("/")[0] for name, g in context.groups.items()
+                           if g is not None and name.split("/")[0] in ("tp", "ep")}
         prefix, container = _layer_container(model)
         kinds = _kinds(container) if container is not None else {}
         all_layers = [k for keys in kinds.values() for k in keys]
