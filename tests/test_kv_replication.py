@@ -63,6 +63,18 @@ def test_llama_parity_with_replicated_kv_heads(config, tp, sp):
                     timeout=TIMEOUT)
 
 
+def test_mistral_sliding_window_with_one_kv_head_at_tp4():
+    run_distributed(causal_lm_parity, 4, model_type="mistral", config_kwargs=dict(MQA, sliding_window=4), tp=4,
+                    sequence_parallel=True, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_families_on_llama_attention_at_tp4_with_two_kv_heads(family):
+    from test_mixtral import mixtral_parity  # 4 query heads over 2 kv heads; Qwen2-MoE with qkv biases
+
+    run_distributed(mixtral_parity, 4, tp=4, sequence_parallel=True, family=family, timeout=TIMEOUT)
+
+
 def test_hf_round_trip_tp4():
     run_distributed(hf_round_trip, 4, model_type="llama", config_kwargs=KV2, tp=4, timeout=TIMEOUT)
 
