@@ -141,9 +141,9 @@ LR, EPS, MAX_NORM = 1e-3, 1e-6, 0.5
 PARAM_ATOL = 2e-6
 
 
-def train_step_against_hf(tp):
-    """One forward_backward (2 micro-batches) + clipping + AdamW at `tp` against transformers on one process:
-    the global norm, every updated parameter, and the kv-head replicas bitwise identical afterwards."""
+def train_step_against_hf(tp, dp=1, config_kwargs=KV2):
+    """One forward_backward (2 micro-batches) + clipping + AdamW at `tp` (and FSDP over `dp`) against transformers
+    on one process: the global norm, every updated parameter, and the kv-head replicas bitwise identical after."""
     import torch.distributed as dist
 
     from colozoo.api import build_model
@@ -154,8 +154,8 @@ def train_step_against_hf(tp):
     from colozoo.layers.shard import spec_of
     from colozoo.runtime.training import build_optimizer, clip_grad_norm_, parallelize
 
-    pc = init_parallel(tp=tp)
-    config, hf = hf_causal_lm("llama", KV2)
+    pc = init_parallel(tp=tp, dp=dp)
+    config, hf = hf_causal_lm("llama", config_kwargs)
     hf.train()
     model = build_model(config, pc=pc, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
@@ -180,9 +180,10 @@ def train_step_against_hf(tp):
     replicas_equal = []
     for name, p in model.named_parameters():
         expected = GlobalTensor(weights, sources[name], name).read()
-        close(gather_tensor(p.detach(), spec_of(p), expected.shape, pc.groups, coords), expected, PARAM_ATOL,
+        spec, p = spec_of(p), p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP: the dp shards first
+        close(gather_tensor(p.detach(), spec, expected.shape, pc.groups, coords), expected, PARAM_ATOL,
               f"parameter {name} after the step")
-        for dim, l0, l1, replicas, _ in replicated_pieces(spec_of(p), coords):
+        for dim, l0, l1, replicas, _ in replicated_pieces(spec, coords):
             gathered = [torch.empty_like(p) for _ in range(tp)]
             dist.all_gather(gathered, p.detach().contiguous(), group=pc.tp_group)
             rows = [g.narrow(dim, l0, l1 - l0) for g in gathered]
@@ -192,4 +193,10 @@ def train_step_against_hf(tp):
 
 def test_clipped_training_step_tp4_equals_one_process():
     results = run_distributed(train_step_against_hf, 4, tp=4, timeout=TIMEOUT)
+    assert all(r and all(r) for r in results)
+
+
+def test_clipped_training_step_tp2_fsdp2_with_one_kv_head_equals_one_process():
+    # FSDP shards each tp-local qkv over the data ranks: clipping finds the replicated rows in its shard
+    results = run_distributed(train_step_against_hf, 4, tp=2, dp=2, config_kwargs=MQA, timeout=TIMEOUT)
     assert all(r and all(r) for r in results)
