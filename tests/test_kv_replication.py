@@ -75,6 +75,14 @@ def test_moe_families_on_llama_attention_at_tp4_with_two_kv_heads(family):
     run_distributed(mixtral_parity, 4, tp=4, sequence_parallel=True, family=family, timeout=TIMEOUT)
 
 
+def test_pipeline_tp2_pp2_with_one_kv_head():
+    from parity import pipeline_parity
+
+    ids, mask, labels = batch(BASE["vocab_size"], 12)
+    run_distributed(pipeline_parity, 4, architecture="LlamaForCausalLM", config_kwargs=dict(MQA, num_hidden_layers=4),
+                    ids=ids, mask=mask, labels=labels, pp=2, tp=2, sequence_parallel=True, timeout=TIMEOUT)
+
+
 def test_hf_round_trip_tp4():
     run_distributed(hf_round_trip, 4, model_type="llama", config_kwargs=KV2, tp=4, timeout=TIMEOUT)
 
