@@ -203,13 +203,16 @@ class LlamaAttention(nn.Module):
         super().__init__()
         h, tp, hd = config.hidden_size, pc.tp_size, head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.local_heads, self.local_kv_heads = hd, heads // tp, kv_heads // tp
+        # tp > kv heads: each rank holds one kv head, replicated over the tp // kv_heads ranks whose queries use it
+        self.head_dim, self.local_heads, self.local_kv_heads = hd, heads // tp, max(kv_heads // tp, 1)
         self.dropout_p = config.attention_dropout
         self.window = window  # in ctx.mask without context parallelism
         bias = getattr(config, "attention_bias", False)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias if qkv_bias is None else qkv_bias,
-                                        chunks=(heads * hd, kv_heads * hd, kv_heads * hd), **kw)
+                                        chunks=(heads * hd, kv_heads * hd, kv_heads * hd),
+                                        parts=(heads, kv_heads, kv_heads),
+                                        replica_group=pc.tp_subgroup(max(tp // kv_heads, 1)), **kw)
         self.o_proj = RowParallelLinear(heads * hd, h, bias=bias if out_bias is None else out_bias, **kw)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -298,8 +301,11 @@ class LlamaForCausalLM(ParallelModel):
         if heads % kv_heads:
             raise UnsupportedConfig(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
         check_divisible("the attention heads (num_attention_heads)", heads, pc.tp_size)
-        check_divisible("the key/value heads (num_key_value_heads); grouped-query attention shards whole kv heads",
-                        kv_heads, pc.tp_size)
+        if kv_heads % pc.tp_size and pc.tp_size % kv_heads:
+            raise UnsupportedConfig(f"tp={pc.tp_size} must divide the key/value heads (num_key_value_heads="
+                                    f"{kv_heads}) or be a multiple of them (each kv head then replicated over "
+                                    f"tp / num_key_value_heads ranks)")
+        pc.tp_subgroup(max(pc.tp_size // kv_heads, 1))  # collective: here, where every rank of every stage passes
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         self.sliding_window = self.attention_window(config)
         h = config.hidden_size

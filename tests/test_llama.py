@@ -74,7 +74,9 @@ def _build_at_tp(config_kwargs, tp):
 
 
 def test_kv_heads_not_divisible_is_a_clear_error():
-    messages = run_distributed(_build_at_tp, 4, config_kwargs=BASE, tp=4)  # 2 kv heads cannot be split over 4 ranks
+    # 3 kv heads can be neither split over 4 ranks nor replicated on them (2 kv heads can: test_kv_replication.py)
+    config = {**BASE, "hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 3}
+    messages = run_distributed(_build_at_tp, 4, config_kwargs=config, tp=4)
     assert all(m and "num_key_value_heads" in m and "tp=4" in m for m in messages), messages
 
 
