@@ -7,7 +7,8 @@ import importlib
 from colozoo.core.errors import CheckpointError
 
 FAMILY_CONVERTERS = {"gpt2": "gpt2", "opt": "opt", "bert": "bert", "vit": "vit", "llama": "llama",
-                     "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
+                     "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
+                     "gemma2": "gemma", "gemma3_text": "gemma"}
 
 
 def family_module(family: str):

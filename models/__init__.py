@@ -12,6 +12,8 @@ MODEL_CLASSES = {
     "mistral": ("colozoo.models.llama", "LlamaForCausalLM"),
     "mixtral": ("colozoo.models.mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("colozoo.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "gemma2": ("colozoo.models.gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("colozoo.models.gemma", "GemmaForCausalLM"),
 }
 
 
