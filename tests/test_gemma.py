@@ -81,3 +81,16 @@ def test_gemma_converter_round_trip(family):
 def test_gemma_converter_round_trip_tp2():
     run_distributed(hf_round_trip, 2, "gemma3_text", GEMMA3, 2)
     run_distributed(hf_round_trip, 2, "gemma2", GEMMA2, 2, attn_implementation="eager")
+
+
+# as transformers counts them on the same configs (tied embedding once)
+REGISTERED = {"gemma-2-2b": 2_614_341_888, "gemma-2-9b": 9_241_705_984, "google/gemma-2-27b": 27_227_128_320,
+              "gemma-3-1b-pt": 999_885_952, "gemma-3-4b-text": 3_880_263_168, "gemma-3-12b-text": 11_766_034_176,
+              "gemma-3-27b-text": 27_009_346_304}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_registered_gemma_configs_build_offline_with_the_published_sizes(name):
+    from colozoo.registry import count_parameters, get_config
+
+    assert count_parameters(get_config(name)) == REGISTERED[name]
