@@ -18,11 +18,11 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q). One query token against
     a KV cache with a key mask (batch, 1, 1, keys) takes the flash-decoding kernel on the Triton path.
 
-    `softcap` (Gemma 2) caps the scores to softcap * tanh(scores / softcap) before masking. Neither SDPA nor the
-    Triton kernels cap, so capped attention always takes the explicit torch path."""
+    `softcap` (Gemma 2) caps the scores to softcap * tanh(scores / softcap) before masking. SDPA cannot cap: the
+    torch path then computes the scores explicitly; the flash-attention kernel caps (decoding takes it too)."""
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
-    kernel = softcap is None and not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
-    if decoding and kernel and use_triton(q, k, v):
+    kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
+    if decoding and kernel and softcap is None and use_triton(q, k, v):
         from colozoo.kernels.decode import decode_attention_triton
 
         key_mask = mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
@@ -30,7 +30,7 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v):
         from colozoo.kernels.flash_attention import flash_attention_triton
 
-        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale)
+        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap)
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)
