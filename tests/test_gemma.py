@@ -212,3 +212,11 @@ def cp_softcap_attention_matches():
 
 def test_soft_capped_cp_attention_equals_one_process():
     run_distributed(cp_softcap_attention_matches, 2)
+
+
+def test_gemma3_pipeline_parallel_pp2_tp2():
+    from parity import pipeline_parity
+
+    ids, mask, labels = batch(GEMMA3["vocab_size"], 12)
+    run_distributed(pipeline_parity, 4, "Gemma3ForCausalLM", {**GEMMA3, "tie_word_embeddings": True}, ids, mask,
+                    labels, 2, 2, True)
