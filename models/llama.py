@@ -203,16 +203,16 @@ class LlamaAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.window = window  # in ctx.mask without context parallelism
         self.scale, self.softcap, self.local_rope = scale or hd ** -0.5, softcap, local_rope
-        self.qk_norm = bool(qk_norm)
-        if qk_norm:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
-            norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=tp > 1, device=device,
-                        dtype=dtype, **(qk_norm if isinstance(qk_norm, dict) else {}))
-            self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
         bias = getattr(config, "attention_bias", False)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias if qkv_bias is None else qkv_bias,
                                         chunks=(heads * hd, kv_heads * hd, kv_heads * hd), **kw)
         self.o_proj = RowParallelLinear(heads * hd, h, bias=bias if out_bias is None else out_bias, **kw)
+        self.qk_norm = bool(qk_norm)
+        if qk_norm:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
+            norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=tp > 1, device=device,
+                        dtype=dtype, **(qk_norm if isinstance(qk_norm, dict) else {}))
+            self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
 
     def forward(self, x, ctx: RopeBatchContext):
         q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_kv_heads, self.head_dim)
