@@ -220,3 +220,19 @@ def test_gemma3_pipeline_parallel_pp2_tp2():
     ids, mask, labels = batch(GEMMA3["vocab_size"], 12)
     run_distributed(pipeline_parity, 4, "Gemma3ForCausalLM", {**GEMMA3, "tie_word_embeddings": True}, ids, mask,
                     labels, 2, 2, True)
+
+
+def test_embedding_normaliser_is_rounded_to_the_activation_dtype():
+    """sqrt(72) = 8.485 is 8.5 in bf16: transformers scales bf16 embeddings by 8.5, and so do we, bit for bit."""
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+
+    config, hf = hf_causal_lm("gemma2", {**GEMMA2, "hidden_size": 72}, attn_implementation="eager")
+    hf = hf.to(torch.bfloat16)
+    model = build_model(config, device="meta", dtype=torch.bfloat16)
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    ids = batch(config.vocab_size, 12)[0]
+    ours, theirs = model.embed(ids, None), hf.model.embed_tokens(ids)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    assert not torch.equal(ours, (model.embed_tokens(ids).float() * 72 ** 0.5).to(torch.bfloat16))
