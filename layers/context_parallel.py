@@ -19,8 +19,8 @@ How a family opts in: pass `cp=ctx.cp` to `layers.attention.attention`, take pos
 `ctx.position_ids` (already the rank's tokens), and pass `cp=ctx.cp` to `VocabParallelLMHead.loss` and
 `.full_logits` (labels stay the full sequence; the loss is the mean over all cp ranks' tokens). The batch is
 sharded by `shard_batch`, called by `ParallelModel.forward` (pp == 1, via `context_parallel_forward`) and by
-each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral. `model.cp_mode` (or the
-`cp_mode=` forward keyword) picks the mode; "ring" by default.
+each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral, gemma2/gemma3_text.
+`model.cp_mode` (or the `cp_mode=` forward keyword) picks the mode; "ring" by default.
 Parameter gradients are partial on each cp rank: sum them over the cp group (the dp_cp reduction).
 Memory: neither mode builds a (batch, 1, S, S) mask at long S; the family's dense mask is dropped unbuilt. The
 ring masks per block. Ulysses without padding or window needs no mask; bidirectional attention over padding takes
