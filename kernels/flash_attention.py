@@ -237,7 +237,8 @@ class _FlashAttention(torch.autograd.Function):
             _attn_forward[(triton.cdiv(sq, block_m), b * h)](
                 q, k, v, mask_arg, out, lse, scale * LOG2E, (softcap or 1.0) * LOG2E, *q.stride(), *k.stride(),
                 *v.stride(), *mask_s, *out.stride(), h, h // hk, sq, sk, d, CAUSAL=causal, HAS_MASK=mask is not None,
-                SOFTCAP=softcap is not None, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=2)
+                SOFTCAP=softcap is not None, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                num_warps=4, num_stages=2)
         ctx.save_for_backward(q, k, v, mask_arg, out, lse)
         ctx.causal, ctx.scale, ctx.has_mask, ctx.mask_strides = causal, scale, mask is not None, mask_s
         ctx.softcap = softcap
