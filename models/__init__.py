@@ -15,6 +15,8 @@ MODEL_CLASSES = {
     "qwen2": ("colozoo.models.qwen", "Qwen2ForCausalLM"),
     "qwen3": ("colozoo.models.qwen", "Qwen3ForCausalLM"),
     "qwen3_moe": ("colozoo.models.qwen", "Qwen3MoeForCausalLM"),
+    "gemma2": ("colozoo.models.gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("colozoo.models.gemma", "GemmaForCausalLM"),
 }
 
 

@@ -167,12 +167,14 @@ class RopeBatchContext(BatchContext):
     inv_freq: torch.Tensor | None = None
     rope_scale: float = 1.0
     window: int | None = None  # the sliding window in `mask` (the model's)
+    local_inv_freq: torch.Tensor | None = None  # Gemma 3's sliding-window layers rotate with their own base
     _rope: tuple | None = None
+    _local_rope: tuple | None = None
     _window_masks: dict | None = None
 
     def mask_for(self, window: int | None):
         """The dense mask of a layer with this sliding window: `mask`, or, for a layer whose window is not the
-        model's (Qwen2's mix of full and sliding layers), a mask built on first use. Without context parallelism
+        model's (Qwen2's and Gemma's mix of full and sliding layers), a mask built on first use. Without context parallelism
         only: with it, attention takes the window itself."""
         if window == self.window or self.cp is not None:
             return self.mask
@@ -183,23 +185,32 @@ class RopeBatchContext(BatchContext):
                                                             self.position_ids.device)
         return self._window_masks[window]
 
-    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (batch, seq, head_dim) of `position_ids`, computed once per batch on first use: context
         parallelism replaces position_ids by the rank's share after the context is built."""
+        if local and self.local_inv_freq is not None:
+            if self._local_rope is None:
+                self._local_rope = self._angles(self.local_inv_freq, 1.0)
+            return self._local_rope
         if self._rope is None:
-            freqs = self.position_ids[..., None].float() * self.inv_freq.to(self.position_ids.device)
-            angles = torch.cat((freqs, freqs), dim=-1)
-            self._rope = (angles.cos() * self.rope_scale, angles.sin() * self.rope_scale)
+            self._rope = self._angles(self.inv_freq, self.rope_scale)
         return self._rope
+
+    def _angles(self, inv_freq, scale):
+        freqs = self.position_ids[..., None].float() * inv_freq.to(self.position_ids.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos() * scale, angles.sin() * scale
 
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention with RoPE. Families on this decoder set its options here: `qkv_bias` / `out_bias`
-    (default: config.attention_bias), the sliding `window` (None: full causal attention) and `qk_norm` (Qwen3:
-    an RMSNorm over head_dim of every query and key head, before RoPE)."""
+    (default: config.attention_bias), the sliding `window` (None: full causal attention), the score `scale`
+    (default head_dim ** -0.5) and `softcap`, `qk_norm` (a per-head RMSNorm of q and k before RoPE; a dict gives
+    its RMSNorm options) and `local_rope` (ctx's sliding-window RoPE)."""
 
     def __init__(self, config, pc, device=None, dtype=None, *, qkv_bias: bool | None = None,
-                 out_bias: bool | None = None, window: int | None = None, qk_norm: bool = False):
+                 out_bias: bool | None = None, window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None, qk_norm: bool | dict = False, local_rope: bool = False):
         super().__init__()
         h, tp, hd = config.hidden_size, pc.tp_size, head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -207,6 +218,7 @@ class LlamaAttention(nn.Module):
         self.head_dim, self.local_heads, self.local_kv_heads = hd, heads // tp, max(kv_heads // tp, 1)
         self.dropout_p = config.attention_dropout
         self.window = window  # in ctx.mask without context parallelism
+        self.scale, self.softcap, self.local_rope = scale or hd ** -0.5, softcap, local_rope
         bias = getattr(config, "attention_bias", False)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias if qkv_bias is None else qkv_bias,
@@ -214,26 +226,21 @@ class LlamaAttention(nn.Module):
                                         parts=(heads, kv_heads, kv_heads),
                                         replica_group=pc.tp_subgroup(max(tp // kv_heads, 1)), **kw)
         self.o_proj = RowParallelLinear(heads * hd, h, bias=bias if out_bias is None else out_bias, **kw)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            # replicated weights, but each tp rank normalises only its own heads: its gradient is partial, so it
-            # is summed over tp as under sequence parallelism
-            norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.tp_size > 1,
-                        device=device, dtype=dtype)
+        self.qk_norm = bool(qk_norm)
+        if qk_norm:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
+            norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=tp > 1, device=device,
+                        dtype=dtype, **(qk_norm if isinstance(qk_norm, dict) else {}))
             self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
 
     def forward(self, x, ctx: RopeBatchContext):
         q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = ctx.rope()
+        cos, sin = ctx.rope(self.local_rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if ctx.cache is None:
-            mask, causal = ctx.mask_for(self.window), True
-        else:
-            k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
-        out = attention(q, k, v, mask, causal=causal, scale=self.head_dim ** -0.5, cp=ctx.cp, window=self.window,
-                        dropout_p=self.dropout_p if self.training else 0.0)
+        k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
+        out = attention(q, k, v, mask, causal=causal, scale=self.scale, cp=ctx.cp, window=self.window,
+                        dropout_p=self.dropout_p if self.training else 0.0, softcap=self.softcap)
         return self.o_proj(merge_heads(out))
 
 
@@ -292,6 +299,7 @@ def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None,
 class LlamaForCausalLM(ParallelModel):
     family = "llama"
     tied_embedding = "embed_tokens.weight"
+    norm_options: dict = {}  # of every RMSNorm (Gemma: offset=True)
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
@@ -315,9 +323,10 @@ class LlamaForCausalLM(ParallelModel):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id, **sp, **kw)
         self.layers = nn.ModuleDict({str(i): self.build_layer(i, config, pc, **kw) for i in self.layer_ids})
         if self.is_last:
-            self.norm = RMSNorm(h, eps=config.rms_norm_eps, **sp, **kw)
+            self.norm = RMSNorm(h, eps=config.rms_norm_eps, **self.norm_options, **sp, **kw)
             tied = self.embed_tokens if config.tie_word_embeddings else None
-            self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
+            self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied,
+                                               softcap=getattr(config, "final_logit_softcapping", None), **kw)
         self.rotary = RotaryEmbedding(config, device=device)
 
     def build_layer(self, layer_idx: int, config, pc, **kw) -> DecoderLayer:

@@ -251,7 +251,7 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
 
 
 def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architecture: str | None = None,
-                  task: str | None = None):
+                  task: str | None = None, attn_implementation: str = "sdpa"):
     """Load a checkpoint transformers saved into a sharded model, gather every parameter back into HF names and
     layouts, and check the result equals the saved tensors bit for bit and covers all of them."""
     import tempfile
@@ -263,7 +263,7 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
     pc = init_parallel(tp=tp)
     arch = dict(architectures=[architecture]) if architecture else {}
     config = transformers.AutoConfig.for_model(model_type, **arch, **config_kwargs)
-    hf = (hf_model(architecture, config) if architecture else hf_causal_lm(model_type, config_kwargs)[1])
+    hf = (hf_model(architecture, config) if architecture else hf_causal_lm(model_type, config_kwargs, attn_implementation=attn_implementation)[1])
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
