@@ -7,7 +7,7 @@ import importlib
 from colozoo.core.errors import CheckpointError
 
 FAMILY_CONVERTERS = {"gpt2": "gpt2", "opt": "opt", "bert": "bert", "vit": "vit", "llama": "llama",
-                     "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
+                     "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "phi3": "phi3", "gpt_neox": "gpt_neox"}
 
 
 def family_module(family: str):

@@ -12,6 +12,8 @@ MODEL_CLASSES = {
     "mistral": ("colozoo.models.llama", "LlamaForCausalLM"),
     "mixtral": ("colozoo.models.mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("colozoo.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "phi3": ("colozoo.models.phi3", "Phi3ForCausalLM"),
+    "gpt_neox": ("colozoo.models.gpt_neox", "GPTNeoXForCausalLM"),
 }
 
 

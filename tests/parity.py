@@ -78,7 +78,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     close(out.logits[keep], ref.logits[keep], logits_atol, "logits")
     close(out.loss, ref.loss, logits_atol, "loss")
 
-    sources = family_module(model.family).hf_sources(config)
+    sources = resolved_sources(model, weights)  # as the loader read them (in-memory names, e.g. GPT-NeoX's lm_head)
     shapes = global_shapes(model, sources, weights)
     coords = coords_of(pc)
     worst = 0.0
@@ -208,9 +208,9 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
             tensor = GlobalTensor(reader, source, name)
             full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
             sizes = [shape[source.cat_dim] for shape in tensor.part_shapes]
-            for hf_name, part in zip(source.names, full.split(sizes, dim=source.cat_dim)):
+            for hf_name, part in source.split(full, sizes).items():  # what the HF export does
                 assert hf_name not in exported, f"{hf_name} is produced twice"
-                exported[hf_name] = part.t() if source.transpose else part
+                exported[hf_name] = part
         if distributed:
             dist.barrier()  # rank 0 removes the directory on leaving
     assert sorted(exported) == sorted(saved), set(exported) ^ set(saved)
