@@ -23,6 +23,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return DecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
                             self.build_mlp(layer_idx, config, pc, **kw), resid_dropout=config.resid_pdrop, **kw)
 
+    @property
+    def reencode_length(self) -> int:
+        """Where generate encodes the whole sequence again instead of extending its cache: past
+        original_max_position_embeddings LongRoPE rotates with its long factors, cached keys included (transformers'
+        Phi-3 drops its cache at this length whatever its RoPE type, so greedy decoding stays token-for-token equal)."""
+        return self.config.original_max_position_embeddings + 1
+
     def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         return LlamaAttention(config, pc, qkv_bias=False, out_bias=False, window=self.sliding_window, **kw)
 
