@@ -1,7 +1,8 @@
 """GPT-NeoX / Pythia names: HF `gpt_neox.layers.{i}.attention.query_key_value` stores q, k and v per head, its output
 dim laid out (heads, 3, head_dim); ours `layers.{i}.attention.qkv` is [q; k; v] ((3, heads, head_dim)), so the shard
 spec's chunks give each rank whole heads of each. The Source's `regroup` reorders the rows both ways, bit exact.
-The rest maps one to one. transformers >= 5 names the LM head `lm_head` in memory and `embed_out` on disk."""
+The rest maps one to one; our `lm_head` is the checkpoint's `embed_out` (transformers >= 5 renames it `lm_head` in
+memory, which NAME_ALIASES reads)."""
 from __future__ import annotations
 
 from .source import Source
@@ -28,5 +29,5 @@ def hf_sources(config) -> dict[str, Source]:
     out["final_layer_norm.weight"] = Source.of(f"{g}final_layer_norm.weight")
     out["final_layer_norm.bias"] = Source.of(f"{g}final_layer_norm.bias")
     if not config.tie_word_embeddings:
-        out["embed_out.weight"] = Source.of("embed_out.weight")
+        out["lm_head.weight"] = Source.of("embed_out.weight")
     return out

@@ -1,9 +1,10 @@
 """GPT-NeoX / Pythia: rotary attention on part of each head, LayerNorms with biases, a GELU MLP, and a parallel
 residual by default.
 
-    embed_in (vocab-parallel) -> dropout -> [parallel:   x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))
-                                            sequential: h = x + attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))
-                                            ] x n -> final_layer_norm -> embed_out (untied unless tie_word_embeddings)
+    embed_in (vocab-parallel) -> dropout
+        -> [parallel:   x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))
+            sequential: h = x + attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))] x n
+        -> final_layer_norm -> lm_head (the checkpoint's embed_out; untied unless tie_word_embeddings)
 
 attention: qkv (column-parallel, chunks q | k | v; the checkpoint's query_key_value is stored per head and reordered by
 the converter), RoPE on the first rotary_dim = head_dim * partial_rotary_factor (rotary_pct) features of each head
@@ -100,7 +101,7 @@ class GPTNeoXForCausalLM(ParallelModel):
         if self.is_last:
             self.final_layer_norm = LayerNorm(h, eps=config.layer_norm_eps, **sp, **kw)
             tied = self.embed_in if config.tie_word_embeddings else None
-            self.embed_out = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
+            self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
         self.rotary = RotaryEmbedding(config, device=device)
 
     def reset_buffers(self):
@@ -120,5 +121,5 @@ class GPTNeoXForCausalLM(ParallelModel):
                        sharded=self.sequence_parallel)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        loss, logits = self.embed_out.loss_and_logits(self.final_layer_norm(hidden), labels, return_logits, cp=ctx.cp)
+        loss, logits = self.lm_head.loss_and_logits(self.final_layer_norm(hidden), labels, return_logits, cp=ctx.cp)
         return ModelOutput(loss=loss, logits=logits)

@@ -1,7 +1,8 @@
 """Phi-3: the LLaMA-style decoder (models.llama: RoPE, RMSNorm, grouped-query attention, SwiGLU, optional sliding
 window) with LongRoPE scaling in the 128k models, an optional partial rotary factor (Phi-3.5 / Phi-4-mini) and
-dropout on the embeddings (embd_pdrop) and on both block outputs (resid_pdrop); no linear has a bias. Its checkpoints store the fused
-`qkv_proj` and `gate_up_proj` in our [q; k; v] and [gate; up] layouts (converters/phi3.py)."""
+dropout on the embeddings (embd_pdrop) and on both block outputs (resid_pdrop); no linear has a bias. Its
+checkpoints store the fused `qkv_proj` and `gate_up_proj` in our [q; k; v] and [gate; up] layouts
+(converters/phi3.py)."""
 from __future__ import annotations
 
 from torch import nn

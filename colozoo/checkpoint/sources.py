@@ -2,9 +2,9 @@
 
 A family map says, for each of our global parameter names, which HF tensors make it up: a `Source` with
 the HF names (concatenated along `cat_dim`, e.g. q/k/v into one fused weight) and whether HF stores it
-transposed (GPT-2's Conv1D) or laid out per head (GPT-NeoX's fused query_key_value, `regroup`). `GlobalTensor` turns that into a lazy global tensor that can be sliced;
-slices are read straight from the files (colozoo.checkpoint.safetensors_io), so nothing is materialised
-beyond the slice.
+transposed (GPT-2's Conv1D) or laid out per head (GPT-NeoX's fused query_key_value, `regroup`).
+`GlobalTensor` turns that into a lazy global tensor that can be sliced; slices are read straight from the files
+(colozoo.checkpoint.safetensors_io), so nothing is materialised beyond the slice.
 """
 from __future__ import annotations
 
