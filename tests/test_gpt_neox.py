@@ -71,20 +71,30 @@ def test_query_key_value_is_regrouped_per_head():
     assert torch.equal(source.split(ours)["qkv"], hf)
 
 
-def test_gpt_neox_hf_export_loads_in_transformers(tmp_path):
-    """A sharded model saved with format='hf' writes query_key_value and embed_out as transformers saves them."""
+def test_gpt_neox_hf_export_and_offline_convert_are_bit_exact(tmp_path):
+    """A model saved with format='hf', and an offline conversion HF -> colozoo at tp=2 -> HF, write query_key_value
+    and embed_out exactly as transformers saved them; transformers loads the export with the same logits."""
     from safetensors.torch import load_file
 
     from colozoo.api import from_pretrained
+    from colozoo.checkpoint.convert import convert
 
     config, hf = hf_causal_lm("gpt_neox", BASE)
     hf.save_pretrained(tmp_path / "hf")
     model = from_pretrained(str(tmp_path / "hf"))
     model.save_pretrained(tmp_path / "export", format="hf")
+    convert(tmp_path / "hf", tmp_path / "tp2", tp=2)
+    convert(tmp_path / "tp2", tmp_path / "back", to_hf=True)
     saved = load_file(tmp_path / "hf" / "model.safetensors")
-    exported = load_file(tmp_path / "export" / "model.safetensors")
-    assert sorted(exported) == sorted(saved)
-    assert all(torch.equal(exported[name], saved[name]) for name in saved)
+    for directory in ("export", "back"):
+        exported = load_file(tmp_path / directory / "model.safetensors")
+        assert sorted(exported) == sorted(saved), directory
+        assert all(torch.equal(exported[name], saved[name]) for name in saved), directory
+    import transformers
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.arange(10)[None] % BASE["vocab_size"]
+    assert torch.equal(reloaded(ids).logits, hf(ids).logits)
 
 
 # larger weights than transformers' default, so that a wrong rotation or residual changes the greedy tokens
