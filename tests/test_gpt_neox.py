@@ -121,3 +121,11 @@ def test_registered_pythia_configs_have_the_published_sizes(name):
     from colozoo.registry import count_parameters, get_config
 
     assert count_parameters(get_config(name)) == REGISTERED[name]
+
+
+def test_gpt_neox_pipeline_parallel():
+    from parity import batch, pipeline_parity
+
+    ids, mask, labels = batch(BASE["vocab_size"], 12)
+    config = {**BASE, **SEQUENTIAL, "num_hidden_layers": 4, "tie_word_embeddings": True}  # the tied copy on stage 2
+    run_distributed(pipeline_parity, 2, "GPTNeoXForCausalLM", config, ids, mask, labels, 2, 1, False, timeout=TIMEOUT)

@@ -114,3 +114,11 @@ def test_registered_phi3_128k_symbolic_forward_past_the_original_length():
     model = build_model(get_config("Phi-3-mini-128k-instruct"), device="meta")
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
     assert model(ids, labels=ids).loss.is_meta
+
+
+def test_phi3_pipeline_parallel_longrope():
+    from parity import batch, pipeline_parity
+
+    ids, mask, labels = batch(BASE["vocab_size"], 12)
+    config = {**BASE, **longrope(8), "num_hidden_layers": 4}
+    run_distributed(pipeline_parity, 2, "Phi3ForCausalLM", config, ids, mask, labels, 2, 1, False, timeout=TIMEOUT)
