@@ -7,8 +7,9 @@
 One DecoderLayer serves every family on this decoder (Mixtral, Qwen2-MoE): a family picks each layer's attention
 options (`build_attention`: biases, sliding window) and its MLP (`build_mlp`: dense, experts, experts + shared).
 
-RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3, YaRN),
-written here from the formulas, not imported.
+RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3, YaRN,
+LongRoPE), written here from the formulas, not imported. With a partial_rotary_factor only the first
+int(head_dim * factor) features of each head rotate (Phi-3.5 / Phi-4-mini, GPT-NeoX).
 """
 from __future__ import annotations
 
@@ -25,13 +26,18 @@ from colozoo.layers import (ColumnParallelLinear, GatedMLP, RMSNorm, RowParallel
 from colozoo.layers.kv_cache import keys_values_mask
 from colozoo.layers.moe import MoE
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
-                                 default_positions, require)
+                                 default_positions, dropout, require)
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dim(config) -> int:
+    """How many leading features of each head rotate."""
+    return int(head_dim_of(config) * rope_parameters(config).get("partial_rotary_factor", 1.0))
 
 
 def rope_parameters(config) -> dict:
@@ -45,14 +51,13 @@ def check_rope(config):
     params = rope_parameters(config)
     if params["rope_type"] not in ROPE_TYPES:
         raise UnsupportedConfig(f"RoPE type {params['rope_type']!r} is not supported; supported: {ROPE_TYPES}")
-    require(params.get("partial_rotary_factor", 1.0) == 1.0,
-            f"partial_rotary_factor={params.get('partial_rotary_factor')} is not supported (LLaMA rotates whole heads)")
+    require(rotary_dim(config) % 2 == 0, f"the rotary dimension ({rotary_dim(config)}) must be even")
 
 
 def rope_inv_freq(config, seq_len: int | None = None, device=None) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) in fp32; `seq_len` matters only for dynamic NTK scaling."""
+    """Inverse frequencies (rotary_dim / 2,) in fp32; `seq_len` matters only for dynamic NTK scaling and LongRoPE."""
     params = rope_parameters(config)
-    rope_type, base, dim = params["rope_type"], params["rope_theta"], head_dim_of(config)
+    rope_type, base, dim = params["rope_type"], params["rope_theta"], rotary_dim(config)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     if rope_type == "dynamic":
         max_pos = config.max_position_embeddings
@@ -66,7 +71,15 @@ def rope_inv_freq(config, seq_len: int | None = None, device=None) -> torch.Tens
         inv_freq = _llama3_scaling(inv_freq, params)
     elif rope_type == "yarn":
         inv_freq = _yarn_inv_freq(base ** exponents, params, dim, base, _yarn_factor(config, params))
+    elif rope_type == "longrope":  # per-frequency factors: the long set once the sequence outgrows the original length
+        long = seq_len is not None and seq_len > _original_max_positions(config, params)
+        factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (factors * base ** exponents)
     return inv_freq
+
+
+def _original_max_positions(config, params) -> int:
+    return params.get("original_max_position_embeddings") or config.original_max_position_embeddings
 
 
 def _yarn_factor(config, params) -> float:
@@ -74,12 +87,16 @@ def _yarn_factor(config, params) -> float:
 
 
 def rope_attention_factor(config) -> float:
-    """The scale of cos/sin: 1 except for YaRN, whose attention temperature grows with log(factor)."""
+    """The scale of cos/sin: 1 except for YaRN and LongRoPE, whose attention temperature grows with log(factor)."""
     params = rope_parameters(config)
-    if params["rope_type"] != "yarn":
+    if params["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
+    if params["rope_type"] == "longrope":
+        original = _original_max_positions(config, params)
+        factor = params.get("factor") or config.max_position_embeddings / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor = _yarn_factor(config, params)
 
     def mscale(scale, m=1.0):
@@ -126,11 +143,16 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim), their two halves equal."""
-    if use_triton(x):  # the kernel takes one angle per rotated pair
-        half = x.shape[-1] // 2
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, rotary_dim), their two halves equal. Features past
+    rotary_dim (partial rotary) pass through."""
+    if use_triton(x):  # the kernel takes one angle per rotated pair, and passes the rest through
+        half = cos.shape[-1] // 2
         return apply_rotary(x, cos[..., :half], sin[..., :half])
+    rot = cos.shape[-1]
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    if rot < x.shape[-1]:
+        x, rest = x[..., :rot], x[..., rot:]
+        return torch.cat((x * cos + rotate_half(x) * sin, rest), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -139,9 +161,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         check_rope(config)
         self.config = config
-        self.dynamic = rope_parameters(config)["rope_type"] == "dynamic"
+        params = rope_parameters(config)
+        self.dynamic = params["rope_type"] == "dynamic"
+        self.long_after = _original_max_positions(config, params) if params["rope_type"] == "longrope" else None
         self.attention_factor = rope_attention_factor(config)
-        self.register_buffer("inv_freq", torch.empty(head_dim_of(config) // 2, device=device), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(rotary_dim(config) // 2, device=device), persistent=False)
         if self.inv_freq.device.type != "meta":
             self.reset_buffers()
 
@@ -158,6 +182,8 @@ class RotaryEmbedding(nn.Module):
                                "materialising the model")
         seq_len = int(position_ids.max()) + 1
         if self.dynamic and seq_len > self.config.max_position_embeddings:
+            return rope_inv_freq(self.config, seq_len, device=self.inv_freq.device)
+        if self.long_after is not None and seq_len > self.long_after:
             return rope_inv_freq(self.config, seq_len, device=self.inv_freq.device)
         return self.inv_freq
 
@@ -256,12 +282,15 @@ class DecoderLayer(nn.Module):
 
     The MLP is the family's: dense SwiGLU (LLaMA, Mistral, Qwen2-MoE's dense layers), a mixture of experts
     (Mixtral), or experts plus a shared expert (Qwen2-MoE). A MoE returns (output, router logits); the logits
-    are appended to ctx.router_logits for the load-balancing loss."""
+    are appended to ctx.router_logits for the load-balancing loss. `resid_dropout` drops out both block outputs
+    before their residual adds (Phi-3's resid_pdrop)."""
 
     attention_block = "self_attn"  # what selective activation checkpointing recomputes
 
-    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
+    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None,
+                 resid_dropout: float = 0.0):
         super().__init__()
+        self.resid_dropout, self.sharded_resid = resid_dropout, pc.sequence_parallel
         norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
                     device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
@@ -270,14 +299,17 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.routed = isinstance(mlp, MoE)
 
+    def _dropout(self, x):
+        return dropout(x, self.resid_dropout, self.training, sharded=self.sharded_resid) if self.resid_dropout else x
+
     def forward(self, x, ctx):
-        attn_out = self.self_attn(self.input_layernorm(x), ctx)
+        attn_out = self._dropout(self.self_attn(self.input_layernorm(x), ctx))
         mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
         if not self.routed:
-            return x + self.mlp(mlp_in)
+            return x + self._dropout(self.mlp(mlp_in))
         out, router_logits = self.mlp(mlp_in)
         ctx.router_logits.append(router_logits)
-        return x + out
+        return x + self._dropout(out)
 
 
 def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None, device):

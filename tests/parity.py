@@ -152,7 +152,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     close(out.logits[keep], ref.logits[keep], logits_atol, "logits")
     close(out.loss, ref.loss, logits_atol, "loss")
 
-    sources = family_module(model.family).hf_sources(config)
+    sources = resolved_sources(model, weights)  # as the loader read them (in-memory names, e.g. GPT-NeoX's lm_head)
     shapes = global_shapes(model, sources, weights)
     coords = coords_of(pc)
     worst = 0.0
@@ -286,7 +286,7 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
             full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
             first = tensor.items[0] if source.stack else tensor  # stacked experts: every item has these parts
             sizes = [shape[source.cat_dim] for shape in first.part_shapes]
-            for hf_name, part in source.split(full, sizes).items():
+            for hf_name, part in source.split(full, sizes).items():  # what the HF export does
                 assert hf_name not in exported, f"{hf_name} is produced twice"
                 exported[hf_name] = part
         if distributed:

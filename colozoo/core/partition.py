@@ -78,7 +78,7 @@ def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,
 
 
 GATED_MLP_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2",
-                      "gemma3_text")
+                      "gemma3_text", "phi3")
 LEARNED_POSITIONS = ("gpt2", "opt", "bert")  # a position table on the first stage (rotary models have none)
 
 
