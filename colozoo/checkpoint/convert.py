@@ -6,8 +6,9 @@
     model.save_pretrained(path[, format="hf"])   # every rank of a job writes its own shard
 
 One process converts tensor by tensor: each global tensor is read once (plain reads, no memory map), cut into
-the pieces of every target rank and appended to their files, so memory stays near the largest tensor.
-Everything is written into a temp dir beside the destination and renamed at the end.
+the pieces of every target rank and appended to their files, reads, hashing and writes overlapped in threads
+with a bounded amount in flight (`streaming`), so memory stays near the largest tensor. Everything is written
+into a temp dir beside the destination and renamed at the end.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from colozoo.checkpoint.sources import index_files
 from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
+from colozoo.checkpoint.streaming import nbytes, stream_pieces
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -120,28 +122,10 @@ def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int 
         for p in pieces:
             entries.setdefault(p.file, []).append((p.key, dtypes[name], p.shape))
     total = sum(torch.Size(shape).numel() * d.itemsize for es in entries.values() for _, d, shape in es)
-    largest = 0
+    largest = max((nbytes(t) for t in tensors.values()), default=0)
     with atomic_directory(dst) as tmp, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                                             desc="convert") as bar:
-        writers, files = {}, {}  # a file is open from its first piece to its last (stages are written in order)
-        try:
-            for name, pieces in plan.items():
-                full = tensors[name].read()  # the one global tensor held at a time
-                largest = max(largest, full.numel() * full.element_size())
-                for p in pieces:
-                    piece = full[p.index].to(dtypes[name])
-                    if p.file not in writers:
-                        writers[p.file] = SafetensorsWriter(tmp / p.file, entries[p.file])
-                    writers[p.file].write(p.key, piece)
-                    if writers[p.file].next == len(entries[p.file]):
-                        files[p.file] = writers.pop(p.file).close()
-                    bar.update(piece.numel() * piece.element_size())
-                del full
-            files = {f: files[f] for f in entries}
-        except BaseException:
-            for w in writers.values():
-                w.abort()
-            raise
+        files = stream_pieces(plan, tensors, dtypes, entries, tmp, on_bytes=bar.update)
         mesh = {"tp": tp, "pp": pp, "ep": ep, "dp": 1, "cp": 1}
         index = make_index(layout, mesh, {n: tensor_entry(layout.tensors[n], dtypes[n], plan[n]) for n in plan},
                            files)
@@ -164,8 +148,7 @@ def convert(src, dst, tp: int = 1, pp: int = 1, ep: int = 1, dtype=None, to_hf: 
         layout = ModelLayout(config)
         summary = export_hf(global_tensors(source, layout), layout, dst, dtype, max_shard_bytes, progress)
     else:
-        check_mesh(config, tp, pp, ep)
-        layout = ModelLayout(config, pp)
+        layout = check_mesh(config, tp, pp, ep)  # one meta model per stage, at the target degrees
         summary = write_colozoo(global_tensors(source, layout), layout, dst, tp, pp, ep, dtype, progress)
     summary.update(seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
     return summary
