@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 import transformers
 from tqdm import tqdm
 
@@ -109,6 +108,14 @@ def global_tensors(source, layout: ModelLayout) -> dict:
 # --- offline conversion ------------------------------------------------------------------------------------
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory: VmHWM where /proc has it (ru_maxrss would count the memory of the
+    parent that started it, which Linux carries over fork and exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -191,6 +198,8 @@ def _prepare(dst: Path, tmp: Path, rank: int):
 @torch.no_grad()
 def _write_own_shard(model, layout: ModelLayout, tmp: Path):
     """This rank's file: the pieces it owns (one owner per replicated tensor). Returns (file, info, pieces)."""
+    from torch.distributed.tensor import DTensor  # a second of imports that an offline conversion does not need
+
     pc = model.pc
     ep, dp_cp_rank = pc.size("ep"), pc.rank("dp_cp")
     coords = {"tp": (pc.rank("tp"), pc.size("tp")), "ep": (dp_cp_rank % ep, ep)}  # experts fold over dp x cp

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from colozoo.checkpoint.safetensors_io import SafetensorsWriter
 
-READ_AHEAD_BYTES = 192 << 20  # global tensors in flight (a larger one goes alone)
-COPY_BYTES = 96 << 20         # piece copies in flight (a larger one goes alone)
+READ_AHEAD_BYTES = 160 << 20  # global tensors in flight (a larger one goes alone)
+COPY_BYTES = 64 << 20         # piece copies in flight (a larger one goes alone)
 
 
 class _Failed(Exception):
