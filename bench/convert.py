@@ -5,8 +5,8 @@ measured in the same run. Prints one JSON line per case (bench/README.md):
                             layout, reads, writes, fsync, exit). Peer: `cp -r SRC DST && sync` of the same bytes,
                             alternated with ours over --repeats runs (the disk is shared), medians; ratio = cp + sync
                             seconds / ours (goal: >= 0.5, i.e. within 2x of copying). Also the converter's peak RSS
-                            against the largest tensor (goal: largest + 300 MB over an interpreter that imported
-                            torch), and with --naive the obvious way (transformers from_pretrained, slice the state
+                            against the largest tensor (goal: largest + 300 MB over an interpreter that made the
+                            same imports and read the config), and with --naive the obvious way (transformers from_pretrained, slice the state
                             dict, save_file) in seconds and RSS.
   convert/from_pretrained_tp2  per-rank peak RSS of colozoo.from_pretrained at tp=2 (goal: about half the model).
                             Peer: transformers from_pretrained of the whole model in one process; ratio = its RSS
@@ -77,22 +77,29 @@ def generate(directory: Path, gb: float):
 
 # --- workers (each in its own process) -----------------------------------------------------------------------
 
-def timed_child(argv: list[str]) -> tuple[float, float]:
-    """(wall seconds from process start to exit, peak RSS in MB) of one child process."""
+# `colozoo convert` as the console script runs it, then its own peak RSS (VmHWM: ru_maxrss from wait4 would count
+# this parent's memory, which Linux carries over fork and exec)
+PEAK = "print([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1])"
+CLI_THEN_PEAK = f"import sys; from colozoo.cli import main; rc = main(sys.argv[1:]); {PEAK}; sys.exit(rc)"
+# what the converter imports and reads before its first tensor: the baseline its peak is compared with
+IMPORTS_THEN_PEAK = (f"import sys, transformers, colozoo.checkpoint.convert; "
+                     f"transformers.AutoConfig.from_pretrained(sys.argv[1]); {PEAK}")
+
+
+def timed_child(argv: list[str]) -> tuple[float, str]:
+    """(wall seconds from process start to exit, its stdout) of one child process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run(argv, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr.read().decode()[-3000:]}")
-    proc.stderr.close()
-    return seconds, usage.ru_maxrss / 1024
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return seconds, proc.stdout
 
 
 def end_to_end(work: Path, repeats: int) -> dict:
     """`colozoo convert` and `cp -r && sync`, alternated, each from a synced disk with the source in the page cache
     (both read the same warm source; both must flush what they wrote)."""
-    colozoo = [sys.executable, "-m", "colozoo.cli", "convert", str(work / "hf"), str(work / "tp4pp2"), "--tp", "4",
+    colozoo = [sys.executable, "-c", CLI_THEN_PEAK, "convert", str(work / "hf"), str(work / "tp4pp2"), "--tp", "4",
                "--pp", "2", "--quiet"]
     out = {"colozoo_s": [], "colozoo_peak_rss_mb": [], "cp_sync_s": []}
     for i in range(repeats):
@@ -103,15 +110,12 @@ def end_to_end(work: Path, repeats: int) -> dict:
                 seconds, _ = timed_child(["sh", "-c", f"cp -r '{work / 'hf'}' '{work / 'copy'}' && sync"])
                 out["cp_sync_s"].append(seconds)
             else:
-                seconds, rss = timed_child(colozoo)
+                seconds, stdout = timed_child(colozoo)
                 out["colozoo_s"].append(seconds)
-                out["colozoo_peak_rss_mb"].append(rss)
+                out["colozoo_peak_rss_mb"].append(int(stdout.split()[-1]) / 1024)
     shutil.rmtree(work / "copy", ignore_errors=True)
+    out["baseline_rss_mb"] = int(timed_child([sys.executable, "-c", IMPORTS_THEN_PEAK, str(work / "hf")])[1]) / 1024
     return out
-
-
-def work_baseline() -> dict:
-    return {}
 
 
 def work_naive(src: Path, dst: Path) -> dict:
@@ -211,7 +215,7 @@ def worker(kind: str, *paths: str) -> None:
     reset_peak()
     baseline = rss_mb()
     args = [Path(p) for p in paths]
-    out = {"work_baseline": work_baseline, "work_naive": work_naive, "work_hf_load": work_hf_load,
+    out = {"work_naive": work_naive, "work_hf_load": work_hf_load,
            "work_from_pretrained": work_from_pretrained}[kind](*args)
     out.update(peak_rss_mb=round(rss_mb(), 1), baseline_rss_mb=round(baseline, 1),
                over_baseline_mb=round(rss_mb() - baseline, 1))
@@ -244,7 +248,6 @@ def main():
                   "model": "gpt2", "hidden": gpt2.n_embd, "layers": gpt2.n_layer, "vocab": gpt2.vocab_size,
                   "dtype": "float32", "device": "cpu", "cpus": os.cpu_count()}
         ends = end_to_end(work, args.repeats)
-        baseline = run("work_baseline")
         naive = run("work_naive", work / "hf", work / "naive") if args.naive else None
         ours_s, cp_s = statistics.median(ends["colozoo_s"]), statistics.median(ends["cp_sync_s"])
         rss = statistics.median(ends["colozoo_peak_rss_mb"])
@@ -253,8 +256,8 @@ def main():
             "colozoo_repeats_s": [round(x, 2) for x in ends["colozoo_s"]],
             "cp_sync_repeats_s": [round(x, 2) for x in ends["cp_sync_s"]],
             "colozoo_vs_cp_sync": round(ours_s / cp_s, 2),
-            "colozoo_peak_rss_mb": round(rss, 1), "torch_interpreter_rss_mb": baseline["peak_rss_mb"],
-            "colozoo_rss_over_torch_minus_largest_mb": round(rss - baseline["peak_rss_mb"] - largest / mb, 1),
+            "colozoo_peak_rss_mb": round(rss, 1), "baseline_rss_mb": round(ends["baseline_rss_mb"], 1),
+            "colozoo_rss_over_baseline_minus_largest_mb": round(rss - ends["baseline_rss_mb"] - largest / mb, 1),
         }
         if naive is not None:
             metrics.update(naive_s=round(naive["seconds"], 2), naive_peak_rss_mb=naive["peak_rss_mb"])
