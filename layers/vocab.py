@@ -21,6 +21,15 @@ from .comm import (all_reduce, copy_to_parallel, gather_from_parallel, gather_fr
 from .shard import Split, shard
 
 
+class Embedding(nn.Embedding):
+    """A replicated embedding (positions, token types): nn.Embedding, with no random init on the meta device
+    (torch's meta normal_ imports torch._dynamo, seconds of start-up for every layout or meta build)."""
+
+    def reset_parameters(self):
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
