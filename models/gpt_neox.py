@@ -13,16 +13,14 @@ dense_4h_to_h (row-parallel). Every linear has a bias unless attention_bias is o
 """
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, merge_heads, split_heads)
 from colozoo.layers.kv_cache import keys_values_mask
-from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, default_positions, dropout
+from colozoo.models.base import ModelOutput, check_divisible, dropout
 
-from .llama import RopeBatchContext, RotaryEmbedding, apply_rope, attention_mask_for
+from .llama import RopeBatchContext, RotaryEmbedding, RotaryModel, apply_rope
 
 
 class GPTNeoXAttention(nn.Module):
@@ -83,7 +81,7 @@ class GPTNeoXLayer(nn.Module):
         return self._dropout(self.mlp(mlp_in)) + x
 
 
-class GPTNeoXForCausalLM(ParallelModel):
+class GPTNeoXForCausalLM(RotaryModel):
     family = "gpt_neox"
     tied_embedding = "embed_in.weight"
 
@@ -103,18 +101,6 @@ class GPTNeoXForCausalLM(ParallelModel):
             tied = self.embed_in if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
         self.rotary = RotaryEmbedding(config, device=device)
-
-    def reset_buffers(self):
-        """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
-        self.rotary.reset_buffers()
-
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
-        s = input_ids.shape[1]
-        self.check_sequence(s)
-        position_ids = default_positions(input_ids, position_ids)
-        dense_mask = functools.partial(attention_mask_for, attention_mask, s, None, input_ids.device)
-        return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
-                                rope_scale=self.rotary.attention_factor)
 
     def embed(self, input_ids, ctx):
         return dropout(self.embed_in(input_ids), self.config.hidden_dropout, self.training,

@@ -328,7 +328,25 @@ def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None,
     return keep
 
 
-class LlamaForCausalLM(ParallelModel):
+class RotaryModel(ParallelModel):
+    """A model with rotary positions (`self.rotary`) and an optional sliding window shared by its layers' mask."""
+
+    sliding_window: int | None = None
+
+    def reset_buffers(self):
+        """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
+        self.rotary.reset_buffers()
+
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
+        s = input_ids.shape[1]
+        self.check_sequence(s)
+        position_ids = default_positions(input_ids, position_ids)
+        dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
+        return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
+                                rope_scale=self.rotary.attention_factor, window=self.sliding_window)
+
+
+class LlamaForCausalLM(RotaryModel):
     family = "llama"
     tied_embedding = "embed_tokens.weight"
     norm_options: dict = {}  # of every RMSNorm (Gemma: offset=True)
@@ -377,17 +395,6 @@ class LlamaForCausalLM(ParallelModel):
         """Layer `layer_idx`'s MLP: dense here, a mixture of experts in Mixtral and Qwen2-MoE."""
         return dense_mlp(config, pc, **kw)
 
-    def reset_buffers(self):
-        """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
-        self.rotary.reset_buffers()
-
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
-        s = input_ids.shape[1]
-        self.check_sequence(s)
-        position_ids = default_positions(input_ids, position_ids)
-        dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
-        return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
-                                rope_scale=self.rotary.attention_factor, window=self.sliding_window)
 
     def embed(self, input_ids, ctx):
         return self.embed_tokens(input_ids)
