@@ -106,7 +106,7 @@ class RowParallelLinear(nn.Module):
         else:
             y = reduce_from_parallel(y, self.group)
             bias = self.bias
-        return y + bias if bias is not None else y
+        return y + bias.to(y.dtype) if bias is not None else y  # under autocast y is low precision, the bias fp32
 
     def extra_repr(self):
         return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, bias={self.bias is not None}"

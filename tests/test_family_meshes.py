@@ -1,0 +1,29 @@
+"""The newer families on the meshes their own files leave out: context parallelism (ring and all-to-all) for Phi-3
+and GPT-NeoX, and a clipped AdamW step under FSDP (dp2 x tp2) for Gemma 3, Phi-3 and GPT-NeoX, each against
+transformers (logits, loss, every gathered gradient; the loss, gradient norm and parameters after the step)."""
+import pytest
+
+from distributed import run_distributed
+from test_gemma import GEMMA3
+from test_gpt_neox import BASE as NEOX
+from test_phi3 import BASE as PHI3
+from test_qwen import training_step
+
+TIMEOUT = 300
+CONFIGS = {"phi3": {**PHI3, "sliding_window": 6}, "gpt_neox": {**NEOX, "rope_parameters": {
+    "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}, "gemma3_text": GEMMA3}
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("family", ["phi3", "gpt_neox"])
+def test_context_parallel_matches_transformers(family, mode):
+    from test_context_parallel import cp_parity
+
+    run_distributed(cp_parity, 4, tp=2, cp=2, mode=mode, sequence_parallel=True, family=family,
+                    overrides=CONFIGS[family], timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_neox"])
+def test_fsdp_training_step_matches_transformers(family):
+    run_distributed(training_step, 4, family=family, config=CONFIGS[family], dp=2, tp=2, microbatches=2,
+                    timeout=TIMEOUT)
