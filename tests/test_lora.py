@@ -37,3 +37,81 @@ def test_lora_matches_peft_tp2_pp2():
 def test_lora_matches_peft_dp2_fsdp():
     results = run_distributed(_every_family, 2, dp=2, data_parallel="fsdp", timeout=TIMEOUT)
     assert all(n > 0 for result in results for n in result.values())
+
+
+# --- the PEFT format: colozoo (tp2) -> PEFT directory -> transformers + peft, and -> colozoo at tp 1 and 4 ------
+
+ROUND_TRIP = ("gpt2", "llama")  # Conv1D (fan_in_fan_out) and GQA with every linear adapted
+
+
+def _save_adapters(directory: str):
+    import torch.distributed as dist
+
+    import colozoo
+    from lora_parity import ALPHA, FAMILIES, R, hf_and_batch, randomize_b
+
+    from colozoo.runtime.lora import apply_lora
+
+    logits = {}
+    for family in ROUND_TRIP:
+        _, hf, inputs, _ = hf_and_batch(family)
+        base = f"{directory}/{family}-base"
+        if dist.get_rank() == 0:
+            hf.save_pretrained(base)
+        dist.barrier()
+        model = colozoo.from_pretrained(base, tp=2)
+        apply_lora(model, r=R, alpha=ALPHA, targets=FAMILIES[family][1])
+        randomize_b(model)
+        model.save_pretrained(f"{directory}/{family}-adapter", format="peft")
+        model.save_pretrained(f"{directory}/{family}-merged", format="hf", merge_lora=True)
+        logits[family] = model(**inputs, return_logits=True).logits.detach()
+    return logits
+
+
+def _gathered_adapters(directory: str):
+    import colozoo
+    from colozoo.checkpoint.peft import gather_adapters
+
+    return {family: gather_adapters(colozoo.from_pretrained(f"{directory}/{family}-base", tp=4,
+                                                            adapter=f"{directory}/{family}-adapter"))
+            for family in ROUND_TRIP}
+
+
+def test_peft_round_trip(tmp_path):
+    import json
+
+    import peft
+    import torch
+    import transformers
+    from lora_parity import hf_and_batch
+    from parity import close
+    from safetensors.torch import load_file
+
+    import colozoo
+    from colozoo.checkpoint.peft import gather_adapters
+
+    logits = run_distributed(_save_adapters, 2, str(tmp_path), timeout=TIMEOUT)[0]
+    at_tp4 = run_distributed(_gathered_adapters, 4, str(tmp_path), timeout=TIMEOUT)[0]
+    for family in ROUND_TRIP:
+        adapter, base = tmp_path / f"{family}-adapter", tmp_path / f"{family}-base"
+        saved = load_file(adapter / "adapter_model.safetensors")
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["fan_in_fan_out"] == (family == "gpt2") and config["r"] == 4
+        assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in saved)
+
+        reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter)
+        _, _, inputs, _ = hf_and_batch(family)
+        with torch.no_grad():
+            expected = reference(**inputs).logits
+        close(logits[family], expected, 1e-5, f"{family} logits through peft")
+
+        single = gather_adapters(colozoo.from_pretrained(base, adapter=adapter))
+        for name, tensors in (("tp1", single), ("tp4", at_tp4[family])):
+            assert tensors.keys() == saved.keys(), name
+            assert all(torch.equal(tensors[k], saved[k]) for k in saved), f"{family} adapters at {name} differ"
+
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-merged").state_dict()
+        unloaded = reference.merge_and_unload().state_dict()
+        assert merged.keys() == unloaded.keys()
+        for k in merged:
+            close(merged[k], unloaded[k], 1e-6, f"{family} merged {k}")
