@@ -72,11 +72,12 @@ def randomize_b(model):
         lora.B.copy_(shard_tensor(full, lora.b_spec, lora.coords))
 
 
-def peft_model(family: str, hf):
+def peft_model(family: str, hf, use_rslora: bool = False):
     import peft
 
     targets = FAMILIES[family][1]
     config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=family == "gpt2",
+                             use_rslora=use_rslora,
                              target_modules=targets if isinstance(targets, str) else list(targets))
     model = peft.get_peft_model(hf, config)
     with torch.no_grad():
@@ -109,16 +110,17 @@ def chunks_of(lora, a, b):
     return {n: (a_i, b_i) for n, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0))}
 
 
-def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_parallel: str | None = None) -> int:
+def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_parallel: str | None = None,
+                use_rslora: bool = False) -> int:
     """Loss (and logits where the model gives them), every adapter and its gradient against PEFT; base weights
     without gradient, the optimizer holding adapters only. Returns how many HF modules this rank checked."""
     pc = init_parallel(tp=tp, pp=pp, dp=dp) if tp * pp * dp > 1 else single_process()
     config, hf, inputs, labels = hf_and_batch(family)
     model = build_model(config, pc=pc, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    apply_lora(model, r=R, alpha=ALPHA, targets=FAMILIES[family][1])
+    apply_lora(model, r=R, alpha=ALPHA, targets=FAMILIES[family][1], use_rslora=use_rslora)
     randomize_b(model)
-    reference = peft_model(family, hf)
+    reference = peft_model(family, hf, use_rslora)
     ref = reference(**inputs, labels=labels)
     ref.loss.backward()
     expected = peft_grads(reference)

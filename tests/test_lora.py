@@ -12,6 +12,10 @@ def test_lora_matches_peft_single_process(family):
     assert lora_parity(family) > 0
 
 
+def test_lora_rslora_scaling_matches_peft():
+    assert lora_parity("opt", use_rslora=True) > 0
+
+
 def _every_family(**mesh):
     return {family: lora_parity(family, **mesh) for family in FAMILIES}
 
@@ -115,3 +119,67 @@ def test_peft_round_trip(tmp_path):
         assert merged.keys() == unloaded.keys()
         for k in merged:
             close(merged[k], unloaded[k], 1e-6, f"{family} merged {k}")
+
+
+# --- bad input -------------------------------------------------------------------------------------------------
+
+def _small_model(family="opt"):
+    from lora_parity import hf_and_batch
+
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+
+    config, hf, _, _ = hf_and_batch(family)
+    model = build_model(config, device="meta")
+    return load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu"), hf
+
+
+def test_lora_bad_input(tmp_path):
+    import json
+
+    from colozoo.checkpoint.peft import load_peft
+    from colozoo.core.errors import CheckpointError
+    from colozoo.runtime.lora import apply_lora
+
+    model, _ = _small_model()
+    with pytest.raises(ValueError, match=r"unknown LoRA target module\(s\) \['c_attn'\].*q_proj"):
+        apply_lora(model, r=4, targets=("q_proj", "c_attn"))
+    for r in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="rank r must be a positive integer"):
+            apply_lora(model, r=r)
+    with pytest.raises(ValueError, match="matches no module"):
+        apply_lora(model, r=4, targets=r".*\.nothing")
+    assert all(p.requires_grad for p in model.parameters()), "a refused apply_lora must leave the model as it was"
+    apply_lora(model, r=4)
+    with pytest.raises(ValueError, match="already has LoRA adapters"):
+        apply_lora(model, r=4)
+    with pytest.raises(ValueError, match="format='peft'"):
+        model.save_pretrained(tmp_path / "hf", format="hf")
+    assert not (tmp_path / "hf").exists()
+
+    with pytest.raises(CheckpointError, match="not a PEFT adapter directory"):
+        load_peft(_small_model()[0], tmp_path)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": True}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="use_dora=True is not supported"):
+        load_peft(_small_model()[0], tmp_path)
+
+
+def test_lora_regex_targets_and_bf16_base():
+    """A regex target picks modules as PEFT's would; adapters stay fp32 over a bf16 base and train in step with it."""
+    import torch
+
+    from colozoo.runtime.lora import apply_lora, lora_modules
+
+    model, _ = _small_model()
+    model.to(torch.bfloat16)
+    apply_lora(model, r=2, targets=r".*layers\.1\.self_attn\.(k|v)_proj")
+    adapters = lora_modules(model)
+    assert {h for a in adapters.values() for h in a.hf_modules} == {
+        "model.decoder.layers.1.self_attn.k_proj", "model.decoder.layers.1.self_attn.v_proj"}
+    assert all(a.A.dtype == a.B.dtype == torch.float32 for a in adapters.values())
+    ids = torch.randint(0, 101, (2, 8))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert all(a.A.grad is not None and a.B.grad.abs().sum() > 0 for a in adapters.values())
