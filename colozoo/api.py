@@ -21,6 +21,7 @@ from colozoo.core.dtypes import parse_dtype
 from colozoo.core.mesh import init_parallel
 from colozoo.models import build_model as build_layers
 from colozoo.registry import config_from_dict, get_entry, lookup
+from colozoo.runtime.lora import apply_lora
 from colozoo.runtime.run import Run
 
 
@@ -116,12 +117,16 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
         chosen = best_plan_for_world(config, init_distributed(), gpu_memory=gpu_memory)
         tp, pp, dp, cp, ep, sequence_parallel = chosen.degrees().values()
     pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
-    layout = ModelLayout(config)
+    lora = source.lora if isinstance(source, ColozooCheckpoint) else None  # a checkpoint saved with adapters
+    layout = ModelLayout(config, lora=lora)
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
     dtype = parse_dtype(dtype) or source.tensor(next(iter(layout.tensors))).dtype
     model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
                         plan=chosen)
+    if lora is not None:
+        apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
+                   use_rslora=lora.use_rslora)
     load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
     if adapter is not None:
         load_peft(model, adapter)

@@ -1,5 +1,6 @@
 """LoRA against PEFT on transformers (tests/lora_parity.py): loss, logits and every adapter gradient at tp 1, 2
-and 4, tp2 x pp2 and dp2 with FSDP; the PEFT format both ways; the merged export; bad input."""
+and 4, tp2 x pp2 and dp2 with FSDP; the PEFT format both ways; the colozoo format with adapters; the merged export;
+bad input."""
 import pytest
 from distributed import run_distributed
 from lora_parity import FAMILIES, lora_parity
@@ -68,6 +69,7 @@ def _save_adapters(directory: str):
         randomize_b(model)
         model.save_pretrained(f"{directory}/{family}-adapter", format="peft")
         model.save_pretrained(f"{directory}/{family}-merged", format="hf", merge_lora=True)
+        model.save_pretrained(f"{directory}/{family}-colozoo")  # the colozoo format keeps the adapters too
         logits[family] = model(**inputs, return_logits=True).logits.detach()
     return logits
 
@@ -76,9 +78,12 @@ def _gathered_adapters(directory: str):
     import colozoo
     from colozoo.checkpoint.peft import gather_adapters
 
-    return {family: gather_adapters(colozoo.from_pretrained(f"{directory}/{family}-base", tp=4,
-                                                            adapter=f"{directory}/{family}-adapter"))
-            for family in ROUND_TRIP}
+    out = {}
+    for family in ROUND_TRIP:
+        out[family] = gather_adapters(colozoo.from_pretrained(f"{directory}/{family}-base", tp=4,
+                                                              adapter=f"{directory}/{family}-adapter"))
+        out[f"{family}-colozoo"] = gather_adapters(colozoo.from_pretrained(f"{directory}/{family}-colozoo", tp=4))
+    return out
 
 
 def test_peft_round_trip(tmp_path):
@@ -110,7 +115,7 @@ def test_peft_round_trip(tmp_path):
         close(logits[family], expected, 1e-5, f"{family} logits through peft")
 
         single = gather_adapters(colozoo.from_pretrained(base, adapter=adapter))
-        for name, tensors in (("tp1", single), ("tp4", at_tp4[family])):
+        for name, tensors in (("tp1", single), ("tp4", at_tp4[family]), ("colozoo tp4", at_tp4[f"{family}-colozoo"])):
             assert tensors.keys() == saved.keys(), name
             assert all(torch.equal(tensors[k], saved[k]) for k in saved), f"{family} adapters at {name} differ"
 

@@ -11,6 +11,7 @@ Everything is written into a temp dir beside the destination and renamed at the 
 """
 from __future__ import annotations
 
+import dataclasses
 import resource
 import shutil
 import time
@@ -33,7 +34,7 @@ from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.collective import collective as _collective, world as _world
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from colozoo.checkpoint.peft import save_peft
-from colozoo.runtime.lora import lora_modules, merged_lora
+from colozoo.runtime.lora import lora_modules, lora_settings, merged_lora
 from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -242,10 +243,23 @@ def _stage_layers(model) -> list[list[int]] | None:
     return every_rank
 
 
+def _lora_of_every_stage(model):
+    """The LoRA settings of the whole model (collective over pp): each stage knows only its own adapted modules."""
+    settings = lora_settings(model)
+    if model.pc.config.pp == 1:
+        return settings
+    every_stage = [None] * model.pc.config.pp
+    dist.all_gather_object(every_stage, settings, group=model.pc.group("pp"))
+    found = [s for s in every_stage if s is not None]
+    if not found:
+        return None
+    return dataclasses.replace(found[0], targets=tuple(sorted({t for s in found for t in s.targets})))
+
+
 def _save_colozoo(model, dst: Path):
     rank, _ = _world()
     tmp = dst.parent / f".{dst.name}.tmp-colozoo"
-    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model))
+    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), _lora_of_every_stage(model))
     _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank))
     def write_index_and_publish(shards):
         if rank == 0:

@@ -56,6 +56,15 @@ def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | 
                        device="meta")
 
 
+def _with_lora(model, lora):
+    if lora is not None:
+        from colozoo.runtime.lora import apply_lora
+
+        apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
+                   use_rslora=lora.use_rslora)
+    return model
+
+
 def check_mesh(config, tp: int = 1, pp: int = 1, ep: int = 1):
     """Let every stage's model check the degrees (heads, kv heads, ffn divisible by tp ...) without a job."""
     from colozoo.models import build_model
@@ -76,17 +85,19 @@ class TensorInfo:
 class ModelLayout:
     """The global tensors of a model (canonical names, in model order), their specs and pipeline stages."""
 
-    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None):
-        """`stage_layers`: every pp rank's global layer indices, where a model was split other than by default."""
-        full = build_virtual(config)
-        self.config, self.pp = config, pp
+    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None, lora=None):
+        """`stage_layers`: every pp rank's global layer indices, where a model was split other than by default;
+        `lora`: the LoraSettings of the model's adapters (colozoo.runtime.lora), whose tensors it then has too."""
+        full = _with_lora(build_virtual(config), lora)
+        self.config, self.pp, self.lora = config, pp, lora
         self.aliases = _tied_aliases(full)
         self.tensors = {name: TensorInfo(tuple(p.shape), spec_of(p)) for name, p in full.named_parameters()}
         if pp > 1:
             seen = set()
             for rank in range(pp):
                 layer_ids = stage_layers[rank] if stage_layers is not None else None
-                for name, _ in build_virtual(config, pp, rank, layer_ids).named_parameters():
+                stage = _with_lora(build_virtual(config, pp, rank, layer_ids), lora)
+                for name, _ in stage.named_parameters():
                     name = self.canonical(name)
                     if name not in seen:
                         self.tensors[name].stage = rank
@@ -214,9 +225,12 @@ def plan_mesh(layout: ModelLayout, tp: int, pp: int, ep: int) -> dict[str, list[
 
 def make_index(layout: ModelLayout, mesh: dict, tensors: dict[str, dict], files: dict[str, dict]) -> dict:
     config = layout.config
-    return {"format": "colozoo", "format_version": FORMAT_VERSION, "family": config.model_type,
-            "architecture": (getattr(config, "architectures", None) or [None])[0],
-            "mesh": mesh, "config": config.to_dict(), "tied": layout.aliases, "tensors": tensors, "files": files}
+    index = {"format": "colozoo", "format_version": FORMAT_VERSION, "family": config.model_type,
+             "architecture": (getattr(config, "architectures", None) or [None])[0],
+             "mesh": mesh, "config": config.to_dict(), "tied": layout.aliases, "tensors": tensors, "files": files}
+    if layout.lora is not None:
+        index["lora"] = layout.lora.to_json()
+    return index
 
 
 def tensor_entry(info: TensorInfo, dtype: torch.dtype, pieces) -> dict:
@@ -356,6 +370,18 @@ class ColozooCheckpoint:
     def mesh(self) -> dict:
         return self.index["mesh"]
 
+    @property
+    def lora(self):
+        """The LoraSettings of the adapters the checkpoint holds, or None."""
+        if "lora" not in self.index:
+            return None
+        from colozoo.runtime.lora import LoraSettings
+
+        try:
+            return LoraSettings.from_json(self.index["lora"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{self.path / INDEX_NAME}: its 'lora' entry is malformed: {e!r}") from None
+
     def names(self) -> list[str]:
         return list(self.index["tensors"])
 
@@ -394,6 +420,10 @@ class ColozooCheckpoint:
         if missing:
             raise CheckpointError(f"tensors missing from the checkpoint {self.path}: {missing[:8]}"
                                   f"{' ...' if len(missing) > 8 else ''}")
+        if unexpected and all(".lora." in n for n in unexpected):
+            raise CheckpointError(f"the checkpoint {self.path} holds LoRA adapters, which this model (or HF export) "
+                                  f"lacks: load it with colozoo.from_pretrained, or export merged weights with "
+                                  f"model.save_pretrained(path, format='hf', merge_lora=True)")
         if unexpected:
             raise CheckpointError(f"unexpected tensors in the checkpoint {self.path}: {unexpected[:8]}"
                                   f"{' ...' if len(unexpected) > 8 else ''}")
