@@ -48,6 +48,7 @@ class StageCost:
     bwd_flops: int               # including recomputation
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per step
     comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per step (what latency costs)
+    trainable: int = -1          # local trainable parameter count (-1: all of `params`; with LoRA: the adapters)
 
 
 @dataclass

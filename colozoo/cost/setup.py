@@ -83,6 +83,8 @@ class Setup:
     schedule: str = "1f1b"
     offload: str = "none"                # none | optimizer (states + master on CPU) | params (FSDP2 CPU offload)
     target: str = "cuda"                 # whose attention kernels: cuda (flash), cpu or eager (unfused GPU)
+    lora_r: int = 0                      # > 0: LoRA fine-tuning, base frozen, only fp32 adapters train
+    lora_targets: str | tuple = "all-linear"  # HF module names, as colozoo.runtime.lora.apply_lora takes them
 
     def check(self):
         if self.dtype not in DTYPES:
@@ -99,6 +101,8 @@ class Setup:
             raise ProfilerError(f"offload {self.offload!r} not one of {OFFLOAD}")
         if self.target not in TARGETS:
             raise ProfilerError(f"target {self.target!r} not one of {TARGETS}")
+        if not isinstance(self.lora_r, int) or self.lora_r < 0:
+            raise ProfilerError(f"lora_r must be a non-negative integer (0: no LoRA), got {self.lora_r!r}")
         if self.batch_size < 1 or self.seq_len < 1 or self.num_microbatches < 1:
             raise ProfilerError("batch_size, seq_len and num_microbatches must be >= 1")
 
