@@ -159,6 +159,12 @@ def test_lora_bad_input(tmp_path):
     apply_lora(model, r=4)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_lora(model, r=4)
+    other, _ = _small_model()
+    from colozoo.runtime.training import parallelize
+
+    parallelize(other)
+    with pytest.raises(ValueError, match="before parallelize"):
+        apply_lora(other, r=4)
     with pytest.raises(ValueError, match="format='peft'"):
         model.save_pretrained(tmp_path / "hf", format="hf")
     assert not (tmp_path / "hf").exists()

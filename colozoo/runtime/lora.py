@@ -99,6 +99,8 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters")
+    if getattr(model.run, "setup", None) is not None:
+        raise ValueError("apply_lora before parallelize(): FSDP/DDP wrap the parameters that exist when they are called")
     targets = targets if isinstance(targets, str) else tuple(targets)
     linears = hf_linear_modules(model.config)
     check_targets(targets, [n for names in linears.values() for n in names])
