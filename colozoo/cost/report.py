@@ -94,15 +94,18 @@ class ProfileReport:
                 if s["fwd_flops"] or s["bwd_flops"] or s["saved_bytes"]:
                     ops.add_row(u["name"], op, str(s["calls"]), flops(s["fwd_flops"]), flops(s["bwd_flops"]),
                                 human(s["saved_bytes"]))
-        stages = Table(title="memory per rank, training step")
-        for col in ("stage", "layers", "weights", "grads", "master", "optim", "fsdp buf", "activations", "transient",
-                    "peak", "CPU"):
+        lora = self.setup.get("lora_r", 0)
+        stages = Table(title="memory per rank, training step" + (f" (LoRA r={lora}: trainable = adapters)" if lora else ""))
+        for col in ("stage", "layers", "trainable", "weights", "grads", "master", "optim", "fsdp buf", "activations",
+                    "transient", "peak", "CPU"):
             stages.add_column(col, justify="right")
         for s in self.stages:
             ids = s["layers"]
             span = f"{ids[0]}-{ids[-1]}" if ids else "-"
-            stages.add_row(str(s["stage"]), span, *(human(s[k]) for k in ("weights", "grads", "master", "optimizer",
-                           "fsdp_buffers", "activations", "transient", "peak", "cpu_bytes")))
+            trainable = s["params"] if s.get("trainable", -1) < 0 else s["trainable"]
+            stages.add_row(str(s["stage"]), span, f"{trainable:,}", *(human(s[k]) for k in (
+                "weights", "grads", "master", "optimizer", "fsdp_buffers", "activations", "transient", "peak",
+                "cpu_bytes")))
         comm = Table(title="communication per step per rank")
         comm.add_column("collective")
         comm.add_column("bytes", justify="right")
