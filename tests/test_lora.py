@@ -176,6 +176,13 @@ def test_lora_bad_input(tmp_path):
     with pytest.raises(CheckpointError, match="use_dora=True is not supported"):
         load_peft(_small_model()[0], tmp_path)
 
+    import peft
+
+    bert, hf = _small_model("bert")  # PEFT's "dense" takes BERT's pooler too, a plain linear in colozoo
+    peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["dense"])).save_pretrained(tmp_path / "bert")
+    with pytest.warns(UserWarning, match="pooler.dense"), pytest.raises(CheckpointError, match="pooler.dense"):
+        load_peft(bert, tmp_path / "bert")
+
 
 def test_lora_regex_targets_and_bf16_base():
     """A regex target picks modules as PEFT's would; adapters stay fp32 over a bf16 base and train in step with it."""

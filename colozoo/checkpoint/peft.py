@@ -137,6 +137,11 @@ def load_peft(model, path):
                               f"does not have: {stray[:4]}")
     apply_lora(model, r=settings.r, alpha=settings.alpha, dropout=settings.dropout, targets=settings.targets,
                use_rslora=settings.use_rslora)
+    adapted = {hf for lora in lora_modules(model).values() for hf in lora.hf_modules}
+    left = sorted({k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) for k in reader.names()} - adapted)
+    if left and model.pc.config.pp == 1:  # (a pipeline stage sees only its own layers' adapters)
+        raise CheckpointError(f"{path}: adapters of {left[:4]} have no tensor-parallel linear to attach to in colozoo "
+                              f"(a pooler or head is a plain linear here)")
     coords = coords_of(model.pc)
     for lora in lora_modules(model).values():
         names = [peft_names(hf) for hf in lora.hf_modules]
