@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo parity-demo bench clean
+.PHONY: setup test demo parity-demo bench clean mutations
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q tests
 
+# switch features off one at a time; the tests named for each must fail (tests/mutations.py)
+mutations: setup
+	$(PY) tests/mutations.py
+
 demo: setup
 	$(PY) -m colozoo.demo_finetune
 
@@ -32,5 +36,9 @@ bench: setup
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-parity-demo: setup
+parity-# switch features off one at a time; the tests named for each must fail (tests/mutations.py)
+mutations: setup
+	$(PY) tests/mutations.py
+
+demo: setup
 	$(PY) -m colozoo.demo

@@ -104,7 +104,8 @@ def work_naive(src: Path, dst: Path) -> dict:
     import transformers
     from safetensors.torch import save_file
 
-    from colozoo.checkpoint.format import ModelLayout, plan_mesh
+    from colozoo.checkpoint.format import plan_mesh
+    from colozoo.checkpoint.layout import ModelLayout
     from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
 

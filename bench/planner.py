@@ -238,7 +238,8 @@ def cpu_hardware(links: dict, compute: tuple[float, float]):
 def predictions(cpu, plans):
     from colozoo.cost.planner import estimate
     from colozoo.cost.profiler import profile
-    from colozoo.cost.setup import Setup, parse_mesh
+    from colozoo.cost.setup import Workload, parse_mesh
+    from colozoo.runtime.plan import Plan
 
     out = {}
     for name, mesh, m, data_parallel in plans:
@@ -246,7 +247,7 @@ def predictions(cpu, plans):
         zero = 3 if data_parallel == "fsdp" and pc.dp > 1 else 0
         report = profile(config(), batch_size=BATCH // (pc.dp * m), seq_len=SEQ, mesh=pc, dtype="float32", zero=zero,
                          num_microbatches=m, schedule=schedule_for(mesh, m), target="cpu")
-        step, _, _ = estimate(report, pc, Setup(**report.setup), cpu)
+        step, _, _ = estimate(report, Plan(**report.plan), Workload(**report.workload), cpu)
         # what exists before the step: weights, master weights, optimizer states
         dynamic = max(s["peak"] - s["weights"] - s["master"] - s["optimizer"] for s in report.stages)
         out[name] = {"seconds": step, "total": report.peak_memory, "dynamic": dynamic}

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint
-from colozoo.checkpoint.format import ColozooCheckpoint, ModelLayout
+from colozoo.checkpoint.format import ColozooCheckpoint
+from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.load import load_global_tensors
 from colozoo.checkpoint.peft import load_peft
 from colozoo.core.dtypes import parse_dtype

@@ -7,7 +7,8 @@ import importlib
 from colozoo.core.errors import CheckpointError
 
 FAMILY_CONVERTERS = {"gpt2": "gpt2", "opt": "opt", "bert": "bert", "vit": "vit", "llama": "llama",
-                     "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
+                     "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
+                     "qwen2": "qwen", "qwen3": "qwen", "qwen3_moe": "qwen3_moe"}
 
 
 def family_module(family: str):

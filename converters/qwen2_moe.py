@@ -36,20 +36,25 @@ def _common(config) -> dict[str, Source]:
 
 
 def hf_sources(config) -> dict[str, Source]:
-    out, n = _common(config), config.num_experts
-    for i in range(config.num_hidden_layers):
-        if is_sparse(config, i):
-            experts, ours = f"{HF_PREFIX}layers.{i}.mlp.experts.", f"layers.{i}.mlp.experts."
-            out[f"{ours}gate_up_proj"] = Source.of(
-                *(f"{experts}{e}.{w}.weight" for e in range(n) for w in ("gate_proj", "up_proj")), stack=n)
-            out[f"{ours}down_proj"] = Source.of(*(f"{experts}{e}.down_proj.weight" for e in range(n)), stack=n)
-    return out
+    return {**_common(config), **experts(config)}
 
 
 def module_sources(config) -> dict[str, Source]:
-    out = _common(config)
+    return {**_common(config), **experts(config, in_memory=True)}
+
+
+def experts(config, in_memory: bool = False) -> dict[str, Source]:
+    """The stacked experts of every sparse layer: from one tensor per expert (checkpoint files) or, `in_memory`,
+    from transformers' stacked parameters of the same names as ours (Qwen3-MoE shares this layout)."""
+    out, n = {}, config.num_experts
     for i in range(config.num_hidden_layers):
-        if is_sparse(config, i):
-            for name in ("gate_up_proj", "down_proj"):
-                out[f"layers.{i}.mlp.experts.{name}"] = Source.of(f"{HF_PREFIX}layers.{i}.mlp.experts.{name}")
+        if not is_sparse(config, i):
+            continue
+        hf, ours = f"{HF_PREFIX}layers.{i}.mlp.experts.", f"layers.{i}.mlp.experts."
+        if in_memory:
+            out.update({f"{ours}{w}": Source.of(f"{hf}{w}") for w in ("gate_up_proj", "down_proj")})
+            continue
+        out[f"{ours}gate_up_proj"] = Source.of(
+            *(f"{hf}{e}.{w}.weight" for e in range(n) for w in ("gate_proj", "up_proj")), stack=n)
+        out[f"{ours}down_proj"] = Source.of(*(f"{hf}{e}.down_proj.weight" for e in range(n)), stack=n)
     return out

@@ -12,6 +12,9 @@ MODEL_CLASSES = {
     "mistral": ("colozoo.models.llama", "LlamaForCausalLM"),
     "mixtral": ("colozoo.models.mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("colozoo.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen2": ("colozoo.models.qwen", "Qwen2ForCausalLM"),
+    "qwen3": ("colozoo.models.qwen", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("colozoo.models.qwen", "Qwen3MoeForCausalLM"),
 }
 
 

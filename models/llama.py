@@ -166,7 +166,22 @@ class RotaryEmbedding(nn.Module):
 class RopeBatchContext(BatchContext):
     inv_freq: torch.Tensor | None = None
     rope_scale: float = 1.0
+    window: int | None = None  # the sliding window in `mask` (the model's)
     _rope: tuple | None = None
+    _window_masks: dict | None = None
+
+    def mask_for(self, window: int | None):
+        """The dense mask of a layer with this sliding window: `mask`, or, for a layer whose window is not the
+        model's (Qwen2's mix of full and sliding layers), a mask built on first use. Without context parallelism
+        only: with it, attention takes the window itself."""
+        if window == self.window or self.cp is not None:
+            return self.mask
+        if self._window_masks is None:
+            self._window_masks = {}
+        if window not in self._window_masks:
+            self._window_masks[window] = attention_mask_for(self.attention_mask, self.seq_len, window,
+                                                            self.position_ids.device)
+        return self._window_masks[window]
 
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (batch, seq, head_dim) of `position_ids`, computed once per batch on first use: context
@@ -180,10 +195,11 @@ class RopeBatchContext(BatchContext):
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention with RoPE. Families on this decoder set its options here: `qkv_bias` / `out_bias`
-    (default: config.attention_bias) and the sliding `window` (None: full causal attention)."""
+    (default: config.attention_bias), the sliding `window` (None: full causal attention) and `qk_norm` (Qwen3:
+    an RMSNorm over head_dim of every query and key head, before RoPE)."""
 
     def __init__(self, config, pc, device=None, dtype=None, *, qkv_bias: bool | None = None,
-                 out_bias: bool | None = None, window: int | None = None):
+                 out_bias: bool | None = None, window: int | None = None, qk_norm: bool = False):
         super().__init__()
         h, tp, hd = config.hidden_size, pc.tp_size, head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -195,12 +211,24 @@ class LlamaAttention(nn.Module):
         self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias if qkv_bias is None else qkv_bias,
                                         chunks=(heads * hd, kv_heads * hd, kv_heads * hd), **kw)
         self.o_proj = RowParallelLinear(heads * hd, h, bias=bias if out_bias is None else out_bias, **kw)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            # replicated weights, but each tp rank normalises only its own heads: its gradient is partial, so it
+            # is summed over tp as under sequence parallelism
+            norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.tp_size > 1,
+                        device=device, dtype=dtype)
+            self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
 
     def forward(self, x, ctx: RopeBatchContext):
         q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
+        if ctx.cache is None:
+            mask, causal = ctx.mask_for(self.window), True
+        else:
+            k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
         out = attention(q, k, v, mask, causal=causal, scale=self.head_dim ** -0.5, cp=ctx.cp, window=self.window,
                         dropout_p=self.dropout_p if self.training else 0.0)
         return self.o_proj(merge_heads(out))
@@ -312,7 +340,7 @@ class LlamaForCausalLM(ParallelModel):
         position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
         return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
-                                rope_scale=self.rotary.attention_factor)
+                                rope_scale=self.rotary.attention_factor, window=self.sliding_window)
 
     def embed(self, input_ids, ctx):
         return self.embed_tokens(input_ids)

@@ -9,3 +9,7 @@ if not torch.cuda.is_available():
     # triton fixes interpreted vs compiled when a kernel module is imported, which any test may do first
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+import mutations  # noqa: E402
+
+mutations.apply_from_environment()  # COLOZOO_MUTATION: tests/mutations.py switches a feature off

@@ -29,6 +29,9 @@ def _worker(rank, world_size, store_port, tasks, results):
     timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    import mutations
+
+    mutations.apply_from_environment()  # the mutation the test process runs under, if any
     parent = os.getppid()
     while True:
         try:

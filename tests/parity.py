@@ -2,6 +2,9 @@
 logits, loss and (gathered) gradients. Runs on every rank of a job; also works on a single process."""
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import torch
 import transformers
 
@@ -23,6 +26,75 @@ def close(actual, expected, atol: float, what: str):
     actual, expected = torch.as_tensor(actual).detach(), torch.as_tensor(expected).detach()
     torch.testing.assert_close(actual, expected, rtol=RTOL.get(expected.dtype, 1e-5), atol=atol, check_dtype=False,
                                msg=lambda message: f"{what} differ: {message}")
+
+
+@contextlib.contextmanager
+def layer_input_lengths(model):
+    """The sequence length of every layer input this rank sees while the block runs (activations are (batch, seq,
+    hidden)): under sequence parallelism a tp rank holds seq_len / tp positions between the blocks."""
+    lengths = []
+    handles = [layer.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+               for layer in model.layers.values()]
+    try:
+        yield lengths
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check_sequence_sharding(lengths, seq_len: int, tp: int, sequence_parallel: bool):
+    """Sequence parallelism's observable effect: each tp rank's layers saw 1/tp of the positions (all without it)."""
+    expected = seq_len // tp if sequence_parallel and tp > 1 else seq_len
+    assert lengths and set(lengths) == {expected}, (
+        f"layer inputs held {sorted(set(lengths))} positions on this rank, expected {expected} "
+        f"(sequence_parallel={sequence_parallel}, tp={tp}, {seq_len} positions)")
+
+
+@contextlib.contextmanager
+def weight_calls(model):
+    """How often each module holding a weight ran forward while the block runs, by module name: a block that
+    activation checkpointing recomputes runs its projections and norms again in backward."""
+    counts = collections.Counter()
+    handles = [module.register_forward_pre_hook(lambda m, args, name=name: counts.update([name]))
+               for name, module in model.named_modules() if isinstance(getattr(module, "weight", None), torch.Tensor)]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def matmul_dtypes(model):
+    """The dtypes of every linear layer's output while the block runs: mixed precision's observable effect (FSDP2
+    casts the weights, autocast the matmuls; either way the projections compute in the low precision)."""
+    from colozoo.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    seen = set()
+    handles = [module.register_forward_hook(lambda m, args, out: seen.add(out.dtype)) for module in model.modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear, torch.nn.Linear))]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check_recomputation(counts, model, mode: str | None, microbatches: int):
+    """Activation checkpointing's observable effect on `weight_calls`: every layer ("full") or its attention block
+    ("selective") ran twice per micro-batch, everything else once."""
+    from colozoo.runtime.checkpointing import attention_block
+
+    recomputed = set()
+    for index, layer in model.layers.items():
+        if mode == "full":
+            recomputed.add(f"layers.{index}.")
+        elif mode == "selective":
+            block = attention_block(layer, index)
+            recomputed.add(f"layers.{index}.{next(n for n, m in layer.named_children() if m is block)}.")
+    expected = {name: microbatches * (2 if any(name.startswith(p) for p in recomputed) else 1) for name in counts}
+    assert counts and dict(counts) == expected, f"forward calls per module with {mode} checkpointing: " + str(
+        {name: (n, expected[name]) for name, n in counts.items() if n != expected[name]})
 
 
 def hf_causal_lm(model_type: str, config_kwargs: dict, seed: int = 0, attn_implementation: str = "sdpa"):
@@ -66,7 +138,9 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     model.eval()
-    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    with layer_input_lengths(model) as lengths:
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    check_sequence_sharding(lengths, seq_len, tp, sequence_parallel)
     out.loss.backward()
 
     keep = (mask if mask is not None else torch.ones_like(ids)).bool()
@@ -155,7 +229,10 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     model.eval()
-    out = model(**inputs, labels=labels, return_logits=True)
+    with layer_input_lengths(model) as lengths:
+        out = model(**inputs, labels=labels, return_logits=True)
+    if "input_ids" in inputs:
+        check_sequence_sharding(lengths, inputs["input_ids"].shape[1], tp, sequence_parallel)
     report = {}
     for name, ours, theirs in (("logits", out.logits, getattr(ref, "logits", None)),
                                ("hidden_states", out.hidden_states, ref_hidden),
@@ -207,10 +284,11 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
             source = sources[name]
             tensor = GlobalTensor(reader, source, name)
             full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
-            sizes = [shape[source.cat_dim] for shape in tensor.part_shapes]
-            for hf_name, part in zip(source.names, full.split(sizes, dim=source.cat_dim)):
+            first = tensor.items[0] if source.stack else tensor  # stacked experts: every item has these parts
+            sizes = [shape[source.cat_dim] for shape in first.part_shapes]
+            for hf_name, part in source.split(full, sizes).items():
                 assert hf_name not in exported, f"{hf_name} is produced twice"
-                exported[hf_name] = part.t() if source.transpose else part
+                exported[hf_name] = part
         if distributed:
             dist.barrier()  # rank 0 removes the directory on leaving
     assert sorted(exported) == sorted(saved), set(exported) ^ set(saved)
@@ -239,7 +317,9 @@ def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, p
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     parallelize(model)
-    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    with layer_input_lengths(model) as lengths:
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    check_sequence_sharding(lengths, ids.shape[1], tp, sequence_parallel)
     keep = mask.bool()
     report = {"logits": (out.logits - ref.logits)[keep].abs().max().item(), "loss": abs(out.loss.item() - ref.loss.item())}
     close(out.logits[keep], ref.logits[keep], atol, "logits")

@@ -53,7 +53,7 @@ def test_bert_untied_mlm_decoder_relu():
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_bert_tensor_parallel(architecture, tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary of the tied MLM decoder is exercised
-    run_distributed(bert_parity, tp, architecture, tp, sp)
+    run_distributed(bert_parity, tp, architecture=architecture, tp=tp, sp=sp)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -62,7 +62,7 @@ def test_bert_converter_round_trip(architecture):
 
 
 def test_bert_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "bert", BASE, 2, "BertForMaskedLM")
+    run_distributed(hf_round_trip, 2, model_type="bert", config_kwargs=BASE, tp=2, architecture="BertForMaskedLM")
 
 
 def test_task_follows_architectures_and_can_be_chosen():
@@ -92,8 +92,9 @@ def test_bert_masked_lm_pipeline_parallel(tp, sp):
 
     inputs, labels = inputs_and_labels("BertForMaskedLM")
     config = {**BASE, "num_hidden_layers": 4}
-    run_distributed(pipeline_parity, 2 * tp, "BertForMaskedLM", config, inputs["input_ids"], inputs["attention_mask"],
-                    labels, 2, tp, sp)
+    run_distributed(pipeline_parity, 2 * tp, architecture="BertForMaskedLM", config_kwargs=config,
+                    ids=inputs["input_ids"], mask=inputs["attention_mask"], labels=labels, pp=2, tp=tp,
+                    sequence_parallel=sp)
 
 
 def bert_pipeline_parity(architecture, pp, tp, sp, batch_size=4):
@@ -107,12 +108,12 @@ def bert_pipeline_parity(architecture, pp, tp, sp, batch_size=4):
 def test_bert_sequence_classification_pipeline_parallel():
     # pp=2 x tp=2 with sequence parallelism: token_type_ids and padding go through the stages and micro-batches,
     # the classification logits come back on every rank
-    run_distributed(bert_pipeline_parity, 4, "BertForSequenceClassification", 2, 2, True)
+    run_distributed(bert_pipeline_parity, 4, architecture="BertForSequenceClassification", pp=2, tp=2, sp=True)
 
 
 def test_bert_base_model_pipeline_parallel():
     # hidden states and pooled output from the last stage on every rank; its tie_word_embeddings ties nothing
-    run_distributed(bert_pipeline_parity, 2, "BertModel", 2, 1, False)
+    run_distributed(bert_pipeline_parity, 2, architecture="BertModel", pp=2, tp=1, sp=False)
 
 
 def selective_checkpointing_gradients(mode):
@@ -124,7 +125,7 @@ def selective_checkpointing_gradients(mode):
 
     config = transformers.BertConfig(**{**BASE, "hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
                                      num_labels=3, architectures=["BertForSequenceClassification"])
-    from parity import hf_model
+    from parity import check_recomputation, hf_model, weight_calls
 
     model = build_model(config, device="meta")
     load_hf_weights(model, StateDictReader(hf_model("BertForSequenceClassification", config).state_dict()),
@@ -132,8 +133,10 @@ def selective_checkpointing_gradients(mode):
     parallelize(model.train(), activation_checkpointing=mode)
     inputs, labels = inputs_and_labels("BertForSequenceClassification", batch_size=4)
     model_parallel_seed(5, model.pc)  # the default and the tracked generator: earlier tests may have seeded it
-    loss = model.forward_backward(inputs["input_ids"], labels, attention_mask=inputs["attention_mask"],
-                                  token_type_ids=inputs["token_type_ids"], num_microbatches=2)
+    with weight_calls(model) as calls:
+        loss = model.forward_backward(inputs["input_ids"], labels, attention_mask=inputs["attention_mask"],
+                                      token_type_ids=inputs["token_type_ids"], num_microbatches=2)
+    check_recomputation(calls, model, mode, microbatches=2)
     return model, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

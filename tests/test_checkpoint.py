@@ -15,6 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from distributed import run_distributed
+from parity import close
 
 import colozoo
 from colozoo import cli
@@ -208,9 +209,8 @@ def _logits_vs_transformers(path, reference, tp, pp=1, dtype=None, ep=1):
         out = model(ids, attention_mask=mask, return_logits=True).logits
         ref = hf(ids, attention_mask=mask).logits
     keep = mask.bool()
-    diff = (out - ref)[keep].abs().max().item()
-    assert diff < LOGITS_ATOL, f"logits differ by {diff}"
-    return diff
+    close(out[keep], ref[keep], LOGITS_ATOL, "logits")
+    return (out - ref)[keep].abs().max().item()
 
 
 def _save_then_check(path, out_colozoo, out_hf, tp, pp=1, ep=1, layers_per_stage=None):
@@ -225,15 +225,16 @@ def test_from_pretrained_matches_transformers(tmp_path, family):
     hf = make_hf(tmp_path / "hf", family)
     _logits_vs_transformers(hf, hf, tp=1)
     convert(hf, tmp_path / "tp4pp2", tp=4, pp=2)  # a colozoo checkpoint saved on another mesh
-    run_distributed(_logits_vs_transformers, 2, hf, hf, 2, timeout=TIMEOUT)
-    run_distributed(_logits_vs_transformers, 2, tmp_path / "tp4pp2", hf, 2, timeout=TIMEOUT)
+    run_distributed(_logits_vs_transformers, 2, path=hf, reference=hf, tp=2, timeout=TIMEOUT)
+    run_distributed(_logits_vs_transformers, 2, path=tmp_path / "tp4pp2", reference=hf, tp=2, timeout=TIMEOUT)
 
 
 def test_from_pretrained_tp2_pp2(tmp_path):
     hf = make_hf(tmp_path / "hf", "gpt2")
     convert(hf, tmp_path / "tp1", tp=1)
-    run_distributed(_logits_vs_transformers, 4, tmp_path / "tp1", hf, 2, 2, timeout=TIMEOUT)
-    run_distributed(_logits_vs_transformers, 4, hf, hf, 2, 2, timeout=TIMEOUT)  # the tied head on the last stage
+    run_distributed(_logits_vs_transformers, 4, path=tmp_path / "tp1", reference=hf, tp=2, pp=2, timeout=TIMEOUT)
+    run_distributed(_logits_vs_transformers, 4, path=hf, reference=hf, tp=2, pp=2,
+                    timeout=TIMEOUT)  # the tied head on the last stage
 
 
 def test_from_pretrained_dtype(tmp_path):
@@ -246,7 +247,8 @@ def test_from_pretrained_dtype(tmp_path):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
 def test_save_pretrained_collectively_then_reload(tmp_path, tp, pp):
     hf = make_hf(tmp_path / "hf", "gpt2")
-    run_distributed(_save_then_check, tp * pp, hf, tmp_path / "saved", tmp_path / "saved_hf", tp, pp, timeout=TIMEOUT)
+    run_distributed(_save_then_check, tp * pp, path=hf, out_colozoo=tmp_path / "saved", out_hf=tmp_path / "saved_hf",
+                    tp=tp, pp=pp, timeout=TIMEOUT)
     index = json.loads((tmp_path / "saved" / INDEX_NAME).read_text())
     assert index["mesh"]["tp"] == tp and index["mesh"]["pp"] == pp and len(index["files"]) == tp * pp
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
@@ -259,7 +261,8 @@ def test_save_pretrained_collectively_then_reload(tmp_path, tp, pp):
 def test_save_pretrained_from_an_uneven_stage_split(tmp_path):
     # stages of 1 and 3 layers (not the default split); the tied embedding's copy on the last stage is not saved
     hf = make_hf(tmp_path / "hf", "gpt2")
-    run_distributed(_save_then_check, 2, hf, tmp_path / "saved", tmp_path / "saved_hf", 1, 2, 1, [1, 3],
+    run_distributed(_save_then_check, 2, path=hf, out_colozoo=tmp_path / "saved", out_hf=tmp_path / "saved_hf", tp=1,
+                    pp=2, ep=1, layers_per_stage=[1, 3],
                     timeout=TIMEOUT)
     index = json.loads((tmp_path / "saved" / INDEX_NAME).read_text())
     pieces = index["tensors"]["layers.1.attn.c_attn.weight"]["pieces"]
@@ -273,8 +276,10 @@ def test_save_pretrained_from_an_uneven_stage_split(tmp_path):
 def test_experts_load_and_save_at_ep2(tmp_path):
     hf = make_hf(tmp_path / "hf", "mixtral")
     convert(hf, tmp_path / "tp2ep2", tp=2, ep=2)
-    run_distributed(_logits_vs_transformers, 2, tmp_path / "tp2ep2", hf, 1, 1, None, 2, timeout=TIMEOUT)
-    run_distributed(_save_then_check, 2, hf, tmp_path / "saved", tmp_path / "saved_hf", 1, 1, 2, timeout=TIMEOUT)
+    run_distributed(_logits_vs_transformers, 2, path=tmp_path / "tp2ep2", reference=hf, tp=1, pp=1, dtype=None, ep=2,
+                    timeout=TIMEOUT)
+    run_distributed(_save_then_check, 2, path=hf, out_colozoo=tmp_path / "saved", out_hf=tmp_path / "saved_hf", tp=1,
+                    pp=1, ep=2, timeout=TIMEOUT)
     experts = json.loads((tmp_path / "saved" / INDEX_NAME).read_text())["tensors"]["layers.0.mlp.experts.gate_up_proj"]
     assert sorted(p["offsets"][0] for p in experts["pieces"]) == [0, 0, 2, 2]  # global expert index x (gate, up)
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
@@ -294,7 +299,8 @@ def _save_after_fsdp(path, out_colozoo, out_hf):
 def test_save_pretrained_of_an_fsdp_model(tmp_path):
     # dp=2 x tp=2: FSDP splits each tp shard over the data ranks; saving gathers them tensor by tensor
     hf = make_hf(tmp_path / "hf", "gpt2")
-    run_distributed(_save_after_fsdp, 4, hf, tmp_path / "saved", tmp_path / "saved_hf", timeout=TIMEOUT)
+    run_distributed(_save_after_fsdp, 4, path=hf, out_colozoo=tmp_path / "saved", out_hf=tmp_path / "saved_hf",
+                    timeout=TIMEOUT)
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "saved_hf"))
     convert(tmp_path / "saved", tmp_path / "back", to_hf=True)
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
@@ -322,7 +328,7 @@ def _save_with_a_failing_rank(path, out):
 
 def test_save_pretrained_failing_rank_leaves_nothing(tmp_path):
     hf = make_hf(tmp_path / "hf", "gpt2")
-    messages = run_distributed(_save_with_a_failing_rank, 2, hf, tmp_path / "out", timeout=TIMEOUT)
+    messages = run_distributed(_save_with_a_failing_rank, 2, path=hf, out=tmp_path / "out", timeout=TIMEOUT)
     assert "failed on rank 1" in messages[0] and "No space left" in messages[0]
     assert "No space left" in messages[1]
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
@@ -524,15 +530,15 @@ def _auto_plan_logits(path, gpu_memory):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     ids, mask = batch(hf.config.vocab_size)
     with torch.no_grad():
-        diff = (model(ids, attention_mask=mask, return_logits=True).logits - hf(ids, attention_mask=mask).logits)
-    assert diff[mask.bool()].abs().max().item() < LOGITS_ATOL
+        ours, theirs = model(ids, attention_mask=mask, return_logits=True).logits, hf(ids, attention_mask=mask).logits
+    close(ours[mask.bool()], theirs[mask.bool()], LOGITS_ATOL, "logits")
     return degrees
 
 
 def test_from_pretrained_auto_plan(tmp_path):
     """plan="auto" takes the planner's degrees for the world it runs in, and the model still matches transformers."""
     hf = make_hf(tmp_path / "hf", "gpt2")
-    plans = run_distributed(_auto_plan_logits, 2, hf, "8GB", timeout=TIMEOUT)
+    plans = run_distributed(_auto_plan_logits, 2, path=hf, gpu_memory="8GB", timeout=TIMEOUT)
     assert all(p == plans[0] for p in plans), "every rank must get the same plan"
     with pytest.raises(ValueError, match="plan must be"):
         colozoo.from_pretrained(hf, plan="fastest")

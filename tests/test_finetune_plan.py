@@ -24,7 +24,7 @@ def _planned_runs(lm, bert, root):
 
 
 def test_plan_auto_plans_the_mesh_and_trains(tiny, tiny_bert, tmp_path):  # noqa: F811
-    curves = run_distributed(_planned_runs, 2, tiny, tiny_bert, tmp_path, timeout=240)[0]
+    curves = run_distributed(_planned_runs, 2, lm=tiny, bert=tiny_bert, root=tmp_path, timeout=240)[0]
     for name, global_batch in (("lm", 4), ("bert", 16)):
         curve = curves[name]
         assert len(curve) == 6 and curve[-1] < curve[0], name

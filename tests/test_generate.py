@@ -43,9 +43,9 @@ def prompts(vocab_size: int, lengths=(5, 9, 3)):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def ours_and_hf(family, pc):
-    config, hf = hf_causal_lm(family, FAMILIES[family])
-    if family in ("mixtral", "qwen2_moe"):  # transformers fuses experts in memory: load what it saves
+def ours_and_hf(family, pc, config_kwargs=None):
+    config, hf = hf_causal_lm(family, config_kwargs or FAMILIES[family])
+    if hasattr(config, "num_experts_per_tok"):  # transformers fuses experts in memory: load what it saves
         model = load_saved(hf, config, pc)[0]
     else:
         model = build_model(config, pc=pc, device="meta")
@@ -53,11 +53,12 @@ def ours_and_hf(family, pc):
     return config, hf, model.eval()
 
 
-def greedy_matches_transformers(families, tp=1, pp=1, dp=1, ep=1, eos_from_step=None):
+def greedy_matches_transformers(families, tp=1, pp=1, dp=1, ep=1, eos_from_step=None, configs=None):
+    """`configs`: family -> tiny config for families outside FAMILIES (other test files)."""
     pc = init_parallel(tp=tp, pp=pp, dp=dp, ep=ep) if tp * pp * dp > 1 else single_process()
     results = {}
     for family in families:
-        config, hf, model = ours_and_hf(family, pc)
+        config, hf, model = ours_and_hf(family, pc, (configs or {}).get(family))
         ids, mask = prompts(config.vocab_size)
         options = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
         expected = hf.generate(ids, attention_mask=mask, **options)

@@ -28,16 +28,18 @@ def test_gpt2_single_process(option):
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_gpt2_tensor_parallel(tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padding path is always exercised
-    run_distributed(causal_lm_parity, tp, "gpt2", BASE, tp, sp)
+    run_distributed(causal_lm_parity, tp, model_type="gpt2", config_kwargs=BASE, tp=tp, sequence_parallel=sp)
 
 
 @pytest.mark.parametrize("option", ["inverse_layer_idx", "untied_relu_inner"])
 def test_gpt2_options_tp2(option):
-    run_distributed(causal_lm_parity, 2, "gpt2", {**BASE, **OPTIONS[option]}, 2, True)
+    run_distributed(causal_lm_parity, 2, model_type="gpt2", config_kwargs={**BASE, **OPTIONS[option]}, tp=2,
+                    sequence_parallel=True)
 
 
 def test_gpt2_unpadded_batch_tp2():
-    run_distributed(causal_lm_parity, 2, "gpt2", BASE, 2, False, False)
+    run_distributed(causal_lm_parity, 2, model_type="gpt2", config_kwargs=BASE, tp=2, sequence_parallel=False,
+                    padded=False)
 
 
 UPCAST = {**BASE, "reorder_and_upcast_attn": True, "scale_attn_by_inverse_layer_idx": True}
@@ -49,7 +51,8 @@ def test_gpt2_upcast_fp32_gradients_vs_eager():
 
 
 def test_gpt2_upcast_tp2_sequence_parallel():
-    run_distributed(causal_lm_parity, 2, "gpt2", UPCAST, 2, True, True, 12, LOGITS_ATOL, GRAD_ATOL, "eager")
+    run_distributed(causal_lm_parity, 2, model_type="gpt2", config_kwargs=UPCAST, tp=2, sequence_parallel=True,
+                    padded=True, seq_len=12, logits_atol=LOGITS_ATOL, grad_atol=GRAD_ATOL, attn_implementation="eager")
 
 
 def test_gpt2_upcast_bf16_matches_eager_and_differs_without_it():

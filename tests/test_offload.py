@@ -73,12 +73,13 @@ def offloaded_step_matches(offload, data_parallel):
 
 @pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
 def test_optimizer_offload_matches_on_device_adamw(data_parallel):
-    losses = run_distributed(offloaded_step_matches, 2, "optimizer", data_parallel, timeout=TIMEOUT)
+    losses = run_distributed(offloaded_step_matches, 2, offload="optimizer", data_parallel=data_parallel,
+                             timeout=TIMEOUT)
     assert losses[0] == losses[1] and losses[0][1] < losses[0][0]  # the same on both ranks, and it trained
 
 
 def test_params_offload_via_fsdp2_policy_matches():
-    losses = run_distributed(offloaded_step_matches, 2, "params", "fsdp", timeout=TIMEOUT)
+    losses = run_distributed(offloaded_step_matches, 2, offload="params", data_parallel="fsdp", timeout=TIMEOUT)
     assert losses[0] == losses[1] and losses[0][1] < losses[0][0]
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from parity import causal_lm_parity
+from parity import causal_lm_parity, close
 
 BASE = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4,
             max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1)
@@ -33,18 +33,21 @@ def test_opt_single_process_unpadded():
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_opt_tensor_parallel(tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padding path is always exercised
-    run_distributed(causal_lm_parity, tp, "opt", BASE, tp, sp, timeout=120)
+    run_distributed(causal_lm_parity, tp, model_type="opt", config_kwargs=BASE, tp=tp, sequence_parallel=sp,
+                    timeout=120)
 
 
 @pytest.mark.parametrize("tp,option", [(2, "350m_post_ln_projected"), (4, "350m_post_ln_projected"),
                                        (2, "projected_untied_no_bias"), (2, "no_affine"),
                                        (4, "pad_in_last_vocab_slice")])
 def test_opt_options_sequence_parallel(tp, option):
-    run_distributed(causal_lm_parity, tp, "opt", {**BASE, **OPTIONS[option]}, tp, True, timeout=120)
+    run_distributed(causal_lm_parity, tp, model_type="opt", config_kwargs={**BASE, **OPTIONS[option]}, tp=tp,
+                    sequence_parallel=True, timeout=120)
 
 
 def test_opt_unpadded_batch_tp2():
-    run_distributed(causal_lm_parity, 2, "opt", BASE, 2, False, False, timeout=120)
+    run_distributed(causal_lm_parity, 2, model_type="opt", config_kwargs=BASE, tp=2, sequence_parallel=False,
+                    padded=False, timeout=120)
 
 
 def _parity_with_plain_qkv_split(config_kwargs, tp):
@@ -70,7 +73,7 @@ def _parity_with_plain_qkv_split(config_kwargs, tp):
 
 
 def test_opt_wrong_head_split_fails_parity():
-    errors = run_distributed(_parity_with_plain_qkv_split, 2, BASE, 2, timeout=120)
+    errors = run_distributed(_parity_with_plain_qkv_split, 2, config_kwargs=BASE, tp=2, timeout=120)
     assert all(e is not None and "logits differ" in e for e in errors), errors
 
 
@@ -131,9 +134,9 @@ def test_opt_loads_a_save_pretrained_checkpoint(tmp_path, option):
     load_hf_weights(model, SafetensorsReader(tmp_path), device="cpu")
     ids, mask, _ = batch(config.vocab_size, 12)
     with torch.no_grad():
-        diff = (model.eval()(ids, attention_mask=mask, return_logits=True).logits
-                - hf(ids, attention_mask=mask).logits)[mask.bool()].abs().max().item()
-    assert diff < 1e-5, diff
+        ours = model.eval()(ids, attention_mask=mask, return_logits=True).logits
+        theirs = hf(ids, attention_mask=mask).logits
+    close(ours[mask.bool()], theirs[mask.bool()], 1e-5, "logits")
 
 
 def _train_step_with_dropout(tp):
@@ -142,7 +145,7 @@ def _train_step_with_dropout(tp):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
     from colozoo.core.rng import model_parallel_seed
-    from parity import batch, hf_causal_lm
+    from parity import batch, check_sequence_sharding, hf_causal_lm, layer_input_lengths
 
     pc = init_parallel(tp=tp, sequence_parallel=True)
     config, hf = hf_causal_lm("opt", {**BASE, "dropout": 0.2, "attention_dropout": 0.2})
@@ -152,14 +155,16 @@ def _train_step_with_dropout(tp):
     ids, mask, labels = batch(config.vocab_size, 12)
     with torch.no_grad():
         eval_loss = model.eval()(ids, attention_mask=mask, labels=labels).loss.item()
-    train_loss = model.train()(ids, attention_mask=mask, labels=labels).loss
+    with layer_input_lengths(model) as lengths:
+        train_loss = model.train()(ids, attention_mask=mask, labels=labels).loss
+    check_sequence_sharding(lengths, ids.shape[1], tp, sequence_parallel=True)
     train_loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     return eval_loss, train_loss.item()
 
 
 def test_opt_dropout_in_training_tp2():
-    (eval0, train0), (eval1, train1) = run_distributed(_train_step_with_dropout, 2, 2, timeout=120)
+    (eval0, train0), (eval1, train1) = run_distributed(_train_step_with_dropout, 2, tp=2, timeout=120)
     assert eval0 == eval1 and train0 == train1  # the loss is the same on every tp rank
     assert abs(train0 - eval0) > 1e-4  # dropout did something
 
@@ -180,11 +185,10 @@ def _pipeline_parity(config_kwargs, pp, tp):
     ids, mask, labels = batch(config.vocab_size, 12)
     out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
     ref = hf(ids, attention_mask=mask, labels=labels)
-    diff = (out.logits - ref.logits)[mask.bool()].abs().max().item()
-    assert diff < LOGITS_ATOL, f"logits differ by {diff}"
-    assert abs(out.loss.item() - ref.loss.item()) < LOGITS_ATOL
+    close(out.logits[mask.bool()], ref.logits[mask.bool()], LOGITS_ATOL, "logits")
+    close(out.loss, ref.loss, LOGITS_ATOL, "loss")
 
 
 @pytest.mark.parametrize("option", ["default", "350m_post_ln_projected"])
 def test_opt_pipeline_pp2_tp2(option):
-    run_distributed(_pipeline_parity, 4, {**BASE, **OPTIONS[option]}, 2, 2, timeout=150)
+    run_distributed(_pipeline_parity, 4, config_kwargs={**BASE, **OPTIONS[option]}, pp=2, tp=2, timeout=150)

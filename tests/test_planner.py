@@ -95,6 +95,10 @@ def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
                     checkpoint_layers=best.checkpoint_layers, schedule=best.schedule, offload=best.offload)
     assert again.peak_memory == pytest.approx(best.memory)
     assert "why" in result.table() and result.to_json().startswith("{")
+    # ranked fastest first, among plans that differ: the best is the fastest of all those searched
+    times = [p.step_seconds for p in result.plans]
+    assert len(result.plans) > 1 and times == sorted(times) and times[0] < times[-1]
+    assert all(p.memory <= get_hardware("H100-80GB", gpus=8, gpu_memory="80GB").memory_limit for p in result.plans)
 
 
 def test_partial_checkpointing_beats_recomputing_every_layer():
@@ -182,11 +186,12 @@ def test_plan_offloads_when_gpu_memory_runs_short():
 def test_collective_latency_and_overlap_are_priced():
     from colozoo.core.mesh import ParallelConfig
     from colozoo.cost.planner import estimate
-    from colozoo.cost.setup import Setup
+    from colozoo.cost.setup import Workload, plan_of
 
-    setup = Setup(batch_size=2, seq_len=256, dtype="bfloat16", zero=3, num_microbatches=2)
+    workload = Workload(seq_len=256, dtype="bfloat16")
     kw = dict(batch_size=2, seq_len=256, zero=3, num_microbatches=2)
     tp, dp = ParallelConfig(tp=2, sequence_parallel=True), ParallelConfig(dp=2)
+    tp_plan, dp_plan = (plan_of(mesh, micro_batch_size=2, zero=3, num_microbatches=2) for mesh in (tp, dp))
     tp_report, dp_report = profile("opt-125m", mesh=tp, **kw), profile("opt-125m", mesh=dp, **kw)
     # 12 layers x (2 forward + 2 backward) sequence-parallel gathers and reduce-scatters, 2 micro-batches
     assert sum(tp_report.comm_calls.values()) >= 12 * 4 * 2
@@ -195,23 +200,23 @@ def test_collective_latency_and_overlap_are_priced():
     assert dp_report.comm_calls == {"dp_cp.all_gather": (2 * 13 - 1) * 2, "dp_cp.reduce_scatter": 13}
     hw = get_hardware("H100-80GB", gpus=2)
     slow = hw.with_(collective_latency_s=hw.collective_latency_s + 1e-3)
-    base, _, _ = estimate(tp_report, tp, setup, hw)
-    slower, breakdown, _ = estimate(tp_report, tp, setup, slow)
+    base, _, _ = estimate(tp_report, tp_plan, workload, hw)
+    slower, breakdown, _ = estimate(tp_report, tp_plan, workload, slow)
     # tp collectives sit on the critical path: every call costs one more ms per ring step (2 for an all-reduce)
     steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     ring_steps = sum(n * steps[key.split(".")[1]] for key, n in tp_report.comm_calls.items())
     assert slower - base == pytest.approx(1e-3 * ring_steps, rel=1e-6)
     # FSDP traffic hides behind compute on GPUs, and is all exposed where the collectives share busy cores
-    hidden, hidden_parts, _ = estimate(dp_report, dp, setup, hw)
-    exposed, exposed_parts, _ = estimate(dp_report, dp, setup, hw.with_(comm_overlap=0.0))
+    hidden, hidden_parts, _ = estimate(dp_report, dp_plan, workload, hw)
+    exposed, exposed_parts, _ = estimate(dp_report, dp_plan, workload, hw.with_(comm_overlap=0.0))
     assert hidden_parts["dp"] == 0 and exposed_parts["dp"] > 0
     assert exposed == pytest.approx(hidden + exposed_parts["dp"])
     # a collective that reaches half the link's bandwidth takes twice as long
     half = hw.with_(comm_overlap=0.0, collective_latency_s=0.0, collective_efficiency={"all_gather": 0.5,
                                                                                          "reduce_scatter": 0.5})
     full = hw.with_(comm_overlap=0.0, collective_latency_s=0.0)
-    assert estimate(dp_report, dp, setup, half)[1]["dp"] == pytest.approx(2 * estimate(dp_report, dp, setup,
-                                                                                        full)[1]["dp"])
+    assert (estimate(dp_report, dp_plan, workload, half)[1]["dp"]
+            == pytest.approx(2 * estimate(dp_report, dp_plan, workload, full)[1]["dp"]))
 
 
 def test_best_plan_for_world_and_cli(capsys):

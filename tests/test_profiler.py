@@ -1,5 +1,6 @@
 """The symbolic profiler against real runs (torch.utils.flop_counter, saved-tensor hooks) and against the
 published per-layer activation formulas of Korthikanti et al. 2022."""
+import json
 import resource
 import time
 import warnings
@@ -266,9 +267,22 @@ def test_bad_input_is_named():
 def test_cli_json(capsys):
     from colozoo.cli import main
 
-    assert main(["profile", "opt-125m", "--seq-len", "64", "--mesh", "tp=2,dp=2", "--json"]) == 0
-    out = capsys.readouterr().out
-    assert '"tp": 2' in out
+    assert main(["profile", "opt-125m", "--batch-size", "3", "--seq-len", "64", "--mesh", "tp=2,dp=2,sp",
+                 "--dtype", "float16", "--checkpointing", "full", "--zero", "3", "--microbatches", "2",
+                 "--optimizer", "sgd", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # every argument reaches the profile: the mesh, the plan, the workload...
+    assert report["mesh"] == {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "ep": 1, "sp": True}
+    assert {k: report["plan"][k] for k in ("micro_batch_size", "num_microbatches", "zero", "checkpointing")} == \
+        {"micro_batch_size": 3, "num_microbatches": 2, "zero": 3, "checkpointing": "full"}
+    assert {k: report["workload"][k] for k in ("seq_len", "dtype", "optimizer")} == \
+        {"seq_len": 64, "dtype": "float16", "optimizer": "sgd"}
+    # ...and changes its numbers: twice the sequence, twice the forward FLOPs of the embedding, and more
+    assert main(["profile", "opt-125m", "--batch-size", "3", "--seq-len", "128", "--mesh", "tp=2,dp=2,sp",
+                 "--dtype", "float16", "--checkpointing", "full", "--zero", "3", "--microbatches", "2",
+                 "--optimizer", "sgd", "--json"]) == 0
+    longer = json.loads(capsys.readouterr().out)
+    assert longer["step_flops"] > 2 * report["step_flops"] * 0.99
 
 
 def test_pipeline_stages_are_split_as_the_model_splits_them():

@@ -27,7 +27,7 @@ def _masks(degrees, seed=1234):
 
 
 def test_two_ranks_tp2():
-    a, b = run_distributed(_masks, 2, dict(tp=2), timeout=60)
+    a, b = run_distributed(_masks, 2, degrees=dict(tp=2), timeout=60)
     assert a["replicated"].any() and not a["replicated"].all()
     assert torch.equal(a["replicated"], b["replicated"])  # replicated activations: same mask on every tp rank
     assert torch.equal(a["replicated_again"], b["replicated_again"])
@@ -40,7 +40,7 @@ def test_two_ranks_tp2():
 
 
 def test_four_ranks_tp2_dp2():
-    results = run_distributed(_masks, 4, dict(tp=2, dp=2), timeout=60)
+    results = run_distributed(_masks, 4, degrees=dict(tp=2, dp=2), timeout=60)
     for key in ("sharded", "replicated", "attention"):
         masks = {}
         for r in results:
@@ -54,14 +54,14 @@ def test_four_ranks_tp2_dp2():
 
 
 def test_four_ranks_tp4_all_sharded_masks_distinct():
-    results = run_distributed(_masks, 4, dict(tp=4), timeout=60)
+    results = run_distributed(_masks, 4, degrees=dict(tp=4), timeout=60)
     sharded = [r["sharded"] for r in results]
     assert all(not torch.equal(sharded[i], sharded[j]) for i in range(4) for j in range(i + 1, 4))
     assert all(torch.equal(r["replicated"], results[0]["replicated"]) for r in results)
 
 
 def test_four_ranks_pp2_tp2_stages_differ():
-    results = run_distributed(_masks, 4, dict(pp=2, tp=2), timeout=60)
+    results = run_distributed(_masks, 4, degrees=dict(pp=2, tp=2), timeout=60)
     replicated = {}
     for r in results:
         replicated.setdefault(r["coords"]["pp"], []).append(r["replicated"])

@@ -73,8 +73,8 @@ def _optimizer_before_data_parallel(mode):
 
 
 def test_an_optimizer_built_before_data_parallelism_is_refused_not_silently_useless():
-    assert run_distributed(_optimizer_before_data_parallel, 2, "refused", timeout=TIMEOUT) == [True, True]
-    changed = run_distributed(_optimizer_before_data_parallel, 2, "after", timeout=TIMEOUT)
+    assert run_distributed(_optimizer_before_data_parallel, 2, mode="refused", timeout=TIMEOUT) == [True, True]
+    changed = run_distributed(_optimizer_before_data_parallel, 2, mode="after", timeout=TIMEOUT)
     assert all(fraction == 1.0 for fraction in changed), changed  # built after parallelize: every weight moves
 
 

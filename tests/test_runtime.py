@@ -107,7 +107,7 @@ MESHES = [dict(tp=2, dp=2), dict(pp=2, tp=2), dict(dp=4, ep=2), dict(dp=4, ep=4)
 
 @pytest.mark.parametrize("degrees", MESHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_four_rank_mesh_groups(degrees):
-    results = run_distributed(_mesh_view, 4, degrees, timeout=60)
+    results = run_distributed(_mesh_view, 4, degrees=degrees, timeout=60)
     expected = _expected_groups(**degrees)
     for view, rank in results:
         for dim, (size, local_rank, ranks) in view.items():
@@ -125,5 +125,5 @@ def _init_error(degrees):
 
 
 def test_four_rank_world_mismatch_is_reported():
-    errors = run_distributed(_init_error, 4, dict(tp=2, dp=4), timeout=60)
+    errors = run_distributed(_init_error, 4, degrees=dict(tp=2, dp=4), timeout=60)
     assert all(e and e.startswith("world size 4 != pp*dp*cp*tp = 1*4*1*2 = 8") for e in errors), errors

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from parity import batch, hf_causal_lm
+from parity import (batch, check_recomputation, check_sequence_sharding, close, hf_causal_lm, layer_input_lengths,
+                    matmul_dtypes, weight_calls)
 
 from colozoo.checkpoint.load import load_hf_weights
 from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
@@ -53,8 +54,11 @@ def train_against_hf(dp, pp, tp, steps=1, microbatches=2, schedule="1f1b", virtu
     worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
     losses = []
     for step in range(steps):
-        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches,
-                                      schedule=schedule)
+        with layer_input_lengths(model) as lengths, weight_calls(model) as calls:
+            loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches,
+                                          schedule=schedule)
+        check_sequence_sharding(lengths, ids.shape[1], tp, sp)
+        check_recomputation(calls, model, (options or {}).get("activation_checkpointing"), microbatches)
         norm = clip_grad_norm_(model, MAX_NORM)
         ref = hf(ids, attention_mask=mask, labels=labels).loss
         ref.backward()
@@ -72,7 +76,7 @@ def train_against_hf(dp, pp, tp, steps=1, microbatches=2, schedule="1f1b", virtu
 
     worst["param"] = compare(model, StateDictReader(hf.state_dict()), sources, PARAM_ATOL,
                              f"after {steps} step(s), parameter")
-    assert worst["loss"] < LOSS_ATOL, f"loss curve {losses}"
+    close([ours for ours, _ in losses], [theirs for _, theirs in losses], LOSS_ATOL, f"loss curve {losses}")
     assert worst["norm"] < NORM_RTOL, f"gradient norm differs by a factor {worst['norm']}"
     return dict(worst, names=[n for n, _ in model.named_parameters()], losses=losses,
                 tied_equal=tied_copies_equal(model))
@@ -82,8 +86,9 @@ def compare(model, reference, sources, atol, what, grad=False):
     worst = 0.0
     for name, p in model.named_parameters():
         expected = GlobalTensor(reference, sources[name], name).read()
-        diff = (full_parameter(model, p.grad if grad else p, expected.shape, spec_of(p)) - expected).abs().max().item()
-        assert diff < atol, f"{what} {name} differs by {diff} (pp rank {model.pc.rank('pp')})"
+        actual = full_parameter(model, p.grad if grad else p, expected.shape, spec_of(p))
+        close(actual, expected, atol, f"{what} {name} (pp rank {model.pc.rank('pp')})")
+        diff = (actual - expected).abs().max().item()
         worst = max(worst, diff)
     return worst
 
@@ -111,7 +116,8 @@ def check_all_names(results, n_layer=CONFIG["n_layer"]):
 
 @pytest.mark.parametrize("dp,pp,tp,microbatches", [(1, 2, 1, 2), (1, 2, 2, 2), (2, 2, 1, 2), (2, 1, 2, 2), (1, 4, 1, 4)])
 def test_one_step_matches_single_process(dp, pp, tp, microbatches):
-    results = run_distributed(train_against_hf, dp * pp * tp, dp, pp, tp, 1, microbatches, timeout=TIMEOUT)
+    results = run_distributed(train_against_hf, dp * pp * tp, dp=dp, pp=pp, tp=tp, steps=1, microbatches=microbatches,
+                              timeout=TIMEOUT)
     check_all_names(results)
     assert {r["tied_equal"] for r in results} <= {None, True}
 
@@ -121,34 +127,39 @@ def test_single_process_training_step():
 
 
 def test_loss_curve_pp2_tp2_sequence_parallel():
-    results = run_distributed(train_against_hf, 4, 1, 2, 2, 3, 2, "gpipe", 1, True, timeout=TIMEOUT)
+    results = run_distributed(train_against_hf, 4, dp=1, pp=2, tp=2, steps=3, microbatches=2, schedule="gpipe",
+                              virtual_stages=1, sp=True, timeout=TIMEOUT)
     assert all(r["tied_equal"] in (None, True) for r in results)
     curve = results[0]["losses"]
     assert curve[-1][0] < curve[0][0]  # it trains
 
 
 def test_loss_curve_ddp_dp2_pp2():
-    results = run_distributed(train_against_hf, 4, 2, 2, 1, 3, 2, "1f1b", 1, False, dict(data_parallel="ddp"),
+    results = run_distributed(train_against_hf, 4, dp=2, pp=2, tp=1, steps=3, microbatches=2, schedule="1f1b",
+                              virtual_stages=1, sp=False, options=dict(data_parallel="ddp"),
                               timeout=TIMEOUT)
     assert all(r["tied_equal"] in (None, True) for r in results)
 
 
 def test_ddp_with_tensor_parallel_matches_single_process():
-    results = run_distributed(train_against_hf, 4, 2, 1, 2, 1, 2, "1f1b", 1, False, dict(data_parallel="ddp"),
+    results = run_distributed(train_against_hf, 4, dp=2, pp=1, tp=2, steps=1, microbatches=2, schedule="1f1b",
+                              virtual_stages=1, sp=False, options=dict(data_parallel="ddp"),
                               timeout=TIMEOUT)
     check_all_names(results)
 
 
 @pytest.mark.parametrize("schedule,tp", [("interleaved_1f1b", 1), ("zero_bubble", 2)])
 def test_virtual_stages_match_single_process(schedule, tp):
-    results = run_distributed(train_against_hf, 2 * tp, 1, 2, tp, 1, 2, schedule, 2, timeout=TIMEOUT)
+    results = run_distributed(train_against_hf, 2 * tp, dp=1, pp=2, tp=tp, steps=1, microbatches=2, schedule=schedule,
+                              virtual_stages=2, timeout=TIMEOUT)
     check_all_names(results)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_matches_single_process(mode):
     options = dict(activation_checkpointing=mode)
-    run_distributed(train_against_hf, 4, 2, 1, 2, 1, 2, "1f1b", 1, True, options, timeout=TIMEOUT)
+    run_distributed(train_against_hf, 4, dp=2, pp=1, tp=2, steps=1, microbatches=2, schedule="1f1b", virtual_stages=1,
+                    sp=True, options=options, timeout=TIMEOUT)
 
 
 def full_model_gradients(model, config, hf):
@@ -183,19 +194,21 @@ def schedules_agree(schedules, virtual_stages, tp=1, sp=False):
         if first is None:
             first = schedule, loss, grads
             continue
-        assert torch.allclose(loss, first[1], rtol=0, atol=1e-6), (schedule, loss.item(), first[0], first[1].item())
+        close(loss, first[1], 1e-6, f"loss of {schedule} vs {first[0]}")
         for name, g in grads.items():
-            torch.testing.assert_close(g, first[2][name], rtol=0, atol=1e-6, msg=f"{schedule} vs {first[0]}: {name}")
+            close(g, first[2][name], 1e-6, f"{schedule} vs {first[0]}: {name}")
     return True
 
 
 def test_schedules_give_identical_results():
-    assert all(run_distributed(schedules_agree, 2, ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"], 2,
+    assert all(run_distributed(schedules_agree, 2, schedules=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
+                               virtual_stages=2,
                                timeout=TIMEOUT))
 
 
 def test_zero_bubble_with_tensor_parallel():
-    assert all(run_distributed(schedules_agree, 4, ["1f1b", "zero_bubble"], 2, 2, True, timeout=TIMEOUT))
+    assert all(run_distributed(schedules_agree, 4, schedules=["1f1b", "zero_bubble"], virtual_stages=2, tp=2, sp=True,
+                               timeout=TIMEOUT))
 
 
 def indivisible_batch():
@@ -218,7 +231,9 @@ def mixed_precision_step(dp, pp, tp):
     config, hf = hf_causal_lm("gpt2", CONFIG)
     model = build(pc, config, hf, mixed_precision="bf16")
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
-    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    with matmul_dtypes(model) as dtypes:
+        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    assert dtypes == {torch.bfloat16}, f"the projections computed in {dtypes}, not bf16"
     ref = hf(ids, attention_mask=mask, labels=labels).loss
     ref.backward()
     assert abs(loss.item() - ref.item()) < 2e-2, (loss.item(), ref.item())
@@ -233,7 +248,7 @@ def mixed_precision_step(dp, pp, tp):
 
 @pytest.mark.parametrize("dp,pp,tp", [(2, 2, 1), (1, 2, 2)])
 def test_bf16_mixed_precision(dp, pp, tp):
-    assert {r for r in run_distributed(mixed_precision_step, 4, dp, pp, tp, timeout=TIMEOUT)} <= {None, True}
+    assert {r for r in run_distributed(mixed_precision_step, 4, dp=dp, pp=pp, tp=tp, timeout=TIMEOUT)} <= {None, True}
 
 
 def saved_tensor_count(mode):
@@ -280,7 +295,9 @@ def dropout_gradients(mode, tp):
     model = build(pc, config, hf, activation_checkpointing=mode)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
     model_parallel_seed(1234, pc)
-    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    with weight_calls(model) as calls:
+        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    check_recomputation(calls, model, mode, microbatches=2)
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -290,10 +307,10 @@ def checkpointing_keeps_dropout_masks(tp):
         loss_ckpt, grads_ckpt = dropout_gradients(mode, tp)
         assert loss_ckpt == loss, (mode, loss_ckpt, loss)
         for name, g in grads.items():
-            torch.testing.assert_close(grads_ckpt[name], g, rtol=0, atol=1e-6, msg=f"{mode}: {name}")
+            close(grads_ckpt[name], g, 1e-6, f"{mode}: {name}")
     return True
 
 
 def test_checkpointing_recomputes_the_same_dropout_masks():
     assert checkpointing_keeps_dropout_masks(1)
-    assert all(run_distributed(checkpointing_keeps_dropout_masks, 2, 2, timeout=TIMEOUT))
+    assert all(run_distributed(checkpointing_keeps_dropout_masks, 2, tp=2, timeout=2 * TIMEOUT))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from parity import batch, hf_causal_lm
+from parity import RTOL, batch, hf_causal_lm
 
 from colozoo.checkpoint.load import load_hf_weights
 from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
@@ -57,15 +57,16 @@ def build(pc, family, config, hf, options):
 
 def compare(model, reference, sources, atol, what, grad=False):
     """Every local gradient/parameter gathered (over FSDP's shards, then tp/ep) equals transformers'."""
-    diffs = {}
+    diffs, bad = {}, {}
     for name, p in model.named_parameters():
         expected = GlobalTensor(reference, sources[name], name).read()
         local = p.grad if grad else p
         local = local.full_tensor() if hasattr(local, "full_tensor") else local
         full = gather_tensor(local.detach(), spec_of(p), expected.shape, model.pc.groups, coords_of(model.pc))
         diffs[name] = (full - expected).abs().max().item()
-    bad = {name: diff for name, diff in diffs.items() if not diff < atol}
-    assert not bad, f"{what}: differences over {atol}: {bad}"
+        if not torch.allclose(full, expected, rtol=RTOL[expected.dtype], atol=atol):
+            bad[name] = diffs[name]
+    assert not bad, f"{what}: differences over atol {atol} + rtol: {bad}"
     return max(diffs.values())
 
 
@@ -110,14 +111,16 @@ def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None
     (1, 2, 2, 2, dict(cp_mode="all_to_all")),                   # Ulysses attention, FSDP over cp only
 ])
 def test_context_parallel_step_matches_single_process(dp, cp, tp, microbatches, options):
-    run_distributed(step_against_hf, dp * cp * tp, "gpt2", dp, cp, 1, tp, microbatches, options, timeout=TIMEOUT)
+    run_distributed(step_against_hf, dp * cp * tp, family="gpt2", dp=dp, cp=cp, ep=1, tp=tp, microbatches=microbatches,
+                    options=options, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
 def test_context_parallel_on_pipeline_stages_step_matches_single_process(mode):
     # cp=2 x pp=2: every stage shards its micro-batch's sequence; the tied embedding spans the stages
     options = dict(cp_mode=mode) if mode == "all_to_all" else {}
-    run_distributed(step_against_hf, 4, "gpt2", 1, 2, 1, 1, 2, options, 1, 2, timeout=TIMEOUT)
+    run_distributed(step_against_hf, 4, family="gpt2", dp=1, cp=2, ep=1, tp=1, microbatches=2, options=options,
+                    steps=1, pp=2, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("family,dp,cp,ep,tp,options", [
@@ -128,11 +131,13 @@ def test_context_parallel_on_pipeline_stages_step_matches_single_process(mode):
     ("qwen2_moe", 4, 1, 2, 1, {}),            # shared expert and a dense layer beside the experts
 ])
 def test_expert_parallel_step_matches_single_process(family, dp, cp, ep, tp, options):
-    run_distributed(step_against_hf, dp * cp * tp, family, dp, cp, ep, tp, 1, options, timeout=TIMEOUT)
+    run_distributed(step_against_hf, dp * cp * tp, family=family, dp=dp, cp=cp, ep=ep, tp=tp, microbatches=1,
+                    options=options, timeout=TIMEOUT)
 
 
 def test_two_steps_of_mixtral_with_fsdp_over_dp_and_cp():
-    run_distributed(step_against_hf, 4, "mixtral", 2, 2, 2, 1, 1, {}, 2, timeout=TIMEOUT)
+    run_distributed(step_against_hf, 4, family="mixtral", dp=2, cp=2, ep=2, tp=1, microbatches=1, options={}, steps=2,
+                    timeout=TIMEOUT)
 
 
 def bad_sequence_length():

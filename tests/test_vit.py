@@ -3,7 +3,7 @@ import torch
 import transformers
 
 from distributed import run_distributed
-from parity import hf_round_trip, task_parity
+from parity import close, hf_round_trip, task_parity
 
 # 8x8 images in 2x2 patches: 16 patches + CLS = 17 tokens, a multiple of neither 2 nor 4 (sequence-parallel padding)
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=8,
@@ -44,7 +44,7 @@ def test_vit_regression_head():
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_vit_tensor_parallel(architecture, tp, sp):
-    run_distributed(vit_parity, tp, architecture, tp, sp)
+    run_distributed(vit_parity, tp, architecture=architecture, tp=tp, sp=sp)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -53,7 +53,8 @@ def test_vit_converter_round_trip(architecture):
 
 
 def test_vit_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "vit", BASE, 2, "ViTForImageClassification")
+    run_distributed(hf_round_trip, 2, model_type="vit", config_kwargs=BASE, tp=2,
+                    architecture="ViTForImageClassification")
 
 
 def test_wrong_image_size_is_a_clear_error():
@@ -84,7 +85,7 @@ def test_published_names_and_in_memory_names_both_load():
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     pixels = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
-        assert (model.eval()(pixels).logits - hf(pixels).logits).abs().max() < 1e-5
+        close(model.eval()(pixels).logits, hf(pixels).logits, 1e-5, "logits")
 
 
 def vit_pipeline_parity(architecture, pp, tp, sp):
@@ -98,7 +99,7 @@ def vit_pipeline_parity(architecture, pp, tp, sp):
 @pytest.mark.parametrize("pp,tp,sp", [(2, 1, False), (2, 2, True), (2, 4, False)])
 def test_vit_image_classification_pipeline_parallel(pp, tp, sp):
     # with sequence parallelism the 17 tokens are padded to 18 and split over tp between the stages
-    run_distributed(vit_pipeline_parity, pp * tp, "ViTForImageClassification", pp, tp, sp)
+    run_distributed(vit_pipeline_parity, pp * tp, architecture="ViTForImageClassification", pp=pp, tp=tp, sp=sp)
 
 
 def checkpointed_step(mode):
@@ -107,7 +108,7 @@ def checkpointed_step(mode):
     from colozoo.api import build_model
     from colozoo.core.rng import model_parallel_seed
     from colozoo.runtime.training import parallelize
-    from parity import hf_model
+    from parity import check_recomputation, hf_model, weight_calls
 
     config = transformers.ViTConfig(**{**BASE, "hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
                                     num_labels=3, architectures=["ViTForImageClassification"])
@@ -116,7 +117,9 @@ def checkpointed_step(mode):
     parallelize(model.train(), activation_checkpointing=mode)
     inputs, labels = images_and_labels("ViTForImageClassification", BASE, batch_size=4)
     model_parallel_seed(5, model.pc)  # the default and the tracked generator: earlier tests may have seeded it
-    loss = model.forward_backward(inputs["pixel_values"], labels, num_microbatches=2)
+    with weight_calls(model) as calls:
+        loss = model.forward_backward(inputs["pixel_values"], labels, num_microbatches=2)
+    check_recomputation(calls, model, mode, microbatches=2)
     return model, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

@@ -23,9 +23,10 @@ from torch.distributed.tensor import DTensor
 import transformers
 from tqdm import tqdm
 
-from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, ModelLayout, atomic_directory, check_destination,
-                                       check_mesh, file_name, is_colozoo_checkpoint, make_index, plan_mesh, publish,
-                                       rank_pieces, tensor_entry, write_index)
+from colozoo.checkpoint.atomic import atomic_directory, check_destination, publish
+from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, file_name, is_colozoo_checkpoint, make_index,
+                                       plan_mesh, rank_pieces, tensor_entry, write_index)
+from colozoo.checkpoint.layout import ModelLayout, check_mesh
 from colozoo.core.dtypes import dtype_name, parse_dtype
 from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
 from colozoo.checkpoint.load import HFTensors

@@ -8,13 +8,9 @@ any other mesh's checkpoint by slices: a piece is read only where it meets the r
 """
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
-import shutil
-import socket
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,8 +19,8 @@ import torch
 
 from colozoo.core.dtypes import dtype_name
 from colozoo.core.errors import CheckpointError
-from colozoo.layers.shard import Split, spec_of, stored_pieces
-from colozoo.core.mesh import ParallelConfig, ParallelContext
+from colozoo.layers.shard import Split, stored_pieces
+from colozoo.checkpoint.layout import ModelLayout, TensorInfo
 from colozoo.checkpoint.safetensors_io import SafetensorsFile
 
 INDEX_NAME = "colozoo_index.json"
@@ -35,144 +31,7 @@ def is_colozoo_checkpoint(path) -> bool:
     return (Path(path) / INDEX_NAME).is_file()
 
 
-# --- which global tensors a model has, and on which pipeline stage ---------------------------------------
-
-def _tied_aliases(model) -> dict[str, str]:
-    """{alias: owner} for weights a module borrows from another (the LM head tied to the embedding)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    out = {}
-    for name, module in model.named_modules():
-        if getattr(module, "tied", False) and hasattr(module, "_tied"):
-            owner = names[id(module._tied[0])]
-            out[f"{name}.weight"] = f"{owner}.weight"
-    return out
-
-
-def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | None = None):
-    """A meta model of one pipeline stage at tp=1, whose parameter shapes are the global shapes."""
-    from colozoo.models import build_model
-
-    return build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=pp_rank), layer_ids=layer_ids,
-                       device="meta")
-
-
-def _with_lora(model, lora):
-    if lora is not None:
-        from colozoo.runtime.lora import apply_lora
-
-        apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
-                   use_rslora=lora.use_rslora)
-    return model
-
-
-def check_mesh(config, tp: int = 1, pp: int = 1, ep: int = 1):
-    """Let every stage's model check the degrees (heads, kv heads, ffn divisible by tp ...) without a job."""
-    from colozoo.models import build_model
-
-    for rank in range(pp):
-        pc = ParallelContext.virtual(pp=pp, pp_rank=rank)
-        pc.config = ParallelConfig(tp=tp, pp=pp, dp=ep, ep=ep)  # groups stay None: shapes are not used
-        build_model(config, pc=pc, device="meta")
-
-
-@dataclass
-class TensorInfo:
-    shape: tuple[int, ...]
-    spec: tuple[Split, ...]
-    stage: int = 0
-
-
-class ModelLayout:
-    """The global tensors of a model (canonical names, in model order), their specs and pipeline stages."""
-
-    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None, lora=None):
-        """`stage_layers`: every pp rank's global layer indices, where a model was split other than by default;
-        `lora`: the LoraSettings of the model's adapters (colozoo.runtime.lora), whose tensors it then has too."""
-        full = _with_lora(build_virtual(config), lora)
-        self.config, self.pp, self.lora = config, pp, lora
-        self.aliases = _tied_aliases(full)
-        self.tensors = {name: TensorInfo(tuple(p.shape), spec_of(p)) for name, p in full.named_parameters()}
-        if pp > 1:
-            seen = set()
-            for rank in range(pp):
-                layer_ids = stage_layers[rank] if stage_layers is not None else None
-                stage = _with_lora(build_virtual(config, pp, rank, layer_ids), lora)
-                for name, _ in stage.named_parameters():
-                    name = self.canonical(name)
-                    if name not in seen:
-                        self.tensors[name].stage = rank
-                        seen.add(name)
-
-    def canonical(self, name: str) -> str:
-        return self.aliases.get(name, name)
-
-    @property
-    def family(self) -> str:
-        return self.config.model_type
-
-
-# --- writing -----------------------------------------------------------------------------------------------
-
-def check_destination(dst: Path):
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FileExistsError(f"destination {dst} already exists and is not empty; choose a new path or remove it")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_temp_dirs(dst: Path):
-    """Remove temp dirs of writers to `dst` that died without cleaning up (SIGKILL, power loss): only those made on
-    this host whose process is gone. A live writer's dir, or another host's (on a shared disk), is left alone."""
-    host = socket.gethostname()
-    for sibling in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*"):
-        owner, _, pid = sibling.name.removeprefix(f".{dst.name}.tmp-").rpartition("-")
-        if owner == host and pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(sibling, ignore_errors=True)
-
-
-@contextmanager
-def atomic_directory(dst):
-    """Yield a temp dir beside `dst`; on success it is fsynced and renamed to `dst`, on failure removed."""
-    dst = Path(dst)
-    check_destination(dst)
-    if dst.parent.is_dir():
-        remove_stale_temp_dirs(dst)
-    tmp = dst.parent / f".{dst.name}.tmp-{socket.gethostname()}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: Path, dst: Path):
-    fsync_dir(tmp)
-    check_destination(dst)
-    if dst.exists():
-        dst.rmdir()
-    os.rename(tmp, dst)
-    fsync_dir(dst.parent)
-
+# --- the index: which pieces of which global tensors each file holds ------------------------------
 
 def file_name(pp_rank: int, tp_rank: int, ep_rank: int) -> str:
     return f"model-pp{pp_rank:02d}-tp{tp_rank:02d}-ep{ep_rank:02d}.safetensors"
@@ -238,8 +97,8 @@ def tensor_entry(info: TensorInfo, dtype: torch.dtype, pieces) -> dict:
             "pieces": [p.to_json() if isinstance(p, Piece) else p for p in pieces]}
 
 
-def write_index(directory: Path, index: dict):
-    path = directory / INDEX_NAME
+def write_index(directory: Path, index: dict, name: str = INDEX_NAME):
+    path = directory / name
     with open(path, "w") as f:
         json.dump(index, f, indent=1)
         f.flush()
@@ -324,11 +183,12 @@ class ColozooTensor:
 class ColozooCheckpoint:
     """A colozoo checkpoint directory opened for slice reads; files are checked (size, sha256) when first used."""
 
-    def __init__(self, path, verify: bool = True):
+    def __init__(self, path, verify: bool = True, index_name: str = INDEX_NAME):
+        """`index_name`: another index of the same schema (a training state's optimizer tensors)."""
         self.path = Path(path)
-        index_path = self.path / INDEX_NAME
+        index_path = self.path / index_name
         if not index_path.is_file():
-            raise CheckpointError(f"{self.path} is not a colozoo checkpoint (no {INDEX_NAME})")
+            raise CheckpointError(f"{self.path} is not a colozoo checkpoint (no {index_name})")
         try:
             self.index = json.loads(index_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

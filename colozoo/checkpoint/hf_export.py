@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from colozoo.checkpoint.format import ModelLayout, atomic_directory
+from colozoo.checkpoint.atomic import atomic_directory
+from colozoo.checkpoint.layout import ModelLayout
 from colozoo.converters import family_module
 from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.safetensors_io import SafetensorsWriter

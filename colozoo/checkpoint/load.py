@@ -15,7 +15,8 @@ from colozoo.core.mesh import coords_of
 from colozoo.converters import family_module, hf_tensor_names
 from colozoo.core.errors import CheckpointError
 
-from .format import ColozooTensor, ModelLayout
+from .format import ColozooTensor
+from .layout import ModelLayout
 from .sources import GlobalTensor, TensorReader
 
 def _resolve_prefix(reader: TensorReader, sources, prefix: str, aliases=()):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from colozoo.checkpoint.collective import collective, world
-from colozoo.checkpoint.format import atomic_directory, check_destination
+from colozoo.checkpoint.atomic import atomic_directory, check_destination
 from colozoo.checkpoint.load import copy_slices
 from colozoo.checkpoint.safetensors_io import SafetensorsReader
 from colozoo.checkpoint.sources import GlobalTensor

@@ -159,10 +159,14 @@ class ParallelContext:
         return mine
 
     @classmethod
-    def virtual(cls, pp: int = 1, pp_rank: int = 0, device=None) -> "ParallelContext":
-        """A context for building meta models of one pipeline stage offline (tp=1; no process groups)."""
+    def virtual(cls, pp: int = 1, pp_rank: int = 0, device=None, **degrees) -> "ParallelContext":
+        """The context of one pipeline stage of a mesh of these degrees, for building meta models offline: the
+        degrees are checked (heads, kv heads, widths divisible by tp ...), but there are no process groups, so
+        layers take their global shapes."""
         self = cls.__new__(cls)
-        self.config = ParallelConfig(pp=pp)
+        self.config = ParallelConfig(pp=pp, **degrees)
+        if not 0 <= pp_rank < pp:
+            raise ParallelConfigError(f"pp_rank {pp_rank} is not a stage of pp={pp}")
         self.device = torch.device(device or "cpu")
         self.mesh = None
         self.groups = {d: None for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}

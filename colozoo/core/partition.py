@@ -77,7 +77,7 @@ def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,
     return [i for run in virtual_stage_layers(num_layers, pp, virtual_stages, **balance)[pp_rank] for i in run]
 
 
-GATED_MLP_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
+GATED_MLP_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 LEARNED_POSITIONS = ("gpt2", "opt", "bert")  # a position table on the first stage (rotary models have none)
 
 
@@ -92,14 +92,17 @@ def layer_cost(config, balance: str = "params", seq_len: int = 1024) -> tuple[fl
              or getattr(config, "ffn_dim", None) or 4 * h)
     gated = config.model_type in GATED_MLP_FAMILIES  # gate, up and down projections
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 1
-    mlp = (3 if gated else 2) * h * inner * experts
+    matrices = 3 if gated else 2
+    expert = matrices * h * (getattr(config, "moe_intermediate_size", None) or inner)  # Qwen-MoE experts are narrower
+    shared = matrices * h * (getattr(config, "shared_expert_intermediate_size", None) or 0)
+    mlp = expert * experts + shared
     if balance == "params":
         layer = 4 * h * h + mlp
         positions = getattr(config, "max_position_embeddings", 0) if config.model_type in LEARNED_POSITIONS else 0
         first = vocab * h + positions * h
         last = vocab * h
     elif balance == "flops":
-        active = mlp // experts * (getattr(config, "num_experts_per_tok", None) or 1)  # routed tokens only
+        active = expert * (getattr(config, "num_experts_per_tok", None) or 1) + shared  # routed tokens only
         layer = 2 * (4 * h * h + active) + 4 * seq_len * h  # projections + attention scores/values
         first, last = 0.0, 2 * vocab * h
     else:

@@ -8,50 +8,51 @@ from dataclasses import asdict
 
 import torch
 
-from colozoo.core.mesh import ParallelConfig
 from colozoo.cost.model_trace import ModelTrace
 from colozoo.cost.report import ProfileReport, StageCost, UnitCost
-from colozoo.cost.setup import DDP_BUCKET_BYTES, OPTIMIZER_BYTES, ProfilerError, Setup, parse_mesh
+from colozoo.cost.setup import DDP_BUCKET_BYTES, OPTIMIZER_BYTES, ProfilerError, Workload, check_priced
+from colozoo.runtime.plan import Plan
 
 
-def _lora_states(mt, pc, setup, keys, weights, shard):
+def _lora_states(mt, plan, workload, keys, weights, shard):
     """(weights, grads, master, optimizer bytes, trainable count) of a stage under LoRA: the frozen base weights as
     before, plus fp32 adapters (no master copy) that alone have gradients and optimizer states; ZeRO shards them
     like any parameter."""
     from colozoo.cost.lora import adapter_params_per_layer
 
-    n = sum(adapter_params_per_layer(mt.config, pc.tp, setup.lora_r, setup.lora_targets).get(str(k), 0) for k in keys)
+    counts = adapter_params_per_layer(mt.config, plan.tp, workload.lora_r, workload.lora_targets)
+    n = sum(counts.get(str(k), 0) for k in keys)
     adapters = 4.0 * n
 
     def sharded(level):
-        return shard if setup.zero >= level and shard > 1 else 1
+        return shard if plan.zero >= level and shard > 1 else 1
 
     return (weights + adapters / sharded(3), adapters / sharded(2), 0.0,
-            float(OPTIMIZER_BYTES[setup.optimizer] * n) / sharded(1), n)
+            float(OPTIMIZER_BYTES[workload.optimizer] * n) / sharded(1), n)
 
 
-def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
-    """Per-rank memory, FLOPs and communication of a training step from a traced micro-batch."""
+def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
+    """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch."""
     from colozoo.core.partition import model_stage_layers, stage_layers
 
-    pc = parse_mesh(mesh)
-    setup.check()
-    if mt.batch_size != setup.batch_size:
-        mt = mt.scaled(setup.batch_size)
+    check_priced(plan)
+    workload.check()
+    if mt.batch_size != plan.micro_batch_size:
+        mt = mt.scaled(plan.micro_batch_size)
     units, all_layers = mt.units, mt.layers
-    tied = mt.tied_bytes if pc.pp > 1 else 0
-    itemsize = setup.torch_dtype.itemsize
+    tied = mt.tied_bytes if plan.pp > 1 else 0
+    itemsize = workload.torch_dtype.itemsize
     layer_unit = {k: u for u in units.values() for k in u.layers}
     n_layers = len(all_layers)
-    if pc.pp > n_layers:
-        raise ProfilerError(f"pp={pc.pp} exceeds the {n_layers} layers of the model")
+    if plan.pp > n_layers:
+        raise ProfilerError(f"pp={plan.pp} exceeds the {n_layers} layers of the model")
     order = all_layers
     if mt.config is not None and n_layers:  # the split the model itself uses (balanced by parameters)
-        stages = [[i for run in runs for i in run] for runs in model_stage_layers(mt.config, pc.pp)]
+        stages = [[i for run in runs for i in run] for runs in model_stage_layers(mt.config, plan.pp)]
     else:
-        stages = stage_layers(n_layers, pc.pp) if n_layers else [[]]
-    shard = pc.dp * pc.cp  # FSDP / ZeRO shard over the data and context ranks
-    m = setup.num_microbatches
+        stages = stage_layers(n_layers, plan.pp) if n_layers else [[]]
+    shard = plan.dp * plan.cp  # FSDP / ZeRO shard over the data and context ranks
+    m = plan.num_microbatches
     stage_costs = []
     comm_by_stage = []
     for s, idx in enumerate(stages):
@@ -66,48 +67,48 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
         n_params = param_bytes // itemsize
         weights = float(param_bytes)
         grads = float(param_bytes)
-        master = 4.0 * n_params if setup.torch_dtype != torch.float32 else 0.0
-        optim = float(OPTIMIZER_BYTES[setup.optimizer] * n_params)
+        master = 4.0 * n_params if workload.torch_dtype != torch.float32 else 0.0
+        optim = float(OPTIMIZER_BYTES[workload.optimizer] * n_params)
         # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the
         # same experts (the "edp" group), everything else over all dp*cp
         expert = sum(p.expert_param_bytes for p in parts)
-        edp = max(1, shard // pc.ep)
+        edp = max(1, shard // plan.ep)
         kept = ((param_bytes - expert) / shard + expert / edp) / param_bytes if param_bytes else 1.0
-        if setup.zero >= 1:
+        if plan.zero >= 1:
             master, optim = master * kept, optim * kept
-        if setup.zero >= 2:
+        if plan.zero >= 2:
             grads *= kept
-        if setup.zero >= 3:
+        if plan.zero >= 3:
             weights *= kept
         cpu = 0.0
         n_lora = 0
-        if setup.lora_r:  # the base is frozen: gradients, master weights and optimizer states for adapters only
-            weights, grads, master, optim, n_lora = _lora_states(mt, pc, setup, keys, weights, shard)
-        if setup.offload in ("optimizer", "params"):
+        if workload.lora_r:  # the base is frozen: gradients, master weights and optimizer states for adapters only
+            weights, grads, master, optim, n_lora = _lora_states(mt, plan, workload, keys, weights, shard)
+        if plan.offload in ("optimizer", "params"):
             cpu += master + optim
             master = optim = 0.0
-        if setup.offload == "params":
+        if plan.offload == "params":
             cpu += weights + grads
             weights = grads = 0.0
         layer_params = [layer_unit[k].param_bytes for k in keys] or [0]
         gathered = [(u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard)
                     + u.expert_param_bytes * (1 - 1 / edp) for u in (layer_unit[k] for k in keys)] or [0]
-        fsdp = 2.0 * max(gathered) if (setup.zero >= 3 and shard > 1) else 0.0
-        if setup.offload == "params":
+        fsdp = 2.0 * max(gathered) if (plan.zero >= 3 and shard > 1) else 0.0
+        if plan.offload == "params":
             fsdp = 2.0 * max(layer_params)  # the gathered working copies still live on the GPU
-        recompute = _recompute_plan(setup, len(keys))
+        recompute = _recompute_plan(plan, len(keys))
         saved, fwd, bwd, transient = 0.0, 0, 0, 0.0
         for j, p in enumerate(parts):
             is_layer = j < len(keys)
             policy = recompute[j] if is_layer else "none"
             saved += _saved_under(p, policy)
             # ring attention: this rank's queries meet the keys of all cp chunks, cp x the local core's FLOPs
-            ring_fwd, ring_bwd = ((pc.cp - 1) * f for f in _core_flops(p))
+            ring_fwd, ring_bwd = ((plan.cp - 1) * f for f in _core_flops(p))
             fwd += p.fwd_flops + ring_fwd
             bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy) + (ring_fwd if policy != "none" else 0)
             extra = p.saved_bytes if policy == "full" else 0  # a recomputed layer is rebuilt whole in backward
             transient = max(transient, p.transient_bytes + extra)
-        inflight = min(pc.pp - s, m) if setup.schedule == "1f1b" else m
+        inflight = min(plan.pp - s, m) if plan.schedule == "1f1b" else m
         activations = saved * inflight
         extras = parts[len(keys):]  # embed on the first stage, head on the last, in that order
         head = [units["head"]] if s == len(stages) - 1 and "head" in units else []
@@ -118,17 +119,17 @@ def assemble(mt: ModelTrace, mesh, setup: Setup) -> ProfileReport:
         peak = weights + master + optim + fsdp + dynamic
         stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
                                      master, optim, fsdp, activations, transient, peak, cpu, inflight, int(fwd),
-                                     int(bwd), *_stage_comm(parts, keys, pc, setup, param_bytes, s, len(stages),
-                                                                4.0 * n_lora if setup.lora_r else None)))
-        if setup.lora_r:
+                                     int(bwd), *_stage_comm(parts, keys, plan, param_bytes, s, len(stages),
+                                                                4.0 * n_lora if workload.lora_r else None)))
+        if workload.lora_r:
             stage_costs[-1].trainable = n_lora
         comm_by_stage.append(stage_costs[-1].comm)
     busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
     total, name = mt.total_params, mt.name
-    mesh = {k: getattr(pc, k) for k in ("tp", "pp", "dp", "cp", "ep")}
-    mesh["sp"] = pc.sequence_parallel
+    mesh = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "cp", "ep")}
+    mesh["sp"] = plan.sequence_parallel
     return ProfileReport(
-        model=name, mesh=mesh, setup=asdict(setup), num_layers=n_layers, total_params=total,
+        model=name, mesh=mesh, plan=plan.choices().to_dict(), workload=asdict(workload), num_layers=n_layers, total_params=total,
         units=[asdict(u) for u in units.values()], stages=[asdict(s) for s in stage_costs],
         comm=comm_by_stage[busiest], comm_calls=stage_costs[busiest].comm_calls,
         peak_memory=max(s.peak for s in stage_costs),
@@ -157,10 +158,10 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m) -> fl
     return worst
 
 
-def _recompute_plan(setup: Setup, n: int) -> list[str]:
-    if setup.checkpointing != "full":
-        return [setup.checkpointing] * n
-    k = n if setup.checkpoint_layers is None else min(setup.checkpoint_layers, n)
+def _recompute_plan(plan: Plan, n: int) -> list[str]:
+    if plan.checkpointing != "full":
+        return [plan.checkpointing] * n
+    k = n if plan.checkpoint_layers is None else min(plan.checkpoint_layers, n)
     return ["full"] * k + ["none"] * (n - k)
 
 
@@ -190,11 +191,10 @@ def _recompute_flops(u: UnitCost, policy: str) -> int:
     return 0
 
 
-def _stage_comm(parts, keys, pc: ParallelConfig, setup: Setup, param_bytes, s, n_stages,
-                grad_bytes=None) -> tuple[dict, dict]:
+def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages, grad_bytes=None) -> tuple[dict, dict]:
     """Bytes each rank of stage `s` moves per step, and how many collective calls carry them, by group and
     collective (the calls are what latency costs: many small collectives are slow on any network)."""
-    m = setup.num_microbatches
+    m = plan.num_microbatches
     out, calls = defaultdict(float), defaultdict(float)
 
     def add(key, nbytes, n):
@@ -204,26 +204,26 @@ def _stage_comm(parts, keys, pc: ParallelConfig, setup: Setup, param_bytes, s, n
     for p in parts:
         for key, nbytes in p.comm.items():
             add(key, nbytes * m, p.comm_calls.get(key, 0) * m)
-    recompute = _recompute_plan(setup, len(keys))
+    recompute = _recompute_plan(plan, len(keys))
     for j, k in enumerate(keys):  # a recomputed layer repeats its forward collectives
         if recompute[j] == "full":
             for key, nbytes in parts[j].comm.items():
                 add(key, nbytes * m / 2, parts[j].comm_calls.get(key, 0) * m / 2)
     boundary = max((p.input_bytes for p in parts[:len(keys)]), default=0)
-    if pc.pp > 1:
+    if plan.pp > 1:
         sends = (s < n_stages - 1) + (s > 0)  # activations forward and gradients backward over each boundary
         add("pp.send_recv", 2 * sends * boundary * m / 2, sends * m)
-    if pc.cp > 1:  # ring attention: K and V of every other cp rank pass by, forward and twice in backward
-        add("cp.send_recv", 3 * 2 * boundary * (pc.cp - 1) * len(keys) * m, 3 * (pc.cp - 1) * len(keys) * m)
-    shard = pc.dp * pc.cp
+    if plan.cp > 1:  # ring attention: K and V of every other cp rank pass by, forward and twice in backward
+        add("cp.send_recv", 3 * 2 * boundary * (plan.cp - 1) * len(keys) * m, 3 * (plan.cp - 1) * len(keys) * m)
+    shard = plan.dp * plan.cp
     grad_bytes = param_bytes if grad_bytes is None else grad_bytes  # LoRA: only the adapters' gradients
     if shard > 1:
         units = len(keys) + 1  # FSDP wraps every layer and the stage (embeddings, head) around them
         buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-        if setup.zero >= 3:  # gathered for forward and again for backward; reduced after the last micro-batch
+        if plan.zero >= 3:  # gathered for forward and again for backward; reduced after the last micro-batch
             add("dp_cp.all_gather", 2 * param_bytes * m, (2 * units - 1) * m)
             add("dp_cp.reduce_scatter", grad_bytes, units)
-        elif setup.zero >= 1:
+        elif plan.zero >= 1:
             add("dp_cp.reduce_scatter", grad_bytes, buckets)
             add("dp_cp.all_gather", grad_bytes, buckets)
         else:

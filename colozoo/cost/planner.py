@@ -15,7 +15,7 @@ hide. Plans are ranked by step time among those under the memory limit.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from colozoo.cost.hardware import Hardware, get_hardware
 from colozoo.cost.offload import MemoryNeed, decide_offload
@@ -23,7 +23,7 @@ from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import human_bytes as human
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import default_seq_len, trace_model
-from colozoo.cost.setup import OPTIMIZER_BYTES, Setup, get_config
+from colozoo.cost.setup import OPTIMIZER_BYTES, PRICED_SCHEDULES, Workload, get_config
 from colozoo.runtime.options import ZERO
 from colozoo.runtime.plan import Plan
 
@@ -115,7 +115,7 @@ RING_STEPS = {  # latency-bound steps of each collective, ring algorithms
 }
 
 
-def _comm_seconds(comm: dict, calls: dict, pc: ParallelConfig, hw: Hardware) -> dict:
+def _comm_seconds(comm: dict, calls: dict, pc: Plan, hw: Hardware) -> dict:
     """Seconds per step of each group's traffic on one rank: bytes over the bandwidth the collective reaches
     on its link, plus a latency for every step of every call."""
     sizes = {"tp": pc.tp, "cp": pc.cp, "dp_cp": pc.dp * pc.cp, "pp": pc.pp, "ep": pc.ep}
@@ -134,10 +134,10 @@ def _comm_seconds(comm: dict, calls: dict, pc: ParallelConfig, hw: Hardware) -> 
     return out
 
 
-def estimate(report, pc: ParallelConfig, setup: Setup, hw: Hardware, base=None):
-    """(step seconds, breakdown, offload decision or None) of an assembled profile on this hardware.
+def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None):
+    """(step seconds, breakdown, offload decision or None) of a profile of `plan` on this hardware.
     `base` is the same plan's report without offload, to price what offload moves."""
-    m = setup.num_microbatches
+    pc, m = plan, plan.num_microbatches
     flop_rate = hw.peak_flops * hw.mfu
     per_stage, parts = [], []
     for st in report.stages:
@@ -157,16 +157,16 @@ def estimate(report, pc: ParallelConfig, setup: Setup, hw: Hardware, base=None):
     st = report.stages[slowest]
     # data parallel: gradient reduction overlaps the last backward; ZeRO-3 gathers prefetch behind compute
     dp = comm.get("dp_cp", 0.0)
-    hideable = 0.8 * compute * m if setup.zero >= 3 else 0.66 * compute
+    hideable = 0.8 * compute * m if plan.zero >= 3 else 0.66 * compute
     exposed_dp = max(0.0, dp - hw.comm_overlap * hideable)
     decision, offload, optimizer_step = None, 0.0, 0.0
-    if setup.offload != "none" and base is not None:
+    if plan.offload != "none" and base is not None:
         b = base.stages[slowest]
         need = MemoryNeed(weights=b["weights"], grads=b["grads"], master=b["master"], optimizer=b["optimizer"],
                           activations=b["activations"], transient=b["transient"], fsdp_buffers=b["fsdp_buffers"],
-                          params=_optimizer_params(b, pc, setup),
+                          params=_optimizer_params(b, plan, workload),
                           compute_seconds=compute * m, num_microbatches=m)
-        decision = decide_offload(need, hw, allowed=("none", setup.offload))
+        decision = decide_offload(need, hw, allowed=("none", plan.offload))
         offload = decision.exposed_seconds
     else:  # the optimizer reads and writes weights, gradients, master weights and states once
         optimizer_step = (st["weights"] + st["grads"] + 2 * (st["master"] + st["optimizer"])) / hw.hbm_bw
@@ -177,12 +177,12 @@ def estimate(report, pc: ParallelConfig, setup: Setup, hw: Hardware, base=None):
     return step, breakdown, decision
 
 
-def _optimizer_params(stage: dict, pc: ParallelConfig, setup: Setup) -> int:
+def _optimizer_params(stage: dict, plan: Plan, workload: Workload) -> int:
     """Parameters this rank's optimizer updates: its ZeRO shard (experts shard over dp*cp/ep ranks only)."""
-    per_param = OPTIMIZER_BYTES[setup.optimizer]
+    per_param = OPTIMIZER_BYTES[workload.optimizer]
     if per_param:
         return int(stage["optimizer"] / per_param)
-    return stage["params"] // max(1, pc.dp * pc.cp if setup.zero >= 1 else 1)
+    return stage["params"] // max(1, plan.dp * plan.cp if plan.zero >= 1 else 1)
 
 
 def _fits(report, hw: Hardware) -> bool:
@@ -205,7 +205,7 @@ def _traces(name, seq_len, dtype, target, tp, cp, ep, sp, cache, batch_sizes) ->
 
 def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len: int | None = None,
          global_batch: int | None = None, dtype: str = "bfloat16", optimizer: str = "adamw",
-         micro_batch_sizes=(1, 2, 4, 8), schedules=("1f1b", "gpipe"), zero_levels=ZERO,
+         micro_batch_sizes=(1, 2, 4, 8), schedules=PRICED_SCHEDULES, zero_levels=ZERO,
          context_parallel: bool | None = None, allow_offload: bool = True, partial_checkpointing: bool = True,
          target: str = "cuda", lora_r: int = 0, lora_targets="all-linear",
          gpus_per_node: int | None = None, top: int | None = None, **hardware_overrides) -> PlanResult:
@@ -276,23 +276,24 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
 def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, target, hw, global_batch,
                     allow_offload, partial_checkpointing=True, lora=(0, "all-linear")):
     """The fastest checkpointing choice that fits this layout, with CPU offload only when nothing else does."""
+    workload = Workload(seq_len=seq_len, dtype=dtype, optimizer=optimizer, target=target, lora_r=lora[0],
+                        lora_targets=lora[1])
+    layout = Plan(**asdict(pc), micro_batch_size=mbs, num_microbatches=m, schedule=schedule, zero=zero)
+
     def evaluate(checkpointing, k=None, offload="none"):
-        setup = Setup(batch_size=mbs, seq_len=seq_len, dtype=dtype, checkpointing=checkpointing,
-                      checkpoint_layers=k, optimizer=optimizer, zero=zero, num_microbatches=m, schedule=schedule,
-                      offload=offload, target=target, lora_r=lora[0], lora_targets=lora[1])
-        report = assemble(mt, pc, setup)
-        return report, setup
+        plan = replace(layout, checkpointing=checkpointing, checkpoint_layers=k, offload=offload)
+        return assemble(mt, plan, workload), plan
 
     candidates = []
     for checkpointing in ("none", "selective"):
-        report, setup = evaluate(checkpointing)
+        report, plan = evaluate(checkpointing)
         if _fits(report, hw):
-            candidates.append((report, setup))
-    max_layers = max(len(s["layers"]) for s in assemble(mt, pc, Setup(batch_size=mbs, seq_len=seq_len,
-                                                                    dtype=dtype, num_microbatches=m)).stages)
+            candidates.append((report, plan))
+    max_layers = max(len(s["layers"]) for s in assemble(mt, replace(layout, schedule="1f1b", zero=0),
+                                                        workload).stages)
     # fewest recomputed layers per stage that fit: memory falls monotonically with k
     lo, hi = (1, max_layers) if partial_checkpointing else (max_layers, max_layers)
-    report, setup = evaluate("full", hi)
+    report, plan = evaluate("full", hi)
     if _fits(report, hw):
         while lo < hi:
             mid = (lo + hi) // 2
@@ -305,46 +306,45 @@ def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, t
         base = report
         # parameters go to CPU memory through FSDP's offload policy: only when they are sharded
         for level in ("optimizer", "params") if zero >= 3 and pc.dp * pc.cp > 1 else ("optimizer",):
-            report, setup = evaluate("full", max_layers, level)
+            report, plan = evaluate("full", max_layers, level)
             if _fits(report, hw):
-                candidates.append((report, setup, base))
+                candidates.append((report, plan, base))
                 break
     if not candidates:
         held = f" ({schedule} holds {m} micro-batches)" if schedule == "gpipe" else ""
         return (f"over {human(hw.memory_limit)} even with full recompute" + (" and offload" if allow_offload else "")
                 + held)
     best = None
-    for report, setup, *base in candidates:
-        step, breakdown, decision = estimate(report, pc, setup, hw, base[0] if base else None)
+    for report, plan, *base in candidates:
+        step, breakdown, decision = estimate(report, plan, workload, hw, base[0] if base else None)
         if best is None or step < best[1]:
-            best = (report, step, breakdown, setup, decision)
-    report, step, breakdown, setup, decision = best
+            best = (report, step, breakdown, plan, decision)
+    report, step, breakdown, plan, decision = best
     # model FLOPs utilisation counts forward + backward (~2x forward), not recomputation
     useful = 3 * sum(st["fwd_flops"] for st in report.stages) / len(report.stages) * m
-    why = _why(report, pc, setup, breakdown, step, hw, decision, max_layers)
-    return RankedPlan(pc.tp, pc.pp, pc.dp, pc.cp, pc.ep, pc.sequence_parallel, mbs, m, schedule, zero,
-                      setup.checkpointing, setup.checkpoint_layers, setup.offload, report.peak_memory, step, breakdown,
-                      global_batch * seq_len / step, useful / step / hw.peak_flops, why)
+    why = _why(report, plan, workload, breakdown, step, hw, decision, max_layers)
+    return RankedPlan(**asdict(plan), memory=report.peak_memory, step_seconds=step, breakdown=breakdown,
+                      tokens_per_second=global_batch * seq_len / step, mfu=useful / step / hw.peak_flops, why=why)
 
 
-def _why(report, pc, setup, breakdown, step, hw, decision, max_layers) -> list[str]:
+def _why(report, plan: Plan, workload: Workload, breakdown, step, hw, decision, max_layers) -> list[str]:
     why = []
     share = lambda s: f"{100 * s / step:.0f}%"  # noqa: E731
-    if pc.tp > 1:
-        why.append(f"tp={pc.tp} in NVLink, tp comm {share(breakdown['tp'])}")
-    if pc.pp > 1:
-        why.append(f"pp={pc.pp} bubble {share(breakdown['bubble'])}")
-    if pc.cp > 1:
-        why.append(f"cp={pc.cp} splits the {setup.seq_len}-token sequence")
-    if setup.checkpointing == "none":
+    if plan.tp > 1:
+        why.append(f"tp={plan.tp} in NVLink, tp comm {share(breakdown['tp'])}")
+    if plan.pp > 1:
+        why.append(f"pp={plan.pp} bubble {share(breakdown['bubble'])}")
+    if plan.cp > 1:
+        why.append(f"cp={plan.cp} splits the {workload.seq_len}-token sequence")
+    if plan.checkpointing == "none":
         why.append("no recompute needed")
-    elif setup.checkpointing == "selective":
+    elif plan.checkpointing == "selective":
         why.append("selective recompute suffices")
     else:
-        why.append(f"recompute {setup.checkpoint_layers}/{max_layers} layers per stage to fit")
-    if setup.zero:
-        why.append({1: "ZeRO-1 shards optimizer", 2: "ZeRO-2", 3: "FSDP shards weights"}[setup.zero])
-    if decision is not None and setup.offload != "none":
+        why.append(f"recompute {plan.checkpoint_layers}/{max_layers} layers per stage to fit")
+    if plan.zero:
+        why.append({1: "ZeRO-1 shards optimizer", 2: "ZeRO-2", 3: "FSDP shards weights"}[plan.zero])
+    if decision is not None and plan.offload != "none":
         why.append(decision.reason)
     why.append(f"peak {human(report.peak_memory)} of {human(hw.memory_limit)}")
     return why

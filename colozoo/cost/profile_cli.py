@@ -9,8 +9,8 @@ import warnings
 from colozoo.core.dtypes import NAMES as DTYPES
 from colozoo.cost.inference import profile_generation
 from colozoo.cost.profiler import profile
-from colozoo.cost.setup import OPTIMIZER_BYTES, SCHEDULES
-from colozoo.runtime.options import CHECKPOINTING, OFFLOAD
+from colozoo.cost.setup import OPTIMIZER_BYTES, PRICED_SCHEDULES
+from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, ZERO_LEVELS
 
 
 def add_setup_arguments(parser: argparse.ArgumentParser):
@@ -39,9 +39,9 @@ def add_parser(subparsers):
     p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp'")
     add_setup_arguments(p)
     p.add_argument("--checkpointing", default="none", choices=CHECKPOINTING)
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="0 DDP, 1/2 ZeRO, 3 FSDP")
+    p.add_argument("--zero", type=int, default=0, choices=ZERO_LEVELS, help="0 DDP, 1/2 ZeRO (priced, not run), 3 FSDP")
     p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    p.add_argument("--schedule", default="1f1b", choices=PRICED_SCHEDULES)
     p.add_argument("--offload", default="none", choices=OFFLOAD)
     p.add_argument("--generate", action="store_true",
                    help="profile generation instead: weights and KV cache per rank, bytes read per decode step and "

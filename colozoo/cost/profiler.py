@@ -17,12 +17,14 @@ lack). `target` picks the attention kernels: "cuda" (flash), "cpu", or "eager" (
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
-
+from colozoo.core.mesh import ParallelConfig
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import _resolve, default_seq_len, trace_model
 from colozoo.cost.report import ProfileReport
-from colozoo.cost.setup import Setup, parse_mesh
+from colozoo.cost.setup import Workload, check_priced, plan_of
+from colozoo.runtime.plan import Plan
 
 
 def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh=None, dtype: str = "bfloat16",
@@ -39,19 +41,28 @@ def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh
     gradients, master weights and optimizer states only for the adapters.
     """
     start = time.perf_counter()
-    pc = parse_mesh(mesh)
-    setup = Setup(batch_size=batch_size, seq_len=seq_len or 0, dtype=dtype, checkpointing=checkpointing,
-                  checkpoint_layers=checkpoint_layers, optimizer=optimizer, zero=zero,
-                  num_microbatches=num_microbatches, schedule=schedule, offload=offload, target=target,
-                  lora_r=lora_r, lora_targets=lora_targets)
+    plan = plan_of(mesh, micro_batch_size=batch_size, num_microbatches=num_microbatches, schedule=schedule, zero=zero,
+                   checkpointing=checkpointing, checkpoint_layers=checkpoint_layers, offload=offload)
+    return profile_plan(model_or_name, plan, Workload(seq_len=seq_len or 0, dtype=dtype, optimizer=optimizer,
+                                                      target=target, lora_r=lora_r, lora_targets=lora_targets),
+                        inputs, start)
+
+
+def profile_plan(model_or_name, plan: Plan, workload: Workload, inputs: dict | None = None,
+                 start: float | None = None) -> ProfileReport:
+    """Profile one training step of `model_or_name` run by `plan` (a colozoo.runtime.plan.Plan) on `workload`
+    (seq_len 0: the model's default)."""
+    start = time.perf_counter() if start is None else start
     config, _ = _resolve(model_or_name)
-    if setup.seq_len == 0:
-        setup.seq_len = default_seq_len(config)
-    setup.check()
-    mt = trace_model(config if isinstance(model_or_name, str) else model_or_name, setup.batch_size, setup.seq_len,
-                     pc, setup.dtype, setup.target, inputs)
+    if workload.seq_len == 0:
+        workload = replace(workload, seq_len=default_seq_len(config))
+    check_priced(plan)
+    workload.check()
+    mesh = ParallelConfig(**plan.degrees())
+    mt = trace_model(config if isinstance(model_or_name, str) else model_or_name, plan.micro_batch_size,
+                     workload.seq_len, mesh, workload.dtype, workload.target, inputs)
     if isinstance(model_or_name, str):
         mt.name = model_or_name
-    report = assemble(mt, pc, setup)
+    report = assemble(mt, plan, workload)
     report.profile_seconds = time.perf_counter() - start
     return report

@@ -55,7 +55,8 @@ class StageCost:
 class ProfileReport:
     model: str
     mesh: dict
-    setup: dict
+    plan: dict                   # the colozoo.runtime.plan.Plan priced, as a dict
+    workload: dict               # seq_len, dtype, optimizer, target, LoRA (colozoo.cost.setup.Workload)
     num_layers: int
     total_params: int            # global, tied weights once, vocab padding included
     units: list                  # UnitCost as dicts
@@ -78,8 +79,9 @@ class ProfileReport:
 
         console = Console(width=140, record=True, file=open("/dev/null", "w"))
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.items())
-        units = Table(title=f"{self.model}: per micro-batch of {self.setup['batch_size']} x {self.setup['seq_len']} "
-                            f"({mesh}, {self.setup['dtype']}, checkpointing={self.setup['checkpointing']})")
+        units = Table(title=f"{self.model}: per micro-batch of {self.plan['micro_batch_size']} x "
+                            f"{self.workload['seq_len']} ({mesh}, {self.workload['dtype']}, "
+                            f"checkpointing={self.plan['checkpointing']})")
         for col in ("unit", "x", "params/rank", "fwd FLOPs", "bwd FLOPs", "saved act.", "transient", "comm"):
             units.add_column(col, justify="left" if col == "unit" else "right")
         for u in self.units:
@@ -94,7 +96,7 @@ class ProfileReport:
                 if s["fwd_flops"] or s["bwd_flops"] or s["saved_bytes"]:
                     ops.add_row(u["name"], op, str(s["calls"]), flops(s["fwd_flops"]), flops(s["bwd_flops"]),
                                 human(s["saved_bytes"]))
-        lora = self.setup.get("lora_r", 0)
+        lora = self.workload.get("lora_r", 0)
         stages = Table(title="memory per rank, training step" + (f" (LoRA r={lora}: trainable = adapters)" if lora else ""))
         for col in ("stage", "layers", "trainable", "weights", "grads", "master", "optim", "fsdp buf", "activations",
                     "transient", "peak", "CPU"):

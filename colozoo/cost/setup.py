@@ -1,18 +1,19 @@
-"""What a profile is of: the model (a registry name, a config, or a fallback config), the mesh and the step's
-settings (batch, sequence, dtype, checkpointing, optimizer, ZeRO, micro-batching, schedule, offload)."""
+"""What a profile is of: the model (a registry name, a config, or a fallback config), the Plan that runs the step
+(mesh, micro-batching, schedule, ZeRO, checkpointing, offload: colozoo.runtime.plan, the one plan type) and the
+Workload it processes (sequence length, dtype, optimizer, whose kernels)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
 from colozoo.cost.trace import TARGETS
-from colozoo.runtime.options import CHECKPOINTING, OFFLOAD
+from colozoo.runtime.plan import Plan
 
 
-SCHEDULES = ("1f1b", "gpipe")  # what the cost model prices (of colozoo.runtime.options.SCHEDULES)
+PRICED_SCHEDULES = ("1f1b", "gpipe")  # what the cost model has formulas for (of colozoo.runtime.options.SCHEDULES)
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}  # fp32 state bytes per parameter
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # DistributedDataParallel's default bucket_cap_mb
 
@@ -69,19 +70,27 @@ def parse_mesh(mesh) -> ParallelConfig:
     raise ProfilerError(f"mesh must be a ParallelConfig, a dict or a string like 'tp=2,pp=2', got {mesh!r}")
 
 
+def plan_of(mesh, **choices) -> Plan:
+    """The Plan a profile prices: the mesh (see parse_mesh) with the step's choices (micro_batch_size,
+    num_microbatches, schedule, zero, checkpointing, checkpoint_layers, offload)."""
+    try:
+        return Plan(**asdict(parse_mesh(mesh)), **choices)
+    except ValueError as e:
+        raise ProfilerError(str(e)) from None
+
+
+def check_priced(plan: Plan):
+    """The cost model prices every plan but the schedules it has no formula for."""
+    if plan.schedule not in PRICED_SCHEDULES:
+        raise ProfilerError(f"schedule {plan.schedule!r} is not priced; the profiler prices {PRICED_SCHEDULES}")
+
+
 @dataclass
-class Setup:
-    """How the step is run: everything besides the mesh that changes its cost."""
-    batch_size: int = 1                 # micro-batch size per data-parallel rank
+class Workload:
+    """What a step processes, besides the plan that runs it: the sequence, the dtypes, the optimizer, whose kernels."""
     seq_len: int = 1024
     dtype: str = "bfloat16"              # parameter and activation dtype; 16-bit keeps fp32 master weights
-    checkpointing: str = "none"          # none | selective (attention core) | full (whole layer)
-    checkpoint_layers: int | None = None  # with full: how many layers of each stage recompute (None = all)
     optimizer: str = "adamw"
-    zero: int = 0                        # 0 = DDP, 1 = optimizer states, 2 = + gradients, 3 = FSDP (+ weights)
-    num_microbatches: int = 1
-    schedule: str = "1f1b"
-    offload: str = "none"                # none | optimizer (states + master on CPU) | params (FSDP2 CPU offload)
     target: str = "cuda"                 # whose attention kernels: cuda (flash), cpu or eager (unfused GPU)
     lora_r: int = 0                      # > 0: LoRA fine-tuning, base frozen, only fp32 adapters train
     lora_targets: str | tuple = "all-linear"  # HF module names, as colozoo.runtime.lora.apply_lora takes them
@@ -89,22 +98,14 @@ class Setup:
     def check(self):
         if self.dtype not in DTYPES:
             raise ProfilerError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
-        if self.checkpointing not in CHECKPOINTING:
-            raise ProfilerError(f"checkpointing {self.checkpointing!r} not one of {CHECKPOINTING}")
         if self.optimizer not in OPTIMIZER_BYTES:
             raise ProfilerError(f"optimizer {self.optimizer!r} not one of {sorted(OPTIMIZER_BYTES)}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ProfilerError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.schedule not in SCHEDULES:
-            raise ProfilerError(f"schedule {self.schedule!r} not one of {SCHEDULES}")
-        if self.offload not in OFFLOAD:
-            raise ProfilerError(f"offload {self.offload!r} not one of {OFFLOAD}")
         if self.target not in TARGETS:
             raise ProfilerError(f"target {self.target!r} not one of {TARGETS}")
         if not isinstance(self.lora_r, int) or self.lora_r < 0:
             raise ProfilerError(f"lora_r must be a non-negative integer (0: no LoRA), got {self.lora_r!r}")
-        if self.batch_size < 1 or self.seq_len < 1 or self.num_microbatches < 1:
-            raise ProfilerError("batch_size, seq_len and num_microbatches must be >= 1")
+        if self.seq_len < 1:
+            raise ProfilerError(f"seq_len must be >= 1, got {self.seq_len}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

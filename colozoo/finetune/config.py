@@ -53,6 +53,7 @@ class FinetuneConfig:
     sample_tokens: int = 24             # new tokens per sample
     save_interval: int = 0              # 0: only the final checkpoint
     keep_last: int = 2
+    async_save: bool = False            # write interval checkpoints in the background while training goes on
     resume: bool = True                 # pick up the newest complete checkpoint in output/checkpoints
     export_hf: bool = True
     peak_tflops: float | None = None    # per device, for the MFU estimate; default from a table of known devices
@@ -123,6 +124,8 @@ _HELP = {
                "fit the GPUs",
     "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over, "
               "replacing OUTPUT's checkpoints and metrics)",
+    "async_save": "write interval checkpoints in the background (the state is copied to CPU memory at the step, "
+                  "then training goes on); still committed atomically, the last one written before exit",
     "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end",
     "peak_tflops": "peak TFLOP/s of one device, for the MFU estimate",
     "stop_after": "save and stop at this step, as if interrupted (resume later with the same command)",

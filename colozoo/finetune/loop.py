@@ -21,6 +21,7 @@ from colozoo.finetune import data as D
 from colozoo.finetune import runtime, samples, state
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
+from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.rng import model_parallel_seed
@@ -178,10 +179,12 @@ def run(cfg: FinetuneConfig) -> dict:
     output, rank0 = Path(cfg.output), _is_rank0()
     checkpoints = output / "checkpoints"
     mesh_json = {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep}
-    start = 0
+    start, resumed = 0, None
+    data_position = {"global_batch": global_batch, "seed": cfg.seed, "samples": len(train)}
     latest = state.latest_checkpoint(checkpoints) if cfg.resume else None
     if latest is not None:
-        start = state.load_training_state(latest, model, optimizer, scheduler, mesh_json, scaler)["step"]
+        resumed = state.load_training_state(latest, model, optimizer, scheduler, mesh_json, scaler, data_position)
+        start = resumed["step"]
     if rank0:
         output.mkdir(parents=True, exist_ok=True)
         saved_config = {**cfg.to_json(), "planned": plan.to_dict()} if plan else cfg.to_json()
@@ -206,13 +209,17 @@ def run(cfg: FinetuneConfig) -> dict:
         reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items()))
     if latest is not None:
         reporter.print(f"resumed from {latest} at step {start}")
+        if not resumed["rng_restored"]:
+            reporter.print(f"resharded from mesh {resumed['mesh']}: random states restart from --seed")
     if getattr(model, "fresh_parameters", None):
         reporter.print(f"new task head, initialised fresh: {', '.join(model.fresh_parameters)}")
 
-    def save(step):
-        return state.save_training_state(checkpoints, step, model, optimizer, scheduler, mesh_json,
-                                         extra={"total_steps": total_steps}, keep_last=cfg.keep_last,
-                                         scaler=scaler)
+    saver = CheckpointSaver(asynchronous=cfg.async_save)
+
+    def save(step, final):
+        return saver.save(checkpoints, step, model, optimizer, scheduler, mesh_json, final=final,
+                          extra={"total_steps": total_steps, "data": data_position}, keep_last=cfg.keep_last,
+                          scaler=scaler)
 
     prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2) if cfg.task == "lm" else None
     if prompts is not None and samples.why_no_samples(model):
@@ -257,11 +264,13 @@ def run(cfg: FinetuneConfig) -> dict:
                     evaluation_at(step)
                 stopped = interrupt.agreed(pc.device) or step == cfg.stop_after
                 if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total_steps:
-                    save(step)
+                    save(step, final=stopped or step == total_steps)
                     saved_at = step
                 if stopped:
                     break
+        saver.wait()
     finally:
+        saver.wait(raise_error=False)  # a failed run still lets the save in flight finish (or fail) first
         reporter.close()
 
     summary = {"step": step, "total_steps": total_steps, "stopped": stopped,

@@ -76,7 +76,7 @@ def _load_with_task_head(cfg, task, degrees, dtype):
     import copy
 
     from colozoo.api import build_model, resolve
-    from colozoo.checkpoint.format import ModelLayout
+    from colozoo.checkpoint.layout import ModelLayout
     from colozoo.checkpoint.load import load_global_tensors
     from colozoo.core.mesh import init_parallel
 

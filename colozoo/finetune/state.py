@@ -1,29 +1,43 @@
-"""Checkpoints of the whole training state, written so that a crash at any moment leaves the last complete one.
+"""Checkpoints of the whole training state that any mesh resumes from, written so that a crash at any moment leaves
+the last complete one, and read without unpickling anything.
 
-    OUTPUT/checkpoints/step-00000020/   meta.json + rank-00000.pt ... (one per rank: model shard, optimizer,
-                                        scheduler, RNG states); the step is the data position
+    OUTPUT/checkpoints/step-00000020/   colozoo_index.json     the model: a colozoo checkpoint (convert, from_pretrained)
+                                        training_index.json    optimizer states and master weights, by global name
+                                        state-rank-*.safetensors  each rank's pieces of both
+                                        rng-rank-*.json        each rank's RNG states
+                                        meta.json              step, mesh, data position, optimizer hyperparameters
+                                                               and steps, scheduler, loss scale; written last
     OUTPUT/checkpoints/.tmp-step-.../   a save in progress; renamed into place only once every rank has written
 
-A directory named step-* is complete by construction (the rename is the commit), so resuming simply takes the
-newest one. Optimizer state lives on the rank that owns the shard, so resuming needs the same mesh.
+Tensors are global (colozoo.checkpoint.training_state), so another tp / pp / dp, FSDP or DDP, with or without
+offload reads them; everything else is JSON. A directory named step-* is complete by construction (the rename is
+the commit), so resuming simply takes the newest one.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from colozoo.checkpoint.layout import ModelLayout
+from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
+from colozoo.core.errors import CheckpointError
 from colozoo.core.rng import get_rng_tracker
+from colozoo.finetune.optimizer_state import optimizer_tensors, restore_optimizer
 
-FORMAT = "colozoo-finetune-state/1"
+FORMAT = "colozoo-finetune-state/2"
+PICKLED_FORMAT = "colozoo-finetune-state/1"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
+IGNORED_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
 
 class ResumeError(ValueError):
@@ -38,26 +52,48 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _barrier():
+def _barrier(group=None):
     if _world() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+def _all_gather(value, group=None) -> list:
+    if _world() == 1:
+        return [value]
+    out = [None] * _world()
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().view(torch.uint8).numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-             "tracker": get_rng_tracker().get_states()}
+    """Every generator this process draws from, as JSON."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss],
+             "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+             "tracker": [[name, device, _b64(t)] for (name, device), t in get_rng_tracker().get_states().items()]}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
     return state
 
 
 def set_rng_state(state: dict):
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    get_rng_tracker().set_states(state["tracker"])
+    torch.set_rng_state(_unb64(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    get_rng_tracker().set_states({(name, device): _unb64(s) for name, device, s in state["tracker"]})
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
 
 
 def _fsync_write(path: Path, write):
@@ -70,6 +106,10 @@ def _fsync_write(path: Path, write):
     os.replace(tmp, path)
 
 
+def _write_json(path: Path, value):
+    _fsync_write(path, lambda f: f.write(json.dumps(value, indent=1).encode()))
+
+
 def complete_checkpoints(root) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
@@ -78,64 +118,160 @@ def complete_checkpoints(root) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
-def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
-                        keep_last: int = 2, scaler=None) -> Path:
-    """Collective: every rank writes its file into a temp dir; rank 0 commits it by renaming, then prunes.
-    `scaler`: an fp16 loss scaler (colozoo.runtime.amp), saved when enabled."""
-    root = Path(root)
+def _stage_layers(model) -> list[list[int]] | None:
+    """Every pp rank's global layer indices (collective over pp): a model may be split other than by default."""
+    pp = model.pc.size("pp")
+    if pp == 1:
+        return None
+    every_rank = [None] * pp
+    dist.all_gather_object(every_rank, list(model.layer_ids), group=model.pc.group("pp"))
+    return every_rank
+
+
+@dataclass
+class Snapshot:
+    """One rank's training state at a step, ready to write: its pieces of the global tensors, its RNG states and
+    (for rank 0) the meta."""
+    root: Path
+    step: int
+    layout: ModelLayout
+    pieces: list
+    rng: dict
+    meta: dict
+    keep_last: int
+
+
+def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
+                            keep_last: int = 2, scaler=None, copy: bool = False) -> Snapshot:
+    """Collective over pp. `copy`: the tensors are copied to CPU memory, so training may go on while they are
+    written (an asynchronous save); otherwise they are views of the live state."""
+    layout = ModelLayout(model.config, model.pc.size("pp"), _stage_layers(model))
+    states, hyper = optimizer_tensors(model, optimizer, layout.canonical)
+    pieces = own_pieces(model, layout, states)
+    if copy:
+        pieces = [(name, g, data.to("cpu", copy=True)) for name, g, data in pieces]
+    meta = {"format": FORMAT, "step": step, "world_size": _world(), "mesh": mesh, "time": time.time(),
+            "optimizer": hyper, "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None and scaler.enabled else None, **(extra or {})}
+    return Snapshot(Path(root), step, layout, pieces, rng_state(), json.loads(json.dumps(meta)), keep_last)
+
+
+def write_snapshot(snapshot: Snapshot, group=None) -> Path:
+    """Collective over `group` (all ranks): every rank writes its files into a temp dir; rank 0 writes the indexes
+    and meta.json, commits by renaming, then prunes to the newest `keep_last`."""
+    root, step = snapshot.root, snapshot.step
     final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP_PREFIX}{step:08d}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(TMP_PREFIX + "*"):  # a save that a crash interrupted
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
-    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-               "scheduler": scheduler.state_dict(), "rng": rng_state()}
-    if scaler is not None and scaler.enabled:
-        payload["scaler"] = scaler.state_dict()
-    _fsync_write(tmp / f"rank-{_rank():05d}.pt", lambda f: torch.save(payload, f))
+    _barrier(group)
+    shard = write_rank_file(tmp, f"state-rank-{_rank():05d}.safetensors", snapshot.pieces)
+    _write_json(tmp / f"rng-rank-{_rank():05d}.json", snapshot.rng)
+    shards = _all_gather((shard, snapshot.meta["optimizer"]["scalars"]), group)
     _before_commit(tmp)
-    _barrier()
+    _barrier(group)
     if _rank() == 0:
-        meta = {"format": FORMAT, "step": step, "world_size": _world(), "mesh": mesh, "time": time.time(),
-                **(extra or {})}
-        _fsync_write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        write_indexes(tmp, snapshot.layout, snapshot.meta["mesh"], [s for s, _ in shards])
+        meta = snapshot.meta
+        meta["optimizer"]["scalars"] = {name: value for _, scalars in shards for name, value in scalars.items()}
+        _write_json(tmp / "meta.json", meta)
         if final.exists():  # the same step saved before (e.g. an interrupted run re-saving): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        for old in complete_checkpoints(root)[:-keep_last]:
+        for old in complete_checkpoints(root)[:-snapshot.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
+
+
+def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
+                        keep_last: int = 2, scaler=None) -> Path:
+    """Collective: save the whole training state at `step` under `root` and return its directory. `scaler`: an
+    fp16 loss scaler (colozoo.runtime.amp), kept when enabled. `extra` goes into meta.json (the data position,
+    total steps)."""
+    return write_snapshot(snapshot_training_state(root, step, model, optimizer, scheduler, mesh, extra, keep_last,
+                                                  scaler))
 
 
 def _before_commit(tmp: Path):
     """Test hook: a point where every rank has written but nothing is committed yet."""
 
 
-def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=None) -> dict:
-    """Restore this rank's state from a complete checkpoint; returns its meta (with the step). A loss `scaler`
-    is restored when the checkpoint has one (a run that switches to fp16 starts from the initial scale)."""
+def _config_differences(saved: dict, config) -> list[str]:
+    mine = json.loads(json.dumps(config.to_dict(), default=str))  # as the index stores it (string keys)
+    keys = sorted((set(saved) | set(mine)) - set(IGNORED_CONFIG_KEYS))
+    return [f"{k}: {saved.get(k, '(unset)')!r} in the checkpoint, {mine.get(k, '(unset)')!r} here"
+            for k in keys if saved.get(k) != mine.get(k)]
+
+
+def check_same_model(path: Path, model, checkpoint: TrainingCheckpoint):
+    """One clear error when the checkpoint holds another model's training state."""
+    index = checkpoint.model.index
+    family = index.get("family")
+    if family != model.config.model_type:
+        raise ResumeError(f"{path} holds the training state of a {family} model, this run trains a "
+                          f"{model.config.model_type}; use another --output or --no-resume")
+    differs = _config_differences(index["config"], model.config)
+    if differs:
+        raise ResumeError(f"{path} holds the training state of another model (its config differs: "
+                          f"{'; '.join(differs[:4])}{' ...' if len(differs) > 4 else ''}); use another --output "
+                          f"or --no-resume")
+    try:
+        checkpoint.model.check_against(checkpoint.layout)
+    except CheckpointError as e:
+        raise ResumeError(f"{path} holds the training state of another model: {e}") from None
+
+
+def check_data_position(path: Path, meta: dict, data: dict | None):
+    """The step is a data position only for the same data, global batch and shuffling seed."""
+    saved = meta.get("data") or {}
+    differs = [f"{k} {saved[k]} in the checkpoint, {v} here" for k, v in (data or {}).items()
+               if k in saved and saved[k] != v]
+    if differs:
+        raise ResumeError(f"{path} cannot continue this run's data: {'; '.join(differs)}; resume with the same "
+                          f"data, --global-batch-size and --seed (or pass --no-resume)")
+
+
+def read_meta(path) -> dict:
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") == PICKLED_FORMAT:
+        raise ResumeError(f"{path} was written by an older colozoo as pickles, which resume never loads "
+                          f"(unpickling can run code); start over with --no-resume")
     if meta.get("format") != FORMAT:
         raise ResumeError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
-    if meta["world_size"] != _world() or meta["mesh"] != mesh:
-        raise ResumeError(f"{path} was saved on {meta['world_size']} ranks with mesh {meta['mesh']}, this run has "
-                          f"{_world()} ranks with mesh {mesh}; resume with the same degrees, or start a new run "
-                          f"from its exported model (or pass --no-resume)")
-    file = path / f"rank-{_rank():05d}.pt"
-    if not file.exists():
-        raise ResumeError(f"{path} is missing {file.name}")
-    state = torch.load(file, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    if scaler is not None and scaler.enabled and "scaler" in state:
-        scaler.load_state_dict(state["scaler"])
     return meta
+
+
+def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=None, data: dict | None = None) -> dict:
+    """Restore the training state from a complete checkpoint saved on any mesh; returns its meta (with the step,
+    and "rng_restored": RNG states come back only on the mesh that saved them, elsewhere the run's seed stands).
+    `data`: this run's data position keys (global_batch, seed, samples) the checkpoint must agree with.
+    A loss `scaler` is restored when the checkpoint has one."""
+    path = Path(path)
+    meta = read_meta(path)
+    check_data_position(path, meta, data)
+    try:
+        checkpoint = TrainingCheckpoint(path, ModelLayout(model.config))
+    except CheckpointError as e:
+        raise ResumeError(f"cannot resume from {path}: {e}") from None
+    check_same_model(path, model, checkpoint)
+    try:
+        for name, param in model.named_parameters():
+            checkpoint.read_into(model, name, param)
+        restore_optimizer(model, optimizer, checkpoint, meta["optimizer"])
+    except CheckpointError as e:
+        raise ResumeError(f"cannot resume from {path}: {e}") from None
+    scheduler.load_state_dict(meta["scheduler"])
+    if scaler is not None and scaler.enabled and meta.get("scaler"):
+        scaler.load_state_dict(meta["scaler"])
+    same_mesh = meta["world_size"] == _world() and meta["mesh"] == mesh
+    rng_file = path / f"rng-rank-{_rank():05d}.json"
+    if same_mesh and rng_file.exists():
+        set_rng_state(json.loads(rng_file.read_text()))
+    return {**meta, "rng_restored": same_mesh}
 
 
 def latest_checkpoint(root) -> Path | None:

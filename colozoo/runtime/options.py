@@ -7,5 +7,6 @@ MIXED_PRECISION = ("bf16", "fp16")                     # None: the parameters' d
 CHECKPOINTING = ("none", "selective", "full")          # activation checkpointing of each layer
 OFFLOAD = ("none", "optimizer", "params")              # see colozoo.runtime.offload
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-ZERO = (0, 3)                                          # data parallelism: 0 DDP, 3 FSDP2 (ZeRO-1/2 are not run)
+ZERO_LEVELS = (0, 1, 2, 3)                             # what a plan may say; the profiler prices each
+ZERO = (0, 3)                                          # what runs: 0 DDP, 3 FSDP2 (ZeRO-1/2 are priced, not run)
 BALANCE = ("params", "flops", "layers")                # how pipeline stages split the layers

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, SCHEDULES, ZERO
+from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, SCHEDULES, ZERO_LEVELS
 
 DEGREES = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel")
 
@@ -21,16 +21,24 @@ class Plan:
     micro_batch_size: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
-    zero: int = 0                        # 0: DDP, 3: FSDP2 (what colozoo.runtime runs)
+    zero: int = 0                        # 0: DDP, 3: FSDP2 (what colozoo.runtime runs); 1, 2: priced only
     checkpointing: str = "none"
     checkpoint_layers: int | None = None  # with "full": only the first k layers of each stage recompute
     offload: str = "none"
 
     def __post_init__(self):
+        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"plan {name} must be an integer >= 1, got {value!r}")
         for name, allowed in (("schedule", SCHEDULES), ("checkpointing", CHECKPOINTING), ("offload", OFFLOAD),
-                              ("zero", ZERO)):
+                              ("zero", ZERO_LEVELS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"plan {name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
 
     def degrees(self) -> dict:
         """The mesh: keyword arguments of init_parallel / from_pretrained."""

@@ -28,7 +28,7 @@ from colozoo.runtime.checkpointing import apply_activation_checkpointing
 from colozoo.runtime.clipping import clip_grad_norm_, global_grad_norm
 from colozoo.runtime.errors import PipelineError, TrainingError
 from colozoo.runtime.offload import OffloadedAdamW
-from colozoo.runtime.options import OFFLOAD
+from colozoo.runtime.options import OFFLOAD, ZERO
 from colozoo.runtime.parallelize import parallelize, training_setup
 from colozoo.runtime.plan import Plan
 from colozoo.runtime.step import forward_backward
@@ -50,6 +50,9 @@ def apply_plan(model, plan: Plan | None = None, mixed_precision: str | None = No
                             "(from_pretrained(..., plan='auto') sets it)")
     if not isinstance(plan, Plan):
         raise TrainingError(f"apply_plan takes a colozoo.runtime.plan.Plan, got {type(plan).__name__}")
+    if plan.zero not in ZERO:
+        raise TrainingError(f"ZeRO-{plan.zero} is priced by the profiler but not run; a plan to run has zero in {ZERO} "
+                            f"(0: DDP, 3: FSDP2)")
     pc = model.pc
     wrong = {k: (getattr(plan, k), pc.size(k)) for k in ("tp", "pp", "dp", "cp", "ep") if getattr(plan, k) != pc.size(k)}
     if wrong:

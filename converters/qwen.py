@@ -1,0 +1,27 @@
+"""Qwen2 / Qwen2.5 and Qwen3 names: LLaMA's (converters/llama.py), with Qwen2's q/k/v biases (none on o_proj) and
+Qwen3's per-head norms
+
+    model.layers.{i}.self_attn.q_norm.weight / k_norm.weight   -> layers.{i}.self_attn.q_norm.weight / k_norm.weight
+"""
+from __future__ import annotations
+
+from .llama import attention_and_norms, dense_mlp
+from .source import Source
+
+HF_PREFIX = "model."
+IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)
+
+
+def qk_norms(config) -> dict[str, Source]:
+    return {f"layers.{i}.self_attn.{norm}.weight": Source.of(f"{HF_PREFIX}layers.{i}.self_attn.{norm}.weight")
+            for i in range(config.num_hidden_layers) for norm in ("q_norm", "k_norm")}
+
+
+def hf_sources(config) -> dict[str, Source]:
+    if config.model_type == "qwen2":
+        out = attention_and_norms(config, qkv_bias=True, out_bias=False)
+    else:
+        out = {**attention_and_norms(config), **qk_norms(config)}
+    for i in range(config.num_hidden_layers):
+        out.update(dense_mlp(f"{HF_PREFIX}layers.{i}.mlp.", f"layers.{i}.mlp."))
+    return out

@@ -1,0 +1,175 @@
+"""Switch features off, one at a time, and check that the tests named for them fail.
+
+A test named for a feature that still passes with the feature off proves nothing. Each mutation below patches the
+running code through a module attribute (no file is edited) and names the tests that must then fail:
+
+    python tests/mutations.py                    # every mutation; exit 1 if a named test still passes
+    python tests/mutations.py ring_window_off_by_one checkpoint_recomputes_nothing
+    make mutations
+
+`COLOZOO_MUTATION=<name>` applies a mutation in the pytest process (tests/conftest.py) and in every distributed
+worker (tests/distributed.py), so the multi-rank tests see it too.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "COLOZOO_MUTATION"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    what: str             # the feature switched off, in words
+    patch: callable       # applies it
+    tests: tuple          # pytest ids, every one of which must fail
+
+
+def _replace(module: str, name: str, make):
+    """Replace `module.name` by `make(original)`."""
+    mod = importlib.import_module(module)
+    setattr(mod, name, make(getattr(mod, name)))
+
+
+def _drop_sequence_parallel():
+    from colozoo.core.mesh import ParallelConfig
+
+    original = ParallelConfig.for_world.__func__
+
+    def for_world(cls, world_size, **degrees):
+        degrees["sequence_parallel"] = False
+        return original(cls, world_size, **degrees)
+
+    ParallelConfig.for_world = classmethod(for_world)
+
+
+def _ignore_mixed_precision():
+    _replace("colozoo.runtime.parallelize", "COMPUTE_DTYPES", lambda dtypes: {k: None for k in dtypes})
+
+
+def _checkpoint_nothing():
+    from torch.distributed._composable.contract import contract
+
+    @contract()
+    def checkpoint(module, **kwargs):  # marks the module checkpointed (is_checkpointed says yes), recomputes nothing
+        return module
+
+    _replace("colozoo.runtime.checkpointing", "checkpoint", lambda original: checkpoint)
+
+
+def _rank_worst_first():
+    def make(original):
+        @functools.wraps(original)
+        def plan(*args, **kwargs):
+            result = original(*args, **kwargs)
+            result.plans.reverse()
+            return result
+        return plan
+
+    _replace("colozoo.cost.planner", "plan", make)
+
+
+def _profile_ignores_seq_len():
+    def make(original):
+        return lambda *args, seq_len=None, **kwargs: original(*args, **kwargs)
+
+    _replace("colozoo.cost.profile_cli", "profile", make)
+
+
+def _window_off_by_one():
+    def make(original):
+        def block_mask(q_pos, k_pos, key_keep, causal, window):
+            return original(q_pos, k_pos, key_keep, causal, None if window is None else window + 1)
+        return block_mask
+
+    _replace("colozoo.layers.context_parallel", "_block_mask", make)
+
+
+def _ring_blocks_in_bf16():
+    import torch
+
+    def make(original):
+        def attend_block(q, k, v, mask, scale):
+            out, lse = original(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), mask, scale)
+            return out.float(), lse.float()
+        return attend_block
+
+    _replace("colozoo.layers.context_parallel", "_attend_block", make)
+
+
+MUTATIONS = {
+    "sequence_parallel_dropped": Mutation(
+        "init_parallel ignores sequence_parallel=True", _drop_sequence_parallel,
+        ("tests/test_gpt2.py::test_gpt2_tensor_parallel[2-True]", "tests/test_llama.py::test_llama_tensor_parallel[4-True]",
+         "tests/test_layers.py::test_column_parallel_linear[True-2]", "tests/test_layers.py::test_row_parallel_linear[True-4]",
+         "tests/test_mixtral.py::test_mixtral_expert_and_tensor_parallel[2-1-True]",
+         "tests/test_training.py::test_loss_curve_pp2_tp2_sequence_parallel",
+         "tests/test_opt.py::test_opt_dropout_in_training_tp2")),
+    "mixed_precision_ignored": Mutation(
+        "parallelize(mixed_precision=bf16/fp16) computes in the parameters' fp32", _ignore_mixed_precision,
+        ("tests/test_training.py::test_bf16_mixed_precision[2-2-1]", "tests/test_training.py::test_bf16_mixed_precision[1-2-2]",
+         "tests/test_amp.py::test_overflow_on_one_rank_skips_the_step_on_every_rank[dp2_fsdp_offloaded_adamw]")),
+    "checkpoint_recomputes_nothing": Mutation(
+        "activation checkpointing wraps no module", _checkpoint_nothing,
+        ("tests/test_training.py::test_checkpointing_recomputes_the_same_dropout_masks",
+         "tests/test_training.py::test_activation_checkpointing_matches_single_process[full]",
+         "tests/test_training.py::test_activation_checkpointing_matches_single_process[selective]",
+         "tests/test_bert.py::test_selective_checkpointing_recomputes_bert_attention",
+         "tests/test_vit.py::test_selective_checkpointing_recomputes_vit_attention")),
+    "planner_ranks_worst_first": Mutation(
+        "colozoo.plan returns its plans slowest first", _rank_worst_first,
+        ("tests/test_planner.py::test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout",)),
+    "profile_cli_ignores_seq_len": Mutation(
+        "colozoo profile drops --seq-len", _profile_ignores_seq_len,
+        ("tests/test_profiler.py::test_cli_json",)),
+    "ring_window_off_by_one": Mutation(
+        "ring attention's sliding window lets one key too many through", _window_off_by_one,
+        ("tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-2]",
+         "tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-4]")),
+    "ring_blocks_in_bf16": Mutation(
+        "ring attention computes its blocks in bf16 instead of fp32", _ring_blocks_in_bf16,
+        ("tests/test_context_parallel.py::test_ring_attention_bf16",)),
+}
+
+
+def apply_from_environment():
+    """Apply the mutation named by COLOZOO_MUTATION, if any (called by conftest.py and the distributed workers)."""
+    name = os.environ.get(ENV)
+    if name:
+        if name not in MUTATIONS:
+            raise SystemExit(f"{ENV}={name!r} is not a mutation; known: {sorted(MUTATIONS)}")
+        MUTATIONS[name].patch()
+
+
+def run(names) -> int:
+    root = Path(__file__).resolve().parent.parent
+    survivors = []
+    for name in names:
+        mutation = MUTATIONS[name]
+        start = time.perf_counter()
+        failed = []
+        for test in mutation.tests:
+            result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+                                    cwd=root, env={**os.environ, ENV: name}, capture_output=True, text=True)
+            (failed if result.returncode != 0 else survivors).append(test)
+        caught = len(failed) == len(mutation.tests)
+        print(f"{'caught ' if caught else 'MISSED '} {name}: {mutation.what}: {len(failed)}/{len(mutation.tests)} "
+              f"named tests fail ({time.perf_counter() - start:.0f}s)", flush=True)
+    if survivors:
+        print("tests that pass with their feature switched off:\n  " + "\n  ".join(survivors))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    wanted = sys.argv[1:] or list(MUTATIONS)
+    unknown = [n for n in wanted if n not in MUTATIONS]
+    if unknown:
+        raise SystemExit(f"unknown mutation(s) {unknown}; known: {sorted(MUTATIONS)}")
+    sys.exit(run(wanted))
