@@ -1,16 +1,18 @@
 """Convert a generated GPT-2-shaped HF checkpoint (--gb, default 1.0 as the issue asks) to colozoo, against peers
 measured in the same run. Prints one JSON line per case (bench/README.md):
 
-  convert/hf_to_tp4_pp2     HF -> colozoo at tp=4, pp=2. Peer: the naive way (transformers from_pretrained, slice
-                            the state dict, save_file); ratio = naive seconds / ours. Also against reading + writing
-                            the same bytes (the physical limit, measured before and after the others and averaged,
-                            since the disk is shared; goal within 2x), and peak RSS vs the largest tensor (goal:
-                            largest + 300 MB over the interpreter's baseline).
+  convert/hf_to_tp4_pp2     `colozoo convert SRC DST --tp 4 --pp 2` end to end (a fresh process: start-up, imports,
+                            layout, reads, writes, fsync, exit). Peer: `cp -r SRC DST && sync` of the same bytes,
+                            alternated with ours over --repeats runs (the disk is shared), medians; ratio = cp + sync
+                            seconds / ours (goal: >= 0.5, i.e. within 2x of copying). Also the converter's peak RSS
+                            against the largest tensor (goal: largest + 300 MB over an interpreter that made the
+                            same imports and read the config), and with --naive the obvious way (transformers from_pretrained, slice the state
+                            dict, save_file) in seconds and RSS.
   convert/from_pretrained_tp2  per-rank peak RSS of colozoo.from_pretrained at tp=2 (goal: about half the model).
                             Peer: transformers from_pretrained of the whole model in one process; ratio = its RSS
                             over baseline / our worst rank's.
 Every measurement runs in a fresh subprocess, so peak RSS is its own; "over_baseline" subtracts the RSS of the
-same interpreter after its imports. Usage: python bench/convert.py [--gb 0.1] [--keep DIR]
+same interpreter after its imports. Usage: python bench/convert.py [--gb 0.1] [--repeats 3] [--naive] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -20,13 +22,12 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-BLOCK = 16 << 20
 
 
 def rss_mb() -> float:
@@ -76,26 +77,45 @@ def generate(directory: Path, gb: float):
 
 # --- workers (each in its own process) -----------------------------------------------------------------------
 
-def work_raw(src: Path, dst: Path) -> dict:
-    """Read every byte of the source files and write them out again, with fsync: the physical limit."""
-    dst.mkdir()
-    start, total = time.perf_counter(), 0
-    buf = bytearray(BLOCK)
-    for file in sorted(src.glob("*.safetensors")):
-        with open(file, "rb") as fin, open(dst / file.name, "wb") as fout:
-            while n := fin.readinto(buf):
-                fout.write(memoryview(buf)[:n])
-                total += n
-            fout.flush()
-            os.fsync(fout.fileno())
-    return {"seconds": time.perf_counter() - start, "bytes": total}
+# `colozoo convert` as the console script runs it, then its own peak RSS (VmHWM: ru_maxrss from wait4 would count
+# this parent's memory, which Linux carries over fork and exec)
+PEAK = "print([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1])"
+CLI_THEN_PEAK = f"import sys; from colozoo.cli import main; rc = main(sys.argv[1:]); {PEAK}; sys.exit(rc)"
+# what the converter imports and reads before its first tensor: the baseline its peak is compared with
+IMPORTS_THEN_PEAK = (f"import sys, transformers, colozoo.checkpoint.convert; "
+                     f"transformers.AutoConfig.from_pretrained(sys.argv[1]); {PEAK}")
 
 
-def work_colozoo(src: Path, dst: Path) -> dict:
-    from colozoo.checkpoint.convert import convert
+def timed_child(argv: list[str]) -> tuple[float, str]:
+    """(wall seconds from process start to exit, its stdout) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return seconds, proc.stdout
 
-    summary = convert(src, dst, tp=4, pp=2)
-    return {"seconds": summary["seconds"], "bytes": summary["bytes"], "largest_tensor_bytes": summary["largest_tensor_bytes"]}
+
+def end_to_end(work: Path, repeats: int) -> dict:
+    """`colozoo convert` and `cp -r && sync`, alternated, each from a synced disk with the source in the page cache
+    (both read the same warm source; both must flush what they wrote)."""
+    colozoo = [sys.executable, "-c", CLI_THEN_PEAK, "convert", str(work / "hf"), str(work / "tp4pp2"), "--tp", "4",
+               "--pp", "2", "--quiet"]
+    out = {"colozoo_s": [], "colozoo_peak_rss_mb": [], "cp_sync_s": []}
+    for i in range(repeats):
+        for kind in ("cp", "colozoo") if i % 2 == 0 else ("colozoo", "cp"):
+            shutil.rmtree(work / ("copy" if kind == "cp" else "tp4pp2"), ignore_errors=True)
+            subprocess.run(["sync"], check=True)
+            if kind == "cp":
+                seconds, _ = timed_child(["sh", "-c", f"cp -r '{work / 'hf'}' '{work / 'copy'}' && sync"])
+                out["cp_sync_s"].append(seconds)
+            else:
+                seconds, stdout = timed_child(colozoo)
+                out["colozoo_s"].append(seconds)
+                out["colozoo_peak_rss_mb"].append(int(stdout.split()[-1]) / 1024)
+    shutil.rmtree(work / "copy", ignore_errors=True)
+    out["baseline_rss_mb"] = int(timed_child([sys.executable, "-c", IMPORTS_THEN_PEAK, str(work / "hf")])[1]) / 1024
+    return out
 
 
 def work_naive(src: Path, dst: Path) -> dict:
@@ -195,7 +215,7 @@ def worker(kind: str, *paths: str) -> None:
     reset_peak()
     baseline = rss_mb()
     args = [Path(p) for p in paths]
-    out = {"work_raw": work_raw, "work_colozoo": work_colozoo, "work_naive": work_naive, "work_hf_load": work_hf_load,
+    out = {"work_naive": work_naive, "work_hf_load": work_hf_load,
            "work_from_pretrained": work_from_pretrained}[kind](*args)
     out.update(peak_rss_mb=round(rss_mb(), 1), baseline_rss_mb=round(baseline, 1),
                over_baseline_mb=round(rss_mb() - baseline, 1))
@@ -212,6 +232,8 @@ def run(kind: str, *paths) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--gb", type=float, default=1.0, help="size of the generated checkpoint in GB")
+    parser.add_argument("--repeats", type=int, default=3, help="end-to-end runs of ours and of cp + sync, alternated")
+    parser.add_argument("--naive", action="store_true", help="also time the naive conversion (slow, ~2x the memory)")
     parser.add_argument("--keep", default=None, help="work directory to keep (default: a temp dir, removed)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -225,30 +247,27 @@ def main():
         config = {"gb": args.gb, "checkpoint_mb": round(total / mb, 1), "largest_tensor_mb": round(largest / mb, 1),
                   "model": "gpt2", "hidden": gpt2.n_embd, "layers": gpt2.n_layer, "vocab": gpt2.vocab_size,
                   "dtype": "float32", "device": "cpu", "cpus": os.cpu_count()}
-        raw = run("work_raw", work / "hf", work / "raw")
-        ours = run("work_colozoo", work / "hf", work / "tp4pp2")
-        naive = run("work_naive", work / "hf", work / "naive")
-        shutil.rmtree(work / "raw")
-        raw_again = run("work_raw", work / "hf", work / "raw")  # the disk is shared: bracket ours with two
-        raw_s = (raw["seconds"] + raw_again["seconds"]) / 2
+        ends = end_to_end(work, args.repeats)
+        naive = run("work_naive", work / "hf", work / "naive") if args.naive else None
+        ours_s, cp_s = statistics.median(ends["colozoo_s"]), statistics.median(ends["cp_sync_s"])
+        rss = statistics.median(ends["colozoo_peak_rss_mb"])
+        metrics = {
+            "colozoo_s": round(ours_s, 2), "cp_sync_s": round(cp_s, 2),
+            "colozoo_repeats_s": [round(x, 2) for x in ends["colozoo_s"]],
+            "cp_sync_repeats_s": [round(x, 2) for x in ends["cp_sync_s"]],
+            "colozoo_vs_cp_sync": round(ours_s / cp_s, 2),
+            "colozoo_peak_rss_mb": round(rss, 1), "baseline_rss_mb": round(ends["baseline_rss_mb"], 1),
+            "colozoo_rss_over_baseline_minus_largest_mb": round(rss - ends["baseline_rss_mb"] - largest / mb, 1),
+        }
+        if naive is not None:
+            metrics.update(naive_s=round(naive["seconds"], 2), naive_peak_rss_mb=naive["peak_rss_mb"])
         print(json.dumps({
             "bench": "convert/hf_to_tp4_pp2",
-            "config": {**config, "tp": 4, "pp": 2},
-            "metrics": {
-                "colozoo_s": round(ours["seconds"], 2), "naive_s": round(naive["seconds"], 2),
-                "raw_read_write_s": round(raw_s, 2), "raw_read_write_repeats_s": [round(raw["seconds"], 2),
-                                                                                  round(raw_s * 2 - raw["seconds"], 2)],
-                "colozoo_vs_raw_io": round(ours["seconds"] / raw_s, 2),
-                "colozoo_peak_rss_mb": ours["peak_rss_mb"], "colozoo_rss_over_baseline_mb": ours["over_baseline_mb"],
-                "colozoo_rss_over_baseline_minus_largest_mb": round(ours["over_baseline_mb"] - largest / mb, 1),
-                "naive_peak_rss_mb": naive["peak_rss_mb"], "naive_rss_over_baseline_mb": naive["over_baseline_mb"],
-                "naive_vs_colozoo_rss": round(naive["over_baseline_mb"] / max(ours["over_baseline_mb"], 1), 2),
-            },
-            "peer": "naive: transformers from_pretrained, slice the state dict per rank, safetensors save_file",
-            "ratio": round(naive["seconds"] / ours["seconds"], 2),
+            "config": {**config, "tp": 4, "pp": 2, "repeats": args.repeats},
+            "metrics": metrics,
+            "peer": "cp -r SRC DST && sync (the same bytes copied and flushed), end to end",
+            "ratio": round(cp_s / ours_s, 2),
         }))
-        for d in ("raw", "naive"):
-            shutil.rmtree(work / d)
         hf_load = run("work_hf_load", work / "hf")
         ranks = run("work_from_pretrained", work / "tp4pp2")["ranks"]
         worst = max(max(r["over_baseline_mb"] for r in ranks), 1)

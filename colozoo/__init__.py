@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib
 
-from colozoo.core.mesh import ParallelConfig, ParallelContext, init_parallel
-
 __version__ = "0.1.0"
 
-# Public names resolved on first use, so `import colozoo` stays light.
+# Public names resolved on first use, so `import colozoo` stays light (no torch until one is used).
 _LAZY = {
+    "ParallelConfig": "colozoo.core.mesh",
+    "ParallelContext": "colozoo.core.mesh",
+    "init_parallel": "colozoo.core.mesh",
     "from_pretrained": "colozoo.api",
     "convert": "colozoo.checkpoint.convert",
     "profile": "colozoo.cost.profiler",
@@ -19,7 +20,7 @@ _LAZY = {
     "build_model": "colozoo.api",
 }
 
-__all__ = ["ParallelConfig", "ParallelContext", "init_parallel", *_LAZY]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name):

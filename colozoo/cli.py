@@ -1,4 +1,8 @@
-"""The `colozoo` command. Each subcommand lives beside the code it drives and registers itself here."""
+"""The `colozoo` command. Each subcommand lives beside the code it drives and registers itself here.
+
+Start-up stays light: every `add_parser` module imports no torch (its command's `func` imports the heavy
+implementation when it runs), so `colozoo --help` and `colozoo models` never import torch
+(tests/test_startup.py keeps it so)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +12,7 @@ import sys
 # subcommand -> module exposing `add_parser(subparsers)`; the parser's `func(args)` returns an exit code
 COMMANDS = {
     "models": "colozoo.registry",
-    "convert": "colozoo.checkpoint.convert",
+    "convert": "colozoo.checkpoint.convert_cli",
     "finetune": "colozoo.finetune",
     "generate": "colozoo.generate_cli",
     "profile": "colozoo.cost.profile_cli",

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from colozoo.core.dtypes import FLOAT_CHOICES
+from colozoo.core.names import FLOAT_CHOICES
 
 
 def add_parser(subparsers):

@@ -1,9 +1,12 @@
 """Named models shipped with the package: name -> HF repo id, architecture and complete HF config.
 
 The data lives in `colozoo/model_configs/<family>.json`, one file per family, in the format
-    {"<name>": {"repo": "<HF repo id>", "architecture": "<transformers class>", "config": {<config.to_dict()>},
-                "aliases": ["<short name>", ...]}}      # aliases optional
-so configs need no network. Names are accepted bare ("opt-30b"), as an alias ("vit-large") or as the repo id
+    {"<name>": {"repo": "<HF repo id>", "architecture": "<transformers class>", "params": <count>,
+                "config": {<config.to_dict()>}, "aliases": ["<short name>", ...]}}      # aliases optional
+so configs need no network. "params" is the parameter count of the model as colozoo builds it, stored so that
+`colozoo models` needs no torch: `python scripts/update_param_counts.py` (re)writes it, and
+tests/test_registry.py fails, naming the file, where it is missing or stale.
+Names are accepted bare ("opt-30b"), as an alias ("vit-large") or as the repo id
 ("facebook/opt-30b").
 """
 from __future__ import annotations
@@ -13,9 +16,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from colozoo.core.dtypes import human_count
-
-import transformers
+from colozoo.core.names import human_count
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 
@@ -71,6 +72,8 @@ def get_entry(name: str) -> tuple[str, dict]:
 
 
 def config_from_dict(config: dict, architecture: str | None = None):
+    import transformers
+
     config = dict(config)
     model_type = config.pop("model_type")
     config.pop("transformers_version", None)
@@ -98,6 +101,31 @@ def count_parameters(config) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
+def stored_param_counts(path: Path) -> dict[str, tuple]:
+    """{name: (stored "params" or "missing", count of the meta-built model)} for every model of one registry file."""
+    return {name: (entry.get("params", "missing"),
+                   count_parameters(config_from_dict(entry["config"], entry["architecture"])))
+            for name, entry in json.loads(Path(path).read_text()).items()}
+
+
+def update_param_counts(path: Path) -> list[str]:
+    """Store every model's parameter count in its registry file (after "architecture"); the names changed."""
+    path = Path(path)
+    text = path.read_text()
+    counts = stored_param_counts(path)
+    changed = [name for name, (stored, actual) in counts.items() if stored != actual]
+    if changed:
+        models = {}
+        for name, entry in json.loads(text).items():
+            entry = {k: v for k, v in entry.items() if k != "params"}
+            keys = list(entry)
+            at = keys.index("architecture") + 1 if "architecture" in keys else len(keys)
+            items = list(entry.items())
+            models[name] = dict(items[:at] + [("params", counts[name][1])] + items[at:])
+        path.write_text(json.dumps(models, indent=1) + ("\n" if text.endswith("\n") else ""))
+    return changed
+
+
 def print_models(file=None):
     from rich.console import Console
     from rich.table import Table
@@ -106,9 +134,11 @@ def print_models(file=None):
     for column in ("name", "family", "params", "repo"):
         table.add_column(column, justify="right" if column == "params" else "left")
     for name, entry in registry().items():
-        config = config_from_dict(entry["config"], entry["architecture"])
+        params = entry.get("params")
+        if params is None:  # a file not yet updated by scripts/update_param_counts.py: count (imports torch)
+            params = count_parameters(config_from_dict(entry["config"], entry["architecture"]))
         shown = f"{name} ({', '.join(entry['aliases'])})" if entry.get("aliases") else name
-        table.add_row(shown, entry["family"], human_count(count_parameters(config)), entry["repo"])
+        table.add_row(shown, entry["family"], human_count(params), entry["repo"])
     Console(file=file, width=120).print(table)
 
 

@@ -8,7 +8,9 @@ from colozoo.core.errors import CheckpointError
 
 FAMILY_CONVERTERS = {"gpt2": "gpt2", "opt": "opt", "bert": "bert", "vit": "vit", "llama": "llama",
                      "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
-                     "qwen2": "qwen", "qwen3": "qwen", "qwen3_moe": "qwen3_moe"}
+                     "qwen2": "qwen", "qwen3": "qwen", "qwen3_moe": "qwen3_moe", "gemma2": "gemma",
+                     "gemma3_text": "gemma", "phi3": "phi3",
+                     "gpt_neox": "gpt_neox"}
 
 
 def family_module(family: str):

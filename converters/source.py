@@ -16,12 +16,24 @@ class Source:
     # stack > 0: `names` are `stack` equal groups (one per expert); each group is concatenated along cat_dim
     # (a dim of the HF tensors) into one item, and the items are stacked along a new leading dim of ours
     stack: int = 0
+    # regroup (groups, parts): one HF tensor whose cat_dim is laid out (groups, parts, rest), e.g. GPT-NeoX's fused
+    # query_key_value stored per head as (heads, 3, head_dim); ours holds the same rows as (parts, groups, rest),
+    # i.e. [q; k; v], so the shard spec's chunks cut whole heads of each part
+    regroup: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, *names: str, transpose: bool = False, cat_dim: int = 0, stack: int = 0) -> "Source":
+    def of(cls, *names: str, transpose: bool = False, cat_dim: int = 0, stack: int = 0,
+           regroup: tuple[int, int] | None = None) -> "Source":
         if stack and len(names) % stack:
             raise ValueError(f"{len(names)} names cannot form {stack} stacked items")
-        return cls(tuple(names), transpose, cat_dim, stack)
+        if regroup is not None and (len(names) != 1 or stack or transpose):
+            raise ValueError("regroup reorders one plain HF tensor (no stack, no transpose)")
+        return cls(tuple(names), transpose, cat_dim, stack, tuple(regroup) if regroup is not None else None)
+
+    def hf_positions(self, length: int) -> torch.Tensor:
+        """For each position along cat_dim of ours (regrouped), its position in the HF tensor."""
+        groups, parts = self.regroup
+        return torch.arange(length).view(groups, parts, -1).transpose(0, 1).reshape(-1)
 
     def groups(self) -> list["Source"]:
         """One plain Source per stacked item."""
@@ -34,7 +46,18 @@ class Source:
             if tensor.shape[0] != self.stack:
                 raise CheckpointError(f"expected {self.stack} stacked items, got a tensor of shape {tuple(tensor.shape)}")
             return {k: v for item, group in zip(tensor.unbind(0), self.groups()) for k, v in group.split(item, sizes).items()}
+        if self.regroup:
+            groups, parts = self.regroup
+            return {self.names[0]: _swap(tensor, self.cat_dim, (parts, groups)).contiguous()}
         if sizes is None:
             sizes = [tensor.shape[self.cat_dim] // len(self.names)] * len(self.names)
         parts = tensor.split(list(sizes), dim=self.cat_dim)
         return {name: (part.t() if self.transpose else part).contiguous() for name, part in zip(self.names, parts)}
+
+
+def _swap(tensor: torch.Tensor, dim: int, outer: tuple[int, int]) -> torch.Tensor:
+    """View `dim` as (outer[0], outer[1], rest) and swap the two outer factors (a pure copy: bit exact)."""
+    a, b = outer
+    if tensor.shape[dim] % (a * b):
+        raise ValueError(f"dimension {dim} of length {tensor.shape[dim]} cannot be regrouped as {a} x {b} x rest")
+    return tensor.unflatten(dim, (a, b, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)

@@ -2,7 +2,8 @@
 
 Supports causal masking (top-left aligned, like `scaled_dot_product_attention(is_causal=True)`), any boolean
 keep-mask broadcastable to (batch, heads, q, k) such as a key-padding mask, grouped-query attention (k/v
-heads divide q heads) and any head dim up to 256 (padded to a power of two inside the kernel).
+heads divide q heads), any head dim up to 256 (padded to a power of two inside the kernel) and Gemma 2's score
+soft-capping, softcap * tanh(scores / softcap) before the mask (backward: times the tanh's slope 1 - tanh^2).
 
 The softmax runs online in base 2 with fp32 statistics; the forward pass saves only the row log-sum-exp.
 Rows with no visible key give zeros (and zero gradients) instead of NaN. The backward pass is two kernels,
@@ -29,10 +30,17 @@ def _keep(offs_m, offs_n, Mask, smm, smn, SQ, SK, CAUSAL: tl.constexpr, HAS_MASK
 
 
 @triton.jit
-def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale,
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))  # never overflows
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale, cap,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
                   sob, soh, som, sod, H, GROUP, SQ, SK, D,
-                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -61,6 +69,8 @@ def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale,
         v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd,
                     mask=(cols[:, None] < SK) & (offs_d[None, :] < D), other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # scores are in base 2 here, and so is `cap`
+            s = cap * _tanh(s / cap)
         s = tl.where(_keep(offs_m, cols, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -78,10 +88,11 @@ def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale,
 
 
 @triton.jit
-def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, cap,
                         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
                         sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
-                        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                        PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -112,11 +123,16 @@ def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scal
         lse = tl.load(LSE + rows, mask=rows < SQ, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            t = _tanh(s / cap)
+            s = cap * t
         s = tl.where(_keep(rows, offs_n, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     out = b * H * SK * D + h * SK * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -124,10 +140,11 @@ def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scal
 
 
 @triton.jit
-def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale, cap,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
                       sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
-                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                      PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -156,10 +173,15 @@ def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
         k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=col_mask, other=0.0)
         v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=col_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            t = _tanh(s / cap)
+            s = cap * t
         s = tl.where(_keep(offs_m, cols, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + b * H * SQ * D + h * SQ * D + offs_m[:, None] * D + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
@@ -201,7 +223,7 @@ def _check(q, k, v):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale):
+    def forward(ctx, q, k, v, mask, causal, scale, softcap):
         _check(q, k, v)
         b, h, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
@@ -213,11 +235,13 @@ class _FlashAttention(torch.autograd.Function):
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         if out.numel():
             _attn_forward[(triton.cdiv(sq, block_m), b * h)](
-                q, k, v, mask_arg, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *mask_s,
-                *out.stride(), h, h // hk, sq, sk, d, CAUSAL=causal, HAS_MASK=mask is not None, PRECISION=precision,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=2)
+                q, k, v, mask_arg, out, lse, scale * LOG2E, (softcap or 1.0) * LOG2E, *q.stride(), *k.stride(),
+                *v.stride(), *mask_s, *out.stride(), h, h // hk, sq, sk, d, CAUSAL=causal, HAS_MASK=mask is not None,
+                SOFTCAP=softcap is not None, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                num_warps=4, num_stages=2)
         ctx.save_for_backward(q, k, v, mask_arg, out, lse)
         ctx.causal, ctx.scale, ctx.has_mask, ctx.mask_strides = causal, scale, mask is not None, mask_s
+        ctx.softcap = softcap
         return out
 
     @staticmethod
@@ -233,29 +257,34 @@ class _FlashAttention(torch.autograd.Function):
         dv = torch.empty(b, h, sk, d, device=q.device, dtype=kv_dtype)
         block_m, block_n, block_d = _blocks(sq, sk, d)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        cap = (ctx.softcap or 1.0) * LOG2E
         common = (*q.stride(), *k.stride(), *v.stride(), *ctx.mask_strides, *dout.stride(), h, group, sq, sk, d)
-        flags = dict(CAUSAL=ctx.causal, HAS_MASK=ctx.has_mask, PRECISION=precision, BLOCK_M=block_m,
+        flags = dict(CAUSAL=ctx.causal, HAS_MASK=ctx.has_mask, SOFTCAP=ctx.softcap is not None, PRECISION=precision,
+                     BLOCK_M=block_m,
                      BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=1)
         if q.numel() and k.numel():
             _attn_backward_dkdv[(triton.cdiv(sk, block_n), b * h)](
-                q, k, v, mask_t, dout, lse, delta, dk, dv, ctx.scale * LOG2E, ctx.scale, *common, **flags)
+                q, k, v, mask_t, dout, lse, delta, dk, dv, ctx.scale * LOG2E, ctx.scale, cap, *common, **flags)
             _attn_backward_dq[(triton.cdiv(sq, block_m), b * h)](
-                q, k, v, mask_t, dout, lse, delta, dq, ctx.scale * LOG2E, ctx.scale, *common, **flags)
+                q, k, v, mask_t, dout, lse, delta, dq, ctx.scale * LOG2E, ctx.scale, cap, *common, **flags)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         if group > 1:
             dk = dk.view(b, hk, group, sk, d).sum(2).to(k.dtype)
             dv = dv.view(b, hk, group, sk, d).sum(2).to(v.dtype)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def flash_attention_triton(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None):
-    """softmax(q k^T * scale, masked) v for (batch, heads, seq, head_dim) inputs; `mask` is a boolean keep-mask."""
+def flash_attention_triton(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
+                           softcap: float | None = None):
+    """softmax(q k^T * scale, masked) v for (batch, heads, seq, head_dim) inputs; `mask` is a boolean keep-mask;
+    `softcap` caps the scaled scores to softcap * tanh(scores / softcap) first."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _FlashAttention.apply(q, k, v, mask, causal, float(scale))
+    return _FlashAttention.apply(q, k, v, mask, causal, float(scale), None if softcap is None else float(softcap))
 
 
-def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None):
+def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
+                              softcap: float | None = None):
     """The same in plain torch, in fp32, with zeros for rows that see no key."""
     dtype = q.dtype
     group = q.shape[1] // k.shape[1]
@@ -264,6 +293,8 @@ def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if causal:
         keep = keep.tril()

@@ -10,6 +10,7 @@ explicitly; with a group of size 1 (or None) they are identities.
     scatter_to_sequence    forward split (seq)     backward all-gather (seq)
     gather_from_sequence   forward all-gather      backward reduce-scatter  (sequence parallel g-bar)
     reduce_scatter_to_sequence forward reduce-scatter backward all-gather  (sequence parallel g)
+    sum_replica_grads      forward identity        backward all-reduce of some rows (replicated kv heads)
 """
 from __future__ import annotations
 
@@ -102,6 +103,20 @@ _GatherFromSequence = _mapping("_GatherFromSequence", all_gather, reduce_scatter
 _ReduceScatterToSequence = _mapping("_ReduceScatterToSequence", reduce_scatter, all_gather)
 
 
+class _SumReplicaGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, rows, group):
+        ctx.rows, ctx.group = rows, group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        for start, stop in ctx.rows:
+            grad[start:stop] = all_reduce(grad[start:stop], ctx.group)
+        return grad, None, None
+
+
 def _active(group) -> bool:
     return group_size(group) > 1
 
@@ -135,3 +150,9 @@ def gather_from_sequence(x, group, dim=SEQ_DIM):
 
 def reduce_scatter_to_sequence(x, group, dim=SEQ_DIM):
     return _ReduceScatterToSequence.apply(x, dim, group) if _active(group) else x
+
+
+def sum_replica_grads(weight, rows, group):
+    """`weight` as it is; in backward, its gradient's rows [start, stop) for each of `rows` are summed over `group`:
+    the ranks holding a replicated piece (one kv head) each compute a partial gradient from their own query heads."""
+    return _SumReplicaGrads.apply(weight, tuple(rows), group) if rows and _active(group) else weight

@@ -10,7 +10,8 @@ Two attention modes (`ContextParallel.mode`):
 - "ring": K/V blocks travel around the cp ring; each rank attends its queries to every block with a
   blockwise online softmax (running log-sum-exp) and never holds more than two K/V blocks, in forward and
   in backward (where dK/dV travel with their block back to its owner). Causal, padding and sliding-window
-  masks are computed per block from global positions; fully masked sub-blocks are skipped.
+  masks are computed per block from global positions; fully masked sub-blocks are skipped. A score `softcap`
+  (Gemma 2) is applied per block before the mask, and its tanh slope enters the backward pass.
 - "all_to_all" (Ulysses): an all-to-all swaps sequence sharding for head sharding, every rank runs full
   attention on heads/cp heads over the whole sequence, and a second all-to-all swaps back.
 
@@ -18,8 +19,8 @@ How a family opts in: pass `cp=ctx.cp` to `layers.attention.attention`, take pos
 `ctx.position_ids` (already the rank's tokens), and pass `cp=ctx.cp` to `VocabParallelLMHead.loss` and
 `.full_logits` (labels stay the full sequence; the loss is the mean over all cp ranks' tokens). The batch is
 sharded by `shard_batch`, called by `ParallelModel.forward` (pp == 1, via `context_parallel_forward`) and by
-each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral. `model.cp_mode` (or the
-`cp_mode=` forward keyword) picks the mode; "ring" by default.
+each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral, gemma2/gemma3_text.
+`model.cp_mode` (or the `cp_mode=` forward keyword) picks the mode; "ring" by default.
 Parameter gradients are partial on each cp rank: sum them over the cp group (the dp_cp reduction).
 Memory: neither mode builds a (batch, 1, S, S) mask at long S; the family's dense mask is dropped unbuilt. The
 ring masks per block. Ulysses without padding or window needs no mask; bidirectional attention over padding takes
@@ -150,9 +151,18 @@ def _reduce_kv(grad, groups: int):
     return grad.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _attend_block(q, k, v, mask, scale):
-    """fp32 softmax(q k^T) v of one block and its row log-sum-exp (-inf for fully masked rows)."""
+def _scores(q, k, scale, softcap):
+    """Scores of one block, capped with `softcap`; also d(capped)/d(raw) for backward (None without a cap)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is None:
+        return scores, None
+    capped = torch.tanh(scores / softcap)
+    return capped * softcap, 1 - capped * capped
+
+
+def _attend_block(q, k, v, mask, scale, softcap=None):
+    """fp32 softmax(q k^T) v of one block and its row log-sum-exp (-inf for fully masked rows)."""
+    scores, _ = _scores(q, k, scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
@@ -204,7 +214,7 @@ def _chunks(pos: torch.Tensor, device, n: int = 2):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, causal, scale, window):
+    def forward(ctx, q, k, v, cp: ContextParallel, causal, scale, window, softcap):
         ring, groups = _Ring(cp.group), q.shape[1] // k.shape[1]
         qf = q.float()
         b, h, s, d = q.shape
@@ -222,13 +232,13 @@ class _RingAttention(torch.autograd.Function):
                     if _skippable(q_range, k_range, causal, window):
                         continue
                     mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
-                    block_out, block_lse = _attend_block(qf[:, :, qslice], kk, vv, mask, scale)
+                    block_out, block_lse = _attend_block(qf[:, :, qslice], kk, vv, mask, scale, softcap)
                     _merge(out[:, :, qslice], lse[:, :, qslice], block_out, block_lse)
             if pending is not None:
                 kv, requests = pending
                 ring.wait(requests)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.causal, ctx.scale, ctx.window = cp, causal, scale, window
+        ctx.cp, ctx.causal, ctx.scale, ctx.window, ctx.softcap = cp, causal, scale, window, softcap
         return out.to(q.dtype)
 
     @staticmethod
@@ -254,12 +264,14 @@ class _RingAttention(torch.autograd.Function):
                         continue
                     mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
                     qq, do = qf[:, :, qslice], dout[:, :, qslice]
-                    scores = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+                    scores, slope = _scores(qq, kk, scale, ctx.softcap)
                     probs = torch.exp(scores - _finite(lse[:, :, qslice]))
                     if mask is not None:
                         probs = probs.masked_fill(~mask, 0.0)
                     dv += torch.matmul(probs.transpose(-1, -2), do)
                     dscores = probs * (torch.matmul(do, vv.transpose(-1, -2)) - delta[:, :, qslice]) * scale
+                    if slope is not None:
+                        dscores = dscores * slope
                     dq[:, :, qslice] += torch.matmul(dscores, kk)
                     dk += torch.matmul(dscores.transpose(-1, -2), qq)
                 dkv[0][:, :, kslice] += _reduce_kv(dk, groups)
@@ -271,15 +283,15 @@ class _RingAttention(torch.autograd.Function):
             ring.wait(requests)
             kv, dkv = (moving[:2], moving[2:]) if step < ring.size - 1 else (kv, moving)
         dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale: float | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of the rank's queries to the whole (cp-sharded) sequence; q/k/v are (batch, heads, local_seq, d)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _RingAttention.apply(q, k, v, cp, causal, scale, window)
+    return _RingAttention.apply(q, k, v, cp, causal, scale, window, softcap)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -312,7 +324,7 @@ def all_to_all(x, group, scatter_dim: int, gather_dim: int):
 
 
 def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None, dropout_p: float = 0.0,
-                      upcast: bool = False, window: int | None = None) -> torch.Tensor:
+                      upcast: bool = False, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     if q.shape[1] % cp.size:
         raise ValueError(f"cp_mode='all_to_all' needs the local attention heads ({q.shape[1]}) divisible by cp={cp.size}")
     if k.shape[1] % cp.size:  # too few kv heads to split: give every q head its own copy
@@ -324,7 +336,7 @@ def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None,
         return all_to_all(x, cp.group, scatter_dim=1, gather_dim=2).index_select(2, natural)
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    options = dict(scale=scale, dropout_p=dropout_p, upcast=upcast)
+    options = dict(scale=scale, dropout_p=dropout_p, upcast=upcast, softcap=softcap)
     padding = cp.attention_mask
     window = window if window is not None and window < cp.seq_len else None  # a window as long masks nothing
     if padding is None and window is None:
@@ -366,11 +378,12 @@ def full_mask(attention_mask, seq_len: int, causal: bool, window: int | None, de
 
 
 def context_parallel_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None, dropout_p: float = 0.0,
-                               upcast: bool = False, window: int | None = None) -> torch.Tensor:
+                               upcast: bool = False, window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
     if cp.mode == "all_to_all":
         return ulysses_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast,
-                                 window=window)
+                                 window=window, softcap=softcap)
     if dropout_p > 0.0:
         raise ValueError("attention dropout is not supported with cp_mode='ring'; use cp_mode='all_to_all'")
     # no `upcast` to pass: the ring computes scores, softmax and their product with v in fp32 whatever the dtype
-    return ring_attention(q, k, v, cp, causal=causal, scale=scale, window=window)
+    return ring_attention(q, k, v, cp, causal=causal, scale=scale, window=window, softcap=softcap)

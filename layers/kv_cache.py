@@ -96,6 +96,6 @@ def keys_values_mask(ctx, owner, k: torch.Tensor, v: torch.Tensor, causal: bool 
     (`ctx.cache`), every cached k/v with the cache's mask (causal order and window already in it).
     Returns (k, v, mask, causal) for `colozoo.layers.attention.attention`."""
     if ctx.cache is None:
-        return k, v, ctx.mask, causal
+        return k, v, ctx.mask_for(window), causal
     k, v, mask = ctx.cache.update(owner, k, v, window)
     return k, v, mask, False

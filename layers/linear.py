@@ -1,7 +1,9 @@
 """Column- and row-parallel linear layers (Megatron-style), with optional sequence parallelism.
 
 Column-parallel: weight (out/tp, in), each rank computes a slice of the output features; fused outputs
-(q/k/v, gate/up) are declared as chunks so each rank gets its share of every part.
+(q/k/v, gate/up) are declared as chunks so each rank gets its share of every part. A chunk with fewer `parts`
+(kv heads) than ranks is replicated over `replica_group` (tp / parts consecutive ranks), whose partial weight
+gradients are summed in backward.
 Row-parallel: weight (out, in/tp), each rank holds a slice of the input features and the partial outputs
 are summed (all-reduce, or reduce-scatter along the sequence under sequence parallelism).
 """
@@ -16,9 +18,9 @@ from torch import nn
 from colozoo.kernels.dispatch import use_triton
 
 from .activations import GELU_APPROXIMATION, bias_gelu, get_activation
-from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
-                   reduce_from_parallel, reduce_scatter_to_sequence)
-from .shard import Split, local_pieces, shard
+from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank, group_size,
+                   reduce_from_parallel, reduce_scatter_to_sequence, sum_replica_grads)
+from .shard import Split, local_pieces, replicated_pieces, shard
 
 
 def _init_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int):
@@ -36,14 +38,24 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  sequence_parallel: bool = False, gather_output: bool = False,
-                 chunks: tuple[int, ...] | None = None, activation: str | None = None, device=None, dtype=None):
+                 chunks: tuple[int, ...] | None = None, parts: tuple[int, ...] | None = None, replica_group=None,
+                 activation: str | None = None, device=None, dtype=None):
         super().__init__()
         self.activation = activation
         self.act = get_activation(activation) if activation is not None else None
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         tp = group_size(group)
-        split = Split("tp", 0, chunks=tuple(chunks) if chunks else None)
+        split = Split("tp", 0, chunks=tuple(chunks) if chunks else None, parts=tuple(parts) if parts else None)
         local_out = local_pieces(split, out_features, 0, tp)[1]
+        replicated = replicated_pieces((split,), {"tp": (group_rank(group), tp)})
+        if replicated and {r for _, _, _, r, _ in replicated} != {group_size(replica_group)}:
+            raise ValueError(f"fused parts {parts} over tp={tp} need a replica group of "
+                             f"{sorted({r for _, _, _, r, _ in replicated})} ranks, got {group_size(replica_group)}")
+        self.replica_group, self.replicated_rows = replica_group, []
+        for _, l0, l1, _, _ in replicated:  # adjacent pieces (k, v) in one all-reduce
+            if self.replicated_rows and self.replicated_rows[-1][1] == l0:
+                l0 = self.replicated_rows.pop()[0]
+            self.replicated_rows.append((l0, l1))
         self.in_features, self.out_features = in_features, out_features
         self.weight = shard(nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype)), split)
         self.bias = (shard(nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)), split)
@@ -56,13 +68,14 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence(x, self.group)
         else:
             x = copy_to_parallel(x, self.group)
-        fuse_bias = (self.activation in GELU_APPROXIMATION and self.bias is not None
-                     and use_triton(x, self.weight, self.bias))
-        y = F.linear(x, self.weight, None if fuse_bias else self.bias)
+        weight = sum_replica_grads(self.weight, self.replicated_rows, self.replica_group)
+        bias = sum_replica_grads(self.bias, self.replicated_rows, self.replica_group) if self.bias is not None else None
+        fuse_bias = self.activation in GELU_APPROXIMATION and bias is not None and use_triton(x, weight, bias)
+        y = F.linear(x, weight, None if fuse_bias else bias)
         if self.lora is not None:  # before the activation: it acts on the linear's output
             y = self.lora(x, y)
         if fuse_bias:
-            y = bias_gelu(y, self.bias, GELU_APPROXIMATION[self.activation])
+            y = bias_gelu(y, bias, GELU_APPROXIMATION[self.activation])
         elif self.act is not None:
             y = self.act(y)
         return gather_from_parallel(y, self.group) if self.gather_output else y

@@ -14,24 +14,29 @@ from colozoo.kernels.dispatch import use_triton
 
 
 def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
-                    upcast: bool = False) -> torch.Tensor:
+                    upcast: bool = False, softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q). One query token against
-    a KV cache with a key mask (batch, 1, 1, keys) takes the flash-decoding kernel on the Triton path."""
+    a KV cache with a key mask (batch, 1, 1, keys) takes the flash-decoding kernel on the Triton path.
+
+    `softcap` (Gemma 2) caps the scores to softcap * tanh(scores / softcap) before masking. SDPA cannot cap: the
+    torch path then computes the scores explicitly; the flash-attention kernel caps (decoding takes it too)."""
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
-    if decoding and not upcast and dropout_p == 0.0 and q.shape[-1] <= 256 and use_triton(q, k, v):
+    kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
+    if decoding and kernel and softcap is None and use_triton(q, k, v):
         from colozoo.kernels.decode import decode_attention_triton
 
         key_mask = mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
         return decode_attention_triton(q, k, v, k.shape[2], key_mask, scale)
-    if (not upcast and dropout_p == 0.0 and (mask is None or mask.dtype == torch.bool) and q.shape[-1] <= 256
-            and use_triton(q, k, v)):
+    if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v):
         from colozoo.kernels.flash_attention import flash_attention_triton
 
-        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale)
+        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap)
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)
+    if softcap is not None:
+        return _softcap_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, softcap=softcap)
     if upcast:
         return _upcast_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
     is_causal = causal and mask is None
@@ -55,6 +60,25 @@ def _upcast_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropo
             mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
         scores = scores + mask.float()
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout_p > 0.0:
+        with get_rng_tracker().fork(device_type=q.device.type):
+            weights = F.dropout(weights, dropout_p)
+    return torch.matmul(weights, v)
+
+
+def _softcap_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,
+                       softcap: float) -> torch.Tensor:
+    """Scores in q's dtype, capped, masked, softmax in fp32 and cast back before v (transformers' eager order)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal and mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:  # added, not filled in: a fully masked (padding) row still passes gradient, as in HF
+        if mask.dtype == torch.bool:
+            mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     if dropout_p > 0.0:
         with get_rng_tracker().fork(device_type=q.device.type):
             weights = F.dropout(weights, dropout_p)

@@ -51,17 +51,27 @@ class LayerNorm(_SequenceParallelAware):
 
 
 class RMSNorm(_SequenceParallelAware):
-    """y = x / rms(x) * weight, computed in fp32 like the LLaMA reference, cast back to the input dtype."""
+    """y = x / rms(x) * weight, computed in fp32 like the LLaMA reference, cast back to the input dtype.
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, group=None, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+    `offset=True` (Gemma): y = x / rms(x) * (1 + weight), the product taken in fp32 before the cast; the stored
+    weight is then zero-centred, as in the checkpoints."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, offset: bool = False, group=None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        self.dim, self.eps, self.group, self.sequence_parallel = dim, eps, group, sequence_parallel
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.dim, self.eps, self.offset = dim, eps, offset
+        self.group, self.sequence_parallel = group, sequence_parallel
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(dim, device=device, dtype=dtype))
 
     def forward(self, x, residual=None):
         """Normalise x; given `residual`, normalise x + residual and return (normed, x + residual)."""
-        if self._triton(x, residual, self.weight):
+        if self.offset:  # the kernel multiplies in fp32 too, so an fp32 (1 + weight) is exact whatever x's dtype
+            if use_triton(x, residual) and (residual is None or residual.dtype == x.dtype):
+                from colozoo.kernels.norms import rms_norm_triton
+
+                return rms_norm_triton(x, 1 + self._param(self.weight).float(), self.eps, residual)
+        elif self._triton(x, residual, self.weight):
             from colozoo.kernels.norms import rms_norm_triton
 
             return rms_norm_triton(x, self._param(self.weight), self.eps, residual)
@@ -71,7 +81,10 @@ class RMSNorm(_SequenceParallelAware):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (1 + self._param(self.weight).float())).to(dtype)
         return self._param(self.weight) * x.to(dtype)
 
     def extra_repr(self):
-        return f"{self.dim}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+        offset = ", offset" if self.offset else ""
+        return f"{self.dim}, eps={self.eps}{offset}, sequence_parallel={self.sequence_parallel}"

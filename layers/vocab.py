@@ -21,6 +21,15 @@ from .comm import (all_reduce, copy_to_parallel, gather_from_parallel, gather_fr
 from .shard import Split, shard
 
 
+class Embedding(nn.Embedding):
+    """A replicated embedding (positions, token types): nn.Embedding, with no random init on the meta device
+    (torch's meta normal_ imports torch._dynamo, seconds of start-up for every layout or meta build)."""
+
+    def reset_parameters(self):
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
@@ -122,13 +131,15 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tenso
 
 
 class VocabParallelLMHead(nn.Module):
-    """Projects hidden states onto this rank's vocab slice. `weight` may be tied to the embedding's."""
+    """Projects hidden states onto this rank's vocab slice. `weight` may be tied to the embedding's. `softcap`
+    (Gemma's final_logit_softcapping) caps every logit to softcap * tanh(logit / softcap), for the loss too."""
 
     def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False, *, group=None,
                  sequence_parallel: bool = False, tied_embedding: VocabParallelEmbedding | None = None,
-                 device=None, dtype=None):
+                 softcap: float | None = None, device=None, dtype=None):
         super().__init__()
         self.vocab_size, self.group, self.sequence_parallel = vocab_size, group, sequence_parallel
+        self.softcap = softcap
         self.vocab_start, self.vocab_stop, local = vocab_range(vocab_size, group)
         self.tied = tied_embedding is not None
         if self.tied:
@@ -152,14 +163,18 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded."""
-        return F.linear(self._enter_parallel(hidden), self.head_weight(), self.bias)
+        logits = F.linear(self._enter_parallel(hidden), self.head_weight(), self.bias)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def loss_and_logits(self, hidden, labels=None, return_logits=False, cp=None, ignore_index=-100,
                         label_smoothing=0.0):
         """(loss or None, full logits or None) from the final hidden states. When only the loss is wanted and
-        the kernels take the Triton path, the head matmul is fused into the loss in chunks: no logits tensor."""
+        the kernels take the Triton path, the head matmul is fused into the loss in chunks: no logits tensor (not
+        with a softcap, which the fused kernel does not apply)."""
         weight = self.head_weight()
-        if labels is not None and not return_logits and use_triton(hidden, weight):
+        if labels is not None and not return_logits and self.softcap is None and use_triton(hidden, weight):
             from colozoo.kernels.cross_entropy import linear_cross_entropy_triton as linear_cross_entropy
 
             targets = self._next_tokens(labels, ignore_index, cp)

@@ -15,6 +15,10 @@ MODEL_CLASSES = {
     "qwen2": ("colozoo.models.qwen", "Qwen2ForCausalLM"),
     "qwen3": ("colozoo.models.qwen", "Qwen3ForCausalLM"),
     "qwen3_moe": ("colozoo.models.qwen", "Qwen3MoeForCausalLM"),
+    "gemma2": ("colozoo.models.gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("colozoo.models.gemma", "GemmaForCausalLM"),
+    "phi3": ("colozoo.models.phi3", "Phi3ForCausalLM"),
+    "gpt_neox": ("colozoo.models.gpt_neox", "GPTNeoXForCausalLM"),
 }
 
 

@@ -51,6 +51,11 @@ class BatchContext:
     def mask(self, value):
         self.dense_mask = value
 
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The dense mask of a layer with this sliding window: one mask serves every layer, unless the family mixes
+        windowed and full layers (Gemma)."""
+        return self.mask
+
 
 class UnsupportedConfig(ValueError):
     """A transformers option this family does not implement."""

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding, VocabParallelLMHead,
-                            build_attention_mask, gather_from_parallel, scatter_to_sequence,
+from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding,
+                            VocabParallelLMHead, build_attention_mask, gather_from_parallel, scatter_to_sequence,
                             vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions,
@@ -82,8 +82,8 @@ class BertEmbeddings(nn.Module):
         self.group, self.sequence_parallel = pc.tp_group, pc.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id,
                                                       group=pc.tp_group, sequence_parallel=pc.sequence_parallel, **kw)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, **kw)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h, **kw)
+        self.position_embeddings = Embedding(config.max_position_embeddings, h, **kw)
+        self.token_type_embeddings = Embedding(config.type_vocab_size, h, **kw)
         self.LayerNorm = LayerNorm(h, eps=config.layer_norm_eps, group=pc.tp_group,
                                    sequence_parallel=pc.sequence_parallel, **kw)
         self.dropout_p = config.hidden_dropout_prob

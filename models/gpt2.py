@@ -9,7 +9,7 @@ import functools
 
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
+from colozoo.layers import (ColumnParallelLinear, Embedding, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, build_attention_mask, merge_heads, scatter_to_sequence,
                             split_heads)
 from colozoo.layers.kv_cache import keys_values_mask
@@ -91,7 +91,7 @@ class GPT2ForCausalLM(ParallelModel):
             self.wte = VocabParallelEmbedding(config.vocab_size, h, group=pc.tp_group,
                                               sequence_parallel=pc.sequence_parallel, **kw)
         if self.is_first:
-            self.wpe = nn.Embedding(config.max_position_embeddings, h, **kw)
+            self.wpe = Embedding(config.max_position_embeddings, h, **kw)
         self.layers = nn.ModuleDict({str(i): GPT2Block(config, i, pc, **kw) for i in self.layer_ids})
         if self.is_last:
             self.ln_f = LayerNorm(h, eps=config.layer_norm_epsilon, group=pc.tp_group,

@@ -7,8 +7,9 @@
 One DecoderLayer serves every family on this decoder (Mixtral, Qwen2-MoE): a family picks each layer's attention
 options (`build_attention`: biases, sliding window) and its MLP (`build_mlp`: dense, experts, experts + shared).
 
-RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3, YaRN),
-written here from the formulas, not imported.
+RoPE frequencies follow the formulas of transformers' modeling_rope_utils (default, linear, dynamic NTK, llama3, YaRN,
+LongRoPE), written here from the formulas, not imported. With a partial_rotary_factor only the first
+int(head_dim * factor) features of each head rotate (Phi-3.5 / Phi-4-mini, GPT-NeoX).
 """
 from __future__ import annotations
 
@@ -25,13 +26,18 @@ from colozoo.layers import (ColumnParallelLinear, GatedMLP, RMSNorm, RowParallel
 from colozoo.layers.kv_cache import keys_values_mask
 from colozoo.layers.moe import MoE
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
-                                 default_positions, require)
+                                 default_positions, dropout, require)
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dim(config) -> int:
+    """How many leading features of each head rotate."""
+    return int(head_dim_of(config) * rope_parameters(config).get("partial_rotary_factor", 1.0))
 
 
 def rope_parameters(config) -> dict:
@@ -45,14 +51,13 @@ def check_rope(config):
     params = rope_parameters(config)
     if params["rope_type"] not in ROPE_TYPES:
         raise UnsupportedConfig(f"RoPE type {params['rope_type']!r} is not supported; supported: {ROPE_TYPES}")
-    require(params.get("partial_rotary_factor", 1.0) == 1.0,
-            f"partial_rotary_factor={params.get('partial_rotary_factor')} is not supported (LLaMA rotates whole heads)")
+    require(rotary_dim(config) % 2 == 0, f"the rotary dimension ({rotary_dim(config)}) must be even")
 
 
 def rope_inv_freq(config, seq_len: int | None = None, device=None) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) in fp32; `seq_len` matters only for dynamic NTK scaling."""
+    """Inverse frequencies (rotary_dim / 2,) in fp32; `seq_len` matters only for dynamic NTK scaling and LongRoPE."""
     params = rope_parameters(config)
-    rope_type, base, dim = params["rope_type"], params["rope_theta"], head_dim_of(config)
+    rope_type, base, dim = params["rope_type"], params["rope_theta"], rotary_dim(config)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     if rope_type == "dynamic":
         max_pos = config.max_position_embeddings
@@ -66,7 +71,15 @@ def rope_inv_freq(config, seq_len: int | None = None, device=None) -> torch.Tens
         inv_freq = _llama3_scaling(inv_freq, params)
     elif rope_type == "yarn":
         inv_freq = _yarn_inv_freq(base ** exponents, params, dim, base, _yarn_factor(config, params))
+    elif rope_type == "longrope":  # per-frequency factors: the long set once the sequence outgrows the original length
+        long = seq_len is not None and seq_len > _original_max_positions(config, params)
+        factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (factors * base ** exponents)
     return inv_freq
+
+
+def _original_max_positions(config, params) -> int:
+    return params.get("original_max_position_embeddings") or config.original_max_position_embeddings
 
 
 def _yarn_factor(config, params) -> float:
@@ -74,12 +87,16 @@ def _yarn_factor(config, params) -> float:
 
 
 def rope_attention_factor(config) -> float:
-    """The scale of cos/sin: 1 except for YaRN, whose attention temperature grows with log(factor)."""
+    """The scale of cos/sin: 1 except for YaRN and LongRoPE, whose attention temperature grows with log(factor)."""
     params = rope_parameters(config)
-    if params["rope_type"] != "yarn":
+    if params["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
+    if params["rope_type"] == "longrope":
+        original = _original_max_positions(config, params)
+        factor = params.get("factor") or config.max_position_embeddings / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor = _yarn_factor(config, params)
 
     def mscale(scale, m=1.0):
@@ -126,11 +143,16 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim), their two halves equal."""
-    if use_triton(x):  # the kernel takes one angle per rotated pair
-        half = x.shape[-1] // 2
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, rotary_dim), their two halves equal. Features past
+    rotary_dim (partial rotary) pass through."""
+    if use_triton(x):  # the kernel takes one angle per rotated pair, and passes the rest through
+        half = cos.shape[-1] // 2
         return apply_rotary(x, cos[..., :half], sin[..., :half])
+    rot = cos.shape[-1]
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    if rot < x.shape[-1]:
+        x, rest = x[..., :rot], x[..., rot:]
+        return torch.cat((x * cos + rotate_half(x) * sin, rest), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -139,9 +161,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         check_rope(config)
         self.config = config
-        self.dynamic = rope_parameters(config)["rope_type"] == "dynamic"
+        params = rope_parameters(config)
+        self.dynamic = params["rope_type"] == "dynamic"
+        self.long_after = _original_max_positions(config, params) if params["rope_type"] == "longrope" else None
         self.attention_factor = rope_attention_factor(config)
-        self.register_buffer("inv_freq", torch.empty(head_dim_of(config) // 2, device=device), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(rotary_dim(config) // 2, device=device), persistent=False)
         if self.inv_freq.device.type != "meta":
             self.reset_buffers()
 
@@ -159,6 +183,8 @@ class RotaryEmbedding(nn.Module):
         seq_len = int(position_ids.max()) + 1
         if self.dynamic and seq_len > self.config.max_position_embeddings:
             return rope_inv_freq(self.config, seq_len, device=self.inv_freq.device)
+        if self.long_after is not None and seq_len > self.long_after:
+            return rope_inv_freq(self.config, seq_len, device=self.inv_freq.device)
         return self.inv_freq
 
 
@@ -167,12 +193,14 @@ class RopeBatchContext(BatchContext):
     inv_freq: torch.Tensor | None = None
     rope_scale: float = 1.0
     window: int | None = None  # the sliding window in `mask` (the model's)
+    local_inv_freq: torch.Tensor | None = None  # Gemma 3's sliding-window layers rotate with their own base
     _rope: tuple | None = None
+    _local_rope: tuple | None = None
     _window_masks: dict | None = None
 
     def mask_for(self, window: int | None):
         """The dense mask of a layer with this sliding window: `mask`, or, for a layer whose window is not the
-        model's (Qwen2's mix of full and sliding layers), a mask built on first use. Without context parallelism
+        model's (Qwen2's and Gemma's mix of full and sliding layers), a mask built on first use. Without context parallelism
         only: with it, attention takes the window itself."""
         if window == self.window or self.cp is not None:
             return self.mask
@@ -183,54 +211,62 @@ class RopeBatchContext(BatchContext):
                                                             self.position_ids.device)
         return self._window_masks[window]
 
-    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (batch, seq, head_dim) of `position_ids`, computed once per batch on first use: context
         parallelism replaces position_ids by the rank's share after the context is built."""
+        if local and self.local_inv_freq is not None:
+            if self._local_rope is None:
+                self._local_rope = self._angles(self.local_inv_freq, 1.0)
+            return self._local_rope
         if self._rope is None:
-            freqs = self.position_ids[..., None].float() * self.inv_freq.to(self.position_ids.device)
-            angles = torch.cat((freqs, freqs), dim=-1)
-            self._rope = (angles.cos() * self.rope_scale, angles.sin() * self.rope_scale)
+            self._rope = self._angles(self.inv_freq, self.rope_scale)
         return self._rope
+
+    def _angles(self, inv_freq, scale):
+        freqs = self.position_ids[..., None].float() * inv_freq.to(self.position_ids.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos() * scale, angles.sin() * scale
 
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention with RoPE. Families on this decoder set its options here: `qkv_bias` / `out_bias`
-    (default: config.attention_bias), the sliding `window` (None: full causal attention) and `qk_norm` (Qwen3:
-    an RMSNorm over head_dim of every query and key head, before RoPE)."""
+    (default: config.attention_bias), the sliding `window` (None: full causal attention), the score `scale`
+    (default head_dim ** -0.5) and `softcap`, `qk_norm` (a per-head RMSNorm of q and k before RoPE; a dict gives
+    its RMSNorm options) and `local_rope` (ctx's sliding-window RoPE)."""
 
     def __init__(self, config, pc, device=None, dtype=None, *, qkv_bias: bool | None = None,
-                 out_bias: bool | None = None, window: int | None = None, qk_norm: bool = False):
+                 out_bias: bool | None = None, window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None, qk_norm: bool | dict = False, local_rope: bool = False):
         super().__init__()
         h, tp, hd = config.hidden_size, pc.tp_size, head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.local_heads, self.local_kv_heads = hd, heads // tp, kv_heads // tp
+        # tp > kv heads: each rank holds one kv head, replicated over the tp // kv_heads ranks whose queries use it
+        self.head_dim, self.local_heads, self.local_kv_heads = hd, heads // tp, max(kv_heads // tp, 1)
         self.dropout_p = config.attention_dropout
         self.window = window  # in ctx.mask without context parallelism
+        self.scale, self.softcap, self.local_rope = scale or hd ** -0.5, softcap, local_rope
         bias = getattr(config, "attention_bias", False)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(h, (heads + 2 * kv_heads) * hd, bias=bias if qkv_bias is None else qkv_bias,
-                                        chunks=(heads * hd, kv_heads * hd, kv_heads * hd), **kw)
+                                        chunks=(heads * hd, kv_heads * hd, kv_heads * hd),
+                                        parts=(heads, kv_heads, kv_heads),
+                                        replica_group=pc.tp_subgroup(max(tp // kv_heads, 1)), **kw)
         self.o_proj = RowParallelLinear(heads * hd, h, bias=bias if out_bias is None else out_bias, **kw)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            # replicated weights, but each tp rank normalises only its own heads: its gradient is partial, so it
-            # is summed over tp as under sequence parallelism
-            norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.tp_size > 1,
-                        device=device, dtype=dtype)
+        self.qk_norm = bool(qk_norm)
+        if qk_norm:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
+            norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=tp > 1, device=device,
+                        dtype=dtype, **(qk_norm if isinstance(qk_norm, dict) else {}))
             self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
 
     def forward(self, x, ctx: RopeBatchContext):
         q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = ctx.rope()
+        cos, sin = ctx.rope(self.local_rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if ctx.cache is None:
-            mask, causal = ctx.mask_for(self.window), True
-        else:
-            k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
-        out = attention(q, k, v, mask, causal=causal, scale=self.head_dim ** -0.5, cp=ctx.cp, window=self.window,
-                        dropout_p=self.dropout_p if self.training else 0.0)
+        k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
+        out = attention(q, k, v, mask, causal=causal, scale=self.scale, cp=ctx.cp, window=self.window,
+                        dropout_p=self.dropout_p if self.training else 0.0, softcap=self.softcap)
         return self.o_proj(merge_heads(out))
 
 
@@ -246,12 +282,15 @@ class DecoderLayer(nn.Module):
 
     The MLP is the family's: dense SwiGLU (LLaMA, Mistral, Qwen2-MoE's dense layers), a mixture of experts
     (Mixtral), or experts plus a shared expert (Qwen2-MoE). A MoE returns (output, router logits); the logits
-    are appended to ctx.router_logits for the load-balancing loss."""
+    are appended to ctx.router_logits for the load-balancing loss. `resid_dropout` drops out both block outputs
+    before their residual adds (Phi-3's resid_pdrop)."""
 
     attention_block = "self_attn"  # what selective activation checkpointing recomputes
 
-    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
+    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None,
+                 resid_dropout: float = 0.0):
         super().__init__()
+        self.resid_dropout, self.sharded_resid = resid_dropout, pc.sequence_parallel
         norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
                     device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
@@ -260,14 +299,17 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.routed = isinstance(mlp, MoE)
 
+    def _dropout(self, x):
+        return dropout(x, self.resid_dropout, self.training, sharded=self.sharded_resid) if self.resid_dropout else x
+
     def forward(self, x, ctx):
-        attn_out = self.self_attn(self.input_layernorm(x), ctx)
+        attn_out = self._dropout(self.self_attn(self.input_layernorm(x), ctx))
         mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
         if not self.routed:
-            return x + self.mlp(mlp_in)
+            return x + self._dropout(self.mlp(mlp_in))
         out, router_logits = self.mlp(mlp_in)
         ctx.router_logits.append(router_logits)
-        return x + out
+        return x + self._dropout(out)
 
 
 def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None, device):
@@ -286,9 +328,28 @@ def attention_mask_for(attention_mask, seq_len: int, sliding_window: int | None,
     return keep
 
 
-class LlamaForCausalLM(ParallelModel):
+class RotaryModel(ParallelModel):
+    """A model with rotary positions (`self.rotary`) and an optional sliding window shared by its layers' mask."""
+
+    sliding_window: int | None = None
+
+    def reset_buffers(self):
+        """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
+        self.rotary.reset_buffers()
+
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
+        s = input_ids.shape[1]
+        self.check_sequence(s)
+        position_ids = default_positions(input_ids, position_ids)
+        dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
+        return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
+                                rope_scale=self.rotary.attention_factor, window=self.sliding_window)
+
+
+class LlamaForCausalLM(RotaryModel):
     family = "llama"
     tied_embedding = "embed_tokens.weight"
+    norm_options: dict = {}  # of every RMSNorm (Gemma: offset=True)
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
@@ -298,8 +359,11 @@ class LlamaForCausalLM(ParallelModel):
         if heads % kv_heads:
             raise UnsupportedConfig(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
         check_divisible("the attention heads (num_attention_heads)", heads, pc.tp_size)
-        check_divisible("the key/value heads (num_key_value_heads); grouped-query attention shards whole kv heads",
-                        kv_heads, pc.tp_size)
+        if kv_heads % pc.tp_size and pc.tp_size % kv_heads:
+            raise UnsupportedConfig(f"tp={pc.tp_size} must divide the key/value heads (num_key_value_heads="
+                                    f"{kv_heads}) or be a multiple of them (each kv head then replicated over "
+                                    f"tp / num_key_value_heads ranks)")
+        pc.tp_subgroup(max(pc.tp_size // kv_heads, 1))  # collective: here, where every rank of every stage passes
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         self.sliding_window = self.attention_window(config)
         h = config.hidden_size
@@ -309,9 +373,10 @@ class LlamaForCausalLM(ParallelModel):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id, **sp, **kw)
         self.layers = nn.ModuleDict({str(i): self.build_layer(i, config, pc, **kw) for i in self.layer_ids})
         if self.is_last:
-            self.norm = RMSNorm(h, eps=config.rms_norm_eps, **sp, **kw)
+            self.norm = RMSNorm(h, eps=config.rms_norm_eps, **self.norm_options, **sp, **kw)
             tied = self.embed_tokens if config.tie_word_embeddings else None
-            self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
+            self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied,
+                                               softcap=getattr(config, "final_logit_softcapping", None), **kw)
         self.rotary = RotaryEmbedding(config, device=device)
 
     def build_layer(self, layer_idx: int, config, pc, **kw) -> DecoderLayer:
@@ -330,17 +395,6 @@ class LlamaForCausalLM(ParallelModel):
         """Layer `layer_idx`'s MLP: dense here, a mixture of experts in Mixtral and Qwen2-MoE."""
         return dense_mlp(config, pc, **kw)
 
-    def reset_buffers(self):
-        """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
-        self.rotary.reset_buffers()
-
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
-        s = input_ids.shape[1]
-        self.check_sequence(s)
-        position_ids = default_positions(input_ids, position_ids)
-        dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
-        return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
-                                rope_scale=self.rotary.attention_factor, window=self.sliding_window)
 
     def embed(self, input_ids, ctx):
         return self.embed_tokens(input_ids)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.layers import (LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding, VocabParallelLMHead,
-                            build_attention_mask, copy_to_parallel, scatter_to_sequence)
+from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding,
+                            VocabParallelLMHead, build_attention_mask, copy_to_parallel, scatter_to_sequence)
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
                                  default_positions)
 
@@ -78,7 +78,7 @@ class OPTForCausalLM(ParallelModel):
         if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, config.pad_token_id, **sp, **kw)
         if self.is_first:
-            self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h, **kw)
+            self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, h, **kw)
             if projected:
                 self.project_in = ReplicatedLinear(proj_dim, h, **sp, **kw)
         self.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, pc, **kw) for i in self.layer_ids})

@@ -152,7 +152,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     close(out.logits[keep], ref.logits[keep], logits_atol, "logits")
     close(out.loss, ref.loss, logits_atol, "loss")
 
-    sources = family_module(model.family).hf_sources(config)
+    sources = resolved_sources(model, weights)  # as the loader read them (in-memory names, e.g. GPT-NeoX's lm_head)
     shapes = global_shapes(model, sources, weights)
     coords = coords_of(pc)
     worst = 0.0
@@ -251,7 +251,7 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
 
 
 def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architecture: str | None = None,
-                  task: str | None = None):
+                  task: str | None = None, attn_implementation: str = "sdpa"):
     """Load a checkpoint transformers saved into a sharded model, gather every parameter back into HF names and
     layouts, and check the result equals the saved tensors bit for bit and covers all of them."""
     import tempfile
@@ -263,7 +263,7 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
     pc = init_parallel(tp=tp)
     arch = dict(architectures=[architecture]) if architecture else {}
     config = transformers.AutoConfig.for_model(model_type, **arch, **config_kwargs)
-    hf = (hf_model(architecture, config) if architecture else hf_causal_lm(model_type, config_kwargs)[1])
+    hf = (hf_model(architecture, config) if architecture else hf_causal_lm(model_type, config_kwargs, attn_implementation=attn_implementation)[1])
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -286,7 +286,7 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
             full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
             first = tensor.items[0] if source.stack else tensor  # stacked experts: every item has these parts
             sizes = [shape[source.cat_dim] for shape in first.part_shapes]
-            for hf_name, part in source.split(full, sizes).items():
+            for hf_name, part in source.split(full, sizes).items():  # what the HF export does
                 assert hf_name not in exported, f"{hf_name} is produced twice"
                 exported[hf_name] = part
         if distributed:

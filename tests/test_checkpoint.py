@@ -408,7 +408,8 @@ def test_config_disagreeing_with_weights(tmp_path):
 @pytest.mark.parametrize("family,overrides,tp,message", [
     ("gpt2", {}, 3, r"tp=3 must divide the attention heads \(n_head\) \(4\)"),
     ("gpt2", {"n_inner": 98}, 4, r"tp=4 must divide the MLP width \(n_inner\) \(98\)"),
-    pytest.param("llama", {"num_key_value_heads": 2}, 4, r"tp=4 must divide the key/value heads",
+    pytest.param("llama", {"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 3}, 4,
+                 r"tp=4 must divide the key/value heads",  # 2 kv heads would be replicated over pairs of ranks
                  marks=pytest.mark.skipif(not available("llama"), reason="llama not available yet")),
 ])
 def test_tp_not_dividing_heads_or_ffn(tmp_path, monkeypatch, family, overrides, tp, message):

@@ -228,6 +228,38 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tm
     assert not list((crashed / "checkpoints").glob(".tmp-*"))
 
 
+KILL_MID_SAVE = """
+import json, os, signal, sys
+from colozoo.finetune import state
+from colozoo.finetune.config import FinetuneConfig
+from colozoo.finetune.loop import run
+
+def die(tmp):
+    if tmp.name.endswith("00000004"):  # every file of step 4 written, not yet renamed into place
+        os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: the process is simply gone
+
+state._before_commit = die
+run(FinetuneConfig(**json.loads(sys.argv[1])))
+"""
+
+
+def test_a_process_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tmp_path):
+    import dataclasses
+    import subprocess
+
+    crashed = tmp_path / "crashed"
+    config = json.dumps(dataclasses.asdict(small_run(tiny, crashed)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, config], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert state.latest_checkpoint(crashed / "checkpoints").name == "step-00000002"
+    assert any((crashed / "checkpoints" / ".tmp-step-00000004").iterdir())  # written, never committed
+    run(small_run(tiny, crashed))
+    assert losses(crashed) == losses(straight)
+    assert not list((crashed / "checkpoints").glob(".tmp-*"))
+
+
 def _killed_mid_save_on_two_ranks(model, root):
     import torch.distributed as dist
 

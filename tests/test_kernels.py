@@ -181,6 +181,27 @@ def test_flash_attention(case, dtype):
           dtype, tensors, f"flash attention {case}")
 
 
+@pytest.mark.parametrize("case,dtype", [("causal_padded_gqa", torch.float32), ("causal_padded_gqa", torch.float16),
+                                        ("causal_multiblock_mqa", torch.float32),
+                                        ("padded_bidirectional", torch.float32)])
+def test_flash_attention_softcap(case, dtype):
+    """Gemma 2's capped scores, forward and backward: scores of a few units under a cap of 1 (which the reference
+    shows changes the output)."""
+    fa = kernel_module("flash_attention")
+    b, h, hk, sq, sk, d, causal, padded = ATTENTION_CASES[case]
+    mask = None
+    if padded:
+        keep = torch.ones(b, sk, dtype=torch.bool)
+        keep[0, :3] = False
+        mask = keep[:, None, None, :].to(DEVICE)
+    tensors = [randn(b, h, sq, d, seed=1), randn(b, hk, sk, d, seed=2), randn(b, hk, sk, d, seed=3)]
+    capped = fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3, softcap=1.0)
+    assert (capped - fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3)).abs().max() > 0.05
+    check(lambda q, k, v: fa.flash_attention_triton(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
+          lambda q, k, v: fa.flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
+          dtype, tensors, f"soft-capped flash attention {case}")
+
+
 def test_flash_attention_reference_matches_sdpa():
     fa = kernel_module("flash_attention")
     q, k, v = randn(2, 4, 9, 16, seed=1), randn(2, 2, 9, 16, seed=2), randn(2, 2, 9, 16, seed=3)
@@ -544,6 +565,21 @@ def test_llama_on_triton_path_matches_transformers(monkeypatch):
     calls.clear()
     _fused_loss_parity("llama", LLAMA)
     assert calls["linear_cross_entropy_triton"] == 1 and "cross_entropy_triton" not in calls, calls
+
+
+@CPU_PARITY
+def test_gemma2_on_triton_path_matches_transformers(monkeypatch):
+    """(1 + weight) RMSNorm with an fp32 weight and the residual fused, soft-capped flash attention over sliding and
+    full layers, GeGLU: logits, loss and gradients of transformers' eager Gemma 2 (an unpadded batch: the kernel
+    and eager attention fill rows that see no key differently)."""
+    from test_gemma import GEMMA2
+
+    fused = count_fused_norm_calls(monkeypatch)  # first: it reads the kernel's own signature
+    calls = count_kernel_calls(monkeypatch)
+    _parity_on_kernels("triton", "gemma2", GEMMA2, 1, False, False, 12, 1e-5, 1e-5, "eager")
+    layers = GEMMA2["num_hidden_layers"]
+    assert calls["flash_attention_triton"] == layers and calls["bias_gelu_triton"] == layers, calls
+    assert fused == {"rms_norm_triton": layers}, fused  # pre_feedforward_layernorm takes the residual sum
 
 
 @CPU_PARITY

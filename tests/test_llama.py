@@ -23,6 +23,10 @@ OPTIONS = {
     "rope_llama3": dict(rope_parameters=LLAMA3),
     "rope_yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                        "rope_theta": 10000.0}),
+    # 12 tokens > original 8: LongRoPE's long factors (the models.llama RoPE code Phi-3 uses), attention factor 2
+    "rope_longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 2.0,
+                                           "original_max_position_embeddings": 8,
+                                           "short_factor": [1.0] * 8, "long_factor": [1.0 + i for i in range(8)]}),
     "rope_yarn_mscale": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                               "rope_theta": 10000.0, "mscale": 0.8, "mscale_all_dim": 0.3,
                                               "beta_fast": 16, "truncate": False}),
@@ -74,17 +78,18 @@ def _build_at_tp(config_kwargs, tp):
 
 
 def test_kv_heads_not_divisible_is_a_clear_error():
-    messages = run_distributed(_build_at_tp, 4, config_kwargs=BASE, tp=4)  # 2 kv heads cannot be split over 4 ranks
+    # 3 kv heads can be neither split over 4 ranks nor replicated on them (2 kv heads can: test_kv_replication.py)
+    config = {**BASE, "hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 3}
+    messages = run_distributed(_build_at_tp, 4, config_kwargs=config, tp=4)
     assert all(m and "num_key_value_heads" in m and "tp=4" in m for m in messages), messages
 
 
 def test_unsupported_rope_type_is_a_clear_error():
-    config = transformers.LlamaConfig(**BASE, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
-                                                               "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
-                                                               "original_max_position_embeddings": 16})
+    # longrope is supported since Phi-3 (tests/test_phi3.py); Gemma's proportional RoPE is not
+    config = transformers.LlamaConfig(**BASE, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4})
     from colozoo.api import build_model
 
-    with pytest.raises(ValueError, match="RoPE type 'longrope'"):
+    with pytest.raises(ValueError, match="RoPE type 'proportional'"):
         build_model(config, device="meta")
 
 

@@ -188,6 +188,14 @@ def test_qwen2_moe_tp2_ep2():
                     family="qwen2_moe", timeout=150)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (4, True)])
+def test_moe_families_tensor_parallel(family, tp, sp):
+    # 4 kv heads so tp=4 shards whole heads; experts replicated over tp (ep=1), their MLP split by tp
+    run_distributed(mixtral_parity, tp, tp=tp, ep=1, cp=1, sequence_parallel=sp,
+                    config_overrides=dict(num_key_value_heads=4), family=family, timeout=300)
+
+
 def test_qwen2_moe_context_parallel():
     run_distributed(mixtral_parity, 2, tp=1, ep=2, cp=2, sequence_parallel=False, cp_mode="all_to_all",
                     config_overrides=None, family="qwen2_moe", timeout=150)

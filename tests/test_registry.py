@@ -80,9 +80,31 @@ def test_unknown_name_suggests_close_ones():
 def test_registry_files_are_well_formed():
     for path in registry.CONFIG_DIR.glob("*.json"):
         for name, entry in json.loads(path.read_text()).items():
-            assert set(entry) - {"aliases"} == {"repo", "architecture", "config"}, (path.name, name)
+            assert set(entry) - {"aliases", "params"} == {"repo", "architecture", "config"}, (path.name, name)
             assert entry["config"]["model_type"] == path.stem, (path.name, name)
             assert entry["config"]["model_type"] and entry["repo"].count("/") == 1, (path.name, name)
+
+
+@pytest.mark.parametrize("file", sorted(p.name for p in registry.CONFIG_DIR.glob("*.json")))
+def test_stored_parameter_counts(file):
+    """`colozoo models` prints the counts stored in the registry files (no torch): they are the built model's."""
+    stale = {name: f"stored {stored}, the model has {actual}"
+             for name, (stored, actual) in registry.stored_param_counts(registry.CONFIG_DIR / file).items()
+             if stored != actual}
+    assert not stale, (f"colozoo/model_configs/{file} has missing or stale parameter counts {stale}; run "
+                       f"`python scripts/update_param_counts.py {file}`")
+
+
+def test_update_param_counts_rewrites_only_the_counts(tmp_path):
+    original = registry.CONFIG_DIR / "gpt2.json"
+    path = tmp_path / "gpt2.json"
+    models = json.loads(original.read_text())
+    models["gpt2"]["params"] = 1
+    del models["gpt2-xl"]["params"]
+    path.write_text(json.dumps(models, indent=1))
+    assert registry.update_param_counts(path) == ["gpt2", "gpt2-xl"]
+    assert path.read_text() == original.read_text()
+    assert registry.update_param_counts(path) == []
 
 
 def test_models_command(capsys):

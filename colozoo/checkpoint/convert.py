@@ -6,8 +6,9 @@
     model.save_pretrained(path[, format="hf"])   # every rank of a job writes its own shard
 
 One process converts tensor by tensor: each global tensor is read once (plain reads, no memory map), cut into
-the pieces of every target rank and appended to their files, so memory stays near the largest tensor.
-Everything is written into a temp dir beside the destination and renamed at the end.
+the pieces of every target rank and appended to their files, reads, hashing and writes overlapped in threads
+with a bounded amount in flight (`streaming`), so memory stays near the largest tensor. Everything is written
+into a temp dir beside the destination and renamed at the end.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 import transformers
 from tqdm import tqdm
 
@@ -37,6 +37,7 @@ from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from colozoo.checkpoint.peft import save_peft
 from colozoo.runtime.lora import lora_modules, lora_settings, merged_lora
 from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
+from colozoo.checkpoint.streaming import nbytes, stream_pieces
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -111,6 +112,14 @@ def global_tensors(source, layout: ModelLayout) -> dict:
 # --- offline conversion ------------------------------------------------------------------------------------
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory: VmHWM where /proc has it (ru_maxrss would count the memory of the
+    parent that started it, which Linux carries over fork and exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -124,28 +133,10 @@ def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int 
         for p in pieces:
             entries.setdefault(p.file, []).append((p.key, dtypes[name], p.shape))
     total = sum(torch.Size(shape).numel() * d.itemsize for es in entries.values() for _, d, shape in es)
-    largest = 0
+    largest = max((nbytes(t) for t in tensors.values()), default=0)
     with atomic_directory(dst) as tmp, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                                             desc="convert") as bar:
-        writers, files = {}, {}  # a file is open from its first piece to its last (stages are written in order)
-        try:
-            for name, pieces in plan.items():
-                full = tensors[name].read()  # the one global tensor held at a time
-                largest = max(largest, full.numel() * full.element_size())
-                for p in pieces:
-                    piece = full[p.index].to(dtypes[name])
-                    if p.file not in writers:
-                        writers[p.file] = SafetensorsWriter(tmp / p.file, entries[p.file])
-                    writers[p.file].write(p.key, piece)
-                    if writers[p.file].next == len(entries[p.file]):
-                        files[p.file] = writers.pop(p.file).close()
-                    bar.update(piece.numel() * piece.element_size())
-                del full
-            files = {f: files[f] for f in entries}
-        except BaseException:
-            for w in writers.values():
-                w.abort()
-            raise
+        files = stream_pieces(plan, tensors, dtypes, entries, tmp, on_bytes=bar.update)
         mesh = {"tp": tp, "pp": pp, "ep": ep, "dp": 1, "cp": 1}
         index = make_index(layout, mesh, {n: tensor_entry(layout.tensors[n], dtypes[n], plan[n]) for n in plan},
                            files)
@@ -168,8 +159,7 @@ def convert(src, dst, tp: int = 1, pp: int = 1, ep: int = 1, dtype=None, to_hf: 
         layout = ModelLayout(config)
         summary = export_hf(global_tensors(source, layout), layout, dst, dtype, max_shard_bytes, progress)
     else:
-        check_mesh(config, tp, pp, ep)
-        layout = ModelLayout(config, pp)
+        layout = check_mesh(config, tp, pp, ep)  # one meta model per stage, at the target degrees
         summary = write_colozoo(global_tensors(source, layout), layout, dst, tp, pp, ep, dtype, progress)
     summary.update(seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
     return summary
@@ -188,6 +178,8 @@ def _prepare(dst: Path, tmp: Path, rank: int):
 @torch.no_grad()
 def _write_own_shard(model, layout: ModelLayout, tmp: Path):
     """This rank's file: the pieces it owns (one owner per replicated tensor). Returns (file, info, pieces)."""
+    from torch.distributed.tensor import DTensor  # a second of imports that an offline conversion does not need
+
     pc = model.pc
     ep, dp_cp_rank = pc.size("ep"), pc.rank("dp_cp")
     coords = {"tp": (pc.rank("tp"), pc.size("tp")), "ep": (dp_cp_rank % ep, ep)}  # experts fold over dp x cp
@@ -260,7 +252,7 @@ def _lora_of_every_stage(model):
 def _save_colozoo(model, dst: Path):
     rank, _ = _world()
     tmp = dst.parent / f".{dst.name}.tmp-colozoo"
-    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), _lora_of_every_stage(model))
+    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), lora=_lora_of_every_stage(model))
     _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank))
     def write_index_and_publish(shards):
         if rank == 0:
@@ -315,31 +307,3 @@ def save_pretrained(model, path, format: str = "colozoo", max_shard_bytes: int =
     finally:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-
-
-# --- CLI ---------------------------------------------------------------------------------------------------
-
-def _run_convert(args) -> int:
-    summary = convert(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, to_hf=args.to_hf,
-                      allow_bin=args.allow_bin, progress=not args.quiet)
-    from rich.console import Console
-
-    Console().print(f"[bold]converted[/bold] {args.src} -> {args.dst}: {summary['tensors']} tensors, "
-                    f"{summary['bytes'] / 1e6:.1f} MB in {summary['files']} files, {summary['seconds']:.2f} s, "
-                    f"peak RSS {summary['peak_rss_mb']:.0f} MB (largest tensor "
-                    f"{summary['largest_tensor_bytes'] / 1e6:.1f} MB)")
-    return 0
-
-
-def add_parser(subparsers):
-    p = subparsers.add_parser("convert", help="convert / reshard a checkpoint (HF or colozoo) to colozoo or HF")
-    p.add_argument("src", help="HF directory or colozoo checkpoint")
-    p.add_argument("dst", help="destination directory (must not exist or be empty)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the output")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of the output")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the output")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None, help="convert floating tensors")
-    p.add_argument("--to-hf", action="store_true", help="write a Hugging Face directory instead")
-    p.add_argument("--allow-bin", action="store_true", help="read PyTorch .bin weights (torch.load weights_only)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run_convert)

@@ -1,5 +1,5 @@
 """Which global tensors a model has (canonical names, shapes, shard specs) and on which pipeline stage: read off
-meta models of one stage built with a virtual parallel context, so no job and no weights are needed."""
+meta models of each stage built with a virtual parallel context, so no job and no weights are needed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,12 +19,14 @@ def _tied_aliases(model) -> dict[str, str]:
     return out
 
 
-def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | None = None):
-    """A meta model of one pipeline stage at tp=1, whose parameter shapes are the global shapes."""
+def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | None = None, tp: int = 1,
+                  ep: int = 1):
+    """A meta model of one pipeline stage with global parameter shapes, built on a virtual parallel context of
+    (tp, ep) (no job), which checks those degrees (heads, kv heads, ffn, experts divisible ...)."""
     from colozoo.models import build_model
 
-    return build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=pp_rank), layer_ids=layer_ids,
-                       device="meta")
+    return build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=pp_rank, tp=tp, dp=ep, ep=ep),
+                       layer_ids=layer_ids, device="meta")
 
 
 def _with_lora(model, lora):
@@ -36,12 +38,9 @@ def _with_lora(model, lora):
     return model
 
 
-def check_mesh(config, tp: int = 1, pp: int = 1, ep: int = 1):
-    """Let every stage's model check the degrees (heads, kv heads, ffn divisible by tp ...) without a job."""
-    from colozoo.models import build_model
-
-    for rank in range(pp):
-        build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=rank, tp=tp, dp=ep, ep=ep), device="meta")
+def check_mesh(config, tp: int = 1, pp: int = 1, ep: int = 1) -> "ModelLayout":
+    """Let every stage's model check the degrees without a job; returns the layout, read off those models."""
+    return ModelLayout(config, pp, tp=tp, ep=ep)
 
 
 @dataclass
@@ -54,23 +53,22 @@ class TensorInfo:
 class ModelLayout:
     """The global tensors of a model (canonical names, in model order), their specs and pipeline stages."""
 
-    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None, lora=None):
-        """`stage_layers`: every pp rank's global layer indices, where a model was split other than by default;
-        `lora`: the LoraSettings of the model's adapters (colozoo.runtime.lora), whose tensors it then has too."""
-        full = _with_lora(build_virtual(config), lora)
+    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None, tp: int = 1, ep: int = 1,
+                 lora=None):
+        """`stage_layers`: every pp rank's global layer indices, where a model was split other than by default.
+        Each stage's meta model is built once, at (tp, ep), which checks those degrees; a tensor belongs to the
+        first stage that holds it (a tied copy on the last stage is not another tensor). `lora`: the LoraSettings
+        of the model's adapters (colozoo.runtime.lora), whose tensors it then has too."""
         self.config, self.pp, self.lora = config, pp, lora
-        self.aliases = _tied_aliases(full)
-        self.tensors = {name: TensorInfo(tuple(p.shape), spec_of(p)) for name, p in full.named_parameters()}
-        if pp > 1:
-            seen = set()
-            for rank in range(pp):
-                layer_ids = stage_layers[rank] if stage_layers is not None else None
-                stage = _with_lora(build_virtual(config, pp, rank, layer_ids), lora)
-                for name, _ in stage.named_parameters():
-                    name = self.canonical(name)
-                    if name not in seen:
-                        self.tensors[name].stage = rank
-                        seen.add(name)
+        self.aliases, self.tensors = {}, {}
+        for rank in range(pp):
+            layer_ids = stage_layers[rank] if stage_layers is not None else None
+            stage = _with_lora(build_virtual(config, pp, rank, layer_ids, tp, ep), lora)
+            self.aliases.update(_tied_aliases(stage))
+            for name, p in stage.named_parameters():
+                name = self.canonical(name)
+                if name not in self.tensors:
+                    self.tensors[name] = TensorInfo(tuple(p.shape), spec_of(p), rank)
 
     def canonical(self, name: str) -> str:
         return self.aliases.get(name, name)

@@ -9,7 +9,7 @@ import torch
 
 import math
 
-from colozoo.layers.shard import local_shape, materialize, spec_of, stored_pieces
+from colozoo.layers.shard import held_pieces, local_shape, materialize, spec_of
 from colozoo.core.mesh import coords_of
 
 from colozoo.converters import family_module, hf_tensor_names
@@ -101,7 +101,7 @@ def load_global_tensors(model, lookup, device=None, layout: ModelLayout | None =
 
 def copy_slices(tensor, param: torch.Tensor, spec, coords):
     """Read each of the rank's slices of the global `tensor` straight into its place in `param`."""
-    pieces = list(stored_pieces(tuple(tensor.shape), spec, coords))
+    pieces = list(held_pieces(tuple(tensor.shape), spec, coords))
     covered = sum(math.prod(s.stop - s.start for s in _bounded(g, tensor.shape)) for _, g, _ in pieces)
     if covered != param.numel():
         param.zero_()  # vocabulary padding rows

@@ -2,9 +2,9 @@
 
 A family map says, for each of our global parameter names, which HF tensors make it up: a `Source` with
 the HF names (concatenated along `cat_dim`, e.g. q/k/v into one fused weight) and whether HF stores it
-transposed (GPT-2's Conv1D). `GlobalTensor` turns that into a lazy global tensor that can be sliced;
-slices are read straight from the files (colozoo.checkpoint.safetensors_io), so nothing is materialised
-beyond the slice.
+transposed (GPT-2's Conv1D) or laid out per head (GPT-NeoX's fused query_key_value, `regroup`).
+`GlobalTensor` turns that into a lazy global tensor that can be sliced; slices are read straight from the files
+(colozoo.checkpoint.safetensors_io), so nothing is materialised beyond the slice.
 """
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ class GlobalTensor:
             return torch.stack([self.items[i].read(index[1:]) for i in picked])
         d = self.source.cat_dim
         start, stop, _ = index[d].indices(self.shape[d])
+        if self.source.regroup:
+            return self._read_regrouped(index, d, start, stop)
         parts, offset = [], 0
         for hf_name, shape in zip(self.source.names, self.part_shapes):
             lo, hi = max(start, offset), min(stop, offset + shape[d])
@@ -116,6 +118,19 @@ class GlobalTensor:
         if not parts:
             shape = [len(range(*s.indices(n))) for s, n in zip(index, self.shape)]
             return torch.empty(shape, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
+
+    def _read_regrouped(self, index, d, start, stop):
+        """Our rows start..stop of a regrouped tensor: the HF rows they come from, read in contiguous runs."""
+        rows = self.source.hf_positions(self.shape[d])[start:stop]
+        if not len(rows):
+            return torch.empty([len(range(*s.indices(n))) for s, n in zip(index, self.shape)], dtype=self.dtype)
+        breaks = ((rows[1:] != rows[:-1] + 1).nonzero().flatten() + 1).tolist()
+        parts = []
+        for run in torch.tensor_split(rows, breaks):
+            part_index = list(index)
+            part_index[d] = slice(int(run[0]), int(run[-1]) + 1)
+            parts.append(self.reader.read(self.source.names[0], tuple(part_index)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
 
     def _read_part(self, hf_name, index):

@@ -189,6 +189,26 @@ class ParallelContext:
             self.groups["stage_ends"] = mine
         return self.groups["stage_ends"]
 
+    def tp_subgroup(self, size: int):
+        """The group of the `size` consecutive tp ranks this rank is one of (the ranks holding one replicated kv
+        head); None when size is 1 or there is no mesh. Collective the first time for each size: every rank
+        creates every group."""
+        if size == 1 or self.mesh is None:
+            return None
+        tp = self.config.tp
+        if tp % size:
+            raise ParallelConfigError(f"tp={tp} cannot be cut into groups of {size} ranks")
+        key = f"tp/{size}"
+        if key not in self.groups:
+            mine = None
+            for row in self.mesh.mesh.reshape(-1, tp).tolist():
+                for i in range(0, tp, size):
+                    group = dist.new_group(row[i:i + size])
+                    if dist.get_rank() in row[i:i + size]:
+                        mine = group
+            self.groups[key] = mine
+        return self.groups[key]
+
     def size(self, dim: str) -> int:
         if dim == "dp_cp":
             return self.config.dp * self.config.cp

@@ -77,7 +77,8 @@ def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,
     return [i for run in virtual_stage_layers(num_layers, pp, virtual_stages, **balance)[pp_rank] for i in run]
 
 
-GATED_MLP_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+GATED_MLP_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2",
+                      "gemma3_text", "phi3")
 LEARNED_POSITIONS = ("gpt2", "opt", "bert")  # a position table on the first stage (rotary models have none)
 
 

@@ -47,13 +47,14 @@ class GenerationProfile:
 
 
 def kv_cache_bytes(config, layers: int, tp: int, batch_size: int, seq_len: int, element_bytes: int) -> int:
-    """2 (keys, values) x layers x kv heads / tp x head_dim x length x batch, as colozoo's cache holds them."""
+    """2 (keys, values) x layers x kv heads / tp x head_dim x length x batch, as colozoo's cache holds them (one
+    replicated kv head per rank when tp is a multiple of the kv heads)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if kv_heads % tp:
-        raise ProfilerError(f"tp={tp} must divide the key/value heads ({kv_heads})")
-    return 2 * layers * (kv_heads // tp) * head_dim * seq_len * batch_size * element_bytes
+    if kv_heads % tp and tp % kv_heads:
+        raise ProfilerError(f"tp={tp} must divide the key/value heads ({kv_heads}) or be a multiple of them")
+    return 2 * layers * max(kv_heads // tp, 1) * head_dim * seq_len * batch_size * element_bytes
 
 
 def profile_generation(name, batch_size: int = 1, seq_len: int = 2048, mesh=None, dtype: str = "bfloat16",
@@ -92,7 +93,7 @@ def plan_generation(name, gpus: int = 8, batch_size: int = 1, seq_len: int = 204
     for size in range(1, gpus + 1):
         for tp in (d for d in range(1, size + 1) if size % d == 0):
             pp = size // tp
-            if kv_heads % tp or config.num_attention_heads % tp or pp > config.num_hidden_layers:
+            if (kv_heads % tp and tp % kv_heads) or config.num_attention_heads % tp or pp > config.num_hidden_layers:
                 continue
             found = profile_generation(name, batch_size, seq_len, f"tp={tp},pp={pp}", dtype, hardware)
             if found.fits:

@@ -219,7 +219,9 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
         else:
             model, context = _build_parallel_model(config, pc, torch_dtype)
             params = dict(model.named_parameters())
-            group_names = {g: name for name, g in context.groups.items() if g is not None and name in ("tp", "ep")}
+            # tp sub-groups ("tp/2": replicated kv heads summing their gradients) are priced as tp traffic
+            group_names = {g: name.split("/")[0] for name, g in context.groups.items()
+                           if g is not None and name.split("/")[0] in ("tp", "ep")}
         prefix, container = _layer_container(model)
         kinds = _kinds(container) if container is not None else {}
         all_layers = [k for keys in kinds.values() for k in keys]
@@ -415,7 +417,7 @@ def _global_params(params, pc: ParallelConfig) -> int:
     total = 0
     for p in params.values():
         n = p.numel()
-        for split in spec_of(p):
-            n *= sizes.get(split.mesh_dim, 1)
+        for split in spec_of(p):  # fused chunks know their global length (replicated kv heads count once)
+            n = n // p.shape[split.dim] * sum(split.chunks) if split.chunks else n * sizes.get(split.mesh_dim, 1)
         total += n
     return total

@@ -1,20 +1,18 @@
-"""`colozoo plan`: the planner's ranked plans for a model on a number of GPUs, from the command line."""
+"""`colozoo plan`: the planner's ranked plans for a model on a number of GPUs, from the command line. The parser
+needs no torch; the planner is imported when the command runs."""
 from __future__ import annotations
 
 import argparse
 import json
 from dataclasses import fields
 
-from colozoo.cost.hardware import Hardware, HardwareError
-from colozoo.cost.inference import plan_generation
+from colozoo.core.names import DTYPE_NAMES as DTYPES
+from colozoo.cost.hardware import PRESETS, Hardware, HardwareError
+from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.profile_cli import lora_targets
-from colozoo.cost.planner import plan
 
 
 def add_parser(subparsers):
-    from colozoo.cost.hardware import PRESETS
-    from colozoo.core.dtypes import NAMES as DTYPES
-    from colozoo.cost.setup import OPTIMIZER_BYTES
 
     p = subparsers.add_parser(
         "plan", help="choose tp/pp/dp/cp/ep, micro-batching, checkpointing, ZeRO and offload for a cluster",
@@ -67,6 +65,9 @@ def _overrides(items) -> dict:
 
 def _main(args) -> int:
     import warnings
+
+    from colozoo.cost.inference import plan_generation
+    from colozoo.cost.planner import plan
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.generate:

@@ -1,15 +1,13 @@
 """`colozoo profile`: the symbolic profiler from the command line, for a training step or (--generate) for
-generation."""
+generation. The parser needs no torch; the profiler is imported when the command runs."""
 from __future__ import annotations
 
 import argparse
 import json
 import warnings
 
-from colozoo.core.dtypes import NAMES as DTYPES
-from colozoo.cost.inference import profile_generation
-from colozoo.cost.profiler import profile
-from colozoo.cost.setup import OPTIMIZER_BYTES, PRICED_SCHEDULES
+from colozoo.core.names import DTYPE_NAMES as DTYPES
+from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES
 from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, ZERO_LEVELS
 
 
@@ -52,6 +50,9 @@ def add_parser(subparsers):
 
 
 def _main(args) -> int:
+    from colozoo.cost.inference import profile_generation
+    from colozoo.cost.profiler import profile
+
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.generate:
         found = profile_generation(args.name, batch_size=args.batch_size, seq_len=args.seq_len or 2048,

@@ -9,12 +9,11 @@ import torch
 
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
+from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES  # noqa: F401 - re-exported
 from colozoo.cost.trace import TARGETS
 from colozoo.runtime.plan import Plan
 
 
-PRICED_SCHEDULES = ("1f1b", "gpipe")  # what the cost model has formulas for (of colozoo.runtime.options.SCHEDULES)
-OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}  # fp32 state bytes per parameter
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # DistributedDataParallel's default bucket_cap_mb
 
 

@@ -6,7 +6,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from colozoo.layers.shard import local_part
+from colozoo.core.mesh import coords_of
+from colozoo.layers.shard import local_part, replicated_pieces
 from colozoo.runtime.errors import TrainingError
 
 
@@ -33,11 +34,28 @@ def global_grad_norm(model, norm_type: float = 2.0) -> torch.Tensor:
         replicated_over = "edp" if name in setup.experts else "dp_cp"
         if not setup.sharded and pc.rank(replicated_over) != 0:
             continue
-        g = local_part(p.grad).float()
+        g = _counted_here(p.grad, setup.specs[name], coords_of(pc)).float()
         acc = torch.maximum(acc, g.abs().max()) if norm_type == math.inf else acc + g.pow(2).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
     return acc if norm_type == math.inf else acc.sqrt()
+
+
+def _counted_here(grad, spec, coords) -> torch.Tensor:
+    """This rank's local gradient without the replicated pieces (kv heads over tp > kv heads) that another rank of
+    their replica group counts."""
+    skip = [(dim, l0, l1) for dim, l0, l1, _, primary in replicated_pieces(spec, coords) if not primary]
+    if not skip:
+        return local_part(grad)
+    keep = torch.ones(grad.shape, dtype=torch.bool, device=local_part(grad).device)
+    for dim, l0, l1 in skip:
+        keep.narrow(dim, l0, l1 - l0).fill_(False)
+    if hasattr(grad, "device_mesh"):  # FSDP2's shard over the data ranks: the rows of the mask that it holds
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+        keep = keep[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return local_part(grad)[keep]
 
 
 @torch.no_grad()

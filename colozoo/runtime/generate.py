@@ -5,6 +5,8 @@ One prefill of the (left-padded) prompts, then one token per step. Each rank kee
 the stages, so stages work on different micro-batches at once; the last stage chooses the next tokens and
 broadcasts them over the pp group. Token choice (colozoo.runtime.sampling) runs on identical logits with the same
 seeded generator on every rank that chooses, so every rank returns the same (batch, prompt + new) tensor.
+A model whose position encoding changes with the sequence length names the length at which the whole sequence is
+encoded again (`reencode_length`: Phi-3's LongRoPE switches to its long factors, as transformers' Phi-3 does).
 """
 from __future__ import annotations
 
@@ -68,11 +70,14 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     extra = {"output_router_logits": False} if hasattr(model, "router_statistics") else {}
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
     new = input_ids
+    reencode = getattr(model, "reencode_length", None)
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
     if streamer is not None:
         streamer.put(input_ids.cpu())
     for step in range(options.max_new_tokens):
         started = time.perf_counter()
+        if step and sequences.shape[1] == reencode:  # drop the cache, encode everything again
+            cache.length, new = 0, sequences
         positions = generation_positions(mask)[:, -new.shape[1]:]
         logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r), extra) for r in rows]
         cache.length += new.shape[1]

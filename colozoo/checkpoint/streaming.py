@@ -1,0 +1,159 @@
+"""Conversion writes at disk speed: reads, copies, hashing, writes and fsyncs overlapped, memory bounded.
+
+One reader thread reads global tensors in model order (pread releases the GIL); every output file has its own
+writer thread that appends its pieces in header order, hashing as it goes, and fsyncs the file once when its
+last piece is written (hashlib, writes and fsync release the GIL too). Two byte budgets bound memory: global
+tensors read but not yet fully written, and piece copies (a slice across rows, or a dtype cast) not yet written.
+A tensor larger than a budget goes alone, so peak memory stays near the largest tensor plus the budgets.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from colozoo.checkpoint.safetensors_io import SafetensorsWriter
+
+READ_AHEAD_BYTES = 160 << 20  # global tensors in flight (a larger one goes alone)
+COPY_BYTES = 64 << 20         # piece copies in flight (a larger one goes alone)
+
+
+class _Failed(Exception):
+    pass
+
+
+class ByteBudget:
+    """Bytes in flight: take() waits until n more fit under the limit, or until nothing else is in flight."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.failed = limit, 0, False
+        self.cv = threading.Condition()
+
+    def take(self, n: int):
+        with self.cv:
+            self.cv.wait_for(lambda: self.failed or self.used == 0 or self.used + n <= self.limit)
+            if self.failed:
+                raise _Failed
+            self.used += n
+
+    def give(self, n: int):
+        with self.cv:
+            self.used -= n
+            self.cv.notify_all()
+
+    def fail(self):
+        with self.cv:
+            self.failed = True
+            self.cv.notify_all()
+
+
+class _FileWriter:
+    """One output file written by its own thread, in the order its pieces were declared."""
+
+    def __init__(self, path: Path, entries: list):
+        self.path, self.entries = path, entries
+        self.writer: SafetensorsWriter | None = None
+        self.info: dict | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"colozoo-write-{path.name}")
+
+    def write(self, key, piece):
+        if self.writer is None:
+            self.writer = SafetensorsWriter(self.path, self.entries)
+        self.writer.write(key, piece)
+        if self.writer.next == len(self.entries):
+            self.info = self.writer.close()  # the file's one fsync
+
+    def abort(self):
+        if self.writer is not None and self.info is None:
+            self.writer.abort()
+
+
+def stream_pieces(plan: dict, tensors: dict, dtypes: dict, entries: dict, directory: Path, on_bytes=None,
+                  read_ahead: int = READ_AHEAD_BYTES, copy_bytes: int = COPY_BYTES) -> dict[str, dict]:
+    """Write every piece of `plan` ({name: [Piece]}) of the global `tensors` into `entries` ({file: [(key, dtype,
+    shape)]}) under `directory`. Returns {file: {"sha256", "size"}}; on any error (in any thread) every thread is
+    stopped, open files are closed and the error is raised here."""
+    tensors_budget, copies_budget = ByteBudget(read_ahead), ByteBudget(copy_bytes)
+    files = {f: _FileWriter(directory / f, es) for f, es in entries.items()}
+    reader = ThreadPoolExecutor(1, thread_name_prefix="colozoo-read")
+    errors: list[BaseException] = []
+    progress = threading.Lock()
+
+    def guarded(fn):
+        def run(*args):
+            try:
+                fn(*args)
+            except _Failed:
+                pass
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt included: raised in the caller
+                errors.append(e)
+                tensors_budget.fail()
+                copies_budget.fail()
+        return run
+
+    def write_piece(full, piece, dtype, done):
+        data = full[piece.index]
+        copy = 0 if data.is_contiguous() and data.dtype == dtype else data.numel() * dtype.itemsize
+        if copy:
+            copies_budget.take(copy)
+        try:
+            files[piece.file].write(piece.key, data.to(dtype).contiguous())
+        finally:
+            del data
+            if copy:
+                copies_budget.give(copy)
+            done()
+        if on_bytes is not None:
+            with progress:
+                on_bytes(piece_bytes(piece, dtype))
+
+    def split(name, charge):
+        full = tensors[name].read()
+        left = [len(plan[name])]
+        lock = threading.Lock()
+
+        def done():
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    tensors_budget.give(charge)
+
+        for piece in plan[name]:
+            files[piece.file].pool.submit(guarded(write_piece), full, piece, dtypes[name], done)
+
+    try:
+        for name in plan:
+            charge = nbytes(tensors[name])
+            tensors_budget.take(charge)
+            reader.submit(guarded(split), name, charge)
+        reader.shutdown(wait=True)
+        for f in files.values():
+            f.pool.shutdown(wait=True)
+    except BaseException as e:  # noqa: BLE001
+        if not isinstance(e, _Failed):
+            errors.insert(0, e)
+        tensors_budget.fail()
+        copies_budget.fail()
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
+        for f in files.values():
+            f.pool.shutdown(wait=True, cancel_futures=True)
+    if errors:
+        for f in files.values():
+            f.abort()
+        raise errors[0]
+    return {f: w.info for f, w in files.items()}
+
+
+def nbytes(tensor) -> int:
+    n = tensor.dtype.itemsize
+    for d in tensor.shape:
+        n *= d
+    return n
+
+
+def piece_bytes(piece, dtype) -> int:
+    n = dtype.itemsize
+    for d in piece.shape:
+        n *= d
+    return n

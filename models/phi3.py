@@ -1,0 +1,43 @@
+"""Phi-3: the LLaMA-style decoder (models.llama: RoPE, RMSNorm, grouped-query attention, SwiGLU, optional sliding
+window) with LongRoPE scaling in the 128k models, an optional partial rotary factor (Phi-3.5 / Phi-4-mini) and
+dropout on the embeddings (embd_pdrop) and on both block outputs (resid_pdrop); no linear has a bias. Its
+checkpoints store the fused `qkv_proj` and `gate_up_proj` in our [q; k; v] and [gate; up] layouts
+(converters/phi3.py)."""
+from __future__ import annotations
+
+from torch import nn
+
+from colozoo.layers import GatedMLP
+from colozoo.models.base import dropout
+
+from .llama import DecoderLayer, LlamaAttention, LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    family = "phi3"
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, pc, layer_ids, device, dtype)
+        self.family = type(self).family
+
+    def build_layer(self, layer_idx: int, config, pc, **kw) -> DecoderLayer:
+        return DecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
+                            self.build_mlp(layer_idx, config, pc, **kw), resid_dropout=config.resid_pdrop, **kw)
+
+    @property
+    def reencode_length(self) -> int:
+        """Where generate encodes the whole sequence again instead of extending its cache: past
+        original_max_position_embeddings LongRoPE rotates with its long factors, cached keys included (transformers'
+        Phi-3 drops its cache at this length whatever its RoPE type, so greedy decoding stays token-for-token equal)."""
+        return self.config.original_max_position_embeddings + 1
+
+    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        return LlamaAttention(config, pc, qkv_bias=False, out_bias=False, window=self.sliding_window, **kw)
+
+    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False, group=pc.tp_group,
+                        sequence_parallel=pc.sequence_parallel, **kw)
+
+    def embed(self, input_ids, ctx):
+        return dropout(self.embed_tokens(input_ids), self.config.embd_pdrop, self.training,
+                       sharded=self.sequence_parallel)

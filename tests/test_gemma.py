@@ -1,0 +1,238 @@
+"""Gemma 2 and Gemma 3 text against transformers: logits, loss and every gradient at tp 1/2/4 (sequence parallel on
+and off), with sequences longer than the sliding window and soft-capping that bites; converter round trips; greedy
+generation; context parallel (ring and all-to-all) against one process."""
+import pytest
+import torch
+
+from distributed import run_distributed
+from parity import LOGITS_ATOL, batch, causal_lm_parity, hf_causal_lm, hf_round_trip
+
+# layer 0 slides over 4 tokens, layer 1 sees everything; sequences are 12 long. Weights large enough (std 0.2) that
+# caps of 2.0 bite on scores and logits alike.
+GEMMA2 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+              query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=2.0, initializer_range=0.2)
+# two sliding layers (the local RoPE base) around a full one with linear RoPE scaling; q/k norms; a final cap
+GEMMA3 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+              query_pre_attn_scalar=24, final_logit_softcapping=2.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}})
+CONFIGS = {"gemma2": GEMMA2, "gemma3_text": GEMMA3}
+# transformers' Gemma 2 refuses SDPA (it cannot cap); Gemma 3 takes it, which treats the fully masked rows of left
+# padding as ours do (the loss reads one of them: the last pad predicts the first token)
+ATTENTION = {"gemma2": "eager", "gemma3_text": "sdpa"}
+WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # tp=4 shards whole kv heads
+
+
+def parity(family, tp=1, sp=False, **extra):
+    return causal_lm_parity(family, {**CONFIGS[family], **extra}, tp, sp, attn_implementation=ATTENTION[family])
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_gemma_single_process(family):
+    parity(family)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_gemma_tensor_parallel(family, tp, sp):
+    run_distributed(parity, tp, family, tp, sp, **(WIDE if tp == 4 else {}))
+
+
+def _logits_without(family, switch_off: str):
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+
+    config, hf = hf_causal_lm(family, CONFIGS[family], attn_implementation=ATTENTION[family])
+    ids, mask, _ = batch(config.vocab_size, 12)
+    model = build_model(config, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    model.eval()
+    for layer in model.layers.values():
+        if switch_off == "attention_softcap":
+            layer.self_attn.softcap = None
+        elif switch_off == "sliding_window":
+            layer.self_attn.window = None
+        elif switch_off == "local_rope":
+            layer.self_attn.local_rope = False
+    if switch_off == "final_softcap":
+        model.lm_head.softcap = None
+    keep = mask.bool()
+    return model(ids, attention_mask=mask, return_logits=True).logits[keep], hf(ids, attention_mask=mask).logits[keep]
+
+
+@pytest.mark.parametrize("family,switch_off", [("gemma2", "attention_softcap"), ("gemma2", "final_softcap"),
+                                               ("gemma2", "sliding_window"), ("gemma3_text", "local_rope"),
+                                               ("gemma3_text", "sliding_window")])
+def test_each_feature_matters(family, switch_off):
+    """The test configs are sensitive: without the feature the parity check would fail."""
+    ours, theirs = _logits_without(family, switch_off)
+    assert (ours - theirs).abs().max() > 100 * LOGITS_ATOL, switch_off
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_gemma_converter_round_trip(family):
+    hf_round_trip(family, CONFIGS[family], attn_implementation=ATTENTION[family])
+
+
+def test_gemma_converter_round_trip_tp2():
+    run_distributed(hf_round_trip, 2, "gemma3_text", GEMMA3, 2)
+    run_distributed(hf_round_trip, 2, "gemma2", GEMMA2, 2, attn_implementation="eager")
+
+
+# as transformers counts them on the same configs (tied embedding once)
+REGISTERED = {"gemma-2-2b": 2_614_341_888, "gemma-2-9b": 9_241_705_984, "google/gemma-2-27b": 27_227_128_320,
+              "gemma-3-1b-pt": 999_885_952, "gemma-3-4b-text": 3_880_263_168, "gemma-3-12b-text": 11_766_034_176,
+              "gemma-3-27b-text": 27_009_346_304}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_registered_gemma_configs_build_offline_with_the_published_sizes(name):
+    from colozoo.registry import count_parameters, get_config
+
+    assert count_parameters(get_config(name)) == REGISTERED[name]
+
+
+def greedy_matches_transformers(family, tp=1):
+    from test_generate import prompts
+
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.core.mesh import init_parallel, single_process
+
+    pc = init_parallel(tp=tp) if tp > 1 else single_process()
+    config, hf = hf_causal_lm(family, CONFIGS[family], attn_implementation=ATTENTION[family])
+    model = build_model(config, pc=pc, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    model.eval()
+    ids, mask = prompts(config.vocab_size)  # prompts of 5, 9 and 3 tokens, then 8 new: past the window of 4
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = hf.generate(ids, attention_mask=mask, **options)
+    got = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(got, expected), f"{family} tp={tp}:\nours {got.tolist()}\nhf   {expected.tolist()}"
+    return got.tolist()
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_gemma_greedy_generate_equals_transformers(family):
+    greedy_matches_transformers(family)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_gemma_greedy_generate_equals_transformers_tp2(family):
+    run_distributed(greedy_matches_transformers, 2, family, 2)
+
+
+def cp_parity(family, cp, mode, tp=1, sp=False):
+    """Context parallel against transformers: logits, loss and every gradient (summed over the cp ranks)."""
+    import torch.distributed as dist
+
+    from parity import close, global_shapes
+
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.converters import family_module
+    from colozoo.core.mesh import coords_of, init_parallel
+    from colozoo.layers.shard import gather_tensor, spec_of
+
+    pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sp)
+    config, hf = hf_causal_lm(family, CONFIGS[family], attn_implementation=ATTENTION[family])
+    ids, _, _ = batch(config.vocab_size, 16, padded=False)
+    mask = torch.ones_like(ids)
+    # right padding, with labels on it (the loss reads it); shorter than the window, so that no query sees only
+    # padding (such rows are noise, computed differently by transformers' eager attention and the ring)
+    mask[0, 13:] = 0
+    ref = hf(ids, attention_mask=mask, labels=ids)
+    ref.loss.backward()
+    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
+    model = build_model(config, pc=pc, device="meta")
+    weights = StateDictReader(hf.state_dict())
+    load_hf_weights(model, weights, device="cpu")
+    model.eval()
+    out = model(ids, attention_mask=mask, labels=ids, return_logits=True, cp_mode=mode)
+    out.loss.backward()
+    close(out.logits[mask.bool()], ref.logits[mask.bool()], LOGITS_ATOL, "logits")
+    close(out.loss, ref.loss, LOGITS_ATOL, "loss")
+    sources = family_module(model.family).hf_sources(config)
+    shapes = global_shapes(model, sources, weights)
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=pc.group("cp"))  # each cp rank holds its share of every gradient
+        full = gather_tensor(grad, spec_of(p), shapes[name], pc.groups, coords_of(pc))
+        close(full, GlobalTensor(hf_grads, sources[name], name).read(), 1e-5, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_gemma2_cp2_matches_transformers(mode):
+    # soft-capped scores and windows across the ring's blocks (chunks of 4, window 4)
+    run_distributed(cp_parity, 2, "gemma2", 2, mode)
+
+
+def test_gemma3_cp2_tp2_ring_matches_transformers():
+    run_distributed(cp_parity, 4, "gemma3_text", 2, "ring", 2, True)
+
+
+def cp_softcap_attention_matches():
+    """Ring and all-to-all attention with capped scores equal the one-process torch path: output and q/k/v gradients,
+    with and without a window."""
+    from test_context_parallel import _inputs
+
+    from parity import close
+
+    from colozoo.core.mesh import init_parallel
+    from colozoo.layers.attention import attention
+    from colozoo.layers.context_parallel import ContextParallel, full_mask, gather_sequence, shard_sequence
+
+    group = init_parallel(cp=2).group("cp")
+    q, k, v, dout, padding = _inputs()
+    padding[0] = 1  # right padding only, shorter than the window: every query sees a key
+    seq = q.shape[2]
+    for window in (None, 6):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = full_mask(padding, seq, True, window)
+        ref = attention(*leaves, mask, causal=True, softcap=1.0)
+        ref.backward(dout)
+        uncapped = attention(q, k, v, mask, causal=True)
+        assert (ref - uncapped).abs().max() > 1e-2  # the cap bites
+        for mode in ("ring", "all_to_all"):
+            cp = ContextParallel(group, mode, seq, padding)
+            local = [shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v)]
+            out = attention(*local, causal=True, cp=cp, window=window, softcap=1.0)
+            out.backward(shard_sequence(dout, group, dim=2))
+            got = [gather_sequence(out.detach(), group, dim=2)] + [gather_sequence(t.grad, group, dim=2)
+                                                                    for t in local]
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref] + [t.grad for t in leaves]):
+                close(a, b, 1e-5, f"{mode} window={window} {name}")
+
+
+def test_soft_capped_cp_attention_equals_one_process():
+    run_distributed(cp_softcap_attention_matches, 2)
+
+
+def test_gemma3_pipeline_parallel_pp2_tp2():
+    from parity import pipeline_parity
+
+    ids, mask, labels = batch(GEMMA3["vocab_size"], 12)
+    run_distributed(pipeline_parity, 4, "Gemma3ForCausalLM", {**GEMMA3, "tie_word_embeddings": True}, ids, mask,
+                    labels, 2, 2, True)
+
+
+def test_embedding_normaliser_is_rounded_to_the_activation_dtype():
+    """sqrt(72) = 8.485 is 8.5 in bf16: transformers scales bf16 embeddings by 8.5, and so do we, bit for bit."""
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+
+    config, hf = hf_causal_lm("gemma2", {**GEMMA2, "hidden_size": 72}, attn_implementation="eager")
+    hf = hf.to(torch.bfloat16)
+    model = build_model(config, device="meta", dtype=torch.bfloat16)
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    ids = batch(config.vocab_size, 12)[0]
+    ours, theirs = model.embed(ids, None), hf.model.embed_tokens(ids)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    assert not torch.equal(ours, (model.embed_tokens(ids).float() * 72 ** 0.5).to(torch.bfloat16))

@@ -1,0 +1,124 @@
+"""Phi-3 against transformers: logits, loss and every gathered gradient (fp32, vocab 101) at tp 1/2/4 with and
+without sequence parallelism, LongRoPE on both sides of original_max_position_embeddings, partial rotary, sliding
+window; the fused-checkpoint round trip bit for bit; greedy generate token for token, across the LongRoPE switch."""
+import pytest
+import torch
+
+from distributed import run_distributed
+from parity import causal_lm_parity, hf_causal_lm, hf_round_trip
+
+TIMEOUT = 240
+# 4 query heads over 2 kv heads (head_dim 16: 8 rotary frequencies); bos/eos inside the vocabulary
+BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # tp=4 shards whole kv heads (head_dim 8)
+
+
+def longrope(pairs: int, original: int = 8, partial: float = 1.0) -> dict:
+    """LongRoPE with distinct short and long factors per frequency; factor 32/8 gives an attention factor != 1."""
+    return dict(original_max_position_embeddings=original,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+                                 "short_factor": [1.0 + 0.25 * i for i in range(pairs)],
+                                 "long_factor": [1.0 + 3.0 * i for i in range(pairs)]})
+
+
+OPTIONS = {  # option: (config, sequence length)
+    "default": ({}, 12),
+    "longrope_long": (longrope(8), 12),   # 12 > original 8: the long factors
+    "longrope_short": (longrope(8), 6),   # 6 <= 8: the short factors
+    "partial_rotary_longrope": (longrope(4, partial=0.5), 12),  # only 8 of 16 features rotate
+    "partial_rotary": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.75}}, 12),
+    "sliding_window": ({"sliding_window": 4}, 12),
+}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_phi3_single_process(option):
+    config, seq_len = OPTIONS[option]
+    causal_lm_parity("phi3", {**BASE, **config}, tp=1, seq_len=seq_len)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_phi3_tensor_parallel_longrope(tp, sp):
+    # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary is always exercised
+    config = {**BASE, **longrope(8)} if tp == 2 else {**BASE, **WIDE, **longrope(4)}
+    run_distributed(causal_lm_parity, tp, "phi3", config, tp, sp, timeout=TIMEOUT)
+
+
+def test_phi3_partial_rotary_sliding_window_tp2():
+    config = {**BASE, **longrope(4, partial=0.5), "sliding_window": 4}
+    run_distributed(causal_lm_parity, 2, "phi3", config, 2, True, timeout=TIMEOUT)
+
+
+def test_phi3_converter_round_trip():
+    assert hf_round_trip("phi3", {**BASE, **longrope(8)}, tp=1) == 1 + 1 + 1 + 6 * BASE["num_hidden_layers"]
+
+
+def test_phi3_converter_round_trip_tp2():
+    run_distributed(hf_round_trip, 2, "phi3", {**BASE, **longrope(8)}, 2, timeout=TIMEOUT)
+
+
+def greedy_equals_transformers(model_type: str, config_kwargs: dict, tp: int = 1, new: int = 6):
+    """model.generate == transformers' generate (greedy, fp32) on left-padded prompts of 5, 9 and 3 tokens."""
+    from test_generate import prompts
+
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.core.mesh import init_parallel, single_process
+
+    pc = init_parallel(tp=tp) if tp > 1 else single_process()
+    config, hf = hf_causal_lm(model_type, config_kwargs)
+    model = build_model(config, pc=pc, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    model.eval()
+    ids, mask = prompts(config.vocab_size)
+    options = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = hf.generate(ids, attention_mask=mask, **options)
+    got = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(got, expected), f"{model_type} tp={tp}:\nours {got.tolist()}\nhf   {expected.tolist()}"
+    return got.tolist()
+
+
+# prompts 9 wide + 6 new tokens: the sequence passes original_max_position_embeddings=11 at its 3rd new token, where
+# the cache is encoded again with the long factors (weights large enough that keeping the short-rotated cache changes
+# the tokens); the sliding window (6) is shorter than the sequence
+GENERATE = {**BASE, **longrope(8, original=11), "sliding_window": 6, "initializer_range": 0.2}
+
+
+def test_phi3_greedy_generate_equals_transformers():
+    greedy_equals_transformers("phi3", GENERATE)
+
+
+def test_phi3_greedy_generate_equals_transformers_tp2():
+    results = run_distributed(greedy_equals_transformers, 2, "phi3", GENERATE, 2, timeout=TIMEOUT)
+    assert results[0] == results[1]
+
+
+REGISTERED = {"Phi-3-mini-4k-instruct": 3_821_079_552, "microsoft/Phi-3-mini-128k-instruct": 3_821_079_552,
+              "Phi-3-medium-4k-instruct": 13_960_238_080, "Phi-3-medium-128k-instruct": 13_960_238_080}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_registered_phi3_configs_have_the_published_sizes(name):
+    from colozoo.registry import count_parameters, get_config
+
+    assert count_parameters(get_config(name)) == REGISTERED[name]
+
+
+def test_registered_phi3_128k_symbolic_forward_past_the_original_length():
+    from colozoo.api import build_model
+    from colozoo.registry import get_config
+
+    model = build_model(get_config("Phi-3-mini-128k-instruct"), device="meta")
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    assert model(ids, labels=ids).loss.is_meta
+
+
+def test_phi3_pipeline_parallel_longrope():
+    from parity import batch, pipeline_parity
+
+    ids, mask, labels = batch(BASE["vocab_size"], 12)
+    config = {**BASE, **longrope(8), "num_hidden_layers": 4}
+    run_distributed(pipeline_parity, 2, "Phi3ForCausalLM", config, ids, mask, labels, 2, 1, False, timeout=TIMEOUT)
