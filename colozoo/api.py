@@ -17,10 +17,12 @@ from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_check
 from colozoo.checkpoint.format import ColozooCheckpoint
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.load import load_global_tensors
+from colozoo.checkpoint.peft import load_peft
 from colozoo.core.dtypes import parse_dtype
 from colozoo.core.mesh import init_parallel
 from colozoo.models import build_model as build_layers
 from colozoo.registry import config_from_dict, get_entry, lookup
+from colozoo.runtime.lora import apply_lora
 from colozoo.runtime.run import Run
 
 
@@ -95,13 +97,14 @@ def resolve(name_or_path: str | os.PathLike, allow_bin: bool = False, verify: bo
 def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1,
                     sequence_parallel: bool = False, dtype=None, device=None, allow_bin: bool = False,
                     verify: bool = True, plan: str | None = None, gpu_memory=None,
-                    layers_per_stage: list[int] | None = None, balance: str | None = None):
+                    layers_per_stage: list[int] | None = None, balance: str | None = None, adapter=None):
     """Build this rank's shard of a model and load its slices. `dtype=None` keeps the checkpoint's dtype;
     `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums.
     `plan="auto"` replaces the degrees by the planner's best plan for the current world size (the whole plan,
     micro-batching, checkpointing and offload included, is left on `model.run.plan`; colozoo.runtime.training.apply_plan(model)
     applies it). Pipeline stages hold `layers_per_stage` layers each, or a partition balanced by `balance`
-    ("params" by default, "flops", or "layers" for equal counts)."""
+    ("params" by default, "flops", or "layers" for equal counts). `adapter`: a PEFT LoRA adapter directory (written
+    by colozoo or by peft) attached on top, each rank reading only its slices; the base is then frozen."""
     device = torch.device(device) if device is not None else None
     source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
     config = source.config
@@ -115,11 +118,17 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
         chosen = best_plan_for_world(config, init_distributed(), gpu_memory=gpu_memory)
         tp, pp, dp, cp, ep, sequence_parallel = chosen.degrees().values()
     pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
-    layout = ModelLayout(config)
+    lora = source.lora if isinstance(source, ColozooCheckpoint) else None  # a checkpoint saved with adapters
+    layout = ModelLayout(config, lora=lora)
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
     dtype = parse_dtype(dtype) or source.tensor(next(iter(layout.tensors))).dtype
     model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
                         plan=chosen)
+    if lora is not None:
+        apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
+                   use_rslora=lora.use_rslora)
     load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
+    if adapter is not None:
+        load_peft(model, adapter)
     return model.eval()

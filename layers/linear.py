@@ -61,6 +61,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (shard(nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)), split)
                      if bias else None)
         _init_linear(self.weight, self.bias, in_features)
+        self.lora = None  # a layers.lora.LoRA adapter, once colozoo.runtime.lora.apply_lora attached one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -71,6 +72,8 @@ class ColumnParallelLinear(nn.Module):
         bias = sum_replica_grads(self.bias, self.replicated_rows, self.replica_group) if self.bias is not None else None
         fuse_bias = self.activation in GELU_APPROXIMATION and bias is not None and use_triton(x, weight, bias)
         y = F.linear(x, weight, None if fuse_bias else bias)
+        if self.lora is not None:  # before the activation: it acts on the linear's output
+            y = self.lora(x, y)
         if fuse_bias:
             y = bias_gelu(y, bias, GELU_APPROXIMATION[self.activation])
         elif self.act is not None:
@@ -95,11 +98,15 @@ class RowParallelLinear(nn.Module):
         self.weight = shard(nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype)), split)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        self.lora = None  # a layers.lora.LoRA adapter, once colozoo.runtime.lora.apply_lora attached one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:  # nothing to reduce: the bias rides in the matmul (addmm)
-            return F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.lora is None else self.lora(x, y)
         y = F.linear(x, self.weight)
+        if self.lora is not None:  # the low-rank path's partial output joins the partial sum before the reduce
+            y = self.lora(x, y)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
             bias = copy_to_parallel(self.bias, self.group) if self.bias is not None else None

@@ -161,5 +161,6 @@ class ParallelModel(nn.Module):
         return self._run().generate(input_ids, attention_mask=attention_mask, **options)
 
     def save_pretrained(self, path, format: str = "colozoo", **kwargs):
-        """Write a colozoo sharded checkpoint (collectively, each rank its shard) or, with format="hf", an HF directory."""
+        """Write a colozoo sharded checkpoint (collectively, each rank its shard), with format="hf" an HF directory
+        (merge_lora=True folds LoRA adapters in), with format="peft" the LoRA adapters as PEFT writes them."""
         return self._run().save_pretrained(path, format=format, **kwargs)

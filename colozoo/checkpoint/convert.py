@@ -12,6 +12,7 @@ into a temp dir beside the destination and renamed at the end.
 """
 from __future__ import annotations
 
+import dataclasses
 import resource
 import shutil
 import time
@@ -31,7 +32,10 @@ from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
 from colozoo.checkpoint.load import HFTensors
 from colozoo.checkpoint.sources import index_files
 from colozoo.core.errors import CheckpointError
+from colozoo.checkpoint.collective import collective as _collective, world as _world
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+from colozoo.checkpoint.peft import save_peft
+from colozoo.runtime.lora import lora_modules, lora_settings, merged_lora
 from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from colozoo.checkpoint.streaming import nbytes, stream_pieces
 
@@ -163,30 +167,6 @@ def convert(src, dst, tp: int = 1, pp: int = 1, ep: int = 1, dtype=None, to_hf: 
 
 # --- collective save of a live model -----------------------------------------------------------------------
 
-def _world():
-    initialized = dist.is_available() and dist.is_initialized()
-    return (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
-
-
-def _collective(what: str, fn) -> list:
-    """Run `fn` on every rank; if it fails anywhere, every rank raises (no rank is left waiting). Returns all results."""
-    try:
-        mine, error = (None, fn()), None
-    except Exception as e:  # noqa: BLE001 - reported to every rank
-        mine, error = (f"{type(e).__name__}: {e}", None), e
-    _, world = _world()
-    gathered = [mine]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-    if error is not None:
-        raise error
-    failed = [(rank, message) for rank, (message, _) in enumerate(gathered) if message]
-    if failed:
-        raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
-    return [result for _, result in gathered]
-
-
 def _prepare(dst: Path, tmp: Path, rank: int):
     check_destination(dst)
     if rank == 0:
@@ -256,10 +236,23 @@ def _stage_layers(model) -> list[list[int]] | None:
     return every_rank
 
 
+def _lora_of_every_stage(model):
+    """The LoRA settings of the whole model (collective over pp): each stage knows only its own adapted modules."""
+    settings = lora_settings(model)
+    if model.pc.config.pp == 1:
+        return settings
+    every_stage = [None] * model.pc.config.pp
+    dist.all_gather_object(every_stage, settings, group=model.pc.group("pp"))
+    found = [s for s in every_stage if s is not None]
+    if not found:
+        return None
+    return dataclasses.replace(found[0], targets=tuple(sorted({t for s in found for t in s.targets})))
+
+
 def _save_colozoo(model, dst: Path):
     rank, _ = _world()
     tmp = dst.parent / f".{dst.name}.tmp-colozoo"
-    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model))
+    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), lora=_lora_of_every_stage(model))
     _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank))
     def write_index_and_publish(shards):
         if rank == 0:
@@ -275,12 +268,24 @@ def _save_colozoo(model, dst: Path):
         raise
 
 
-def save_pretrained(model, path, format: str = "colozoo", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+def save_pretrained(model, path, format: str = "colozoo", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    merge_lora: bool = False):
     """Save a live sharded model: every rank writes its own shard of a colozoo checkpoint (atomic as a whole);
-    with format="hf", rank 0 then exports that into an HF directory."""
+    with format="hf", rank 0 then exports that into an HF directory (a LoRA model only with merge_lora=True: the
+    adapters folded into the weights); with format="peft", the LoRA adapters as PEFT writes them."""
     dst = Path(path)
-    if format not in ("colozoo", "hf"):
-        raise ValueError(f"format must be 'colozoo' or 'hf', got {format!r}")
+    if format not in ("colozoo", "hf", "peft"):
+        raise ValueError(f"format must be 'colozoo', 'hf' or 'peft', got {format!r}")
+    if format == "peft":
+        return save_peft(model, dst)
+    if merge_lora:
+        if format != "hf":
+            raise ValueError("merge_lora=True goes with format='hf' (the merged model as transformers loads it)")
+        with merged_lora(model):
+            return save_pretrained(model, dst, format="hf", max_shard_bytes=max_shard_bytes)
+    if lora_modules(model) and format == "hf":
+        raise ValueError("this model has LoRA adapters: save them with format='peft', or export merged weights "
+                         "with format='hf', merge_lora=True")
     if format == "colozoo":
         return _save_colozoo(model, dst)
     rank, _ = _world()

@@ -84,9 +84,12 @@ def plan_mesh(layout: ModelLayout, tp: int, pp: int, ep: int) -> dict[str, list[
 
 def make_index(layout: ModelLayout, mesh: dict, tensors: dict[str, dict], files: dict[str, dict]) -> dict:
     config = layout.config
-    return {"format": "colozoo", "format_version": FORMAT_VERSION, "family": config.model_type,
-            "architecture": (getattr(config, "architectures", None) or [None])[0],
-            "mesh": mesh, "config": config.to_dict(), "tied": layout.aliases, "tensors": tensors, "files": files}
+    index = {"format": "colozoo", "format_version": FORMAT_VERSION, "family": config.model_type,
+             "architecture": (getattr(config, "architectures", None) or [None])[0],
+             "mesh": mesh, "config": config.to_dict(), "tied": layout.aliases, "tensors": tensors, "files": files}
+    if layout.lora is not None:
+        index["lora"] = layout.lora.to_json()
+    return index
 
 
 def tensor_entry(info: TensorInfo, dtype: torch.dtype, pieces) -> dict:
@@ -227,6 +230,18 @@ class ColozooCheckpoint:
     def mesh(self) -> dict:
         return self.index["mesh"]
 
+    @property
+    def lora(self):
+        """The LoraSettings of the adapters the checkpoint holds, or None."""
+        if "lora" not in self.index:
+            return None
+        from colozoo.runtime.lora import LoraSettings
+
+        try:
+            return LoraSettings.from_json(self.index["lora"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{self.path / INDEX_NAME}: its 'lora' entry is malformed: {e!r}") from None
+
     def names(self) -> list[str]:
         return list(self.index["tensors"])
 
@@ -265,6 +280,10 @@ class ColozooCheckpoint:
         if missing:
             raise CheckpointError(f"tensors missing from the checkpoint {self.path}: {missing[:8]}"
                                   f"{' ...' if len(missing) > 8 else ''}")
+        if unexpected and all(".lora." in n for n in unexpected):
+            raise CheckpointError(f"the checkpoint {self.path} holds LoRA adapters, which this model (or HF export) "
+                                  f"lacks: load it with colozoo.from_pretrained, or export merged weights with "
+                                  f"model.save_pretrained(path, format='hf', merge_lora=True)")
         if unexpected:
             raise CheckpointError(f"unexpected tensors in the checkpoint {self.path}: {unexpected[:8]}"
                                   f"{' ...' if len(unexpected) > 8 else ''}")

@@ -29,6 +29,15 @@ def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | 
                        layer_ids=layer_ids, device="meta")
 
 
+def _with_lora(model, lora):
+    if lora is not None:
+        from colozoo.runtime.lora import apply_lora
+
+        apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
+                   use_rslora=lora.use_rslora)
+    return model
+
+
 def check_mesh(config, tp: int = 1, pp: int = 1, ep: int = 1) -> "ModelLayout":
     """Let every stage's model check the degrees without a job; returns the layout, read off those models."""
     return ModelLayout(config, pp, tp=tp, ep=ep)
@@ -44,15 +53,17 @@ class TensorInfo:
 class ModelLayout:
     """The global tensors of a model (canonical names, in model order), their specs and pipeline stages."""
 
-    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None, tp: int = 1, ep: int = 1):
+    def __init__(self, config, pp: int = 1, stage_layers: list[list[int]] | None = None, tp: int = 1, ep: int = 1,
+                 lora=None):
         """`stage_layers`: every pp rank's global layer indices, where a model was split other than by default.
         Each stage's meta model is built once, at (tp, ep), which checks those degrees; a tensor belongs to the
-        first stage that holds it (a tied copy on the last stage is not another tensor)."""
-        self.config, self.pp = config, pp
+        first stage that holds it (a tied copy on the last stage is not another tensor). `lora`: the LoraSettings
+        of the model's adapters (colozoo.runtime.lora), whose tensors it then has too."""
+        self.config, self.pp, self.lora = config, pp, lora
         self.aliases, self.tensors = {}, {}
         for rank in range(pp):
             layer_ids = stage_layers[rank] if stage_layers is not None else None
-            stage = build_virtual(config, pp, rank, layer_ids, tp, ep)
+            stage = _with_lora(build_virtual(config, pp, rank, layer_ids, tp, ep), lora)
             self.aliases.update(_tied_aliases(stage))
             for name, p in stage.named_parameters():
                 name = self.canonical(name)

@@ -14,6 +14,23 @@ from colozoo.cost.setup import DDP_BUCKET_BYTES, OPTIMIZER_BYTES, ProfilerError,
 from colozoo.runtime.plan import Plan
 
 
+def _lora_states(mt, plan, workload, keys, weights, shard):
+    """(weights, grads, master, optimizer bytes, trainable count) of a stage under LoRA: the frozen base weights as
+    before, plus fp32 adapters (no master copy) that alone have gradients and optimizer states; ZeRO shards them
+    like any parameter."""
+    from colozoo.cost.lora import adapter_params_per_layer
+
+    counts = adapter_params_per_layer(mt.config, plan.tp, workload.lora_r, workload.lora_targets)
+    n = sum(counts.get(str(k), 0) for k in keys)
+    adapters = 4.0 * n
+
+    def sharded(level):
+        return shard if plan.zero >= level and shard > 1 else 1
+
+    return (weights + adapters / sharded(3), adapters / sharded(2), 0.0,
+            float(OPTIMIZER_BYTES[workload.optimizer] * n) / sharded(1), n)
+
+
 def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch."""
     from colozoo.core.partition import model_stage_layers, stage_layers
@@ -64,6 +81,9 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
         if plan.zero >= 3:
             weights *= kept
         cpu = 0.0
+        n_lora = 0
+        if workload.lora_r:  # the base is frozen: gradients, master weights and optimizer states for adapters only
+            weights, grads, master, optim, n_lora = _lora_states(mt, plan, workload, keys, weights, shard)
         if plan.offload in ("optimizer", "params"):
             cpu += master + optim
             master = optim = 0.0
@@ -99,7 +119,10 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
         peak = weights + master + optim + fsdp + dynamic
         stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
                                      master, optim, fsdp, activations, transient, peak, cpu, inflight, int(fwd),
-                                     int(bwd), *_stage_comm(parts, keys, plan, param_bytes, s, len(stages))))
+                                     int(bwd), *_stage_comm(parts, keys, plan, param_bytes, s, len(stages),
+                                                                4.0 * n_lora if workload.lora_r else None)))
+        if workload.lora_r:
+            stage_costs[-1].trainable = n_lora
         comm_by_stage.append(stage_costs[-1].comm)
     busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
     total, name = mt.total_params, mt.name
@@ -168,7 +191,7 @@ def _recompute_flops(u: UnitCost, policy: str) -> int:
     return 0
 
 
-def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages) -> tuple[dict, dict]:
+def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages, grad_bytes=None) -> tuple[dict, dict]:
     """Bytes each rank of stage `s` moves per step, and how many collective calls carry them, by group and
     collective (the calls are what latency costs: many small collectives are slow on any network)."""
     m = plan.num_microbatches
@@ -193,15 +216,16 @@ def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages) -> tuple[dict
     if plan.cp > 1:  # ring attention: K and V of every other cp rank pass by, forward and twice in backward
         add("cp.send_recv", 3 * 2 * boundary * (plan.cp - 1) * len(keys) * m, 3 * (plan.cp - 1) * len(keys) * m)
     shard = plan.dp * plan.cp
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes  # LoRA: only the adapters' gradients
     if shard > 1:
         units = len(keys) + 1  # FSDP wraps every layer and the stage (embeddings, head) around them
-        buckets = max(1, math.ceil(param_bytes / DDP_BUCKET_BYTES))
+        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
         if plan.zero >= 3:  # gathered for forward and again for backward; reduced after the last micro-batch
             add("dp_cp.all_gather", 2 * param_bytes * m, (2 * units - 1) * m)
-            add("dp_cp.reduce_scatter", param_bytes, units)
+            add("dp_cp.reduce_scatter", grad_bytes, units)
         elif plan.zero >= 1:
-            add("dp_cp.reduce_scatter", param_bytes, buckets)
-            add("dp_cp.all_gather", param_bytes, buckets)
+            add("dp_cp.reduce_scatter", grad_bytes, buckets)
+            add("dp_cp.all_gather", grad_bytes, buckets)
         else:
-            add("dp_cp.all_reduce", param_bytes, buckets)
+            add("dp_cp.all_reduce", grad_bytes, buckets)
     return dict(out), dict(calls)

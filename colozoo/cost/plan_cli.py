@@ -9,6 +9,7 @@ from dataclasses import fields
 from colozoo.core.names import DTYPE_NAMES as DTYPES
 from colozoo.cost.hardware import PRESETS, Hardware, HardwareError
 from colozoo.cost.priced import OPTIMIZER_BYTES
+from colozoo.cost.profile_cli import lora_targets
 
 
 def add_parser(subparsers):
@@ -30,6 +31,8 @@ def add_parser(subparsers):
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
     p.add_argument("--no-offload", action="store_true", help="never offload to CPU memory")
+    p.add_argument("--lora-r", type=int, default=0, help="plan LoRA fine-tuning with adapters of this rank (0: full)")
+    p.add_argument("--lora-targets", default="all-linear", help="comma-separated HF module names, or all-linear")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the hardware preset, e.g. --set inter_node_bw=100e9 "
                         "--set collective_latency_s=2e-5 (fields: " + ", ".join(_numeric_fields()) + ")")
@@ -76,7 +79,7 @@ def _main(args) -> int:
         result = plan(args.name, gpus=args.gpus, gpu_memory=args.gpu_memory, hardware=args.hardware,
                       gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,
                       dtype=args.dtype, optimizer=args.optimizer, allow_offload=not args.no_offload,
-                      **_overrides(args.set))
+                      lora_r=args.lora_r, lora_targets=lora_targets(args.lora_targets), **_overrides(args.set))
     except HardwareError as e:
         raise ValueError(str(e)) from None
     if args.json:

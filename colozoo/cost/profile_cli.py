@@ -16,7 +16,15 @@ def add_setup_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, max positions))")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA fine-tuning with adapters of this rank (base "
+                                                                 "frozen; 0: full fine-tuning)")
+    parser.add_argument("--lora-targets", default="all-linear", help="comma-separated HF module names the adapters "
+                                                                     "go on, or all-linear")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def lora_targets(text: str):
+    return text if text == "all-linear" else tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def add_parser(subparsers):
@@ -53,6 +61,7 @@ def _main(args) -> int:
         return 0
     report = profile(args.name, batch_size=args.batch_size, seq_len=args.seq_len, mesh=args.mesh or None,
                      dtype=args.dtype, checkpointing=args.checkpointing, optimizer=args.optimizer, zero=args.zero,
-                     num_microbatches=args.microbatches, schedule=args.schedule, offload=args.offload)
+                     num_microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
+                     lora_r=args.lora_r, lora_targets=lora_targets(args.lora_targets))
     print(report.to_json(indent=1) if args.json else report.table())
     return 0

@@ -48,6 +48,7 @@ class StageCost:
     bwd_flops: int               # including recomputation
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per step
     comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per step (what latency costs)
+    trainable: int = -1          # local trainable parameter count (-1: all of `params`; with LoRA: the adapters)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class ProfileReport:
     model: str
     mesh: dict
     plan: dict                   # the colozoo.runtime.plan.Plan priced, as a dict
-    workload: dict               # seq_len, dtype, optimizer, target (colozoo.cost.setup.Workload)
+    workload: dict               # seq_len, dtype, optimizer, target, LoRA (colozoo.cost.setup.Workload)
     num_layers: int
     total_params: int            # global, tied weights once, vocab padding included
     units: list                  # UnitCost as dicts
@@ -95,15 +96,18 @@ class ProfileReport:
                 if s["fwd_flops"] or s["bwd_flops"] or s["saved_bytes"]:
                     ops.add_row(u["name"], op, str(s["calls"]), flops(s["fwd_flops"]), flops(s["bwd_flops"]),
                                 human(s["saved_bytes"]))
-        stages = Table(title="memory per rank, training step")
-        for col in ("stage", "layers", "weights", "grads", "master", "optim", "fsdp buf", "activations", "transient",
-                    "peak", "CPU"):
+        lora = self.workload.get("lora_r", 0)
+        stages = Table(title="memory per rank, training step" + (f" (LoRA r={lora}: trainable = adapters)" if lora else ""))
+        for col in ("stage", "layers", "trainable", "weights", "grads", "master", "optim", "fsdp buf", "activations",
+                    "transient", "peak", "CPU"):
             stages.add_column(col, justify="right")
         for s in self.stages:
             ids = s["layers"]
             span = f"{ids[0]}-{ids[-1]}" if ids else "-"
-            stages.add_row(str(s["stage"]), span, *(human(s[k]) for k in ("weights", "grads", "master", "optimizer",
-                           "fsdp_buffers", "activations", "transient", "peak", "cpu_bytes")))
+            trainable = s["params"] if s.get("trainable", -1) < 0 else s["trainable"]
+            stages.add_row(str(s["stage"]), span, f"{trainable:,}", *(human(s[k]) for k in (
+                "weights", "grads", "master", "optimizer", "fsdp_buffers", "activations", "transient", "peak",
+                "cpu_bytes")))
         comm = Table(title="communication per step per rank")
         comm.add_column("collective")
         comm.add_column("bytes", justify="right")

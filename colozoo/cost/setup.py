@@ -91,6 +91,8 @@ class Workload:
     dtype: str = "bfloat16"              # parameter and activation dtype; 16-bit keeps fp32 master weights
     optimizer: str = "adamw"
     target: str = "cuda"                 # whose attention kernels: cuda (flash), cpu or eager (unfused GPU)
+    lora_r: int = 0                      # > 0: LoRA fine-tuning, base frozen, only fp32 adapters train
+    lora_targets: str | tuple = "all-linear"  # HF module names, as colozoo.runtime.lora.apply_lora takes them
 
     def check(self):
         if self.dtype not in DTYPES:
@@ -99,6 +101,8 @@ class Workload:
             raise ProfilerError(f"optimizer {self.optimizer!r} not one of {sorted(OPTIMIZER_BYTES)}")
         if self.target not in TARGETS:
             raise ProfilerError(f"target {self.target!r} not one of {TARGETS}")
+        if not isinstance(self.lora_r, int) or self.lora_r < 0:
+            raise ProfilerError(f"lora_r must be a non-negative integer (0: no LoRA), got {self.lora_r!r}")
         if self.seq_len < 1:
             raise ProfilerError(f"seq_len must be >= 1, got {self.seq_len}")
 

@@ -110,7 +110,7 @@ def _stash_tied_grad(model, setup):
 
 def _sum_tied_grad(model, setup, previous):
     p = _tied_param(model, setup)
-    if p is None:
+    if p is None or not p.requires_grad:  # frozen (LoRA): no gradient to sum
         return
     if p.grad is None:
         p.grad = torch.zeros_like(p)

@@ -67,7 +67,7 @@ def apply_plan(model, plan: Plan | None = None, mixed_precision: str | None = No
 
 def build_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                     offload: str | None = None, **kwargs):
-    """AdamW over this rank's local shards (FSDP's DTensor shards or the tp/pp-local parameters). With
+    """AdamW over this rank's trainable local shards (FSDP's DTensor shards or the tp/pp-local parameters). With
     offload="optimizer" (by default what parallelize() was given) an OffloadedAdamW keeping master weights
     and states in CPU memory; under offload="params" FSDP2 already keeps the shards there."""
     setup = training_setup(model)
@@ -77,9 +77,10 @@ def build_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e
     if offload == "params" and setup.offload != "params":
         raise TrainingError("build_optimizer(offload='params') needs parallelize(model, offload='params'): "
                             "FSDP2 moves the parameters, not the optimizer")
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters only
     if offload == "optimizer":
-        return OffloadedAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+        return OffloadedAdamW(trainable, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+    return torch.optim.AdamW(trainable, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
 
 
 __all__ = ["parallelize", "apply_plan", "build_optimizer", "forward_backward", "clip_grad_norm_", "global_grad_norm",

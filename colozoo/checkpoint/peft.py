@@ -1,0 +1,156 @@
+"""LoRA adapters in PEFT's format: a directory with `adapter_config.json` and `adapter_model.safetensors`, whose
+tensors carry the names PEFT gives them on the transformers model (`base_model.model.<HF module>.lora_A.weight`,
+`...lora_B.weight`; A (r, in) and B (out, r) whatever the module, GPT-2's Conv1D too: fan_in_fan_out only says how
+PEFT merges them).
+
+    model.save_pretrained(path, format="peft")      # gathered from the shards, rank 0 writes (temp dir, rename)
+    colozoo.from_pretrained(base, adapter=path, tp=4)   # any mesh, each rank reading only its slices
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from colozoo.checkpoint.collective import collective, world
+from colozoo.checkpoint.atomic import atomic_directory, check_destination
+from colozoo.checkpoint.load import copy_slices
+from colozoo.checkpoint.safetensors_io import SafetensorsReader
+from colozoo.checkpoint.sources import GlobalTensor
+from colozoo.converters import family_module
+from colozoo.converters.source import Source
+from colozoo.core.errors import CheckpointError
+from colozoo.core.mesh import coords_of
+from colozoo.layers.shard import gather_tensor
+from colozoo.runtime.lora import LoraSettings, apply_lora, hf_linear_modules, lora_modules, lora_settings
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+# PEFT options colozoo does not implement: a directory using one is refused rather than loaded wrongly
+UNSUPPORTED = {"use_dora": False, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+               "modules_to_save": None, "bias": "none", "lora_bias": False}
+
+
+def peft_names(hf_module: str) -> tuple[str, str]:
+    return f"{PREFIX}{hf_module}.lora_A.weight", f"{PREFIX}{hf_module}.lora_B.weight"
+
+
+def _full(t: torch.Tensor, spec, shape, pc) -> torch.Tensor:
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP: the dp shards first
+    return gather_tensor(t.detach(), spec, shape, pc.groups, coords_of(pc)).cpu()
+
+
+def gather_adapters(model) -> dict[str, torch.Tensor]:
+    """This stage's adapters under PEFT's names, on the rank that owns them (tp rank 0 of the first data rank);
+    collective over tp and FSDP's data ranks."""
+    pc, out = model.pc, {}
+    owner = pc.rank("tp") == 0 and pc.rank("dp_cp") == 0
+    for lora in lora_modules(model).values():
+        (a_shape, b_shape) = lora.global_shapes
+        a, b = _full(lora.A, lora.a_spec, a_shape, pc), _full(lora.B, lora.b_spec, b_shape, pc)
+        if owner:
+            for hf, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0)):
+                name_a, name_b = peft_names(hf)
+                out[name_a], out[name_b] = a_i.contiguous(), b_i.contiguous()
+    return out
+
+
+def adapter_config(model, settings: LoraSettings, targets: list[str]) -> dict:
+    sources = family_module(model.config.model_type).hf_sources(model.config)
+    conv1d = {n.removesuffix(".weight") for s in sources.values() if s.transpose for n in s.names}
+    architecture = (getattr(model.config, "architectures", None) or [""])[0]
+    task = "CAUSAL_LM" if architecture.endswith("ForCausalLM") or architecture.endswith("LMHeadModel") else None
+    return {"peft_type": "LORA", "task_type": task, "base_model_name_or_path": getattr(model.config, "_name_or_path", None) or None,
+            "r": settings.r, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+            "use_rslora": settings.use_rslora, "target_modules": targets,
+            "fan_in_fan_out": any(t in conv1d for t in targets), "init_lora_weights": True, "inference_mode": True,
+            **UNSUPPORTED}
+
+
+def save_peft(model, path):
+    """Write the model's adapters as a PEFT adapter directory (collective; rank 0 writes, atomically)."""
+    dst = Path(path)
+    rank, size = world()
+    collective(f"preparing {dst}", lambda: check_destination(dst))
+    mine = gather_adapters(model)
+    settings = lora_settings(model)
+    everything = [(mine, settings)]
+    if size > 1:
+        everything = [None] * size
+        dist.all_gather_object(everything, (mine, settings))
+
+    def write():
+        if rank != 0:
+            return
+        tensors = {k: v for part, _ in everything for k, v in part.items()}
+        found = [s for _, s in everything if s is not None]
+        if not tensors or not found:
+            raise CheckpointError("the model has no LoRA adapters to save (colozoo.runtime.lora.apply_lora adds them)")
+        targets = sorted({k.removeprefix(PREFIX).removesuffix(".lora_A.weight") for k in tensors if k.endswith("A.weight")})
+        config = adapter_config(model, found[0], targets)
+        with atomic_directory(dst) as tmp:
+            save_file(dict(sorted(tensors.items())), tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+    collective(f"writing the adapter {dst}", write)
+
+
+def read_adapter_config(path) -> LoraSettings:
+    """The LoRA settings of a PEFT adapter directory, refused with a clear error where colozoo cannot honour them."""
+    path = Path(path)
+    file = path / ADAPTER_CONFIG
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is corrupted: {e}") from None
+    if config.get("peft_type") != "LORA":
+        raise CheckpointError(f"{file}: only LoRA adapters are supported, this one is {config.get('peft_type')!r}")
+    for key, default in UNSUPPORTED.items():
+        if config.get(key, default) not in (default, None, {}, "none", False):
+            raise CheckpointError(f"{file}: {key}={config[key]!r} is not supported by colozoo's LoRA")
+    targets = config.get("target_modules")
+    if not targets:
+        raise CheckpointError(f"{file} names no target_modules")
+    return LoraSettings(int(config["r"]), config.get("lora_alpha", 8), config.get("lora_dropout", 0.0),
+                        targets if isinstance(targets, str) else tuple(targets), bool(config.get("use_rslora", False)))
+
+
+@torch.no_grad()
+def load_peft(model, path):
+    """Attach the adapters of a PEFT directory to `model` (apply_lora with its settings) and fill them with this
+    rank's slices, read straight from the file."""
+    path = Path(path)
+    settings = read_adapter_config(path)
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise CheckpointError(f"{path} has no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read)")
+    reader = SafetensorsReader(path / ADAPTER_WEIGHTS)
+    known = {n for names in hf_linear_modules(model.config).values() for n in names}
+    stray = [k for k in reader.names() if k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) not in known]
+    if stray:
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: tensors for modules this {model.config.model_type} model "
+                              f"does not have: {stray[:4]}")
+    apply_lora(model, r=settings.r, alpha=settings.alpha, dropout=settings.dropout, targets=settings.targets,
+               use_rslora=settings.use_rslora)
+    adapted = {hf for lora in lora_modules(model).values() for hf in lora.hf_modules}
+    left = sorted({k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) for k in reader.names()} - adapted)
+    if left and model.pc.config.pp == 1:  # (a pipeline stage sees only its own layers' adapters)
+        raise CheckpointError(f"{path}: adapters of {left[:4]} have no tensor-parallel linear to attach to in colozoo "
+                              f"(a pooler or head is a plain linear here)")
+    coords = coords_of(model.pc)
+    for lora in lora_modules(model).values():
+        names = [peft_names(hf) for hf in lora.hf_modules]
+        for param, spec, shape, which in ((lora.A, lora.a_spec, lora.global_shapes[0], 0),
+                                          (lora.B, lora.b_spec, lora.global_shapes[1], 1)):
+            tensor = GlobalTensor(reader, Source.of(*(n[which] for n in names)), f"{lora.hf_modules}")
+            if tuple(tensor.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: the adapter of {lora.hf_modules} has shape {tuple(tensor.shape)}, "
+                                      f"the model expects {tuple(shape)} (r={settings.r})")
+            copy_slices(tensor, param, spec, coords)
+    return model
+

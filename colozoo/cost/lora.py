@@ -1,0 +1,31 @@
+"""LoRA in the cost model: how many adapter parameters each layer puts on one tp rank, counted on a meta model
+with colozoo.runtime.lora.apply_lora (so the count follows the same targets and fused-chunk layout as training).
+Column-parallel bases keep A whole and split B over tp; row-parallel bases split A and keep B whole."""
+from __future__ import annotations
+
+from colozoo.core.mesh import ParallelContext
+from colozoo.cost.setup import ProfilerError
+
+_CACHE: dict = {}
+
+
+def adapter_params_per_layer(config, tp: int, r: int, targets) -> dict[str, int]:
+    """{global layer index (as a string): adapter parameters on one tp rank of that layer's stage}."""
+    from colozoo.models import build_model
+    from colozoo.runtime.lora import apply_lora, lora_modules
+
+    if config is None:
+        raise ProfilerError("LoRA costs need the model's config (profile a registered name or a config)")
+    targets = targets if isinstance(targets, str) else tuple(targets)
+    key = (id(config), tp, r, targets)
+    if key not in _CACHE:
+        model = build_model(config, pc=ParallelContext.virtual(), device="meta")
+        apply_lora(model, r=r, targets=targets)
+        counts: dict[str, int] = {}
+        for name, lora in lora_modules(model).items():
+            a, b = lora.A.numel(), lora.B.numel()
+            local = (a // tp + b) if lora.row else (a + b // tp)
+            layer = name.split(".")[1]  # every adapted linear sits in a layer: "layers.{i}...."
+            counts[layer] = counts.get(layer, 0) + local
+        _CACHE[key] = counts
+    return _CACHE[key]

@@ -1,0 +1,168 @@
+"""LoRA on a sharded model: `apply_lora` attaches a `layers.lora.LoRA` to every targeted tensor-parallel linear and
+freezes everything else.
+
+    model = colozoo.from_pretrained("opt-1.3b", tp=2)
+    apply_lora(model, r=16, alpha=32, targets=("q_proj", "v_proj"))   # or targets="all-linear"
+
+Targets are HF module names, matched as PEFT matches them (the whole name, or its last dot-separated parts; a
+single string other than "all-linear" is a regex the whole name must match). They are mapped onto our modules
+through the family's converter map: the HF tensors of our fused `qkv` / `gate_up` weight name one HF module per
+fused chunk, so `q_proj` adapts the q chunk of `qkv` only.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+import zlib
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+from colozoo.converters import family_module
+from colozoo.layers.linear import ColumnParallelLinear, RowParallelLinear
+from colozoo.layers.lora import LoRA
+from colozoo.layers.shard import spec_of
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What rebuilds a model's adapters (kept in colozoo checkpoints; PEFT's adapter_config says the same)."""
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] | str = ("q_proj", "v_proj")
+    use_rslora: bool = False
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["targets"] = self.targets if isinstance(self.targets, str) else list(self.targets)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LoraSettings":
+        targets = d["targets"]
+        return cls(d["r"], d["alpha"], d.get("dropout", 0.0), targets if isinstance(targets, str) else tuple(targets),
+                   d.get("use_rslora", False))
+
+
+def hf_linear_modules(config) -> dict[str, tuple[str, ...]]:
+    """{our module name: the HF module name of each of its fused chunks} for every weight in the family map."""
+    sources = family_module(config.model_type).hf_sources(config)
+    return {name.removesuffix(".weight"): tuple(n.removesuffix(".weight") for n in source.names)
+            for name, source in sources.items() if name.endswith(".weight") and not source.stack}
+
+
+def matches(hf_name: str, target: str) -> bool:
+    return hf_name == target or hf_name.endswith("." + target)
+
+
+def _selector(targets):
+    if targets == ALL_LINEAR:
+        return lambda name: True
+    if isinstance(targets, str):
+        pattern = re.compile(targets)
+        return lambda name: pattern.fullmatch(name) is not None
+    return lambda name: any(matches(name, t) for t in targets)
+
+
+def check_targets(targets, hf_names) -> None:
+    """Every target names some HF module of the model (on any stage), or a clear error."""
+    if targets == ALL_LINEAR:
+        return
+    if isinstance(targets, str):
+        if not any(_selector(targets)(n) for n in hf_names):
+            raise ValueError(f"LoRA target pattern {targets!r} matches no module of the model")
+        return
+    if not targets:
+        raise ValueError("LoRA needs at least one target module name (or targets='all-linear')")
+    unknown = [t for t in targets if not any(matches(n, t) for n in hf_names)]
+    if unknown:
+        known = sorted({n.rsplit(".", 1)[-1] for n in hf_names if not n.rsplit(".", 1)[-1].isdigit()})
+        raise ValueError(f"unknown LoRA target module(s) {unknown}: this model's modules are named {known}")
+
+
+def _generator(seed: int, hf_module: str) -> torch.Generator:
+    # one stream per HF module: the same adapter on every mesh, whatever stage or rank builds it
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(hf_module.encode()))
+
+
+def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, targets=("q_proj", "v_proj"),
+               use_rslora: bool = False, seed: int = 0, dtype=torch.float32):
+    """Attach LoRA adapters (A kaiming-uniform, B zeros, as PEFT) to the targeted linears of this rank's shard,
+    freeze every other parameter, and return the model."""
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    if lora_modules(model):
+        raise ValueError("the model already has LoRA adapters")
+    if getattr(model.run, "setup", None) is not None:
+        raise ValueError("apply_lora before parallelize(): FSDP/DDP wrap the parameters that exist when they are called")
+    targets = targets if isinstance(targets, str) else tuple(targets)
+    linears = hf_linear_modules(model.config)
+    check_targets(targets, [n for names in linears.values() for n in names])
+    select = _selector(targets)
+    for name, module in model.named_modules():
+        hf_names = linears.get(name)
+        if hf_names is None:
+            continue
+        adapted = tuple(i for i, n in enumerate(hf_names) if select(n))
+        if not adapted:
+            continue
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if targets != ALL_LINEAR:
+                warnings.warn(f"LoRA target {hf_names[0]} ({type(module).__name__}) is not a tensor-parallel "
+                              f"linear: left without an adapter", stacklevel=2)
+            continue
+        row = isinstance(module, RowParallelLinear)
+        chunks = len(spec_of(module.weight)[0].chunks or (0,)) if spec_of(module.weight) else 1
+        if len(hf_names) not in (1, chunks):
+            raise ValueError(f"{name}: {len(hf_names)} HF modules cannot map onto {chunks} fused chunks")
+        groups = tuple((c,) for c in range(chunks)) if len(hf_names) == chunks else (tuple(range(chunks)),)
+        lora = LoRA(module, r, alpha, dropout, row=row, groups=groups, adapted=adapted,
+                    hf_modules=tuple(hf_names[i] for i in adapted), use_rslora=use_rslora, dtype=dtype)
+        lora.reset_parameters([_generator(seed, hf_names[i]) for i in adapted])
+        module.lora = lora
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora." in f".{name}")
+    return model
+
+
+def lora_modules(model) -> dict[str, LoRA]:
+    """{name of the adapted linear: its adapter} on this rank."""
+    return {name.removesuffix(".lora"): m for name, m in model.named_modules() if isinstance(m, LoRA)}
+
+
+def lora_settings(model) -> LoraSettings | None:
+    """The settings of this rank's adapters (targets: the exact HF module names adapted here), or None."""
+    adapters = list(lora_modules(model).values())
+    if not adapters:
+        return None
+    first = adapters[0]
+    names = sorted({n for a in adapters for n in a.hf_modules})
+    return LoraSettings(first.r, first.alpha, first.p, tuple(names), first.use_rslora)
+
+
+@contextmanager
+def merged_lora(model):
+    """Inside: every adapter folded into its base weight and detached (the model is then a plain model, e.g. to
+    export); on exit the original weights and adapters come back exactly."""
+    adapters = lora_modules(model)
+    saved = {}
+    with torch.no_grad():
+        for name, lora in adapters.items():
+            base = model.get_submodule(name)
+            saved[name] = base.weight.detach().clone()
+            base.weight.add_(lora.delta_weight().to(base.weight.dtype))
+            base.lora = None
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for name, lora in adapters.items():
+                base = model.get_submodule(name)
+                base.weight.copy_(saved[name])
+                base.lora = lora

@@ -1,0 +1,157 @@
+"""LoRA parity with PEFT on transformers: the same base weights and the same adapters (ours initialised by
+apply_lora, PEFT's set to the same values; B random so every gradient is non-trivial) give the same loss, logits
+and adapter gradients. Runs on every rank of a job, or on one process."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import transformers
+from parity import batch, close, hf_causal_lm, hf_model
+
+from colozoo.api import build_model
+from colozoo.checkpoint.load import load_hf_weights
+from colozoo.checkpoint.sources import StateDictReader
+from colozoo.core.mesh import coords_of, init_parallel, single_process
+from colozoo.layers.shard import gather_tensor, local_part, shard_tensor
+from colozoo.runtime.lora import apply_lora, lora_modules
+from colozoo.runtime.training import build_optimizer, parallelize
+
+R, ALPHA, ATOL = 4, 8, 1e-5
+GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0)
+OPT = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, ffn_dim=96, num_attention_heads=4,
+           max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1)
+LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0)
+BERT = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=32, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            num_labels=3, architectures=["BertForSequenceClassification"])
+FAMILIES = {  # (config, targets): every kind of linear and fused chunk, a subset of a fused qkv somewhere
+    "gpt2": (GPT2, ("c_attn", "c_proj", "c_fc")),
+    "opt": (OPT, ("q_proj", "v_proj", "out_proj", "fc2")),
+    "llama": (LLAMA, "all-linear"),
+    "bert": (BERT, ("query", "value", "output.dense", "intermediate.dense")),
+}
+
+
+def hf_and_batch(family: str):
+    """(config, transformers model, inputs, labels)."""
+    kwargs = FAMILIES[family][0]
+    if family == "bert":
+        config = transformers.AutoConfig.for_model("bert", **kwargs)
+        hf = hf_model("BertForSequenceClassification", config)
+        ids, mask, _ = batch(config.vocab_size, 12, padded=False, batch_size=4)
+        mask = torch.ones_like(ids)
+        mask[-1, 9:] = 0
+        types = torch.zeros_like(ids)
+        types[:, 6:] = 1
+        return config, hf, dict(input_ids=ids, attention_mask=mask, token_type_ids=types), torch.arange(4) % 3
+    config, hf = hf_causal_lm(family, kwargs)
+    ids, mask, labels = batch(config.vocab_size, 12, batch_size=4)
+    return config, hf, dict(input_ids=ids, attention_mask=mask), labels
+
+
+def expected_b(hf_module: str, out: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(hf_module.encode()) + 1)
+    return torch.randn(out, R, generator=g) * 0.3
+
+
+def expected_a(hf_module: str, in_features: int) -> torch.Tensor:
+    from colozoo.runtime.lora import _generator
+
+    return torch.nn.init.kaiming_uniform_(torch.empty(R, in_features), a=math.sqrt(5), generator=_generator(0, hf_module))
+
+
+@torch.no_grad()
+def randomize_b(model):
+    """Every B set to its expected_b (sliced for this rank), so the gradients of A are not zero."""
+    for lora in lora_modules(model).values():
+        full = torch.cat([expected_b(n, s) for n, s in zip(lora.hf_modules, lora.pair_sizes)], 0)
+        lora.B.copy_(shard_tensor(full, lora.b_spec, lora.coords))
+
+
+def peft_model(family: str, hf, use_rslora: bool = False):
+    import peft
+
+    targets = FAMILIES[family][1]
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=family == "gpt2",
+                             use_rslora=use_rslora,
+                             target_modules=targets if isinstance(targets, str) else list(targets))
+    model = peft.get_peft_model(hf, config)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                hf_name = name.removeprefix("base_model.model.")
+                module.lora_A["default"].weight.copy_(expected_a(hf_name, module.lora_A["default"].weight.shape[1]))
+                module.lora_B["default"].weight.copy_(expected_b(hf_name, module.lora_B["default"].weight.shape[0]))
+    return model
+
+
+def peft_grads(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {name.removeprefix("base_model.model."): (m.lora_A["default"].weight.grad, m.lora_B["default"].weight.grad)
+            for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+
+
+def full_adapter(model, lora, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapter's (A, B) or their gradients, gathered over FSDP's dp shards and tp."""
+    out = []
+    for p, spec, shape in ((lora.A, lora.a_spec, lora.global_shapes[0]), (lora.B, lora.b_spec, lora.global_shapes[1])):
+        t = p.grad if grad else p
+        assert t is not None, "an adapter got no gradient"
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out.append(gather_tensor(t.detach(), spec, shape, model.pc.groups, coords_of(model.pc)))
+    return tuple(out)
+
+
+def chunks_of(lora, a, b):
+    """{HF module: (A, B)} of one adapter's global tensors."""
+    return {n: (a_i, b_i) for n, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0))}
+
+
+def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_parallel: str | None = None,
+                use_rslora: bool = False) -> int:
+    """Loss (and logits where the model gives them), every adapter and its gradient against PEFT; base weights
+    without gradient, the optimizer holding adapters only. Returns how many HF modules this rank checked."""
+    pc = init_parallel(tp=tp, pp=pp, dp=dp) if tp * pp * dp > 1 else single_process()
+    config, hf, inputs, labels = hf_and_batch(family)
+    model = build_model(config, pc=pc, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    apply_lora(model, r=R, alpha=ALPHA, targets=FAMILIES[family][1], use_rslora=use_rslora)
+    randomize_b(model)
+    reference = peft_model(family, hf, use_rslora)
+    ref = reference(**inputs, labels=labels)
+    ref.loss.backward()
+    expected = peft_grads(reference)
+
+    if data_parallel or pp > 1:
+        parallelize(model, data_parallel=data_parallel or "ddp")
+        ids = inputs.pop("input_ids")
+        loss = model.forward_backward(ids, labels, num_microbatches=2, **inputs)
+    else:
+        out = model(**inputs, labels=labels, return_logits=True)
+        close(out.logits, ref.logits, ATOL, "logits")
+        loss = out.loss
+        loss.backward()
+    close(loss, ref.loss, ATOL, "loss")
+
+    checked = 0
+    for name, lora in lora_modules(model).items():
+        values = chunks_of(lora, *full_adapter(model, lora, grad=False))
+        grads = chunks_of(lora, *full_adapter(model, lora, grad=True))
+        for hf_name, (a, b) in values.items():
+            assert torch.equal(a, expected_a(hf_name, a.shape[1])), f"A of {hf_name} is not PEFT's init"
+            assert torch.equal(b, expected_b(hf_name, b.shape[0])), f"B of {hf_name} was not set"
+            close(grads[hf_name][0], expected[hf_name][0], ATOL, f"gradient of {hf_name}.lora_A")
+            close(grads[hf_name][1], expected[hf_name][1], ATOL, f"gradient of {hf_name}.lora_B")
+            checked += 1
+    for name, p in model.named_parameters():
+        if ".lora." not in f".{name}":
+            assert not p.requires_grad and p.grad is None, f"base parameter {name} is trainable or got a gradient"
+    optimizer = build_optimizer(model)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    adapters = {id(p) for lora in lora_modules(model).values() for p in (lora.A, lora.B)}
+    assert held == adapters, "the optimizer must hold the adapters and nothing else"
+    assert all(local_part(p).dtype == torch.float32 for lora in lora_modules(model).values() for p in (lora.A, lora.B))
+    return checked

@@ -1,0 +1,203 @@
+"""LoRA against PEFT on transformers (tests/lora_parity.py): loss, logits and every adapter gradient at tp 1, 2
+and 4, tp2 x pp2 and dp2 with FSDP; the PEFT format both ways; the colozoo format with adapters; the merged export;
+bad input."""
+import pytest
+from distributed import run_distributed
+from lora_parity import FAMILIES, lora_parity
+
+TIMEOUT = 240
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_matches_peft_single_process(family):
+    assert lora_parity(family) > 0
+
+
+def test_lora_rslora_scaling_matches_peft():
+    assert lora_parity("opt", use_rslora=True) > 0
+
+
+def _every_family(**mesh):
+    return {family: lora_parity(family, **mesh) for family in FAMILIES}
+
+
+def test_lora_matches_peft_tp2():
+    results = run_distributed(_every_family, 2, tp=2, timeout=TIMEOUT)
+    assert all(n > 0 for result in results for n in result.values())
+
+
+def test_lora_matches_peft_tp4_llama():
+    assert all(n > 0 for n in run_distributed(lora_parity, 4, family="llama", tp=4, timeout=TIMEOUT))
+
+
+def _pipelined():
+    return {family: lora_parity(family, tp=2, pp=2) for family in ("gpt2", "opt", "llama")}
+
+
+def test_lora_matches_peft_tp2_pp2():
+    results = run_distributed(_pipelined, 4, timeout=TIMEOUT)
+    assert all(n > 0 for result in results for n in result.values())
+
+
+def test_lora_matches_peft_dp2_fsdp():
+    results = run_distributed(_every_family, 2, dp=2, data_parallel="fsdp", timeout=TIMEOUT)
+    assert all(n > 0 for result in results for n in result.values())
+
+
+# --- the PEFT format: colozoo (tp2) -> PEFT directory -> transformers + peft, and -> colozoo at tp 1 and 4 ------
+
+ROUND_TRIP = ("gpt2", "llama")  # Conv1D (fan_in_fan_out) and GQA with every linear adapted
+
+
+def _save_adapters(directory: str):
+    import torch.distributed as dist
+
+    import colozoo
+    from lora_parity import ALPHA, FAMILIES, R, hf_and_batch, randomize_b
+
+    from colozoo.runtime.lora import apply_lora
+
+    logits = {}
+    for family in ROUND_TRIP:
+        _, hf, inputs, _ = hf_and_batch(family)
+        base = f"{directory}/{family}-base"
+        if dist.get_rank() == 0:
+            hf.save_pretrained(base)
+        dist.barrier()
+        model = colozoo.from_pretrained(base, tp=2)
+        apply_lora(model, r=R, alpha=ALPHA, targets=FAMILIES[family][1])
+        randomize_b(model)
+        model.save_pretrained(f"{directory}/{family}-adapter", format="peft")
+        model.save_pretrained(f"{directory}/{family}-merged", format="hf", merge_lora=True)
+        model.save_pretrained(f"{directory}/{family}-colozoo")  # the colozoo format keeps the adapters too
+        logits[family] = model(**inputs, return_logits=True).logits.detach()
+    return logits
+
+
+def _gathered_adapters(directory: str):
+    import colozoo
+    from colozoo.checkpoint.peft import gather_adapters
+
+    out = {}
+    for family in ROUND_TRIP:
+        out[family] = gather_adapters(colozoo.from_pretrained(f"{directory}/{family}-base", tp=4,
+                                                              adapter=f"{directory}/{family}-adapter"))
+        out[f"{family}-colozoo"] = gather_adapters(colozoo.from_pretrained(f"{directory}/{family}-colozoo", tp=4))
+    return out
+
+
+def test_peft_round_trip(tmp_path):
+    import json
+
+    import peft
+    import torch
+    import transformers
+    from lora_parity import hf_and_batch
+    from parity import close
+    from safetensors.torch import load_file
+
+    import colozoo
+    from colozoo.checkpoint.peft import gather_adapters
+
+    logits = run_distributed(_save_adapters, 2, str(tmp_path), timeout=TIMEOUT)[0]
+    at_tp4 = run_distributed(_gathered_adapters, 4, str(tmp_path), timeout=TIMEOUT)[0]
+    for family in ROUND_TRIP:
+        adapter, base = tmp_path / f"{family}-adapter", tmp_path / f"{family}-base"
+        saved = load_file(adapter / "adapter_model.safetensors")
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["fan_in_fan_out"] == (family == "gpt2") and config["r"] == 4
+        assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in saved)
+
+        reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter)
+        _, _, inputs, _ = hf_and_batch(family)
+        with torch.no_grad():
+            expected = reference(**inputs).logits
+        close(logits[family], expected, 1e-5, f"{family} logits through peft")
+
+        single = gather_adapters(colozoo.from_pretrained(base, adapter=adapter))
+        for name, tensors in (("tp1", single), ("tp4", at_tp4[family]), ("colozoo tp4", at_tp4[f"{family}-colozoo"])):
+            assert tensors.keys() == saved.keys(), name
+            assert all(torch.equal(tensors[k], saved[k]) for k in saved), f"{family} adapters at {name} differ"
+
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-merged").state_dict()
+        unloaded = reference.merge_and_unload().state_dict()
+        assert merged.keys() == unloaded.keys()
+        for k in merged:
+            close(merged[k], unloaded[k], 1e-6, f"{family} merged {k}")
+
+
+# --- bad input -------------------------------------------------------------------------------------------------
+
+def _small_model(family="opt"):
+    from lora_parity import hf_and_batch
+
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+
+    config, hf, _, _ = hf_and_batch(family)
+    model = build_model(config, device="meta")
+    return load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu"), hf
+
+
+def test_lora_bad_input(tmp_path):
+    import json
+
+    from colozoo.checkpoint.peft import load_peft
+    from colozoo.core.errors import CheckpointError
+    from colozoo.runtime.lora import apply_lora
+
+    model, _ = _small_model()
+    with pytest.raises(ValueError, match=r"unknown LoRA target module\(s\) \['c_attn'\].*q_proj"):
+        apply_lora(model, r=4, targets=("q_proj", "c_attn"))
+    for r in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="rank r must be a positive integer"):
+            apply_lora(model, r=r)
+    with pytest.raises(ValueError, match="matches no module"):
+        apply_lora(model, r=4, targets=r".*\.nothing")
+    assert all(p.requires_grad for p in model.parameters()), "a refused apply_lora must leave the model as it was"
+    apply_lora(model, r=4)
+    with pytest.raises(ValueError, match="already has LoRA adapters"):
+        apply_lora(model, r=4)
+    other, _ = _small_model()
+    from colozoo.runtime.training import parallelize
+
+    parallelize(other)
+    with pytest.raises(ValueError, match="before parallelize"):
+        apply_lora(other, r=4)
+    with pytest.raises(ValueError, match="format='peft'"):
+        model.save_pretrained(tmp_path / "hf", format="hf")
+    assert not (tmp_path / "hf").exists()
+
+    with pytest.raises(CheckpointError, match="not a PEFT adapter directory"):
+        load_peft(_small_model()[0], tmp_path)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": True}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="use_dora=True is not supported"):
+        load_peft(_small_model()[0], tmp_path)
+
+    import peft
+
+    bert, hf = _small_model("bert")  # PEFT's "dense" takes BERT's pooler too, a plain linear in colozoo
+    peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["dense"])).save_pretrained(tmp_path / "bert")
+    with pytest.warns(UserWarning, match="pooler.dense"), pytest.raises(CheckpointError, match="pooler.dense"):
+        load_peft(bert, tmp_path / "bert")
+
+
+def test_lora_regex_targets_and_bf16_base():
+    """A regex target picks modules as PEFT's would; adapters stay fp32 over a bf16 base and train in step with it."""
+    import torch
+
+    from colozoo.runtime.lora import apply_lora, lora_modules
+
+    model, _ = _small_model()
+    model.to(torch.bfloat16)
+    apply_lora(model, r=2, targets=r".*layers\.1\.self_attn\.(k|v)_proj")
+    adapters = lora_modules(model)
+    assert {h for a in adapters.values() for h in a.hf_modules} == {
+        "model.decoder.layers.1.self_attn.k_proj", "model.decoder.layers.1.self_attn.v_proj"}
+    assert all(a.A.dtype == a.B.dtype == torch.float32 for a in adapters.values())
+    ids = torch.randint(0, 101, (2, 8))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert all(a.A.grad is not None and a.B.grad.abs().sum() > 0 for a in adapters.values())

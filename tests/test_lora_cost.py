@@ -1,0 +1,44 @@
+"""The profiler and planner under LoRA: only the adapters have gradients, optimizer states and data-parallel
+gradient traffic; their count per rank follows the tensor-parallel layout of the adapters."""
+import torch
+import transformers
+
+from colozoo.api import build_model
+from colozoo.cost.planner import plan
+from colozoo.cost.profiler import profile
+from colozoo.runtime.lora import apply_lora, lora_modules
+
+LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=64)
+R = 8
+
+
+def expected_adapters(tp: int) -> int:
+    """Per layer on one tp rank: column bases keep A (r x in) whole and split B; row bases split A, keep B."""
+    h, inner, q, kv = 64, 96, 64, 32
+    column = sum(R * h + out * R // tp for out in (q, kv, kv, inner, inner))  # q, k, v, gate, up
+    row = (R * h // tp + h * R) + (R * inner // tp + h * R)  # o_proj, down_proj
+    return 4 * (column + row)
+
+
+def test_profile_counts_only_adapters_as_trainable():
+    config = transformers.AutoConfig.for_model("llama", **LLAMA)
+    model = apply_lora(build_model(config, device="cpu"), r=R, targets="all-linear")
+    actual = sum(p.numel() for a in lora_modules(model).values() for p in (a.A, a.B))
+    assert actual == expected_adapters(1)
+    for tp in (1, 2):
+        full = profile(config, batch_size=2, seq_len=32, mesh=f"tp={tp},dp=2", dtype="bfloat16")
+        lora = profile(config, batch_size=2, seq_len=32, mesh=f"tp={tp},dp=2", dtype="bfloat16", lora_r=R)
+        stage, base = lora.stages[0], full.stages[0]
+        n = expected_adapters(tp)
+        assert stage["trainable"] == n and base["trainable"] == -1
+        assert stage["grads"] == 4 * n and stage["optimizer"] == 8 * n and stage["master"] == 0
+        assert stage["weights"] == base["weights"] + 4 * n  # the frozen base, plus fp32 adapters
+        assert lora.comm["dp_cp.all_reduce"] == 4 * n < full.comm["dp_cp.all_reduce"]
+        assert lora.peak_memory < full.peak_memory
+
+
+def test_plan_with_lora_needs_less_memory():
+    kw = dict(gpus=2, gpu_memory="80GB", seq_len=512, global_batch=8, micro_batch_sizes=(2,), schedules=("1f1b",))
+    full, lora = plan("opt-125m", **kw).best, plan("opt-125m", lora_r=16, **kw).best
+    assert lora.memory < full.memory
