@@ -36,9 +36,5 @@ bench: setup
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-parity-# switch features off one at a time; the tests named for each must fail (tests/mutations.py)
-mutations: setup
-	$(PY) tests/mutations.py
-
-demo: setup
+parity-demo: setup
 	$(PY) -m colozoo.demo
