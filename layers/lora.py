@@ -39,6 +39,9 @@ class LoRA(nn.Module):
         if r <= 0:
             raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}")
         spec = base.weight.shard_spec[0] if getattr(base.weight, "shard_spec", ()) else Split("tp", 0)
+        if spec.parts is not None and any(p < group_size(base.group) for p in spec.parts):
+            raise ValueError("LoRA on key/value heads replicated over tp (tp larger than num_key_value_heads) is not "
+                             "supported yet; use tp <= num_key_value_heads")
         self.chunks = spec.chunks or (base.out_features,)
         self.groups = tuple(groups) if groups is not None else (tuple(range(len(self.chunks))),)
         if sorted(c for g in self.groups for c in g) != list(range(len(self.chunks))):
