@@ -32,7 +32,7 @@ def model_source(name_or_path: str):
     """(transformers config, directory holding the tokenizer or None), without loading any weights."""
     from colozoo.api import resolve
 
-    source = resolve(name_or_path, verify=False)
+    source = resolve(name_or_path, verify=True)  # checksums are checked when weights are read
     return source.config, getattr(source, "path", None)
 
 
@@ -161,7 +161,7 @@ def run(cfg: FinetuneConfig) -> dict:
         plan, mesh, global_batch = plan_run(cfg, config)
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
 
-    model = runtime.load_model(cfg, cfg.task, plan)
+    model, fresh = runtime.load_model(cfg, cfg.task, plan)
     pc = model.pc
     sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
     total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
@@ -211,8 +211,8 @@ def run(cfg: FinetuneConfig) -> dict:
         reporter.print(f"resumed from {latest} at step {start}")
         if not resumed["rng_restored"]:
             reporter.print(f"resharded from mesh {resumed['mesh']}: random states restart from --seed")
-    if getattr(model, "fresh_parameters", None):
-        reporter.print(f"new task head, initialised fresh: {', '.join(model.fresh_parameters)}")
+    if fresh:
+        reporter.print(f"new task head, initialised fresh: {', '.join(fresh)}")
 
     saver = CheckpointSaver(asynchronous=cfg.async_save)
 

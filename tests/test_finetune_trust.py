@@ -1,0 +1,36 @@
+"""Fine-tuning refuses what it should not trust (corrupted checkpoints, non-finite losses) and keeps what the
+exported model needs (tokenizer, label names)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_finetune import STORIES, small_run, tiny, tiny_bert  # noqa: E402,F401  (fixtures)
+
+import colozoo  # noqa: E402
+from colozoo.finetune import main  # noqa: E402
+
+
+def _flip_a_weight_byte(checkpoint: Path):
+    path = sorted(checkpoint.glob("*.safetensors"))[0]
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # same size: only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("task", ["seqcls", "lm"])
+def test_finetune_refuses_a_checkpoint_with_flipped_bytes(task, tiny, tiny_bert, tmp_path, capsys):
+    source = tiny_bert if task == "seqcls" else tiny
+    colozoo.convert(source, tmp_path / "ckpt")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "ckpt" / name).write_bytes((source / name).read_bytes())
+    _flip_a_weight_byte(tmp_path / "ckpt")
+    data = source / "sentiment16.jsonl" if task == "seqcls" else STORIES
+    args = ["--model", str(tmp_path / "ckpt"), "--data", str(data), "--output", str(tmp_path / "run"),
+            "--steps", "1", "--seq-len", "16", "--micro-batch-size", "2", "--no-progress", "--no-plot"]
+    if task == "seqcls":
+        args += ["--num-labels", "2"]
+    assert main(args, task=task) == 1
+    assert "checksum mismatch" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "hf").exists()
