@@ -34,3 +34,27 @@ def test_finetune_refuses_a_checkpoint_with_flipped_bytes(task, tiny, tiny_bert,
     assert main(args, task=task) == 1
     assert "checksum mismatch" in capsys.readouterr().err
     assert not (tmp_path / "run" / "hf").exists()
+
+
+@pytest.mark.parametrize("what", ["loss", "grad_norm"])
+def test_a_non_finite_loss_or_gradient_stops_the_run_naming_the_step(what, tiny, tmp_path, monkeypatch, capsys):
+    from colozoo.finetune import runtime
+
+    calls = {"n": 0}
+    forward_backward, clip = runtime.forward_backward, runtime.clip_grad_norm
+
+    def poisoned(value, at_step=2):
+        calls["n"] += 1
+        return value * float("nan") if calls["n"] == at_step else value
+
+    if what == "loss":
+        monkeypatch.setattr(runtime, "forward_backward", lambda *a, **k: poisoned(forward_backward(*a, **k)))
+    else:
+        monkeypatch.setattr(runtime, "clip_grad_norm", lambda *a, **k: poisoned(clip(*a, **k)))
+    args = ["--model", str(tiny), "--data", str(STORIES), "--output", str(tmp_path / "run"), "--steps", "4",
+            "--seq-len", "16", "--save-interval", "1", "--eval-interval", "0", "--no-progress", "--no-plot"]
+    assert main(args, task="lm") == 1
+    err = capsys.readouterr().err
+    assert "error: step 2:" in err and "not finite" in err
+    assert not (tmp_path / "run" / "hf").exists()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] == ["step-00000001"]

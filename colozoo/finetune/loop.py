@@ -6,6 +6,7 @@ input costs seconds and leaves nothing behind.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -142,6 +143,18 @@ class Interrupt:
         return bool(flag.item())
 
 
+class NonFiniteError(ValueError):
+    pass
+
+
+def check_finite(step: int, loss: float, grad_norm: float, dtype: str):
+    """Stop at the first non-finite loss or gradient norm (same values on every rank, so every rank stops)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm} in {dtype}: not finite; stopped "
+                             f"before the optimizer step, nothing saved or exported (lower --lr, check the data, or "
+                             f"resume from the last checkpoint)")
+
+
 def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -247,6 +260,8 @@ def run(cfg: FinetuneConfig) -> dict:
                 loss = runtime.forward_backward(model, batch, grad_scale=loss_scale, **step_options)
                 overflow = scaler.unscale_(model)  # every rank agrees; clipping then sees the true gradients
                 grad_norm = None if overflow else runtime.clip_grad_norm(model, cfg.grad_clip)
+                if not scaler.enabled:  # fp16 skips such steps; in fp32/bf16 they would poison the weights
+                    check_finite(step + 1, float(loss.detach()), grad_norm, cfg.dtype)
                 lr = optimizer.param_groups[0]["lr"]
                 if not overflow:  # a skipped step leaves the learning-rate schedule where it is too
                     optimizer.step()
