@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_finetune import STORIES, small_run, tiny, tiny_bert  # noqa: E402,F401  (fixtures)
 
 import colozoo  # noqa: E402
+from colozoo import cli  # noqa: E402
 from colozoo.finetune import main  # noqa: E402
 
 
@@ -22,9 +23,7 @@ def _flip_a_weight_byte(checkpoint: Path):
 @pytest.mark.parametrize("task", ["seqcls", "lm"])
 def test_finetune_refuses_a_checkpoint_with_flipped_bytes(task, tiny, tiny_bert, tmp_path, capsys):
     source = tiny_bert if task == "seqcls" else tiny
-    colozoo.convert(source, tmp_path / "ckpt")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "ckpt" / name).write_bytes((source / name).read_bytes())
+    colozoo.convert(source, tmp_path / "ckpt")  # the tokenizer comes along
     _flip_a_weight_byte(tmp_path / "ckpt")
     data = source / "sentiment16.jsonl" if task == "seqcls" else STORIES
     args = ["--model", str(tmp_path / "ckpt"), "--data", str(data), "--output", str(tmp_path / "run"),
@@ -58,3 +57,24 @@ def test_a_non_finite_loss_or_gradient_stops_the_run_naming_the_step(what, tiny,
     assert "error: step 2:" in err and "not finite" in err
     assert not (tmp_path / "run" / "hf").exists()
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] == ["step-00000001"]
+
+
+def test_convert_carries_tokenizer_and_generation_files_both_ways(tiny, tmp_path):
+    import transformers
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for file in tiny.iterdir():
+        (hf / file.name).write_bytes(file.read_bytes())
+    transformers.GenerationConfig(max_new_tokens=7, eos_token_id=2).save_pretrained(str(hf))
+    assert cli.main(["convert", str(hf), str(tmp_path / "ckpt"), "--tp", "2", "--quiet"]) == 0
+    assert (tmp_path / "ckpt" / "tokenizer.json").is_file() and (tmp_path / "ckpt" / "generation_config.json").is_file()
+    args = ["--model", str(tmp_path / "ckpt"), "--data", str(STORIES), "--output", str(tmp_path / "run"), "--steps",
+            "1", "--seq-len", "16", "--no-export-hf", "--no-progress", "--no-plot"]
+    assert main(args, task="lm") == 0  # HF -> colozoo -> finetune
+    assert cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--to-hf", "--quiet"]) == 0
+    original = transformers.AutoTokenizer.from_pretrained(str(hf))
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    text = "the cat sat on the mat"
+    assert back(text)["input_ids"] == original(text)["input_ids"] and len(back) == len(original)
+    assert transformers.GenerationConfig.from_pretrained(str(tmp_path / "back")).max_new_tokens == 7
