@@ -91,3 +91,15 @@ def test_exported_classifier_keeps_the_label_names_of_the_data(tiny_bert, tmp_pa
     config = transformers.AutoConfig.from_pretrained(str(tmp_path / "run" / "hf"))
     assert config.id2label == {0: "negative", 1: "positive"}
     assert config.label2id == {"negative": 0, "positive": 1}
+
+
+def test_finetune_saves_and_evaluates_periodically_by_default_and_help_shows_defaults(capsys):
+    from colozoo.finetune import FinetuneConfig
+
+    cfg = FinetuneConfig(model="m", data="d")
+    assert 0 < cfg.save_interval <= 500 and 0 < cfg.eval_interval <= 500
+    with pytest.raises(SystemExit):
+        cli.main(["finetune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"only at the end) (default: {cfg.save_interval})" in text and "(default: 0.0001)" in text
+    assert "(default: None)" not in text
