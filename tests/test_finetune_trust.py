@@ -1,5 +1,6 @@
 """Fine-tuning refuses what it should not trust (corrupted checkpoints, non-finite losses) and keeps what the
 exported model needs (tokenizer, label names)."""
+import re
 import sys
 from pathlib import Path
 
@@ -103,3 +104,16 @@ def test_finetune_saves_and_evaluates_periodically_by_default_and_help_shows_def
     text = " ".join(capsys.readouterr().out.split())
     assert f"only at the end) (default: {cfg.save_interval})" in text and "(default: 0.0001)" in text
     assert "(default: None)" not in text
+
+
+@pytest.mark.parametrize("command", [["profile", "--seq-len", "16"], ["plan", "--gpus", "2", "--seq-len", "16"]])
+def test_profile_and_plan_take_a_local_hf_or_colozoo_directory(command, tiny, tmp_path, capsys):
+    colozoo.convert(tiny, tmp_path / "ckpt")
+    outputs = []
+    for path in (tiny, tmp_path / "ckpt"):
+        assert cli.main([command[0], str(path), *command[1:], "--json"]) == 0
+        out = capsys.readouterr().out.replace(str(path), "MODEL")
+        outputs.append(re.sub(r'"\w*seconds\w*": [-+.\deE]+', "", out))  # the profiler's own run time
+    assert outputs[0] == outputs[1] and outputs[0].strip().startswith("{")
+    assert cli.main([command[0], str(tmp_path), *command[1:]]) == 1
+    assert "is not a model directory" in capsys.readouterr().err
