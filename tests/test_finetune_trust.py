@@ -117,3 +117,33 @@ def test_profile_and_plan_take_a_local_hf_or_colozoo_directory(command, tiny, tm
     assert outputs[0] == outputs[1] and outputs[0].strip().startswith("{")
     assert cli.main([command[0], str(tmp_path), *command[1:]]) == 1
     assert "is not a model directory" in capsys.readouterr().err
+
+
+BAD_DATA = {
+    "binary": (b'{"text": "fine"}\n\x89PNG\x00\xff\xfe\n', r"data\.jsonl:2: binary data"),
+    "nul": (b'{"text": "fine"}\n{"text": "a\x00b"}\n', r"data\.jsonl:2: binary data"),
+    "missing field": (b'{"text": "fine"}\n{"body": "x", "id": 3}\n',
+                      r"data\.jsonl:2: no field 'text'; the record's fields are \['body', 'id'\]"),
+    "number as text": (b'{"text": 123}\n', r"data\.jsonl:1: field 'text' is 123, not a string"),
+    "not an object": (b'["text"]\n', r"data\.jsonl:1: a JSON list, not an object"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_is_one_line_naming_file_and_line(case, tiny, tmp_path, capsys):
+    content, message = BAD_DATA[case]
+    (tmp_path / "data.jsonl").write_bytes(content)
+    args = ["--model", str(tiny), "--data", str(tmp_path / "data.jsonl"), "--output", str(tmp_path / "run"),
+            "--seq-len", "16"]
+    assert main(args, task="lm") == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_unwritable_output_is_one_line_before_loading(tiny, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")  # a path under a file: unwritable even for root, unlike chmod
+    args = ["--model", str(tiny), "--data", str(STORIES), "--output", str(tmp_path / "file" / "run"), "--seq-len",
+            "16"]
+    assert main(args, task="lm") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write to the output directory") and len(err.strip().splitlines()) == 1

@@ -63,7 +63,15 @@ def read_records(path, fields: tuple[str, ...]) -> list[dict]:
     path = _existing(path)
     if path.is_dir():
         raise DataError(f"dataset {path} is a directory; expected a .jsonl or .txt file")
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: binary data, not UTF-8 text (byte {e.start})") from None
+    if "\x00" in text:
+        line = text[:text.index("\x00")].count("\n") + 1
+        raise DataError(f"{path}:{line}: binary data (a NUL byte), not text")
     if path.suffix == ".txt":
         if fields != ("text",):
             raise DataError(f"{path}: plain text has no {fields[1:]} field; use a .jsonl file")
@@ -77,13 +85,26 @@ def read_records(path, fields: tuple[str, ...]) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            missing = [f for f in fields if not isinstance(record, dict) or f not in record]
-            if missing:
-                raise DataError(f"{path}:{lineno}: record has no field {missing[0]!r} (fields: {fields})")
+            check_record(record, fields, f"{path}:{lineno}")
             records.append(record)
     if not records:
         raise DataError(f"dataset {path} is empty")
     return records
+
+
+def check_record(record, fields: tuple[str, ...], where: str):
+    """A JSON object with a string text (fields[0]) and, for classification, an integer or string label."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {fields[0]!r} field")
+    missing = [f for f in fields if f not in record]
+    if missing:
+        raise DataError(f"{where}: no field {missing[0]!r}; the record's fields are {list(record)} "
+                        f"(pick others with --text-field / --label-field)")
+    if not isinstance(record[fields[0]], str):
+        raise DataError(f"{where}: field {fields[0]!r} is {record[fields[0]]!r}, not a string")
+    for name in fields[1:]:
+        if isinstance(record[name], bool) or not isinstance(record[name], (int, str)):
+            raise DataError(f"{where}: field {name!r} is {record[name]!r}, not an integer or a string label")
 
 
 # only padding is checked: published configs and tokenizers legitimately disagree on eos (e.g. chat models)

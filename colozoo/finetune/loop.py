@@ -143,6 +143,17 @@ class Interrupt:
         return bool(flag.item())
 
 
+def check_writable(output: Path):
+    """Before the model is loaded: the output directory can be created and written (every rank writes shards)."""
+    probe = output / f".write-test-{os.getpid()}"
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
+
+
 class NonFiniteError(ValueError):
     pass
 
@@ -173,6 +184,7 @@ def run(cfg: FinetuneConfig) -> dict:
     else:
         plan, mesh, global_batch = plan_run(cfg, config)
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
+    check_writable(Path(cfg.output))
 
     model, fresh = runtime.load_model(cfg, cfg.task, plan)
     if train.label_names:  # saved checkpoints and the export name the classes as the data does
