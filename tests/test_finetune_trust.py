@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_finetune import STORIES, small_run, tiny, tiny_bert  # noqa: E402,F401  (fixtures)
@@ -147,3 +148,33 @@ def test_unwritable_output_is_one_line_before_loading(tiny, tmp_path, capsys):
     assert main(args, task="lm") == 1
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write to the output directory") and len(err.strip().splitlines()) == 1
+
+
+def test_warns_on_mostly_unknown_tokens_and_an_eos_other_than_the_config(tiny, tmp_path, capfd):
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in tiny.iterdir():
+        (model / file.name).write_bytes(file.read_bytes())
+    config = json.loads((model / "config.json").read_text())
+    config["eos_token_id"] = 7
+    (model / "config.json").write_text(json.dumps(config))
+    (tmp_path / "data.jsonl").write_text("".join(f'{{"text": "zq{i} vvx{i} kkr{i} the"}}\n' for i in range(64)))
+    args = ["--model", str(model), "--data", str(tmp_path / "data.jsonl"), "--output", str(tmp_path / "run"),
+            "--steps", "1", "--seq-len", "16", "--no-export-hf", "--no-progress", "--no-plot", "--samples", "0"]
+    assert main(args, task="lm") == 0
+    out = " ".join(capfd.readouterr().err.split())  # the run's log goes to stderr
+    assert re.search(r"warning: \d+% of the tokens are the tokenizer's unknown token", out)
+    assert "warning: the tokenizer's EOS is" in out and "eos_token_id is 7" in out
+
+
+def test_models_counts_parameters_as_transformers_does():
+    import transformers
+
+    from colozoo.registry import count_parameters, get_config
+
+    config = get_config("gpt2")  # a vocabulary of 50257: padding it would add rows
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    assert count_parameters(config) == sum(p.numel() for p in reference.parameters())

@@ -132,6 +132,23 @@ def load_tokenizer(model_dir, vocab_size: int, special_ids: dict | None = None):
     return tokenizer
 
 
+def tokenizer_warnings(tokenizer, config, data: TensorData) -> list[str]:
+    """What is legal but most likely a mistake: text the tokenizer mostly does not know, an EOS other than the
+    model's (generation would not stop where training taught it to)."""
+    out = []
+    unk, ids = tokenizer.unk_token_id, data.tensors["input_ids"]
+    real = ids[data.tensors["attention_mask"].bool()]
+    if unk is not None and real.numel() and (real == unk).float().mean() > 0.5:
+        out.append(f"{(real == unk).float().mean():.0%} of the tokens are the tokenizer's unknown token "
+                   f"{tokenizer.unk_token!r}: wrong tokenizer for this text?")
+    eos = getattr(config, "eos_token_id", None)
+    allowed = eos if isinstance(eos, (list, tuple)) else [eos]
+    if eos is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in allowed:
+        out.append(f"the tokenizer's EOS is {tokenizer.eos_token_id} ({tokenizer.eos_token!r}) but the model "
+                   f"config's eos_token_id is {eos}")
+    return out
+
+
 def special_token_ids(config) -> dict:
     """The special token ids of SPECIAL_TOKENS a model config declares (None where it declares none)."""
     return {name: getattr(config, name, None) for name in SPECIAL_TOKENS}

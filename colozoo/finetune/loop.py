@@ -179,6 +179,7 @@ def run(cfg: FinetuneConfig) -> dict:
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
+    notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
     if cfg.plan is None:
         global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
     else:
@@ -233,6 +234,8 @@ def run(cfg: FinetuneConfig) -> dict:
                    f"{' x '.join(f'{k}={v}' for k, v in mesh_json.items() if v > 1) or 'of one process'}; "
                    f"{len(train)} training samples, {total_steps} steps of {global_batch} "
                    f"({step_options['num_microbatches']} micro-batches of {micro_batch_size} per dp rank)")
+    for note in notes:
+        reporter.print(f"warning: {note}")
     if plan:
         reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items()))
     if latest is not None:
