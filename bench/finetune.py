@@ -54,7 +54,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     cfg = FinetuneConfig(model=str(work / "model"), data="-", seq_len=args.seq, lr=1e-4)
-    ours = runtime.load_model(cfg, "lm")
+    ours, _ = runtime.load_model(cfg, "lm")
     runtime.prepare_training(ours, cfg)
     ours.train()
     our_opt = runtime.build_optimizer(ours, cfg.lr, 0.0)

@@ -83,10 +83,29 @@ def config_from_dict(config: dict, architecture: str | None = None):
     return out
 
 
+COLOZOO_INDEX = "colozoo_index.json"  # a colozoo checkpoint's index (colozoo.checkpoint.format), holding its config
+
+
 def get_config(name: str):
-    """The transformers config object of a registered model (no network)."""
+    """The transformers config object of a registered model, or of a local HF or colozoo directory (no network)."""
+    if Path(name).is_dir():
+        return local_config(Path(name))
     _, entry = get_entry(name)
     return config_from_dict(entry["config"], entry["architecture"])
+
+
+def local_config(path: Path):
+    """The config of a model directory: a colozoo checkpoint's index or an HF config.json."""
+    index = path / COLOZOO_INDEX
+    try:
+        if index.is_file():
+            data = json.loads(index.read_text())
+            return config_from_dict(data["config"], data.get("architecture"))
+        if (path / "config.json").is_file():
+            return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the model config in {path}: {e}") from None
+    raise ValueError(f"{path} is not a model directory (no config.json or {COLOZOO_INDEX})")
 
 
 def count_parameters(config) -> int | None:

@@ -41,6 +41,15 @@ from colozoo.checkpoint.streaming import nbytes, stream_pieces
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
+# what a model directory holds beside its weights and config, carried along by convert in both directions
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+              "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+              "chat_template.jinja", "chat_template.json", "generation_config.json", "preprocessor_config.json")
+
+
+def side_files(path) -> list[Path]:
+    """The tokenizer, generation and preprocessor files of a model directory."""
+    return [Path(path) / name for name in SIDE_FILES if (Path(path) / name).is_file()]
 
 
 # --- sources: an HF directory or a colozoo checkpoint, both giving lazy global tensors by our names ----------
@@ -124,7 +133,7 @@ def peak_rss_mb() -> float:
 
 
 def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int = 1, ep: int = 1,
-                  dtype: torch.dtype | None = None, progress: bool = False) -> dict:
+                  dtype: torch.dtype | None = None, progress: bool = False, extra_files=()) -> dict:
     plan = plan_mesh(layout, tp, pp, ep)
     dtypes = {name: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
               for name, t in tensors.items()}
@@ -141,6 +150,8 @@ def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int 
         index = make_index(layout, mesh, {n: tensor_entry(layout.tensors[n], dtypes[n], plan[n]) for n in plan},
                            files)
         write_index(tmp, index)
+        for file in extra_files:
+            shutil.copy2(file, tmp / file.name)
     return {"tensors": len(plan), "bytes": total, "files": len(entries), "largest_tensor_bytes": largest}
 
 
@@ -148,7 +159,7 @@ def convert(src, dst, tp: int = 1, pp: int = 1, ep: int = 1, dtype=None, to_hf: 
             allow_bin: bool = False, verify: bool = True, progress: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
     """Convert an HF or colozoo checkpoint into a colozoo checkpoint at (tp, pp, ep), or with to_hf=True into an
-    HF directory. One process, streaming. Returns a summary (tensors, bytes, seconds, peak RSS)."""
+    HF directory. One process, streaming; tokenizer and generation files come along. Returns a summary (tensors, bytes, seconds, peak RSS)."""
     start = time.perf_counter()
     dst = Path(dst)
     check_destination(dst)
@@ -157,10 +168,12 @@ def convert(src, dst, tp: int = 1, pp: int = 1, ep: int = 1, dtype=None, to_hf: 
     config = source.config
     if to_hf:
         layout = ModelLayout(config)
-        summary = export_hf(global_tensors(source, layout), layout, dst, dtype, max_shard_bytes, progress)
+        summary = export_hf(global_tensors(source, layout), layout, dst, dtype, max_shard_bytes, progress,
+                            side_files(src))
     else:
         layout = check_mesh(config, tp, pp, ep)  # one meta model per stage, at the target degrees
-        summary = write_colozoo(global_tensors(source, layout), layout, dst, tp, pp, ep, dtype, progress)
+        summary = write_colozoo(global_tensors(source, layout), layout, dst, tp, pp, ep, dtype, progress,
+                                side_files(src))
     summary.update(seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
     return summary
 

@@ -22,8 +22,8 @@ from colozoo.core.errors import CheckpointError
 from colozoo.layers.shard import Split, stored_pieces
 from colozoo.checkpoint.layout import ModelLayout, TensorInfo
 from colozoo.checkpoint.safetensors_io import SafetensorsFile
+from colozoo.registry import COLOZOO_INDEX as INDEX_NAME
 
-INDEX_NAME = "colozoo_index.json"
 FORMAT_VERSION = 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,8 +84,9 @@ def write_hf_config(config, directory: Path, dtype: torch.dtype | None):
 
 
 def export_hf(tensors, layout: ModelLayout, dst, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> dict:
-    """Write the HF directory `dst` from `tensors[name]` (lazy global tensors: shape, dtype, read())."""
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False, extra_files=()) -> dict:
+    """Write the HF directory `dst` from `tensors[name]` (lazy global tensors: shape, dtype, read()), with copies of
+    `extra_files` (tokenizer files...)."""
     dtypes = {name: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
               for name, t in tensors.items()}
     plan = hf_plan(layout, dtypes)
@@ -120,5 +122,7 @@ def export_hf(tensors, layout: ModelLayout, dst, dtype: torch.dtype | None = Non
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         float_dtypes = {d for d in dtypes.values() if d.is_floating_point}
         write_hf_config(layout.config, tmp, float_dtypes.pop() if len(float_dtypes) == 1 else None)
+        for file in extra_files:
+            shutil.copy2(file, tmp / Path(file).name)
     return {"tensors": len(parts), "bytes": total, "files": len(files),
             "largest_tensor_bytes": max((p.nbytes for p in parts), default=0)}

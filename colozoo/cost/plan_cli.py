@@ -20,7 +20,8 @@ def add_parser(subparsers):
                     "for the fastest predicted training step that fits in GPU memory, and print the ranked "
                     "plans with predicted memory per GPU, step time and why each was chosen.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("name", help="registered model name (see `colozoo models`)")
+    p.add_argument("name", help="registered model name (see `colozoo models`) or a local HF or colozoo "
+                                "checkpoint directory")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB or 40GiB (default: the preset's)")
     p.add_argument("--hardware", default="H100-80GB", help=f"preset: {', '.join(PRESETS)}")

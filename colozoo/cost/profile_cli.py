@@ -33,7 +33,8 @@ def add_parser(subparsers):
         description="Profile one training step of a model on a mesh without running it: per layer and per op "
                     "FLOPs, parameter/gradient/optimizer bytes, activations saved for backward, peak memory per "
                     "rank and communication per collective.")
-    p.add_argument("name", help="registered model name (see `colozoo models`)")
+    p.add_argument("name", help="registered model name (see `colozoo models`) or a local HF or colozoo "
+                                "checkpoint directory")
     p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp'")
     add_setup_arguments(p)
     p.add_argument("--checkpointing", default="none", choices=CHECKPOINTING)

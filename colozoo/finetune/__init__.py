@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from colozoo.finetune.config import FinetuneConfig, add_arguments, config_from_args
+from colozoo.finetune.config import FinetuneConfig, HelpFormatter, add_arguments, config_from_args
 
 __all__ = ["FinetuneConfig", "run", "add_parser", "main"]
 
@@ -27,7 +27,8 @@ def add_parser(subparsers):
     parser = subparsers.add_parser(
         "finetune", help="fine-tune a model (launch with torchrun for more than one process)",
         description="Fine-tune a causal LM (GPT-2, OPT, LLaMA), a sequence classifier (BERT) or an image "
-                    "classifier (ViT) on any mesh. Every rank of a torchrun job runs this command.")
+                    "classifier (ViT) on any mesh. Every rank of a torchrun job runs this command.",
+        formatter_class=HelpFormatter)
     add_arguments(parser)
     parser.set_defaults(func=_command)
     return parser
@@ -37,7 +38,8 @@ def main(argv=None, task: str | None = None) -> int:
     """Entry point of the scripts: parse, train, and report bad input as one line on rank 0."""
     import os
 
-    parser = argparse.ArgumentParser(description=f"colozoo fine-tuning ({task or 'any task'}); launch with torchrun")
+    parser = argparse.ArgumentParser(description=f"colozoo fine-tuning ({task or 'any task'}); launch with torchrun",
+                                     formatter_class=HelpFormatter)
     add_arguments(parser, task=task)
     args = parser.parse_args(argv)
     try:

@@ -47,11 +47,11 @@ class FinetuneConfig:
     offload: str = "none"               # CPU memory for optimizer states ("optimizer"), or FSDP shards too ("params")
     seed: int = 1234
     log_interval: int = 1
-    eval_interval: int = 0              # 0: evaluate only at the end
+    eval_interval: int = 200            # 0: evaluate only at the end
     eval_batches: int = 8
     samples: int = 3                    # causal LM: greedy continuations of this many held-out prompts per eval
     sample_tokens: int = 24             # new tokens per sample
-    save_interval: int = 0              # 0: only the final checkpoint
+    save_interval: int = 200            # 0: only the final checkpoint
     keep_last: int = 2
     async_save: bool = False            # write interval checkpoints in the background while training goes on
     resume: bool = True                 # pick up the newest complete checkpoint in output/checkpoints
@@ -132,7 +132,32 @@ _HELP = {
     "samples": "causal LM: at every evaluation print (and append to OUTPUT/samples.jsonl) greedy continuations of "
                "this many held-out prompts (0: none)",
     "sample_tokens": "new tokens per sample",
+    "task": "lm (causal LM), seqcls (sequence classification), imgcls (image classification)",
+    "eval_fraction": "fraction of --data held out for evaluation when there is no --eval-data",
+    "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree", "cp": "context-parallel degree",
+    "ep": "expert-parallel degree (folded over dp x cp)",
+    "sequence_parallel": "shard activations outside attention and MLP over the tp ranks",
+    "micro_batch_size": "samples per micro-batch on each dp rank", "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "the cosine schedule ends at lr x this", "warmup_steps": "linear warmup steps",
+    "weight_decay": "AdamW weight decay", "grad_clip": "clip the global gradient norm to this",
+    "epochs": "passes over the data when --steps is not given", "seq_len": "tokens per sample",
+    "num_labels": "classification: classes of a new head (default: the model config's)",
+    "text_field": "JSON field holding the text", "label_field": "JSON field holding the label",
+    "seed": "seed of data order, dropout and new heads", "log_interval": "log every this many steps",
+    "eval_interval": "evaluate every this many steps (0: only at the end)",
+    "eval_batches": "batches per evaluation", "keep_last": "checkpoints kept in OUTPUT/checkpoints",
+    "save_interval": "save a resumable checkpoint every this many steps (0: only at the end)",
+    "progress": "progress bar", "plot": "write OUTPUT/loss.png at the end",
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where the help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):

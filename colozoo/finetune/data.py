@@ -24,9 +24,11 @@ class DataError(ValueError):
 
 @dataclass
 class TensorData:
-    """Equal-length tensors indexed together; `tokens` counts the trained-on tokens of each sample (0 for images)."""
+    """Equal-length tensors indexed together; `tokens` counts the trained-on tokens of each sample (0 for images);
+    `label_names`: class id -> name where the data names its classes (string labels, class folders)."""
     tensors: dict[str, torch.Tensor]
     tokens: torch.Tensor
+    label_names: dict[int, str] | None = None
 
     def __len__(self):
         return len(self.tokens)
@@ -41,8 +43,8 @@ class TensorData:
         cut = len(self) - n_tail
         if cut < 1:
             raise DataError(f"cannot hold out {fraction:.0%} of {len(self)} samples for evaluation and keep any for training")
-        head = TensorData({k: v[:cut] for k, v in self.tensors.items()}, self.tokens[:cut])
-        tail = TensorData({k: v[cut:] for k, v in self.tensors.items()}, self.tokens[cut:])
+        head = TensorData({k: v[:cut] for k, v in self.tensors.items()}, self.tokens[:cut], self.label_names)
+        tail = TensorData({k: v[cut:] for k, v in self.tensors.items()}, self.tokens[cut:], self.label_names)
         return head, tail
 
 
@@ -61,7 +63,15 @@ def read_records(path, fields: tuple[str, ...]) -> list[dict]:
     path = _existing(path)
     if path.is_dir():
         raise DataError(f"dataset {path} is a directory; expected a .jsonl or .txt file")
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: binary data, not UTF-8 text (byte {e.start})") from None
+    if "\x00" in text:
+        line = text[:text.index("\x00")].count("\n") + 1
+        raise DataError(f"{path}:{line}: binary data (a NUL byte), not text")
     if path.suffix == ".txt":
         if fields != ("text",):
             raise DataError(f"{path}: plain text has no {fields[1:]} field; use a .jsonl file")
@@ -75,13 +85,26 @@ def read_records(path, fields: tuple[str, ...]) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            missing = [f for f in fields if not isinstance(record, dict) or f not in record]
-            if missing:
-                raise DataError(f"{path}:{lineno}: record has no field {missing[0]!r} (fields: {fields})")
+            check_record(record, fields, f"{path}:{lineno}")
             records.append(record)
     if not records:
         raise DataError(f"dataset {path} is empty")
     return records
+
+
+def check_record(record, fields: tuple[str, ...], where: str):
+    """A JSON object with a string text (fields[0]) and, for classification, an integer or string label."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {fields[0]!r} field")
+    missing = [f for f in fields if f not in record]
+    if missing:
+        raise DataError(f"{where}: no field {missing[0]!r}; the record's fields are {list(record)} "
+                        f"(pick others with --text-field / --label-field)")
+    if not isinstance(record[fields[0]], str):
+        raise DataError(f"{where}: field {fields[0]!r} is {record[fields[0]]!r}, not a string")
+    for name in fields[1:]:
+        if isinstance(record[name], bool) or not isinstance(record[name], (int, str)):
+            raise DataError(f"{where}: field {name!r} is {record[name]!r}, not an integer or a string label")
 
 
 # only padding is checked: published configs and tokenizers legitimately disagree on eos (e.g. chat models)
@@ -107,6 +130,23 @@ def load_tokenizer(model_dir, vocab_size: int, special_ids: dict | None = None):
             raise DataError(f"the tokenizer in {model_dir} has {name} {actual} but the model config says {expected} "
                             f"(wrong tokenizer for this model?)")
     return tokenizer
+
+
+def tokenizer_warnings(tokenizer, config, data: TensorData) -> list[str]:
+    """What is legal but most likely a mistake: text the tokenizer mostly does not know, an EOS other than the
+    model's (generation would not stop where training taught it to)."""
+    out = []
+    unk, ids = tokenizer.unk_token_id, data.tensors["input_ids"]
+    real = ids[data.tensors["attention_mask"].bool()]
+    if unk is not None and real.numel() and (real == unk).float().mean() > 0.5:
+        out.append(f"{(real == unk).float().mean():.0%} of the tokens are the tokenizer's unknown token "
+                   f"{tokenizer.unk_token!r}: wrong tokenizer for this text?")
+    eos = getattr(config, "eos_token_id", None)
+    allowed = eos if isinstance(eos, (list, tuple)) else [eos]
+    if eos is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in allowed:
+        out.append(f"the tokenizer's EOS is {tokenizer.eos_token_id} ({tokenizer.eos_token!r}) but the model "
+                   f"config's eos_token_id is {eos}")
+    return out
 
 
 def special_token_ids(config) -> dict:
@@ -154,31 +194,44 @@ def lm_dataset(path, tokenizer, seq_len: int, pack: bool = True, text_field: str
 # ----------------------------------------------------------------------------------------------- classification
 
 
-def label_ids(labels: list, config) -> list[int]:
-    """Integers as they are; strings through config.label2id (or, for a fresh head, sorted order)."""
-    num_labels = getattr(config, "num_labels", None)
+def label_mapping(labels: list, config) -> dict[str, int] | None:
+    """Class name -> id for string labels: config.label2id where it names them all, else sorted order; None for
+    integer labels."""
     if all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
-        out = labels
-    else:
-        mapping = {k: int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
-        names = sorted({str(v) for v in labels})
-        if not set(names) <= set(mapping):
-            mapping = {name: i for i, name in enumerate(names)}
-        out = [mapping[str(v)] for v in labels]
+        return None
+    mapping = {k: int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
+    names = sorted({str(v) for v in labels})
+    return mapping if set(names) <= set(mapping) else {name: i for i, name in enumerate(names)}
+
+
+def label_ids(labels: list, config) -> list[int]:
+    """Integers as they are; strings through label_mapping."""
+    num_labels = getattr(config, "num_labels", None)
+    mapping = label_mapping(labels, config)
+    out = labels if mapping is None else [mapping[str(v)] for v in labels]
     bad = [v for v in out if not 0 <= v < (num_labels or 0)]
     if bad:
         raise DataError(f"label {bad[0]} is outside the model's {num_labels} classes (pass --num-labels)")
     return out
 
 
+def label_names(mapping: dict[str, int] | None, num_labels: int) -> dict[int, str] | None:
+    """id -> name for every class of the head (LABEL_i, transformers' default, where the data names none)."""
+    if mapping is None:
+        return None
+    names = {i: name for name, i in mapping.items()}
+    return {i: names.get(i, f"LABEL_{i}") for i in range(num_labels)}
+
+
 def classification_dataset(path, tokenizer, seq_len: int, config, text_field="text", label_field="label") -> TensorData:
     records = read_records(path, (text_field, label_field))
     enc = tokenizer([r[text_field] for r in records], max_length=seq_len, truncation=True, padding="max_length",
                     return_tensors="pt")
-    labels = torch.tensor(label_ids([r[label_field] for r in records], config))
+    raw = [r[label_field] for r in records]
+    labels = torch.tensor(label_ids(raw, config))
     # one text per sample: every token is segment 0, the model's default, so token_type_ids are left out
     tensors = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
-    return TensorData(tensors, enc["attention_mask"].sum(1))
+    return TensorData(tensors, enc["attention_mask"].sum(1), label_names(label_mapping(raw, config), config.num_labels))
 
 
 # ----------------------------------------------------------------------------------------------- images
@@ -214,8 +267,9 @@ def image_dataset(path, config, model_dir=None) -> TensorData:
     """An .npz with `images` (N, H, W, C) or (N, C, H, W) uint8/float and integer `labels`, or a folder of class folders."""
     path = _existing(path)
     size, channels = config.image_size, getattr(config, "num_channels", 3)
+    classes = None
     if path.is_dir():
-        images, labels, _ = _read_image_folder(path, size, channels)
+        images, labels, classes = _read_image_folder(path, size, channels)
     else:
         with np.load(path) as npz:
             missing = [k for k in ("images", "labels") if k not in npz]
@@ -234,7 +288,9 @@ def image_dataset(path, config, model_dir=None) -> TensorData:
     x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
     mean, std = _image_norm(model_dir, config)
     targets = torch.tensor(label_ids([int(v) for v in labels], config))
-    return TensorData({"pixel_values": (x - mean) / std, "labels": targets}, torch.zeros(len(targets), dtype=torch.long))
+    names = label_names({c: i for i, c in enumerate(classes)} if classes else None, config.num_labels)
+    return TensorData({"pixel_values": (x - mean) / std, "labels": targets}, torch.zeros(len(targets), dtype=torch.long),
+                      names)
 
 
 # ----------------------------------------------------------------------------------------------- sampling

@@ -6,6 +6,7 @@ input costs seconds and leaves nothing behind.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ def model_source(name_or_path: str):
     """(transformers config, directory holding the tokenizer or None), without loading any weights."""
     from colozoo.api import resolve
 
-    source = resolve(name_or_path, verify=False)
+    source = resolve(name_or_path, verify=True)  # checksums are checked when weights are read
     return source.config, getattr(source, "path", None)
 
 
@@ -142,6 +143,29 @@ class Interrupt:
         return bool(flag.item())
 
 
+def check_writable(output: Path):
+    """Before the model is loaded: the output directory can be created and written (every rank writes shards)."""
+    probe = output / f".write-test-{os.getpid()}"
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
+
+
+class NonFiniteError(ValueError):
+    pass
+
+
+def check_finite(step: int, loss: float, grad_norm: float, dtype: str):
+    """Stop at the first non-finite loss or gradient norm (same values on every rank, so every rank stops)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm} in {dtype}: not finite; stopped "
+                             f"before the optimizer step, nothing saved or exported (lower --lr, check the data, or "
+                             f"resume from the last checkpoint)")
+
+
 def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -155,13 +179,18 @@ def run(cfg: FinetuneConfig) -> dict:
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
+    notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
     if cfg.plan is None:
         global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
     else:
         plan, mesh, global_batch = plan_run(cfg, config)
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
+    check_writable(Path(cfg.output))
 
-    model = runtime.load_model(cfg, cfg.task, plan)
+    model, fresh = runtime.load_model(cfg, cfg.task, plan)
+    if train.label_names:  # saved checkpoints and the export name the classes as the data does
+        model.config.id2label = train.label_names
+        model.config.label2id = {name: i for i, name in train.label_names.items()}
     pc = model.pc
     sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
     total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
@@ -205,14 +234,16 @@ def run(cfg: FinetuneConfig) -> dict:
                    f"{' x '.join(f'{k}={v}' for k, v in mesh_json.items() if v > 1) or 'of one process'}; "
                    f"{len(train)} training samples, {total_steps} steps of {global_batch} "
                    f"({step_options['num_microbatches']} micro-batches of {micro_batch_size} per dp rank)")
+    for note in notes:
+        reporter.print(f"warning: {note}")
     if plan:
         reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items()))
     if latest is not None:
         reporter.print(f"resumed from {latest} at step {start}")
         if not resumed["rng_restored"]:
             reporter.print(f"resharded from mesh {resumed['mesh']}: random states restart from --seed")
-    if getattr(model, "fresh_parameters", None):
-        reporter.print(f"new task head, initialised fresh: {', '.join(model.fresh_parameters)}")
+    if fresh:
+        reporter.print(f"new task head, initialised fresh: {', '.join(fresh)}")
 
     saver = CheckpointSaver(asynchronous=cfg.async_save)
 
@@ -247,6 +278,8 @@ def run(cfg: FinetuneConfig) -> dict:
                 loss = runtime.forward_backward(model, batch, grad_scale=loss_scale, **step_options)
                 overflow = scaler.unscale_(model)  # every rank agrees; clipping then sees the true gradients
                 grad_norm = None if overflow else runtime.clip_grad_norm(model, cfg.grad_clip)
+                if not scaler.enabled:  # fp16 skips such steps; in fp32/bf16 they would poison the weights
+                    check_finite(step + 1, float(loss.detach()), grad_norm, cfg.dtype)
                 lr = optimizer.param_groups[0]["lr"]
                 if not overflow:  # a skipped step leaves the learning-rate schedule where it is too
                     optimizer.step()

@@ -30,17 +30,18 @@ def plan_training(cfg, config, global_batch: int):
 
 def load_model(cfg, task: str, plan=None):
     """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.run.plan) asks for;
-    returns the model (model.pc is the mesh). Weights stay fp32: a lower --dtype becomes mixed precision in
-    prepare_training."""
+    returns (model, names of the parameters initialised fresh because the checkpoint lacks them); model.pc is the
+    mesh. Weights stay fp32: a lower --dtype becomes mixed precision in prepare_training. Checksums are verified."""
     from colozoo.api import from_pretrained
 
     degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    fresh = []
     if TASK_HEADS[task]:
-        model = _load_with_task_head(cfg, task, degrees, torch.float32)
+        model, fresh = _load_with_task_head(cfg, task, degrees, torch.float32)
     else:
-        model = from_pretrained(cfg.model, dtype=torch.float32, **degrees)
+        model = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
     model.run.plan = plan
-    return model
+    return model, fresh
 
 
 def prepare_training(model, cfg) -> dict | None:
@@ -72,7 +73,8 @@ class FreshTensor:
 
 def _load_with_task_head(cfg, task, degrees, dtype):
     """A classifier on top of a checkpoint that may hold only the base model (e.g. a sentence encoder): the head
-    the checkpoint lacks starts fresh (normal(0, initializer_range), zero bias); everything else is loaded."""
+    the checkpoint lacks starts fresh (normal(0, initializer_range), zero bias); everything else is loaded.
+    Returns (model, names of the fresh parameters)."""
     import copy
 
     from colozoo.api import build_model, resolve
@@ -81,7 +83,7 @@ def _load_with_task_head(cfg, task, degrees, dtype):
     from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(**degrees)
-    source = resolve(cfg.model, verify=False)
+    source = resolve(cfg.model, verify=True)
     config = copy.deepcopy(source.config)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
@@ -98,8 +100,7 @@ def _load_with_task_head(cfg, task, degrees, dtype):
             return FreshTensor(layout.tensors[name].shape, std, cfg.seed + len(fresh))
 
     load_global_tensors(model, lookup, device=pc.device)
-    model.fresh_parameters = fresh
-    return model
+    return model, fresh
 
 
 def model_inputs(batch: dict) -> dict:
