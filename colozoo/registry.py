@@ -96,6 +96,8 @@ def get_config(name: str):
 
 def local_config(path: Path):
     """The config of a model directory: a colozoo checkpoint's index or an HF config.json."""
+    import transformers
+
     index = path / COLOZOO_INDEX
     try:
         if index.is_file():
