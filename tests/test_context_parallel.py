@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from parity import batch, close, global_shapes, hf_causal_lm
+from parity import batch, close, global_shapes, hf_causal_lm, resolved_sources
 
 ATOL = 1e-5
 
@@ -111,7 +111,6 @@ def right_padded_batch(vocab_size: int, seq_len: int):
 def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=None, right_padded=False):
     from colozoo.checkpoint.load import load_hf_weights
     from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
-    from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.api import build_model
     from colozoo.core.mesh import coords_of, init_parallel
@@ -133,7 +132,7 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     close(out.logits[keep], ref.logits[keep], ATOL, "logits")
     close(out.loss, ref.loss, ATOL, "loss")
 
-    sources = family_module(model.family).hf_sources(config)
+    sources = resolved_sources(model, weights)  # as the loader read them (in-memory names: GPT-NeoX's lm_head)
     shapes = global_shapes(model, sources, weights)
     worst = 0.0
     for name, p in model.named_parameters():

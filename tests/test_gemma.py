@@ -38,7 +38,7 @@ def test_gemma_single_process(family):
 @pytest.mark.parametrize("family", list(CONFIGS))
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_gemma_tensor_parallel(family, tp, sp):
-    run_distributed(parity, tp, family, tp, sp, **(WIDE if tp == 4 else {}))
+    run_distributed(parity, tp, family=family, tp=tp, sp=sp, **(WIDE if tp == 4 else {}))
 
 
 def _logits_without(family, switch_off: str):
@@ -79,8 +79,8 @@ def test_gemma_converter_round_trip(family):
 
 
 def test_gemma_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "gemma3_text", GEMMA3, 2)
-    run_distributed(hf_round_trip, 2, "gemma2", GEMMA2, 2, attn_implementation="eager")
+    run_distributed(hf_round_trip, 2, model_type="gemma3_text", config_kwargs=GEMMA3, tp=2)
+    run_distributed(hf_round_trip, 2, model_type="gemma2", config_kwargs=GEMMA2, tp=2, attn_implementation="eager")
 
 
 # as transformers counts them on the same configs (tied embedding once)
@@ -124,7 +124,7 @@ def test_gemma_greedy_generate_equals_transformers(family):
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_gemma_greedy_generate_equals_transformers_tp2(family):
-    run_distributed(greedy_matches_transformers, 2, family, 2)
+    run_distributed(greedy_matches_transformers, 2, family=family, tp=2)
 
 
 def cp_parity(family, cp, mode, tp=1, sp=False):
@@ -170,11 +170,11 @@ def cp_parity(family, cp, mode, tp=1, sp=False):
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
 def test_gemma2_cp2_matches_transformers(mode):
     # soft-capped scores and windows across the ring's blocks (chunks of 4, window 4)
-    run_distributed(cp_parity, 2, "gemma2", 2, mode)
+    run_distributed(cp_parity, 2, family="gemma2", cp=2, mode=mode)
 
 
 def test_gemma3_cp2_tp2_ring_matches_transformers():
-    run_distributed(cp_parity, 4, "gemma3_text", 2, "ring", 2, True)
+    run_distributed(cp_parity, 4, family="gemma3_text", cp=2, mode="ring", tp=2, sp=True)
 
 
 def cp_softcap_attention_matches():

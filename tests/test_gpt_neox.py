@@ -38,11 +38,13 @@ def test_gpt_neox_single_process(option):
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_gpt_neox_tensor_parallel(tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary is always exercised
-    run_distributed(causal_lm_parity, tp, "gpt_neox", BASE, tp, sp, timeout=TIMEOUT)
+    run_distributed(causal_lm_parity, tp, model_type="gpt_neox", config_kwargs=BASE, tp=tp, sequence_parallel=sp,
+                    timeout=TIMEOUT)
 
 
 def test_gpt_neox_sequential_residual_tp2():
-    run_distributed(causal_lm_parity, 2, "gpt_neox", {**BASE, **SEQUENTIAL}, 2, True, timeout=TIMEOUT)
+    run_distributed(causal_lm_parity, 2, model_type="gpt_neox", config_kwargs={**BASE, **SEQUENTIAL}, tp=2,
+                    sequence_parallel=True, timeout=TIMEOUT)
 
 
 def test_gpt_neox_converter_round_trip():
@@ -50,7 +52,7 @@ def test_gpt_neox_converter_round_trip():
 
 
 def test_gpt_neox_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "gpt_neox", BASE, 2, timeout=TIMEOUT)
+    run_distributed(hf_round_trip, 2, model_type="gpt_neox", config_kwargs=BASE, tp=2, timeout=TIMEOUT)
 
 
 def test_query_key_value_is_regrouped_per_head():
@@ -107,7 +109,8 @@ def test_gpt_neox_greedy_generate_equals_transformers():
 
 
 def test_gpt_neox_greedy_generate_equals_transformers_tp2():
-    results = run_distributed(greedy_equals_transformers, 2, "gpt_neox", GENERATE, 2, timeout=TIMEOUT)
+    results = run_distributed(greedy_equals_transformers, 2, model_type="gpt_neox", config_kwargs=GENERATE, tp=2,
+                              timeout=TIMEOUT)
     assert results[0] == results[1]
 
 
@@ -128,4 +131,5 @@ def test_gpt_neox_pipeline_parallel():
 
     ids, mask, labels = batch(BASE["vocab_size"], 12)
     config = {**BASE, **SEQUENTIAL, "num_hidden_layers": 4, "tie_word_embeddings": True}  # the tied copy on stage 2
-    run_distributed(pipeline_parity, 2, "GPTNeoXForCausalLM", config, ids, mask, labels, 2, 1, False, timeout=TIMEOUT)
+    run_distributed(pipeline_parity, 2, architecture="GPTNeoXForCausalLM", config_kwargs=config, ids=ids, mask=mask,
+                    labels=labels, pp=2, tp=1, timeout=TIMEOUT)

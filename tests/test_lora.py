@@ -99,8 +99,8 @@ def test_peft_round_trip(tmp_path):
     import colozoo
     from colozoo.checkpoint.peft import gather_adapters
 
-    logits = run_distributed(_save_adapters, 2, str(tmp_path), timeout=TIMEOUT)[0]
-    at_tp4 = run_distributed(_gathered_adapters, 4, str(tmp_path), timeout=TIMEOUT)[0]
+    logits = run_distributed(_save_adapters, 2, directory=str(tmp_path), timeout=TIMEOUT)[0]
+    at_tp4 = run_distributed(_gathered_adapters, 4, directory=str(tmp_path), timeout=TIMEOUT)[0]
     for family in ROUND_TRIP:
         adapter, base = tmp_path / f"{family}-adapter", tmp_path / f"{family}-base"
         saved = load_file(adapter / "adapter_model.safetensors")

@@ -43,12 +43,14 @@ def test_phi3_single_process(option):
 def test_phi3_tensor_parallel_longrope(tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary is always exercised
     config = {**BASE, **longrope(8)} if tp == 2 else {**BASE, **WIDE, **longrope(4)}
-    run_distributed(causal_lm_parity, tp, "phi3", config, tp, sp, timeout=TIMEOUT)
+    run_distributed(causal_lm_parity, tp, model_type="phi3", config_kwargs=config, tp=tp, sequence_parallel=sp,
+                    timeout=TIMEOUT)
 
 
 def test_phi3_partial_rotary_sliding_window_tp2():
     config = {**BASE, **longrope(4, partial=0.5), "sliding_window": 4}
-    run_distributed(causal_lm_parity, 2, "phi3", config, 2, True, timeout=TIMEOUT)
+    run_distributed(causal_lm_parity, 2, model_type="phi3", config_kwargs=config, tp=2, sequence_parallel=True,
+                    timeout=TIMEOUT)
 
 
 def test_phi3_converter_round_trip():
@@ -56,7 +58,7 @@ def test_phi3_converter_round_trip():
 
 
 def test_phi3_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "phi3", {**BASE, **longrope(8)}, 2, timeout=TIMEOUT)
+    run_distributed(hf_round_trip, 2, model_type="phi3", config_kwargs={**BASE, **longrope(8)}, tp=2, timeout=TIMEOUT)
 
 
 def greedy_equals_transformers(model_type: str, config_kwargs: dict, tp: int = 1, new: int = 6):
@@ -92,7 +94,8 @@ def test_phi3_greedy_generate_equals_transformers():
 
 
 def test_phi3_greedy_generate_equals_transformers_tp2():
-    results = run_distributed(greedy_equals_transformers, 2, "phi3", GENERATE, 2, timeout=TIMEOUT)
+    results = run_distributed(greedy_equals_transformers, 2, model_type="phi3", config_kwargs=GENERATE, tp=2,
+                              timeout=TIMEOUT)
     assert results[0] == results[1]
 
 
@@ -121,4 +124,5 @@ def test_phi3_pipeline_parallel_longrope():
 
     ids, mask, labels = batch(BASE["vocab_size"], 12)
     config = {**BASE, **longrope(8), "num_hidden_layers": 4}
-    run_distributed(pipeline_parity, 2, "Phi3ForCausalLM", config, ids, mask, labels, 2, 1, False, timeout=TIMEOUT)
+    run_distributed(pipeline_parity, 2, architecture="Phi3ForCausalLM", config_kwargs=config, ids=ids, mask=mask,
+                    labels=labels, pp=2, tp=1, timeout=TIMEOUT)

@@ -42,7 +42,8 @@ def test_qwen_single_process(case):
 def test_qwen_tensor_parallel(case, tp, sp):
     family, options = CASES[case]
     config = {**BASE, **options, **(WIDE if tp == 4 else {})}
-    run_distributed(causal_lm_parity, tp, family, config, tp, sp, timeout=TIMEOUT)
+    run_distributed(causal_lm_parity, tp, model_type=family, config_kwargs=config, tp=tp, sequence_parallel=sp,
+                    timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("case", ["qwen2_tied", "qwen3_sliding_bias"])
@@ -52,8 +53,9 @@ def test_qwen_converter_round_trip(case):
 
 
 def test_qwen_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, "qwen2", BASE, 2, timeout=TIMEOUT)
-    run_distributed(hf_round_trip, 2, "qwen3", {**BASE, **CASES["qwen3"][1]}, 2, timeout=TIMEOUT)
+    run_distributed(hf_round_trip, 2, model_type="qwen2", config_kwargs=BASE, tp=2, timeout=TIMEOUT)
+    run_distributed(hf_round_trip, 2, model_type="qwen3", config_kwargs={**BASE, **CASES["qwen3"][1]}, tp=2,
+                    timeout=TIMEOUT)
 
 
 def test_qwen3_moe_converter_round_trip():
@@ -68,7 +70,8 @@ def test_qwen3_moe_single_process():
 
 @pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 2, True)])
 def test_qwen3_moe_expert_and_tensor_parallel(tp, ep, sp):
-    run_distributed(mixtral_parity, tp * ep, tp, ep, 1, sp, "ring", QWEN3_MOE, "qwen3_moe", timeout=TIMEOUT)
+    run_distributed(mixtral_parity, tp * ep, tp=tp, ep=ep, cp=1, sequence_parallel=sp, cp_mode="ring",
+                    config_overrides=QWEN3_MOE, family="qwen3_moe", timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
@@ -77,7 +80,8 @@ def test_qwen3_sliding_layers_context_parallel(mode):
     from test_context_parallel import cp_parity
 
     config = {**BASE, **CASES["qwen3_sliding_bias"][1]}
-    run_distributed(cp_parity, 4, 2, 2, mode, True, "qwen3", config, timeout=TIMEOUT)
+    run_distributed(cp_parity, 4, tp=2, cp=2, mode=mode, sequence_parallel=True, family="qwen3", overrides=config,
+                    timeout=TIMEOUT)
 
 
 def convert_round_trip(directory, family, config_kwargs, mesh):
@@ -116,7 +120,8 @@ def test_qwen_convert_reshard_export(tmp_path, family):
 def test_qwen3_pipeline_parallel():
     config = {**BASE, **CASES["qwen3"][1], "num_hidden_layers": 4}
     ids, mask, labels = batch(BASE["vocab_size"], 12)
-    run_distributed(pipeline_parity, 2, "Qwen3ForCausalLM", config, ids, mask, labels, 2, 1, False, timeout=TIMEOUT)
+    run_distributed(pipeline_parity, 2, architecture="Qwen3ForCausalLM", config_kwargs=config, ids=ids, mask=mask,
+                    labels=labels, pp=2, tp=1, sequence_parallel=False, timeout=TIMEOUT)
 
 
 def training_step(family, config, *args, **kwargs):
@@ -133,7 +138,8 @@ def test_qwen3_training_step_dp2_tp2(family, options):
     counted once in the norm) and parameters after one AdamW step equal transformers'."""
     config = {"qwen3": {**BASE, **CASES["qwen3"][1]}, "qwen3_moe": QWEN3_MOE}[family]
     ep = 2 if family == "qwen3_moe" else 1
-    run_distributed(training_step, 4, family, config, 2, 1, ep, 2, 1, options, timeout=TIMEOUT)
+    run_distributed(training_step, 4, family=family, config=config, dp=2, cp=1, ep=ep, tp=2, microbatches=1,
+                    options=options, timeout=TIMEOUT)
 
 
 # --- generation ------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def check_continues(straight, resumed, what):
 
 
 def test_tp2_to_tp1_with_offload(tiny, tmp_path):
-    run_distributed(run, 2, small_run(tiny, tmp_path / "resumed", tp=2, stop_after=3), timeout=240)
+    run_distributed(run, 2, cfg=small_run(tiny, tmp_path / "resumed", tp=2, stop_after=3), timeout=240)
     straight = tmp_path / "straight"
     run(small_run(tiny, straight, offload="optimizer"))
     summary = run(small_run(tiny, tmp_path / "resumed", offload="optimizer"))
@@ -70,15 +70,16 @@ def test_tp2_to_tp1_with_offload(tiny, tmp_path):
 
 
 def test_dp2_fsdp_to_dp2_ddp_to_tp2(tiny, tmp_path):
-    straight, resumed = run_distributed(resume_across, 2, tiny, tmp_path, [dict(dp=2, data_parallel="fsdp"),
+    straight, resumed = run_distributed(resume_across, 2, model=tiny, root=tmp_path,
+                                        legs=[dict(dp=2, data_parallel="fsdp"),
                                                                            dict(dp=2, data_parallel="ddp")],
-                                        dict(tp=2), timeout=300)[0]
+                                        last=dict(tp=2), timeout=300)[0]
     check_continues(straight, resumed, "dp2 FSDP -> dp2 DDP -> tp2")
 
 
 def test_tp2_pp2_to_pp2_dp2_and_the_checkpoint_exports_like_the_model(tiny, tmp_path):
-    straight, resumed = run_distributed(resume_across, 4, tiny, tmp_path, [dict(tp=2, pp=2)],
-                                        dict(pp=2, dp=2, micro_batch_size=1), export=True, timeout=400)[0]
+    straight, resumed = run_distributed(resume_across, 4, model=tiny, root=tmp_path, legs=[dict(tp=2, pp=2)],
+                                        last=dict(pp=2, dp=2, micro_batch_size=1), export=True, timeout=400)[0]
     check_continues(straight, resumed, "tp2 x pp2 -> pp2 x dp2 FSDP")
     from colozoo.cli import main
 
@@ -102,7 +103,7 @@ def test_fsdp_checkpoint_exports_like_the_model(tiny, tmp_path):
     """A checkpoint whose tensors FSDP split by rows (dp2) converts to the same HF directory the run exported."""
     from colozoo.checkpoint.convert import convert
 
-    run_distributed(run, 2, small_run(tiny, tmp_path / "run", dp=2, steps=2, export_hf=True), timeout=240)
+    run_distributed(run, 2, cfg=small_run(tiny, tmp_path / "run", dp=2, steps=2, export_hf=True), timeout=240)
     final = state.latest_checkpoint(tmp_path / "run" / "checkpoints")
     index = json.loads((final / "colozoo_index.json").read_text())
     assert len(index["tensors"]["wte.weight"]["pieces"]) == 2  # each dp rank wrote its rows

@@ -31,10 +31,16 @@ LOSS_ATOL, NORM_RTOL, GRAD_ATOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6, 2e-6
 TIMEOUT = 150
 
 
-def hf_module_sources(family, config):
-    """Our names -> the in-memory transformers parameter names (Mixtral's experts are stacked there)."""
+def hf_module_sources(family, config, reader=None):
+    """Our names -> the in-memory transformers parameter names (Mixtral's experts are stacked there; GPT-NeoX's
+    embed_out is lm_head in memory, which the converter's NAME_ALIASES resolve against `reader`)."""
+    from colozoo.checkpoint.load import _resolve_prefix
+
     conv = family_module(family)
-    return getattr(conv, "module_sources", conv.hf_sources)(config)
+    sources = getattr(conv, "module_sources", conv.hf_sources)(config)
+    if reader is not None and getattr(conv, "NAME_ALIASES", ()):
+        sources = _resolve_prefix(reader, sources, getattr(conv, "HF_PREFIX", ""), conv.NAME_ALIASES)
+    return sources
 
 
 def build(pc, family, config, hf, options):
@@ -44,7 +50,8 @@ def build(pc, family, config, hf, options):
     else:  # from transformers' modules (stacked experts), not a checkpoint's per-expert tensors
         materialize(model, "cpu")
         model.reset_buffers()
-        reader, sources = StateDictReader(hf.state_dict()), hf_module_sources(family, config)
+        reader = StateDictReader(hf.state_dict())
+        sources = hf_module_sources(family, config, reader)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(pc)))
@@ -79,7 +86,7 @@ def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None
     model = build(pc, family, config, hf, dict(options or {}))
     optimizer = build_optimizer(model, lr=LR, eps=EPS)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS)
-    sources = hf_module_sources(family, config)
+    sources = hf_module_sources(family, config, StateDictReader(hf.state_dict()))
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
 
     worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0}  # norm: relative
