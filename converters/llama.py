@@ -16,19 +16,31 @@ def hf_sources(config) -> dict[str, Source]:
     return out
 
 
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3's and Gemma 3's per-head norms
+
+
+def per_layer(config, *names: str) -> dict[str, Source]:
+    """Weights every layer holds under the same name in HF and ours (`layers.{i}.{name}.weight`): extra norms."""
+    return {f"layers.{i}.{name}.weight": Source.of(f"{HF_PREFIX}layers.{i}.{name}.weight")
+            for i in range(config.num_hidden_layers) for name in names}
+
+
 def params(bias: bool) -> tuple[str, ...]:
     return ("weight", "bias") if bias else ("weight",)
 
 
-def attention_and_norms(config, qkv_bias: bool | None = None, out_bias: bool | None = None) -> dict[str, Source]:
+def attention_and_norms(config, qkv_bias: bool | None = None, out_bias: bool | None = None,
+                        fused_qkv: bool = False) -> dict[str, Source]:
     """Embeddings, final norm, LM head and every layer's attention and norms: what the families on this decoder
-    share (the biases default to config.attention_bias, as in models.llama.LlamaAttention)."""
+    share (the biases default to config.attention_bias, as in models.llama.LlamaAttention). `fused_qkv`: the
+    checkpoint stores q/k/v as one `qkv_proj` in our [q; k; v] layout (Phi-3)."""
     m, bias = HF_PREFIX, getattr(config, "attention_bias", False)
     out = {"embed_tokens.weight": Source.of(f"{m}embed_tokens.weight"), "norm.weight": Source.of(f"{m}norm.weight")}
     for i in range(config.num_hidden_layers):
         hf, ours = f"{m}layers.{i}.", f"layers.{i}."
         for p in params(bias if qkv_bias is None else qkv_bias):
-            out[f"{ours}self_attn.qkv.{p}"] = Source.of(*(f"{hf}self_attn.{x}_proj.{p}" for x in "qkv"))
+            parts = ("qkv",) if fused_qkv else tuple("qkv")
+            out[f"{ours}self_attn.qkv.{p}"] = Source.of(*(f"{hf}self_attn.{x}_proj.{p}" for x in parts))
         for p in params(bias if out_bias is None else out_bias):
             out[f"{ours}self_attn.o_proj.{p}"] = Source.of(f"{hf}self_attn.o_proj.{p}")
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -38,10 +50,12 @@ def attention_and_norms(config, qkv_bias: bool | None = None, out_bias: bool | N
     return out
 
 
-def dense_mlp(hf: str, ours: str, bias: bool = False) -> dict[str, Source]:
-    """A SwiGLU MLP: HF `{hf}{gate,up}_proj` fused into our `{ours}gate_up`, `{hf}down_proj` one to one."""
+def dense_mlp(hf: str, ours: str, bias: bool = False, fused: bool = False) -> dict[str, Source]:
+    """A SwiGLU MLP: HF `{hf}{gate,up}_proj` fused into our `{ours}gate_up` (or already fused as `{hf}gate_up_proj`),
+    `{hf}down_proj` one to one."""
     out = {}
     for p in params(bias):
-        out[f"{ours}gate_up.{p}"] = Source.of(f"{hf}gate_proj.{p}", f"{hf}up_proj.{p}")
+        gate_up = (f"{hf}gate_up_proj.{p}",) if fused else (f"{hf}gate_proj.{p}", f"{hf}up_proj.{p}")
+        out[f"{ours}gate_up.{p}"] = Source.of(*gate_up)
         out[f"{ours}down_proj.{p}"] = Source.of(f"{hf}down_proj.{p}")
     return out

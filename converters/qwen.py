@@ -5,23 +5,18 @@ Qwen3's per-head norms
 """
 from __future__ import annotations
 
-from .llama import attention_and_norms, dense_mlp
+from .llama import QK_NORMS, attention_and_norms, dense_mlp, per_layer
 from .source import Source
 
 HF_PREFIX = "model."
 IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)
 
 
-def qk_norms(config) -> dict[str, Source]:
-    return {f"layers.{i}.self_attn.{norm}.weight": Source.of(f"{HF_PREFIX}layers.{i}.self_attn.{norm}.weight")
-            for i in range(config.num_hidden_layers) for norm in ("q_norm", "k_norm")}
-
-
 def hf_sources(config) -> dict[str, Source]:
     if config.model_type == "qwen2":
         out = attention_and_norms(config, qkv_bias=True, out_bias=False)
     else:
-        out = {**attention_and_norms(config), **qk_norms(config)}
+        out = {**attention_and_norms(config), **per_layer(config, *QK_NORMS)}
     for i in range(config.num_hidden_layers):
         out.update(dense_mlp(f"{HF_PREFIX}layers.{i}.mlp.", f"layers.{i}.mlp."))
     return out

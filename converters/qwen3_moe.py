@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from colozoo.models.qwen2_moe import is_sparse
 
-from .llama import attention_and_norms, dense_mlp
-from .qwen import qk_norms
+from .llama import QK_NORMS, attention_and_norms, dense_mlp, per_layer
 from .qwen2_moe import experts
 from .source import Source
 
@@ -15,7 +14,7 @@ IGNORED_HF = ()
 
 
 def _common(config) -> dict[str, Source]:
-    out = {**attention_and_norms(config), **qk_norms(config)}
+    out = {**attention_and_norms(config), **per_layer(config, *QK_NORMS)}
     for i in range(config.num_hidden_layers):
         hf, ours = f"{HF_PREFIX}layers.{i}.mlp.", f"layers.{i}.mlp."
         if is_sparse(config, i):

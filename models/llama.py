@@ -354,7 +354,8 @@ class LlamaForCausalLM(RotaryModel):
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
         pc = self.pc
-        self.family = config.model_type if config.model_type in ("llama", "mistral") else "llama"
+        if type(self) is LlamaForCausalLM and config.model_type == "mistral":
+            self.family = "mistral"  # one class serves both; subclasses keep their class attribute
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         if heads % kv_heads:
             raise UnsupportedConfig(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")

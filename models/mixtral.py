@@ -60,7 +60,6 @@ class MoECausalLM(LlamaForCausalLM):
         if experts % ep:
             raise UnsupportedConfig(f"ep={ep} must divide the number of experts ({self.num_experts_key}={experts})")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
-        self.family = type(self).family
         self.num_experts, self.top_k = getattr(config, self.num_experts_key), config.num_experts_per_tok
 
     def router_stats_width(self) -> int:

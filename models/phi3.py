@@ -16,10 +16,6 @@ from .llama import DecoderLayer, LlamaAttention, LlamaForCausalLM
 class Phi3ForCausalLM(LlamaForCausalLM):
     family = "phi3"
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        super().__init__(config, pc, layer_ids, device, dtype)
-        self.family = type(self).family
-
     def build_layer(self, layer_idx: int, config, pc, **kw) -> DecoderLayer:
         return DecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
                             self.build_mlp(layer_idx, config, pc, **kw), resid_dropout=config.resid_pdrop, **kw)

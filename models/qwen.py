@@ -27,10 +27,6 @@ def layer_window(config, layer_idx: int) -> int | None:
 class Qwen2ForCausalLM(LlamaForCausalLM):
     family = "qwen2"
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
-        self.family = type(self).family
-
     def attention_window(self, config):
         """The window every layer shares (it goes into the batch's mask), else None: mixed layers build their own."""
         windows = {layer_window(config, i) for i in range(config.num_hidden_layers)}

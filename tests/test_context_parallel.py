@@ -99,16 +99,19 @@ FAMILIES = {
 }
 
 
-def right_padded_batch(vocab_size: int, seq_len: int):
+def right_padded_batch(vocab_size: int, seq_len: int, padding: int = 6):
     """Right padding with labels on it too (as when pad = eos), so the loss reads the padded positions."""
     ids, _, _ = batch(vocab_size, seq_len, padded=False)
     mask = torch.ones_like(ids)
-    mask[0, seq_len - 6:] = 0  # padding on both cp ranks' shares (zigzag chunks of 4)
+    mask[0, seq_len - padding:] = 0  # 6: padding on both cp ranks' shares (zigzag chunks of 4)
     mask[1, seq_len - 1:] = 0
     return ids, mask, ids
 
 
-def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=None, right_padded=False):
+def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=None, right_padding: int = 0,
+              attn_implementation: str = "sdpa"):
+    """Context parallel against transformers: logits, loss and every gradient (summed over the cp ranks). With
+    `right_padding`, the first sequence ends in that many padded positions that carry labels."""
     from colozoo.checkpoint.load import load_hf_weights
     from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
     from colozoo.layers.shard import gather_tensor, spec_of
@@ -116,8 +119,12 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm(family, {**FAMILIES.get(family, {}), **(overrides or {})})  # others: whole config
-    ids, mask, labels = (right_padded_batch if right_padded else batch)(config.vocab_size, 16)
+    config, hf = hf_causal_lm(family, {**FAMILIES.get(family, {}), **(overrides or {})},  # others: whole config
+                              attn_implementation=attn_implementation)
+    if right_padding:
+        ids, mask, labels = right_padded_batch(config.vocab_size, 16, right_padding)
+    else:
+        ids, mask, labels = batch(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels)
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
@@ -288,7 +295,7 @@ def ulysses_padding_parity(family):
     with mock.patch.object(context_parallel, "local_attention", recording), \
             mock.patch.object(context_parallel, "QUERY_CHUNK", 4), \
             mock.patch.object(context_parallel, "full_mask", side_effect=dense):
-        cp_parity(1, 2, "all_to_all", family=family, right_padded=True)
+        cp_parity(1, 2, "all_to_all", family=family, right_padding=6)
         cp_parity(1, 2, "all_to_all", family=family)  # left padding
     shapes = [tuple(m.shape) for m in masks if m is not None]
     assert shapes and all(shape[-2] <= 4 for shape in shapes), shapes

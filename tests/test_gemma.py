@@ -127,54 +127,24 @@ def test_gemma_greedy_generate_equals_transformers_tp2(family):
     run_distributed(greedy_matches_transformers, 2, family=family, tp=2)
 
 
-def cp_parity(family, cp, mode, tp=1, sp=False):
-    """Context parallel against transformers: logits, loss and every gradient (summed over the cp ranks)."""
-    import torch.distributed as dist
+def gemma_cp_parity(family, cp, mode, tp=1, sp=False):
+    """test_context_parallel's cp parity on a Gemma config; the first sequence's right padding (3) is shorter than
+    the window, so that no query sees only padding (such rows are noise, computed differently by transformers'
+    eager attention and the ring)."""
+    from test_context_parallel import cp_parity
 
-    from parity import close, global_shapes
-
-    from colozoo.api import build_model
-    from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
-    from colozoo.converters import family_module
-    from colozoo.core.mesh import coords_of, init_parallel
-    from colozoo.layers.shard import gather_tensor, spec_of
-
-    pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sp)
-    config, hf = hf_causal_lm(family, CONFIGS[family], attn_implementation=ATTENTION[family])
-    ids, _, _ = batch(config.vocab_size, 16, padded=False)
-    mask = torch.ones_like(ids)
-    # right padding, with labels on it (the loss reads it); shorter than the window, so that no query sees only
-    # padding (such rows are noise, computed differently by transformers' eager attention and the ring)
-    mask[0, 13:] = 0
-    ref = hf(ids, attention_mask=mask, labels=ids)
-    ref.loss.backward()
-    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
-    model = build_model(config, pc=pc, device="meta")
-    weights = StateDictReader(hf.state_dict())
-    load_hf_weights(model, weights, device="cpu")
-    model.eval()
-    out = model(ids, attention_mask=mask, labels=ids, return_logits=True, cp_mode=mode)
-    out.loss.backward()
-    close(out.logits[mask.bool()], ref.logits[mask.bool()], LOGITS_ATOL, "logits")
-    close(out.loss, ref.loss, LOGITS_ATOL, "loss")
-    sources = family_module(model.family).hf_sources(config)
-    shapes = global_shapes(model, sources, weights)
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=pc.group("cp"))  # each cp rank holds its share of every gradient
-        full = gather_tensor(grad, spec_of(p), shapes[name], pc.groups, coords_of(pc))
-        close(full, GlobalTensor(hf_grads, sources[name], name).read(), 1e-5, f"gradient of {name}")
+    cp_parity(tp, cp, mode, sequence_parallel=sp, family=family, overrides=CONFIGS[family], right_padding=3,
+              attn_implementation=ATTENTION[family])
 
 
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
 def test_gemma2_cp2_matches_transformers(mode):
     # soft-capped scores and windows across the ring's blocks (chunks of 4, window 4)
-    run_distributed(cp_parity, 2, family="gemma2", cp=2, mode=mode)
+    run_distributed(gemma_cp_parity, 2, family="gemma2", cp=2, mode=mode)
 
 
 def test_gemma3_cp2_tp2_ring_matches_transformers():
-    run_distributed(cp_parity, 4, family="gemma3_text", cp=2, mode="ring", tp=2, sp=True)
+    run_distributed(gemma_cp_parity, 4, family="gemma3_text", cp=2, mode="ring", tp=2, sp=True)
 
 
 def cp_softcap_attention_matches():

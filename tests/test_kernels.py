@@ -411,8 +411,7 @@ CPU_PARITY = pytest.mark.skipif(CUDA, reason="the HF parity harness runs on CPU,
 @CPU_PARITY
 def test_gpt2_on_triton_path_matches_transformers():
     """LayerNorm, flash attention (padded, causal), GeLU and the loss all on Triton; still 1e-5 from HF."""
-    report = _parity_on_kernels("triton", "gpt2", GPT2)
-    assert report["logits"] < 1e-4  # causal_lm_parity compared them (atol 1e-5 + rtol): this is a sanity bound
+    _parity_on_kernels("triton", "gpt2", GPT2)
 
 
 @CPU_PARITY
@@ -491,8 +490,7 @@ OPT_POST_LN = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, ffn_dim=
 def test_models_fuse_the_residual_add_into_the_norm_kernel(monkeypatch, family, config, kernel, fused_calls):
     """The model's residual adds run inside the norm kernel, and logits, loss and every gradient still match HF."""
     calls = count_fused_norm_calls(monkeypatch)
-    report = _parity_on_kernels("triton", family, config)
-    assert report["logits"] < 1e-4  # causal_lm_parity compared them (atol 1e-5 + rtol): this is a sanity bound
+    _parity_on_kernels("triton", family, config)
     assert calls == {kernel: fused_calls}, calls
 
 
@@ -556,8 +554,7 @@ def test_llama_on_triton_path_matches_transformers(monkeypatch):
     """RMSNorm, rotary, flash attention (GQA, padded), SwiGLU, cross entropy on Triton: logits, loss and
     gradients within 1e-5 of HF; then a training step through the fused LM-head loss, also against HF."""
     calls = count_kernel_calls(monkeypatch)
-    report = _parity_on_kernels("triton", "llama", LLAMA)
-    assert report["logits"] < 1e-4  # causal_lm_parity compared them (atol 1e-5 + rtol): this is a sanity bound
+    _parity_on_kernels("triton", "llama", LLAMA)
     assert {"rms_norm_triton", "apply_rotary_triton", "flash_attention_triton", "swiglu_triton",
             "cross_entropy_triton"} <= set(calls), calls
     assert calls["apply_rotary_triton"] == 2 * LLAMA["num_hidden_layers"]  # q and k in every layer

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from colozoo.checkpoint.collective import world
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
 from colozoo.core.errors import CheckpointError
@@ -45,11 +46,11 @@ class ResumeError(ValueError):
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return world()[0]
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return world()[1]
 
 
 def _barrier(group=None):
