@@ -77,7 +77,7 @@ def compare(model, reference, sources, atol, what, grad=False):
     return max(diffs.values())
 
 
-def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None, steps=1, pp=1):
+def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None, steps=1, pp=1, param_atol=PARAM_ATOL):
     """Runs on every rank: `steps` training steps of ours and of transformers' model; returns the worst differences."""
     distributed = dp * cp * tp * pp > 1
     pc = init_parallel(tp=tp, dp=dp, cp=cp, ep=ep, pp=pp) if distributed else single_process()
@@ -107,7 +107,7 @@ def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None
         for opt in (optimizer, hf_optimizer):
             opt.step()
             opt.zero_grad()
-    worst["param"] = compare(model, StateDictReader(hf.state_dict()), sources, PARAM_ATOL,
+    worst["param"] = compare(model, StateDictReader(hf.state_dict()), sources, param_atol,
                              f"after {steps} step(s), parameter")
     return worst
 

@@ -10,7 +10,8 @@ import torch
 
 from colozoo.cost.model_trace import ModelTrace
 from colozoo.cost.report import ProfileReport, StageCost, UnitCost
-from colozoo.cost.setup import DDP_BUCKET_BYTES, OPTIMIZER_BYTES, ProfilerError, Workload, check_priced
+from colozoo.cost.priced import OPTIMIZER_BYTES
+from colozoo.cost.setup import DDP_BUCKET_BYTES, ProfilerError, Workload, check_priced
 from colozoo.runtime.plan import Plan
 
 

@@ -23,7 +23,8 @@ from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import human_bytes as human
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import default_seq_len, trace_model
-from colozoo.cost.setup import OPTIMIZER_BYTES, PRICED_SCHEDULES, Workload, get_config
+from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES
+from colozoo.cost.setup import Workload, get_config
 from colozoo.runtime.options import ZERO
 from colozoo.runtime.plan import Plan
 

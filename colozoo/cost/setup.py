@@ -9,7 +9,7 @@ import torch
 
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
-from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES  # noqa: F401 - re-exported
+from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES
 from colozoo.cost.trace import TARGETS
 from colozoo.runtime.plan import Plan
 
