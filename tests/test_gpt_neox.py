@@ -133,3 +133,13 @@ def test_gpt_neox_pipeline_parallel():
     config = {**BASE, **SEQUENTIAL, "num_hidden_layers": 4, "tie_word_embeddings": True}  # the tied copy on stage 2
     run_distributed(pipeline_parity, 2, architecture="GPTNeoXForCausalLM", config_kwargs=config, ids=ids, mask=mask,
                     labels=labels, pp=2, tp=1, timeout=TIMEOUT)
+
+
+def test_gpt_neox_pipeline_parallel_pp2_tp2():
+    """tp2 x pp2 with sequence parallelism: the parallel residual, partial rotary and the padded vocabulary (101)."""
+    from parity import batch, pipeline_parity
+
+    ids, mask, labels = batch(BASE["vocab_size"], 12)
+    config = {**BASE, "num_hidden_layers": 4}
+    run_distributed(pipeline_parity, 4, architecture="GPTNeoXForCausalLM", config_kwargs=config, ids=ids, mask=mask,
+                    labels=labels, pp=2, tp=2, sequence_parallel=True, timeout=TIMEOUT)

@@ -216,10 +216,10 @@ def _per_microbatch_reference(hf, config, ids, mask, labels, dp, microbatches):
     return loss
 
 
-def _pipeline_parity(family, pp, tp, ep):
+def _pipeline_parity(family, pp, tp, ep, config_kwargs=None):
     """MoE layers on pipeline stages with the router losses on: every stage hands its layers' router statistics
     on with the hidden states. Eval logits, loss and aux loss, then a forward_backward over 2 micro-batches (loss
-    and every gathered gradient), against transformers."""
+    and every gathered gradient), against transformers (on FAMILIES[family] unless `config_kwargs` is given)."""
     from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
@@ -227,7 +227,7 @@ def _pipeline_parity(family, pp, tp, ep):
     from colozoo.runtime.training import parallelize
 
     pc = init_parallel(pp=pp, tp=tp, ep=ep)
-    config, hf = hf_causal_lm(family, FAMILIES[family])
+    config, hf = hf_causal_lm(family, config_kwargs or FAMILIES[family])
     model = load_saved(hf, config, pc)[0].eval()
     ids, mask, labels = batch(config.vocab_size, 16, batch_size=4)
     with torch.no_grad():

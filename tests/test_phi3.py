@@ -126,3 +126,13 @@ def test_phi3_pipeline_parallel_longrope():
     config = {**BASE, **longrope(8), "num_hidden_layers": 4}
     run_distributed(pipeline_parity, 2, architecture="Phi3ForCausalLM", config_kwargs=config, ids=ids, mask=mask,
                     labels=labels, pp=2, tp=1, timeout=TIMEOUT)
+
+
+def test_phi3_pipeline_parallel_pp2_tp2():
+    """tp2 x pp2 with sequence parallelism, LongRoPE past the original length, a window shorter than the sequence."""
+    from parity import batch, pipeline_parity
+
+    ids, mask, labels = batch(BASE["vocab_size"], 12)
+    config = {**BASE, **longrope(8), "num_hidden_layers": 4, "sliding_window": 6}
+    run_distributed(pipeline_parity, 4, architecture="Phi3ForCausalLM", config_kwargs=config, ids=ids, mask=mask,
+                    labels=labels, pp=2, tp=2, sequence_parallel=True, timeout=TIMEOUT)

@@ -124,6 +124,17 @@ def test_qwen3_pipeline_parallel():
                     labels=labels, pp=2, tp=1, sequence_parallel=False, timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize("pp,tp,ep", [(2, 2, 1), (2, 1, 2)])
+def test_qwen3_moe_pipeline_parallel(pp, tp, ep):
+    """Qwen3-MoE over 2 stages (sparse layer 0 | dense 1 and sparse 2) with tp 2 or ep 2: logits, loss and aux loss,
+    then a forward_backward's loss and every gathered gradient against transformers."""
+    from test_mixtral import _pipeline_parity
+
+    names = run_distributed(_pipeline_parity, pp * tp * ep, family="qwen3_moe", pp=pp, tp=tp, ep=ep,
+                            config_kwargs=QWEN3_MOE, timeout=TIMEOUT)
+    assert {n.split(".")[1] for ranks in names for n in ranks if n.startswith("layers.")} == {"0", "1", "2"}
+
+
 def training_step(family, config, *args, **kwargs):
     """test_training_cp_ep's optimizer step against transformers (clipped gradients, AdamW), on a Qwen config."""
     import test_training_cp_ep
