@@ -78,6 +78,14 @@ def test_gemma_converter_round_trip(family):
     hf_round_trip(family, CONFIGS[family], attn_implementation=ATTENTION[family])
 
 
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_gemma_convert_reshard_export(tmp_path, family):
+    """HF -> colozoo at tp2 x pp2 -> colozoo at tp4 (kv heads replicated) -> HF, bit for bit; transformers loads it."""
+    from test_qwen import convert_round_trip
+
+    convert_round_trip(tmp_path, family, CONFIGS[family], dict(tp=2, pp=2), attn_implementation=ATTENTION[family])
+
+
 def test_gemma_converter_round_trip_tp2():
     run_distributed(hf_round_trip, 2, model_type="gemma3_text", config_kwargs=GEMMA3, tp=2)
     run_distributed(hf_round_trip, 2, model_type="gemma2", config_kwargs=GEMMA2, tp=2, attn_implementation="eager")

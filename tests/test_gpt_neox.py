@@ -99,6 +99,13 @@ def test_gpt_neox_hf_export_and_offline_convert_are_bit_exact(tmp_path):
     assert torch.equal(reloaded(ids).logits, hf(ids).logits)
 
 
+def test_gpt_neox_convert_reshard_export(tmp_path):
+    """HF (per-head query_key_value) -> colozoo at tp2 x pp2 -> tp4 -> HF, bit for bit; transformers loads it."""
+    from test_qwen import convert_round_trip
+
+    convert_round_trip(tmp_path, "gpt_neox", {**BASE, "num_hidden_layers": 4}, dict(tp=2, pp=2))
+
+
 # larger weights than transformers' default, so that a wrong rotation or residual changes the greedy tokens
 GENERATE = {**BASE, "num_hidden_layers": 3, "initializer_range": 0.2}
 

@@ -61,6 +61,13 @@ def test_phi3_converter_round_trip_tp2():
     run_distributed(hf_round_trip, 2, model_type="phi3", config_kwargs={**BASE, **longrope(8)}, tp=2, timeout=TIMEOUT)
 
 
+def test_phi3_convert_reshard_export(tmp_path):
+    """HF (fused qkv / gate_up) -> colozoo at tp2 x pp2 -> tp4 (kv heads replicated) -> HF, bit for bit."""
+    from test_qwen import convert_round_trip
+
+    convert_round_trip(tmp_path, "phi3", {**BASE, **longrope(8), "num_hidden_layers": 4}, dict(tp=2, pp=2))
+
+
 def greedy_equals_transformers(model_type: str, config_kwargs: dict, tp: int = 1, new: int = 6):
     """model.generate == transformers' generate (greedy, fp32) on left-padded prompts of 5, 9 and 3 tokens."""
     from test_generate import prompts

@@ -84,7 +84,7 @@ def test_qwen3_sliding_layers_context_parallel(mode):
                     timeout=TIMEOUT)
 
 
-def convert_round_trip(directory, family, config_kwargs, mesh):
+def convert_round_trip(directory, family, config_kwargs, mesh, attn_implementation="sdpa"):
     """transformers' save_pretrained -> colozoo on `mesh` -> colozoo at tp=4 -> HF: bit for bit, and transformers
     loads the export."""
     from safetensors.torch import load_file
@@ -92,7 +92,7 @@ def convert_round_trip(directory, family, config_kwargs, mesh):
     from colozoo.checkpoint.convert import convert
     from parity import hf_causal_lm
 
-    config, hf = hf_causal_lm(family, config_kwargs)
+    config, hf = hf_causal_lm(family, config_kwargs, attn_implementation=attn_implementation)
     hf.save_pretrained(directory / "hf")
     convert(directory / "hf", directory / "first", **mesh)
     convert(directory / "first", directory / "tp4", tp=4)
@@ -103,7 +103,8 @@ def convert_round_trip(directory, family, config_kwargs, mesh):
         assert torch.equal(tensor, back[name]), name
     import transformers
 
-    exported = transformers.AutoModelForCausalLM.from_pretrained(directory / "back").eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(directory / "back",
+                                                                 attn_implementation=attn_implementation).eval()
     ids, mask, _ = batch(config.vocab_size, 12)
     with torch.no_grad():
         assert torch.equal(hf(ids, attention_mask=mask).logits, exported(ids, attention_mask=mask).logits)
