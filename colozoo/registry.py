@@ -104,7 +104,9 @@ def local_config(path: Path):
             data = json.loads(index.read_text())
             return config_from_dict(data["config"], data.get("architecture"))
         if (path / "config.json").is_file():
-            return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            from colozoo.models import text_config
+
+            return text_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read the model config in {path}: {e}") from None
     raise ValueError(f"{path} is not a model directory (no config.json or {COLOZOO_INDEX})")

@@ -1,9 +1,14 @@
 """Gemma 2 / Gemma 3 text names: LLaMA's (fused q/k/v and gate/up) plus the two feed-forward norms of every layer
-and, in Gemma 3, the per-head `self_attn.{q,k}_norm`."""
+and, in Gemma 3, the per-head `self_attn.{q,k}_norm`. Gemma 3 4b/12b/27b are published as
+Gemma3ForConditionalGeneration: the text model's tensors under `language_model.model.`, beside a vision tower and a
+projector that the text model leaves out."""
 from __future__ import annotations
 
-from .llama import HF_PREFIX, IGNORED_HF, QK_NORMS, attention_and_norms, dense_mlp, per_layer  # noqa: F401
+from .llama import HF_PREFIX, IGNORED_HF as TEXT_IGNORED, QK_NORMS, attention_and_norms, dense_mlp, per_layer
 from .source import Source
+
+IGNORED_HF = TEXT_IGNORED + (r"^vision_tower\.", r"^multi_modal_projector\.")
+NAME_ALIASES = ((r"^model\.", "language_model.model."),)  # a multimodal checkpoint's text model
 
 
 def hf_sources(config) -> dict[str, Source]:

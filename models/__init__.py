@@ -21,6 +21,19 @@ MODEL_CLASSES = {
     "gpt_neox": ("colozoo.models.gpt_neox", "GPTNeoXForCausalLM"),
 }
 
+# multimodal checkpoints whose text model colozoo builds: model_type -> (the text model's architecture, what is left)
+TEXT_MODELS = {"gemma3": ("Gemma3ForCausalLM", "the vision tower and multimodal projector")}
+
+
+def text_config(config):
+    """The config of the model colozoo builds from `config`: a multimodal checkpoint's text model (Gemma 3 4b, 12b
+    and 27b are published as Gemma3ForConditionalGeneration), else `config` itself."""
+    if config.model_type not in TEXT_MODELS:
+        return config
+    text = config.text_config
+    text.architectures = [TEXT_MODELS[config.model_type][0]]
+    return text
+
 
 def model_class(model_type: str):
     try:

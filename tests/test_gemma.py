@@ -91,6 +91,54 @@ def test_gemma_converter_round_trip_tp2():
     run_distributed(hf_round_trip, 2, model_type="gemma2", config_kwargs=GEMMA2, tp=2, attn_implementation="eager")
 
 
+# --- Gemma 3 4b/12b/27b as published: Gemma3ForConditionalGeneration -----------------------------------------------
+
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+              patch_size=8)
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration saved by transformers (text model under language_model.model., a vision
+    tower): from_pretrained and convert load the text model with one note, and its logits equal transformers'
+    Gemma3ForCausalLM on the same text weights, and the conditional model's on text input."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from colozoo.api import from_pretrained
+    from colozoo.checkpoint.convert import convert
+    from colozoo.registry import get_config
+    from parity import close, hf_model
+
+    # without a final logit cap, as published: transformers' conditional model does not apply text_config's cap
+    text = {**GEMMA3, "final_logit_softcapping": None}
+    config = transformers.Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4)
+    multimodal = hf_model("Gemma3ForConditionalGeneration", config)
+    multimodal.save_pretrained(tmp_path / "hf")
+    text_only = transformers.Gemma3ForCausalLM(config.text_config).eval()
+    text_only.model.load_state_dict(multimodal.model.language_model.state_dict())
+    text_only.tie_weights()
+    ids, mask, _ = batch(config.text_config.vocab_size, 12)
+    keep = mask.bool()
+    with torch.no_grad():
+        expected = text_only(ids, attention_mask=mask).logits
+        close(multimodal(input_ids=ids, attention_mask=mask).logits[keep], expected[keep], LOGITS_ATOL,
+              "transformers' conditional and text-only logits")
+        assert get_config(str(tmp_path / "hf")).model_type == "gemma3_text"
+        with pytest.warns(UserWarning, match="text model, the vision tower and multimodal projector ignored"):
+            model = from_pretrained(tmp_path / "hf")
+        close(model(ids, attention_mask=mask, return_logits=True).logits[keep], expected[keep], LOGITS_ATOL, "logits")
+        with pytest.warns(UserWarning, match="vision tower"):
+            convert(tmp_path / "hf", tmp_path / "tp2", tp=2)
+        resharded = from_pretrained(tmp_path / "tp2")
+        close(resharded(ids, attention_mask=mask, return_logits=True).logits[keep], expected[keep], LOGITS_ATOL,
+              "logits after convert at tp=2")
+    convert(tmp_path / "tp2", tmp_path / "text", to_hf=True)  # exported as the text model transformers would save
+    text_only.save_pretrained(tmp_path / "reference")
+    exported, reference = (load_file(tmp_path / d / "model.safetensors") for d in ("text", "reference"))
+    assert sorted(exported) == sorted(reference)
+    assert all(torch.equal(exported[name], reference[name]) for name in reference)
+
+
 # as transformers counts them on the same configs (tied embedding once)
 REGISTERED = {"gemma-2-2b": 2_614_341_888, "gemma-2-9b": 9_241_705_984, "google/gemma-2-27b": 27_227_128_320,
               "gemma-3-1b-pt": 999_885_952, "gemma-3-4b-text": 3_880_263_168, "gemma-3-12b-text": 11_766_034_176,

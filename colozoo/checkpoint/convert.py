@@ -16,6 +16,7 @@ import dataclasses
 import resource
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from colozoo.checkpoint.peft import save_peft
 from colozoo.runtime.lora import lora_modules, lora_settings, merged_lora
 from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from colozoo.checkpoint.streaming import nbytes, stream_pieces
+from colozoo.models import TEXT_MODELS, text_config
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -77,6 +79,10 @@ class HFCheckpoint(HFTensors):
     def __init__(self, path, config=None, allow_bin: bool = False):
         self.path = Path(path)
         config = config or transformers.AutoConfig.from_pretrained(self.path)
+        if config.model_type in TEXT_MODELS:
+            warnings.warn(f"{self.path} holds a {config.architectures[0]}: loading its text model, "
+                          f"{TEXT_MODELS[config.model_type][1]} ignored", stacklevel=2)
+            config = text_config(config)
         if (self.path / "model.safetensors").exists() or (self.path / "model.safetensors.index.json").exists():
             reader = SafetensorsReader(self.path)
         elif (self.path / "pytorch_model.bin").exists() or (self.path / "pytorch_model.bin.index.json").exists():
