@@ -139,6 +139,42 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
     assert all(torch.equal(exported[name], reference[name]) for name in reference)
 
 
+# text_config of google/gemma-3-{4b,12b,27b}-pt's config.json (Gemma3ForConditionalGeneration, transformers 4.50); the
+# rest of the text model comes from Gemma3TextConfig's defaults
+PUBLISHED_TEXT = {
+    "gemma-3-4b-text": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34),
+    "gemma-3-12b-text": dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_hidden_layers=48,
+                             num_key_value_heads=8),
+    "gemma-3-27b-text": dict(head_dim=128, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,
+                             num_hidden_layers=62, num_key_value_heads=16, query_pre_attn_scalar=168),
+}
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                       "rope_parameters", "rms_norm_eps", "hidden_activation", "attn_logit_softcapping",
+                       "final_logit_softcapping", "tie_word_embeddings", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TEXT))
+def test_registered_gemma3_text_configs_equal_the_published_multimodal_text_config(tmp_path, name):
+    """The registry's gemma-3-*-text entry is the text model of the published checkpoint's config, as a local
+    directory holding that config.json reads it."""
+    import json
+
+    from colozoo.registry import get_config, get_entry
+
+    text = {"model_type": "gemma3_text", "sliding_window": 1024,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, **PUBLISHED_TEXT[name]}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+        "text_config": text, "vision_config": {"model_type": "siglip_vision_model", **VISION}}))
+    published, registered = get_config(str(tmp_path)), get_config(name)
+    assert published.architectures == ["Gemma3ForCausalLM"]
+    for field in ARCHITECTURE_FIELDS:
+        assert getattr(registered, field) == getattr(published, field), field
+    published_name = f"{name.removesuffix('-text')}-pt"  # the checkpoint's own name resolves to the entry
+    assert get_entry(f"google/{published_name}")[0] == get_entry(published_name)[0] == name
+
+
 # as transformers counts them on the same configs (tied embedding once)
 REGISTERED = {"gemma-2-2b": 2_614_341_888, "gemma-2-9b": 9_241_705_984, "google/gemma-2-27b": 27_227_128_320,
               "gemma-3-1b-pt": 999_885_952, "gemma-3-4b-text": 3_880_263_168, "gemma-3-12b-text": 11_766_034_176,

@@ -117,6 +117,30 @@ def test_registered_phi3_configs_have_the_published_sizes(name):
     assert count_parameters(get_config(name)) == REGISTERED[name]
 
 
+# LongRoPE factors of microsoft/Phi-3-{mini,medium}-128k-instruct's config.json as published (transformers 4.39.3, the
+# copies in dotnet/machinelearning's Microsoft.ML.GenAI.Phi resources): count, sum and a few by index
+PUBLISHED_FACTORS = {
+    "Phi-3-mini-128k-instruct": {
+        "short_factor": (48, 93.35, {0: 1.05, 5: 1.1500000000000001, 10: 1.5000000000000004, 47: 2.9499999999999975}),
+        "long_factor": (48, 1513.020151, {0: 1.0299999713897705, 29: 53.840003967285156, 47: 64.81001281738281})},
+    "Phi-3-medium-128k-instruct": {
+        "short_factor": (64, 538.87, {5: 1.0, 6: 1.01, 20: 2.759999999999992, 63: 16.799999999999827}),
+        "long_factor": (64, 2064.25, {12: 1.0, 13: 1.25, 35: 42.25, 63: 65.0})},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_FACTORS))
+def test_registered_phi3_128k_longrope_factors_are_the_published_ones(name):
+    from colozoo.registry import get_config
+
+    rope = get_config(name).rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 4096
+    for key, (count, total, by_index) in PUBLISHED_FACTORS[name].items():
+        factors = rope[key]
+        assert len(factors) == count and sum(factors) == pytest.approx(total, abs=1e-6), key
+        assert {i: factors[i] for i in by_index} == by_index, key
+
+
 def test_registered_phi3_128k_symbolic_forward_past_the_original_length():
     from colozoo.api import build_model
     from colozoo.registry import get_config
