@@ -49,3 +49,67 @@ def test_cli_generate_reflects_every_argument(capsys):
     assert main(["plan", "Llama-3.1-70B", "--generate", "--gpus", "8", "--batch-size", "64", "--seq-len", "8192",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mesh"] == "tp=4,pp=1"
+
+
+# --- the formula against the cache a real generate allocates ----------------------------------------------------
+
+def cache_against_formula(family, config_kwargs, attn_implementation="sdpa", tp=1, pp=1):
+    """Greedy generate on prompts of 9 tokens + 6 new (past every window of the configs below): the bytes of the
+    cache this rank allocated (fp32) and kv_cache_bytes of this rank's layers."""
+    from parity import hf_causal_lm
+    from test_generate import NEW, prompts
+
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.core.mesh import init_parallel, single_process
+
+    pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
+    config, hf = hf_causal_lm(family, config_kwargs, attn_implementation=attn_implementation)
+    model = build_model(config, pc=pc, device="meta")
+    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    ids, mask = prompts(config.vocab_size)
+    model.eval().generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    formula = kv_cache_bytes(config, [int(i) for i in model.layers], tp, ids.shape[0], ids.shape[1] + NEW, 4)
+    return model.run.last_generation["cache_elements"] * 4, formula
+
+
+def cached_families():
+    from test_gemma import ATTENTION, CONFIGS as GEMMA
+    from test_generate import FAMILIES
+    from test_phi3 import GENERATE as PHI3
+    from test_qwen import GENERATE as QWEN
+
+    return {"gemma2": (GEMMA["gemma2"], ATTENTION["gemma2"]), "gemma3_text": (GEMMA["gemma3_text"], "sdpa"),
+            "qwen2": (QWEN["qwen2"], "sdpa"), "qwen3": (QWEN["qwen3"], "sdpa"), "phi3": (PHI3, "sdpa"),
+            "mistral": (FAMILIES["mistral"], "sdpa"), "gpt_neox": (dict(vocab_size=101, hidden_size=32,
+                                                                         num_hidden_layers=2, num_attention_heads=4,
+                                                                         intermediate_size=64), "sdpa")}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen2", "qwen3", "phi3", "mistral", "gpt_neox"])
+def test_kv_cache_bytes_equal_what_generate_allocates(family):
+    """Gemma's alternating sliding layers (window 4), Qwen2's sliding layers from layer_types (5), Phi-3's and
+    Mistral's window on every layer (6, 5), full layers, Qwen3's head_dim (16) != hidden / heads (8)."""
+    config, attention = cached_families()[family]
+    measured, formula = cache_against_formula(family, config, attention)
+    assert formula == measured
+
+
+def test_kv_cache_bytes_per_rank_at_tp2_pp2():
+    """Gemma 3 at tp2 x pp2: each rank holds one of the 2 kv heads of its stage's layers, sliding and full."""
+    from distributed import run_distributed
+
+    config, attention = cached_families()["gemma3_text"]
+    for measured, formula in run_distributed(cache_against_formula, 4, family="gemma3_text", config_kwargs=config,
+                                             attn_implementation=attention, tp=2, pp=2, timeout=240):
+        assert formula == measured
+
+
+def test_generation_profile_keeps_only_the_window_of_sliding_layers():
+    """gemma-2-9b: 21 sliding layers (window 4096) and 21 full ones, 8 kv heads of 256: at 8192 positions the sliding
+    layers hold half of what the full ones do; below the window every layer holds the whole sequence."""
+    long = profile_generation("gemma-2-9b", batch_size=2, seq_len=8192)
+    assert long.kv_cache_bytes == 2 * 8 * 256 * (21 * 8192 + 21 * 4096) * 2 * 2
+    short = profile_generation("gemma-2-9b", batch_size=2, seq_len=2048)
+    assert short.kv_cache_bytes == 2 * 8 * 256 * 42 * 2048 * 2 * 2

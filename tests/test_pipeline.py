@@ -154,3 +154,31 @@ def uneven_virtual_stages():
 
 def test_misplaced_layers_are_a_clear_error():
     assert all(run_distributed(uneven_virtual_stages, 2, timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("name", ["gemma-3-4b-text", "gemma-2-27b", "Qwen3-8B", "Qwen3-30B-A3B", "Llama-3.1-8B",
+                                  "pythia-1b"])
+def test_layer_cost_equals_the_built_model(name):
+    """The balance's costs against the model: by parameters, a layer against the first stage's embedding and the
+    last stage's head (Gemma and Qwen3: heads x head_dim != hidden; grouped kv heads; Qwen3-MoE's router); by FLOPs,
+    the profiler's traced layer against its head."""
+    from colozoo.core.mesh import ParallelContext
+    from colozoo.cost.profiler import profile
+    from colozoo.models import build_model as build_layers
+    from colozoo.registry import get_config
+
+    config = get_config(name)
+    stages = [build_layers(config, pc=ParallelContext.virtual(pp=2, pp_rank=r), device="meta") for r in range(2)]
+
+    def count(model, in_layers: bool):
+        return sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") == in_layers)
+
+    layer = sum(count(stage, True) for stage in stages) / config.num_hidden_layers
+    _, first, last = layer_cost(config, "params")
+    assert first == pytest.approx(count(stages[0], False) / layer, rel=1e-3)
+    assert last == pytest.approx(count(stages[1], False) / layer, rel=1e-3)  # the head (a tied copy) and the norm
+    # fp32: the profiler's trace counts no FLOPs for torch._grouped_mm, the bf16 path of the MoE experts
+    report = profile(name, batch_size=1, seq_len=256, optimizer="none", dtype="float32")
+    units = {u["name"].split()[0]: u for u in report.units}
+    measured = units["head"]["fwd_flops"] / units["layer"]["fwd_flops"]
+    assert layer_cost(config, "flops", seq_len=256)[2] == pytest.approx(measured, rel=1e-3)

@@ -89,6 +89,10 @@ def layer_cost(config, balance: str = "params", seq_len: int = 1024) -> tuple[fl
     stage holds a copy). "flops": per-token forward FLOPs; the embedding lookup is free, the head is a matmul.
     """
     h, vocab = config.hidden_size, getattr(config, "vocab_size", 0)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads  # Gemma, Qwen3: heads x head_dim != hidden
+    attention = h * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v (grouped-query: fewer kv heads)
     inner = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
              or getattr(config, "ffn_dim", None) or 4 * h)
     gated = config.model_type in GATED_MLP_FAMILIES  # gate, up and down projections
@@ -96,15 +100,16 @@ def layer_cost(config, balance: str = "params", seq_len: int = 1024) -> tuple[fl
     matrices = 3 if gated else 2
     expert = matrices * h * (getattr(config, "moe_intermediate_size", None) or inner)  # Qwen-MoE experts are narrower
     shared = matrices * h * (getattr(config, "shared_expert_intermediate_size", None) or 0)
-    mlp = expert * experts + shared
+    router = h * experts if experts > 1 else 0
+    mlp = expert * experts + shared + router
     if balance == "params":
-        layer = 4 * h * h + mlp
+        layer = attention + mlp
         positions = getattr(config, "max_position_embeddings", 0) if config.model_type in LEARNED_POSITIONS else 0
         first = vocab * h + positions * h
         last = vocab * h
     elif balance == "flops":
-        active = expert * (getattr(config, "num_experts_per_tok", None) or 1) + shared  # routed tokens only
-        layer = 2 * (4 * h * h + active) + 4 * seq_len * h  # projections + attention scores/values
+        active = expert * (getattr(config, "num_experts_per_tok", None) or 1) + shared + router  # routed tokens only
+        layer = 2 * (attention + active) + 4 * seq_len * heads * head_dim  # projections + attention scores/values
         first, last = 0.0, 2 * vocab * h
     else:
         raise PartitionError(f"balance must be 'params' or 'flops', got {balance!r}")
