@@ -214,6 +214,28 @@ def test_no_leakage_cp2(mode):
     run_distributed(no_leakage, 2, family="llama", cp=2, cp_mode=mode, timeout=300)
 
 
+def ulysses_masks_stay_chunked():
+    """Packed all-to-all attention masks chunks of queries (QUERY_CHUNK, here 4 of 16), never (S, S)."""
+    from unittest import mock
+
+    from colozoo.layers import context_parallel
+
+    core, shapes = context_parallel.local_attention, []
+
+    def recording(q, k, v, mask=None, **kwargs):
+        shapes.append(None if mask is None else tuple(mask.shape))
+        return core(q, k, v, mask, **kwargs)
+
+    with mock.patch.object(context_parallel, "local_attention", recording), \
+            mock.patch.object(context_parallel, "QUERY_CHUNK", 4):
+        no_leakage("llama", cp=2, cp_mode="all_to_all", train=False)
+    assert shapes and all(s is not None and s[2] <= 4 for s in shapes), shapes
+
+
+def test_no_leakage_cp2_all_to_all_masks_chunks():
+    run_distributed(ulysses_masks_stay_chunked, 2, timeout=300)
+
+
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
 def test_no_leakage_cp2_sliding_window_tp2(mode):
     """Mistral's window (4) is shorter than the documents (up to 9), over 2 cp x 2 tp ranks."""
