@@ -2,8 +2,10 @@
 
 Supports causal masking (top-left aligned, like `scaled_dot_product_attention(is_causal=True)`), any boolean
 keep-mask broadcastable to (batch, heads, q, k) such as a key-padding mask, grouped-query attention (k/v
-heads divide q heads), any head dim up to 256 (padded to a power of two inside the kernel) and Gemma 2's score
-soft-capping, softcap * tanh(scores / softcap) before the mask (backward: times the tanh's slope 1 - tanh^2).
+heads divide q heads), any head dim up to 256 (padded to a power of two inside the kernel), Gemma 2's score
+soft-capping, softcap * tanh(scores / softcap) before the mask (backward: times the tanh's slope 1 - tanh^2), and
+packed sequences: with (batch, seq) document ids a query sees only keys of its own document (compared in the
+kernel, like causality, so no (seq, seq) mask is ever built).
 
 The softmax runs online in base 2 with fp32 statistics; the forward pass saves only the row log-sum-exp.
 Rows with no visible key give zeros (and zero gradients) instead of NaN. The backward pass is two kernels,
@@ -20,10 +22,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _keep(offs_m, offs_n, Mask, smm, smn, SQ, SK, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+def _keep(offs_m, offs_n, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+          HAS_DOCS: tl.constexpr):
     keep = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
     if CAUSAL:
         keep &= offs_n[None, :] <= offs_m[:, None]
+    if HAS_DOCS:
+        doc_q = tl.load(Docs + offs_m * sdn, mask=offs_m < SQ, other=-1)
+        doc_k = tl.load(Docs + offs_n * sdn, mask=offs_n < SK, other=-2)
+        keep &= doc_q[:, None] == doc_k[None, :]
     if HAS_MASK:
         keep &= tl.load(Mask + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0) != 0
     return keep
@@ -39,8 +46,9 @@ def _tanh(x):
 @triton.jit
 def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale, cap,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
-                  sob, soh, som, sod, H, GROUP, SQ, SK, D,
-                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                  Docs, sdb, sdn, sob, soh, som, sod, H, GROUP, SQ, SK, D,
+                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, SOFTCAP: tl.constexpr,
+                  PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -54,6 +62,7 @@ def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale, cap,
     K += b * skb + hk * skh
     V += b * svb + hk * svh
     Mask += b * smb + h * smh
+    Docs += b * sdb
     q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D), other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -71,7 +80,7 @@ def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale, cap,
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if SOFTCAP:  # scores are in base 2 here, and so is `cap`
             s = cap * _tanh(s / cap)
-        s = tl.where(_keep(offs_m, cols, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
+        s = tl.where(_keep(offs_m, cols, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -90,8 +99,8 @@ def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale, cap,
 @triton.jit
 def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, cap,
                         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
-                        sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
-                        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                        Docs, sdb, sdn, sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
+                        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, SOFTCAP: tl.constexpr,
                         PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_n = tl.program_id(0)
@@ -105,6 +114,7 @@ def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scal
     Q += b * sqb + h * sqh
     DO += b * sdob + h * sdoh
     Mask += b * smb + h * smh
+    Docs += b * sdb
     LSE += bh.to(tl.int64) * SQ
     DELTA += bh.to(tl.int64) * SQ
     kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
@@ -126,7 +136,7 @@ def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scal
         if SOFTCAP:
             t = _tanh(s / cap)
             s = cap * t
-        s = tl.where(_keep(rows, offs_n, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
+        s = tl.where(_keep(rows, offs_n, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS), s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -142,8 +152,8 @@ def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scal
 @triton.jit
 def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale, cap,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
-                      sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
-                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                      Docs, sdb, sdn, sdob, sdoh, sdom, sdod, H, GROUP, SQ, SK, D,
+                      CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, SOFTCAP: tl.constexpr,
                       PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0)
@@ -157,6 +167,7 @@ def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale, cap
     K += b * skb + hk * skh
     V += b * svb + hk * svh
     Mask += b * smb + h * smh
+    Docs += b * sdb
     row_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=row_mask,
@@ -176,7 +187,7 @@ def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale, cap
         if SOFTCAP:
             t = _tanh(s / cap)
             s = cap * t
-        s = tl.where(_keep(offs_m, cols, Mask, smm, smn, SQ, SK, CAUSAL, HAS_MASK), s, float("-inf"))
+        s = tl.where(_keep(offs_m, cols, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS), s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -221,14 +232,27 @@ def _check(q, k, v):
         raise ValueError(f"flash attention supports head_dim up to 256, got {q.shape[3]}")
 
 
+def _documents(documents, b: int, sq: int, sk: int):
+    """Document ids as int32 (batch|1, seq) and their (batch, seq) strides; (None, (0, 0)) without packing."""
+    if documents is None:
+        return None, (0, 0)
+    if sq != sk or documents.dim() != 2 or documents.shape[1] != sq or documents.shape[0] not in (1, b):
+        raise ValueError(f"document ids of shape {tuple(documents.shape)} do not fit a self-attention of {b} rows "
+                         f"of {sq} queries and {sk} keys")
+    documents = documents.to(torch.int32)
+    return documents, (documents.stride(0) if documents.shape[0] == b else 0, documents.stride(1))
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, softcap):
+    def forward(ctx, q, k, v, mask, causal, scale, softcap, documents):
         _check(q, k, v)
         b, h, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
         mask_t, mask_s = _mask_strides(mask, (b, h, sq, sk))
         mask_arg = q if mask_t is None else mask_t
+        docs, docs_s = _documents(documents, b, sq, sk)
+        docs_arg = mask_arg if docs is None else docs
         out = torch.empty(b, h, sq, d, device=q.device, dtype=q.dtype)
         lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
         block_m, block_n, block_d = _blocks(sq, sk, d)
@@ -236,17 +260,18 @@ class _FlashAttention(torch.autograd.Function):
         if out.numel():
             _attn_forward[(triton.cdiv(sq, block_m), b * h)](
                 q, k, v, mask_arg, out, lse, scale * LOG2E, (softcap or 1.0) * LOG2E, *q.stride(), *k.stride(),
-                *v.stride(), *mask_s, *out.stride(), h, h // hk, sq, sk, d, CAUSAL=causal, HAS_MASK=mask is not None,
-                SOFTCAP=softcap is not None, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                *v.stride(), *mask_s, docs_arg, *docs_s, *out.stride(), h, h // hk, sq, sk, d, CAUSAL=causal,
+                HAS_MASK=mask is not None, HAS_DOCS=docs is not None, SOFTCAP=softcap is not None, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                 num_warps=4, num_stages=2)
-        ctx.save_for_backward(q, k, v, mask_arg, out, lse)
+        ctx.save_for_backward(q, k, v, mask_arg, docs_arg, out, lse)
         ctx.causal, ctx.scale, ctx.has_mask, ctx.mask_strides = causal, scale, mask is not None, mask_s
+        ctx.has_docs, ctx.docs_strides = docs is not None, docs_s
         ctx.softcap = softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, mask_t, out, lse = ctx.saved_tensors
+        q, k, v, mask_t, docs, out, lse = ctx.saved_tensors
         b, h, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
         group = h // hk
@@ -258,10 +283,10 @@ class _FlashAttention(torch.autograd.Function):
         block_m, block_n, block_d = _blocks(sq, sk, d)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         cap = (ctx.softcap or 1.0) * LOG2E
-        common = (*q.stride(), *k.stride(), *v.stride(), *ctx.mask_strides, *dout.stride(), h, group, sq, sk, d)
-        flags = dict(CAUSAL=ctx.causal, HAS_MASK=ctx.has_mask, SOFTCAP=ctx.softcap is not None, PRECISION=precision,
-                     BLOCK_M=block_m,
-                     BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=1)
+        common = (*q.stride(), *k.stride(), *v.stride(), *ctx.mask_strides, docs, *ctx.docs_strides, *dout.stride(),
+                  h, group, sq, sk, d)
+        flags = dict(CAUSAL=ctx.causal, HAS_MASK=ctx.has_mask, HAS_DOCS=ctx.has_docs, SOFTCAP=ctx.softcap is not None,
+                     PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=1)
         if q.numel() and k.numel():
             _attn_backward_dkdv[(triton.cdiv(sk, block_n), b * h)](
                 q, k, v, mask_t, dout, lse, delta, dk, dv, ctx.scale * LOG2E, ctx.scale, cap, *common, **flags)
@@ -272,19 +297,21 @@ class _FlashAttention(torch.autograd.Function):
         if group > 1:
             dk = dk.view(b, hk, group, sk, d).sum(2).to(k.dtype)
             dv = dv.view(b, hk, group, sk, d).sum(2).to(v.dtype)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_attention_triton(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
-                           softcap: float | None = None):
+                           softcap: float | None = None, documents: torch.Tensor | None = None):
     """softmax(q k^T * scale, masked) v for (batch, heads, seq, head_dim) inputs; `mask` is a boolean keep-mask;
-    `softcap` caps the scaled scores to softcap * tanh(scores / softcap) first."""
+    `softcap` caps the scaled scores to softcap * tanh(scores / softcap) first; `documents` (batch, seq) ids keep
+    each query to keys of its own document (self-attention only)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _FlashAttention.apply(q, k, v, mask, causal, float(scale), None if softcap is None else float(softcap))
+    return _FlashAttention.apply(q, k, v, mask, causal, float(scale), None if softcap is None else float(softcap),
+                                 documents)
 
 
 def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
-                              softcap: float | None = None):
+                              softcap: float | None = None, documents: torch.Tensor | None = None):
     """The same in plain torch, in fp32, with zeros for rows that see no key."""
     dtype = q.dtype
     group = q.shape[1] // k.shape[1]
@@ -300,6 +327,8 @@ def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale
         keep = keep.tril()
     if mask is not None:
         keep = keep & mask
+    if documents is not None:
+        keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])
     scores = scores.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (probs @ v).to(dtype)

@@ -22,16 +22,19 @@ def build_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, caus
 
 
 def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
-              upcast: bool = False, cp=None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+              upcast: bool = False, cp=None, window: int | None = None, softcap: float | None = None,
+              documents: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q).
 
     With `cp` (a layers.context_parallel.ContextParallel, i.e. `ctx.cp`) q/k/v hold the rank's zigzag share of
     the sequence and attention runs across the cp ranks (ring or all-to-all); `mask` is then ignored: masks
     come from cp.attention_mask, `causal` and the sliding `window` (without cp, put the window in `mask`).
     `softcap` caps the scores to softcap * tanh(scores / softcap) before masking (Gemma 2), on every path.
+    `documents` (batch, seq): the packed documents of a self-attention (`ctx.documents`, see layers.documents); a
+    token attends only within its own. Under cp the ids come from cp.documents (the whole sequence's) instead.
     """
     if cp is not None and cp.size > 1:
         return context_parallel_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p,
                                           upcast=upcast, window=window, softcap=softcap)
     return local_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast,
-                           softcap=softcap)
+                           softcap=softcap, documents=documents)

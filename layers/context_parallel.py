@@ -10,7 +10,8 @@ Two attention modes (`ContextParallel.mode`):
 - "ring": K/V blocks travel around the cp ring; each rank attends its queries to every block with a
   blockwise online softmax (running log-sum-exp) and never holds more than two K/V blocks, in forward and
   in backward (where dK/dV travel with their block back to its owner). Causal, padding and sliding-window
-  masks are computed per block from global positions; fully masked sub-blocks are skipped. A score `softcap`
+  masks are computed per block from global positions, packed documents from the whole sequence's document ids
+  (`ContextParallel.documents`, O(S)); fully masked sub-blocks are skipped. A score `softcap`
   (Gemma 2) is applied per block before the mask, and its tanh slope enters the backward pass.
 - "all_to_all" (Ulysses): an all-to-all swaps sequence sharding for head sharding, every rank runs full
   attention on heads/cp heads over the whole sequence, and a second all-to-all swaps back.
@@ -23,8 +24,8 @@ each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtr
 `model.cp_mode` (or the `cp_mode=` forward keyword) picks the mode; "ring" by default.
 Parameter gradients are partial on each cp rank: sum them over the cp group (the dp_cp reduction).
 Memory: neither mode builds a (batch, 1, S, S) mask at long S; the family's dense mask is dropped unbuilt. The
-ring masks per block. Ulysses without padding or window needs no mask; bidirectional attention over padding takes
-a (batch, 1, 1, S) key mask; causal attention over padding and sliding windows run in chunks of queries, each
+ring masks per block. Ulysses without padding, window or packed documents needs no mask; bidirectional attention over padding takes
+a (batch, 1, 1, S) key mask; causal attention over padding, sliding windows and packed documents run in chunks of queries, each
 against the keys it can reach, with a (batch, 1, chunk, keys) mask: exact at every position, padding included.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_rank, group_size
+from .documents import same_document
 from .local_attention import local_attention
 
 CP_MODES = ("ring", "all_to_all")
@@ -62,6 +64,7 @@ class ContextParallel:
     mode: str
     seq_len: int                              # global sequence length
     attention_mask: torch.Tensor | None       # (batch, seq_len) full padding mask, 1 = token
+    documents: torch.Tensor | None = None     # (batch, seq_len) packed document ids of the full sequence
 
     def __post_init__(self):
         if self.mode not in CP_MODES:
@@ -115,8 +118,9 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 # ring attention
 
 
-def _block_mask(q_pos, k_pos, key_keep, causal: bool, window: int | None):
-    """Boolean (batch|1, 1, q, k) mask for one block, True = attend; None when everything is allowed."""
+def _block_mask(q_pos, k_pos, key_keep, causal: bool, window: int | None, documents=None):
+    """Boolean (batch|1, 1, q, k) mask for one block, True = attend; None when everything is allowed.
+    `documents`: the whole sequence's (batch, S) packed document ids; pairs of two documents are masked."""
     mask = None
     if causal or window is not None:
         diff = q_pos[:, None] - k_pos[None, :]
@@ -129,6 +133,9 @@ def _block_mask(q_pos, k_pos, key_keep, causal: bool, window: int | None):
     if key_keep is not None:
         keep = key_keep[:, None, None, :]
         mask = keep if mask is None else mask & keep
+    if documents is not None:
+        same = same_document(documents[:, q_pos], documents[:, k_pos])
+        mask = same if mask is None else mask & same
     return mask
 
 
@@ -231,7 +238,8 @@ class _RingAttention(torch.autograd.Function):
                 for qslice, q_pos, q_range in q_chunks:
                     if _skippable(q_range, k_range, causal, window):
                         continue
-                    mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
+                    mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window,
+                                       cp.documents)
                     block_out, block_lse = _attend_block(qf[:, :, qslice], kk, vv, mask, scale, softcap)
                     _merge(out[:, :, qslice], lse[:, :, qslice], block_out, block_lse)
             if pending is not None:
@@ -262,7 +270,8 @@ class _RingAttention(torch.autograd.Function):
                 for qslice, q_pos, q_range in q_chunks:
                     if _skippable(q_range, k_range, causal, window):
                         continue
-                    mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window)
+                    mask = _block_mask(q_pos, k_pos, keep[:, kslice] if keep is not None else None, causal, window,
+                                       cp.documents)
                     qq, do = qf[:, :, qslice], dout[:, :, qslice]
                     scores, slope = _scores(qq, kk, scale, ctx.softcap)
                     probs = torch.exp(scores - _finite(lse[:, :, qslice]))
@@ -337,21 +346,21 @@ def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None,
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     options = dict(scale=scale, dropout_p=dropout_p, upcast=upcast, softcap=softcap)
-    padding = cp.attention_mask
+    padding, documents = cp.attention_mask, cp.documents
     window = window if window is not None and window < cp.seq_len else None  # a window as long masks nothing
-    if padding is None and window is None:
+    if padding is None and window is None and documents is None:
         out = local_attention(q, k, v, causal=causal, **options)
-    elif window is None and not causal:  # a key mask broadcasts over the queries
+    elif window is None and not causal and documents is None:  # a key mask broadcasts over the queries
         out = local_attention(q, k, v, padding.to(q.device).bool()[:, None, None, :], causal=False, **options)
     else:
-        out = _chunked_attention(q, k, v, padding, causal, window, **options)
+        out = _chunked_attention(q, k, v, padding, causal, window, documents, **options)
     return all_to_all(out.index_select(2, order), cp.group, scatter_dim=2, gather_dim=1)
 
 
 QUERY_CHUNK = 512  # at least this many queries per chunk of masked attention
 
 
-def _chunked_attention(q, k, v, padding, causal: bool, window: int | None, **options):
+def _chunked_attention(q, k, v, padding, causal: bool, window: int | None, documents=None, **options):
     """Masked attention in chunks of queries, each against the keys it can reach (causal: none after the chunk;
     a window: none before it): masks are (batch|1, 1, chunk, keys), never (S, S), and unreachable keys are not
     computed at all."""
@@ -362,7 +371,8 @@ def _chunked_attention(q, k, v, padding, causal: bool, window: int | None, **opt
     for start in range(0, seq, chunk):
         stop = min(start + chunk, seq)
         keys = slice(max(0, start - window + 1) if window else 0, stop if causal else seq)
-        mask = _block_mask(pos[start:stop], pos[keys], keep[:, keys] if keep is not None else None, causal, window)
+        mask = _block_mask(pos[start:stop], pos[keys], keep[:, keys] if keep is not None else None, causal, window,
+                           documents)
         outs.append(local_attention(q[:, :, start:stop], k[:, :, keys], v[:, :, keys], mask, causal=False, **options))
     return torch.cat(outs, dim=2)
 

@@ -12,14 +12,20 @@ import torch.nn.functional as F
 from colozoo.core.rng import get_rng_tracker
 from colozoo.kernels.dispatch import use_triton
 
+from .documents import with_documents
+
 
 def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
-                    upcast: bool = False, softcap: float | None = None) -> torch.Tensor:
+                    upcast: bool = False, softcap: float | None = None,
+                    documents: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q). One query token against
     a KV cache with a key mask (batch, 1, 1, keys) takes the flash-decoding kernel on the Triton path.
 
     `softcap` (Gemma 2) caps the scores to softcap * tanh(scores / softcap) before masking. SDPA cannot cap: the
-    torch path then computes the scores explicitly; the flash-attention kernel caps (decoding takes it too)."""
+    torch path then computes the scores explicitly; the flash-attention kernel caps (decoding takes it too).
+
+    `documents` (batch, seq) (self-attention of packed sequences, colozoo.layers.documents): a token attends only
+    to tokens of its own document. The flash kernel compares the ids; the torch path folds them into a dense mask."""
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
     kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
     if decoding and kernel and softcap is None and use_triton(q, k, v):
@@ -30,7 +36,10 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v):
         from colozoo.kernels.flash_attention import flash_attention_triton
 
-        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap)
+        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap,
+                                      documents=documents)
+    if documents is not None:
+        mask = with_documents(mask, documents, causal)
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)

@@ -65,7 +65,8 @@ class SelfAttention(nn.Module):
             q, scale = q * self.scale, 1.0
         k, v, mask, causal = keys_values_mask(ctx, self, k, v, causal=self.causal)
         out = attention(q, k, v, mask, causal=causal, scale=scale, cp=ctx.cp,
-                        dropout_p=self.dropout_p if self.training else 0.0)
+                        dropout_p=self.dropout_p if self.training else 0.0,
+                        documents=ctx.documents if self.causal else None)  # packing: transformers' causal masks only
         return self.out_proj(merge_heads(out))
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from colozoo.core.mesh import ParallelContext, single_process
 from colozoo.core.partition import model_rank_layers
+from colozoo.layers.documents import packed_documents
 from colozoo.layers.dropout import dropout  # noqa: F401 (the families import it from here)
 
 
@@ -40,6 +41,19 @@ class BatchContext:
     cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
     data_group: object | None = None     # where batch statistics (MoE router losses) are summed; None: the cp group
     cache: object | None = None          # layers.kv_cache.KVCache while generating: attention reads and extends it
+    _documents: torch.Tensor | bool | None = None  # packed document ids once computed; False: one per row
+
+    @property
+    def documents(self) -> torch.Tensor | None:
+        """(batch, seq) ids of the packed documents (colozoo.layers.documents), computed on first use from the full
+        batch's positions, or None: transformers' convention packs only with position_ids, no attention_mask and
+        no KV cache. Context parallelism reads them before it shards the positions."""
+        if self.cache is not None or self.attention_mask is not None:
+            return None
+        if self._documents is None:
+            found = packed_documents(self.position_ids)
+            self._documents = False if found is None else found
+        return None if self._documents is False else self._documents
 
     @property
     def mask(self) -> torch.Tensor | None:

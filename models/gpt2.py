@@ -37,7 +37,7 @@ class GPT2Attention(nn.Module):
         q, k, v = split_heads(self.c_attn(x), self.local_heads, self.local_heads, self.head_dim)
         k, v, mask, causal = keys_values_mask(ctx, self, k, v)
         out = attention(q, k, v, mask, causal=causal, scale=self.scale, upcast=self.upcast, cp=ctx.cp,
-                        dropout_p=self.attn_pdrop if self.training else 0.0)
+                        dropout_p=self.attn_pdrop if self.training else 0.0, documents=ctx.documents)
         out = self.c_proj(merge_heads(out))
         return dropout(out, self.resid_pdrop, self.training, sharded=self.sharded_resid)
 

@@ -40,7 +40,7 @@ class GPTNeoXAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v, mask, causal = keys_values_mask(ctx, self, k, v)
         out = attention(q, k, v, mask, causal=causal, scale=self.head_dim ** -0.5, cp=ctx.cp,
-                        dropout_p=self.dropout_p if self.training else 0.0)
+                        dropout_p=self.dropout_p if self.training else 0.0, documents=ctx.documents)
         return self.dense(merge_heads(out))
 
 

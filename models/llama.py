@@ -266,7 +266,8 @@ class LlamaAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v, mask, causal = keys_values_mask(ctx, self, k, v, window=self.window)
         out = attention(q, k, v, mask, causal=causal, scale=self.scale, cp=ctx.cp, window=self.window,
-                        dropout_p=self.dropout_p if self.training else 0.0, softcap=self.softcap)
+                        dropout_p=self.dropout_p if self.training else 0.0, softcap=self.softcap,
+                        documents=ctx.documents)
         return self.o_proj(merge_heads(out))
 
 

@@ -84,8 +84,8 @@ def _profile_ignores_seq_len():
 
 def _window_off_by_one():
     def make(original):
-        def block_mask(q_pos, k_pos, key_keep, causal, window):
-            return original(q_pos, k_pos, key_keep, causal, None if window is None else window + 1)
+        def block_mask(q_pos, k_pos, key_keep, causal, window, documents=None):
+            return original(q_pos, k_pos, key_keep, causal, None if window is None else window + 1, documents)
         return block_mask
 
     _replace("colozoo.layers.context_parallel", "_block_mask", make)
@@ -101,6 +101,26 @@ def _ring_blocks_in_bf16():
         return attend_block
 
     _replace("colozoo.layers.context_parallel", "_attend_block", make)
+
+
+def _packing_ignored():
+    from colozoo.models.base import BatchContext
+
+    BatchContext.documents = property(lambda self: None)
+
+
+def _cp_drops_documents():
+    _replace("colozoo.runtime.context_parallel", "ContextParallel",
+             lambda original: lambda *args, documents=None, **kwargs: original(*args, **kwargs))
+
+
+def _flash_ignores_documents():
+    import torch
+
+    if not torch.cuda.is_available():  # as tests/test_kernels.py: interpret, so its kernel_module keeps this module
+        os.environ["TRITON_INTERPRET"] = "1"
+    _replace("colozoo.kernels.flash_attention", "flash_attention_triton",
+             lambda original: lambda *args, documents=None, **kwargs: original(*args, **kwargs))
 
 
 MUTATIONS = {
@@ -132,6 +152,18 @@ MUTATIONS = {
         "ring attention's sliding window lets one key too many through", _window_off_by_one,
         ("tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-2]",
          "tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-4]")),
+    "packing_ignored": Mutation(
+        "position_ids that restart start no new document (attention crosses packed samples)", _packing_ignored,
+        ("tests/test_packing.py::test_packed_parity_tp1[llama]", "tests/test_packing.py::test_packed_parity_tp2[gpt2]",
+         "tests/test_packing.py::test_no_leakage_torch_path",
+         "tests/test_packing.py::test_changed_token_moves_only_its_document[opt]")),
+    "cp_drops_documents": Mutation(
+        "context parallelism loses the packed documents' ids", _cp_drops_documents,
+        ("tests/test_packing.py::test_no_leakage_cp2[ring]", "tests/test_packing.py::test_no_leakage_cp2[all_to_all]")),
+    "flash_ignores_documents": Mutation(
+        "the flash-attention kernel drops the document ids", _flash_ignores_documents,
+        ("tests/test_packing.py::test_flash_attention_documents[causal_multiblock_mqa]",
+         "tests/test_packing.py::test_no_leakage_flash_kernel")),
     "ring_blocks_in_bf16": Mutation(
         "ring attention computes its blocks in bf16 instead of fp32", _ring_blocks_in_bf16,
         ("tests/test_context_parallel.py::test_ring_attention_bf16",)),

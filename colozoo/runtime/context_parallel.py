@@ -9,9 +9,11 @@ def shard_batch(model, ctx, cp_mode: str = "ring"):
     """Turn the family's BatchContext of the full batch into this rank's cp share (in place).
 
     Positions come from the full batch (they may depend on the padding, as in OPT) and are then sharded; the
-    dense (S, S) mask is dropped: cp attention builds its masks per block from the padding mask and positions."""
+    dense (S, S) mask is dropped: cp attention builds its masks per block from the padding mask, positions and the
+    packed documents' ids."""
     pc = model.pc
-    cp = ContextParallel(pc.group("cp"), cp_mode, ctx.seq_len, ctx.attention_mask)
+    # packed document ids come from the full batch's positions, before they are sharded
+    cp = ContextParallel(pc.group("cp"), cp_mode, ctx.seq_len, ctx.attention_mask, documents=ctx.documents)
     local = ctx.seq_len // cp.size
     if model.sequence_parallel and local % pc.tp_size:
         raise ValueError(f"sequence parallel needs the per-rank sequence ({local} = {ctx.seq_len}/cp) divisible by "
