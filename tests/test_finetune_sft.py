@@ -135,6 +135,18 @@ def test_masked_loss_equals_hand_computed_cross_entropy(chat_model, tok):
         assert abs(unmasked.item() - out.loss.item()) > 1e-3  # the prompt tokens really are left out
 
 
+def test_chat_samples_are_prompted_with_the_conversation_up_to_the_answer(tok):
+    from colozoo.finetune.samples import held_out_prompts
+
+    data = sft.sft_dataset(CHAT, tok, seq_len=128, pack_samples=False)
+    ids, mask = held_out_prompts(data, 2, 64, until_answer=True)
+    for row, keep, conv in zip(ids, mask, conversations()):
+        messages = conv["messages"]
+        upto = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = ids_of(tok, tok.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=True))
+        assert row[keep.bool()].tolist() == prompt
+
+
 BAD_RECORDS = {
     "role": ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "yes"}]},
              r"bad\.jsonl:2: message 0 has role 'robot'; roles are system, user, assistant, tool"),
@@ -185,16 +197,14 @@ def test_parquet_arrow_and_datasets_directories_read_like_jsonl(tok, tmp_path, m
     pq.write_table(table, tmp_path / "chat.parquet", row_group_size=5)
     with pa.OSFile(str(tmp_path / "chat.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
         w.write_table(table, max_chunksize=5)
-    saved = tmp_path / "saved" / "train"  # what datasets' save_to_disk writes: Arrow streams named in state.json
-    saved.mkdir(parents=True)
-    for i, part in enumerate((table.slice(0, 7), table.slice(7))):
-        with pa.OSFile(str(saved / f"data-{i:05d}-of-00002.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
-            w.write_table(part)
-    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{i:05d}-of-00002.arrow"}
-                                                                  for i in range(2)]}))
-    (tmp_path / "saved" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    import datasets
+
+    hf = datasets.Dataset.from_list(rows)
+    hf.save_to_disk(str(tmp_path / "saved"), max_shard_size=1500)  # Arrow streams named in state.json
+    datasets.DatasetDict({"train": hf, "test": hf.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    assert len(records.dataset_files(tmp_path / "saved")) > 1
     reference = sft.sft_dataset(CHAT, tok, 128)
-    for path in (tmp_path / "chat.parquet", tmp_path / "chat.arrow", saved, tmp_path / "saved"):
+    for path in (tmp_path / "chat.parquet", tmp_path / "chat.arrow", tmp_path / "saved", tmp_path / "dict"):
         got = sft.sft_dataset(path, tok, 128)
         assert all(torch.equal(got.tensors[k], reference.tensors[k]) for k in reference.tensors), path
     text_rows = [{"text": t} for t in ("the fox ran", "the bear slept", "Anna smiled")]

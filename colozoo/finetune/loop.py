@@ -261,7 +261,8 @@ def run(cfg: FinetuneConfig) -> dict:
             runtime.export_adapter(model, path / "adapter")
         return path
 
-    prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2) if cfg.task == "lm" else None
+    prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2, until_answer=cfg.chat) \
+        if cfg.task == "lm" else None
     if prompts is not None and samples.why_no_samples(model):
         reporter.print(f"no samples: {samples.why_no_samples(model)}")
         prompts = None
