@@ -138,3 +138,17 @@ def test_end_to_end_chat_lora_tp2_adapter_and_merged_export_match(chat_model, tm
     close(with_adapter[real], expected[real], 1e-5, "peft with the exported adapter")
     close(merged[real], expected[real], 1e-5, "the merged export")
     assert transformers.AutoTokenizer.from_pretrained(str(out / "hf")).chat_template  # travels with the export
+
+
+def _resume_tp2(model, root):
+    straight, resumed = Path(root) / "straight", Path(root) / "resumed"
+    run(lora_run(model, straight, "--tp", "2"))
+    first = run(lora_run(model, resumed, "--tp", "2", "--stop-after", "3"))
+    run(lora_run(model, resumed, "--tp", "2"))
+    return first["step"], losses(straight), losses(resumed)
+
+
+def test_lora_resume_is_exact_at_tp2(chat_model, tmp_path):
+    stopped_at, straight, resumed = run_distributed(_resume_tp2, 2, model=chat_model, root=tmp_path, timeout=300)[0]
+    assert stopped_at == 3 and len(straight) == 6
+    assert resumed == straight
