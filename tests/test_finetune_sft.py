@@ -249,3 +249,18 @@ def test_bad_arrow_rows_name_file_and_row(tok, tmp_path):
     (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["validation"]}))
     with pytest.raises(DataError, match=r"dd is a DatasetDict without a 'train' split \(splits: \['validation'\]\)"):
         D.lm_dataset(tmp_path / "dd", tok, 4)
+
+
+def test_parquet_records_stream_in_bounded_memory(tmp_path):
+    import pyarrow.parquet as pq
+
+    rows, width = 20_000, 2_000  # 40 MB of text; Arrow never holds more than a few record batches of it
+    text = pa.array([f"{i:08d}" + "x" * (width - 8) for i in range(rows)])
+    pq.write_table(pa.table({"text": text}), tmp_path / "big.parquet", row_group_size=1_000, compression="none")
+    del text
+    baseline, peak, count = pa.total_allocated_bytes(), 0, 0
+    for record in D.read_records(tmp_path / "big.parquet", ("text",)):
+        count += 1
+        peak = max(peak, pa.total_allocated_bytes() - baseline)
+    assert count == rows and record["text"].startswith(f"{rows - 1:08d}")
+    assert peak < rows * width / 8, f"{peak / 1e6:.1f} MB held while reading"
