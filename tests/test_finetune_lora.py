@@ -140,15 +140,17 @@ def test_end_to_end_chat_lora_tp2_adapter_and_merged_export_match(chat_model, tm
     assert transformers.AutoTokenizer.from_pretrained(str(out / "hf")).chat_template  # travels with the export
 
 
-def _resume_tp2(model, root):
+def _resume_on_mesh(model, root, mesh):
     straight, resumed = Path(root) / "straight", Path(root) / "resumed"
-    run(lora_run(model, straight, "--tp", "2"))
-    first = run(lora_run(model, resumed, "--tp", "2", "--stop-after", "3"))
-    run(lora_run(model, resumed, "--tp", "2"))
-    return first["step"], losses(straight), losses(resumed)
+    run(lora_run(model, straight, *mesh))
+    first = run(lora_run(model, resumed, *mesh, "--stop-after", "3"))
+    run(lora_run(model, resumed, *mesh))
+    return first["step"], losses(straight), losses(resumed), (resumed / "adapter" / "adapter_config.json").exists()
 
 
-def test_lora_resume_is_exact_at_tp2(chat_model, tmp_path):
-    stopped_at, straight, resumed = run_distributed(_resume_tp2, 2, model=chat_model, root=tmp_path, timeout=300)[0]
-    assert stopped_at == 3 and len(straight) == 6
+@pytest.mark.parametrize("mesh", [("--tp", "2"), ("--pp", "2", "--global-batch-size", "4")], ids=["tp2", "pp2"])
+def test_lora_resume_is_exact_on_a_mesh(mesh, chat_model, tmp_path):
+    stopped_at, straight, resumed, adapter = run_distributed(_resume_on_mesh, 2, model=chat_model, root=tmp_path,
+                                                             mesh=mesh, timeout=300)[0]
+    assert stopped_at == 3 and len(straight) == 6 and adapter
     assert resumed == straight
