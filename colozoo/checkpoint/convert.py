@@ -255,7 +255,7 @@ def _stage_layers(model) -> list[list[int]] | None:
     return every_rank
 
 
-def _lora_of_every_stage(model):
+def lora_of_every_stage(model):
     """The LoRA settings of the whole model (collective over pp): each stage knows only its own adapted modules."""
     settings = lora_settings(model)
     if model.pc.config.pp == 1:
@@ -271,7 +271,7 @@ def _lora_of_every_stage(model):
 def _save_colozoo(model, dst: Path):
     rank, _ = _world()
     tmp = dst.parent / f".{dst.name}.tmp-colozoo"
-    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), lora=_lora_of_every_stage(model))
+    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), lora=lora_of_every_stage(model))
     _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank))
     def write_index_and_publish(shards):
         if rank == 0:

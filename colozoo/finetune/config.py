@@ -39,6 +39,13 @@ class FinetuneConfig:
     epochs: float = 1.0
     seq_len: int = 128
     pack: bool = True                   # concatenate documents into full sequences (LM)
+    chat: bool = False                  # messages / prompt-completion records, loss on the answers only
+    lora_r: int | None = None           # LoRA rank; None: full fine-tuning
+    lora_alpha: float | None = None     # default: lora_r
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"    # comma-separated HF module names, or all-linear
+    lora_rslora: bool = False
+    merge: bool = False                 # LoRA: also export the adapters merged into the weights (OUTPUT/hf)
     num_labels: int | None = None      # classification: classes of a new head (default: the model config's)
     text_field: str = "text"
     label_field: str = "label"
@@ -60,6 +67,7 @@ class FinetuneConfig:
     stop_after: int | None = None       # stop (after saving) at this step, as if interrupted: for tests and demos
     progress: bool = True
     plot: bool = True
+    tensorboard: str | None = None      # also log the metrics as TensorBoard scalars to this directory
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -86,6 +94,15 @@ class FinetuneConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.steps is None and self.epochs <= 0:
             raise ValueError(f"--epochs must be > 0, got {self.epochs}")
+        if self.lora_r is not None and self.lora_r < 1:
+            raise ValueError(f"--lora-r must be >= 1, got {self.lora_r}")
+        if self.lora_r is None:
+            lora = [f for f in ("lora_alpha", "lora_rslora", "merge") if getattr(self, f)]
+            if lora or self.lora_dropout:
+                flag = "--" + (lora or ["lora_dropout"])[0].replace("_", "-")
+                raise ValueError(f"{flag} needs LoRA: pass --lora-r (the adapters' rank)")
+        if self.chat and self.task != "lm":
+            raise ValueError(f"--chat trains causal LMs (--task lm), not --task {self.task}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
 
@@ -99,13 +116,20 @@ class FinetuneConfig:
                              f"{self.micro_batch_size} x {dp} = {per_step}")
         return self.global_batch_size // per_step
 
+    def lora_target_modules(self) -> tuple[str, ...] | str:
+        """--lora-targets as apply_lora takes it: "all-linear", or a tuple of module names."""
+        if self.lora_targets.strip() == "all-linear":
+            return "all-linear"
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 _HELP = {
     "model": "registry name, HF model directory or colozoo checkpoint directory",
-    "data": "training data: .jsonl or .txt for language tasks; .npz or a folder of class folders for images",
+    "data": "training data: .jsonl, .txt, .parquet, .arrow or a datasets save_to_disk directory for language tasks "
+            "(Parquet / Arrow read lazily, one record batch at a time); .npz or a folder of class folders for images",
     "output": "run directory: checkpoints, metrics.jsonl, loss.png and the HF export",
     "eval_data": "held-out data (default: the last --eval-fraction of --data)",
     "plan": "'auto': let the planner choose tp/pp/dp/ep, micro-batching, schedule, FSDP or DDP and activation "
@@ -115,7 +139,21 @@ _HELP = {
     "global_batch_size": "samples per optimizer step over all dp ranks (default: micro batch x dp; "
                          "with --plan auto: micro batch x world size)",
     "steps": "optimizer steps (default: --epochs passes over the data)",
-    "pack": "concatenate documents into full --seq-len sequences (--no-pack pads each document instead)",
+    "pack": "text: concatenate documents into full --seq-len sequences joined by EOS; --chat: put several whole samples "
+            "in each sequence, position_ids restarting at 0 at each (the model attends within each sample). "
+            "--no-pack pads each document / sample instead",
+    "chat": "supervised fine-tuning: records with 'messages' (a list of {role, content}, rendered with the tokenizer's "
+            "chat template; loss on the assistant turns only), 'prompt' + 'completion' (loss on the completion and "
+            "EOS) or plain text (loss on all of it); a sample longer than --seq-len is truncated (its end dropped)",
+    "lora_r": "train LoRA adapters of this rank instead of all weights (the optimizer holds the adapters only); "
+              "the adapters are exported in PEFT format to OUTPUT/adapter and with every checkpoint "
+              "(OUTPUT/checkpoints/step-N/adapter)",
+    "lora_alpha": "LoRA scaling numerator (scale alpha / r; default: r)",
+    "lora_dropout": "dropout on the adapters' input",
+    "lora_targets": "comma-separated HF module names to adapt (e.g. q_proj,v_proj), or all-linear",
+    "lora_rslora": "rank-stabilised LoRA: scale alpha / sqrt(r)",
+    "merge": "LoRA: also export the adapters merged into the weights as a transformers model (OUTPUT/hf)",
+    "tensorboard": "also write the metrics.jsonl scalars as TensorBoard events to this directory (needs tensorboard)",
     "dtype": "compute dtype (bfloat16/float16 train in mixed precision over fp32 weights; float16 with "
              "dynamic loss scaling)",
     "activation_checkpointing": "recompute layer activations in backward to save memory",
@@ -126,7 +164,7 @@ _HELP = {
               "replacing OUTPUT's checkpoints and metrics)",
     "async_save": "write interval checkpoints in the background (the state is copied to CPU memory at the step, "
                   "then training goes on); still committed atomically, the last one written before exit",
-    "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end",
+    "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end (with LoRA: only with --merge)",
     "peak_tflops": "peak TFLOP/s of one device, for the MFU estimate",
     "stop_after": "save and stop at this step, as if interrupted (resume later with the same command)",
     "samples": "causal LM: at every evaluation print (and append to OUTPUT/samples.jsonl) greedy continuations of "
@@ -168,7 +206,9 @@ def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
             continue
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(dest=f.name, help=_HELP.get(f.name))
-        if f.name in ("model", "data"):
+        if f.name == "data":
+            parser.add_argument(flag, "--dataset", required=True, **kwargs)
+        elif f.name == "model":
             parser.add_argument(flag, required=True, **kwargs)
         elif f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **kwargs)

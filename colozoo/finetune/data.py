@@ -1,6 +1,7 @@
 """Fine-tuning data: read, tokenize, pack, and hand each data-parallel rank its slice of every global batch.
 
-Everything is tokenized up front into tensors (the datasets these scripts target fit in memory), so the
+Records stream in one at a time (colozoo.finetune.records: JSON lines, text, Parquet, Arrow, datasets directories)
+and are tokenized up front into tensors (the tokens must fit in memory, the raw records need not), so the
 position in the data is just the optimizer step: `BatchSampler.step_indices(step)` is a pure function of
 (seed, step), which is what makes a resumed run see exactly the batches an uninterrupted one would.
 """
@@ -10,16 +11,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
+from colozoo.finetune.records import DataError, existing, iter_records
+
 IGNORE_INDEX = -100
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
-
-
-class DataError(ValueError):
-    """Data that cannot be trained on: missing, empty, malformed, or not matching the model."""
 
 
 @dataclass
@@ -51,45 +51,12 @@ class TensorData:
 # ----------------------------------------------------------------------------------------------- reading
 
 
-def _existing(path) -> Path:
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"dataset {path} does not exist")
-    return path
-
-
-def read_records(path, fields: tuple[str, ...]) -> list[dict]:
-    """JSON lines with the given fields, or (for a .txt file and fields == ("text",)) documents separated by blank lines."""
-    path = _existing(path)
-    if path.is_dir():
-        raise DataError(f"dataset {path} is a directory; expected a .jsonl or .txt file")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: binary data, not UTF-8 text (byte {e.start})") from None
-    if "\x00" in text:
-        line = text[:text.index("\x00")].count("\n") + 1
-        raise DataError(f"{path}:{line}: binary data (a NUL byte), not text")
-    if path.suffix == ".txt":
-        if fields != ("text",):
-            raise DataError(f"{path}: plain text has no {fields[1:]} field; use a .jsonl file")
-        records = [{"text": doc.strip()} for doc in text.split("\n\n") if doc.strip()]
-    else:
-        records = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            check_record(record, fields, f"{path}:{lineno}")
-            records.append(record)
-    if not records:
-        raise DataError(f"dataset {path} is empty")
-    return records
+def read_records(path, fields: tuple[str, ...]) -> Iterator[dict]:
+    """The records of a .jsonl / .parquet / .arrow file or a datasets directory with the given fields, or (for a .txt
+    file and fields == ("text",)) documents separated by blank lines; one at a time."""
+    if Path(path).suffix == ".txt" and fields != ("text",):
+        raise DataError(f"{path}: plain text has no {fields[1:]} field; use a .jsonl file")
+    return iter_records(path, lambda record, where: check_record(record, fields, where))
 
 
 def check_record(record, fields: tuple[str, ...], where: str):
@@ -98,8 +65,9 @@ def check_record(record, fields: tuple[str, ...], where: str):
         raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {fields[0]!r} field")
     missing = [f for f in fields if f not in record]
     if missing:
+        chat = " or pass --chat for them" if {"messages", "prompt"} & set(record) else ""
         raise DataError(f"{where}: no field {missing[0]!r}; the record's fields are {list(record)} "
-                        f"(pick others with --text-field / --label-field)")
+                        f"(pick others with --text-field / --label-field{chat})")
     if not isinstance(record[fields[0]], str):
         raise DataError(f"{where}: field {fields[0]!r} is {record[fields[0]]!r}, not a string")
     for name in fields[1:]:
@@ -137,7 +105,8 @@ def tokenizer_warnings(tokenizer, config, data: TensorData) -> list[str]:
     model's (generation would not stop where training taught it to)."""
     out = []
     unk, ids = tokenizer.unk_token_id, data.tensors["input_ids"]
-    real = ids[data.tensors["attention_mask"].bool()]
+    mask = data.tensors.get("attention_mask")  # packed chat rows have none: every token is real or padding
+    real = ids[mask.bool()] if mask is not None else ids.flatten()
     if unk is not None and real.numel() and (real == unk).float().mean() > 0.5:
         out.append(f"{(real == unk).float().mean():.0%} of the tokens are the tokenizer's unknown token "
                    f"{tokenizer.unk_token!r}: wrong tokenizer for this text?")
@@ -165,9 +134,8 @@ def check_seq_len(seq_len: int, max_positions: int | None):
 def lm_dataset(path, tokenizer, seq_len: int, pack: bool = True, text_field: str = "text") -> TensorData:
     """Causal-LM samples of `seq_len` tokens. Packed: documents joined by EOS and cut into full sequences.
     Unpacked: each document cut into pieces of at most `seq_len`, right-padded and masked."""
-    docs = [r[text_field] for r in read_records(path, (text_field,))]
     eos = tokenizer.eos_token_id
-    ids = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+    ids = [tokenizer(r[text_field], add_special_tokens=False)["input_ids"] for r in read_records(path, (text_field,))]
     if pack:
         stream = [t for doc in ids for t in (doc + ([eos] if eos is not None else []))]
         n = len(stream) // seq_len
@@ -224,7 +192,7 @@ def label_names(mapping: dict[str, int] | None, num_labels: int) -> dict[int, st
 
 
 def classification_dataset(path, tokenizer, seq_len: int, config, text_field="text", label_field="label") -> TensorData:
-    records = read_records(path, (text_field, label_field))
+    records = list(read_records(path, (text_field, label_field)))
     enc = tokenizer([r[text_field] for r in records], max_length=seq_len, truncation=True, padding="max_length",
                     return_tensors="pt")
     raw = [r[label_field] for r in records]
@@ -265,7 +233,7 @@ def _read_image_folder(path: Path, size: int, channels: int):
 
 def image_dataset(path, config, model_dir=None) -> TensorData:
     """An .npz with `images` (N, H, W, C) or (N, C, H, W) uint8/float and integer `labels`, or a folder of class folders."""
-    path = _existing(path)
+    path = existing(path)
     size, channels = config.image_size, getattr(config, "num_channels", 3)
     classes = None
     if path.is_dir():

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from colozoo.runtime.amp import DynamicLossScaler
 from colozoo.runtime.offload import OffloadedAdamW
 from colozoo.finetune import data as D
-from colozoo.finetune import runtime, samples, state
+from colozoo.finetune import runtime, samples, sft, state
 from colozoo.finetune.config import FinetuneConfig
-from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
+from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, perplexity, plot_loss,
+                                      tensorboard_writer_class, truncate_metrics)
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.core.mesh import ParallelConfig
@@ -66,7 +67,9 @@ def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData
     else:
         D.check_seq_len(cfg.seq_len, getattr(config, "max_position_embeddings", None))
         tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
-        if cfg.task == "lm":
+        if cfg.chat:
+            read = lambda path: sft.sft_dataset(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field)  # noqa: E731
+        elif cfg.task == "lm":
             read = lambda path: D.lm_dataset(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field)  # noqa: E731
         else:
             read = lambda path: D.classification_dataset(path, tokenizer, cfg.seq_len, config,  # noqa: E731
@@ -186,6 +189,8 @@ def run(cfg: FinetuneConfig) -> dict:
         plan, mesh, global_batch = plan_run(cfg, config)
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
     check_writable(Path(cfg.output))
+    if cfg.tensorboard:
+        tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
 
     model, fresh = runtime.load_model(cfg, cfg.task, plan)
     if train.label_names:  # saved checkpoints and the export name the classes as the data does
@@ -229,7 +234,7 @@ def run(cfg: FinetuneConfig) -> dict:
     n_params = runtime.parameter_count(model)
     reporter = Reporter(output, total_steps, start, flops_per_token=6 * n_params,
                         peak=peak_flops(pc.device, cfg.dtype, cfg.peak_tflops), world_size=mesh.world_size,
-                        enabled=rank0, progress=cfg.progress)
+                        enabled=rank0, progress=cfg.progress, tensorboard=cfg.tensorboard)
     reporter.print(f"{device_notice(pc.device)}; {n_params:,} parameters on mesh "
                    f"{' x '.join(f'{k}={v}' for k, v in mesh_json.items() if v > 1) or 'of one process'}; "
                    f"{len(train)} training samples, {total_steps} steps of {global_batch} "
@@ -248,11 +253,16 @@ def run(cfg: FinetuneConfig) -> dict:
     saver = CheckpointSaver(asynchronous=cfg.async_save)
 
     def save(step, final):
-        return saver.save(checkpoints, step, model, optimizer, scheduler, mesh_json, final=final,
+        path = saver.save(checkpoints, step, model, optimizer, scheduler, mesh_json, final=final,
                           extra={"total_steps": total_steps, "data": data_position}, keep_last=cfg.keep_last,
                           scaler=scaler)
+        if cfg.lora_r:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
+            saver.wait()
+            runtime.export_adapter(model, path / "adapter")
+        return path
 
-    prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2) if cfg.task == "lm" else None
+    prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2, until_answer=cfg.chat) \
+        if cfg.task == "lm" else None
     if prompts is not None and samples.why_no_samples(model):
         reporter.print(f"no samples: {samples.why_no_samples(model)}")
         prompts = None
@@ -313,13 +323,18 @@ def run(cfg: FinetuneConfig) -> dict:
     else:
         if evaluation is not None:
             summary.update(evaluation_at(step))
-        if cfg.export_hf:
+        if cfg.lora_r:
+            summary["adapter"] = str(runtime.export_adapter(model, output / "adapter"))
+            reporter.print(f"exported the LoRA adapters (PEFT format) to {summary['adapter']}")
+        if cfg.export_hf and (cfg.merge or not cfg.lora_r):
             summary["export"] = str(export(model, cfg, output, evaluation or train, tokenizer))
-            reporter.print(f"exported a transformers model to {summary['export']}")
+            reporter.print(f"exported a transformers model{' (adapters merged)' if cfg.lora_r else ''} to "
+                           f"{summary['export']}")
     if rank0:
         if cfg.plot and plot_loss(output / "metrics.jsonl", output / "loss.png"):
             summary["plot"] = str(output / "loss.png")
         (output / "summary.json").write_text(json.dumps(summary, indent=1))
+    reporter.finish()
     return summary
 
 
@@ -330,7 +345,7 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
         shutil.rmtree(path)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    runtime.export_hf(model, path)
+    runtime.export_hf(model, path, merge_lora=bool(cfg.lora_r))
     model.eval()
     with torch.no_grad():
         batch = data.take(range(min(cfg.micro_batch_size, len(data))))

@@ -50,8 +50,11 @@ class Reporter:
     """Rank 0's view of the run. On other ranks every method is a no-op."""
 
     def __init__(self, output, total_steps: int, start_step: int, flops_per_token: float, peak: float,
-                 world_size: int, enabled: bool, progress: bool = True):
+                 world_size: int, enabled: bool, progress: bool = True, tensorboard: str | None = None):
         self.enabled = enabled
+        # a resumed run logs the steps after its checkpoint again: TensorBoard drops what it had from there on
+        self.tensorboard = tensorboard_writer_class()(log_dir=str(tensorboard), purge_step=start_step or None) \
+            if enabled and tensorboard else None
         self.metrics_path = Path(output) / "metrics.jsonl"
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
         self.total_steps, self.start_step = total_steps, start_step
@@ -77,6 +80,11 @@ class Reporter:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+            self.tensorboard.flush()
 
     def step(self, step: int, loss: float, lr: float, tokens: int, seconds: float, grad_norm: float | None,
              samples: int, **extra):
@@ -114,9 +122,25 @@ class Reporter:
             self.print(f"step {step}: {shown}")
 
     def close(self):
+        """The progress bar ends; metrics may still be logged (the final evaluation)."""
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+    def finish(self):
+        self.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+
+def tensorboard_writer_class():
+    """torch.utils.tensorboard.SummaryWriter, or one clear error when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter
 
 
 def plot_loss(metrics_path, png_path) -> Path | None:

@@ -41,7 +41,17 @@ def load_model(cfg, task: str, plan=None):
     else:
         model = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
     model.run.plan = plan
+    if cfg.lora_r:
+        attach_lora(model, cfg)
     return model, fresh
+
+
+def attach_lora(model, cfg):
+    """--lora-r: adapters on the targeted linears (before data-parallel wrapping), everything else frozen."""
+    from colozoo.runtime.lora import apply_lora
+
+    apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha or cfg.lora_r, dropout=cfg.lora_dropout,
+               targets=cfg.lora_target_modules(), use_rslora=cfg.lora_rslora, seed=cfg.seed)
 
 
 def prepare_training(model, cfg) -> dict | None:
@@ -141,6 +151,19 @@ def parameter_count(model) -> int:
     return int(round(total.item()))
 
 
-def export_hf(model, path):
-    """Write a directory transformers can load (collective: every rank calls it)."""
-    return model.save_pretrained(path, format="hf")
+def export_hf(model, path, merge_lora: bool = False):
+    """Write a directory transformers can load (collective: every rank calls it); LoRA adapters merged in."""
+    return model.save_pretrained(path, format="hf", merge_lora=merge_lora)
+
+
+def export_adapter(model, path):
+    """The LoRA adapters as a PEFT adapter directory, replacing an earlier one (collective)."""
+    import shutil
+    from pathlib import Path
+
+    if (not dist.is_initialized() or dist.get_rank() == 0) and Path(path).exists():
+        shutil.rmtree(path)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    model.save_pretrained(path, format="peft")
+    return Path(path)

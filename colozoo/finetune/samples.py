@@ -8,14 +8,19 @@ from pathlib import Path
 import torch
 
 
-def held_out_prompts(data, count: int, prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def held_out_prompts(data, count: int, prompt_tokens: int, until_answer: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The first `prompt_tokens` real tokens of the first `count` held-out sequences, left-padded; None without
-    data."""
+    data. `until_answer` (chat data): only the tokens before each sequence's first trained label, i.e. the
+    conversation up to the assistant's first answer, with the template's generation prompt."""
     if data is None or len(data) == 0 or count == 0:
         return None
     rows = data.take(range(min(count, len(data))))
     ids, mask = rows["input_ids"], rows.get("attention_mask", torch.ones_like(rows["input_ids"]))
     prompts = [row[keep.bool()][:prompt_tokens] for row, keep in zip(ids, mask)]
+    if until_answer:
+        answers = (rows["labels"] != -100).int().argmax(1).tolist()
+        prompts = [p[:min(prompt_tokens, first)] for p, first in zip(prompts, answers)]
     width = max(len(p) for p in prompts)
     padded = torch.zeros(len(prompts), width, dtype=torch.long)
     attention = torch.zeros(len(prompts), width, dtype=torch.long)

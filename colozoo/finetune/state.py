@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.checkpoint.collective import world
+from colozoo.checkpoint.convert import lora_of_every_stage
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
 from colozoo.core.errors import CheckpointError
@@ -146,7 +147,7 @@ def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: 
                             keep_last: int = 2, scaler=None, copy: bool = False) -> Snapshot:
     """Collective over pp. `copy`: the tensors are copied to CPU memory, so training may go on while they are
     written (an asynchronous save); otherwise they are views of the live state."""
-    layout = ModelLayout(model.config, model.pc.size("pp"), _stage_layers(model))
+    layout = ModelLayout(model.config, model.pc.size("pp"), _stage_layers(model), lora=lora_of_every_stage(model))
     states, hyper = optimizer_tensors(model, optimizer, layout.canonical)
     pieces = own_pieces(model, layout, states)
     if copy:
@@ -255,7 +256,7 @@ def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=No
     meta = read_meta(path)
     check_data_position(path, meta, data)
     try:
-        checkpoint = TrainingCheckpoint(path, ModelLayout(model.config))
+        checkpoint = TrainingCheckpoint(path, ModelLayout(model.config, lora=lora_of_every_stage(model)))
     except CheckpointError as e:
         raise ResumeError(f"cannot resume from {path}: {e}") from None
     check_same_model(path, model, checkpoint)
