@@ -25,7 +25,8 @@ from colozoo.converters.source import Source
 from colozoo.core.errors import CheckpointError
 from colozoo.core.mesh import coords_of
 from colozoo.layers.shard import gather_tensor
-from colozoo.runtime.lora import LoraSettings, apply_lora, hf_linear_modules, lora_modules, lora_settings
+from colozoo.runtime.lora import (LoraSettings, apply_lora, b_to_hf, hf_linear_modules, lora_modules,
+                                  lora_settings)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,7 +56,7 @@ def gather_adapters(model) -> dict[str, torch.Tensor]:
         if owner:
             for hf, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0)):
                 name_a, name_b = peft_names(hf)
-                out[name_a], out[name_b] = a_i.contiguous(), b_i.contiguous()
+                out[name_a], out[name_b] = a_i.contiguous(), b_to_hf(lora, b_i).contiguous()
     return out
 
 
@@ -147,7 +148,8 @@ def load_peft(model, path):
         names = [peft_names(hf) for hf in lora.hf_modules]
         for param, spec, shape, which in ((lora.A, lora.a_spec, lora.global_shapes[0], 0),
                                           (lora.B, lora.b_spec, lora.global_shapes[1], 1)):
-            tensor = GlobalTensor(reader, Source.of(*(n[which] for n in names)), f"{lora.hf_modules}")
+            regroup = lora.regroup if which == 1 else None  # one HF module (GPT-NeoX's query_key_value) per adapter
+            tensor = GlobalTensor(reader, Source.of(*(n[which] for n in names), regroup=regroup), f"{lora.hf_modules}")
             if tuple(tensor.shape) != tuple(shape):
                 raise CheckpointError(f"{path}: the adapter of {lora.hf_modules} has shape {tuple(tensor.shape)}, "
                                       f"the model expects {tuple(shape)} (r={settings.r})")

@@ -15,11 +15,12 @@ import re
 import warnings
 import zlib
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from colozoo.converters import family_module
+from colozoo.converters.source import Source
 from colozoo.layers.linear import ColumnParallelLinear, RowParallelLinear
 from colozoo.layers.lora import LoRA
 from colozoo.layers.shard import spec_of
@@ -50,9 +51,44 @@ class LoraSettings:
 
 def hf_linear_modules(config) -> dict[str, tuple[str, ...]]:
     """{our module name: the HF module name of each of its fused chunks} for every weight in the family map."""
-    sources = family_module(config.model_type).hf_sources(config)
-    return {name.removesuffix(".weight"): tuple(n.removesuffix(".weight") for n in source.names)
-            for name, source in sources.items() if name.endswith(".weight") and not source.stack}
+    return {name: tuple(n.removesuffix(".weight") for n in source.names)
+            for name, source in hf_linear_sources(config).items()}
+
+
+def hf_linear_sources(config) -> dict[str, Source]:
+    """{our module name: the Source of its weight} for every unstacked weight in the family map, under the names
+    transformers gives the modules in memory (what PEFT matches and saves: ViT's `q_proj`, not the saved `query`)."""
+    conv = family_module(config.model_type)
+    renames = getattr(conv, "NAME_ALIASES", ())
+    return {name.removesuffix(".weight"): replace(source, names=tuple(_rename(n, renames) for n in source.names))
+            for name, source in conv.hf_sources(config).items() if name.endswith(".weight") and not source.stack}
+
+
+def _rename(name: str, renames) -> str:
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def expert_modules(config) -> list[str]:
+    """The HF names of MoE experts, as saved (one linear per expert) and in memory (stacked parameters)."""
+    conv = family_module(config.model_type)
+    saved = [n for s in conv.hf_sources(config).values() if s.stack for n in s.names]
+    in_memory = [n for ours, s in getattr(conv, "module_sources", lambda c: {})(config).items() if ".experts." in ours
+                 for n in s.names]
+    holders = {n.rsplit(".", 1)[0] for n in in_memory}  # the experts module PEFT would wrap
+    return [n.removesuffix(".weight") for n in saved + in_memory] + sorted(holders)
+
+
+def b_to_hf(lora, b: torch.Tensor) -> torch.Tensor:
+    """A pair's global B (ours) in the HF module's row order (GPT-NeoX's per-head query_key_value)."""
+    return b if lora.regroup is None else Source.of("B", regroup=lora.regroup).split(b)["B"]
+
+
+def b_from_hf(lora, b: torch.Tensor) -> torch.Tensor:
+    if lora.regroup is None:
+        return b
+    return b[Source.of("B", regroup=lora.regroup).hf_positions(b.shape[0])]
 
 
 def matches(hf_name: str, target: str) -> bool:
@@ -68,10 +104,15 @@ def _selector(targets):
     return lambda name: any(matches(name, t) for t in targets)
 
 
-def check_targets(targets, hf_names) -> None:
-    """Every target names some HF module of the model (on any stage), or a clear error."""
+def check_targets(targets, hf_names, experts=()) -> None:
+    """Every target names some HF module of the model (on any stage) other than an MoE expert, or a clear error."""
     if targets == ALL_LINEAR:
         return
+    select = _selector(targets)
+    if any(select(n) for n in experts):
+        raise ValueError(f"LoRA targets {targets!r} select MoE expert linears ({[n for n in experts if select(n)][:2]}"
+                         f"...), which are not supported: transformers holds the experts as stacked parameters, not "
+                         f"linear modules PEFT can target; adapt the attention (and shared-expert) linears")
     if isinstance(targets, str):
         if not any(_selector(targets)(n) for n in hf_names):
             raise ValueError(f"LoRA target pattern {targets!r} matches no module of the model")
@@ -102,8 +143,9 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
     if getattr(model.run, "setup", None) is not None:
         raise ValueError("apply_lora before parallelize(): FSDP/DDP wrap the parameters that exist when they are called")
     targets = targets if isinstance(targets, str) else tuple(targets)
-    linears = hf_linear_modules(model.config)
-    check_targets(targets, [n for names in linears.values() for n in names])
+    sources = hf_linear_sources(model.config)
+    linears = {name: tuple(n.removesuffix(".weight") for n in s.names) for name, s in sources.items()}
+    check_targets(targets, [n for names in linears.values() for n in names], expert_modules(model.config))
     select = _selector(targets)
     for name, module in model.named_modules():
         hf_names = linears.get(name)
@@ -124,6 +166,7 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
         groups = tuple((c,) for c in range(chunks)) if len(hf_names) == chunks else (tuple(range(chunks)),)
         lora = LoRA(module, r, alpha, dropout, row=row, groups=groups, adapted=adapted,
                     hf_modules=tuple(hf_names[i] for i in adapted), use_rslora=use_rslora, dtype=dtype)
+        lora.regroup = sources[name].regroup  # how B's rows map onto the HF module's (GPT-NeoX: per head)
         lora.reset_parameters([_generator(seed, hf_names[i]) for i in adapted])
         module.lora = lora
     for name, p in model.named_parameters():
