@@ -17,7 +17,7 @@ from colozoo.checkpoint.sources import GlobalTensor
 from colozoo.converters import family_module
 from colozoo.core.mesh import coords_of, init_parallel, single_process
 from colozoo.layers.shard import gather_tensor, local_part, materialize, shard_tensor, spec_of
-from colozoo.runtime.lora import apply_lora, b_from_hf, b_to_hf, lora_modules
+from colozoo.runtime.lora import apply_lora, b_from_hf, b_to_hf, lora_modules, trained_modules
 from colozoo.runtime.training import build_optimizer, parallelize
 
 R, ALPHA, ATOL = 4, 8, 1e-5
@@ -110,7 +110,8 @@ def peft_model(family: str, hf, use_rslora: bool = False):
     import peft
 
     targets = CASES[family][2]
-    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=family == "gpt2",
+    task = "SEQ_CLS" if family == "bert" else None  # the classifier trained whole beside the adapters
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=family == "gpt2", task_type=task,
                              use_rslora=use_rslora,
                              target_modules=targets if isinstance(targets, str) else list(targets))
     model = peft.get_peft_model(hf, config)
@@ -126,6 +127,12 @@ def peft_model(family: str, hf, use_rslora: bool = False):
 def peft_grads(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {name.removeprefix("base_model.model."): (m.lora_A["default"].weight.grad, m.lora_B["default"].weight.grad)
             for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+
+
+def peft_saved_grads(model) -> dict[str, torch.Tensor]:
+    """{HF parameter name: gradient} of PEFT's modules_to_save copies."""
+    return {name.removeprefix("base_model.model.").replace("modules_to_save.default.", ""): p.grad
+            for name, p in model.named_parameters() if "modules_to_save.default." in name}
 
 
 def full_adapter(model, lora, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +178,7 @@ def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_paralle
     reference = peft_model(family, hf, use_rslora)
     ref = reference(**inputs, labels=labels)
     ref.loss.backward()
-    expected = peft_grads(reference)
+    expected, expected_saved = peft_grads(reference), peft_saved_grads(reference)
 
     if data_parallel or pp * cp * ep > 1:
         parallelize(model, data_parallel=data_parallel or "ddp")
@@ -198,12 +205,20 @@ def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_paralle
             checked += 1
     if pp == 1:
         assert checked == len(expected), f"PEFT adapted {sorted(expected)}, ours {checked} of them"
+    trained, params = trained_modules(model), dict(model.named_parameters())
+    for name, hf_name in trained.items():
+        grad = params[name].grad
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        close(grad, expected_saved[hf_name], ATOL, f"gradient of {hf_name} (modules_to_save)")
+    if pp == 1 or model.is_last:
+        assert set(trained.values()) == set(expected_saved), f"trained whole: ours {trained}, PEFT {expected_saved}"
     for name, p in model.named_parameters():
-        if ".lora." not in f".{name}":
+        if ".lora." not in f".{name}" and name not in trained:
             assert not p.requires_grad and p.grad is None, f"base parameter {name} is trainable or got a gradient"
     optimizer = build_optimizer(model)
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     adapters = {id(p) for lora in lora_modules(model).values() for p in (lora.A, lora.B)}
-    assert held == adapters, "the optimizer must hold the adapters and nothing else"
+    adapters |= {id(params[name]) for name in trained}
+    assert held == adapters, "the optimizer must hold the adapters (and modules_to_save) and nothing else"
     assert all(local_part(p).dtype == torch.float32 for lora in lora_modules(model).values() for p in (lora.A, lora.B))
     return checked
