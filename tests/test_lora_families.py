@@ -40,7 +40,7 @@ def test_lora_matches_peft_cp2():
     assert all(n > 0 for n in run_distributed(lora_parity, 2, family="qwen2", cp=2, timeout=TIMEOUT))
 
 
-@pytest.mark.parametrize("targets", [("w1",), ("experts",), ("gate_up_proj",)])
+@pytest.mark.parametrize("targets", [("w1",), ("experts",), ("gate_up_proj",), "all-linear"])
 def test_lora_refuses_moe_expert_targets(targets):
     from lora_parity import hf_and_batch
 
@@ -49,5 +49,5 @@ def test_lora_refuses_moe_expert_targets(targets):
 
     config, _, _, _ = hf_and_batch("mixtral")
     model = build_model(config, device="meta")
-    with pytest.raises(ValueError, match="MoE expert linears .* not supported"):
+    with pytest.raises(ValueError, match="MoE expert linears .*not supported|not supported: PEFT's all-linear"):
         apply_lora(model, r=4, targets=targets)

@@ -148,6 +148,10 @@ def _selector(targets):
 
 def check_targets(targets, hf_names, experts=()) -> None:
     """Every target names some HF module of the model (on any stage) other than an MoE expert, or a clear error."""
+    if targets == ALL_LINEAR and experts:
+        raise ValueError("LoRA targets 'all-linear' on an MoE model are not supported: PEFT's all-linear adapts the "
+                         "MoE expert linears and routers too, which colozoo does not; name the attention (and "
+                         "shared-expert) linears instead")
     if targets == ALL_LINEAR:
         return
     select = _selector(targets)
