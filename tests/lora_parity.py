@@ -173,6 +173,10 @@ def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_paralle
     pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep) if tp * pp * dp * cp > 1 else single_process()
     config, hf, inputs, labels = hf_and_batch(family, overrides)
     model = load_base(build_model(config, pc=pc, device="meta"), hf, pc)
+    if ep > 1:  # each rank holds its share of the experts
+        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        stacked = [p for n, p in model.named_parameters() if n.endswith("experts.down_proj")]
+        assert stacked and all(p.shape[0] == experts // ep for p in stacked), "experts are not split over ep"
     apply_lora(model, r=R, alpha=ALPHA, targets=CASES[family][2], use_rslora=use_rslora)
     randomize_b(model)
     reference = peft_model(family, hf, use_rslora)
