@@ -25,8 +25,10 @@ def test_lora_families_match_peft_tp2():
 
 
 def test_lora_replicated_kv_heads_match_peft_tp4():
-    # 2 kv heads over tp=4: each k/v head (and its B rows) on 2 ranks, its gradient summed over them
-    assert all(n > 0 for n in run_distributed(lora_parity, 4, family="llama_kv2", tp=4, timeout=TIMEOUT))
+    # 2 kv heads over tp=4: each k/v head (and its B rows) on 2 ranks, its gradient summed over them; LLaMA's
+    # k_proj / v_proj adapters and Phi-3's one qkv_proj adapter over q, k and v
+    results = run_distributed(_families, 4, families=("llama_kv2", "phi3"), tp=4, timeout=TIMEOUT)
+    assert all(n > 0 for result in results for n in result.values())
 
 
 def test_lora_moe_matches_peft_ep2():
