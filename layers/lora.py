@@ -33,11 +33,13 @@ class LoRA(nn.Module):
 
     `groups`: the base's fused chunks each HF module covers (OPT's q/k/v: one chunk each; GPT-2's c_attn: one
     module over all three; unfused: one module, one chunk); `adapted`: the groups that get an (A, B) pair;
-    `hf_modules`: the HF module name of each adapted group (what PEFT names the pair after)."""
+    `hf_modules`: the HF module name of each adapted group (what PEFT names the pair after); `regroup`: the HF
+    module's rows are ours viewed (groups, parts) (GPT-NeoX's per-head query_key_value, converters' Source)."""
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, *, row: bool,
                  groups: tuple[tuple[int, ...], ...] | None = None, adapted: tuple[int, ...] = (0,),
-                 hf_modules: tuple[str, ...] = (), use_rslora: bool = False, dtype=torch.float32):
+                 hf_modules: tuple[str, ...] = (), use_rslora: bool = False, dtype=torch.float32,
+                 regroup: tuple[int, int] | None = None):
         super().__init__()
         if r <= 0:
             raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}")
@@ -54,7 +56,7 @@ class LoRA(nn.Module):
         self.use_rslora = use_rslora
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.hf_modules = tuple(hf_modules)
-        self.regroup = None  # (groups, parts): B's rows are the HF module's regrouped (GPT-NeoX), set by apply_lora
+        self.regroup = regroup
         self.group = base.group
         self.in_features, self.out_features = base.in_features, base.out_features
         tp = group_size(self.group)

@@ -215,8 +215,8 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
             raise ValueError(f"{name}: {len(hf_names)} HF modules cannot map onto {chunks} fused chunks")
         groups = tuple((c,) for c in range(chunks)) if len(hf_names) == chunks else (tuple(range(chunks)),)
         lora = LoRA(module, r, alpha, dropout, row=row, groups=groups, adapted=adapted,
-                    hf_modules=tuple(hf_names[i] for i in adapted), use_rslora=use_rslora, dtype=dtype)
-        lora.regroup = sources[name].regroup  # how B's rows map onto the HF module's (GPT-NeoX: per head)
+                    hf_modules=tuple(hf_names[i] for i in adapted), use_rslora=use_rslora, dtype=dtype,
+                    regroup=sources[name].regroup)
         lora.reset_parameters([_generator(seed, hf_names[i]) for i in adapted])
         module.lora = lora
     for name, p in model.named_parameters():
