@@ -22,7 +22,6 @@ from colozoo.core.dtypes import parse_dtype
 from colozoo.core.mesh import init_parallel
 from colozoo.models import build_model as build_layers
 from colozoo.registry import config_from_dict, get_entry, lookup
-from colozoo.runtime.lora import apply_lora
 from colozoo.runtime.run import Run
 
 
@@ -126,8 +125,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
                         plan=chosen)
     if lora is not None:
-        apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
-                   use_rslora=lora.use_rslora)
+        lora.apply(model)
     load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
     if adapter is not None:
         load_peft(model, adapter)

@@ -5,6 +5,9 @@
         its rows, and B's split lists the adapted chunks, so each tp rank holds its share of every chunk's B.
     row-parallel base, weight (out, in/tp): A (r, in) split on the input dim, B (out, r) replicated; the low-rank
         path's partial output joins the base's partial sum before its all-reduce / reduce-scatter.
+    key/value chunks replicated over tp (tp > kv heads): B's rows of such a chunk carry the same `parts`, so a rank
+        holds the B rows of its whole kv head, and their gradient is summed over the head's replica group as the
+        weight's is (each replica computes it from its own query heads).
 
 The replicated factor sees only this rank's share of the output (column) or of the input (row), so its gradient is
 partial: `copy_to_parallel` sums it over tp in backward (a parameter-sized all-reduce, as the sequence-parallel norms
@@ -20,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import copy_to_parallel, group_rank, group_size
+from .comm import copy_to_parallel, group_rank, group_size, sum_replica_grads
 from .dropout import dropout
-from .shard import Split, shard, shard_tensor
+from .shard import Split, local_pieces, replicated_pieces, shard, shard_tensor
 
 
 class LoRA(nn.Module):
@@ -30,18 +33,18 @@ class LoRA(nn.Module):
 
     `groups`: the base's fused chunks each HF module covers (OPT's q/k/v: one chunk each; GPT-2's c_attn: one
     module over all three; unfused: one module, one chunk); `adapted`: the groups that get an (A, B) pair;
-    `hf_modules`: the HF module name of each adapted group (what PEFT names the pair after)."""
+    `hf_modules`: the HF module name of each adapted group (what PEFT names the pair after); `regroup`: the HF
+    module's rows are ours viewed (groups, parts) (GPT-NeoX's per-head query_key_value, converters' Source)."""
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, *, row: bool,
                  groups: tuple[tuple[int, ...], ...] | None = None, adapted: tuple[int, ...] = (0,),
-                 hf_modules: tuple[str, ...] = (), use_rslora: bool = False, dtype=torch.float32):
+                 hf_modules: tuple[str, ...] = (), use_rslora: bool = False, dtype=torch.float32,
+                 regroup: tuple[int, int] | None = None):
         super().__init__()
         if r <= 0:
             raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}")
         spec = base.weight.shard_spec[0] if getattr(base.weight, "shard_spec", ()) else Split("tp", 0)
-        if spec.parts is not None and any(p < group_size(base.group) for p in spec.parts):
-            raise ValueError("LoRA on key/value heads replicated over tp (tp larger than num_key_value_heads) is not "
-                             "supported yet; use tp <= num_key_value_heads")
+        self.spec = spec
         self.chunks = spec.chunks or (base.out_features,)
         self.groups = tuple(groups) if groups is not None else (tuple(range(len(self.chunks))),)
         if sorted(c for g in self.groups for c in g) != list(range(len(self.chunks))):
@@ -53,6 +56,7 @@ class LoRA(nn.Module):
         self.use_rslora = use_rslora
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.hf_modules = tuple(hf_modules)
+        self.regroup = regroup
         self.group = base.group
         self.in_features, self.out_features = base.in_features, base.out_features
         tp = group_size(self.group)
@@ -63,11 +67,16 @@ class LoRA(nn.Module):
             self.a_spec, self.b_spec = (Split("tp", 1),), ()
             a_shape, b_shape = (r, self.in_features // tp), (self.out_features, r)
         else:
-            sizes = tuple(self.chunks[c] for g in self.adapted for c in self.groups[g])
-            self.a_spec, self.b_spec = (), (Split("tp", 0, chunks=sizes if spec.chunks else None),)
-            a_shape, b_shape = (k * r, self.in_features), (sum(sizes) // tp, r)
+            adapted_chunks = [c for g in self.adapted for c in self.groups[g]]
+            sizes = tuple(self.chunks[c] for c in adapted_chunks)
+            parts = tuple(spec.parts[c] for c in adapted_chunks) if spec.parts else None
+            self.a_spec = ()
+            self.b_spec = (Split("tp", 0, chunks=sizes if spec.chunks else None, parts=parts),)
+            a_shape, b_shape = (k * r, self.in_features), (local_pieces(self.b_spec[0], sum(sizes), 0, tp)[1], r)
         self.A = shard(nn.Parameter(torch.zeros(a_shape, device=device, dtype=dtype)), *self.a_spec)
         self.B = shard(nn.Parameter(torch.zeros(b_shape, device=device, dtype=dtype)), *self.b_spec)
+        self.replica_group = getattr(base, "replica_group", None)
+        self.replicated_rows = [(l0, l1) for _, l0, l1, _, _ in replicated_pieces(self.b_spec, self.coords)]
 
     @property
     def pair_sizes(self) -> list[int]:
@@ -105,7 +114,8 @@ class LoRA(nn.Module):
             return y + (F.linear(h, self._replicated(self.B)) * self.scaling).to(y.dtype)
         a = self._replicated(self.A)
         local = self._local_chunks()
-        b_parts = self.B.split([sum(local[c] for c in self.groups[g]) for g in self.adapted], 0)
+        b = sum_replica_grads(self.B, self.replicated_rows, self.replica_group)
+        b_parts = b.split([sum(local[c] for c in self.groups[g]) for g in self.adapted], 0)
         deltas = {}
         for i, g in enumerate(self.adapted):  # each HF module draws its own dropout mask, as in PEFT
             h = F.linear(dropout(x, self.p, self.training, sharded=False).to(dtype), a[i * self.r:(i + 1) * self.r])
@@ -117,8 +127,10 @@ class LoRA(nn.Module):
         return torch.cat([part + deltas[c] if c in deltas else part for c, part in enumerate(parts)], -1)
 
     def _local_chunks(self) -> list[int]:
-        tp = group_size(self.group)
-        return [n // tp for n in self.chunks]
+        """This rank's length of each of the base's chunks (a replicated kv chunk: one whole head)."""
+        rank, tp = self.coords["tp"]
+        pieces, _ = local_pieces(self.spec, sum(self.chunks), rank, tp)
+        return [l1 - l0 for _, _, l0, l1 in pieces]
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

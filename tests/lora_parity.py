@@ -8,14 +8,16 @@ import zlib
 
 import torch
 import transformers
-from parity import batch, close, hf_causal_lm, hf_model
+from parity import batch, close, hf_causal_lm, hf_model, layer_input_lengths
 
 from colozoo.api import build_model
 from colozoo.checkpoint.load import load_hf_weights
 from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.sources import GlobalTensor
+from colozoo.converters import family_module
 from colozoo.core.mesh import coords_of, init_parallel, single_process
-from colozoo.layers.shard import gather_tensor, local_part, shard_tensor
-from colozoo.runtime.lora import apply_lora, lora_modules
+from colozoo.layers.shard import gather_tensor, local_part, materialize, shard_tensor, spec_of
+from colozoo.runtime.lora import apply_lora, b_from_hf, b_to_hf, lora_modules, trained_modules
 from colozoo.runtime.training import build_optimizer, parallelize
 
 R, ALPHA, ATOL = 4, 8, 1e-5
@@ -34,11 +36,43 @@ FAMILIES = {  # (config, targets): every kind of linear and fused chunk, a subse
     "llama": (LLAMA, "all-linear"),
     "bert": (BERT, ("query", "value", "output.dense", "intermediate.dense")),
 }
+DECODER = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+           router_aux_loss_coef=0.05)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MORE = {  # name: (transformers model type, config, targets)
+    "llama_kv2": ("llama", {**LLAMA, "num_key_value_heads": 2}, "all-linear"),  # tp=4: each kv head on 2 ranks
+    "qwen2": ("qwen2", DECODER, "all-linear"),  # q/k/v biases
+    "qwen3": ("qwen3", {**DECODER, "head_dim": 32}, ("q_proj", "k_proj", "o_proj", "up_proj", "down_proj")),
+    "gemma2": ("gemma2", {**DECODER, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 2.0},
+               ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")),
+    "phi3": ("phi3", {**DECODER, "bos_token_id": 1, "eos_token_id": 2}, ("qkv_proj", "o_proj", "gate_up_proj")),
+    "gpt_neox": ("gpt_neox", {k: v for k, v in DECODER.items() if k != "num_key_value_heads"},
+                 ("query_key_value", "dense", "dense_4h_to_h")),
+    "mixtral": ("mixtral", {**DECODER, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                            "output_router_logits": True, "router_aux_loss_coef": 0.05}, ATTENTION),
+    "qwen2_moe": ("qwen2_moe", {**DECODER, **MOE, "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
+                  (*ATTENTION, "shared_expert.gate_proj", "shared_expert.down_proj")),
+    "qwen3_moe": ("qwen3_moe", {**DECODER, **MOE, "head_dim": 24, "norm_topk_prob": True, "mlp_only_layers": [1]},
+                  ("q_proj", "v_proj", "o_proj")),
+    "vit": ("vit", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=8,
+                        patch_size=2, num_channels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        num_labels=3), ("q_proj", "v_proj", "o_proj", "fc1")),  # transformers 5's in-memory names
+}
+CASES = {**{f: (f, config, targets) for f, (config, targets) in FAMILIES.items()}, **MORE}
+EAGER = ("gemma2",)  # transformers' Gemma 2 caps attention logits only in eager attention
 
 
-def hf_and_batch(family: str):
+def hf_and_batch(family: str, overrides: dict | None = None):
     """(config, transformers model, inputs, labels)."""
-    kwargs = FAMILIES[family][0]
+    model_type, kwargs, _ = CASES[family]
+    kwargs = {**kwargs, **(overrides or {})}
+    if model_type == "vit":
+        config = transformers.AutoConfig.for_model("vit", architectures=["ViTForImageClassification"], **kwargs)
+        pixels = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+        return config, hf_model("ViTForImageClassification", config), dict(pixel_values=pixels), torch.arange(4) % 3
     if family == "bert":
         config = transformers.AutoConfig.for_model("bert", **kwargs)
         hf = hf_model("BertForSequenceClassification", config)
@@ -48,7 +82,7 @@ def hf_and_batch(family: str):
         types = torch.zeros_like(ids)
         types[:, 6:] = 1
         return config, hf, dict(input_ids=ids, attention_mask=mask, token_type_ids=types), torch.arange(4) % 3
-    config, hf = hf_causal_lm(family, kwargs)
+    config, hf = hf_causal_lm(model_type, kwargs, attn_implementation="eager" if family in EAGER else "sdpa")
     ids, mask, labels = batch(config.vocab_size, 12, batch_size=4)
     return config, hf, dict(input_ids=ids, attention_mask=mask), labels
 
@@ -68,15 +102,16 @@ def expected_a(hf_module: str, in_features: int) -> torch.Tensor:
 def randomize_b(model):
     """Every B set to its expected_b (sliced for this rank), so the gradients of A are not zero."""
     for lora in lora_modules(model).values():
-        full = torch.cat([expected_b(n, s) for n, s in zip(lora.hf_modules, lora.pair_sizes)], 0)
+        full = torch.cat([b_from_hf(lora, expected_b(n, s)) for n, s in zip(lora.hf_modules, lora.pair_sizes)], 0)
         lora.B.copy_(shard_tensor(full, lora.b_spec, lora.coords))
 
 
 def peft_model(family: str, hf, use_rslora: bool = False):
     import peft
 
-    targets = FAMILIES[family][1]
-    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=family == "gpt2",
+    targets = CASES[family][2]
+    task = "SEQ_CLS" if family == "bert" else None  # the classifier trained whole beside the adapters
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=family == "gpt2", task_type=task,
                              use_rslora=use_rslora,
                              target_modules=targets if isinstance(targets, str) else list(targets))
     model = peft.get_peft_model(hf, config)
@@ -94,6 +129,12 @@ def peft_grads(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
 
 
+def peft_saved_grads(model) -> dict[str, torch.Tensor]:
+    """{HF parameter name: gradient} of PEFT's modules_to_save copies."""
+    return {name.removeprefix("base_model.model.").replace("modules_to_save.default.", ""): p.grad
+            for name, p in model.named_parameters() if "modules_to_save.default." in name}
+
+
 def full_adapter(model, lora, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The adapter's (A, B) or their gradients, gathered over FSDP's dp shards and tp."""
     out = []
@@ -106,29 +147,49 @@ def full_adapter(model, lora, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def chunks_of(lora, a, b):
-    """{HF module: (A, B)} of one adapter's global tensors."""
-    return {n: (a_i, b_i) for n, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0))}
+    """{HF module: (A, B)} of one adapter's global tensors, B in the HF module's row order."""
+    return {n: (a_i, b_to_hf(lora, b_i))
+            for n, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0))}
+
+
+def load_base(model, hf, pc):
+    """The transformers model's weights into ours (MoE families: from its stacked in-memory experts)."""
+    conv = family_module(model.config.model_type)
+    if not hasattr(conv, "module_sources"):
+        return load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    materialize(model, "cpu")
+    model.reset_buffers()
+    reader, sources = StateDictReader(hf.state_dict()), conv.module_sources(model.config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(pc)))
+    return model
 
 
 def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_parallel: str | None = None,
-                use_rslora: bool = False) -> int:
+                use_rslora: bool = False, cp: int = 1, ep: int = 1, overrides: dict | None = None) -> int:
     """Loss (and logits where the model gives them), every adapter and its gradient against PEFT; base weights
     without gradient, the optimizer holding adapters only. Returns how many HF modules this rank checked."""
-    pc = init_parallel(tp=tp, pp=pp, dp=dp) if tp * pp * dp > 1 else single_process()
-    config, hf, inputs, labels = hf_and_batch(family)
-    model = build_model(config, pc=pc, device="meta")
-    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    apply_lora(model, r=R, alpha=ALPHA, targets=FAMILIES[family][1], use_rslora=use_rslora)
+    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep) if tp * pp * dp * cp > 1 else single_process()
+    config, hf, inputs, labels = hf_and_batch(family, overrides)
+    model = load_base(build_model(config, pc=pc, device="meta"), hf, pc)
+    if ep > 1:  # each rank holds its share of the experts
+        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        stacked = [p for n, p in model.named_parameters() if n.endswith("experts.down_proj")]
+        assert stacked and all(p.shape[0] == experts // ep for p in stacked), "experts are not split over ep"
+    apply_lora(model, r=R, alpha=ALPHA, targets=CASES[family][2], use_rslora=use_rslora)
     randomize_b(model)
     reference = peft_model(family, hf, use_rslora)
     ref = reference(**inputs, labels=labels)
     ref.loss.backward()
-    expected = peft_grads(reference)
+    expected, expected_saved = peft_grads(reference), peft_saved_grads(reference)
 
-    if data_parallel or pp > 1:
+    if data_parallel or pp * cp * ep > 1:
         parallelize(model, data_parallel=data_parallel or "ddp")
         ids = inputs.pop("input_ids")
-        loss = model.forward_backward(ids, labels, num_microbatches=2, **inputs)
+        with layer_input_lengths(model) as lengths:
+            loss = model.forward_backward(ids, labels, num_microbatches=2, **inputs)
+        assert set(lengths) == {ids.shape[1] // cp}, f"layers saw {set(lengths)} positions at cp={cp}"
     else:
         out = model(**inputs, labels=labels, return_logits=True)
         close(out.logits, ref.logits, ATOL, "logits")
@@ -146,12 +207,22 @@ def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_paralle
             close(grads[hf_name][0], expected[hf_name][0], ATOL, f"gradient of {hf_name}.lora_A")
             close(grads[hf_name][1], expected[hf_name][1], ATOL, f"gradient of {hf_name}.lora_B")
             checked += 1
+    if pp == 1:
+        assert checked == len(expected), f"PEFT adapted {sorted(expected)}, ours {checked} of them"
+    trained, params = trained_modules(model), dict(model.named_parameters())
+    for name, hf_name in trained.items():
+        grad = params[name].grad
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        close(grad, expected_saved[hf_name], ATOL, f"gradient of {hf_name} (modules_to_save)")
+    if pp == 1 or model.is_last:
+        assert set(trained.values()) == set(expected_saved), f"trained whole: ours {trained}, PEFT {expected_saved}"
     for name, p in model.named_parameters():
-        if ".lora." not in f".{name}":
+        if ".lora." not in f".{name}" and name not in trained:
             assert not p.requires_grad and p.grad is None, f"base parameter {name} is trainable or got a gradient"
     optimizer = build_optimizer(model)
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     adapters = {id(p) for lora in lora_modules(model).values() for p in (lora.A, lora.B)}
-    assert held == adapters, "the optimizer must hold the adapters and nothing else"
+    adapters |= {id(params[name]) for name in trained}
+    assert held == adapters, "the optimizer must hold the adapters (and modules_to_save) and nothing else"
     assert all(local_part(p).dtype == torch.float32 for lora in lora_modules(model).values() for p in (lora.A, lora.B))
     return checked

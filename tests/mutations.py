@@ -123,6 +123,14 @@ def _flash_ignores_documents():
              lambda original: lambda *args, documents=None, **kwargs: original(*args, **kwargs))
 
 
+def _lora_replicas_unsummed():
+    _replace("colozoo.layers.lora", "sum_replica_grads", lambda original: lambda weight, rows, group: weight)
+
+
+def _lora_head_frozen():
+    _replace("colozoo.runtime.lora", "TASK_MODULES_TO_SAVE", lambda original: {})
+
+
 MUTATIONS = {
     "sequence_parallel_dropped": Mutation(
         "init_parallel ignores sequence_parallel=True", _drop_sequence_parallel,
@@ -164,6 +172,12 @@ MUTATIONS = {
         "the flash-attention kernel drops the document ids", _flash_ignores_documents,
         ("tests/test_packing.py::test_flash_attention_documents[causal_multiblock_mqa]",
          "tests/test_packing.py::test_no_leakage_flash_kernel")),
+    "lora_replicated_kv_grads_unsummed": Mutation(
+        "a LoRA B over a kv head replicated on several tp ranks keeps each replica's partial gradient",
+        _lora_replicas_unsummed, ("tests/test_lora_families.py::test_lora_replicated_kv_heads_match_peft_tp4",)),
+    "lora_classifier_frozen": Mutation(
+        "LoRA on a sequence classifier freezes its head (PEFT's SEQ_CLS trains it whole)", _lora_head_frozen,
+        ("tests/test_lora.py::test_lora_matches_peft_single_process[bert]", "tests/test_lora.py::test_peft_round_trip")),
     "ring_blocks_in_bf16": Mutation(
         "ring attention computes its blocks in bf16 instead of fp32", _ring_blocks_in_bf16,
         ("tests/test_context_parallel.py::test_ring_attention_bf16",)),

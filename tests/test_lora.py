@@ -46,16 +46,28 @@ def test_lora_matches_peft_dp2_fsdp():
 
 # --- the PEFT format: colozoo (tp2) -> PEFT directory -> transformers + peft, and -> colozoo at tp 1 and 4 ------
 
-ROUND_TRIP = ("gpt2", "llama")  # Conv1D (fan_in_fan_out) and GQA with every linear adapted
+# Conv1D (fan_in_fan_out), GQA with every linear adapted, a classifier trained whole (PEFT's modules_to_save) and
+# GPT-NeoX's per-head query_key_value (B's rows regrouped)
+ROUND_TRIP = ("gpt2", "llama", "bert", "gpt_neox")
+SAVED_WHOLE = {"bert": ["base_model.model.classifier.bias", "base_model.model.classifier.weight"]}
+
+
+def _auto_class(family):
+    import transformers
+
+    return (transformers.AutoModelForSequenceClassification if family == "bert"
+            else transformers.AutoModelForCausalLM)
 
 
 def _save_adapters(directory: str):
     import torch.distributed as dist
 
-    import colozoo
-    from lora_parity import ALPHA, FAMILIES, R, hf_and_batch, randomize_b
+    import torch
 
-    from colozoo.runtime.lora import apply_lora
+    import colozoo
+    from lora_parity import ALPHA, CASES, R, hf_and_batch, randomize_b
+
+    from colozoo.runtime.lora import apply_lora, trained_modules
 
     logits = {}
     for family in ROUND_TRIP:
@@ -65,8 +77,12 @@ def _save_adapters(directory: str):
             hf.save_pretrained(base)
         dist.barrier()
         model = colozoo.from_pretrained(base, tp=2)
-        apply_lora(model, r=R, alpha=ALPHA, targets=FAMILIES[family][1])
+        apply_lora(model, r=R, alpha=ALPHA, targets=CASES[family][2])
         randomize_b(model)
+        params = dict(model.named_parameters())
+        with torch.no_grad():  # as if trained: the adapter's classifier differs from the base's
+            for name in trained_modules(model):
+                params[name].add_(torch.randn(params[name].shape, generator=torch.Generator().manual_seed(3)))
         model.save_pretrained(f"{directory}/{family}-adapter", format="peft")
         model.save_pretrained(f"{directory}/{family}-merged", format="hf", merge_lora=True)
         model.save_pretrained(f"{directory}/{family}-colozoo")  # the colozoo format keeps the adapters too
@@ -91,7 +107,6 @@ def test_peft_round_trip(tmp_path):
 
     import peft
     import torch
-    import transformers
     from lora_parity import hf_and_batch
     from parity import close
     from safetensors.torch import load_file
@@ -106,9 +121,12 @@ def test_peft_round_trip(tmp_path):
         saved = load_file(adapter / "adapter_model.safetensors")
         config = json.loads((adapter / "adapter_config.json").read_text())
         assert config["fan_in_fan_out"] == (family == "gpt2") and config["r"] == 4
-        assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in saved)
+        assert config["task_type"] == ("SEQ_CLS" if family == "bert" else "CAUSAL_LM")
+        assert all(k.startswith("base_model.model.") for k in saved)
+        assert sorted(k for k in saved if ".lora_" not in k) == SAVED_WHOLE.get(family, [])
+        assert config["modules_to_save"] == (["classifier"] if family == "bert" else None)
 
-        reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter)
+        reference = peft.PeftModel.from_pretrained(_auto_class(family).from_pretrained(base), adapter)
         _, _, inputs, _ = hf_and_batch(family)
         with torch.no_grad():
             expected = reference(**inputs).logits
@@ -119,7 +137,7 @@ def test_peft_round_trip(tmp_path):
             assert tensors.keys() == saved.keys(), name
             assert all(torch.equal(tensors[k], saved[k]) for k in saved), f"{family} adapters at {name} differ"
 
-        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-merged").state_dict()
+        merged = _auto_class(family).from_pretrained(tmp_path / f"{family}-merged").state_dict()
         unloaded = reference.merge_and_unload().state_dict()
         assert merged.keys() == unloaded.keys()
         for k in merged:

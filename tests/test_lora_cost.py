@@ -42,3 +42,11 @@ def test_plan_with_lora_needs_less_memory():
     kw = dict(gpus=2, gpu_memory="80GB", seq_len=512, global_batch=8, micro_batch_sizes=(2,), schedules=("1f1b",))
     full, lora = plan("opt-125m", **kw).best, plan("opt-125m", lora_r=16, **kw).best
     assert lora.memory < full.memory
+
+
+def test_adapter_count_with_kv_heads_replicated_over_tp():
+    from colozoo.cost.lora import adapter_params_per_layer
+
+    config = transformers.AutoConfig.for_model("llama", **LLAMA)  # 4 kv heads of 8 features: at tp=8, 2 ranks each
+    counts = adapter_params_per_layer(config, tp=8, r=R, targets=("k_proj",))
+    assert counts == {str(i): R * 64 + 8 * R for i in range(4)}  # A whole, B one whole kv head on every rank

@@ -265,7 +265,8 @@ def lora_of_every_stage(model):
     found = [s for s in every_stage if s is not None]
     if not found:
         return None
-    return dataclasses.replace(found[0], targets=tuple(sorted({t for s in found for t in s.targets})))
+    return dataclasses.replace(found[0], targets=tuple(sorted({t for s in found for t in s.targets})),
+                               modules_to_save=tuple(sorted({m for s in found for m in s.modules_to_save})))
 
 
 def _save_colozoo(model, dst: Path):

@@ -31,10 +31,7 @@ def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | 
 
 def _with_lora(model, lora):
     if lora is not None:
-        from colozoo.runtime.lora import apply_lora
-
-        apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
-                   use_rslora=lora.use_rslora)
+        lora.apply(model)
     return model
 
 

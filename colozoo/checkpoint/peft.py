@@ -8,6 +8,7 @@ PEFT merges them).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,15 +25,17 @@ from colozoo.converters import family_module
 from colozoo.converters.source import Source
 from colozoo.core.errors import CheckpointError
 from colozoo.core.mesh import coords_of
-from colozoo.layers.shard import gather_tensor
-from colozoo.runtime.lora import LoraSettings, apply_lora, hf_linear_modules, lora_modules, lora_settings
+from colozoo.layers.shard import gather_tensor, spec_of
+from colozoo.runtime.lora import (LoraSettings, b_to_hf, hf_linear_modules, hf_parameter_names, lora_modules,
+                                  lora_settings, trained_modules)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 # PEFT options colozoo does not implement: a directory using one is refused rather than loaded wrongly
 UNSUPPORTED = {"use_dora": False, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
-               "modules_to_save": None, "bias": "none", "lora_bias": False}
+               "bias": "none", "lora_bias": False}
+TASK_TYPES = (("ForCausalLM", "CAUSAL_LM"), ("LMHeadModel", "CAUSAL_LM"), ("ForSequenceClassification", "SEQ_CLS"))
 
 
 def peft_names(hf_module: str) -> tuple[str, str]:
@@ -55,7 +58,13 @@ def gather_adapters(model) -> dict[str, torch.Tensor]:
         if owner:
             for hf, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0)):
                 name_a, name_b = peft_names(hf)
-                out[name_a], out[name_b] = a_i.contiguous(), b_i.contiguous()
+                out[name_a], out[name_b] = a_i.contiguous(), b_to_hf(lora, b_i).contiguous()
+    params = dict(model.named_parameters())
+    for name, hf in sorted(trained_modules(model).items()):  # modules_to_save, under the module's own names
+        p = params[name]  # replicated over tp (apply_lora refuses others); FSDP: gathered over dp
+        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+        if owner:
+            out[f"{PREFIX}{hf}"] = full.contiguous()
     return out
 
 
@@ -63,12 +72,12 @@ def adapter_config(model, settings: LoraSettings, targets: list[str]) -> dict:
     sources = family_module(model.config.model_type).hf_sources(model.config)
     conv1d = {n.removesuffix(".weight") for s in sources.values() if s.transpose for n in s.names}
     architecture = (getattr(model.config, "architectures", None) or [""])[0]
-    task = "CAUSAL_LM" if architecture.endswith("ForCausalLM") or architecture.endswith("LMHeadModel") else None
+    task = next((task for suffix, task in TASK_TYPES if architecture.endswith(suffix)), None)
     return {"peft_type": "LORA", "task_type": task, "base_model_name_or_path": getattr(model.config, "_name_or_path", None) or None,
             "r": settings.r, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "use_rslora": settings.use_rslora, "target_modules": targets,
             "fan_in_fan_out": any(t in conv1d for t in targets), "init_lora_weights": True, "inference_mode": True,
-            **UNSUPPORTED}
+            "modules_to_save": list(settings.modules_to_save) or None, **UNSUPPORTED}
 
 
 def save_peft(model, path):
@@ -91,7 +100,8 @@ def save_peft(model, path):
         if not tensors or not found:
             raise CheckpointError("the model has no LoRA adapters to save (colozoo.runtime.lora.apply_lora adds them)")
         targets = sorted({k.removeprefix(PREFIX).removesuffix(".lora_A.weight") for k in tensors if k.endswith("A.weight")})
-        config = adapter_config(model, found[0], targets)
+        saved = tuple(sorted({m for s in found for m in s.modules_to_save}))
+        config = adapter_config(model, dataclasses.replace(found[0], modules_to_save=saved), targets)
         with atomic_directory(dst) as tmp:
             save_file(dict(sorted(tensors.items())), tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -118,7 +128,8 @@ def read_adapter_config(path) -> LoraSettings:
     if not targets:
         raise CheckpointError(f"{file} names no target_modules")
     return LoraSettings(int(config["r"]), config.get("lora_alpha", 8), config.get("lora_dropout", 0.0),
-                        targets if isinstance(targets, str) else tuple(targets), bool(config.get("use_rslora", False)))
+                        targets if isinstance(targets, str) else tuple(targets), bool(config.get("use_rslora", False)),
+                        tuple(config.get("modules_to_save") or ()))
 
 
 @torch.no_grad()
@@ -131,14 +142,18 @@ def load_peft(model, path):
         raise CheckpointError(f"{path} has no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read)")
     reader = SafetensorsReader(path / ADAPTER_WEIGHTS)
     known = {n for names in hf_linear_modules(model.config).values() for n in names}
-    stray = [k for k in reader.names() if k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) not in known]
+    adapters = [k for k in reader.names() if ".lora_" in k]
+    stray = [k for k in adapters if k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) not in known]
     if stray:
         raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: tensors for modules this {model.config.model_type} model "
                               f"does not have: {stray[:4]}")
-    apply_lora(model, r=settings.r, alpha=settings.alpha, dropout=settings.dropout, targets=settings.targets,
-               use_rslora=settings.use_rslora)
+    try:
+        settings.apply(model)
+    except ValueError as e:
+        raise CheckpointError(f"{path / ADAPTER_CONFIG}: {e}") from None
+    _load_trained_modules(model, reader, path)
     adapted = {hf for lora in lora_modules(model).values() for hf in lora.hf_modules}
-    left = sorted({k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) for k in reader.names()} - adapted)
+    left = sorted({k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) for k in adapters} - adapted)
     if left and model.pc.config.pp == 1:  # (a pipeline stage sees only its own layers' adapters)
         raise CheckpointError(f"{path}: adapters of {left[:4]} have no tensor-parallel linear to attach to in colozoo "
                               f"(a pooler or head is a plain linear here)")
@@ -147,10 +162,28 @@ def load_peft(model, path):
         names = [peft_names(hf) for hf in lora.hf_modules]
         for param, spec, shape, which in ((lora.A, lora.a_spec, lora.global_shapes[0], 0),
                                           (lora.B, lora.b_spec, lora.global_shapes[1], 1)):
-            tensor = GlobalTensor(reader, Source.of(*(n[which] for n in names)), f"{lora.hf_modules}")
+            regroup = lora.regroup if which == 1 else None  # one HF module (GPT-NeoX's query_key_value) per adapter
+            tensor = GlobalTensor(reader, Source.of(*(n[which] for n in names), regroup=regroup), f"{lora.hf_modules}")
             if tuple(tensor.shape) != tuple(shape):
                 raise CheckpointError(f"{path}: the adapter of {lora.hf_modules} has shape {tuple(tensor.shape)}, "
                                       f"the model expects {tuple(shape)} (r={settings.r})")
             copy_slices(tensor, param, spec, coords)
     return model
 
+
+
+def _load_trained_modules(model, reader, path):
+    """The modules_to_save tensors (saved under the module's own names) into this rank's parameters."""
+    params, names = dict(model.named_parameters()), set(reader.names())
+    trained = trained_modules(model)
+    missing = [f"{PREFIX}{hf}" for hf in trained.values() if f"{PREFIX}{hf}" not in names]
+    if missing:
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS} lacks the modules_to_save tensors {missing[:4]}")
+    stray = sorted(k for k in names if ".lora_" not in k and k.removeprefix(PREFIX) not in
+                   {hf for hf in hf_parameter_names(model.config).values()})
+    if stray:
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: tensors for modules this {model.config.model_type} model "
+                              f"does not have: {stray[:4]}")
+    for name, hf in trained.items():
+        copy_slices(GlobalTensor(reader, Source.of(f"{PREFIX}{hf}"), hf), params[name], spec_of(params[name]),
+                    coords_of(model.pc))

@@ -3,6 +3,8 @@ with colozoo.runtime.lora.apply_lora (so the count follows the same targets and 
 Column-parallel bases keep A whole and split B over tp; row-parallel bases split A and keep B whole."""
 from __future__ import annotations
 
+import math
+
 from colozoo.core.mesh import ParallelContext
 from colozoo.cost.setup import ProfilerError
 
@@ -11,6 +13,7 @@ _CACHE: dict = {}
 
 def adapter_params_per_layer(config, tp: int, r: int, targets) -> dict[str, int]:
     """{global layer index (as a string): adapter parameters on one tp rank of that layer's stage}."""
+    from colozoo.layers.shard import local_shape
     from colozoo.models import build_model
     from colozoo.runtime.lora import apply_lora, lora_modules
 
@@ -20,11 +23,15 @@ def adapter_params_per_layer(config, tp: int, r: int, targets) -> dict[str, int]
     key = (id(config), tp, r, targets)
     if key not in _CACHE:
         model = build_model(config, pc=ParallelContext.virtual(), device="meta")
-        apply_lora(model, r=r, targets=targets)
+        try:
+            apply_lora(model, r=r, targets=targets)
+        except ValueError as e:
+            raise ProfilerError(str(e)) from None
         counts: dict[str, int] = {}
+        coords = {"tp": (0, tp)}  # a kv head replicated over tp keeps its whole B rows on each replica
         for name, lora in lora_modules(model).items():
-            a, b = lora.A.numel(), lora.B.numel()
-            local = (a // tp + b) if lora.row else (a + b // tp)
+            (a_shape, b_shape), (a_spec, b_spec) = lora.global_shapes, (lora.a_spec, lora.b_spec)
+            local = math.prod(local_shape(a_shape, a_spec, coords)) + math.prod(local_shape(b_shape, b_spec, coords))
             layer = name.split(".")[1]  # every adapted linear sits in a layer: "layers.{i}...."
             counts[layer] = counts.get(layer, 0) + local
         _CACHE[key] = counts

@@ -15,16 +15,19 @@ import re
 import warnings
 import zlib
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from colozoo.converters import family_module
+from colozoo.converters.source import Source
 from colozoo.layers.linear import ColumnParallelLinear, RowParallelLinear
 from colozoo.layers.lora import LoRA
 from colozoo.layers.shard import spec_of
 
 ALL_LINEAR = "all-linear"
+# trained whole by default, as PEFT's task_type SEQ_CLS does (its modules_to_save default)
+TASK_MODULES_TO_SAVE = {"sequence_classification": ("classifier", "score")}
 
 
 @dataclass(frozen=True)
@@ -35,24 +38,99 @@ class LoraSettings:
     dropout: float = 0.0
     targets: tuple[str, ...] | str = ("q_proj", "v_proj")
     use_rslora: bool = False
+    modules_to_save: tuple[str, ...] = ()  # HF modules trained whole beside the adapters (a classifier)
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["targets"] = self.targets if isinstance(self.targets, str) else list(self.targets)
+        out["modules_to_save"] = list(self.modules_to_save)
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> "LoraSettings":
         targets = d["targets"]
         return cls(d["r"], d["alpha"], d.get("dropout", 0.0), targets if isinstance(targets, str) else tuple(targets),
-                   d.get("use_rslora", False))
+                   d.get("use_rslora", False), tuple(d.get("modules_to_save", ())))
+
+    def apply(self, model):
+        """apply_lora with these settings."""
+        return apply_lora(model, r=self.r, alpha=self.alpha, dropout=self.dropout, targets=self.targets,
+                          use_rslora=self.use_rslora, modules_to_save=self.modules_to_save)
 
 
 def hf_linear_modules(config) -> dict[str, tuple[str, ...]]:
     """{our module name: the HF module name of each of its fused chunks} for every weight in the family map."""
-    sources = family_module(config.model_type).hf_sources(config)
-    return {name.removesuffix(".weight"): tuple(n.removesuffix(".weight") for n in source.names)
-            for name, source in sources.items() if name.endswith(".weight") and not source.stack}
+    return {name: tuple(n.removesuffix(".weight") for n in source.names)
+            for name, source in hf_linear_sources(config).items()}
+
+
+def hf_linear_sources(config) -> dict[str, Source]:
+    """{our module name: the Source of its weight} for every unstacked weight in the family map, under the names
+    transformers gives the modules in memory (what PEFT matches and saves: ViT's `q_proj`, not the saved `query`)."""
+    conv = family_module(config.model_type)
+    renames = getattr(conv, "NAME_ALIASES", ())
+    return {name.removesuffix(".weight"): replace(source, names=tuple(_rename(n, renames) for n in source.names))
+            for name, source in conv.hf_sources(config).items() if name.endswith(".weight") and not source.stack}
+
+
+def _rename(name: str, renames) -> str:
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def hf_parameter_names(config) -> dict[str, str]:
+    """{our parameter name: its HF name in memory} for every parameter the family maps one to one."""
+    conv = family_module(config.model_type)
+    renames = getattr(conv, "NAME_ALIASES", ())
+    return {name: _rename(source.names[0], renames) for name, source in conv.hf_sources(config).items()
+            if len(source.names) == 1 and not (source.stack or source.transpose or source.regroup)}
+
+
+def _saved_parameters(model, modules_to_save) -> dict[str, str]:
+    """{our parameter name: HF name} of this stage's parameters in the HF modules `modules_to_save` names (PEFT's
+    matching: the whole module name or its last dot-separated parts)."""
+    names = hf_parameter_names(model.config)
+    unknown = [t for t in modules_to_save if not any(matches(n.rsplit(".", 1)[0], t) for n in names.values())]
+    if unknown and modules_to_save != TASK_MODULES_TO_SAVE.get(getattr(model, "task", None)):
+        raise ValueError(f"modules_to_save {unknown} name no module of this {model.config.model_type} model that "
+                         f"colozoo maps one to one onto an HF module")
+    mine = dict(model.named_parameters())
+    saved = {name: hf for name, hf in names.items()
+             if name in mine and any(matches(hf.rsplit(".", 1)[0], t) for t in modules_to_save)}
+    sharded = [hf for name, hf in saved.items() if spec_of(mine[name])]
+    if sharded:
+        raise ValueError(f"modules_to_save {sharded[:2]} are sharded over the mesh; only replicated modules (a "
+                         f"classifier head) can be trained whole beside LoRA adapters")
+    return saved
+
+
+def trained_modules(model) -> dict[str, str]:
+    """{our parameter name: HF name} of this rank's parameters trained whole beside the adapters."""
+    names = hf_parameter_names(model.config)
+    return {name: names[name] for name, p in model.named_parameters()
+            if p.requires_grad and ".lora." not in f".{name}" and name in names}
+
+
+def expert_modules(config) -> list[str]:
+    """The HF names of MoE experts, as saved (one linear per expert) and in memory (stacked parameters)."""
+    conv = family_module(config.model_type)
+    saved = [n for s in conv.hf_sources(config).values() if s.stack for n in s.names]
+    in_memory = [n for ours, s in getattr(conv, "module_sources", lambda c: {})(config).items() if ".experts." in ours
+                 for n in s.names]
+    holders = {n.rsplit(".", 1)[0] for n in in_memory}  # the experts module PEFT would wrap
+    return [n.removesuffix(".weight") for n in saved + in_memory] + sorted(holders)
+
+
+def b_to_hf(lora, b: torch.Tensor) -> torch.Tensor:
+    """A pair's global B (ours) in the HF module's row order (GPT-NeoX's per-head query_key_value)."""
+    return b if lora.regroup is None else Source.of("B", regroup=lora.regroup).split(b)["B"]
+
+
+def b_from_hf(lora, b: torch.Tensor) -> torch.Tensor:
+    if lora.regroup is None:
+        return b
+    return b[Source.of("B", regroup=lora.regroup).hf_positions(b.shape[0])]
 
 
 def matches(hf_name: str, target: str) -> bool:
@@ -68,10 +146,19 @@ def _selector(targets):
     return lambda name: any(matches(name, t) for t in targets)
 
 
-def check_targets(targets, hf_names) -> None:
-    """Every target names some HF module of the model (on any stage), or a clear error."""
+def check_targets(targets, hf_names, experts=()) -> None:
+    """Every target names some HF module of the model (on any stage) other than an MoE expert, or a clear error."""
+    if targets == ALL_LINEAR and experts:
+        raise ValueError("LoRA targets 'all-linear' on an MoE model are not supported: PEFT's all-linear adapts the "
+                         "MoE expert linears and routers too, which colozoo does not; name the attention (and "
+                         "shared-expert) linears instead")
     if targets == ALL_LINEAR:
         return
+    select = _selector(targets)
+    if any(select(n) for n in experts):
+        raise ValueError(f"LoRA targets {targets!r} select MoE expert linears ({[n for n in experts if select(n)][:2]}"
+                         f"...), which are not supported: transformers holds the experts as stacked parameters, not "
+                         f"linear modules PEFT can target; adapt the attention (and shared-expert) linears")
     if isinstance(targets, str):
         if not any(_selector(targets)(n) for n in hf_names):
             raise ValueError(f"LoRA target pattern {targets!r} matches no module of the model")
@@ -90,9 +177,10 @@ def _generator(seed: int, hf_module: str) -> torch.Generator:
 
 
 def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, targets=("q_proj", "v_proj"),
-               use_rslora: bool = False, seed: int = 0, dtype=torch.float32):
+               use_rslora: bool = False, seed: int = 0, dtype=torch.float32, modules_to_save=None):
     """Attach LoRA adapters (A kaiming-uniform, B zeros, as PEFT) to the targeted linears of this rank's shard,
-    freeze every other parameter, and return the model."""
+    freeze every other parameter but those of `modules_to_save` (HF module names, trained whole as PEFT's
+    modules_to_save; None: a sequence classifier's head, as PEFT's SEQ_CLS), and return the model."""
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}")
     if not 0.0 <= dropout < 1.0:
@@ -102,8 +190,12 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
     if getattr(model.run, "setup", None) is not None:
         raise ValueError("apply_lora before parallelize(): FSDP/DDP wrap the parameters that exist when they are called")
     targets = targets if isinstance(targets, str) else tuple(targets)
-    linears = hf_linear_modules(model.config)
-    check_targets(targets, [n for names in linears.values() for n in names])
+    if modules_to_save is None:
+        modules_to_save = TASK_MODULES_TO_SAVE.get(getattr(model, "task", None), ())
+    saved = _saved_parameters(model, tuple(modules_to_save))
+    sources = hf_linear_sources(model.config)
+    linears = {name: tuple(n.removesuffix(".weight") for n in s.names) for name, s in sources.items()}
+    check_targets(targets, [n for names in linears.values() for n in names], expert_modules(model.config))
     select = _selector(targets)
     for name, module in model.named_modules():
         hf_names = linears.get(name)
@@ -123,11 +215,12 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
             raise ValueError(f"{name}: {len(hf_names)} HF modules cannot map onto {chunks} fused chunks")
         groups = tuple((c,) for c in range(chunks)) if len(hf_names) == chunks else (tuple(range(chunks)),)
         lora = LoRA(module, r, alpha, dropout, row=row, groups=groups, adapted=adapted,
-                    hf_modules=tuple(hf_names[i] for i in adapted), use_rslora=use_rslora, dtype=dtype)
+                    hf_modules=tuple(hf_names[i] for i in adapted), use_rslora=use_rslora, dtype=dtype,
+                    regroup=sources[name].regroup)
         lora.reset_parameters([_generator(seed, hf_names[i]) for i in adapted])
         module.lora = lora
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora." in f".{name}")
+        p.requires_grad_(".lora." in f".{name}" or name in saved)
     return model
 
 
@@ -143,7 +236,8 @@ def lora_settings(model) -> LoraSettings | None:
         return None
     first = adapters[0]
     names = sorted({n for a in adapters for n in a.hf_modules})
-    return LoraSettings(first.r, first.alpha, first.p, tuple(names), first.use_rslora)
+    saved = sorted({hf.rsplit(".", 1)[0] for hf in trained_modules(model).values()})
+    return LoraSettings(first.r, first.alpha, first.p, tuple(names), first.use_rslora, tuple(saved))
 
 
 @contextmanager

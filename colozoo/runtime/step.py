@@ -125,7 +125,7 @@ def _stash_expert_grads(model, setup) -> dict | None:
         return None
     stash = {}
     for name, p in model.named_parameters():
-        if name in setup.experts:
+        if name in setup.experts and p.requires_grad:  # frozen experts (LoRA): no gradient to reduce
             stash[name], p.grad = p.grad, None
     return stash
 
