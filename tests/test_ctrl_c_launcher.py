@@ -63,7 +63,32 @@ def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(tiny,
 
     again = subprocess.run(_launch(tiny, out), cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from" in again.stderr and "Traceback" not in again.stderr
+    assert "resumed from" in again.stderr and "Traceback" not in again.stderr
     ours, theirs = _losses(out), _losses(tmp_path / "straight")
     assert [s for s, _ in ours] == [s for s, _ in theirs] == list(range(1, 9))
     close([loss for _, loss in ours], [loss for _, loss in theirs], 1e-6, "loss curve after the resume")
+
+
+def test_sigterm_to_the_launcher_alone_is_passed_on_to_the_workers(tiny, tmp_path):  # noqa: F811
+    """A scheduler may signal the launcher only: it passes SIGTERM on, the workers save and the job exits 0."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_launch(tiny, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 2/"):
+                proc.send_signal(signal.SIGTERM)  # the launcher's pid, not its group
+                break
+        lines += proc.stdout.readlines()
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines)
+    assert code == 0 and "Traceback" not in log and len(LINE.findall(log)) == 1, log[-3000:]
+    assert json.loads((out / "summary.json").read_text())["stopped"]
