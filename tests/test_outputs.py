@@ -13,7 +13,7 @@ from parity import LOGITS_ATOL, batch, causal_lm_parity, check_hidden_states, cl
 from test_bert import BASE as BERT, inputs_and_labels
 from test_gpt2 import BASE as GPT2
 from test_llama import BASE as LLAMA
-from test_vit import BASE as VIT, images_and_labels, vit_parity
+from test_vit import vit_parity
 
 
 def test_model_output_behaves_like_transformers():
