@@ -15,18 +15,11 @@ from torch import nn
 
 from colozoo.core.mesh import ParallelContext, single_process
 from colozoo.core.partition import model_rank_layers
+from colozoo.layers.comm import gather_from_parallel
+from colozoo.layers.context_parallel import gather_sequence
 from colozoo.layers.documents import packed_documents
 from colozoo.layers.dropout import dropout  # noqa: F401 (the families import it from here)
-
-
-@dataclass
-class ModelOutput:
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    hidden_states: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    router_loss: torch.Tensor | None = None  # the part of `loss` that is a batch statistic (MoE), not a token mean
-    pooler_output: torch.Tensor | None = None  # encoders (BERT, ViT): the pooled first token
+from colozoo.models.outputs import ModelOutput  # noqa: F401 (the families import it from here)
 
 
 @dataclass
@@ -41,6 +34,7 @@ class BatchContext:
     cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
     data_group: object | None = None     # where batch statistics (MoE router losses) are summed; None: the cp group
     cache: object | None = None          # layers.kv_cache.KVCache while generating: attention reads and extends it
+    hidden_states: list | None = None    # with output_hidden_states: every layer's input, then the last output
     _documents: torch.Tensor | bool | None = None  # packed document ids once computed; False: one per row
 
     @property
@@ -128,27 +122,76 @@ class ParallelModel(nn.Module):
         if self.sequence_parallel and seq_len % self.pc.tp_size:
             raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.pc.tp_size}")
 
-    def run_layers(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        for layer in self.layers.values():
+    def run_layers(self, hidden: torch.Tensor, ctx: BatchContext, layers=None) -> torch.Tensor:
+        """`layers` (default: all of this rank's) in order; with output_hidden_states each input and the last output
+        are kept in ctx.hidden_states."""
+        for layer in (self.layers if layers is None else layers).values():
+            if ctx.hidden_states is not None:
+                ctx.hidden_states.append(hidden)
             hidden = layer(hidden, ctx)
+        if ctx.hidden_states is not None:
+            ctx.hidden_states.append(hidden)
         return hidden
+
+    def context(self, input_ids, attention_mask=None, output_hidden_states=None, **kwargs) -> BatchContext:
+        """The family's batch context, set to keep every layer's hidden states when `output_hidden_states` (or
+        the config's, as in transformers) asks for them."""
+        ctx = self.batch_context(input_ids, attention_mask, **kwargs)
+        if self.wants_hidden_states(output_hidden_states):
+            ctx.hidden_states = []
+        return ctx
+
+    def wants_hidden_states(self, output_hidden_states=None) -> bool:
+        """The forward's `output_hidden_states`, else the config's; refused under pipeline parallelism."""
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        if not isinstance(output_hidden_states, bool):
+            raise ValueError(f"output_hidden_states must be True or False; got {output_hidden_states!r}")
+        if output_hidden_states and self.pc.config.pp > 1:
+            raise ValueError(f"output_hidden_states=True is not supported with pipeline parallelism "
+                             f"(pp={self.pc.config.pp}): each stage holds only its own layers' states; run the "
+                             f"model at pp=1 to get them")
+        return output_hidden_states
+
+    def whole_sequence(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """A (batch, seq, hidden) activation whole on every rank: all-gathered over tp under sequence parallelism
+        and over cp under context parallelism (backward keeps this rank's share)."""
+        if self.sequence_parallel:
+            hidden = gather_from_parallel(hidden, self.tp_group, dim=1)
+        if ctx.cp is not None:
+            hidden = gather_sequence(hidden, ctx.cp.group)
+        return hidden
+
+    def output_hidden_states(self, ctx: BatchContext, last: torch.Tensor | None = None) -> tuple | None:
+        """transformers' `hidden_states`: the embedding output, then every layer's output, whole on every rank;
+        `last` (a decoder's final norm output, as transformers' decoders give it) replaces the last layer's.
+        None unless the forward asked for them."""
+        if ctx.hidden_states is None:
+            return None
+        states = ctx.hidden_states if last is None else ctx.hidden_states[:-1] + [last]
+        return tuple(self.whole_sequence(state, ctx) for state in states)
 
     run = None  # the colozoo.runtime.run.Run that runs this model on its mesh; attached by the runtime
 
-    def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs) -> ModelOutput:
+    def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, return_dict=None,
+                **kwargs) -> ModelOutput | tuple:
+        """A ModelOutput (`return_dict=False`: its tuple, as in transformers). `output_hidden_states=True` adds
+        `hidden_states` (pp == 1)."""
         if self.run is not None:
-            return self.run.forward(input_ids, attention_mask=attention_mask, labels=labels,
-                                    return_logits=return_logits, **kwargs)
-        if self.pc.config.pp > 1 or self.pc.config.cp > 1:
+            out = self.run.forward(input_ids, attention_mask=attention_mask, labels=labels,
+                                   return_logits=return_logits, **kwargs)
+        elif self.pc.config.pp > 1 or self.pc.config.cp > 1:
             raise RuntimeError(f"on a mesh with pp={self.pc.config.pp}, cp={self.pc.config.cp} a model runs through "
                                f"its Run: build it with colozoo.build_model or colozoo.from_pretrained (or attach "
                                f"colozoo.runtime.run.Run(model))")
-        return self.local_forward(input_ids, attention_mask=attention_mask, labels=labels,
-                                  return_logits=return_logits, **kwargs)
+        else:
+            out = self.local_forward(input_ids, attention_mask=attention_mask, labels=labels,
+                                     return_logits=return_logits, **kwargs)
+        return out.to_tuple() if return_dict is False else out
 
     def local_forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs):
         """embed -> layers -> head on this rank's whole model, the batch unsharded (pp == cp == 1)."""
-        ctx = self.batch_context(input_ids, attention_mask, **kwargs)
+        ctx = self.context(input_ids, attention_mask, **kwargs)
         hidden = self.embed(input_ids, ctx)
         hidden = self.run_layers(hidden, ctx)
         return self.head(hidden, ctx, labels=labels, return_logits=return_logits)

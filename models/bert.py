@@ -3,7 +3,7 @@
     embeddings (word: vocab-parallel) -> LayerNorm
         -> [self_attn (qkv column -> bidirectional attention -> out_proj row) -> + -> LayerNorm
             -> fc1 column -> act -> fc2 row -> + -> LayerNorm] x n
-    base:                    hidden states, pooler = tanh(dense(first token))
+    base:                    last hidden state, pooler = tanh(dense(first token))
     masked_lm:               dense -> act -> LayerNorm -> vocab-parallel decoder (tied to the word embedding, own bias)
     sequence_classification: pooler -> dropout -> classifier (replicated; CE, MSE or BCE as transformers picks)
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding,
-                            VocabParallelLMHead, build_attention_mask, gather_from_parallel, scatter_to_sequence,
+                            VocabParallelLMHead, build_attention_mask, scatter_to_sequence,
                             vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
 from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions,
@@ -140,7 +140,7 @@ class BertPooler(nn.Module):
 
 
 class BertModel(EncoderModel):
-    """The encoder with its pooler: returns hidden_states and pooler_output (full sequence, on every rank)."""
+    """The encoder with its pooler: returns last_hidden_state and pooler_output (full sequence, on every rank)."""
 
     family, title = "bert", "BERT"
     TASKS = {"base": "BertModel", "masked_lm": "BertForMaskedLM",
@@ -187,13 +187,10 @@ class BertModel(EncoderModel):
     def embed(self, input_ids, ctx):
         return self.embeddings(input_ids, ctx)
 
-    def full_sequence(self, hidden):
-        """The last hidden state on every rank, whole (forward all-gather, backward keeps this rank's share)."""
-        return gather_from_parallel(hidden, self.tp_group, dim=1) if self.sequence_parallel else hidden
-
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        hidden = self.full_sequence(hidden)
-        return ModelOutput(hidden_states=hidden, pooler_output=self.pooler(hidden))
+        hidden = self.whole_sequence(hidden, ctx)
+        return ModelOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden),
+                           hidden_states=self.output_hidden_states(ctx))
 
 
 class BertForMaskedLM(BertModel):
@@ -218,14 +215,15 @@ class BertForMaskedLM(BertModel):
                                            tied_embedding=tied, **kw)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        hidden = self.full_sequence(hidden)
+        states = self.output_hidden_states(ctx)
+        hidden = self.whole_sequence(hidden, ctx)
         logits_local = self.lm_head(self.transform_norm(self.transform_act(self.transform(hidden))))
         loss = None
         if labels is not None:
             per_token = vocab_parallel_cross_entropy(logits_local, labels, self.config.vocab_size, self.tp_group)
             loss = per_token.sum() / (labels != -100).sum().clamp(min=1)
         logits = self.lm_head.full_logits(logits_local) if return_logits else None
-        return ModelOutput(loss=loss, logits=logits)
+        return ModelOutput(loss=loss, logits=logits, hidden_states=states)
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return (labels != -100).sum()
@@ -246,10 +244,10 @@ class BertForSequenceClassification(BertModel):
                                    else config.hidden_dropout_prob)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        pooled = self.pooler(self.full_sequence(hidden))
+        pooled = self.pooler(self.whole_sequence(hidden, ctx))
         logits = self.classifier(dropout(pooled, self.classifier_dropout, self.training, sharded=False))
         loss = classification_loss(logits, labels, self.config) if labels is not None else None
-        return ModelOutput(loss=loss, logits=logits)
+        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx))
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return torch.tensor(labels.numel(), device=labels.device)

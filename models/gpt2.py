@@ -115,5 +115,6 @@ class GPT2ForCausalLM(ParallelModel):
         return dropout(hidden, self.config.embd_pdrop, self.training, sharded=self.sequence_parallel)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        loss, logits = self.lm_head.loss_and_logits(self.ln_f(hidden), labels, return_logits, cp=ctx.cp)
-        return ModelOutput(loss=loss, logits=logits)
+        hidden = self.ln_f(hidden)
+        loss, logits = self.lm_head.loss_and_logits(hidden, labels, return_logits, cp=ctx.cp)
+        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx, last=hidden))

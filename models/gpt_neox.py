@@ -107,5 +107,6 @@ class GPTNeoXForCausalLM(RotaryModel):
                        sharded=self.sequence_parallel)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        loss, logits = self.lm_head.loss_and_logits(self.final_layer_norm(hidden), labels, return_logits, cp=ctx.cp)
-        return ModelOutput(loss=loss, logits=logits)
+        hidden = self.final_layer_norm(hidden)
+        loss, logits = self.lm_head.loss_and_logits(hidden, labels, return_logits, cp=ctx.cp)
+        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx, last=hidden))

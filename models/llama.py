@@ -402,5 +402,6 @@ class LlamaForCausalLM(RotaryModel):
         return self.embed_tokens(input_ids)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        loss, logits = self.lm_head.loss_and_logits(self.norm(hidden), labels, return_logits, cp=ctx.cp)
-        return ModelOutput(loss=loss, logits=logits)
+        hidden = self.norm(hidden)
+        loss, logits = self.lm_head.loss_and_logits(hidden, labels, return_logits, cp=ctx.cp)
+        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx, last=hidden))

@@ -120,4 +120,4 @@ class OPTForCausalLM(ParallelModel):
         if hasattr(self, "project_out"):
             hidden = self.project_out(hidden)
         loss, logits = self.lm_head.loss_and_logits(hidden, labels, return_logits, cp=ctx.cp)
-        return ModelOutput(loss=loss, logits=logits)
+        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx, last=hidden))

@@ -2,7 +2,7 @@
 
     conv patches (replicated) -> [CLS, patches] + positions -> [LayerNorm -> self_attn (qkv column -> bidirectional
     attention -> out_proj row) -> + LayerNorm -> fc1 column -> act -> fc2 row -> +] x n -> layernorm
-    base:                 hidden states, pooler = act(dense(CLS))
+    base:                 last hidden state, pooler = act(dense(CLS))
     image_classification: classifier(CLS) (replicated; CE, MSE or BCE as transformers picks)
 
 Under sequence parallelism the CLS + patches sequence (never a multiple of 4) is padded to a multiple of tp;
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colozoo.layers import LayerNorm, gather_from_parallel, scatter_to_sequence
+from colozoo.layers import LayerNorm, scatter_to_sequence
 from colozoo.layers.activations import get_activation
 from colozoo.models.base import BatchContext, ModelOutput, dropout, require
 
@@ -63,7 +63,7 @@ class ViTPooler(nn.Module):
 
 
 class ViTModel(EncoderModel):
-    """The encoder with its pooler: returns hidden_states (CLS + patches) and pooler_output on every rank.
+    """The encoder with its pooler: returns last_hidden_state (CLS + patches) and pooler_output on every rank.
     Called as model(pixel_values, labels=None, return_logits=False)."""
 
     family, title = "vit", "ViT"
@@ -125,16 +125,15 @@ class ViTModel(EncoderModel):
     def embed(self, pixel_values, ctx):
         return self.embeddings(pixel_values, ctx)
 
-    def final_hidden(self, hidden, ctx):
-        """The normalised last hidden state, whole on every rank, without sequence-parallel padding."""
-        hidden = self.layernorm(hidden)
-        if self.sequence_parallel:
-            hidden = gather_from_parallel(hidden, self.tp_group, dim=1)
-        return hidden[:, :ctx.seq_len]
+    def whole_sequence(self, hidden, ctx):
+        """Whole on every rank, without the sequence-parallel padding."""
+        return super().whole_sequence(hidden, ctx)[:, :ctx.seq_len]
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        hidden = self.final_hidden(hidden, ctx)
-        return ModelOutput(hidden_states=hidden, pooler_output=self.pooler(hidden))
+        # transformers' ViT keeps the last layer's output, before the final LayerNorm, in hidden_states
+        hidden = self.whole_sequence(self.layernorm(hidden), ctx)
+        return ModelOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden),
+                           hidden_states=self.output_hidden_states(ctx))
 
 
 class ViTForImageClassification(ViTModel):
@@ -147,9 +146,9 @@ class ViTForImageClassification(ViTModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels, device=device, dtype=dtype)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        logits = self.classifier(self.final_hidden(hidden, ctx)[:, 0])
+        logits = self.classifier(self.whole_sequence(self.layernorm(hidden), ctx)[:, 0])
         loss = classification_loss(logits, labels, self.config) if labels is not None else None
-        return ModelOutput(loss=loss, logits=logits)
+        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx))
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return torch.tensor(labels.numel(), device=labels.device)

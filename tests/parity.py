@@ -130,7 +130,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     config, hf = hf_causal_lm(model_type, config_kwargs, attn_implementation=attn_implementation)
     ids, mask, labels = batch(config.vocab_size, seq_len, padded=padded)
 
-    ref = hf(ids, attention_mask=mask, labels=labels)
+    ref = hf(ids, attention_mask=mask, labels=labels, output_hidden_states=True)
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
 
@@ -139,7 +139,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     load_hf_weights(model, weights, device="cpu")
     model.eval()
     with layer_input_lengths(model) as lengths:
-        out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=True, output_hidden_states=True)
     check_sequence_sharding(lengths, seq_len, tp, sequence_parallel)
     out.loss.backward()
 
@@ -151,6 +151,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     assert out.logits.shape == ref.logits.shape, (out.logits.shape, ref.logits.shape)
     close(out.logits[keep], ref.logits[keep], logits_atol, "logits")
     close(out.loss, ref.loss, logits_atol, "loss")
+    report["hidden_states"] = check_hidden_states(out.hidden_states, ref.hidden_states, keep, logits_atol)
 
     sources = resolved_sources(model, weights)  # as the loader read them (in-memory names, e.g. GPT-NeoX's lm_head)
     shapes = global_shapes(model, sources, weights)
@@ -204,6 +205,20 @@ def check_gradients(model, pc, weights, hf_grads, grad_atol=GRAD_ATOL) -> float:
     return worst
 
 
+def check_hidden_states(ours, theirs, keep=None, atol=LOGITS_ATOL) -> float:
+    """Every entry of `hidden_states` (embeddings, then each layer) equals transformers' (at the `keep` positions);
+    returns the worst difference."""
+    assert ours is not None and len(ours) == len(theirs), (None if ours is None else len(ours), len(theirs))
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape, (i, a.shape, b.shape)
+        if keep is not None:
+            a, b = a[keep], b[keep]
+        close(a, b, atol, f"hidden_states[{i}]")
+        worst = max(worst, (a - b).abs().max().item())
+    return worst
+
+
 def probe_loss(*tensors, seed: int = 7):
     """A loss that weighs every output element differently, for models without a loss of their own."""
     g = torch.Generator().manual_seed(seed)
@@ -218,10 +233,11 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
     model_type = getattr(transformers, architecture).config_class.model_type
     config = transformers.AutoConfig.for_model(model_type, architectures=[architecture], **config_kwargs)
     hf = hf_model(architecture, config)
-    ref = hf(**inputs, labels=labels)
+    ref = hf(**inputs, labels=labels, output_hidden_states=True)
     ref_hidden = getattr(ref, "last_hidden_state", None)
     ref_pooled = getattr(ref, "pooler_output", None)
-    ref_loss = ref.loss if labels is not None else probe_loss(ref_hidden, ref_pooled)
+    # without labels every output weighs in, each layer's hidden states too (their gradients through the gathers)
+    ref_loss = ref.loss if labels is not None else probe_loss(ref_hidden, ref_pooled, *ref.hidden_states)
     ref_loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters() if p.grad is not None})
 
@@ -230,19 +246,21 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
     load_hf_weights(model, weights, device="cpu")
     model.eval()
     with layer_input_lengths(model) as lengths:
-        out = model(**inputs, labels=labels, return_logits=True)
+        out = model(**inputs, labels=labels, return_logits=True, output_hidden_states=True)
     if "input_ids" in inputs:
         check_sequence_sharding(lengths, inputs["input_ids"].shape[1], tp, sequence_parallel)
+    assert list(out.keys()) == [k for k in ref.keys() if k != "attentions"], (list(out.keys()), list(ref.keys()))
     report = {}
     for name, ours, theirs in (("logits", out.logits, getattr(ref, "logits", None)),
-                               ("hidden_states", out.hidden_states, ref_hidden),
+                               ("last_hidden_state", out.last_hidden_state, ref_hidden),
                                ("pooler_output", out.pooler_output, ref_pooled)):
         if theirs is None:
             continue
         assert ours is not None and ours.shape == theirs.shape, (name, None if ours is None else ours.shape, theirs.shape)
         report[name] = (ours - theirs).abs().max().item()
         close(ours, theirs, atol, name)
-    loss = out.loss if labels is not None else probe_loss(out.hidden_states, out.pooler_output)
+    report["hidden_states"] = check_hidden_states(out.hidden_states, ref.hidden_states, atol=atol)
+    loss = out.loss if labels is not None else probe_loss(out.last_hidden_state, out.pooler_output, *out.hidden_states)
     report["loss"] = abs(loss.item() - ref_loss.item())
     close(loss, ref_loss, atol * max(1.0, abs(ref_loss.item())), "loss")
     loss.backward()
@@ -354,7 +372,7 @@ def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, l
     out = model(**inputs, labels=labels, return_logits=True)
     report = {}
     for name, ours, theirs in (("logits", out.logits, getattr(ref, "logits", None)),
-                               ("hidden_states", out.hidden_states, getattr(ref, "last_hidden_state", None)),
+                               ("last_hidden_state", out.last_hidden_state, getattr(ref, "last_hidden_state", None)),
                                ("pooler_output", out.pooler_output, getattr(ref, "pooler_output", None)),
                                ("loss", out.loss, getattr(ref, "loss", None))):
         assert (ours is None) == (theirs is None), (name, ours, theirs)

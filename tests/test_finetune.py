@@ -589,7 +589,9 @@ def test_ctrl_c_saves_exits_cleanly_and_the_same_command_resumes(tiny, tmp_path)
     assert re.search(r"^step 1/100000  loss \d+\.\d{4}  lr \S+  [\d,]+ tok/s  MFU \d+\.\d%  ETA \d+:\d\d:\d\d$",
                      log, re.M), log
     stopped = json.loads((out / "summary.json").read_text())
-    assert stopped["stopped"] and stopped["step"] >= 1 and "stopped at step" in log
+    assert stopped["stopped"] and stopped["step"] >= 1
+    assert f"interrupted at step {stopped['step']}/100000, saved to {stopped['checkpoint']}; rerun the same command " \
+           f"to resume" in log, log
     assert state.latest_checkpoint(out / "checkpoints").name == f"step-{stopped['step']:08d}"
 
     again = subprocess.run(_command(tiny, out, "--stop-after", str(stopped["step"] + 1)), cwd=REPO, env=env,

@@ -58,9 +58,9 @@ def load_and_compare(path, batch, hidden, pooled, tp, sequence_parallel=False):
     with torch.no_grad():
         out = model.eval()(**batch)
     keep = batch["attention_mask"].bool()
-    close(out.hidden_states[keep], hidden[keep], ATOL, "last hidden states")
+    close(out.last_hidden_state[keep], hidden[keep], ATOL, "last hidden states")
     close(out.pooler_output, pooled, ATOL, "pooled output")
-    return ((out.hidden_states - hidden)[keep].abs().max().item(), (out.pooler_output - pooled).abs().max().item())
+    return ((out.last_hidden_state - hidden)[keep].abs().max().item(), (out.pooler_output - pooled).abs().max().item())
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (4, True)])

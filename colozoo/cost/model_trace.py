@@ -143,8 +143,8 @@ def _rename_layers(trace: Trace, layer_prefix: str, renamed: dict):
 
 def _loss_of(out):
     loss = getattr(out, "loss", None)
-    if loss is None and getattr(out, "hidden_states", None) is not None:  # encoders without a head (BertModel)
-        return out.hidden_states.float().sum()
+    if loss is None and getattr(out, "last_hidden_state", None) is not None:  # encoders without a head (BertModel)
+        return out.last_hidden_state.float().sum()
     if loss is None:
         if isinstance(out, torch.Tensor):
             return out.float().sum()

@@ -1,11 +1,15 @@
-"""Fine-tuning: `colozoo finetune` / scripts/finetune_*.py, run by every rank of a torchrun job.
+"""Fine-tuning: `colozoo finetune` / scripts/finetune_*.py, run by every rank of a torchrun job, or launching
+the ranks on this machine itself (`--nproc-per-node`, see `launch`).
 
+    colozoo finetune --nproc-per-node 4 --model MODEL_DIR --data data/lm.jsonl --tp 2 --pp 2
     torchrun --nproc-per-node 4 -m colozoo.cli finetune --model MODEL_DIR --data data/lm.jsonl --tp 2 --pp 2
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+from dataclasses import fields
 
 from colozoo.finetune.config import FinetuneConfig, HelpFormatter, add_arguments, config_from_args
 
@@ -19,8 +23,30 @@ def run(config: FinetuneConfig) -> dict:
 
 
 def _command(args) -> int:
+    from colozoo.finetune import launch
+
+    if args.nproc_per_node and not launch.under_torchrun():
+        return launch.launch(args.nproc_per_node, worker_arguments(args))
     summary = run(config_from_args(args))
     return 0 if summary.get("step") else 1
+
+
+def add_launch_argument(parser):
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="start N processes on this machine (torchrun --standalone, in this process); Ctrl-C "
+                             "then saves and exits 0 (plain torchrun exits 1 with a traceback)")
+
+
+def worker_arguments(args) -> list[str]:
+    """The options of `args` as the command line every worker parses (`python -m colozoo.finetune ...`)."""
+    argv = []
+    for f in fields(FinetuneConfig):
+        value, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def add_parser(subparsers):
@@ -31,6 +57,7 @@ def add_parser(subparsers):
                     "or LoRA adapters (--lora-r). Every rank of a torchrun job runs this command.",
         formatter_class=HelpFormatter)
     add_arguments(parser)
+    add_launch_argument(parser)
     parser.set_defaults(func=_command)
     return parser
 
@@ -42,6 +69,7 @@ def main(argv=None, task: str | None = None) -> int:
     parser = argparse.ArgumentParser(description=f"colozoo fine-tuning ({task or 'any task'}); launch with torchrun",
                                      formatter_class=HelpFormatter)
     add_arguments(parser, task=task)
+    add_launch_argument(parser)
     args = parser.parse_args(argv)
     try:
         return _command(args)

@@ -274,7 +274,7 @@ def run(cfg: FinetuneConfig) -> dict:
             samples.write_samples(model, prompts, tokenizer, step, output, cfg.sample_tokens, reporter, rank0)
         return results
 
-    step, saved_at, stopped = start, None, False
+    step, saved_at, stopped, interrupted = start, None, False, False
     if start == 0 and evaluation is not None and cfg.eval_interval:
         evaluation_at(0)  # the baseline the fine-tuning improves on
     try:
@@ -305,7 +305,8 @@ def run(cfg: FinetuneConfig) -> dict:
                 if evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 \
                         and step < total_steps:
                     evaluation_at(step)
-                stopped = interrupt.agreed(pc.device) or step == cfg.stop_after
+                interrupted = interrupt.agreed(pc.device)
+                stopped = interrupted or step == cfg.stop_after
                 if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total_steps:
                     save(step, final=stopped or step == total_steps)
                     saved_at = step
@@ -319,7 +320,8 @@ def run(cfg: FinetuneConfig) -> dict:
     summary = {"step": step, "total_steps": total_steps, "stopped": stopped,
                "checkpoint": str(checkpoints / f"{state.PREFIX}{step:08d}") if saved_at == step else None}
     if stopped:
-        reporter.print(f"stopped at step {step}/{total_steps}; checkpoint saved. Run the same command to resume.")
+        reporter.print(f"{'interrupted' if interrupted else 'stopped'} at step {step}/{total_steps}, saved to "
+                       f"{summary['checkpoint']}; rerun the same command to resume")
     else:
         if evaluation is not None:
             summary.update(evaluation_at(step))

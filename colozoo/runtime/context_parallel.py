@@ -27,7 +27,7 @@ def context_parallel_forward(model, input_ids, attention_mask=None, labels=None,
                              cp_mode: str = "ring", **kwargs):
     """The model's forward under cp > 1 (pp == 1): shard the batch in zigzag order, run embed / layers / head.
     With pp > 1 the pipeline's stages call `shard_batch` themselves."""
-    ctx = shard_batch(model, model.batch_context(input_ids, attention_mask, **kwargs), cp_mode)
+    ctx = shard_batch(model, model.context(input_ids, attention_mask, **kwargs), cp_mode)
     hidden = model.embed(ctx.cp.shard(input_ids), ctx)
     hidden = model.run_layers(hidden, ctx)
     return model.head(hidden, ctx, labels=labels, return_logits=return_logits)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.layers.kv_cache import KVCache
-from colozoo.runtime.pipeline import through_stages
+from colozoo.runtime.pipeline import LOGITS, through_stages
 from colozoo.runtime.sampling import GenerationOptions, finish, next_tokens
 
 LEARNED_POSITIONS = ("gpt2", "opt")  # a position table: prompt + new tokens must fit in it
@@ -119,7 +119,7 @@ def _last_logits(model, ids, positions, cache, extra):
                          return_logits=True, **extra)
     if out is None:
         return None
-    logits = out[1]  # ModelOutput's fields as a tuple: loss, logits, ...
+    logits = out[LOGITS]  # the stage returns every ModelOutput field, in order
     return logits[:, -1]
 
 

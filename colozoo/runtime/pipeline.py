@@ -35,6 +35,7 @@ SCHEDULES = {
 }
 assert tuple(SCHEDULES) == SCHEDULE_NAMES
 MULTI_STAGE = {"interleaved_1f1b", "zero_bubble"}
+LOGITS = [f.name for f in fields(ModelOutput)].index("logits")  # where a stage's eval tuple holds the logits
 
 
 class StepScales:
@@ -90,7 +91,9 @@ class StageModule(nn.Module):
         step's scales (a forward without labels needs none); `cache`: the KV cache of incremental decoding."""
         model = self.model
         with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            ctx = model.batch_context(token_ids, attention_mask, **inputs)
+            if not eval_outputs or cache is not None:  # hidden states are outputs of an eval forward only
+                inputs["output_hidden_states"] = False
+            ctx = model.context(token_ids, attention_mask, **inputs)
             ctx.data_group, ctx.cache = self.data_group, cache
             if router_stats is not None:
                 ctx.router_stats_in = router_stats
@@ -98,8 +101,7 @@ class StageModule(nn.Module):
                 ctx = shard_batch(model, ctx, model.run.cp_mode)
                 x = ctx.cp.shard(x) if self.is_first else x
             hidden = model.embed(x, ctx) if self.is_first else x
-            for layer in self.layers.values():
-                hidden = layer(hidden, ctx)
+            hidden = model.run_layers(hidden, ctx, self.layers)
             if cache is not None and self.is_last:
                 hidden = hidden[:, -1:]  # generating: only the last position's logits are wanted
             if not self.is_last:

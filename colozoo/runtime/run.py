@@ -42,6 +42,7 @@ class Run:
         """The model's forward on its mesh: through the stages once they exist (a wrapped stage must run its
         hooks) or on a pipeline mesh, else with the batch sharded over cp, else on this rank alone."""
         model = self.model
+        model.wants_hidden_states(kwargs.get("output_hidden_states"))  # refused under pp on every rank, before p2p
         if self._stages is None and model.pc.config.pp == 1:
             if model.pc.config.cp > 1:
                 return context_parallel_forward(model, input_ids, attention_mask=attention_mask, labels=labels,

@@ -1,0 +1,86 @@
+"""`colozoo finetune --nproc-per-node N`: torchrun's own launcher (`torch.distributed.run --standalone`) run in this
+process, with Ctrl-C and SIGTERM handled so that an interrupted job ends as its workers do.
+
+Plain torchrun turns SIGINT / SIGTERM into a `SignalException`: its agent sends the signal on to the workers,
+SIGKILLs those still running after 30 s (a big model's save can take longer) and exits 1 with a long traceback,
+although every rank saved. Here torchelastic is told to leave SIGINT and SIGTERM alone
+(TORCHELASTIC_SIGNALS_TO_HANDLE); this process passes them on to its workers instead (they finish the step, save and
+exit 0, and ignore the copy of a Ctrl-C the terminal sent them too) and the agent keeps waiting for them, so the
+job exits 0 after a clean save, with rank 0's one line. A second Ctrl-C stops the workers at once (exit 130).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+PASSED_ON = (signal.SIGINT, signal.SIGTERM)
+UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID"  # set in every worker torchrun (or this launcher) starts
+
+
+def under_torchrun() -> bool:
+    return UNDER_TORCHRUN in os.environ
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; elsewhere none)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # "pid (comm) state ppid ...": comm may hold spaces
+            found.append(int(entry.name))
+    return found
+
+
+class PassOn:
+    """A SIGINT / SIGTERM handler: send the signal on to the workers and let the launcher wait for them."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, signum, frame):
+        self.count += 1
+        workers = _children(os.getpid())
+        if not workers:  # no worker started yet: nothing to save
+            raise KeyboardInterrupt
+        for pid in workers:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def launch(nproc_per_node: int, worker_args: list[str]) -> int:
+    """`python -m colozoo.finetune WORKER_ARGS` on `nproc_per_node` processes of this machine; the exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its warning banner
+    # torchelastic handles the rest (TORCHELASTIC_SIGNALS_TO_HANDLE); SIGINT and SIGTERM are PassOn's
+    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), "--signals-to-handle",
+                                "SIGHUP,SIGQUIT", "-m", "colozoo.finetune", *worker_args])
+    handler = PassOn()
+    previous = {sig: signal.signal(sig, handler) for sig in PASSED_ON}
+    try:
+        torchrun.run(args)
+        return 0
+    except ChildFailedError as e:
+        if handler.count > 1:
+            print("stopped at once (a second Ctrl-C); rerun the same command to resume from the last complete "
+                  "checkpoint", file=sys.stderr)
+            return 130
+        failures = sorted(e.failures.items())
+        print(f"colozoo finetune: {len(failures)} of {nproc_per_node} processes failed "
+              f"(first: local rank {failures[0][1].local_rank}, exit code {failures[0][1].exitcode}); "
+              f"their errors are above", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
