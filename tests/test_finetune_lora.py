@@ -113,7 +113,7 @@ def test_tensorboard_logs_the_metrics_scalars(chat_model, tmp_path, monkeypatch)
 
 
 def _e2e(model, output):
-    cfg = lora_run(model, output, "--tp", "2", "--lora-r", "4", "--lora-dropout", "0", "--merge", "--no-pack")
+    cfg = lora_run(model, output, "--tp", "2", "--lora-r", "4", "--lora-dropout", "0", "--merge")
     summary = run(cfg)
     return summary, [r["eval_loss"] for r in read_metrics(Path(output) / "metrics.jsonl") if "eval_loss" in r]
 
