@@ -3,7 +3,7 @@
 1. make a small GPT-2 with transformers' own save_pretrained, and a word-level tokenizer trained on the
    shipped stories (data/stories.jsonl), saved beside it;
 2. convert it to a colozoo checkpoint sharded tp=2 x pp=2;
-3. fine-tune it with 4 processes (torchrun) and show the loss falling;
+3. fine-tune it with 4 processes (torchrun's launcher, `colozoo finetune --nproc-per-node 4`) and show the loss falling;
 4. export to HF, and prove transformers loads the export and gives the same logits as the colozoo model.
 """
 from __future__ import annotations
@@ -82,13 +82,18 @@ def convert(src: Path, dst: Path, tp: int, pp: int) -> Path:
 
 
 def finetune(model: Path, output: Path, tp: int, pp: int, steps: int) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "colozoo.finetune", "--model", str(model), "--data", str(DATA), "--output", str(output),
+    cmd = [sys.executable, "-m", "colozoo.finetune", "--nproc-per-node", "4",
+           "--model", str(model), "--data", str(DATA), "--output", str(output),
            "--tp", str(tp), "--pp", str(pp), "--seq-len", "32", "--micro-batch-size", "4",
            "--global-batch-size", str(16 * 4 // (tp * pp)), "--lr", "3e-3", "--warmup-steps", "5",
            "--steps", str(steps), "--eval-interval", "20", "--save-interval", "20", "--no-resume"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    return subprocess.call(cmd, env=env)
+    process = subprocess.Popen(cmd, env=env)
+    while True:  # Ctrl-C reaches the launcher too, which lets the ranks save and exits: wait for it
+        try:
+            return process.wait()
+        except KeyboardInterrupt:
+            continue
 
 
 def check_export(output: Path) -> float:
@@ -119,11 +124,14 @@ def main(argv=None) -> int:
     print(f"[2/4] converting to a colozoo checkpoint sharded tp={tp} x pp={pp}")
     model = convert(hf_dir, work / f"gpt2-tiny-tp{tp}-pp{pp}", tp, pp)
     print(f"      -> {model}")
-    print(f"[3/4] fine-tuning with 4 processes (torchrun), tp={tp} pp={pp} dp={4 // (tp * pp)}")
+    print(f"[3/4] fine-tuning with 4 processes (--nproc-per-node 4), tp={tp} pp={pp} dp={4 // (tp * pp)}")
     output = work / "run"
     if finetune(model, output, tp, pp, args.steps) != 0:
         print("fine-tuning failed", file=sys.stderr)
         return 1
+    if not (output / "hf").is_dir():
+        print("fine-tuning was interrupted: run `make demo` again to start over", file=sys.stderr)
+        return 130
     from colozoo.finetune.metrics import read_metrics
 
     losses = [r["loss"] for r in read_metrics(output / "metrics.jsonl") if "loss" in r]

@@ -127,7 +127,9 @@ def test_end_to_end_chat_lora_tp2_adapter_and_merged_export_match(chat_model, tm
     assert summary["adapter"] and summary["export"] and evals[-1] < evals[0]
     probe = torch.load(out / "probe.pt")
     inputs, expected = probe["inputs"], probe["logits"]
-    real = inputs["attention_mask"].bool()  # padded rows: compare where there are tokens
+    assert "position_ids" in inputs and "attention_mask" not in inputs  # packed rows, as trained
+    real = inputs["input_ids"] >= 0
+    inputs = dict(inputs, use_cache=False)  # transformers packs by position_ids only without a cache
     base = transformers.AutoModelForCausalLM.from_pretrained(str(chat_model)).eval()
     with torch.no_grad():
         untrained = base(**inputs).logits
