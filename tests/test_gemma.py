@@ -189,24 +189,10 @@ def test_registered_gemma_configs_build_offline_with_the_published_sizes(name):
 
 
 def greedy_matches_transformers(family, tp=1):
-    from test_generate import prompts
+    """Prompts of 5, 9 and 3 tokens, then 8 new: past the window of 4."""
+    from test_generate import greedy_matches_transformers as greedy
 
-    from colozoo.api import build_model
-    from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
-    from colozoo.core.mesh import init_parallel, single_process
-
-    pc = init_parallel(tp=tp) if tp > 1 else single_process()
-    config, hf = hf_causal_lm(family, CONFIGS[family], attn_implementation=ATTENTION[family])
-    model = build_model(config, pc=pc, device="meta")
-    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    model.eval()
-    ids, mask = prompts(config.vocab_size)  # prompts of 5, 9 and 3 tokens, then 8 new: past the window of 4
-    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-    expected = hf.generate(ids, attention_mask=mask, **options)
-    got = model.generate(ids, attention_mask=mask, **options)
-    assert torch.equal(got, expected), f"{family} tp={tp}:\nours {got.tolist()}\nhf   {expected.tolist()}"
-    return got.tolist()
+    return greedy([family], tp=tp, configs=CONFIGS, attention=ATTENTION, new=8)[family]
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

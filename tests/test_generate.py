@@ -43,8 +43,8 @@ def prompts(vocab_size: int, lengths=(5, 9, 3)):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def ours_and_hf(family, pc, config_kwargs=None):
-    config, hf = hf_causal_lm(family, config_kwargs or FAMILIES[family])
+def ours_and_hf(family, pc, config_kwargs=None, attn_implementation="sdpa"):
+    config, hf = hf_causal_lm(family, config_kwargs or FAMILIES[family], attn_implementation=attn_implementation)
     if hasattr(config, "num_experts_per_tok"):  # transformers fuses experts in memory: load what it saves
         model = load_saved(hf, config, pc)[0]
     else:
@@ -53,14 +53,16 @@ def ours_and_hf(family, pc, config_kwargs=None):
     return config, hf, model.eval()
 
 
-def greedy_matches_transformers(families, tp=1, pp=1, dp=1, ep=1, eos_from_step=None, configs=None):
-    """`configs`: family -> tiny config for families outside FAMILIES (other test files)."""
+def greedy_matches_transformers(families, tp=1, pp=1, dp=1, ep=1, eos_from_step=None, configs=None, attention=None,
+                                new=NEW):
+    """`configs`: family -> tiny config for families outside FAMILIES (other test files); `attention`: family ->
+    transformers' attention implementation where SDPA will not do (Gemma 2's soft-capping)."""
     pc = init_parallel(tp=tp, pp=pp, dp=dp, ep=ep) if tp * pp * dp > 1 else single_process()
     results = {}
     for family in families:
-        config, hf, model = ours_and_hf(family, pc, (configs or {}).get(family))
+        config, hf, model = ours_and_hf(family, pc, (configs or {}).get(family), (attention or {}).get(family, "sdpa"))
         ids, mask = prompts(config.vocab_size)
-        options = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+        options = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
         expected = hf.generate(ids, attention_mask=mask, **options)
         if eos_from_step is not None:  # a token the first row writes: it stops there and pads after
             options["eos_token_id"] = int(expected[0, ids.shape[1] + eos_from_step])

@@ -68,26 +68,11 @@ def test_phi3_convert_reshard_export(tmp_path):
     convert_round_trip(tmp_path, "phi3", {**BASE, **longrope(8), "num_hidden_layers": 4}, dict(tp=2, pp=2))
 
 
-def greedy_equals_transformers(model_type: str, config_kwargs: dict, tp: int = 1, new: int = 6):
+def greedy_equals_transformers(model_type: str, config_kwargs: dict, tp: int = 1):
     """model.generate == transformers' generate (greedy, fp32) on left-padded prompts of 5, 9 and 3 tokens."""
-    from test_generate import prompts
+    from test_generate import greedy_matches_transformers
 
-    from colozoo.api import build_model
-    from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
-    from colozoo.core.mesh import init_parallel, single_process
-
-    pc = init_parallel(tp=tp) if tp > 1 else single_process()
-    config, hf = hf_causal_lm(model_type, config_kwargs)
-    model = build_model(config, pc=pc, device="meta")
-    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    model.eval()
-    ids, mask = prompts(config.vocab_size)
-    options = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    expected = hf.generate(ids, attention_mask=mask, **options)
-    got = model.generate(ids, attention_mask=mask, **options)
-    assert torch.equal(got, expected), f"{model_type} tp={tp}:\nours {got.tolist()}\nhf   {expected.tolist()}"
-    return got.tolist()
+    return greedy_matches_transformers([model_type], tp=tp, configs={model_type: config_kwargs})[model_type]
 
 
 # prompts 9 wide + 6 new tokens: the sequence passes original_max_position_embeddings=11 at its 3rd new token, where
