@@ -100,3 +100,37 @@ def test_compile_tp2_sequence_parallel(model_type, config):
 
 def test_compile_gpt2_fsdp_dp2():
     run_distributed(compiled_parity, 2, model_type="gpt2", config_kwargs=GPT2, dp=2, timeout=TIMEOUT)
+
+
+def test_finetune_compile_trains_like_eager(tmp_path, monkeypatch):
+    """`colozoo finetune --compile` trains a few steps with compiled layers (evaluation and the greedy samples
+    included, which decode eagerly) and its loss curve is the eager run's."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", CACHE)
+    from colozoo.demo_finetune import make_tiny_gpt2
+    from colozoo.finetune import main, runtime
+    from colozoo.finetune.metrics import read_metrics
+    from colozoo.runtime.compile import is_compiled
+
+    model = make_tiny_gpt2(tmp_path / "gpt2", n_layer=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0)
+    data = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "stories.jsonl")
+    seen = []
+    prepare = runtime.prepare_training
+
+    def watched(model, cfg):
+        step = prepare(model, cfg)
+        seen.append(all(is_compiled(layer) for layer in model.layers.values()))
+        return step
+
+    monkeypatch.setattr(runtime, "prepare_training", watched)
+    curves = {}
+    for flag in ("--compile", "--no-compile"):
+        out = tmp_path / flag
+        assert main(["--model", str(model), "--data", data, "--output", str(out), "--seq-len", "16", "--steps", "4",
+                     "--micro-batch-size", "2", "--lr", "1e-2", "--warmup-steps", "1", "--eval-batches", "1",
+                     "--samples", "1", "--sample-tokens", "4", "--no-progress", "--no-plot", "--no-export-hf",
+                     flag], task="lm") == 0
+        curves[flag] = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert seen == [True, False]
+    assert len(curves["--compile"]) == 4 and curves["--compile"][-1] < curves["--compile"][0]
+    close(torch.tensor(curves["--compile"]), torch.tensor(curves["--no-compile"]), 1e-4, "loss curves")
