@@ -47,7 +47,7 @@ def _step(model, ids, mask, labels):
 def compiled_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_parallel: bool = False, dp: int = 1,
                     checkpointing: str | None = None, seq_len: int = 12):
     """The compiled model's logits, loss and gradients equal the eager model's; the layers really ran compiled
-    (dynamo captured graphs; at tp 1, where no collective breaks the graph, one graph for every layer)."""
+    (dynamo captured one graph, with no break at the collectives, and it served every layer)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", CACHE)
     from torch._dynamo.utils import counters
 
@@ -67,9 +67,8 @@ def compiled_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_
     counters.clear()
     loss, grads, calls = _step(compiled, ids, mask, labels)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs >= 1, "no layer was compiled"
-    if tp == 1:
-        assert graphs == 1, f"{graphs} graphs for {len(compiled.layers)} layers: one should serve every layer"
+    # one graph for every layer, tp / sp collectives inside it (dynamo traces them as functional collectives)
+    assert graphs == 1, f"{graphs} graphs for {len(compiled.layers)} layers: one should serve every layer"
     # checkpointed layers run forward again in backward (through the compiled body); sequence parallel: seq / tp
     assert calls == eager_calls, (calls, eager_calls)
     assert len(calls) == len(compiled.layers) * (2 if checkpointing else 1)

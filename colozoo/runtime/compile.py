@@ -6,7 +6,8 @@ Only the block body compiles. Module hooks stay eager around it, so FSDP2's unsh
 checkpointing (torch's composable `checkpoint` recomputes by calling the module again, i.e. the compiled body) and
 the tests' forward hooks work unchanged, in either order with `parallelize`; module and parameter names do not
 change. Tensor- and sequence-parallel collectives (`layers.comm`, autograd Functions around torch.distributed
-calls) break the graph: each runs eagerly between compiled pieces, with the same numbers.
+calls) do not break the graph: dynamo traces the Functions, forward and backward, and turns the collectives into
+functional collectives inside the one graph (on gloo too).
 
 Generation with a KV cache runs the layers eagerly (the cache grows by one position per step, which would
 recompile every step). Triton kernels on CUDA are traced by dynamo as user-defined kernels; on CPU under
