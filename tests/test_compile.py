@@ -46,12 +46,12 @@ def _saved(hf, directory):
     return SafetensorsReader(directory)
 
 
-def _step(model, ids, mask, labels):
+def _step(model, ids, mask, labels, microbatches):
     """(loss, gradients, sequence length of every layer input) of one training step."""
     calls = []
     hooks = [layer.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[1]))
              for layer in model.layers.values()]
-    loss = model.forward_backward(ids, labels, attention_mask=mask)
+    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches)
     for hook in hooks:
         hook.remove()
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
@@ -66,6 +66,7 @@ def compiled_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", CACHE)
     from torch._dynamo.utils import counters
 
+    from colozoo.checkpoint.sources import StateDictReader
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.compile import is_compiled
 
@@ -73,23 +74,23 @@ def compiled_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_
     config, hf = hf_causal_lm(model_type, config_kwargs)
     ids, mask, labels = batch(config.vocab_size, seq_len)
     data_parallel = "fsdp"
-    with tempfile.TemporaryDirectory() as directory:
-        reader = _saved(hf, directory)
+    with tempfile.TemporaryDirectory() as directory:  # MoE experts: read as saved (one rank here), not as in memory
+        reader = _saved(hf, directory) if "num_local_experts" in config_kwargs else StateDictReader(hf.state_dict())
         eager = _build(config, reader, pc, False, data_parallel, checkpointing)
         compiled = _build(config, reader, pc, True, data_parallel, checkpointing, backend)
     assert all(is_compiled(layer) for layer in compiled.layers.values())
     assert not any(is_compiled(layer) for layer in eager.layers.values())
-    expected, expected_grads, eager_calls = _step(eager, ids, mask, labels)
+    expected, expected_grads, eager_calls = _step(eager, ids, mask, labels, pp)
     torch._dynamo.reset()  # the graphs of this test only, whatever compiled before in this process
     counters.clear()
-    loss, grads, calls = _step(compiled, ids, mask, labels)
+    loss, grads, calls = _step(compiled, ids, mask, labels, pp)
     graphs = counters["stats"]["unique_graphs"]
     # one graph for every layer, tp / sp collectives inside it (dynamo traces them as functional collectives); MoE
     # routing (tokens per expert) is data-dependent: the graph breaks there
     assert graphs == 1 if one_graph else graphs > 1, f"{graphs} graphs for {len(compiled.layers)} layers"
     # checkpointed layers run forward again in backward (through the compiled body); sequence parallel: seq / tp
     assert calls == eager_calls, (calls, eager_calls)
-    assert len(calls) == len(compiled.layers) * (2 if checkpointing else 1)
+    assert len(calls) == len(compiled.layers) * pp * (2 if checkpointing else 1)  # pp: as many micro-batches
     assert set(calls) == {seq_len // tp if sequence_parallel else seq_len}
     close(loss, expected, LOGITS_ATOL, "loss")
     for name, grad in grads.items():
