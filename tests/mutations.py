@@ -103,6 +103,10 @@ def _ring_blocks_in_bf16():
     _replace("colozoo.layers.context_parallel", "_attend_block", make)
 
 
+def _compile_nothing():  # every layer still gets the compile wrapper (is_compiled says yes), which runs eagerly
+    _replace("colozoo.runtime.compile", "_compiled_forward", lambda original: lambda cls, *options: cls.forward)
+
+
 MUTATIONS = {
     "sequence_parallel_dropped": Mutation(
         "init_parallel ignores sequence_parallel=True", _drop_sequence_parallel,
@@ -132,6 +136,11 @@ MUTATIONS = {
         "ring attention's sliding window lets one key too many through", _window_off_by_one,
         ("tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-2]",
          "tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-4]")),
+    "compile_compiles_nothing": Mutation(
+        "compile=True wraps every layer but runs it eagerly", _compile_nothing,
+        ("tests/test_compile.py::test_compile_gpt2_tp1",
+         "tests/test_compile.py::test_compile_tp2_sequence_parallel[llama-config0]",
+         "tests/test_compile.py::test_finetune_compile_trains_like_eager")),
     "ring_blocks_in_bf16": Mutation(
         "ring attention computes its blocks in bf16 instead of fp32", _ring_blocks_in_bf16,
         ("tests/test_context_parallel.py::test_ring_attention_bf16",)),

@@ -169,6 +169,8 @@ def test_finetune_compile_trains_like_eager(tmp_path, monkeypatch):
     """`colozoo finetune --compile` trains a few steps with compiled layers (evaluation and the greedy samples
     included, which decode eagerly) and its loss curve is the eager run's."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", CACHE)
+    from torch._dynamo.utils import counters
+
     from colozoo.demo_finetune import make_tiny_gpt2
     from colozoo.finetune import main, runtime
     from colozoo.finetune.metrics import read_metrics
@@ -186,14 +188,16 @@ def test_finetune_compile_trains_like_eager(tmp_path, monkeypatch):
         return step
 
     monkeypatch.setattr(runtime, "prepare_training", watched)
-    curves = {}
+    curves, graphs = {}, {}
     for flag in ("--compile", "--no-compile"):
+        counters.clear()
         out = tmp_path / flag
         assert main(["--model", str(model), "--data", data, "--output", str(out), "--seq-len", "16", "--steps", "4",
                      "--micro-batch-size", "2", "--lr", "1e-2", "--warmup-steps", "1", "--eval-batches", "1",
                      "--samples", "1", "--sample-tokens", "4", "--no-progress", "--no-plot", "--no-export-hf",
                      flag], task="lm") == 0
         curves[flag] = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-    assert seen == [True, False]
+        graphs[flag] = counters["stats"]["unique_graphs"]
+    assert seen == [True, False] and graphs["--compile"] >= 1 and graphs["--no-compile"] == 0, graphs
     assert len(curves["--compile"]) == 4 and curves["--compile"][-1] < curves["--compile"][0]
     close(torch.tensor(curves["--compile"]), torch.tensor(curves["--no-compile"]), 1e-4, "loss curves")
