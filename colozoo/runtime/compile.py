@@ -9,6 +9,7 @@ change. Tensor- and sequence-parallel collectives (`layers.comm`, autograd Funct
 calls) do not break the graph: dynamo traces the Functions, forward and backward, and turns the collectives into
 functional collectives inside the one graph (on gloo too).
 
+Dropout draws inductor's random numbers, not eager torch's: compiled and eager runs agree only without dropout.
 Generation with a KV cache runs the layers eagerly (the cache grows by one position per step, which would
 recompile every step). Triton kernels on CUDA are traced by dynamo as user-defined kernels; on CPU under
 TRITON_INTERPRET=1 compile is refused (the interpreter runs Python on numpy, nothing inductor can compile).
