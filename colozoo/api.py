@@ -22,6 +22,7 @@ from colozoo.core.dtypes import parse_dtype
 from colozoo.core.mesh import init_parallel
 from colozoo.models import build_model as build_layers
 from colozoo.registry import config_from_dict, get_entry, lookup
+from colozoo.runtime.compile import compile_layers
 from colozoo.runtime.run import Run
 
 
@@ -36,12 +37,16 @@ class ModelRun(Run):
 
 
 def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
-                layers_per_stage: list[int] | None = None, balance: str | None = None, plan=None):
+                layers_per_stage: list[int] | None = None, balance: str | None = None, plan=None,
+                compile: bool = False):
     """This rank's shard of a model of `config` (see colozoo.models.build_model) with its Run attached, so it
-    runs on its mesh: pipeline stages, cp sharding, forward_backward, save_pretrained."""
+    runs on its mesh: pipeline stages, cp sharding, forward_backward, save_pretrained. `compile=True` compiles
+    each layer with torch.compile (colozoo.runtime.compile)."""
     model = build_layers(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
                          layers_per_stage=layers_per_stage, balance=balance)
     ModelRun(model, plan=plan)
+    if compile:
+        compile_layers(model)
     return model
 
 
@@ -96,14 +101,16 @@ def resolve(name_or_path: str | os.PathLike, allow_bin: bool = False, verify: bo
 def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1,
                     sequence_parallel: bool = False, dtype=None, device=None, allow_bin: bool = False,
                     verify: bool = True, plan: str | None = None, gpu_memory=None,
-                    layers_per_stage: list[int] | None = None, balance: str | None = None, adapter=None):
+                    layers_per_stage: list[int] | None = None, balance: str | None = None, adapter=None,
+                    compile: bool = False):
     """Build this rank's shard of a model and load its slices. `dtype=None` keeps the checkpoint's dtype;
     `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums.
     `plan="auto"` replaces the degrees by the planner's best plan for the current world size (the whole plan,
     micro-batching, checkpointing and offload included, is left on `model.run.plan`; colozoo.runtime.training.apply_plan(model)
     applies it). Pipeline stages hold `layers_per_stage` layers each, or a partition balanced by `balance`
     ("params" by default, "flops", or "layers" for equal counts). `adapter`: a PEFT LoRA adapter directory (written
-    by colozoo or by peft) attached on top, each rank reading only its slices; the base is then frozen."""
+    by colozoo or by peft) attached on top, each rank reading only its slices; the base is then frozen. `compile=True`
+    compiles each layer with torch.compile (one graph serves every layer; colozoo.runtime.compile)."""
     device = torch.device(device) if device is not None else None
     source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
     config = source.config
@@ -129,4 +136,6 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
     if adapter is not None:
         load_peft(model, adapter)
+    if compile:
+        compile_layers(model)
     return model.eval()

@@ -59,6 +59,12 @@ class BatchContext:
     def mask(self, value):
         self.dense_mask = value
 
+    def prepare(self):
+        """Build now what layers would build on first use (compiled layers then all see the same context). The
+        dense mask is left unbuilt under context parallelism."""
+        if self.cp is None:
+            self.mask  # noqa: B018 (the property builds it)
+
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The dense mask of a layer with this sliding window: one mask serves every layer, unless the family mixes
         windowed and full layers (Gemma)."""

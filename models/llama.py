@@ -211,6 +211,13 @@ class RopeBatchContext(BatchContext):
                                                             self.position_ids.device)
         return self._window_masks[window]
 
+    def prepare(self):
+        super().prepare()
+        if self.inv_freq is not None:
+            self.rope()
+        if self.local_inv_freq is not None:
+            self.rope(local=True)
+
     def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (batch, seq, head_dim) of `position_ids`, computed once per batch on first use: context
         parallelism replaces position_ids by the rank's share after the context is built."""

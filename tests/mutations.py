@@ -131,6 +131,10 @@ def _lora_head_frozen():
     _replace("colozoo.runtime.lora", "TASK_MODULES_TO_SAVE", lambda original: {})
 
 
+def _compile_nothing():  # every layer still gets the compile wrapper (is_compiled says yes), which runs eagerly
+    _replace("colozoo.runtime.compile", "_compiled_forward", lambda original: lambda cls, *options: cls.forward)
+
+
 MUTATIONS = {
     "sequence_parallel_dropped": Mutation(
         "init_parallel ignores sequence_parallel=True", _drop_sequence_parallel,
@@ -178,6 +182,11 @@ MUTATIONS = {
     "lora_classifier_frozen": Mutation(
         "LoRA on a sequence classifier freezes its head (PEFT's SEQ_CLS trains it whole)", _lora_head_frozen,
         ("tests/test_lora.py::test_lora_matches_peft_single_process[bert]", "tests/test_lora.py::test_peft_round_trip")),
+    "compile_compiles_nothing": Mutation(
+        "compile=True wraps every layer but runs it eagerly", _compile_nothing,
+        ("tests/test_compile.py::test_compile_gpt2_tp1",
+         "tests/test_compile.py::test_compile_tp2_sequence_parallel[llama-config0]",
+         "tests/test_compile.py::test_finetune_compile_trains_like_eager")),
     "ring_blocks_in_bf16": Mutation(
         "ring attention computes its blocks in bf16 instead of fp32", _ring_blocks_in_bf16,
         ("tests/test_context_parallel.py::test_ring_attention_bf16",)),

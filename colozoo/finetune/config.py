@@ -51,6 +51,7 @@ class FinetuneConfig:
     label_field: str = "label"
     dtype: str = "float32"
     activation_checkpointing: bool = False
+    compile: bool = False               # torch.compile each transformer layer
     offload: str = "none"               # CPU memory for optimizer states ("optimizer"), or FSDP shards too ("params")
     seed: int = 1234
     log_interval: int = 1
@@ -157,6 +158,7 @@ _HELP = {
     "dtype": "compute dtype (bfloat16/float16 train in mixed precision over fp32 weights; float16 with "
              "dynamic loss scaling)",
     "activation_checkpointing": "recompute layer activations in backward to save memory",
+    "compile": "torch.compile each transformer layer (one graph serves every layer; the first steps compile)",
     "offload": "keep fp32 master weights and AdamW states in CPU memory ('optimizer'), or the FSDP parameter and "
                "gradient shards too ('params', needs FSDP over dp > 1): for models whose training state does not "
                "fit the GPUs",

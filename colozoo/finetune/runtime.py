@@ -57,13 +57,18 @@ def attach_lora(model, cfg):
 def prepare_training(model, cfg) -> dict | None:
     """Data-parallel wrapping, mixed precision and activation checkpointing (collective; before the optimizer);
     under a plan, apply_plan's choices, returning its micro-batching for forward_backward."""
+    from colozoo.runtime.compile import compile_layers
     from colozoo.runtime.training import apply_plan, parallelize
 
     if model.run.plan is not None:
-        return apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
-    parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
-                activation_checkpointing="full" if cfg.activation_checkpointing else None, offload=cfg.offload)
-    return None
+        step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
+    else:
+        step = None
+        parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
+                    activation_checkpointing="full" if cfg.activation_checkpointing else None, offload=cfg.offload)
+    if cfg.compile:
+        compile_layers(model)
+    return step
 
 
 class FreshTensor:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from colozoo.layers.shard import spec_of
 from colozoo.layers.vocab import VocabParallelLMHead
 from colozoo.runtime.checkpointing import apply_activation_checkpointing
+from colozoo.runtime.compile import compile_layers
 from colozoo.runtime.errors import TrainingError
 from colozoo.runtime.offload import fsdp2_offload_policy
 from colozoo.runtime.options import CHECKPOINTING, DATA_PARALLEL, MIXED_PRECISION, OFFLOAD
@@ -51,14 +52,15 @@ def tied_embedding(model):
 
 def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None = None,
                 activation_checkpointing: str | None = None, reshard_after_forward: bool = True,
-                offload: str | None = None, checkpoint_layers: int | None = None):
+                offload: str | None = None, checkpoint_layers: int | None = None, compile: bool = False):
     """Build the pipeline stages of `model` and wrap them for data parallelism over the dp mesh dimension; returns
     the model's Run, which holds them. Collective over the whole job. Call once, before building the optimizer
     (FSDP replaces the parameters). `offload="optimizer"` keeps
     the fp32 master weights and AdamW states in CPU memory (build_optimizer then returns an OffloadedAdamW);
     `offload="params"` also keeps the sharded parameters and gradients there (FSDP2's CPUOffloadPolicy).
     `checkpoint_layers` with activation_checkpointing="full" recomputes only the first that many layers of
-    each stage."""
+    each stage. `compile=True` compiles each layer with torch.compile (colozoo.runtime.compile; hooks of FSDP
+    and checkpointing stay eager around the compiled body, so the order does not matter)."""
     run = model.run
     if run is None:
         raise TrainingError(f"{type(model).__name__} has no Run: build it with colozoo.build_model or "
@@ -127,6 +129,8 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
         if specs[name]:
             p.shard_spec = specs[name]
     run.set_stages(wrapped)
+    if compile:
+        compile_layers(model)
     run.setup = TrainingSetup(data_parallel=data_parallel if replicas > 1 else None, sharded=sharded,
                               mixed_precision=mixed_precision, tied=tied, specs=specs, offload=offload,
                               experts={n for n, p in model.named_parameters() if id(p) in experts})

@@ -6,6 +6,7 @@ handed to it.
 
     run = Run(model)                 # colozoo.build_model / from_pretrained attach one
     parallelize(model, ...)          # fills run.setup: FSDP2 or DDP, mixed precision, checkpointing, offload
+    compile_layers(model)            # torch.compile of each layer (colozoo.runtime.compile; compile=True)
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Run:
         self.runners: dict = {}          # torch pipelining schedules, per schedule and batch shape
         self.last_step = None            # the StepScales of the last training step (its router losses, for logs)
         self.last_generation = None      # timings and KV-cache size of the last generate()
+        self.compiled = None             # the torch.compile backend of the layers (colozoo.runtime.compile)
         self._stages = None
         model.run = self
 
