@@ -2,11 +2,14 @@
 
 tp=1: the same LLaMA-shaped model (same weights, batch, prompts, threads) in one process, greedy, both sides
 timed the same way: prefill = the time of generate(max_new_tokens=1), decode tokens/s = (new - 1) x batch over
-generate(new) minus that. tp=2: two gloo processes of one thread each, colozoo's tensor parallelism against
-transformers' native one (from_pretrained(tp_plan="auto")). The generated tokens must agree; the KV-cache bytes
-per rank are reported with their formula.
+generate(new) minus that, each the best of `repeats` runs that alternate between the two sides (the machines this
+runs on are shared: the best run is the one least disturbed). tp=2: two gloo processes of one thread each,
+colozoo's tensor parallelism against transformers' native one (from_pretrained(tp_plan="auto")). The generated
+tokens must agree. One JSON line per figure: generate/tp1/prefill, generate/tp1/decode, generate/tp2/prefill,
+generate/tp2/decode (ratio = colozoo tokens/s over transformers'), generate/tp<N>/kv_cache (bytes per rank against
+2 x layers x kv heads/tp x head_dim x (prompt + new) x batch x 4).
 
-    python bench/generate.py [--hidden 512] [--layers 4] [--batch 4] [--prompt 64] [--new 32] [--repeats 3]
+    python bench/generate.py [--hidden 512] [--layers 4] [--batch 4] [--prompt 64] [--new 32] [--repeats 7]
     python bench/generate.py --tp 1            # only the one-process case
 """
 from __future__ import annotations
@@ -15,7 +18,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import tempfile
 import time
 
@@ -43,17 +45,14 @@ def prompts(args):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def timed(generate, repeats: int, new: int):
-    """(median prefill seconds, median seconds of the whole generate(new), the tokens)."""
-    first, whole, tokens = [], [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        generate(1)
-        first.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        tokens = generate(new)
-        whole.append(time.perf_counter() - start)
-    return statistics.median(first), statistics.median(whole), tokens
+def timed(generate, new: int):
+    """(prefill seconds, seconds of the whole generate(new), the tokens)."""
+    start = time.perf_counter()
+    generate(1)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens = generate(new)
+    return first, time.perf_counter() - start, tokens
 
 
 def rates(prefill_s, whole_s, args, prompt_tokens):
@@ -72,13 +71,12 @@ def measure(ours, hf, ids, mask, args, pc=None):
     tokens = {}
     for _ in range(args.repeats):  # alternate, so noise hits both sides alike
         for side, fn in (("ours", ours_gen), ("hf", hf_gen)):
-            p, w, tokens[side] = timed(fn, 1, args.new)
+            p, w, tokens[side] = timed(fn, args.new)
             results[side].append((p, w))
     prompt_tokens = int(mask.sum())
     out = {}
-    for side, runs in results.items():
-        p, w = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-        out[side] = rates(p, w, args, prompt_tokens)
+    for side, runs in results.items():  # best of the repeats, prefill and the whole generate each
+        out[side] = rates(min(r[0] for r in runs), min(r[1] for r in runs), args, prompt_tokens)
     out["same_tokens"] = bool(torch.equal(tokens["ours"], tokens["hf"]))
     return out
 
@@ -91,14 +89,18 @@ def cache_bytes(model, config, args, tp):
 
 
 def report(case, config_fields, metrics, peer):
+    """One JSON line per figure: prefill and decode (ratio = colozoo tokens/s over the peer's), the KV cache."""
     ours, hf = metrics["ours"], metrics["hf"]
-    print(json.dumps({"bench": f"generate/{case}", "config": config_fields,
-                      "metrics": {**{f"colozoo_{k}": v for k, v in ours.items()},
-                                  **{f"hf_{k}": v for k, v in hf.items()},
-                                  **{k: v for k, v in metrics.items() if k not in ("ours", "hf")}},
-                      "peer": peer,
-                      "ratio": ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"],
-                      "prefill_ratio": ours["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]}), flush=True)
+    for phase in ("prefill", "decode"):
+        key = f"{phase}_tokens_per_s"
+        print(json.dumps({"bench": f"generate/{case}/{phase}", "config": config_fields,
+                          "metrics": {f"colozoo_{key}": ours[key], f"hf_{key}": hf[key],
+                                      "same_tokens": metrics["same_tokens"]},
+                          "peer": peer, "ratio": ours[key] / hf[key]}), flush=True)
+    print(json.dumps({"bench": f"generate/{case}/kv_cache", "config": config_fields,
+                      "metrics": {"bytes_per_rank": metrics["kv_cache_bytes"],
+                                  "formula_bytes": metrics["kv_cache_bytes_formula"]},
+                      "ratio": metrics["kv_cache_bytes"] / metrics["kv_cache_bytes_formula"]}), flush=True)
 
 
 def one_process(args):
@@ -171,7 +173,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tp", type=int, choices=(1, 2), default=None, help="only this case (default: both)")
     args = parser.parse_args()

@@ -40,7 +40,14 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
                                       documents=documents)
     if documents is not None:
         mask = with_documents(mask, documents, causal)
-    if k.shape[1] != q.shape[1]:
+    grouped = k.shape[1] != q.shape[1]
+    if grouped and not upcast and softcap is None and not torch.is_grad_enabled():
+        # inference (the KV cache): SDPA shares each kv head with its query group, no copy of the whole cache
+        # (bit-identical to the repeat; training keeps the repeat, whose backward the parity tests check)
+        with get_rng_tracker().fork(device_type=q.device.type):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  is_causal=causal and mask is None, scale=scale, enable_gqa=True)
+    if grouped:
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)

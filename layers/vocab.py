@@ -16,7 +16,7 @@ from torch import nn
 from colozoo.core.groups import vocab_range
 from colozoo.kernels.dispatch import use_triton
 
-from .comm import (all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
+from .comm import (all_gather, all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
                    reduce_from_parallel, reduce_scatter_to_sequence)
 from .shard import Split, shard
 
@@ -130,6 +130,24 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tenso
                                             label_smoothing, vocab_size)
 
 
+def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=None) -> torch.Tensor:
+    """argmax over the last dim of the full-vocabulary logits, from each rank's (padded) slice: every rank
+    exchanges its best (value, global index) per row instead of its whole slice. Ties go to the lowest index, as
+    torch.argmax over the gathered logits decides them (the first rank holding the maximum, its first index)."""
+    start, stop, _ = vocab_range(vocab_size, group)
+    if group_size(group) == 1:
+        return logits_local[..., :vocab_size].argmax(dim=-1)
+    if stop > start:
+        index = logits_local[..., : stop - start].argmax(dim=-1, keepdim=True)
+        value = logits_local.gather(-1, index).double()
+    else:  # this rank holds only padding
+        value = logits_local.new_full((*logits_local.shape[:-1], 1), float("-inf"), dtype=torch.float64)
+        index = torch.zeros_like(value, dtype=torch.long)
+    candidates = all_gather(torch.cat((value, (index + start).double()), dim=-1)[None], 0, group)  # (tp, ..., 2)
+    best = candidates[..., 0].argmax(dim=0, keepdim=True)
+    return candidates[..., 1].gather(0, best).squeeze(0).long()
+
+
 class VocabParallelLMHead(nn.Module):
     """Projects hidden states onto this rank's vocab slice. `weight` may be tied to the embedding's. `softcap`
     (Gemma's final_logit_softcapping) caps every logit to softcap * tanh(logit / softcap), for the loss too."""
@@ -183,6 +201,8 @@ class VocabParallelLMHead(nn.Module):
             return self._mean(per_token, targets, ignore_index, cp), None
         logits_local = self(hidden)
         loss = self.loss(logits_local, labels, ignore_index, label_smoothing, cp) if labels is not None else None
+        if return_logits == "local":  # this rank's padded vocab slice, ungathered (vocab_parallel_argmax takes it)
+            return loss, logits_local
         return loss, self.full_logits(logits_local, cp=cp) if return_logits else None
 
     def loss(self, logits_local, labels, ignore_index=-100, label_smoothing=0.0, cp=None) -> torch.Tensor:

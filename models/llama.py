@@ -180,6 +180,8 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.is_meta:
             raise RuntimeError("RoPE frequencies are still on the meta device: call model.reset_buffers() after "
                                "materialising the model")
+        if not self.dynamic and self.long_after is None:  # fixed frequencies: no max() that waits for the device
+            return self.inv_freq
         seq_len = int(position_ids.max()) + 1
         if self.dynamic and seq_len > self.config.max_position_embeddings:
             return rope_inv_freq(self.config, seq_len, device=self.inv_freq.device)

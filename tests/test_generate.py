@@ -198,3 +198,23 @@ def test_sliding_window_layers_keep_only_their_window():
     window = config.sliding_window
     assert model.run.last_generation["cache_elements"] == (2 * config.num_hidden_layers * config.num_key_value_heads
                                                            * head_dim * window * ids.shape[0])
+
+
+def sharded_argmax(tp):
+    from colozoo.core.groups import vocab_range
+    from colozoo.layers.vocab import vocab_parallel_argmax
+
+    pc = init_parallel(tp=tp)
+    agree = []
+    for vocab in (10, 5):  # uneven slices; 5 over 4 ranks leaves the last one only padding
+        full = torch.randint(0, 3, (6, vocab), generator=torch.Generator().manual_seed(vocab)).float()  # many ties
+        start, stop, per = vocab_range(vocab, pc.tp_group)
+        local = torch.full((6, per), 100.0)  # padding columns would win if they were counted
+        local[:, : stop - start] = full[:, start:stop]
+        agree.append(torch.equal(vocab_parallel_argmax(local, vocab, pc.tp_group), full.argmax(dim=-1)))
+    return agree
+
+
+def test_vocab_parallel_argmax_is_argmax_of_the_gathered_logits():
+    """Greedy decoding at tp > 1 exchanges each slice's best (value, index), ties to the lowest index."""
+    assert all(all(r) for r in run_distributed(sharded_argmax, 4, tp=4, timeout=TIMEOUT))

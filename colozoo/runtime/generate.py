@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.layers.kv_cache import KVCache
+from colozoo.layers.vocab import vocab_parallel_argmax
 from colozoo.runtime.pipeline import LOGITS, through_stages
 from colozoo.runtime.sampling import GenerationOptions, finish, next_tokens
 
@@ -71,6 +72,9 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
     new = input_ids
     reencode = getattr(model, "reencode_length", None)
+    # greedy without a repetition penalty needs only each vocab slice's best logit, not the gathered logits
+    sharded_argmax = pc.tp_size > 1 and not options.do_sample and options.repetition_penalty in (None, 1.0)
+    logits_wanted = "local" if sharded_argmax else True
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -79,10 +83,13 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
         if step and sequences.shape[1] == reencode:  # drop the cache, encode everything again
             cache.length, new = 0, sequences
         positions = generation_positions(mask)[:, -new.shape[1]:]
-        logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r), extra) for r in rows]
+        logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r), extra, logits_wanted)
+                  for r in rows]
         cache.length += new.shape[1]
         tokens = None
-        if pc.is_last_stage:
+        if pc.is_last_stage and sharded_argmax:
+            tokens = vocab_parallel_argmax(torch.cat(logits), model.config.vocab_size, pc.tp_group)
+        elif pc.is_last_stage:
             tokens = next_tokens(torch.cat(logits).float(), sequences, options, generator)
         tokens = _from_last_stage(model, tokens, batch)
         tokens, unfinished = finish(tokens, unfinished, options)
@@ -93,7 +100,7 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
         timings["decode_steps"] += step > 0
         if streamer is not None:
             streamer.put(tokens.cpu())
-        if not unfinished.any():
+        if options.eos_token_id is not None and not unfinished.any():  # a sync per step only when it can end
             break
     if streamer is not None:
         streamer.end()
@@ -113,10 +120,11 @@ def _shared_seed(pc) -> int:
     return int(seed.item())
 
 
-def _last_logits(model, ids, positions, cache, extra):
-    """Logits (rows, vocab) of the last position of `ids` on the last stage's ranks, None elsewhere."""
+def _last_logits(model, ids, positions, cache, extra, return_logits=True):
+    """Logits (rows, vocab) of the last position of `ids` on the last stage's ranks, None elsewhere (with
+    return_logits="local" this rank's padded vocab slice)."""
     out = through_stages(model, ids, token_ids=ids, position_ids=positions, cache=cache, eval_outputs=True,
-                         return_logits=True, **extra)
+                         return_logits=return_logits, **extra)
     if out is None:
         return None
     logits = out[LOGITS]  # the stage returns every ModelOutput field, in order

@@ -80,6 +80,8 @@ def process(scores: torch.Tensor, generated: torch.Tensor, options: GenerationOp
 def next_tokens(logits: torch.Tensor, generated: torch.Tensor, options: GenerationOptions,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """(batch,) token ids from the last position's logits (batch, vocab) and every token so far (batch, length)."""
+    if not options.do_sample and options.repetition_penalty in (None, 1.0):  # nothing to process: no copy
+        return logits.argmax(dim=-1)
     scores = process(logits, generated, options)
     if not options.do_sample:
         return scores.argmax(dim=-1)
