@@ -101,11 +101,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if self.local_rotary is not None:
             self.local_rotary.reset_buffers()
 
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None, rope_length=None) -> RopeBatchContext:
         """The full layers' causal mask; sliding layers build theirs on first use (RopeBatchContext.mask_for)."""
-        ctx = super().batch_context(input_ids, attention_mask, position_ids)
+        ctx = super().batch_context(input_ids, attention_mask, position_ids, rope_length)
         if self.local_rotary is not None:
-            ctx.local_inv_freq = self.local_rotary(ctx.position_ids)
+            ctx.local_inv_freq = self.local_rotary(ctx.position_ids, rope_length)
         return ctx
 
     def embed(self, input_ids, ctx):

@@ -173,8 +173,9 @@ class RotaryEmbedding(nn.Module):
     def reset_buffers(self):
         self.inv_freq.copy_(rope_inv_freq(self.config, device=self.inv_freq.device))
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The inverse frequencies for a batch with these (global) positions."""
+    def forward(self, position_ids: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """The inverse frequencies for a batch with these (global) positions; `seq_len`: the whole batch's length
+        when these rows are a micro-batch of it (dynamic and LongRoPE scaling choose by the batch, as transformers)."""
         if position_ids.is_meta:  # a symbolic run (profiler): shapes are all that matter
             return self.inv_freq.to("meta")
         if self.inv_freq.is_meta:
@@ -182,7 +183,7 @@ class RotaryEmbedding(nn.Module):
                                "materialising the model")
         if not self.dynamic and self.long_after is None:  # fixed frequencies: no max() that waits for the device
             return self.inv_freq
-        seq_len = int(position_ids.max()) + 1
+        seq_len = max(int(position_ids.max()) + 1, seq_len or 0)
         if self.dynamic and seq_len > self.config.max_position_embeddings:
             return rope_inv_freq(self.config, seq_len, device=self.inv_freq.device)
         if self.long_after is not None and seq_len > self.long_after:
@@ -347,12 +348,15 @@ class RotaryModel(ParallelModel):
         """Recompute the non-persistent RoPE frequencies (after materialising a meta-initialised model)."""
         self.rotary.reset_buffers()
 
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> RopeBatchContext:
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None,
+                      rope_length: int | None = None) -> RopeBatchContext:
+        """`rope_length`: the length of the whole batch these rows belong to (generate's pipeline micro-batches)."""
         s = input_ids.shape[1]
         self.check_sequence(s)
         position_ids = default_positions(input_ids, position_ids)
         dense_mask = functools.partial(attention_mask_for, attention_mask, s, self.sliding_window, input_ids.device)
-        return RopeBatchContext(attention_mask, dense_mask, position_ids, s, inv_freq=self.rotary(position_ids),
+        return RopeBatchContext(attention_mask, dense_mask, position_ids, s,
+                                inv_freq=self.rotary(position_ids, rope_length),
                                 rope_scale=self.rotary.attention_factor, window=self.sliding_window)
 
 

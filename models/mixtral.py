@@ -78,9 +78,9 @@ class MoECausalLM(LlamaForCausalLM):
         return own if ctx.router_stats_in is None else ctx.router_stats_in + own
 
     def batch_context(self, input_ids, attention_mask=None, position_ids=None,
-                      output_router_logits: bool | None = None) -> MoEBatchContext:
+                      output_router_logits: bool | None = None, rope_length: int | None = None) -> MoEBatchContext:
         """`output_router_logits` (a forward keyword, as in transformers) overrides the config's."""
-        ctx = super().batch_context(input_ids, attention_mask, position_ids=position_ids)
+        ctx = super().batch_context(input_ids, attention_mask, position_ids=position_ids, rope_length=rope_length)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
         return MoEBatchContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)},

@@ -83,6 +83,8 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
         if step and sequences.shape[1] == reencode:  # drop the cache, encode everything again
             cache.length, new = 0, sequences
         positions = generation_positions(mask)[:, -new.shape[1]:]
+        if len(rows) > 1 and hasattr(model, "rotary"):  # dynamic / LongRoPE choose by the whole batch's length
+            extra["rope_length"] = int(positions.max()) + 1
         logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r), extra, logits_wanted)
                   for r in rows]
         cache.length += new.shape[1]
