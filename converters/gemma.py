@@ -8,7 +8,8 @@ from .llama import HF_PREFIX, IGNORED_HF as TEXT_IGNORED, QK_NORMS, attention_an
 from .source import Source
 
 IGNORED_HF = TEXT_IGNORED + (r"^vision_tower\.", r"^multi_modal_projector\.")
-NAME_ALIASES = ((r"^model\.", "language_model.model."),)  # a multimodal checkpoint's text model
+# another saved naming (the loader tries it), not transformers' in-memory names (NAME_ALIASES, which PEFT sees)
+CHECKPOINT_ALIASES = ((r"^model\.", "language_model.model."),)  # a multimodal checkpoint's text model
 
 
 def hf_sources(config) -> dict[str, Source]:

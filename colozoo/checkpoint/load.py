@@ -19,15 +19,17 @@ from .format import ColozooTensor
 from .layout import ModelLayout
 from .sources import GlobalTensor, TensorReader
 
-def _resolve_prefix(reader: TensorReader, sources, prefix: str, aliases=()):
-    """Checkpoints of a base model (e.g. GPT2Model) lack the task-model prefix; adapt the names. `aliases`:
-    (regex, replacement) renames to another naming of the same tensors (ViT: transformers' in-memory names
-    differ from those it saves), used when they match the checkpoint better."""
-    if aliases:
-        renamed = {k: dataclasses.replace(s, names=tuple(_rename(n, aliases) for n in s.names)) for k, s in sources.items()}
+def _resolve_prefix(reader: TensorReader, sources, prefix: str, namings=()):
+    """Checkpoints of a base model (e.g. GPT2Model) lack the task-model prefix; adapt the names. `namings`: lists
+    of (regex, replacement) renames to other namings of the same tensors (transformers' in-memory names where they
+    differ from those it saves, a multimodal checkpoint's text model), used when one matches the checkpoint better."""
+    namings = [renames for renames in namings if renames]
+    if namings:
+        candidates = [sources] + [{k: dataclasses.replace(s, names=tuple(_rename(n, renames) for n in s.names))
+                                   for k, s in sources.items()} for renames in namings]
         names = set(reader.names())
-        candidates = [_resolve_prefix(reader, c, prefix) for c in (sources, renamed)]
-        return max(candidates, key=lambda c: len(hf_tensor_names(c) & names))
+        resolved = [_resolve_prefix(reader, c, prefix) for c in candidates]
+        return max(resolved, key=lambda c: len(hf_tensor_names(c) & names))
     names = set(reader.names())
     wanted = hf_tensor_names(sources)
     if not prefix or wanted & names or not any(n.startswith(prefix) for n in wanted):
@@ -60,7 +62,7 @@ class HFTensors:
         conv = family_module(family or config.model_type)
         self.reader, self.config = reader, config
         self.sources = _resolve_prefix(reader, conv.hf_sources(config), getattr(conv, "HF_PREFIX", ""),
-                                       getattr(conv, "NAME_ALIASES", ()))
+                                       (getattr(conv, "NAME_ALIASES", ()), getattr(conv, "CHECKPOINT_ALIASES", ())))
         if strict:
             ignored = tuple(getattr(conv, "IGNORED_HF", ()))
             if getattr(config, "tie_word_embeddings", False):
