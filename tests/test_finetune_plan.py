@@ -48,3 +48,21 @@ def test_plan_auto_conflict_on_the_command_line_is_one_line(tiny, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert code == 1 and err.count("\n") == 0 and "drop --tp, --pp" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_plan_auto_plans_for_lora(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """--plan auto --lora-r: the planner prices LoRA training (adapters only), and the run trains its adapters."""
+    import colozoo.cost.planner as planner
+
+    calls = []
+
+    def recording_plan(name, **kwargs):
+        calls.append(kwargs)
+        return real_plan(name, **kwargs)
+
+    real_plan = planner.plan
+    monkeypatch.setattr(planner, "plan", recording_plan)
+    summary = run(small_run(tiny, tmp_path / "lora", plan="auto", global_batch_size=2, lora_r=4,
+                            lora_targets="c_attn", eval_interval=0))
+    assert len(calls) == 1 and calls[0]["lora_r"] == 4 and calls[0]["lora_targets"] == ("c_attn",), calls
+    assert summary["step"] == 6 and Path(summary["adapter"], "adapter_config.json").exists()

@@ -50,3 +50,30 @@ def test_adapter_count_with_kv_heads_replicated_over_tp():
     config = transformers.AutoConfig.for_model("llama", **LLAMA)  # 4 kv heads of 8 features: at tp=8, 2 ranks each
     counts = adapter_params_per_layer(config, tp=8, r=R, targets=("k_proj",))
     assert counts == {str(i): R * 64 + 8 * R for i in range(4)}  # A whole, B one whole kv head on every rank
+
+
+BERT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+            num_labels=3, max_position_embeddings=64)
+
+
+def test_modules_to_save_count_as_trainable():
+    """A LoRA classifier trains its head whole (PEFT's SEQ_CLS modules_to_save): gradients, optimizer states and
+    gradient all-reduce count it beside the adapters, on the last pipeline stage only."""
+    config = transformers.AutoConfig.for_model("bert", **BERT)
+    model = apply_lora(build_model(config, device="cpu", task="sequence_classification"), r=R, targets="all-linear")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    head = 64 * 3 + 3
+    adapters = sum(p.numel() for a in lora_modules(model).values() for p in (a.A, a.B))
+    assert trainable == adapters + head
+    kw = dict(batch_size=2, seq_len=32, mesh="dp=2", dtype="bfloat16", lora_r=R)
+    plain = profile(config, **kw).stages[0]
+    cls = profile(config, task="sequence_classification", **kw)
+    stage = cls.stages[0]
+    assert plain["trainable"] == adapters and stage["trainable"] == trainable
+    assert stage["grads"] == 4 * trainable and stage["optimizer"] == 8 * trainable and stage["master"] == 0
+    assert stage["weights"] == plain["weights"]  # the head is already among the base weights
+    assert cls.comm["dp_cp.all_reduce"] == 4 * trainable
+    nothing_saved = profile(config, task="sequence_classification", lora_modules_to_save=(), **kw).stages[0]
+    assert nothing_saved["trainable"] == adapters
+    first, last = profile(config, task="sequence_classification", **{**kw, "mesh": "pp=2"}).stages
+    assert first["trainable"] == adapters // 2 and last["trainable"] == adapters // 2 + head

@@ -15,20 +15,23 @@ from colozoo.cost.setup import DDP_BUCKET_BYTES, ProfilerError, Workload, check_
 from colozoo.runtime.plan import Plan
 
 
-def _lora_states(mt, plan, workload, keys, weights, shard):
+def _lora_states(mt, plan, workload, keys, weights, shard, ends=()):
     """(weights, grads, master, optimizer bytes, trainable count) of a stage under LoRA: the frozen base weights as
-    before, plus fp32 adapters (no master copy) that alone have gradients and optimizer states; ZeRO shards them
-    like any parameter."""
-    from colozoo.cost.lora import adapter_params_per_layer
+    before, plus fp32 adapters (no master copy) that, with the modules to save (trained whole in fp32, e.g. a
+    classifier; `ends`: "embed" on the first stage, "head" on the last), alone have gradients and optimizer
+    states; ZeRO shards them like any parameter."""
+    from colozoo.cost.lora import adapter_params_per_layer, saved_params_per_unit
 
     counts = adapter_params_per_layer(mt.config, plan.tp, workload.lora_r, workload.lora_targets)
-    n = sum(counts.get(str(k), 0) for k in keys)
-    adapters = 4.0 * n
+    saved = saved_params_per_unit(mt.config, workload.task, workload.lora_targets, workload.lora_modules_to_save)
+    n_adapters = sum(counts.get(str(k), 0) for k in keys)
+    n = n_adapters + sum(saved.get(str(k), 0) for k in (*keys, *ends))
+    adapters = 4.0 * n_adapters
 
     def sharded(level):
         return shard if plan.zero >= level and shard > 1 else 1
 
-    return (weights + adapters / sharded(3), adapters / sharded(2), 0.0,
+    return (weights + adapters / sharded(3), 4.0 * n / sharded(2), 0.0,
             float(OPTIMIZER_BYTES[workload.optimizer] * n) / sharded(1), n)
 
 
@@ -84,7 +87,8 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
         cpu = 0.0
         n_lora = 0
         if workload.lora_r:  # the base is frozen: gradients, master weights and optimizer states for adapters only
-            weights, grads, master, optim, n_lora = _lora_states(mt, plan, workload, keys, weights, shard)
+            ends = ("embed",) * (s == 0) + ("head",) * (s == len(stages) - 1)
+            weights, grads, master, optim, n_lora = _lora_states(mt, plan, workload, keys, weights, shard, ends)
         if plan.offload in ("optimizer", "params"):
             cpu += master + optim
             master = optim = 0.0

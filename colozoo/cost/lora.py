@@ -1,6 +1,7 @@
 """LoRA in the cost model: how many adapter parameters each layer puts on one tp rank, counted on a meta model
 with colozoo.runtime.lora.apply_lora (so the count follows the same targets and fused-chunk layout as training).
-Column-parallel bases keep A whole and split B over tp; row-parallel bases split A and keep B whole."""
+Column-parallel bases keep A whole and split B over tp; row-parallel bases split A and keep B whole. Modules in
+`modules_to_save` (a classifier head, trained whole beside the adapters) are replicated and count whole."""
 from __future__ import annotations
 
 import math
@@ -34,5 +35,32 @@ def adapter_params_per_layer(config, tp: int, r: int, targets) -> dict[str, int]
             local = math.prod(local_shape(a_shape, a_spec, coords)) + math.prod(local_shape(b_shape, b_spec, coords))
             layer = name.split(".")[1]  # every adapted linear sits in a layer: "layers.{i}...."
             counts[layer] = counts.get(layer, 0) + local
+        _CACHE[key] = counts
+    return _CACHE[key]
+
+
+def saved_params_per_unit(config, task: str | None, targets, modules_to_save) -> dict[str, int]:
+    """{unit: parameters trained whole beside the adapters}: units are global layer indices (as strings), "embed"
+    (before the layers) and "head" (after them). `modules_to_save` None: the task's default, as apply_lora."""
+    from colozoo.models import build_model
+    from colozoo.runtime.lora import apply_lora
+
+    targets = targets if isinstance(targets, str) else tuple(targets)
+    saved = modules_to_save if modules_to_save is None else tuple(modules_to_save)
+    key = ("saved", id(config), task, targets, saved)
+    if key not in _CACHE:
+        model = build_model(config, pc=ParallelContext.virtual(), device="meta", task=task)
+        try:
+            apply_lora(model, r=1, targets=targets, modules_to_save=saved)
+        except ValueError as e:
+            raise ProfilerError(str(e)) from None
+        counts, unit = {}, "embed"
+        for name, p in model.named_parameters():
+            if name.startswith("layers."):
+                unit = "head"  # what follows the layers
+            if not p.requires_grad or ".lora." in f".{name}":
+                continue
+            where = name.split(".")[1] if name.startswith("layers.") else unit
+            counts[where] = counts.get(where, 0) + p.numel()
         _CACHE[key] = counts
     return _CACHE[key]

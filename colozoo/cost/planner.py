@@ -208,10 +208,12 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
          global_batch: int | None = None, dtype: str = "bfloat16", optimizer: str = "adamw",
          micro_batch_sizes=(1, 2, 4, 8), schedules=PRICED_SCHEDULES, zero_levels=ZERO,
          context_parallel: bool | None = None, allow_offload: bool = True, partial_checkpointing: bool = True,
-         target: str = "cuda", lora_r: int = 0, lora_targets="all-linear",
-         gpus_per_node: int | None = None, top: int | None = None, **hardware_overrides) -> PlanResult:
+         target: str = "cuda", lora_r: int = 0, lora_targets="all-linear", lora_modules_to_save=None,
+         task: str | None = None, gpus_per_node: int | None = None, top: int | None = None,
+         **hardware_overrides) -> PlanResult:
     """Search layouts x micro-batching x checkpointing x ZeRO x offload for the fastest plan that fits (`lora_r` > 0:
-    for LoRA fine-tuning, only the adapters training)."""
+    for LoRA fine-tuning, only the adapters and `lora_modules_to_save` training; None: the `task` head's default,
+    as colozoo.runtime.lora.apply_lora)."""
     import time
 
     start = time.perf_counter()
@@ -262,7 +264,8 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
                                 searched += 1
                                 best = _best_recompute(traces[mbs], pc, mbs, m, schedule, zero, seq_len, dtype,
                                                        optimizer, target, hw, global_batch, allow_offload,
-                                                       partial_checkpointing, (lora_r, lora_targets))
+                                                       partial_checkpointing,
+                                                       (lora_r, lora_targets, lora_modules_to_save, task))
                                 if isinstance(best, str):
                                     reject(best)
                                 else:
@@ -275,10 +278,10 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
 
 
 def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, target, hw, global_batch,
-                    allow_offload, partial_checkpointing=True, lora=(0, "all-linear")):
+                    allow_offload, partial_checkpointing=True, lora=(0, "all-linear", None, None)):
     """The fastest checkpointing choice that fits this layout, with CPU offload only when nothing else does."""
     workload = Workload(seq_len=seq_len, dtype=dtype, optimizer=optimizer, target=target, lora_r=lora[0],
-                        lora_targets=lora[1])
+                        lora_targets=lora[1], lora_modules_to_save=lora[2], task=lora[3])
     layout = Plan(**asdict(pc), micro_batch_size=mbs, num_microbatches=m, schedule=schedule, zero=zero)
 
     def evaluate(checkpointing, k=None, offload="none"):

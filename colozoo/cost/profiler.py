@@ -31,20 +31,22 @@ def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh
             checkpointing: str = "none", *, checkpoint_layers: int | None = None, optimizer: str = "adamw",
             zero: int = 0, num_microbatches: int = 1, schedule: str = "1f1b", offload: str = "none",
             target: str = "cuda", inputs: dict | None = None, lora_r: int = 0,
-            lora_targets="all-linear") -> ProfileReport:
+            lora_targets="all-linear", lora_modules_to_save=None, task: str | None = None) -> ProfileReport:
     """Profile one training step per rank on meta tensors.
 
     model_or_name: a registered name, a transformers config, a colozoo model (rebuilt from its config on
     the mesh) or any nn.Module (traced whole as given; mesh then only shards data-parallel model states).
     `inputs` overrides the default batch (input_ids and labels of batch_size x seq_len).
     `lora_r` > 0: LoRA fine-tuning with adapters of that rank on `lora_targets` (HF module names or "all-linear"):
-    gradients, master weights and optimizer states only for the adapters.
+    gradients, master weights and optimizer states only for the adapters and the HF modules `lora_modules_to_save`
+    (None: the default of the model's `task` head, as colozoo.runtime.lora.apply_lora: a classifier).
     """
     start = time.perf_counter()
     plan = plan_of(mesh, micro_batch_size=batch_size, num_microbatches=num_microbatches, schedule=schedule, zero=zero,
                    checkpointing=checkpointing, checkpoint_layers=checkpoint_layers, offload=offload)
     return profile_plan(model_or_name, plan, Workload(seq_len=seq_len or 0, dtype=dtype, optimizer=optimizer,
-                                                      target=target, lora_r=lora_r, lora_targets=lora_targets),
+                                                      target=target, lora_r=lora_r, lora_targets=lora_targets,
+                                                      lora_modules_to_save=lora_modules_to_save, task=task),
                         inputs, start)
 
 

@@ -93,6 +93,8 @@ class Workload:
     target: str = "cuda"                 # whose attention kernels: cuda (flash), cpu or eager (unfused GPU)
     lora_r: int = 0                      # > 0: LoRA fine-tuning, base frozen, only fp32 adapters train
     lora_targets: str | tuple = "all-linear"  # HF module names, as colozoo.runtime.lora.apply_lora takes them
+    lora_modules_to_save: tuple | None = None  # HF modules trained whole beside the adapters; None: the task's
+    task: str | None = None              # the model's task head ("sequence_classification": a classifier)
 
     def check(self):
         if self.dtype not in DTYPES:

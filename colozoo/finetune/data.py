@@ -1,9 +1,10 @@
 """Fine-tuning data: read, tokenize, pack, and hand each data-parallel rank its slice of every global batch.
 
 Records stream in one at a time (colozoo.finetune.records: JSON lines, text, Parquet, Arrow, datasets directories)
-and are tokenized up front into tensors (the tokens must fit in memory, the raw records need not), so the
-position in the data is just the optimizer step: `BatchSampler.step_indices(step)` is a pure function of
-(seed, step), which is what makes a resumed run see exactly the batches an uninterrupted one would.
+and are tokenized a chunk at a time into rows; the fine-tuning loop keeps a causal LM's rows on disk
+(colozoo.finetune.token_cache), classification data stays in memory. The position in the data is just the
+optimizer step: `BatchSampler.step_indices(step)` is a pure function of (seed, step), which is what
+makes a resumed run see exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from colozoo.finetune.records import DataError, existing, iter_records
 
 IGNORE_INDEX = -100
+CHUNK_RECORDS = 1024  # records tokenized together (one call of a fast tokenizer)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 
 
@@ -77,6 +79,7 @@ def check_record(record, fields: tuple[str, ...], where: str):
 
 # only padding is checked: published configs and tokenizers legitimately disagree on eos (e.g. chat models)
 SPECIAL_TOKENS = ("pad_token_id",)
+WARNING_ROWS = 4096
 
 
 def load_tokenizer(model_dir, vocab_size: int, special_ids: dict | None = None):
@@ -100,12 +103,13 @@ def load_tokenizer(model_dir, vocab_size: int, special_ids: dict | None = None):
     return tokenizer
 
 
-def tokenizer_warnings(tokenizer, config, data: TensorData) -> list[str]:
-    """What is legal but most likely a mistake: text the tokenizer mostly does not know, an EOS other than the
-    model's (generation would not stop where training taught it to)."""
+def tokenizer_warnings(tokenizer, config, data) -> list[str]:
+    """What is legal but most likely a mistake (judged on the first WARNING_ROWS rows): text the tokenizer mostly
+    does not know, an EOS other than the model's (generation would not stop where training taught it to)."""
     out = []
-    unk, ids = tokenizer.unk_token_id, data.tensors["input_ids"]
-    mask = data.tensors.get("attention_mask")  # packed chat rows have none: every token is real or padding
+    rows = data.take(range(min(len(data), WARNING_ROWS)))
+    unk, ids = tokenizer.unk_token_id, rows["input_ids"]
+    mask = rows.get("attention_mask")  # packed chat rows have none: every token is real or padding
     real = ids[mask.bool()] if mask is not None else ids.flatten()
     if unk is not None and real.numel() and (real == unk).float().mean() > 0.5:
         out.append(f"{(real == unk).float().mean():.0%} of the tokens are the tokenizer's unknown token "
@@ -134,29 +138,62 @@ def check_seq_len(seq_len: int, max_positions: int | None):
 def lm_dataset(path, tokenizer, seq_len: int, pack: bool = True, text_field: str = "text") -> TensorData:
     """Causal-LM samples of `seq_len` tokens. Packed: documents joined by EOS and cut into full sequences.
     Unpacked: each document cut into pieces of at most `seq_len`, right-padded and masked."""
-    eos = tokenizer.eos_token_id
-    ids = [tokenizer(r[text_field], add_special_tokens=False)["input_ids"] for r in read_records(path, (text_field,))]
-    if pack:
-        stream = [t for doc in ids for t in (doc + ([eos] if eos is not None else []))]
-        n = len(stream) // seq_len
-        if n == 0:
-            raise DataError(f"dataset {path} has {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
-        input_ids = torch.tensor(stream[: n * seq_len]).view(n, seq_len)
-        mask = torch.ones_like(input_ids)
-    else:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-        pieces = [doc[i: i + seq_len] for doc in ids for i in range(0, len(doc), seq_len)]
-        pieces = [p for p in pieces if len(p) > 1]  # a single token has nothing to predict
-        if not pieces:
-            raise DataError(f"dataset {path} has no document of two or more tokens")
-        input_ids = torch.full((len(pieces), seq_len), pad)
-        mask = torch.zeros_like(input_ids)
-        for row, piece in enumerate(pieces):
-            input_ids[row, : len(piece)] = torch.tensor(piece)
-            mask[row, : len(piece)] = 1
-    labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
-    tokens = (labels[:, 1:] != IGNORE_INDEX).sum(1)  # the model predicts token t+1 from position t
-    return TensorData({"input_ids": input_ids, "attention_mask": mask, "labels": labels}, tokens)
+    return collect(lm_blocks(path, tokenizer, seq_len, pack, text_field))
+
+
+def lm_blocks(path, tokenizer, seq_len: int, pack: bool = True, text_field: str = "text"
+              ) -> Iterator[dict[str, torch.Tensor]]:
+    """lm_dataset's rows, a few thousand records at a time (memory stays bounded by the chunk, not the dataset)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    carry, rows = np.zeros(0, dtype=np.int64), 0
+    for texts in chunks((r[text_field] for r in read_records(path, (text_field,))), CHUNK_RECORDS):
+        docs = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if pack:
+            stream = np.concatenate([carry] + [np.asarray(doc + eos, dtype=np.int64) for doc in docs])
+            n = len(stream) // seq_len
+            carry = stream[n * seq_len:].copy()
+            input_ids = torch.from_numpy(stream[: n * seq_len]).view(n, seq_len)
+            mask = torch.ones_like(input_ids)
+        else:
+            pieces = [doc[i: i + seq_len] for doc in docs for i in range(0, len(doc), seq_len)]
+            pieces = [p for p in pieces if len(p) > 1]  # a single token has nothing to predict
+            input_ids = torch.full((len(pieces), seq_len), pad)
+            mask = torch.zeros_like(input_ids)
+            for row, piece in enumerate(pieces):
+                input_ids[row, : len(piece)] = torch.tensor(piece)
+                mask[row, : len(piece)] = 1
+        if len(input_ids):
+            rows += len(input_ids)
+            labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+            yield {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    if rows == 0 and pack:
+        raise DataError(f"dataset {path} has {len(carry)} tokens, fewer than one sequence of --seq-len {seq_len}")
+    if rows == 0:
+        raise DataError(f"dataset {path} has no document of two or more tokens")
+
+
+def chunks(items, size: int) -> Iterator[list]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Per row, the tokens trained on: the model predicts token t+1 from position t."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(1)
+
+
+def collect(blocks) -> TensorData:
+    """Blocks of rows (dicts of equal-width tensors) as one in-memory TensorData."""
+    parts = list(blocks)
+    tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return TensorData(tensors, trained_tokens(tensors["labels"]))
 
 
 # ----------------------------------------------------------------------------------------------- classification

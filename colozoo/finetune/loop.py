@@ -19,7 +19,7 @@ import torch.distributed as dist
 from colozoo.runtime.amp import DynamicLossScaler
 from colozoo.runtime.offload import OffloadedAdamW
 from colozoo.finetune import data as D
-from colozoo.finetune import runtime, samples, sft, state
+from colozoo.finetune import runtime, samples, sft, state, token_cache
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, perplexity, plot_loss,
                                       tensorboard_writer_class, truncate_metrics)
@@ -63,20 +63,18 @@ def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData
     """(train, eval, tokenizer or None), checked against the model's config."""
     tokenizer = None
     if cfg.task == "imgcls":
-        read = lambda path: D.image_dataset(path, config, directory)  # noqa: E731
+        read = lambda path, role: D.image_dataset(path, config, directory)  # noqa: E731
     else:
         D.check_seq_len(cfg.seq_len, getattr(config, "max_position_embeddings", None))
         tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
-        if cfg.chat:
-            read = lambda path: sft.sft_dataset(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field)  # noqa: E731
-        elif cfg.task == "lm":
-            read = lambda path: D.lm_dataset(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field)  # noqa: E731
+        if cfg.chat or cfg.task == "lm":
+            read = lambda path, role: token_cache.lm_rows(cfg, tokenizer, path, role)  # noqa: E731
         else:
-            read = lambda path: D.classification_dataset(path, tokenizer, cfg.seq_len, config,  # noqa: E731
-                                                         cfg.text_field, cfg.label_field)
-    train = read(cfg.data)
+            read = lambda path, role: D.classification_dataset(path, tokenizer, cfg.seq_len, config,  # noqa: E731
+                                                               cfg.text_field, cfg.label_field)
+    train = read(cfg.data, "train")
     if cfg.eval_data:
-        evaluation = read(cfg.eval_data)
+        evaluation = read(cfg.eval_data, "eval")
     elif cfg.eval_fraction > 0:
         train, evaluation = train.split(cfg.eval_fraction)
     else:

@@ -100,7 +100,9 @@ def _batches(file: Path):
     pa = _pyarrow()
     try:
         if file.suffix == ".parquet":
-            yield from pa.parquet.ParquetFile(file, memory_map=True).iter_batches(batch_size=BATCH_ROWS)
+            # one thread: parallel decoding reads row groups ahead, holding several at once
+            yield from pa.parquet.ParquetFile(file, memory_map=True).iter_batches(batch_size=BATCH_ROWS,
+                                                                                  use_threads=False)
             return
         source = pa.memory_map(str(file))
         try:

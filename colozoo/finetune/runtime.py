@@ -15,7 +15,8 @@ MIXED_PRECISION = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
 
 def plan_training(cfg, config, global_batch: int):
     """--plan auto: the planner's best plan for this world size, `global_batch` sequences of the run's length and
-    its dtype (collective: rank 0 plans, every rank gets the same plan): a colozoo.runtime.plan.Plan."""
+    its dtype, for LoRA under --lora-r (only the adapters and a classifier's head train) (collective: rank 0 plans,
+    every rank gets the same plan): a colozoo.runtime.plan.Plan."""
     from colozoo.core.mesh import init_distributed
     from colozoo.cost.planner import best_plan_for_world
 
@@ -24,8 +25,10 @@ def plan_training(cfg, config, global_batch: int):
         from colozoo.models.vit import num_patches
 
         seq_len = num_patches(config) + 1
+    lora = dict(lora_r=cfg.lora_r, lora_targets=cfg.lora_target_modules(), task=TASK_HEADS[cfg.task]) \
+        if cfg.lora_r else {}
     return best_plan_for_world(config, init_distributed(), global_batch=global_batch, seq_len=seq_len,
-                               dtype=cfg.dtype)
+                               dtype=cfg.dtype, **lora)
 
 
 def load_model(cfg, task: str, plan=None):

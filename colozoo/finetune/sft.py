@@ -9,10 +9,12 @@ those cuts, so a span is exactly the tokens the model generates after the prompt
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import torch
 
-from colozoo.finetune.data import IGNORE_INDEX, TensorData
+from colozoo.finetune.data import CHUNK_RECORDS, IGNORE_INDEX, TensorData, chunks, collect
 from colozoo.finetune.records import DataError, located_records
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -103,17 +105,28 @@ def sample_labels(ids: list, trained: list) -> np.ndarray:
     return labels
 
 
-def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int) -> dict[str, torch.Tensor]:
-    """Samples (ids, labels), each at most seq_len, laid into rows of seq_len in order: a sample that does not fit
-    in what is left of a row starts the next. position_ids restart at 0 for each sample; a row's padded tail is a
-    document of its own (its positions restart too) with labels -100."""
-    rows, row = [], []
+def packed_rows(samples, seq_len: int) -> Iterator[list]:
+    """Samples, each at most seq_len, grouped in order into rows: a sample that does not fit in what is left of a
+    row starts the next."""
+    row, used = [], 0
     for sample in samples:
-        if sum(len(s[0]) for s in row) + len(sample[0]) > seq_len:
-            rows.append(row)
-            row = []
+        if used + len(sample[0]) > seq_len:
+            yield row
+            row, used = [], 0
         row.append(sample)
-    rows.append(row)
+        used += len(sample[0])
+    if row:
+        yield row
+
+
+def pack(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int) -> dict[str, torch.Tensor]:
+    """Samples (ids, labels), each at most seq_len, laid into rows of seq_len (packed_rows). position_ids restart
+    at 0 for each sample; a row's padded tail is a document of its own (its positions restart too) with labels
+    -100."""
+    return pack_rows(list(packed_rows(samples, seq_len)), seq_len, pad)
+
+
+def pack_rows(rows: list[list], seq_len: int, pad: int) -> dict[str, torch.Tensor]:
     input_ids = torch.full((len(rows), seq_len), pad, dtype=torch.long)
     labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), seq_len), dtype=torch.long)
@@ -143,19 +156,30 @@ def sft_dataset(path, tokenizer, seq_len: int, pack_samples: bool = True, text_f
     """Chat / prompt-completion / text records as training rows. A sample longer than `seq_len` is truncated (its
     end dropped: the continuation of a cut conversation would lack its prompt); one left with no trained token is
     skipped."""
-    samples, skipped = [], 0
-    for where, record in located_records(path, lambda record, where: check_sft_record(record, where, text_field)):
-        ids, trained = tokenize_sample(record, tokenizer, where, text_field)
-        ids, trained = ids[:seq_len], trained[:seq_len]
-        labels = sample_labels(ids, trained)
-        if (labels == IGNORE_INDEX).all():
-            skipped += 1
-            continue
-        samples.append((np.asarray(ids, dtype=np.int64), labels))
-    if not samples:
-        raise DataError(f"dataset {path}: no sample keeps a trained token within --seq-len {seq_len} "
-                        f"({skipped} skipped)")
+    return collect(sft_blocks(path, tokenizer, seq_len, pack_samples, text_field))
+
+
+def sft_blocks(path, tokenizer, seq_len: int, pack_samples: bool = True, text_field: str = "text"
+               ) -> Iterator[dict[str, torch.Tensor]]:
+    """sft_dataset's rows, CHUNK_RECORDS rows at a time (memory stays bounded by the chunk, not the dataset)."""
+    skipped = [0]
+
+    def samples():
+        for where, record in located_records(path, lambda record, where: check_sft_record(record, where, text_field)):
+            ids, trained = tokenize_sample(record, tokenizer, where, text_field)
+            ids, trained = ids[:seq_len], trained[:seq_len]
+            labels = sample_labels(ids, trained)
+            if (labels == IGNORE_INDEX).all():
+                skipped[0] += 1
+                continue
+            yield np.asarray(ids, dtype=np.int64), labels
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    tensors = pack(samples, seq_len, pad) if pack_samples else pad_rows(samples, seq_len, pad)
-    tokens = (tensors["labels"][:, 1:] != IGNORE_INDEX).sum(1)
-    return TensorData(tensors, tokens)
+    rows = packed_rows(samples(), seq_len) if pack_samples else samples()
+    empty = True
+    for chunk in chunks(rows, CHUNK_RECORDS):
+        empty = False
+        yield pack_rows(chunk, seq_len, pad) if pack_samples else pad_rows(chunk, seq_len, pad)
+    if empty:
+        raise DataError(f"dataset {path}: no sample keeps a trained token within --seq-len {seq_len} "
+                        f"({skipped[0]} skipped)")
