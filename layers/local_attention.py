@@ -44,7 +44,7 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     if grouped and not upcast and softcap is None and not torch.is_grad_enabled():
         # inference (the KV cache): SDPA shares each kv head with its query group, no copy of the whole cache
         # (bit-identical to the repeat; training keeps the repeat, whose backward the parity tests check)
-        with get_rng_tracker().fork(device_type=q.device.type):
+        with _dropout_rng(q, dropout_p):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                   is_causal=causal and mask is None, scale=scale, enable_gqa=True)
     if grouped:
@@ -56,10 +56,16 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     if upcast:
         return _upcast_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
     is_causal = causal and mask is None
-    with get_rng_tracker().fork(device_type=q.device.type):
+    with _dropout_rng(q, dropout_p):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                              scale=scale)
     return out
+
+
+def _dropout_rng(q, dropout_p: float):
+    """The tracked tensor-parallel generator where attention dropout draws (each rank holds other heads); without
+    dropout nothing is drawn, and swapping generator states would only cost time (and break torch.compile's graph)."""
+    return get_rng_tracker().fork(device_type=q.device.type) if dropout_p > 0.0 else nullcontext()
 
 
 def _upcast_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float) -> torch.Tensor:
