@@ -27,31 +27,39 @@ def _losses(output):
     return [(r["step"], r["loss"]) for r in read_metrics(output / "metrics.jsonl") if "loss" in r]
 
 
-def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(tiny, tmp_path):  # noqa: F811
+def _env():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    straight = subprocess.run(_launch(tiny, tmp_path / "straight"), cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=400)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    return dict(env, OMP_NUM_THREADS="1")
 
-    out = tmp_path / "run"
-    # its own process group, as a terminal's foreground job: the group gets the SIGINT, as Ctrl-C sends it
-    proc = subprocess.Popen(_launch(tiny, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+
+def _interrupted(model, output, interrupt) -> tuple[int, str]:
+    """Start the launcher in its own process group (a terminal's foreground job), call `interrupt(process)` once
+    step 2 is logged; the exit code and everything it printed."""
+    proc = subprocess.Popen(_launch(model, output), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("step 2/"):
-                os.killpg(proc.pid, signal.SIGINT)
+                interrupt(proc)
                 break
         lines += proc.stdout.readlines()
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    log = "".join(lines)
+    return code, "".join(lines)
+
+
+def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(tiny, tmp_path):  # noqa: F811
+    straight = subprocess.run(_launch(tiny, tmp_path / "straight"), cwd=REPO, env=_env(), capture_output=True,
+                              text=True, timeout=400)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "run"
+    code, log = _interrupted(tiny, out, lambda proc: os.killpg(proc.pid, signal.SIGINT))  # as Ctrl-C: the group
     assert code == 0, log[-3000:]
     assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
     found = LINE.findall(log)
@@ -61,7 +69,7 @@ def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(tiny,
     assert state.latest_checkpoint(out / "checkpoints") == state.latest_checkpoint(checkpoint.rsplit("/", 1)[0]) \
         and checkpoint.endswith(f"step-{step:08d}"), log[-3000:]
 
-    again = subprocess.run(_launch(tiny, out), cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    again = subprocess.run(_launch(tiny, out), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr and "Traceback" not in again.stderr
     ours, theirs = _losses(out), _losses(tmp_path / "straight")
@@ -71,24 +79,7 @@ def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(tiny,
 
 def test_sigterm_to_the_launcher_alone_is_passed_on_to_the_workers(tiny, tmp_path):  # noqa: F811
     """A scheduler may signal the launcher only: it passes SIGTERM on, the workers save and the job exits 0."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    env["OMP_NUM_THREADS"] = "1"
     out = tmp_path / "run"
-    proc = subprocess.Popen(_launch(tiny, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 2/"):
-                proc.send_signal(signal.SIGTERM)  # the launcher's pid, not its group
-                break
-        lines += proc.stdout.readlines()
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    log = "".join(lines)
+    code, log = _interrupted(tiny, out, lambda proc: proc.send_signal(signal.SIGTERM))  # the launcher's pid only
     assert code == 0 and "Traceback" not in log and len(LINE.findall(log)) == 1, log[-3000:]
     assert json.loads((out / "summary.json").read_text())["stopped"]
