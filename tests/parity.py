@@ -182,11 +182,10 @@ def hf_model(architecture: str, config, seed: int = 0):
 
 def resolved_sources(model, reader):
     """The family map as the loader applies it to this reader (task prefix, alternative names)."""
-    from colozoo.checkpoint.load import _resolve_prefix
+    from colozoo.checkpoint.load import resolve_sources
 
     conv = family_module(model.family)
-    return _resolve_prefix(reader, conv.hf_sources(model.config), getattr(conv, "HF_PREFIX", ""),
-                           getattr(conv, "NAME_ALIASES", ()))
+    return resolve_sources(reader, conv, conv.hf_sources(model.config))
 
 
 def check_gradients(model, pc, weights, hf_grads, grad_atol=GRAD_ATOL) -> float:

@@ -34,12 +34,12 @@ TIMEOUT = 150
 def hf_module_sources(family, config, reader=None):
     """Our names -> the in-memory transformers parameter names (Mixtral's experts are stacked there; GPT-NeoX's
     embed_out is lm_head in memory, which the converter's NAME_ALIASES resolve against `reader`)."""
-    from colozoo.checkpoint.load import _resolve_prefix
+    from colozoo.checkpoint.load import resolve_sources
 
     conv = family_module(family)
     sources = getattr(conv, "module_sources", conv.hf_sources)(config)
     if reader is not None and getattr(conv, "NAME_ALIASES", ()):
-        sources = _resolve_prefix(reader, sources, getattr(conv, "HF_PREFIX", ""), conv.NAME_ALIASES)
+        sources = resolve_sources(reader, conv, sources)
     return sources
 
 

@@ -39,6 +39,13 @@ def _resolve_prefix(reader: TensorReader, sources, prefix: str, namings=()):
     return stripped if hf_tensor_names(stripped) & names else sources
 
 
+def resolve_sources(reader: TensorReader, conv, sources):
+    """A family's map (`conv`: its converter module) as the loader applies it to what `reader` holds: with or
+    without the task prefix, under whichever naming matches (saved, in memory, a multimodal checkpoint's)."""
+    return _resolve_prefix(reader, sources, getattr(conv, "HF_PREFIX", ""),
+                           (getattr(conv, "NAME_ALIASES", ()), getattr(conv, "CHECKPOINT_ALIASES", ())))
+
+
 def _rename(name: str, renames) -> str:
     for pattern, replacement in renames:
         name = re.sub(pattern, replacement, name)
@@ -61,8 +68,7 @@ class HFTensors:
     def __init__(self, reader: TensorReader, config, family: str | None = None, strict: bool = True):
         conv = family_module(family or config.model_type)
         self.reader, self.config = reader, config
-        self.sources = _resolve_prefix(reader, conv.hf_sources(config), getattr(conv, "HF_PREFIX", ""),
-                                       (getattr(conv, "NAME_ALIASES", ()), getattr(conv, "CHECKPOINT_ALIASES", ())))
+        self.sources = resolve_sources(reader, conv, conv.hf_sources(config))
         if strict:
             ignored = tuple(getattr(conv, "IGNORED_HF", ()))
             if getattr(config, "tie_word_embeddings", False):

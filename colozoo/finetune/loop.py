@@ -179,6 +179,7 @@ def run(cfg: FinetuneConfig) -> dict:
     config, directory = model_source(cfg.model)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
+    check_writable(Path(cfg.output))  # the token cache goes there too
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
     notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
     if cfg.plan is None:
@@ -186,7 +187,6 @@ def run(cfg: FinetuneConfig) -> dict:
     else:
         plan, mesh, global_batch = plan_run(cfg, config)
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
-    check_writable(Path(cfg.output))
     if cfg.tensorboard:
         tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
 
