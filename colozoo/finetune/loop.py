@@ -147,12 +147,15 @@ class Interrupt:
 def check_writable(output: Path):
     """Before the model is loaded: the output directory can be created and written (every rank writes shards)."""
     probe = output / f".write-test-{os.getpid()}"
+    created = [d for d in (output, *output.parents) if not d.exists()]
     try:
         output.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
+    for directory in created:  # bad data found later must leave nothing behind
+        directory.rmdir()
 
 
 class NonFiniteError(ValueError):
