@@ -147,15 +147,12 @@ class Interrupt:
 def check_writable(output: Path):
     """Before the model is loaded: the output directory can be created and written (every rank writes shards)."""
     probe = output / f".write-test-{os.getpid()}"
-    created = [d for d in (output, *output.parents) if not d.exists()]
     try:
         output.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
-    for directory in created:  # bad data found later must leave nothing behind
-        directory.rmdir()
 
 
 class NonFiniteError(ValueError):
@@ -182,7 +179,6 @@ def run(cfg: FinetuneConfig) -> dict:
     config, directory = model_source(cfg.model)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
-    check_writable(Path(cfg.output))  # the token cache goes there too
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
     notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
     if cfg.plan is None:
@@ -190,6 +186,7 @@ def run(cfg: FinetuneConfig) -> dict:
     else:
         plan, mesh, global_batch = plan_run(cfg, config)
     D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
+    check_writable(Path(cfg.output))
     if cfg.tensorboard:
         tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
 

@@ -127,6 +127,8 @@ def cached_rows(root, role: str, path, tokenizer, blocks, **options) -> tuple[To
             built = True
         except DataError as e:
             error = str(e)
+        except OSError as e:  # the cache lives in the output directory
+            error = f"cannot write to the output directory {root.parent}: {e.strerror or e}"
     if dist.is_available() and dist.is_initialized():
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # also the barrier the other ranks wait on
