@@ -5,6 +5,7 @@ The rest maps one to one; our `lm_head` is the checkpoint's `embed_out` (transfo
 memory, which NAME_ALIASES reads)."""
 from __future__ import annotations
 
+from .llama import params
 from .source import Source
 
 HF_PREFIX = "gpt_neox."
@@ -16,10 +17,9 @@ NAME_ALIASES = ((r"^embed_out\.", "lm_head."),)  # saved name -> transformers' i
 def hf_sources(config) -> dict[str, Source]:
     g = HF_PREFIX
     out = {"embed_in.weight": Source.of(f"{g}embed_in.weight")}
-    attention_params = ("weight", "bias") if config.attention_bias else ("weight",)
     for i in range(config.num_hidden_layers):
         hf, ours = f"{g}layers.{i}.", f"layers.{i}."
-        for p in attention_params:
+        for p in params(config.attention_bias):
             out[f"{ours}attention.qkv.{p}"] = Source.of(f"{hf}attention.query_key_value.{p}",
                                                        regroup=(config.num_attention_heads, 3))
             out[f"{ours}attention.dense.{p}"] = Source.of(f"{hf}attention.dense.{p}")

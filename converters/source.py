@@ -1,7 +1,8 @@
 """A family map's unit: which HF tensors make up one of our global parameters, and how."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +30,13 @@ class Source:
         if regroup is not None and (len(names) != 1 or stack or transpose):
             raise ValueError("regroup reorders one plain HF tensor (no stack, no transpose)")
         return cls(tuple(names), transpose, cat_dim, stack, tuple(regroup) if regroup is not None else None)
+
+    def renamed(self, renames) -> "Source":
+        """The same tensors under another naming: `renames` is a list of (regex, replacement) applied in turn."""
+        names = self.names
+        for pattern, replacement in renames:
+            names = tuple(re.sub(pattern, replacement, n) for n in names)
+        return replace(self, names=names)
 
     def hf_positions(self, length: int) -> torch.Tensor:
         """For each position along cat_dim of ours (regrouped), its position in the HF tensor."""

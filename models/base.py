@@ -62,6 +62,7 @@ class BatchContext:
     def prepare(self):
         """Build now what layers would build on first use (compiled layers then all see the same context). The
         dense mask is left unbuilt under context parallelism."""
+        self.documents  # noqa: B018 (the property computes the packed documents' ids)
         if self.cp is None:
             self.mask  # noqa: B018 (the property builds it)
 

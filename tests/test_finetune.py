@@ -568,23 +568,11 @@ def test_ctrl_c_saves_exits_cleanly_and_the_same_command_resumes(tiny, tmp_path)
     """A real run (no terminal: plain progress lines) is sent SIGINT after its first logged step."""
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
+    from interrupt import clean_env, interrupted
+
     out = tmp_path / "run"
-    proc = subprocess.Popen(_command(tiny, out), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    lines = []
-    try:
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("step 1/"):
-                proc.send_signal(signal.SIGINT)
-                break
-        lines += proc.stderr.readlines()
-        assert proc.wait(timeout=120) == 0, "".join(lines)
-    finally:
-        proc.kill()
-    log = "".join(lines)
+    code, log = interrupted(_command(tiny, out), "step 1/", lambda proc: proc.send_signal(signal.SIGINT), timeout=120)
+    assert code == 0, log
     assert "running on CPU" in log
     assert re.search(r"^step 1/100000  loss \d+\.\d{4}  lr \S+  [\d,]+ tok/s  MFU \d+\.\d%  ETA \d+:\d\d:\d\d$",
                      log, re.M), log
@@ -594,7 +582,7 @@ def test_ctrl_c_saves_exits_cleanly_and_the_same_command_resumes(tiny, tmp_path)
            f"to resume" in log, log
     assert state.latest_checkpoint(out / "checkpoints").name == f"step-{stopped['step']:08d}"
 
-    again = subprocess.run(_command(tiny, out, "--stop-after", str(stopped["step"] + 1)), cwd=REPO, env=env,
+    again = subprocess.run(_command(tiny, out, "--stop-after", str(stopped["step"] + 1)), cwd=REPO, env=clean_env(),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert f"at step {stopped['step']}" in again.stderr and "resumed from" in again.stderr

@@ -25,8 +25,7 @@ def _resolve_prefix(reader: TensorReader, sources, prefix: str, namings=()):
     differ from those it saves, a multimodal checkpoint's text model), used when one matches the checkpoint better."""
     namings = [renames for renames in namings if renames]
     if namings:
-        candidates = [sources] + [{k: dataclasses.replace(s, names=tuple(_rename(n, renames) for n in s.names))
-                                   for k, s in sources.items()} for renames in namings]
+        candidates = [sources] + [{k: s.renamed(renames) for k, s in sources.items()} for renames in namings]
         names = set(reader.names())
         resolved = [_resolve_prefix(reader, c, prefix) for c in candidates]
         return max(resolved, key=lambda c: len(hf_tensor_names(c) & names))
@@ -44,12 +43,6 @@ def resolve_sources(reader: TensorReader, conv, sources):
     without the task prefix, under whichever naming matches (saved, in memory, a multimodal checkpoint's)."""
     return _resolve_prefix(reader, sources, getattr(conv, "HF_PREFIX", ""),
                            (getattr(conv, "NAME_ALIASES", ()), getattr(conv, "CHECKPOINT_ALIASES", ())))
-
-
-def _rename(name: str, renames) -> str:
-    for pattern, replacement in renames:
-        name = re.sub(pattern, replacement, name)
-    return name
 
 
 def check_unexpected(reader: TensorReader, sources, ignored=()):

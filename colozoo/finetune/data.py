@@ -41,13 +41,23 @@ class TensorData:
 
     def split(self, fraction: float) -> tuple["TensorData", "TensorData"]:
         """(head, tail) with the tail holding `fraction` of the samples (at least one when fraction > 0)."""
-        n_tail = max(1, round(len(self) * fraction)) if fraction > 0 else 0
-        cut = len(self) - n_tail
-        if cut < 1:
-            raise DataError(f"cannot hold out {fraction:.0%} of {len(self)} samples for evaluation and keep any for training")
+        cut = holdout_cut(len(self), fraction)
         head = TensorData({k: v[:cut] for k, v in self.tensors.items()}, self.tokens[:cut], self.label_names)
         tail = TensorData({k: v[cut:] for k, v in self.tensors.items()}, self.tokens[cut:], self.label_names)
         return head, tail
+
+
+def holdout_cut(samples: int, fraction: float) -> int:
+    """Where a split holding out `fraction` of the samples for evaluation (at least one when fraction > 0) cuts."""
+    cut = samples - (max(1, round(samples * fraction)) if fraction > 0 else 0)
+    if cut < 1:
+        raise DataError(f"cannot hold out {fraction:.0%} of {samples} samples for evaluation and keep any for training")
+    return cut
+
+
+def pad_id(tokenizer) -> int:
+    """The token padded rows are filled with: the tokenizer's pad token, else its EOS, else 0 (masked either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -145,7 +155,7 @@ def lm_blocks(path, tokenizer, seq_len: int, pack: bool = True, text_field: str 
               ) -> Iterator[dict[str, torch.Tensor]]:
     """lm_dataset's rows, a few thousand records at a time (memory stays bounded by the chunk, not the dataset)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_id(tokenizer)
     carry, rows = np.zeros(0, dtype=np.int64), 0
     for texts in chunks((r[text_field] for r in read_records(path, (text_field,))), CHUNK_RECORDS):
         docs = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -154,23 +164,30 @@ def lm_blocks(path, tokenizer, seq_len: int, pack: bool = True, text_field: str 
             n = len(stream) // seq_len
             carry = stream[n * seq_len:].copy()
             input_ids = torch.from_numpy(stream[: n * seq_len]).view(n, seq_len)
-            mask = torch.ones_like(input_ids)
+            block = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                     "labels": input_ids.clone()}
         else:
-            pieces = [doc[i: i + seq_len] for doc in docs for i in range(0, len(doc), seq_len)]
-            pieces = [p for p in pieces if len(p) > 1]  # a single token has nothing to predict
-            input_ids = torch.full((len(pieces), seq_len), pad)
-            mask = torch.zeros_like(input_ids)
-            for row, piece in enumerate(pieces):
-                input_ids[row, : len(piece)] = torch.tensor(piece)
-                mask[row, : len(piece)] = 1
-        if len(input_ids):
-            rows += len(input_ids)
-            labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
-            yield {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+            pieces = [np.asarray(doc[i: i + seq_len], dtype=np.int64) for doc in docs
+                      for i in range(0, len(doc), seq_len)]
+            block = pad_rows([(p, p) for p in pieces if len(p) > 1], seq_len, pad)  # one token predicts nothing
+        if len(block["input_ids"]):
+            rows += len(block["input_ids"])
+            yield block
     if rows == 0 and pack:
         raise DataError(f"dataset {path} has {len(carry)} tokens, fewer than one sequence of --seq-len {seq_len}")
     if rows == 0:
         raise DataError(f"dataset {path} has no document of two or more tokens")
+
+
+def pad_rows(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int) -> dict[str, torch.Tensor]:
+    """Samples (ids, labels), one per row, right-padded, with an attention mask."""
+    input_ids = torch.full((len(samples), seq_len), pad, dtype=torch.long)
+    labels = torch.full((len(samples), seq_len), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(samples), seq_len), dtype=torch.long)
+    for r, (ids, lab) in enumerate(samples):
+        input_ids[r, : len(ids)], labels[r, : len(ids)], mask[r, : len(ids)] = (
+            torch.from_numpy(ids), torch.from_numpy(lab), 1)
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
 def chunks(items, size: int) -> Iterator[list]:

@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from colozoo.finetune.data import CHUNK_RECORDS, IGNORE_INDEX, TensorData, chunks, collect
+from colozoo.finetune.data import CHUNK_RECORDS, IGNORE_INDEX, TensorData, chunks, collect, pad_id, pad_rows
 from colozoo.finetune.records import DataError, located_records
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -141,17 +141,6 @@ def pack_rows(rows: list[list], seq_len: int, pad: int) -> dict[str, torch.Tenso
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 
 
-def pad_rows(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int) -> dict[str, torch.Tensor]:
-    """One sample per row, right-padded, with an attention mask."""
-    input_ids = torch.full((len(samples), seq_len), pad, dtype=torch.long)
-    labels = torch.full((len(samples), seq_len), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(samples), seq_len), dtype=torch.long)
-    for r, (ids, lab) in enumerate(samples):
-        input_ids[r, : len(ids)], labels[r, : len(ids)], mask[r, : len(ids)] = (
-            torch.from_numpy(ids), torch.from_numpy(lab), 1)
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
-
-
 def sft_dataset(path, tokenizer, seq_len: int, pack_samples: bool = True, text_field: str = "text") -> TensorData:
     """Chat / prompt-completion / text records as training rows. A sample longer than `seq_len` is truncated (its
     end dropped: the continuation of a cut conversation would lack its prompt); one left with no trained token is
@@ -174,7 +163,7 @@ def sft_blocks(path, tokenizer, seq_len: int, pack_samples: bool = True, text_fi
                 continue
             yield np.asarray(ids, dtype=np.int64), labels
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_id(tokenizer)
     rows = packed_rows(samples(), seq_len) if pack_samples else samples()
     empty = True
     for chunk in chunks(rows, CHUNK_RECORDS):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.finetune import sft
-from colozoo.finetune.data import IGNORE_INDEX, lm_blocks, trained_tokens
+from colozoo.finetune.data import IGNORE_INDEX, holdout_cut, lm_blocks, trained_tokens
 from colozoo.finetune.records import DataError, dataset_files, existing
 
 FORMAT = 1
@@ -69,11 +69,7 @@ class TokenCache:
 
     def split(self, fraction: float) -> tuple["TokenCache", "TokenCache"]:
         """(head, tail) with the tail holding `fraction` of the rows, as TensorData.split."""
-        n_tail = max(1, round(len(self) * fraction)) if fraction > 0 else 0
-        cut = len(self) - n_tail
-        if cut < 1:
-            raise DataError(f"cannot hold out {fraction:.0%} of {len(self)} samples for evaluation and keep any for training")
-        first = self.rows.start
+        cut, first = holdout_cut(len(self), fraction), self.rows.start
         return (TokenCache(self.directory, range(first, first + cut)),
                 TokenCache(self.directory, range(first + cut, self.rows.stop)))
 

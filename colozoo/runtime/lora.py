@@ -15,7 +15,7 @@ import re
 import warnings
 import zlib
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -69,21 +69,15 @@ def hf_linear_sources(config) -> dict[str, Source]:
     transformers gives the modules in memory (what PEFT matches and saves: ViT's `q_proj`, not the saved `query`)."""
     conv = family_module(config.model_type)
     renames = getattr(conv, "NAME_ALIASES", ())
-    return {name.removesuffix(".weight"): replace(source, names=tuple(_rename(n, renames) for n in source.names))
+    return {name.removesuffix(".weight"): source.renamed(renames)
             for name, source in conv.hf_sources(config).items() if name.endswith(".weight") and not source.stack}
-
-
-def _rename(name: str, renames) -> str:
-    for pattern, replacement in renames:
-        name = re.sub(pattern, replacement, name)
-    return name
 
 
 def hf_parameter_names(config) -> dict[str, str]:
     """{our parameter name: its HF name in memory} for every parameter the family maps one to one."""
     conv = family_module(config.model_type)
     renames = getattr(conv, "NAME_ALIASES", ())
-    return {name: _rename(source.names[0], renames) for name, source in conv.hf_sources(config).items()
+    return {name: source.renamed(renames).names[0] for name, source in conv.hf_sources(config).items()
             if len(source.names) == 1 and not (source.stack or source.transpose or source.regroup)}
 
 
