@@ -25,29 +25,54 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _collective_along(collective, x: torch.Tensor, dim: int, length: int, group) -> torch.Tensor:
-    """A single-tensor collective along `dim` (moved first, where the collective works), whose output is `length`
-    long there."""
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((length, *moved.shape[1:]))
-    collective(out, moved, group=group)
-    return out.movedim(0, dim)
-
-
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The ranks' `x` joined along `dim`. The collective writes them one after another (rank-major); joining along a
+    later dim is then one copy into a contiguous result (none along dim 0, or when the dims before `dim` are ones)."""
     size = group_size(group)
     if size == 1:
         return x
-    return _collective_along(_all_gather_single, x, dim, size * x.shape[dim], group)
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out.view(size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _scatter_chunks(x: torch.Tensor, dim: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x's `size` chunks along `dim` one after another, as a reduce-scatter takes them; the empty output)."""
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot reduce-scatter length {x.shape[dim]} over {size} ranks")
+    chunks = x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()  # a copy only when dim > 0
+    return chunks.flatten(0, 1), x.new_empty(chunks.shape[1:])
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return x
-    if x.shape[dim] % size:
-        raise ValueError(f"cannot reduce-scatter length {x.shape[dim]} over {size} ranks")
-    return _collective_along(_reduce_scatter_single, x, dim, x.shape[dim] // size, group)
+    chunks, out = _scatter_chunks(x, dim, size)
+    _reduce_scatter_single(out, chunks, group=group)
+    return out
+
+
+def start_reduce(x: torch.Tensor, group, scatter_dim: int | None = None):
+    """Start summing `x` over `group` without waiting for it: an all-reduce, or with `scatter_dim` a reduce-scatter
+    along that dim. Returns a function that waits and returns the sum (this rank's chunk of it), so that work which
+    does not need it runs meanwhile."""
+    size = group_size(group)
+    if size == 1:
+        return lambda: x
+    if scatter_dim is None:
+        out = x.contiguous()
+        work = dist.all_reduce(out, group=group, async_op=True)
+    else:
+        chunks, out = _scatter_chunks(x, scatter_dim, size)
+        work = _reduce_scatter_single(out, chunks, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return finish
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -18,8 +18,8 @@ from torch import nn
 from colozoo.kernels.dispatch import use_triton
 
 from .activations import GELU_APPROXIMATION, bias_gelu, get_activation
-from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank, group_size,
-                   reduce_from_parallel, reduce_scatter_to_sequence, sum_replica_grads)
+from .comm import (SEQ_DIM, all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
+                   group_size, reduce_from_parallel, reduce_scatter_to_sequence, start_reduce, sum_replica_grads)
 from .shard import Split, local_pieces, replicated_pieces, shard
 
 
@@ -30,6 +30,45 @@ def _init_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int):
     if bias is not None:
         bound = 1 / math.sqrt(fan_in)
         nn.init.uniform_(bias, -bound, bound)
+
+
+class _ColumnParallel(torch.autograd.Function):
+    """linear(x, weight, bias) on x entering the tensor-parallel region: as it is (f: its gradient is summed over the
+    group), or all-gathered along the sequence under sequence parallelism (its gradient reduce-scattered back).
+    Backward starts that reduction of the input gradient and computes the weight gradient while it runs (Megatron's
+    column-parallel backward); autograd would only start it once both gradients were done."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # cast here, so that backward's matmuls see what forward's used
+            dtype = torch.get_autocast_dtype(device)
+            x, weight, bias = (t.to(dtype) if t is not None else None for t in (x, weight, bias))
+        if sequence_parallel:
+            x = all_gather(x, SEQ_DIM, group)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.sequence_parallel, ctx.bias = group, sequence_parallel, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = start_reduce(grad.matmul(weight), ctx.group, SEQ_DIM if ctx.sequence_parallel else None)
+        grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.t().matmul(x.reshape(-1, x.shape[-1]))
+        if ctx.bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_x() if grad_x is not None else None, grad_weight, grad_bias, None, None
+
+
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool = False) -> torch.Tensor:
+    """F.linear of x (replicated, or sequence-sharded under sequence parallelism) with a column-parallel weight."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -64,16 +103,14 @@ class ColumnParallelLinear(nn.Module):
         self.lora = None  # a layers.lora.LoRA adapter, once colozoo.runtime.lora.apply_lora attached one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group)
-        else:
-            x = copy_to_parallel(x, self.group)
         weight = sum_replica_grads(self.weight, self.replicated_rows, self.replica_group)
         bias = sum_replica_grads(self.bias, self.replicated_rows, self.replica_group) if self.bias is not None else None
         fuse_bias = self.activation in GELU_APPROXIMATION and bias is not None and use_triton(x, weight, bias)
-        y = F.linear(x, weight, None if fuse_bias else bias)
-        if self.lora is not None:  # before the activation: it acts on the linear's output
-            y = self.lora(x, y)
+        if self.lora is None:
+            y = column_parallel_linear(x, weight, None if fuse_bias else bias, self.group, self.sequence_parallel)
+        else:  # the adapter reads the same input: the input gradient is summed over both paths
+            x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_parallel(x, self.group)
+            y = self.lora(x, F.linear(x, weight, None if fuse_bias else bias))  # before the activation
         if fuse_bias:
             y = bias_gelu(y, bias, GELU_APPROXIMATION[self.activation])
         elif self.act is not None:

@@ -3,21 +3,22 @@
 The vocabulary is padded to a multiple of tp and split into equal slices. Padded rows are zero, never
 stored in checkpoints (the shard spec records the logical size), masked to -inf before every softmax and
 stripped from gathered logits, so they never leak into outputs. The loss is computed on the local vocab
-slice with three small all-reduces (max, sum of exp, target logit); full-vocabulary logits are never built.
+slice with one small all-gather (each rank's max, sum of exp, target logit); full-vocabulary logits are never
+built.
 """
 from __future__ import annotations
 
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from colozoo.core.groups import vocab_range
 from colozoo.kernels.dispatch import use_triton
 
-from .comm import (all_gather, all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
+from .comm import (all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank, group_size,
                    reduce_from_parallel, reduce_scatter_to_sequence)
+from .linear import column_parallel_linear
 from .shard import Split, shard
 
 
@@ -84,23 +85,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid < logits.shape[-1]:
             logits = logits.clone()
             logits[..., valid:] = float("-inf")
-        logits_max = logits.max(dim=-1, keepdim=True).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        predicted = all_reduce(predicted, group)
+        # one collective, not three: each rank's max, sum of exps relative to it and target logit (and logit sum, for
+        # label smoothing) are gathered. A rank holding only padding has max -inf: clamped, so its exps are 0, not nan
+        local_max = logits.max(dim=-1, keepdim=True).values.clamp(min=torch.finfo(logits.dtype).min)
+        stats = [local_max.squeeze(-1), logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0)]
         if label_smoothing > 0:
-            sum_shifted = all_reduce(shifted[..., :valid].sum(dim=-1), group)
-        exp = shifted.exp_()  # in place: `shifted` is not needed any more
-        sum_exp = all_reduce(exp.sum(dim=-1), group)
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - predicted
+            stats.append(logits[..., :valid].sum(dim=-1))
+        exp = (logits - local_max).exp_()
+        stats = all_gather(torch.stack([exp.sum(dim=-1), *stats])[None], 0, group)  # (tp, stat, ...)
+        sums, maxes = stats[:, 0], stats[:, 1]
+        global_max = maxes.max(dim=0).values
+        rescale = (maxes - global_max).exp()  # each rank's exps relative to the global max
+        sum_exp = (sums * rescale).sum(dim=0)
+        log_sum_exp = sum_exp.log() + global_max
+        loss = log_sum_exp - stats[:, 2].sum(dim=0)
         if label_smoothing > 0:
-            mean_log_prob = sum_shifted / vocab_size - log_sum_exp
+            mean_log_prob = stats[:, 3].sum(dim=0) / vocab_size - log_sum_exp
             loss = (1 - label_smoothing) * loss - label_smoothing * mean_log_prob
         loss = loss.masked_fill(ignored, 0.0)
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax = exp.mul_((rescale[group_rank(group)] / sum_exp).unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside, ignored)
         return loss
 
@@ -181,7 +185,7 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded."""
-        logits = F.linear(self._enter_parallel(hidden), self.head_weight(), self.bias)
+        logits = column_parallel_linear(hidden, self.head_weight(), self.bias, self.group, self.sequence_parallel)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
