@@ -64,11 +64,17 @@ class _ColumnParallel(torch.autograd.Function):
         return grad_x() if grad_x is not None else None, grad_weight, grad_bias, None, None
 
 
+def _enter_parallel(x, group, sequence_parallel: bool):
+    return gather_from_sequence(x, group) if sequence_parallel else copy_to_parallel(x, group)
+
+
 def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool = False) -> torch.Tensor:
-    """F.linear of x (replicated, or sequence-sharded under sequence parallelism) with a column-parallel weight."""
-    if group_size(group) == 1:
-        return F.linear(x, weight, bias)
-    return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel)
+    """F.linear of x (replicated, or sequence-sharded under sequence parallelism) with a column-parallel weight.
+    Under torch.compile the plain mappings: dynamo turns their collectives into functional ones it schedules itself
+    (an async wait inside an autograd Function's backward would break the graph)."""
+    if group_size(group) > 1 and not torch.compiler.is_compiling():
+        return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel)
+    return F.linear(_enter_parallel(x, group, sequence_parallel), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -109,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
         if self.lora is None:
             y = column_parallel_linear(x, weight, None if fuse_bias else bias, self.group, self.sequence_parallel)
         else:  # the adapter reads the same input: the input gradient is summed over both paths
-            x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_parallel(x, self.group)
+            x = _enter_parallel(x, self.group, self.sequence_parallel)
             y = self.lora(x, F.linear(x, weight, None if fuse_bias else bias))  # before the activation
         if fuse_bias:
             y = bias_gelu(y, bias, GELU_APPROXIMATION[self.activation])
