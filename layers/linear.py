@@ -41,7 +41,8 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         device = x.device.type
-        if torch.is_autocast_enabled(device):  # cast here, so that backward's matmuls see what forward's used
+        # under autocast, cast here: backward's matmuls must see the dtypes forward's used
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
             dtype = torch.get_autocast_dtype(device)
             x, weight, bias = (t.to(dtype) if t is not None else None for t in (x, weight, bias))
         if sequence_parallel:
