@@ -89,3 +89,26 @@ class CommTimer:
                         "share_of_step": seconds / steps / step} for kind, seconds in sorted(self.seconds.items())}
         total = sum(self.seconds.values()) / steps
         return {"step_s": step, "comm_s_per_step": total, "comm_share": total / step, "by_kind": kinds}
+
+
+def op_breakdown(step, steps: int = 1) -> dict:
+    """Seconds per step of torch.profiler's self CPU time by kind of op: matmuls, attention, collectives (c10d ops and
+    the autograd mappings that wait on them), everything else (elementwise, copies, norms, the loss)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    out = defaultdict(float)
+    for event in prof.key_averages():
+        name = event.key
+        if name in ("aten::mm", "aten::addmm", "aten::bmm"):
+            kind = "matmul"
+        elif "scaled_dot_product" in name:
+            kind = "attention"
+        elif name.startswith("c10d::") or "Parallel" in name or "Sequence" in name or "gloo" in name:
+            kind = "collectives"
+        else:
+            kind = "other_ops"
+        out[kind] += event.self_cpu_time_total / 1e6 / steps
+    return dict(out)

@@ -9,8 +9,9 @@ Ratio = transformers' best step time / colozoo's. The losses of all three sides 
 
 `--profile` (on by default) adds where colozoo's step waits on communication: every collective is timed as it is
 called (its exposed time: an async collective counts from its issue and its wait), grouped by kind (all-reduce,
-all-gather, reduce-scatter, the loss's all-reduces, the norms' weight-gradient all-reduces under sequence
-parallelism), and a bare gloo collective of the activation's size is timed alone for comparison.
+all-gather, reduce-scatter, the loss's collectives, the small all-reduces of the norms' weight gradients under
+sequence parallelism), torch.profiler's self CPU time per step by kind of op (matmuls, attention, collectives, other
+ops), and a bare gloo collective of the activation's size is timed alone for comparison.
 
     python bench/tp_step.py [--hidden 512] [--layers 4] [--batch 4] [--seq 256] [--repeats 5] [--no-profile]
 """
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import transformers  # noqa: E402
 
-from _comm_timer import CommTimer  # noqa: E402
+from _comm_timer import CommTimer, op_breakdown  # noqa: E402
 
 
 def llama_config(args):
@@ -146,6 +147,7 @@ def _rank(rank, world, port, path, args, flops, queue):
                     seconds, _ = timed_step(sides[side], ids, labels)
                     timer.steps.append(seconds)
             result["profile"][side] = timer.summary()
+            result["profile"][side]["self_cpu_s_per_step"] = op_breakdown(lambda: train_step(sides[side], ids, labels))
         result["bare"] = bare_collectives(args.batch * args.seq * args.hidden)
     queue.put((rank, result))
 
