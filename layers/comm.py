@@ -97,12 +97,15 @@ class _CopyToParallel(torch.autograd.Function):
 
 class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone(), group)
+    def forward(ctx, x, group, in_place):
+        if not (in_place and x.is_contiguous()):  # the collective needs a contiguous tensor
+            return all_reduce(x.clone(), group)
+        ctx.mark_dirty(x)  # a backward that saved x now fails loudly instead of reading the sum
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 def _mapping(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
@@ -150,8 +153,9 @@ def copy_to_parallel(x, group):
     return _CopyToParallel.apply(x, group) if _active(group) else x
 
 
-def reduce_from_parallel(x, group):
-    return _ReduceFromParallel.apply(x, group) if _active(group) else x
+def reduce_from_parallel(x, group, in_place: bool = False):
+    """`in_place`: sum into x itself, a temporary of the caller's (a layer's partial output), saving a copy."""
+    return _ReduceFromParallel.apply(x, group, in_place) if _active(group) else x
 
 
 def split_to_parallel(x, group, dim=-1):

@@ -155,7 +155,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence(y, self.group)
             bias = copy_to_parallel(self.bias, self.group) if self.bias is not None else None
         else:
-            y = reduce_from_parallel(y, self.group)
+            y = reduce_from_parallel(y, self.group, in_place=True)
             bias = self.bias
         return y + bias.to(y.dtype) if bias is not None else y  # under autocast y is low precision, the bias fp32
 

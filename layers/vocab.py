@@ -58,7 +58,7 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.group)
-        return reduce_from_parallel(out, self.group)
+        return reduce_from_parallel(out, self.group, in_place=True)
 
     def extra_repr(self):
         return f"{self.num_embeddings} (local {self.weight.shape[0]}), {self.embedding_dim}"
