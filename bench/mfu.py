@@ -2,8 +2,9 @@
 
 A step is forward with labels -> loss -> backward (gradients set to None before it; no optimizer step, on both sides).
 The FLOPs of one step are counted by torch.utils.flop_counter.FlopCounterMode on each side (they must agree); the
-peak is the FLOP/s of a 2048^3 fp32 matmul timed in the same process, best of --peak-repeats. MFU = FLOPs / step time
-/ peak, the step time being the best of --repeats wall-clock steps, the two sides alternating. "ratio" = the
+peak is the FLOP/s of a 2048^3 fp32 matmul timed in the same process between the steps (best of --peak-repeats at
+each repeat, best over the repeats), so that a busy moment of a shared machine lowers both alike. MFU = FLOPs / step
+time / peak, the step time being the best of --repeats wall-clock steps, the sides alternating. "ratio" = the
 transformers step time / ours (> 1: colozoo is faster).
 
 Where our step goes: one profiled step (torch.profiler) splits the operators' self CPU time into the counted matrix
@@ -86,11 +87,11 @@ def timed(step) -> float:
     return time.perf_counter() - start
 
 
-def matmul_peak(repeats: int, n: int = 2048) -> float:
-    """FLOP/s of an n^3 fp32 matmul, best of `repeats`."""
+def peak_step(repeats: int, n: int = 2048):
+    """A step that times an n^3 fp32 matmul `repeats` times and returns its best FLOP/s."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
-    return 2 * n ** 3 / min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return lambda: 2 * n ** 3 / min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
 
 
 def counted_flops(step) -> tuple[int, object]:
@@ -138,17 +139,19 @@ def _rebuild(value):
     return value
 
 
-def matmuls_alone(step, repeats: int = 2) -> float:
-    """Seconds the step's counted operators take replayed alone at their shapes, best of `repeats` each."""
+def matmuls_alone(step):
+    """A step that replays `step`'s counted operators alone, at their shapes and strides."""
     recorder = MatmulRecorder()
     with recorder:
         step()
-    total = 0.0
-    for (func, args, kwargs), count in recorder.calls.items():
-        args, kwargs = _rebuild(args), dict(_rebuild(kwargs)) if kwargs else {}
-        func(*args, **kwargs)
-        total += count * min(timed(lambda: func(*args, **kwargs)) for _ in range(repeats))
-    return total
+    calls = [(func, _rebuild(args), dict(_rebuild(kwargs)) if kwargs else {}, count)
+             for (func, args, kwargs), count in recorder.calls.items()]
+
+    def replay():
+        for func, args, kwargs, count in calls:
+            for _ in range(count):
+                func(*args, **kwargs)
+    return replay
 
 
 def profile_step(step, name: str, top: int | None) -> float:
@@ -169,7 +172,7 @@ def profile_step(step, name: str, top: int | None) -> float:
     return 1 - matmul / wall
 
 
-def bench_family(family: str, args, peak: float) -> dict:
+def bench_family(family: str, args) -> dict:
     config = hf_config(family, args)
     models = build_pair(config, args.compile)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
@@ -184,22 +187,26 @@ def bench_family(family: str, args, peak: float) -> dict:
     for _ in range(args.warmup - 1):
         for step in steps.values():
             step()
-    times = {name: [] for name in steps}
-    for i in range(args.repeats):
+    if args.ceiling:
+        steps["matmuls_alone"] = matmuls_alone(steps["hf"])
+    peak = peak_step(args.peak_repeats)
+    times, peaks = {name: [] for name in steps}, []
+    for i in range(args.repeats):  # the peak is taken between the steps, so that it sees the machine they see
+        peaks.append(peak())
         for name in (list(steps) if i % 2 == 0 else list(reversed(steps))):
             times[name].append(timed(steps[name]))
-    best = {name: min(t) for name, t in times.items()}
+    best, peak = {name: min(t) for name, t in times.items()}, max(peaks)
     outside = profile_step(steps["colozoo"], f"{family} colozoo", args.profile)
     if args.profile:
         profile_step(steps["hf"], f"{family} transformers", args.profile)
-    alone = matmuls_alone(steps["hf"]) if args.ceiling else None
+    alone = best.pop("matmuls_alone", None)
     mfu = {name: flops["hf"] / t / peak for name, t in best.items()}
     metrics = {"colozoo_mfu": round(mfu["colozoo"], 3), "hf_mfu": round(mfu["hf"], 3),
                "colozoo_step_ms": round(1000 * best["colozoo"], 1), "hf_step_ms": round(1000 * best["hf"], 1),
                "colozoo_step_ms_all": [round(1000 * t, 1) for t in times["colozoo"]],
                "hf_step_ms_all": [round(1000 * t, 1) for t in times["hf"]],
                "colozoo_gflop": round(flops["colozoo"] / 1e9, 3), "hf_gflop": round(flops["hf"] / 1e9, 3),
-               "peak_gflop_per_s": round(peak / 1e9, 1),
+               "peak_gflop_per_s": round(peak / 1e9, 1), "peak_gflop_per_s_all": [round(p / 1e9, 1) for p in peaks],
                "colozoo_outside_matmul": round(outside, 3),
                "loss_diff": abs(losses["colozoo"].item() - losses["hf"].item())}
     if alone is not None:
@@ -214,7 +221,8 @@ def bench_family(family: str, args, peak: float) -> dict:
                        "batch": args.batch, "seq": args.seq, "dtype": "float32", "tp": 1, "device": "cpu",
                        "threads": torch.get_num_threads(), "warmup": args.warmup, "repeats": args.repeats,
                        "clock": "wall, best of repeats", "step": "zero_grad + forward(labels) + backward",
-                       "optimizer_step": False, "peak": "2048^3 fp32 mm, best of %d" % args.peak_repeats},
+                       "optimizer_step": False,
+                       "peak": f"2048^3 fp32 mm, best of {args.peak_repeats} x {args.repeats} between the steps"},
             "metrics": metrics,
             "peer": "transformers AutoModelForCausalLM, attn_implementation=sdpa",
             "ratio": round(best["hf"] / best["colozoo"], 3)}
@@ -233,7 +241,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1, help="warmup steps per side (the first counts FLOPs)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--peak-repeats", type=int, default=5)
+    parser.add_argument("--peak-repeats", type=int, default=3, help="matmuls timed for the peak at each repeat")
     parser.add_argument("--profile", type=int, nargs="?", const=15, default=0, metavar="TOP",
                         help="print the top operators of both sides by self CPU time (default 15)")
     parser.add_argument("--ceiling", action="store_true",
@@ -241,9 +249,8 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true", help="also time compile=True (each layer compiled)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    peak = matmul_peak(args.peak_repeats)
     for family in args.families.split(","):
-        print(json.dumps(bench_family(family.strip(), args, peak)), flush=True)
+        print(json.dumps(bench_family(family.strip(), args)), flush=True)
 
 
 if __name__ == "__main__":
