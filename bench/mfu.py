@@ -214,7 +214,8 @@ def bench_family(family: str, args) -> dict:
         metrics["matmul_ceiling_mfu"] = round(flops["hf"] / alone / peak, 3)
     if args.compile:
         metrics.update(compiled_mfu=round(mfu["compiled"], 3), compiled_step_ms=round(1000 * best["compiled"], 1),
-                       compiled_ratio=round(best["hf"] / best["compiled"], 3), first_compiled_step_s=round(compile_s, 1))
+                       compiled_ratio=round(best["hf"] / best["compiled"], 3),
+                       first_compiled_step_s=round(compile_s, 1))
     return {"bench": f"mfu/tp1/{family}",
             "config": {"family": family, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                        "intermediate": getattr(config, "intermediate_size", None), "vocab": config.vocab_size,
