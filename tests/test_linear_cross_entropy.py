@@ -67,3 +67,39 @@ def test_lm_head_fuses_the_loss_only_without_logits(monkeypatch, return_logits):
     assert (logits is not None) == return_logits
     reference = head.loss(head(hidden), labels)
     close(loss, reference, ATOL, "mean loss")
+
+
+FAMILIES = {  # tiny configs; GPT-2 and OPT tie the head to the embedding, this LLaMA does not
+    "gpt2": dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4),
+    "opt": dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4,
+                max_position_embeddings=32),
+    "llama": dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_fused_head_matches_transformers(model_type):
+    """A training forward (labels, no logits asked for) takes the fused head: loss and every gradient as in
+    transformers, padding and ignored labels included."""
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from parity import batch, hf_causal_lm, resolved_sources
+
+    config, hf = hf_causal_lm(model_type, FAMILIES[model_type])
+    ids, mask, labels = batch(config.vocab_size, 12)
+    assert (labels == -100).any()
+    ref = hf(ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    model = build_model(config, device="meta")
+    weights = StateDictReader(hf.state_dict())
+    load_hf_weights(model, weights, device="cpu")
+    out = model.eval()(ids, attention_mask=mask, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    close(out.loss, ref.loss, ATOL, "loss")
+    sources = resolved_sources(model, weights)
+    hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
+    for name, p in model.named_parameters():
+        close(p.grad, GlobalTensor(hf_grads, sources[name], name).read(), ATOL, f"gradient of {name}")
