@@ -9,10 +9,10 @@ transformers step time / ours (> 1: colozoo is faster).
 
 Where our step goes: one profiled step (torch.profiler) splits the operators' self CPU time into the counted matrix
 products (mm, addmm, bmm, attention) and the rest; "colozoo_outside_matmul" = 1 - matmul time / the profiled step's
-wall time (Python overhead included). "matmul_ceiling_mfu": the MFU the step would have if everything outside the
-matrix products were free, i.e. the step's own matmuls replayed alone at their shapes and strides (they run below the
-2048^3 peak when they are small or skinny). `--profile` prints the top operators of both sides on stderr; `--compile`
-adds the step of the same model with compile=True (each layer through torch.compile).
+wall time (Python overhead included). `--profile` prints the top operators of both sides on stderr (and reports
+"hf_outside_matmul"); `--ceiling` reports "matmul_ceiling_mfu", the MFU the step would have if everything outside
+the matrix products were free: the step's own counted operators replayed alone at their shapes and strides (they run
+below the 2048^3 peak when small or skinny); `--compile` adds the same model with compile=True (each layer compiled).
 
     python bench/mfu.py [--families gpt2,opt,llama] [--hidden 512] [--layers 4] [--batch 4] [--seq 256] [--threads 2]
 """
@@ -197,8 +197,7 @@ def bench_family(family: str, args) -> dict:
             times[name].append(timed(steps[name]))
     best, peak = {name: min(t) for name, t in times.items()}, max(peaks)
     outside = profile_step(steps["colozoo"], f"{family} colozoo", args.profile)
-    if args.profile:
-        profile_step(steps["hf"], f"{family} transformers", args.profile)
+    hf_outside = profile_step(steps["hf"], f"{family} transformers", args.profile) if args.profile else None
     alone = best.pop("matmuls_alone", None)
     mfu = {name: flops["hf"] / t / peak for name, t in best.items()}
     metrics = {"colozoo_mfu": round(mfu["colozoo"], 3), "hf_mfu": round(mfu["hf"], 3),
@@ -209,6 +208,8 @@ def bench_family(family: str, args) -> dict:
                "peak_gflop_per_s": round(peak / 1e9, 1), "peak_gflop_per_s_all": [round(p / 1e9, 1) for p in peaks],
                "colozoo_outside_matmul": round(outside, 3),
                "loss_diff": abs(losses["colozoo"].item() - losses["hf"].item())}
+    if hf_outside is not None:
+        metrics["hf_outside_matmul"] = round(hf_outside, 3)
     if alone is not None:
         metrics["matmuls_alone_ms"] = round(1000 * alone, 1)
         metrics["matmul_ceiling_mfu"] = round(flops["hf"] / alone / peak, 3)
