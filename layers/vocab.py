@@ -180,8 +180,14 @@ class VocabParallelLMHead(nn.Module):
             return gather_from_sequence(hidden, self.group)
         return copy_to_parallel(hidden, self.group)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded."""
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100,
+                label_smoothing: float = 0.0) -> torch.Tensor:
+        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded. With `targets` (the whole
+        vocabulary on this rank, no softcap): the summed loss of the fused head and loss instead, computed here so
+        that module hooks (the symbolic profiler's) see the head's weight and FLOPs as the head's."""
+        if targets is not None:
+            return linear_cross_entropy_sum(hidden, self.head_weight(), targets, self.bias, ignore_index,
+                                            label_smoothing)
         logits = F.linear(self._enter_parallel(hidden), self.head_weight(), self.bias)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -203,8 +209,7 @@ class VocabParallelLMHead(nn.Module):
                                                  self.bias, self.group, ignore_index, label_smoothing)
                 return self._mean(per_token.sum(), targets, ignore_index, cp), None
             if group_size(self.group) == 1:  # the whole vocabulary here: the torch path fuses the head too
-                total = linear_cross_entropy_sum(hidden, weight, targets, self.bias, ignore_index, label_smoothing)
-                return self._mean(total, targets, ignore_index, cp), None
+                return self._mean(self(hidden, targets, ignore_index, label_smoothing), targets, ignore_index, cp), None
         logits_local = self(hidden)
         loss = self.loss(logits_local, labels, ignore_index, label_smoothing, cp) if labels is not None else None
         if return_logits == "local":  # this rank's padded vocab slice, ungathered (vocab_parallel_argmax takes it)
