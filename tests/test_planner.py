@@ -102,9 +102,9 @@ def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
 
 
 def test_partial_checkpointing_beats_recomputing_every_layer():
-    # opt-125m, 4 x 1024 tokens per micro-batch on one 4.5 GB GPU: without recompute the peak is over the limit (the fused LM
-    # head keeps no log-softmax tensor: at 5 GB it fits),
-    # recomputing part of the 12 layers fits and costs less than recomputing all 12
+    # opt-125m, 4 x 1024 tokens per micro-batch on one 4.5 GB GPU: without recompute the peak is over the limit
+    # (5 GB fit since the fused LM head keeps no log-softmax tensor), recomputing part of the 12 layers fits and
+    # costs less than recomputing all 12
     kw = dict(gpus=1, gpu_memory="4.5GB", seq_len=1024, global_batch=8, micro_batch_sizes=(4,), allow_offload=False)
     limit = get_hardware("H100-80GB", gpu_memory="4.5GB").memory_limit
     partial, whole = plan("opt-125m", **kw).best, plan("opt-125m", partial_checkpointing=False, **kw).best
