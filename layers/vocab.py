@@ -19,6 +19,7 @@ from colozoo.kernels.dispatch import use_triton
 from .comm import (all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank, group_size,
                    reduce_from_parallel, reduce_scatter_to_sequence)
 from .linear import column_parallel_linear
+from .linear_cross_entropy import linear_cross_entropy_sum
 from .shard import Split, shard
 
 
@@ -183,8 +184,14 @@ class VocabParallelLMHead(nn.Module):
             return gather_from_sequence(hidden, self.group)
         return copy_to_parallel(hidden, self.group)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded."""
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100,
+                label_smoothing: float = 0.0) -> torch.Tensor:
+        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded. With `targets` (the whole
+        vocabulary on this rank, no softcap): the summed loss of the fused head and loss instead, computed here so
+        that module hooks (the symbolic profiler's) see the head's weight and FLOPs as the head's."""
+        if targets is not None:
+            return linear_cross_entropy_sum(hidden, self.head_weight(), targets, self.bias, ignore_index,
+                                            label_smoothing)
         logits = column_parallel_linear(hidden, self.head_weight(), self.bias, self.group, self.sequence_parallel)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -192,17 +199,21 @@ class VocabParallelLMHead(nn.Module):
 
     def loss_and_logits(self, hidden, labels=None, return_logits=False, cp=None, ignore_index=-100,
                         label_smoothing=0.0):
-        """(loss or None, full logits or None) from the final hidden states. When only the loss is wanted and
-        the kernels take the Triton path, the head matmul is fused into the loss in chunks: no logits tensor (not
-        with a softcap, which the fused kernel does not apply)."""
+        """(loss or None, full logits or None) from the final hidden states. When only the loss is wanted (and no
+        softcap applies) the head matmul is fused into the loss: on the Triton path in chunks, with no logits tensor;
+        on the torch path with the whole vocabulary on this rank, the logits become their gradient in the forward
+        (layers.linear_cross_entropy)."""
         weight = self.head_weight()
-        if labels is not None and not return_logits and self.softcap is None and use_triton(hidden, weight):
-            from colozoo.kernels.cross_entropy import linear_cross_entropy_triton as linear_cross_entropy
-
+        if labels is not None and not return_logits and self.softcap is None:
             targets = self._next_tokens(labels, ignore_index, cp)
-            per_token = linear_cross_entropy(self._enter_parallel(hidden), weight, targets, self.vocab_size,
-                                             self.bias, self.group, ignore_index, label_smoothing)
-            return self._mean(per_token, targets, ignore_index, cp), None
+            if use_triton(hidden, weight):
+                from colozoo.kernels.cross_entropy import linear_cross_entropy_triton as linear_cross_entropy
+
+                per_token = linear_cross_entropy(self._enter_parallel(hidden), weight, targets, self.vocab_size,
+                                                 self.bias, self.group, ignore_index, label_smoothing)
+                return self._mean(per_token.sum(), targets, ignore_index, cp), None
+            if group_size(self.group) == 1:  # the whole vocabulary here: the torch path fuses the head too
+                return self._mean(self(hidden, targets, ignore_index, label_smoothing), targets, ignore_index, cp), None
         logits_local = self(hidden)
         loss = self.loss(logits_local, labels, ignore_index, label_smoothing, cp) if labels is not None else None
         if return_logits == "local":  # this rank's padded vocab slice, ungathered (vocab_parallel_argmax takes it)
@@ -217,7 +228,7 @@ class VocabParallelLMHead(nn.Module):
         targets = self._next_tokens(labels, ignore_index, cp)
         per_token = vocab_parallel_cross_entropy(logits_local, targets, self.vocab_size, self.group, ignore_index,
                                                  label_smoothing)
-        return self._mean(per_token, targets, ignore_index, cp)
+        return self._mean(per_token.sum(), targets, ignore_index, cp)
 
     @staticmethod
     def _next_tokens(labels, ignore_index, cp):
@@ -226,11 +237,11 @@ class VocabParallelLMHead(nn.Module):
         return cp.shard(targets) if cp is not None else targets
 
     @staticmethod
-    def _mean(per_token, targets, ignore_index, cp):
+    def _mean(total, targets, ignore_index, cp):
         count = (targets != ignore_index).sum()
         if cp is not None:
-            return reduce_from_parallel(per_token.sum(), cp.group) / reduce_from_parallel(count, cp.group).clamp(min=1)
-        return per_token.sum() / count.clamp(min=1)
+            return reduce_from_parallel(total, cp.group) / reduce_from_parallel(count, cp.group).clamp(min=1)
+        return total / count.clamp(min=1)
 
     def full_logits(self, logits_local: torch.Tensor, cp=None) -> torch.Tensor:
         """All-gather the vocab slices and strip the padding (and with `cp`, gather the sequence too)."""

@@ -1,0 +1,59 @@
+"""The LM head fused with its summed cross entropy on the torch path, when one rank holds the whole vocabulary.
+
+When only the loss is wanted, the logits' gradient is known in the forward: softmax - one-hot, times the gradient of
+the summed loss, one number. So the forward turns the logits into that gradient in place (max, exp, sum, divide; no
+log-softmax tensor of its own) and keeps it; the backward is the linear's two matmuls, scaled. Against the log-softmax
+path this saves one (tokens, vocab) tensor and two passes over it. Blocks of rows would keep the softmax in cache,
+but they cost the matmul more than that saves (it streams the weight once per block).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, label_smoothing):
+        logits = F.linear(hidden, weight, bias).float()  # the loss is taken in fp32, as on the log-softmax path
+        vocab, eps = logits.shape[-1], label_smoothing
+        ignored = target == ignore_index
+        target = target.masked_fill(ignored, 0).unsqueeze(-1)
+        shift = logits.amax(dim=-1, keepdim=True)
+        logits.sub_(shift)
+        loss = -logits.gather(-1, target).squeeze(-1)
+        if eps > 0:
+            mean_logit = logits.mean(dim=-1)
+        grad = logits.exp_()
+        sum_exp = grad.sum(dim=-1, keepdim=True)
+        log_sum_exp = sum_exp.squeeze(-1).log()
+        loss += log_sum_exp
+        if eps > 0:
+            loss = (1 - eps) * loss + eps * (log_sum_exp - mean_logit)
+        grad.div_(sum_exp).scatter_add_(-1, target, grad.new_full(target.shape, -(1 - eps)))
+        if eps > 0:
+            grad.sub_(eps / vocab)
+        ctx.save_for_backward(hidden, weight, grad, ignored)
+        ctx.has_bias = bias is not None
+        return loss.masked_fill(ignored, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad_sum):
+        hidden, weight, grad, ignored = ctx.saved_tensors
+        grad = grad.to(hidden.dtype)
+        # the rows of ignored tokens are dropped from the small operands, not zeroed in the (tokens, vocab) one
+        row_scale = (~ignored).to(hidden.dtype) * grad_sum.to(hidden.dtype)
+        grad_hidden = (grad @ weight) * row_scale.unsqueeze(-1) if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ (hidden * row_scale.unsqueeze(-1)) if ctx.needs_input_grad[1] else None
+        grad_bias = row_scale @ grad if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             bias: torch.Tensor | None = None, ignore_index: int = -100,
+                             label_smoothing: float = 0.0) -> torch.Tensor:
+    """The sum over tokens of cross_entropy(hidden @ weight.T + bias, target) (ignored targets add 0), one scalar;
+    `weight` holds the whole vocabulary (no padding rows)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, target.reshape(-1), ignore_index,
+                                        float(label_smoothing))
