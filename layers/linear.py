@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from colozoo.kernels.dispatch import use_triton
 
 from .activations import GELU_APPROXIMATION, bias_gelu, get_activation
+from .matmul import linear
 from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank, group_size,
                    reduce_from_parallel, reduce_scatter_to_sequence, sum_replica_grads)
 from .shard import Split, local_pieces, replicated_pieces, shard
@@ -71,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         weight = sum_replica_grads(self.weight, self.replicated_rows, self.replica_group)
         bias = sum_replica_grads(self.bias, self.replicated_rows, self.replica_group) if self.bias is not None else None
         fuse_bias = self.activation in GELU_APPROXIMATION and bias is not None and use_triton(x, weight, bias)
-        y = F.linear(x, weight, None if fuse_bias else bias)
+        y = linear(x, weight, None if fuse_bias else bias)
         if self.lora is not None:  # before the activation: it acts on the linear's output
             y = self.lora(x, y)
         if fuse_bias:
@@ -102,9 +102,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:  # nothing to reduce: the bias rides in the matmul (addmm)
-            y = F.linear(x, self.weight, self.bias)
+            y = linear(x, self.weight, self.bias)
             return y if self.lora is None else self.lora(x, y)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.lora is not None:  # the low-rank path's partial output joins the partial sum before the reduce
             y = self.lora(x, y)
         if self.sequence_parallel:

@@ -18,6 +18,7 @@ from colozoo.kernels.dispatch import use_triton
 
 from .comm import (all_gather, all_reduce, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_size,
                    reduce_from_parallel, reduce_scatter_to_sequence)
+from .matmul import linear
 from .shard import Split, shard
 
 
@@ -201,7 +202,7 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded."""
-        logits = F.linear(self._enter_parallel(hidden), self.head_weight(), self.bias)
+        logits = linear(self._enter_parallel(hidden), self.head_weight(), self.bias)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

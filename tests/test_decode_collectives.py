@@ -1,6 +1,11 @@
-"""The collectives of decoding: small CPU all-reduces go as an all-gather and a local sum (gloo's all-reduce takes
-several rounds of messages), with the bits of gloo's all-reduce at two ranks and the same bits on every rank."""
+"""What makes a decoding step fast on CPU: small all-reduces go as an all-gather and a local sum (gloo's all-reduce
+takes several rounds of messages), with the bits of gloo's all-reduce at two ranks and the same bits on every rank;
+greedy decoding under tp gathers the chosen tokens' embedding rows with the argmax (no embedding all-reduce); the
+linear layers multiply the few rows of a step as weight @ x^T (torch's linear of a few rows is slow on CPU)."""
+import types
+
 import torch
+import torch.nn.functional as F
 
 from distributed import run_distributed
 from test_generate import NEW
@@ -81,3 +86,28 @@ def test_greedy_decoding_at_tp2_needs_no_embedding_all_reduce():
     # a row that ended continues with the pad token: from then on the embedding looks tokens up again
     counts = run_distributed(embedding_all_reduces, 2, families=["llama"], eos_from_step=1, timeout=TIMEOUT)
     assert counts[0] == counts[1] and 1 < counts[0] <= NEW, counts
+
+
+def test_few_rows_at_inference_multiply_as_weight_times_rows(monkeypatch):
+    from colozoo.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, matmul
+
+    torch.manual_seed(0)
+    layers = [ColumnParallelLinear(16, 24), RowParallelLinear(24, 16), VocabParallelLMHead(16, 40)]
+    inputs = [torch.randn(4, 1, 16), torch.randn(4, 1, 24), torch.randn(4, 1, 16)]
+    expected = [F.linear(x, m.weight, getattr(m, "bias", None)) for m, x in zip(layers, inputs)]
+    plain = F.linear
+
+    def refused(x, weight, bias=None):
+        if not torch.is_grad_enabled() and x.numel() // x.shape[-1] <= matmul.FEW_ROWS:
+            raise AssertionError("a decoding step's few rows took F.linear")
+        return plain(x, weight, bias)
+
+    monkeypatch.setattr(matmul, "F", types.SimpleNamespace(linear=refused))
+    with torch.no_grad():
+        for layer, x, want in zip(layers, inputs, expected):
+            got = layer(x)
+            assert got.shape == want.shape and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        many = torch.randn(2, matmul.FEW_ROWS, 16)  # a prefill's rows: F.linear as before
+        torch.testing.assert_close(layers[0](many), plain(many, layers[0].weight, layers[0].bias))
+    assert torch.equal(layers[0](inputs[0]), expected[0])  # training (grad enabled) keeps F.linear exactly
