@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from colozoo.kernels.dispatch import use_triton
@@ -20,6 +19,7 @@ from colozoo.kernels.dispatch import use_triton
 from .activations import GELU_APPROXIMATION, bias_gelu, get_activation
 from .comm import (SEQ_DIM, all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
                    group_size, reduce_from_parallel, reduce_scatter_to_sequence, start_reduce, sum_replica_grads)
+from .matmul import linear
 from .shard import Split, local_pieces, replicated_pieces, shard
 
 
@@ -72,10 +72,11 @@ def _enter_parallel(x, group, sequence_parallel: bool):
 def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool = False) -> torch.Tensor:
     """F.linear of x (replicated, or sequence-sharded under sequence parallelism) with a column-parallel weight.
     Under torch.compile the plain mappings: dynamo turns their collectives into functional ones it schedules itself
-    (an async wait inside an autograd Function's backward would break the graph)."""
-    if group_size(group) > 1 and not torch.compiler.is_compiling():
+    (an async wait inside an autograd Function's backward would break the graph); without gradients (inference),
+    layers.matmul.linear, which multiplies a decoding step's few rows faster on CPU."""
+    if group_size(group) > 1 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel)
-    return F.linear(_enter_parallel(x, group, sequence_parallel), weight, bias)
+    return linear(_enter_parallel(x, group, sequence_parallel), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -117,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
             y = column_parallel_linear(x, weight, None if fuse_bias else bias, self.group, self.sequence_parallel)
         else:  # the adapter reads the same input: the input gradient is summed over both paths
             x = _enter_parallel(x, self.group, self.sequence_parallel)
-            y = self.lora(x, F.linear(x, weight, None if fuse_bias else bias))  # before the activation
+            y = self.lora(x, linear(x, weight, None if fuse_bias else bias))  # before the activation
         if fuse_bias:
             y = bias_gelu(y, bias, GELU_APPROXIMATION[self.activation])
         elif self.act is not None:
@@ -146,9 +147,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:  # nothing to reduce: the bias rides in the matmul (addmm)
-            y = F.linear(x, self.weight, self.bias)
+            y = linear(x, self.weight, self.bias)
             return y if self.lora is None else self.lora(x, y)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.lora is not None:  # the low-rank path's partial output joins the partial sum before the reduce
             y = self.lora(x, y)
         if self.sequence_parallel:

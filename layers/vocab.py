@@ -45,7 +45,14 @@ class VocabParallelEmbedding(nn.Module):
             nn.init.normal_(self.weight)
             self.weight.data[self.vocab_stop - self.vocab_start:] = 0
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., embedding_dim) rows of `ids`. `rows`: those rows already known on every rank (greedy decoding under
+        tensor parallelism gathers them with the chosen tokens, vocab_parallel_argmax): returned as they are, with
+        no all-reduce."""
+        if rows is not None:
+            if rows.shape != (*ids.shape, self.embedding_dim):
+                raise ValueError(f"token rows {tuple(rows.shape)} do not match ids {tuple(ids.shape)}")
+            return rows
         tp = group_size(self.group)
         local_pad = None
         if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_stop:
@@ -135,22 +142,35 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tenso
                                             label_smoothing, vocab_size)
 
 
-def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=None) -> torch.Tensor:
+def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=None,
+                          embedding: torch.Tensor | None = None):
     """argmax over the last dim of the full-vocabulary logits, from each rank's (padded) slice: every rank
     exchanges its best (value, global index) per row instead of its whole slice. Ties go to the lowest index, as
-    torch.argmax over the gathered logits decides them (the first rank holding the maximum, its first index)."""
+    torch.argmax over the gathered logits decides them (the first rank holding the maximum, its first index).
+
+    With `embedding` (this rank's vocab slice of the token embedding's weight) each rank sends its candidate's
+    embedding row too, and (tokens, their rows) come back: the next step's embedding then needs no all-reduce.
+    The rows travel in fp64, which holds fp32, fp16 and bf16 values exactly."""
     start, stop, _ = vocab_range(vocab_size, group)
     if group_size(group) == 1:
-        return logits_local[..., :vocab_size].argmax(dim=-1)
+        tokens = logits_local[..., :vocab_size].argmax(dim=-1)
+        return tokens if embedding is None else (tokens, embedding[tokens])
     if stop > start:
         index = logits_local[..., : stop - start].argmax(dim=-1, keepdim=True)
         value = logits_local.gather(-1, index).double()
     else:  # this rank holds only padding
         value = logits_local.new_full((*logits_local.shape[:-1], 1), float("-inf"), dtype=torch.float64)
         index = torch.zeros_like(value, dtype=torch.long)
-    candidates = all_gather(torch.cat((value, (index + start).double()), dim=-1)[None], 0, group)  # (tp, ..., 2)
-    best = candidates[..., 0].argmax(dim=0, keepdim=True)
-    return candidates[..., 1].gather(0, best).squeeze(0).long()
+    sent = [value, (index + start).double()]
+    if embedding is not None:
+        sent.append(embedding[index.squeeze(-1)].double())
+    candidates = all_gather(torch.cat(sent, dim=-1)[None], 0, group)  # (tp, ..., 2 [+ embedding_dim])
+    best = candidates[..., :1].argmax(dim=0, keepdim=True)
+    tokens = candidates[..., 1].gather(0, best.squeeze(-1)).squeeze(0).long()
+    if embedding is None:
+        return tokens
+    rows = candidates[..., 2:].gather(0, best.expand(*best.shape[:-1], embedding.shape[-1])).squeeze(0)
+    return tokens, rows.to(embedding.dtype)
 
 
 class VocabParallelLMHead(nn.Module):

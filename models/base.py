@@ -34,6 +34,7 @@ class BatchContext:
     cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
     data_group: object | None = None     # where batch statistics (MoE router losses) are summed; None: the cp group
     cache: object | None = None          # layers.kv_cache.KVCache while generating: attention reads and extends it
+    token_rows: torch.Tensor | None = None  # greedy decoding under tp: the token embedding's rows of input_ids
     hidden_states: list | None = None    # with output_hidden_states: every layer's input, then the last output
     _documents: torch.Tensor | bool | None = None  # packed document ids once computed; False: one per row
 

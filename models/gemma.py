@@ -109,6 +109,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return ctx
 
     def embed(self, input_ids, ctx):
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids, ctx.token_rows)
         # transformers rounds the normaliser to the activation dtype first (sqrt(3072) in bf16 is 55.5, not 55.4)
         return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)

@@ -111,7 +111,7 @@ class GPT2ForCausalLM(ParallelModel):
         positions = self.wpe(ctx.position_ids)
         if self.sequence_parallel:
             positions = scatter_to_sequence(positions, self.tp_group)
-        hidden = self.wte(input_ids) + positions
+        hidden = self.wte(input_ids, ctx.token_rows) + positions
         return dropout(hidden, self.config.embd_pdrop, self.training, sharded=self.sequence_parallel)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:

@@ -103,7 +103,7 @@ class GPTNeoXForCausalLM(RotaryModel):
         self.rotary = RotaryEmbedding(config, device=device)
 
     def embed(self, input_ids, ctx):
-        return dropout(self.embed_in(input_ids), self.config.hidden_dropout, self.training,
+        return dropout(self.embed_in(input_ids, ctx.token_rows), self.config.hidden_dropout, self.training,
                        sharded=self.sequence_parallel)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:

@@ -412,7 +412,7 @@ class LlamaForCausalLM(RotaryModel):
 
 
     def embed(self, input_ids, ctx):
-        return self.embed_tokens(input_ids)
+        return self.embed_tokens(input_ids, ctx.token_rows)
 
     def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
         hidden = self.norm(hidden)

@@ -109,7 +109,7 @@ class OPTForCausalLM(ParallelModel):
         positions = self.embed_positions(ctx.position_ids + POSITION_OFFSET)
         if self.sequence_parallel:
             positions = scatter_to_sequence(positions, self.tp_group)
-        tokens = self.embed_tokens(input_ids)
+        tokens = self.embed_tokens(input_ids, ctx.token_rows)
         if hasattr(self, "project_in"):
             tokens = self.project_in(tokens)
         return tokens + positions

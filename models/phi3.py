@@ -35,5 +35,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                         sequence_parallel=pc.sequence_parallel, **kw)
 
     def embed(self, input_ids, ctx):
-        return dropout(self.embed_tokens(input_ids), self.config.embd_pdrop, self.training,
+        return dropout(self.embed_tokens(input_ids, ctx.token_rows), self.config.embd_pdrop, self.training,
                        sharded=self.sequence_parallel)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.layers.kv_cache import KVCache
-from colozoo.layers.vocab import vocab_parallel_argmax
+from colozoo.layers.vocab import VocabParallelEmbedding, vocab_parallel_argmax
 from colozoo.runtime.pipeline import LOGITS, through_stages
 from colozoo.runtime.sampling import GenerationOptions, finish, next_tokens
 
@@ -62,7 +62,7 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(pc.device)).long()
     batch = input_ids.shape[0]
     micro = num_microbatches or (min(batch, pc.config.pp) if pc.config.pp > 1 else 1)
-    rows = [slice(r[0].item(), r[-1].item() + 1) for r in torch.arange(batch).tensor_split(micro) if len(r)]
+    micro_rows = [slice(r[0].item(), r[-1].item() + 1) for r in torch.arange(batch).tensor_split(micro) if len(r)]
     cache = KVCache(mask, max_len=input_ids.shape[1] + options.max_new_tokens)
     generator = None
     if options.do_sample:  # greedy decoding draws nothing: training's random state stays as it was
@@ -75,25 +75,33 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     # greedy without a repetition penalty needs only each vocab slice's best logit, not the gathered logits
     sharded_argmax = pc.tp_size > 1 and not options.do_sample and options.repetition_penalty in (None, 1.0)
     logits_wanted = "local" if sharded_argmax else True
+    embedding = _token_embedding(model) if sharded_argmax else None
+    rows = None  # the embedding rows of `new`, gathered with the tokens: the step's embedding needs no all-reduce
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
     if streamer is not None:
         streamer.put(input_ids.cpu())
     for step in range(options.max_new_tokens):
         started = time.perf_counter()
         if step and sequences.shape[1] == reencode:  # drop the cache, encode everything again
-            cache.length, new = 0, sequences
+            cache.length, new, rows = 0, sequences, None
         positions = generation_positions(mask)[:, -new.shape[1]:]
-        if len(rows) > 1 and hasattr(model, "rotary"):  # dynamic / LongRoPE choose by the whole batch's length
+        if len(micro_rows) > 1 and hasattr(model, "rotary"):  # dynamic / LongRoPE choose by the whole batch's length
             extra["rope_length"] = int(positions.max()) + 1
+        if rows is not None:
+            extra["token_rows"] = rows[:, None]
         logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r), extra, logits_wanted)
-                  for r in rows]
+                  for r in micro_rows]
+        extra.pop("token_rows", None)
         cache.length += new.shape[1]
-        tokens = None
+        tokens, rows = None, None
         if pc.is_last_stage and sharded_argmax:
-            tokens = vocab_parallel_argmax(torch.cat(logits), model.config.vocab_size, pc.tp_group)
+            chosen = vocab_parallel_argmax(torch.cat(logits), model.config.vocab_size, pc.tp_group, embedding)
+            tokens, rows = chosen if embedding is not None else (chosen, None)
         elif pc.is_last_stage:
             tokens = next_tokens(torch.cat(logits).float(), sequences, options, generator)
         tokens = _from_last_stage(model, tokens, batch)
+        if rows is not None and options.eos_token_id is not None and not bool(unfinished.all()):
+            rows = None  # a finished row continues with the pad token, not the token chosen for it
         tokens, unfinished = finish(tokens, unfinished, options)
         sequences = torch.cat([sequences, tokens[:, None]], dim=1)
         mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
@@ -109,6 +117,18 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     model.run.last_generation = dict(timings, batch=batch, prompt_tokens=input_ids.shape[1],
                                      new_tokens=sequences.shape[1] - input_ids.shape[1], cache_elements=cache.numel())
     return sequences
+
+
+def _token_embedding(model) -> torch.Tensor | None:
+    """This rank's slice of the token embedding's weight when the ranks choosing tokens also embed them (pp == 1),
+    as a plain tensor (not sharded further by FSDP); None otherwise."""
+    name = getattr(model, "tied_embedding", None)
+    if model.pc.config.pp > 1 or name is None:
+        return None
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    if not isinstance(module, VocabParallelEmbedding) or type(module.weight.data) is not torch.Tensor:
+        return None
+    return module.weight.detach()
 
 
 def _shared_seed(pc) -> int:

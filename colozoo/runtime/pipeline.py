@@ -83,18 +83,19 @@ class StageModule(nn.Module):
 
     def forward(self, x, router_stats=None, *, token_ids, labels=None, attention_mask=None,
                 eval_outputs: bool = False, return_logits: bool = False, step: StepScales | None = None,
-                cache=None, **inputs):
+                cache=None, token_rows=None, **inputs):
         """x: the input_ids on the first stage, else the previous stage's hidden states; token_ids: the input_ids
         (every stage rebuilds the batch context from them and the other model `inputs`, e.g. position_ids).
         With MoE router losses, earlier stages' `router_stats` come along with the hidden states and this stage
         hands on the sum with its own layers' (the last stage's losses need every layer's). `step`: the training
-        step's scales (a forward without labels needs none); `cache`: the KV cache of incremental decoding."""
+        step's scales (a forward without labels needs none); `cache`: the KV cache of incremental decoding;
+        `token_rows`: the token embedding's rows of x, known already (greedy decoding, runtime.generate)."""
         model = self.model
         with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             if not eval_outputs or cache is not None:  # hidden states are outputs of an eval forward only
                 inputs["output_hidden_states"] = False
             ctx = model.context(token_ids, attention_mask, **inputs)
-            ctx.data_group, ctx.cache = self.data_group, cache
+            ctx.data_group, ctx.cache, ctx.token_rows = self.data_group, cache, token_rows
             if router_stats is not None:
                 ctx.router_stats_in = router_stats
             if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
