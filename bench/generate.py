@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 
@@ -25,15 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import transformers  # noqa: E402
 
-
-def llama_config(args):
-    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                    num_key_value_heads=args.heads // 2, max_position_embeddings=4096,
-                                    pad_token_id=0)
+from _ranks import llama_config, run_ranks  # noqa: E402
 
 
 def prompts(args):
@@ -121,10 +114,7 @@ def one_process(args):
     report("tp1", dict(vars(args), tp=1), metrics, "transformers generate (LlamaForCausalLM, sdpa, DynamicCache)")
 
 
-def _tp_rank(rank, world, port, path, args, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _tp_rank(rank, world, path, args):
     import colozoo
 
     ours = colozoo.from_pretrained(path, tp=world).eval()
@@ -133,7 +123,7 @@ def _tp_rank(rank, world, port, path, args, queue):
     with torch.no_grad():
         metrics = measure(ours, hf, ids, mask, args)
     metrics["kv_cache_bytes"], metrics["kv_cache_bytes_formula"] = cache_bytes(ours, ours.config, args, world)
-    queue.put((rank, metrics))
+    return metrics
 
 
 def tensor_parallel(args, world=2):
@@ -141,25 +131,7 @@ def tensor_parallel(args, world=2):
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as path:
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_tp_rank, args=(r, world, port, path, args, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = {}
-        while len(results) < world:
-            try:
-                rank, metrics = queue.get(timeout=10)
-                results[rank] = metrics
-            except Exception:  # queue.Empty: is a rank dead?
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise SystemExit(f"a tensor-parallel rank failed (exit codes {dead}); see its traceback above")
-        for p in procs:
-            p.join()
+        results = run_ranks(_tp_rank, world, path, args)
     report("tp2", dict(vars(args), tp=world, threads_per_rank=1), results[0],
            "transformers generate with its native tensor parallelism (tp_plan='auto', gloo)")
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -29,17 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import transformers  # noqa: E402
 
 from _comm_timer import CommTimer, op_breakdown  # noqa: E402
-
-
-def llama_config(args):
-    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                    num_key_value_heads=args.heads // 2, max_position_embeddings=4096,
-                                    pad_token_id=0)
+from _ranks import llama_config, run_ranks  # noqa: E402
 
 
 def batch(args):
@@ -115,10 +107,7 @@ def bare_collectives(numel: int, repeats: int = 20) -> dict:
     return out
 
 
-def _rank(rank, world, port, path, args, flops, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _rank(rank, world, path, args):
     import colozoo
 
     sides = {"colozoo": colozoo.from_pretrained(path, tp=world),
@@ -149,30 +138,7 @@ def _rank(rank, world, port, path, args, flops, queue):
             result["profile"][side] = timer.summary()
             result["profile"][side]["self_cpu_s_per_step"] = op_breakdown(lambda: train_step(sides[side], ids, labels))
         result["bare"] = bare_collectives(args.batch * args.seq * args.hidden)
-    queue.put((rank, result))
-
-
-def run_ranks(args, path, flops, world=2):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, path, args, flops, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < world:
-        try:
-            rank, result = queue.get(timeout=10)
-            results[rank] = result
-        except Exception:  # queue.Empty: is a rank dead?
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise SystemExit(f"a tensor-parallel rank failed (exit codes {dead}); see its traceback above")
-    for p in procs:
-        p.join()
-    return results
+    return result
 
 
 def report(args, flops, results, world=2):
@@ -220,7 +186,7 @@ def main():
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)
         del model
-        results = run_ranks(args, path, flops)
+        results = run_ranks(_rank, 2, path, args)
     report(args, flops, results)
 
 
