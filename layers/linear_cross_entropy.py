@@ -15,7 +15,9 @@ import torch.nn.functional as F
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, label_smoothing):
-        logits = F.linear(hidden, weight, bias).float()  # the loss is taken in fp32, as on the log-softmax path
+        logits = F.linear(hidden, weight, bias)
+        ctx.matmul_dtype = logits.dtype  # under autocast, lower than the inputs': the backward's matmuls take it too
+        logits = logits.float()  # the loss is taken in fp32, as on the log-softmax path
         vocab, eps = logits.shape[-1], label_smoothing
         ignored = target == ignore_index
         target = target.masked_fill(ignored, 0).unsqueeze(-1)
@@ -34,18 +36,19 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if eps > 0:
             grad.sub_(eps / vocab)
         ctx.save_for_backward(hidden, weight, grad, ignored)
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return loss.masked_fill(ignored, 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad_sum):
         hidden, weight, grad, ignored = ctx.saved_tensors
-        grad = grad.to(hidden.dtype)
+        dtype = ctx.matmul_dtype
+        grad, x, w = grad.to(dtype), hidden.to(dtype), weight.to(dtype)
         # the rows of ignored tokens are dropped from the small operands, not zeroed in the (tokens, vocab) one
-        row_scale = (~ignored).to(hidden.dtype) * grad_sum.to(hidden.dtype)
-        grad_hidden = (grad @ weight) * row_scale.unsqueeze(-1) if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ (hidden * row_scale.unsqueeze(-1)) if ctx.needs_input_grad[1] else None
-        grad_bias = row_scale @ grad if ctx.has_bias and ctx.needs_input_grad[2] else None
+        row_scale = (~ignored).to(dtype) * grad_sum.to(dtype)
+        grad_hidden = ((grad @ w) * row_scale.unsqueeze(-1)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.t() @ (x * row_scale.unsqueeze(-1))).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = (row_scale @ grad).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
