@@ -48,7 +48,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         row_scale = (~ignored).to(dtype) * grad_sum.to(dtype)
         grad_hidden = ((grad @ w) * row_scale.unsqueeze(-1)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad.t() @ (x * row_scale.unsqueeze(-1))).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = (row_scale @ grad).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        grad_bias = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = (row_scale @ grad).to(ctx.bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
