@@ -10,9 +10,10 @@ FEW_ROWS = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; at inference on CPU with 2..FEW_ROWS rows (a decoding step's tokens), as (weight @ x^T)^T."""
+    """F.linear; at inference on CPU in fp32 with 2..FEW_ROWS rows (a decoding step's tokens), as (weight @ x^T)^T.
+    Not in bf16 / fp16: there the other product's kernel rounds differently from F.linear's."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 < rows <= FEW_ROWS or x.device.type != "cpu" or torch.is_grad_enabled():
+    if not 1 < rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
     if bias is not None:
