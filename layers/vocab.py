@@ -96,7 +96,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # one collective, not three: each rank's max, sum of exps relative to it and target logit (and logit sum, for
         # label smoothing) are gathered. A rank holding only padding has max -inf: clamped, so its exps are 0, not nan
         local_max = logits.max(dim=-1, keepdim=True).values.clamp(min=torch.finfo(logits.dtype).min)
-        stats = [local_max.squeeze(-1), logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0)]
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0)
+        stats = [local_max.squeeze(-1), target_logit]
         if label_smoothing > 0:
             stats.append(logits[..., :valid].sum(dim=-1))
         exp = (logits - local_max).exp_()
@@ -143,18 +144,19 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tenso
 
 
 def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=None,
-                          embedding: torch.Tensor | None = None):
+                          embedding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """argmax over the last dim of the full-vocabulary logits, from each rank's (padded) slice: every rank
     exchanges its best (value, global index) per row instead of its whole slice. Ties go to the lowest index, as
     torch.argmax over the gathered logits decides them (the first rank holding the maximum, its first index).
+    Returns (tokens, None), or with `embedding` (tokens, their embedding rows).
 
     With `embedding` (this rank's vocab slice of the token embedding's weight) each rank sends its candidate's
-    embedding row too, and (tokens, their rows) come back: the next step's embedding then needs no all-reduce.
+    embedding row too, so every rank gets the chosen rows: the next step's embedding then needs no all-reduce.
     The rows travel in fp64, which holds fp32, fp16 and bf16 values exactly."""
     start, stop, _ = vocab_range(vocab_size, group)
     if group_size(group) == 1:
         tokens = logits_local[..., :vocab_size].argmax(dim=-1)
-        return tokens if embedding is None else (tokens, embedding[tokens])
+        return tokens, None if embedding is None else embedding[tokens]
     if stop > start:
         index = logits_local[..., : stop - start].argmax(dim=-1, keepdim=True)
         value = logits_local.gather(-1, index).double()
@@ -168,7 +170,7 @@ def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=Non
     best = candidates[..., :1].argmax(dim=0, keepdim=True)
     tokens = candidates[..., 1].gather(0, best.squeeze(-1)).squeeze(0).long()
     if embedding is None:
-        return tokens
+        return tokens, None
     rows = candidates[..., 2:].gather(0, best.expand(*best.shape[:-1], embedding.shape[-1])).squeeze(0)
     return tokens, rows.to(embedding.dtype)
 

@@ -61,6 +61,22 @@ def test_greedy_decoding_at_tp2_needs_no_embedding_all_reduce():
     assert counts[0] == counts[1] and 1 < counts[0] <= NEW, counts
 
 
+def microbatched_greedy():
+    from test_generate import ours_and_hf, prompts
+
+    from colozoo.core.mesh import init_parallel
+
+    config, hf, model = ours_and_hf("llama", init_parallel(tp=2))
+    ids, mask = prompts(config.vocab_size)
+    options = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return torch.equal(model.generate(ids, attention_mask=mask, num_microbatches=3, **options),
+                       hf.generate(ids, attention_mask=mask, **options))
+
+
+def test_greedy_tp2_decoding_in_micro_batches_takes_each_ones_embedding_rows():
+    assert run_distributed(microbatched_greedy, 2, timeout=TIMEOUT) == [True, True]
+
+
 def test_few_rows_at_inference_multiply_as_weight_times_rows(monkeypatch):
     from colozoo.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, matmul
 

@@ -211,7 +211,7 @@ def sharded_argmax(tp):
         start, stop, per = vocab_range(vocab, pc.tp_group)
         local = torch.full((6, per), 100.0)  # padding columns would win if they were counted
         local[:, : stop - start] = full[:, start:stop]
-        agree.append(torch.equal(vocab_parallel_argmax(local, vocab, pc.tp_group), full.argmax(dim=-1)))
+        agree.append(torch.equal(vocab_parallel_argmax(local, vocab, pc.tp_group)[0], full.argmax(dim=-1)))
     return agree
 
 

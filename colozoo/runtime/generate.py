@@ -87,16 +87,13 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
         positions = generation_positions(mask)[:, -new.shape[1]:]
         if len(micro_rows) > 1 and hasattr(model, "rotary"):  # dynamic / LongRoPE choose by the whole batch's length
             extra["rope_length"] = int(positions.max()) + 1
-        if rows is not None:
-            extra["token_rows"] = rows[:, None]
-        logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r), extra, logits_wanted)
+        logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r),
+                               extra if rows is None else dict(extra, token_rows=rows[r, None]), logits_wanted)
                   for r in micro_rows]
-        extra.pop("token_rows", None)
         cache.length += new.shape[1]
         tokens, rows = None, None
         if pc.is_last_stage and sharded_argmax:
-            chosen = vocab_parallel_argmax(torch.cat(logits), model.config.vocab_size, pc.tp_group, embedding)
-            tokens, rows = chosen if embedding is not None else (chosen, None)
+            tokens, rows = vocab_parallel_argmax(torch.cat(logits), model.config.vocab_size, pc.tp_group, embedding)
         elif pc.is_last_stage:
             tokens = next_tokens(torch.cat(logits).float(), sequences, options, generator)
         tokens = _from_last_stage(model, tokens, batch)
