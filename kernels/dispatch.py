@@ -1,6 +1,7 @@
 """Which implementation a layer runs: the Triton kernels or the pure-torch references.
 
-    COLOZOO_KERNELS=auto    Triton on CUDA tensors when triton imports, torch elsewhere (the default)
+    COLOZOO_KERNELS=auto    Triton on CUDA tensors when triton imports and the kernel beats torch's, torch elsewhere
+                            (the default)
     COLOZOO_KERNELS=triton  always Triton (CPU tensors need TRITON_INTERPRET=1 set before the kernels load)
     COLOZOO_KERNELS=torch   always torch
 
@@ -68,14 +69,16 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
-def use_triton(*tensors: torch.Tensor | None) -> bool:
-    """Whether the op on these tensors should take the Triton path."""
+def use_triton(*tensors: torch.Tensor | None, auto: bool = True) -> bool:
+    """Whether the op on these tensors should take the Triton path. `auto=False`: 'auto' mode keeps torch here,
+    because torch's own CUDA kernel is faster for this case (bench/kernels.py measures both); 'triton' still forces
+    the kernel."""
     mode = kernel_mode()
     if mode == "torch":
         return False
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
     if mode == "auto":
-        return on_cuda and triton_available()
+        return auto and on_cuda and triton_available()
     if not triton_available():
         raise RuntimeError(f"{ENV_VAR}=triton but triton does not import on this machine")
     if not on_cuda and not interpreting():

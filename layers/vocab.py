@@ -22,6 +22,11 @@ from .linear import column_parallel_linear
 from .linear_cross_entropy import linear_cross_entropy_sum
 from .shard import Split, shard
 
+# On CUDA the chunked fused head + loss keeps only a chunk of logits but recomputes them in the backward: on an H100
+# (bench/kernels.py) a plain head + the Triton loss was 1.6x faster at 8k tokens x 128k vocab for 0.4 GiB more. So
+# 'auto' fuses only past this many bytes of logits, where their memory starts to matter.
+FUSED_HEAD_ABOVE_BYTES = 4 * 2**30
+
 
 class Embedding(nn.Embedding):
     """A replicated embedding (positions, token types): nn.Embedding, with no random init on the meta device
@@ -222,19 +227,21 @@ class VocabParallelLMHead(nn.Module):
     def loss_and_logits(self, hidden, labels=None, return_logits=False, cp=None, ignore_index=-100,
                         label_smoothing=0.0):
         """(loss or None, full logits or None) from the final hidden states. When only the loss is wanted (and no
-        softcap applies) the head matmul is fused into the loss: on the Triton path in chunks, with no logits tensor;
-        on the torch path with the whole vocabulary on this rank, the logits become their gradient in the forward
+        softcap applies) the head matmul is fused into the loss: on CUDA in chunks with no logits tensor, once the
+        logits would pass FUSED_HEAD_ABOVE_BYTES (below it the head and the Triton loss run apart, faster); on the
+        torch path with the whole vocabulary on this rank, the logits become their gradient in the forward
         (layers.linear_cross_entropy)."""
         weight = self.head_weight()
         if labels is not None and not return_logits and self.softcap is None:
             targets = self._next_tokens(labels, ignore_index, cp)
-            if use_triton(hidden, weight):
+            large = targets.numel() * weight.shape[0] * hidden.element_size() > FUSED_HEAD_ABOVE_BYTES
+            if use_triton(hidden, weight, auto=large):
                 from colozoo.kernels.cross_entropy import linear_cross_entropy_triton as linear_cross_entropy
 
                 per_token = linear_cross_entropy(self._enter_parallel(hidden), weight, targets, self.vocab_size,
                                                  self.bias, self.group, ignore_index, label_smoothing)
                 return self._mean(per_token.sum(), targets, ignore_index, cp), None
-            if group_size(self.group) == 1:  # the whole vocabulary here: the torch path fuses the head too
+            if group_size(self.group) == 1 and not use_triton(hidden, weight):  # the torch path fuses the head too
                 return self._mean(self(hidden, targets, ignore_index, label_smoothing), targets, ignore_index, cp), None
         logits_local = self(hidden)
         loss = self.loss(logits_local, labels, ignore_index, label_smoothing, cp) if labels is not None else None

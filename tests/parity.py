@@ -125,18 +125,20 @@ def global_shapes(model, sources, reader):
 
 def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_parallel: bool = False,
                      padded: bool = True, seq_len: int = 12, logits_atol=LOGITS_ATOL, grad_atol=GRAD_ATOL,
-                     attn_implementation: str = "sdpa"):
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
+                     attn_implementation: str = "sdpa", device="cpu", dtype=torch.float32):
+    """`device`/`dtype`: both models there (tests/test_gpu.py runs it on CUDA, where the Triton kernels compile)."""
+    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel, device=torch.device(device))
     config, hf = hf_causal_lm(model_type, config_kwargs, attn_implementation=attn_implementation)
-    ids, mask, labels = batch(config.vocab_size, seq_len, padded=padded)
+    hf = hf.to(device, dtype)
+    ids, mask, labels = (None if t is None else t.to(device) for t in batch(config.vocab_size, seq_len, padded=padded))
 
     ref = hf(ids, attention_mask=mask, labels=labels, output_hidden_states=True)
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
 
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, pc=pc, device="meta", dtype=dtype)
     weights = StateDictReader(hf.state_dict())
-    load_hf_weights(model, weights, device="cpu")
+    load_hf_weights(model, weights, device=device)
     model.eval()
     with layer_input_lengths(model) as lengths:
         out = model(ids, attention_mask=mask, labels=labels, return_logits=True, output_hidden_states=True)

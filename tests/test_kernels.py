@@ -194,7 +194,8 @@ def test_flash_attention_softcap(case, dtype):
         keep = torch.ones(b, sk, dtype=torch.bool)
         keep[0, :3] = False
         mask = keep[:, None, None, :].to(DEVICE)
-    tensors = [randn(b, h, sq, d, seed=1), randn(b, hk, sk, d, seed=2), randn(b, hk, sk, d, seed=3)]
+    tensors = [randn(*shape, seed=seed).to(DEVICE) for seed, shape in ((1, (b, h, sq, d)), (2, (b, hk, sk, d)),
+                                                                       (3, (b, hk, sk, d)))]
     capped = fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3, softcap=1.0)
     assert (capped - fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3)).abs().max() > 0.05
     check(lambda q, k, v: fa.flash_attention_triton(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
@@ -640,11 +641,11 @@ def test_models_take_the_triton_path_only_when_asked(monkeypatch):
 
     calls = count_kernel_calls(monkeypatch)
     tiny = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, vocab_size=50)
-    ids = torch.randint(0, 50, (1, 4))
+    ids = torch.randint(0, 50, (1, 4), device=DEVICE)
     for model_type, extra in (("llama", dict(num_key_value_heads=1)),
                               ("mixtral", dict(num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1))):
         torch.manual_seed(0)
-        model = build_model(AutoConfig.for_model(model_type, **tiny, **extra))
+        model = build_model(AutoConfig.for_model(model_type, **tiny, **extra), device=DEVICE)
         with dispatch.use_kernels("torch"):
             expected = model(ids, labels=ids).loss
             model(ids, labels=ids).loss.backward()

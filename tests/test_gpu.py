@@ -1,0 +1,110 @@
+"""On a CUDA GPU, where the Triton kernels compile (skipped without one; CI has none): every causal family against
+transformers on the same GPU. Logits, loss, hidden states and every gradient in fp32 (the kernels' fp32 dots are IEEE,
+not tf32); the loss in bf16; greedy generation token for token through `colozoo.from_pretrained(..., device="cuda")`
+and the flash-decoding kernel; a few AdamW steps' losses. Run `pytest tests/test_gpu.py` on a GPU machine."""
+import pytest
+import torch
+
+import colozoo
+from parity import batch, causal_lm_parity, close, hf_causal_lm
+from test_gemma import ATTENTION as GEMMA_ATTENTION
+from test_gemma import CONFIGS as GEMMA
+from test_generate import FAMILIES as GENERATE_FAMILIES
+from test_generate import prompts
+from test_gpt_neox import BASE as NEOX
+from test_phi3 import BASE as PHI3
+from test_qwen import BASE as QWEN
+
+from colozoo.kernels import dispatch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DENSE = {**{f: GENERATE_FAMILIES[f] for f in ("gpt2", "opt", "llama", "mistral")}, **GEMMA, "phi3": PHI3,
+         "qwen2": QWEN, "qwen3": dict(QWEN, head_dim=32), "gpt_neox": NEOX}
+MOE = {f: GENERATE_FAMILIES[f] for f in ("mixtral", "qwen2_moe")}
+ATTENTION = dict(GEMMA_ATTENTION)
+FP32_ATOL = 1e-4  # IEEE fp32 dots, but another summation order than cuBLAS and SDPA
+
+
+@pytest.fixture(autouse=True)
+def on_triton():
+    """'auto' would take them too on CUDA; forcing makes a silent fall-back to torch impossible."""
+    with dispatch.use_kernels("triton"):
+        yield
+
+
+@pytest.mark.parametrize("family", sorted(DENSE))
+def test_fp32_logits_loss_and_gradients_match_transformers(family):
+    # Gemma 2 unpadded: the flash kernel gives a row that sees no key zeros, transformers' eager attention an even
+    # spread over all keys ('auto' keeps padded capped attention on torch: the next test)
+    report = causal_lm_parity(family, DENSE[family], attn_implementation=ATTENTION.get(family, "sdpa"),
+                              logits_atol=FP32_ATOL, grad_atol=FP32_ATOL, device="cuda", padded=family != "gemma2")
+    print(family, report)  # the harness asserts; -s shows the worst differences
+
+
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+def test_auto_kernels_match_transformers_on_a_padded_batch(family):
+    with dispatch.use_kernels("auto"):
+        causal_lm_parity(family, DENSE[family], attn_implementation=ATTENTION.get(family, "sdpa"),
+                         logits_atol=FP32_ATOL, grad_atol=FP32_ATOL, device="cuda")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_bf16_matches_transformers(family):
+    """bf16 against bf16: other kernels round elsewhere, so a few elements differ by a bf16 step of a value near 4;
+    a wrong mask or scale moves the logits by whole units."""
+    causal_lm_parity(family, DENSE[family], attn_implementation=ATTENTION.get(family, "sdpa"), logits_atol=0.1,
+                     grad_atol=0.1, device="cuda", dtype=torch.bfloat16, padded=family != "gemma2")
+
+
+def saved(tmp_path, family, config_kwargs, dtype=torch.float32):
+    config, hf = hf_causal_lm(family, config_kwargs, attn_implementation=ATTENTION.get(family, "sdpa"))
+    hf = hf.to("cuda", dtype)
+    hf.save_pretrained(tmp_path)
+    return config, hf
+
+
+@pytest.mark.parametrize("family", sorted(DENSE) + sorted(MOE))
+def test_greedy_generate_token_for_token_on_gpu(tmp_path, family):
+    config, hf = saved(tmp_path, family, {**DENSE, **MOE}[family])
+    model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
+    assert all(p.is_cuda for p in model.parameters())
+    ids, mask = (t.cuda() for t in prompts(config.vocab_size))
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = hf.generate(ids, attention_mask=mask, **options)
+    got = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(got, expected), f"{family}:\nours {got.tolist()}\nhf   {expected.tolist()}"
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_logits_and_loss_match_transformers(tmp_path, family):
+    config, hf = saved(tmp_path, family, MOE[family])
+    model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
+    ids, mask, labels = (t.cuda() for t in batch(config.vocab_size, 12))
+    ref = hf(ids, attention_mask=mask, labels=labels)
+    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    keep = mask.bool()
+    close(out.logits[keep], ref.logits[keep], FP32_ATOL, "logits")
+    close(out.loss, ref.loss, FP32_ATOL, "loss")
+
+
+def test_adamw_steps_follow_transformers(tmp_path):
+    """Five AdamW steps in bf16 autocast from the same weights: the loss curves agree."""
+    config, hf = saved(tmp_path, "llama", DENSE["llama"])
+    model = colozoo.from_pretrained(tmp_path, device="cuda").train()
+    hf.train()
+    ids, mask, labels = (t.cuda() for t in batch(config.vocab_size, 12))
+    curves = []
+    for net in (hf, model):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(5):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = net(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        curves.append(torch.tensor(losses))
+    assert curves[1][-1] < curves[1][0]
+    torch.testing.assert_close(curves[1], curves[0], rtol=2e-2, atol=2e-2)
