@@ -165,7 +165,7 @@ def main():
         print(json.dumps({"bench": "gpu", "skipped": "no CUDA device"}))
         return
     peak = matmul_peak()
-    for family in args.families.split(","):
+    for family in filter(None, args.families.split(",")):
         bench_step(family, args, peak)
     if not args.skip_generate:
         bench_generate(args)
