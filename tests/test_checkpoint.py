@@ -306,6 +306,39 @@ def test_save_pretrained_of_an_fsdp_model(tmp_path):
     assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
 
 
+def _save_fsdp_counting_whole_parameters(path, out):
+    """The most whole (gathered) parameters alive at once on this rank while save_pretrained runs."""
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    from colozoo.runtime.training import parallelize
+
+    model = colozoo.from_pretrained(path, dp=2).train()
+    parallelize(model, data_parallel="fsdp")
+    original, alive, most = DTensor.full_tensor, [], [0]
+
+    def counting(self, *args, **kwargs):
+        whole = original(self, *args, **kwargs)
+        alive[:] = [ref for ref in alive if ref() is not None] + [weakref.ref(whole)]
+        most[0] = max(most[0], len(alive))
+        return whole
+    DTensor.full_tensor = counting
+    try:
+        model.save_pretrained(out)
+    finally:
+        DTensor.full_tensor = original
+    return most[0]
+
+
+def test_save_pretrained_under_fsdp_gathers_one_parameter_at_a_time(tmp_path):
+    hf = make_hf(tmp_path / "hf", "gpt2")
+    most = run_distributed(_save_fsdp_counting_whole_parameters, 2, path=hf, out=tmp_path / "saved", timeout=TIMEOUT)
+    assert most == [1, 1], f"whole parameters held at once per rank: {most}"
+    convert(tmp_path / "saved", tmp_path / "back", to_hf=True)
+    assert_bit_identical(hf_state(hf), hf_state(tmp_path / "back"))
+
+
 def _save_with_a_failing_rank(path, out):
     import torch.distributed as dist
 

@@ -196,36 +196,48 @@ def _prepare(dst: Path, tmp: Path, rank: int):
 
 @torch.no_grad()
 def _write_own_shard(model, layout: ModelLayout, tmp: Path):
-    """This rank's file: the pieces it owns (one owner per replicated tensor). Returns (file, info, pieces)."""
+    """This rank's file: the pieces it owns (one owner per replicated tensor). Returns (file, info, pieces).
+
+    Under FSDP every data rank gathers each parameter in turn (a collective) and the owner writes it before the next
+    is gathered, so no rank ever holds more than one whole parameter. A failed write stops the writing, not the
+    gathering: the other ranks would wait in the next all-gather otherwise."""
     from torch.distributed.tensor import DTensor  # a second of imports that an offline conversion does not need
 
     pc = model.pc
     ep, dp_cp_rank = pc.size("ep"), pc.rank("dp_cp")
     coords = {"tp": (pc.rank("tp"), pc.size("tp")), "ep": (dp_cp_rank % ep, ep)}  # experts fold over dp x cp
     file = file_name(pc.rank("pp"), coords["tp"][0], coords["ep"][0])
-    owned = []
+    params = []  # (parameter, the pieces this rank writes of it), in the order every data rank gathers them
     for name, param in model.named_parameters():
         if name in layout.aliases:  # a tied copy: the owner of the weight saves it
             continue
         info = layout.tensors[name]
         if info.stage != pc.rank("pp"):  # a tied copy on a later stage
             continue
-        if isinstance(param, DTensor):  # FSDP's shards over the data ranks: all of them gather, the owner writes
-            param = param.full_tensor()
         expert = any(s.mesh_dim == "ep" for s in info.spec)
-        if (dp_cp_rank // ep if expert else dp_cp_rank) != 0:
-            continue
-        owned += [(piece, param) for piece in rank_pieces(name, info, coords, file)]
-    if not owned:
-        return None
-    writer = SafetensorsWriter(tmp / file, [(p.key, t.dtype, p.shape) for p, t in owned])
-    try:
-        for piece, param in owned:
-            writer.write(piece.key, param.detach()[piece.local].cpu())
-    except BaseException:
+        owner = (dp_cp_rank // ep if expert else dp_cp_rank) == 0
+        params.append((param, rank_pieces(name, info, coords, file) if owner else []))
+    owned = [(piece, param.dtype) for param, pieces in params for piece in pieces]
+    writer = SafetensorsWriter(tmp / file, [(p.key, dtype, p.shape) for p, dtype in owned]) if owned else None
+    failure = None
+    for param, pieces in params:
+        if isinstance(param, DTensor):  # FSDP's shards over the data ranks: all of them gather
+            param = param.full_tensor()
+        if pieces and failure is None:
+            try:
+                for piece in pieces:
+                    writer.write(piece.key, param.detach()[piece.local].cpu())
+            except Exception as e:  # re-raised below, once the gathers are done
+                failure = e
+            except BaseException:
+                writer.abort()
+                raise
+    if failure is not None:
         writer.abort()
-        raise
-    return file, writer.close(), [(p.name, p.to_json(), dtype_name(t.dtype)) for p, t in owned]
+        raise failure
+    if writer is None:
+        return None
+    return file, writer.close(), [(p.name, p.to_json(), dtype_name(dtype)) for p, dtype in owned]
 
 
 def _write_index(model, layout: ModelLayout, tmp: Path, shards: list):
