@@ -69,6 +69,15 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+# Up to this many elements without autograd (a decode step's activations) an elementwise op costs the CPU its
+# launches, not the GPU its bytes, and one Triton launch costs several aten ones: 'auto' keeps torch there.
+LAUNCH_BOUND_ELEMENTS = 1 << 20
+
+
+def launch_bound(x: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() and x.numel() <= LAUNCH_BOUND_ELEMENTS
+
+
 def use_triton(*tensors: torch.Tensor | None, auto: bool = True) -> bool:
     """Whether the op on these tensors should take the Triton path. `auto=False`: 'auto' mode keeps torch here,
     because torch's own CUDA kernel is faster for this case (bench/kernels.py measures both); 'triton' still forces

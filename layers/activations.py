@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from colozoo.kernels.dispatch import use_triton
+from colozoo.kernels.dispatch import launch_bound, use_triton
 
 
 def gelu_tanh(x):
@@ -50,7 +50,7 @@ def bias_gelu(x, bias=None, approximate: str = "none"):
 
 def swiglu(gate, up):
     """silu(gate) * up, fused into one kernel on the Triton path."""
-    if use_triton(gate, up):
+    if use_triton(gate, up, auto=not launch_bound(gate)):
         from colozoo.kernels.activations import swiglu_triton
 
         return swiglu_triton(gate, up)
