@@ -17,6 +17,17 @@ def llama_config(args):
                                     pad_token_id=0)
 
 
+def hf_tensor_parallel(path, world: int):
+    """transformers' native tensor parallelism over the `world` ranks: `distributed_config` where this transformers
+    has it (its `tp_plan=` argument is deprecated), `tp_plan="auto"` before."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_size=world, tp_plan="auto"))
+
+
 def _rank(target, rank, world, port, args, queue):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -26,7 +26,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from _ranks import llama_config, run_ranks  # noqa: E402
+from _ranks import hf_tensor_parallel, llama_config, run_ranks  # noqa: E402
 
 
 def prompts(args):
@@ -118,7 +118,7 @@ def _tp_rank(rank, world, path, args):
     import colozoo
 
     ours = colozoo.from_pretrained(path, tp=world).eval()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+    hf = hf_tensor_parallel(path, world).eval()
     ids, mask = prompts(args)
     with torch.no_grad():
         metrics = measure(ours, hf, ids, mask, args)

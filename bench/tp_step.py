@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from _comm_timer import CommTimer, op_breakdown  # noqa: E402
-from _ranks import llama_config, run_ranks  # noqa: E402
+from _ranks import hf_tensor_parallel, llama_config, run_ranks  # noqa: E402
 
 
 def batch(args):
@@ -112,7 +112,7 @@ def _rank(rank, world, path, args):
 
     sides = {"colozoo": colozoo.from_pretrained(path, tp=world),
              "colozoo_sp": colozoo.from_pretrained(path, tp=world, sequence_parallel=True),
-             "hf": transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")}
+             "hf": hf_tensor_parallel(path, world)}
     for model in sides.values():
         model.train()
     ids, labels = batch(args)
