@@ -4,7 +4,7 @@ tp=1: the same LLaMA-shaped model (same weights, batch, prompts, threads) in one
 timed the same way: prefill = the time of generate(max_new_tokens=1), decode tokens/s = (new - 1) x batch over
 generate(new) minus that, each the best of `repeats` runs that alternate between the two sides (the machines this
 runs on are shared: the best run is the one least disturbed). tp=2: two gloo processes of one thread each,
-colozoo's tensor parallelism against transformers' native one (from_pretrained(tp_plan="auto")). The generated
+colozoo's tensor parallelism against transformers' native one (a tp_plan="auto" DistributedConfig). The generated
 tokens must agree. One JSON line per figure: generate/tp1/prefill, generate/tp1/decode, generate/tp2/prefill,
 generate/tp2/decode (ratio = colozoo tokens/s over transformers'), generate/tp<N>/kv_cache (bytes per rank against
 2 x layers x kv heads/tp x head_dim x (prompt + new) x batch x 4).
@@ -133,7 +133,7 @@ def tensor_parallel(args, world=2):
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
         results = run_ranks(_tp_rank, world, path, args)
     report("tp2", dict(vars(args), tp=world, threads_per_rank=1), results[0],
-           "transformers generate with its native tensor parallelism (tp_plan='auto', gloo)")
+           "transformers generate with its native tensor parallelism (a tp_plan='auto' DistributedConfig, gloo)")
 
 
 def main():

@@ -1,5 +1,5 @@
 """A whole tensor-parallel train step (forward with labels -> loss, backward) at tp=2: colozoo against transformers'
-native tensor parallelism (from_pretrained(tp_plan="auto")), same weights, two gloo processes of one thread each.
+native tensor parallelism (a tp_plan="auto" DistributedConfig), same weights, two gloo processes of one thread each.
 
 Both colozoo variants run (plain tp and tp with sequence parallelism); the faster one is the headline. Per rank:
 MFU = (FLOPs of the whole model's step, counted by torch's FlopCounterMode on a one-process model, / tp) / step time /
@@ -161,7 +161,7 @@ def report(args, flops, results, world=2):
         metrics["bare_collective_s"] = results[0]["bare"]
     config = dict(vars(args), tp=world, threads_per_rank=1, dtype="float32", device="cpu", backend="gloo")
     print(json.dumps({"bench": f"tp_step/tp{world}/llama", "config": config, "metrics": metrics,
-                      "peer": "transformers' native tensor parallelism (from_pretrained(tp_plan='auto'), gloo)",
+                      "peer": "transformers' native tensor parallelism (a tp_plan='auto' DistributedConfig, gloo)",
                       "ratio": best["hf"] / best[ours]}), flush=True)
 
 
