@@ -76,6 +76,19 @@ def test_greedy_generate_token_for_token_on_gpu(tmp_path, family):
     assert torch.equal(got, expected), f"{family}:\nours {got.tolist()}\nhf   {expected.tolist()}"
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+def test_auto_kernels_greedy_generate_token_for_token(tmp_path, family):
+    """'auto' decodes with torch's norms, rotary and SwiGLU (a decode step's inputs are launch-bound) and the Triton
+    decoding kernel, and prefills on the kernels: still transformers' tokens."""
+    config, hf = saved(tmp_path, family, DENSE[family])
+    model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
+    ids, mask = (t.cuda() for t in prompts(config.vocab_size))
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with dispatch.use_kernels("auto"):
+        got = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(got, hf.generate(ids, attention_mask=mask, **options))
+
+
 @pytest.mark.parametrize("family", sorted(MOE))
 def test_moe_logits_and_loss_match_transformers(tmp_path, family):
     config, hf = saved(tmp_path, family, MOE[family])
