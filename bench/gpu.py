@@ -32,9 +32,9 @@ from colozoo.checkpoint.sources import StateDictReader  # noqa: E402
 
 def hf_config(family: str, args):
     h, heads = args.hidden, args.hidden // 128
-    if family == "llama":
+    if family == "llama":  # as many kv heads as heads: torch's FLOP counter refuses grouped-query SDPA
         return transformers.LlamaConfig(hidden_size=h, intermediate_size=-(-8 * h // 3 // 256) * 256,
-                                        num_attention_heads=heads, num_key_value_heads=heads,  # torch's FLOP counter refuses grouped-query SDPA
+                                        num_attention_heads=heads, num_key_value_heads=heads,
                                         num_hidden_layers=args.layers, vocab_size=args.vocab,
                                         max_position_embeddings=max(args.seq, 4096))
     if family == "gpt2":

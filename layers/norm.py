@@ -24,7 +24,8 @@ class _SequenceParallelAware(nn.Module):
     def _triton(self, x, residual, *params) -> bool:
         """The Triton kernel returns the input dtype, so it only stands in when the residual and the parameters
         share it (torch would promote a mixed-dtype sum)."""
-        return use_triton(x, residual, auto=not launch_bound(x)) and all(t is None or t.dtype == x.dtype for t in (residual, *params))
+        same_dtype = all(t is None or t.dtype == x.dtype for t in (residual, *params))
+        return same_dtype and use_triton(x, residual, auto=not launch_bound(x))
 
 
 class LayerNorm(_SequenceParallelAware):
