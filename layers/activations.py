@@ -14,7 +14,7 @@ def gelu_tanh(x):
 
 
 def gelu_new(x):
-    if x.device.type == "cpu" and x.dtype == torch.float32:
+    if x.dtype == torch.float32:
         # torch's fused tanh GeLU is the same function in one pass instead of seven, within fp32 rounding of the
         # composed form; not in bf16 / fp16, where it rounds differently from transformers' composed gelu_new
         return F.gelu(x, approximate="tanh")

@@ -1,4 +1,4 @@
-"""gelu_new on the torch path: torch's fused tanh GeLU in fp32 on CPU (one pass), transformers' composed form otherwise."""
+"""gelu_new on the torch path: torch's fused tanh GeLU in fp32 (one pass), transformers' composed form otherwise."""
 import math
 
 import pytest
