@@ -10,6 +10,12 @@ import torch.multiprocessing as mp
 import transformers
 
 
+def add_llama_arguments(parser):
+    """The model and batch sizes llama_config reads."""
+    for name, default in (("hidden", 512), ("layers", 4), ("heads", 8), ("vocab", 8192), ("batch", 4)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
 def llama_config(args):
     return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
                                     num_hidden_layers=args.layers, num_attention_heads=args.heads,

@@ -26,7 +26,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from _ranks import hf_tensor_parallel, llama_config, run_ranks  # noqa: E402
+from _ranks import add_llama_arguments, hf_tensor_parallel, llama_config, run_ranks  # noqa: E402
 
 
 def prompts(args):
@@ -138,11 +138,7 @@ def tensor_parallel(args, world=2):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4)
+    add_llama_arguments(parser)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)

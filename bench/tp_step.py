@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from _comm_timer import CommTimer, op_breakdown  # noqa: E402
-from _ranks import hf_tensor_parallel, llama_config, run_ranks  # noqa: E402
+from _ranks import add_llama_arguments, hf_tensor_parallel, llama_config, run_ranks  # noqa: E402
 
 
 def batch(args):
@@ -167,11 +167,7 @@ def report(args, flops, results, world=2):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4)
+    add_llama_arguments(parser)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-size", type=int, default=2048, help="the peak matmul's n (n^3, fp32, one thread)")

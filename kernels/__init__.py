@@ -17,8 +17,7 @@ Kernel modules are imported only when used: triton decides at decoration time wh
 """
 from __future__ import annotations
 
-from .dispatch import (interpreting, kernel_mode, launch_bound, set_kernels, triton_available, use_kernels,
-                       use_triton)
+from .dispatch import interpreting, kernel_mode, set_kernels, triton_available, use_kernels, use_triton
 
 
 def apply_rotary(x, cos, sin, interleaved: bool = False):
@@ -55,4 +54,4 @@ def moe_unpermute(expert_out, row_map, weights=None):
 
 
 __all__ = ["apply_rotary", "decode_attention", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
-           "set_kernels", "triton_available", "use_kernels", "use_triton", "launch_bound"]
+           "set_kernels", "triton_available", "use_kernels", "use_triton"]

@@ -74,20 +74,21 @@ def interpreting() -> bool:
 LAUNCH_BOUND_ELEMENTS = 1 << 20
 
 
-def launch_bound(x: torch.Tensor) -> bool:
+def _launch_bound(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and x.numel() <= LAUNCH_BOUND_ELEMENTS
 
 
-def use_triton(*tensors: torch.Tensor | None, auto: bool = True) -> bool:
+def use_triton(*tensors: torch.Tensor | None, auto: bool = True, elementwise: bool = False) -> bool:
     """Whether the op on these tensors should take the Triton path. `auto=False`: 'auto' mode keeps torch here,
-    because torch's own CUDA kernel is faster for this case (bench/kernels.py measures both); 'triton' still forces
-    the kernel."""
+    because torch's own CUDA kernel is faster for this case (bench/kernels.py measures both); `elementwise`: an
+    elementwise kernel, which 'auto' leaves to torch on a decode step's inputs (the first tensor launch-bound).
+    'triton' still forces the kernel."""
     mode = kernel_mode()
     if mode == "torch":
         return False
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
     if mode == "auto":
-        return auto and on_cuda and triton_available()
+        return auto and on_cuda and triton_available() and not (elementwise and _launch_bound(tensors[0]))
     if not triton_available():
         raise RuntimeError(f"{ENV_VAR}=triton but triton does not import on this machine")
     if not on_cuda and not interpreting():

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from colozoo.kernels.dispatch import launch_bound, use_triton
+from colozoo.kernels.dispatch import use_triton
 
 
 def gelu_tanh(x):
@@ -17,7 +17,7 @@ def gelu_new(x):
     if x.dtype == torch.float32:
         # torch's fused tanh GeLU is the same function in one pass instead of seven, within fp32 rounding of the
         # composed form; not in bf16 / fp16, where it rounds differently from transformers' composed gelu_new
-        return F.gelu(x, approximate="tanh")
+        return gelu_tanh(x)
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
@@ -54,7 +54,7 @@ def bias_gelu(x, bias=None, approximate: str = "none"):
 
 def swiglu(gate, up):
     """silu(gate) * up, fused into one kernel on the Triton path."""
-    if use_triton(gate, up, auto=not launch_bound(gate)):
+    if use_triton(gate, up, elementwise=True):
         from colozoo.kernels.activations import swiglu_triton
 
         return swiglu_triton(gate, up)

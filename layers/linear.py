@@ -66,7 +66,8 @@ class _ColumnParallel(torch.autograd.Function):
         return grad_x() if grad_x is not None else None, grad_weight, grad_bias, None, None
 
 
-def _enter_parallel(x, group, sequence_parallel: bool):
+def enter_parallel(x, group, sequence_parallel: bool):
+    """x entering the tensor-parallel region: copied (its gradient summed), or gathered along the sequence."""
     return gather_from_sequence(x, group) if sequence_parallel else copy_to_parallel(x, group)
 
 
@@ -77,7 +78,7 @@ def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool = Fal
     layers.matmul.linear, which multiplies a decoding step's few rows faster on CPU."""
     if group_size(group) > 1 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel)
-    return linear(_enter_parallel(x, group, sequence_parallel), weight, bias)
+    return linear(enter_parallel(x, group, sequence_parallel), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -118,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
         if self.lora is None:
             y = column_parallel_linear(x, weight, None if fuse_bias else bias, self.group, self.sequence_parallel)
         else:  # the adapter reads the same input: the input gradient is summed over both paths
-            x = _enter_parallel(x, self.group, self.sequence_parallel)
+            x = enter_parallel(x, self.group, self.sequence_parallel)
             y = self.lora(x, linear(x, weight, None if fuse_bias else bias))  # before the activation
         if fuse_bias:
             y = bias_gelu(y, bias, GELU_APPROXIMATION[self.activation])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.kernels.dispatch import launch_bound, use_triton
+from colozoo.kernels.dispatch import use_triton
 
 from .comm import copy_to_parallel
 
@@ -25,7 +25,7 @@ class _SequenceParallelAware(nn.Module):
         """The Triton kernel returns the input dtype, so it only stands in when the residual and the parameters
         share it (torch would promote a mixed-dtype sum)."""
         same_dtype = all(t is None or t.dtype == x.dtype for t in (residual, *params))
-        return same_dtype and use_triton(x, residual, auto=not launch_bound(x))
+        return same_dtype and use_triton(x, residual, elementwise=True)
 
 
 class LayerNorm(_SequenceParallelAware):
@@ -68,7 +68,7 @@ class RMSNorm(_SequenceParallelAware):
     def forward(self, x, residual=None):
         """Normalise x; given `residual`, normalise x + residual and return (normed, x + residual)."""
         if self.offset:  # the kernel multiplies in fp32 too, so an fp32 (1 + weight) is exact whatever x's dtype
-            if use_triton(x, residual, auto=not launch_bound(x)) and (residual is None or residual.dtype == x.dtype):
+            if self._triton(x, residual):
                 from colozoo.kernels.norms import rms_norm_triton
 
                 return rms_norm_triton(x, 1 + self._param(self.weight).float(), self.eps, residual)

@@ -16,9 +16,9 @@ from torch import nn
 from colozoo.core.groups import vocab_range
 from colozoo.kernels.dispatch import use_triton
 
-from .comm import (all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank, group_size,
-                   reduce_from_parallel, reduce_scatter_to_sequence)
-from .linear import column_parallel_linear
+from .comm import (all_gather, gather_from_parallel, group_rank, group_size, reduce_from_parallel,
+                   reduce_scatter_to_sequence)
+from .linear import column_parallel_linear, enter_parallel
 from .linear_cross_entropy import linear_cross_entropy_sum
 from .shard import Split, shard
 
@@ -206,11 +206,6 @@ class VocabParallelLMHead(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self.tied else self.weight
 
-    def _enter_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return gather_from_sequence(hidden, self.group)
-        return copy_to_parallel(hidden, self.group)
-
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100,
                 label_smoothing: float = 0.0) -> torch.Tensor:
         """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded. With `targets` (the whole
@@ -238,8 +233,9 @@ class VocabParallelLMHead(nn.Module):
             if use_triton(hidden, weight, auto=large):
                 from colozoo.kernels.cross_entropy import linear_cross_entropy_triton as linear_cross_entropy
 
-                per_token = linear_cross_entropy(self._enter_parallel(hidden), weight, targets, self.vocab_size,
-                                                 self.bias, self.group, ignore_index, label_smoothing)
+                hidden = enter_parallel(hidden, self.group, self.sequence_parallel)
+                per_token = linear_cross_entropy(hidden, weight, targets, self.vocab_size, self.bias, self.group,
+                                                 ignore_index, label_smoothing)
                 return self._mean(per_token.sum(), targets, ignore_index, cp), None
             if group_size(self.group) == 1 and not use_triton(hidden, weight):  # the torch path fuses the head too
                 return self._mean(self(hidden, targets, ignore_index, label_smoothing), targets, ignore_index, cp), None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from colozoo.kernels import apply_rotary, launch_bound, use_triton
+from colozoo.kernels import apply_rotary, use_triton
 from colozoo.layers import (ColumnParallelLinear, GatedMLP, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                             VocabParallelLMHead, attention, merge_heads, split_heads)
 from colozoo.layers.kv_cache import keys_values_mask
@@ -145,7 +145,7 @@ def rotate_half(x):
 def apply_rope(x, cos, sin):
     """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, rotary_dim), their two halves equal. Features past
     rotary_dim (partial rotary) pass through."""
-    if use_triton(x, auto=not launch_bound(x)):  # the kernel takes one angle per rotated pair, passes the rest
+    if use_triton(x, elementwise=True):  # the kernel takes one angle per rotated pair, passes the rest
         half = cos.shape[-1] // 2
         return apply_rotary(x, cos[..., :half], sin[..., :half])
     rot = cos.shape[-1]

@@ -57,36 +57,27 @@ def test_bf16_matches_transformers(family):
                      grad_atol=0.1, device="cuda", dtype=torch.bfloat16, padded=family != "gemma2")
 
 
-def saved(tmp_path, family, config_kwargs, dtype=torch.float32):
+def saved(tmp_path, family, config_kwargs):
     config, hf = hf_causal_lm(family, config_kwargs, attn_implementation=ATTENTION.get(family, "sdpa"))
-    hf = hf.to("cuda", dtype)
+    hf = hf.to("cuda")
     hf.save_pretrained(tmp_path)
     return config, hf
 
 
-@pytest.mark.parametrize("family", sorted(DENSE) + sorted(MOE))
-def test_greedy_generate_token_for_token_on_gpu(tmp_path, family):
+# every family on the kernels; 'auto' too, which decodes with torch's norms, rotary and SwiGLU (a decode step's
+# inputs are launch-bound) and the Triton decoding kernel, and prefills on the kernels
+@pytest.mark.parametrize("family,kernels", [(f, "triton") for f in sorted(DENSE) + sorted(MOE)]
+                         + [(f, "auto") for f in ("llama", "gpt2", "qwen3")])
+def test_greedy_generate_token_for_token_on_gpu(tmp_path, family, kernels):
     config, hf = saved(tmp_path, family, {**DENSE, **MOE}[family])
     model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
     assert all(p.is_cuda for p in model.parameters())
     ids, mask = (t.cuda() for t in prompts(config.vocab_size))
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     expected = hf.generate(ids, attention_mask=mask, **options)
-    got = model.generate(ids, attention_mask=mask, **options)
-    assert torch.equal(got, expected), f"{family}:\nours {got.tolist()}\nhf   {expected.tolist()}"
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
-def test_auto_kernels_greedy_generate_token_for_token(tmp_path, family):
-    """'auto' decodes with torch's norms, rotary and SwiGLU (a decode step's inputs are launch-bound) and the Triton
-    decoding kernel, and prefills on the kernels: still transformers' tokens."""
-    config, hf = saved(tmp_path, family, DENSE[family])
-    model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
-    ids, mask = (t.cuda() for t in prompts(config.vocab_size))
-    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-    with dispatch.use_kernels("auto"):
+    with dispatch.use_kernels(kernels):
         got = model.generate(ids, attention_mask=mask, **options)
-    assert torch.equal(got, hf.generate(ids, attention_mask=mask, **options))
+    assert torch.equal(got, expected), f"{family}:\nours {got.tolist()}\nhf   {expected.tolist()}"
 
 
 @pytest.mark.parametrize("family", sorted(MOE))
