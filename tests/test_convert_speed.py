@@ -16,7 +16,7 @@ import colozoo.models
 from colozoo.checkpoint.convert import convert
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.safetensors_io import SafetensorsWriter
-from colozoo.checkpoint.streaming import ByteBudget
+from colozoo.checkpoint.streaming import ByteBudget, compact
 
 from test_checkpoint import FAMILIES, make_hf
 
@@ -72,6 +72,16 @@ def test_byte_budget_bounds_what_is_in_flight():
     budget.give(50)
     budget.take(500)  # larger than the limit: goes alone
     budget.give(500)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compact_copies_transposed_slices_exactly(dtype):
+    hf_conv1d = torch.randn(48, 150)  # GPT-2 stores [in, out]; ours is its transpose, cut along our rows
+    ours = hf_conv1d.t()
+    for piece in (ours[24:150], ours[:1], ours, ours[:, 8:16], hf_conv1d[3:9]):  # bands of 64 rows, and a rest
+        out = compact(piece, dtype)
+        assert out.is_contiguous() and out.dtype == dtype
+        assert torch.equal(out, piece.to(dtype).contiguous())
 
 
 CONVERT_AND_REPORT = """

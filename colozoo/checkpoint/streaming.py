@@ -12,10 +12,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from colozoo.checkpoint.safetensors_io import SafetensorsWriter
 
 READ_AHEAD_BYTES = 160 << 20  # global tensors in flight (a larger one goes alone)
 COPY_BYTES = 64 << 20         # piece copies in flight (a larger one goes alone)
+TRANSPOSE_ROWS = 64           # a band of a transposed slice small enough to stay in the cache
 
 
 class _Failed(Exception):
@@ -97,7 +100,7 @@ def stream_pieces(plan: dict, tensors: dict, dtypes: dict, entries: dict, direct
         if copy:
             copies_budget.take(copy)
         try:
-            files[piece.file].write(piece.key, data.to(dtype).contiguous())
+            files[piece.file].write(piece.key, compact(data, dtype))
         finally:
             del data
             if copy:
@@ -143,6 +146,18 @@ def stream_pieces(plan: dict, tensors: dict, dtypes: dict, entries: dict, direct
             f.abort()
         raise errors[0]
     return {f: w.info for f, w in files.items()}
+
+
+def compact(data, dtype):
+    """`data` as a contiguous tensor of `dtype`. A slice of a transposed view (GPT-2's Conv1D weights) is copied a
+    band of rows at a time: each band first in its own layout (contiguous runs), then transposed while it is in
+    the cache, about 3x faster than torch's element-by-element transposing copy."""
+    if data.is_contiguous() or data.dim() != 2 or data.stride(0) != 1:
+        return data.to(dtype).contiguous()
+    out = torch.empty(data.shape, dtype=dtype)
+    for start in range(0, len(out), TRANSPOSE_ROWS):
+        out[start:start + TRANSPOSE_ROWS] = data[start:start + TRANSPOSE_ROWS].t().contiguous().t()
+    return out
 
 
 def nbytes(tensor) -> int:
