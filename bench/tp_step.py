@@ -11,7 +11,8 @@ Ratio = transformers' best step time / colozoo's. The losses of all three sides 
 called (its exposed time: an async collective counts from its issue and its wait), grouped by kind (all-reduce,
 all-gather, reduce-scatter, the loss's collectives, the small all-reduces of the norms' weight gradients under
 sequence parallelism), torch.profiler's self CPU time per step by kind of op (matmuls, attention, collectives, other
-ops), and a bare gloo collective of the activation's size is timed alone for comparison.
+ops), the MFU a step of only those matmuls and that attention would reach (the ceiling of the headline), and a bare
+gloo collective of the activation's size is timed alone for comparison.
 
     python bench/tp_step.py [--hidden 512] [--layers 4] [--batch 4] [--seq 256] [--repeats 5] [--no-profile]
 """
@@ -158,6 +159,11 @@ def report(args, flops, results, world=2):
                "repeats": times}
     if args.profile:
         metrics["comm_profile"] = results[0]["profile"]
+        for side, profile in metrics["comm_profile"].items():
+            # the MFU of a step that ran nothing but its matmuls and attention, at their profiled speed: no
+            # communication, no elementwise work. The headline MFU cannot pass it.
+            compute_s = profile["self_cpu_s_per_step"]["matmul"] + profile["self_cpu_s_per_step"]["attention"]
+            profile["matmul_and_attention_only_mfu"] = flops / world / compute_s / peak
         metrics["bare_collective_s"] = results[0]["bare"]
     config = dict(vars(args), tp=world, threads_per_rank=1, dtype="float32", device="cpu", backend="gloo")
     print(json.dumps({"bench": f"tp_step/tp{world}/llama", "config": config, "metrics": metrics,
