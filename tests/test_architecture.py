@@ -152,3 +152,9 @@ def test_models_know_only_layers():
     for m, targets in graph().items():
         if m.startswith("colozoo.models"):
             assert all(level(t)[1] <= LEVELS["colozoo.models"] for t in targets), (m, targets)
+
+
+def test_every_benchmark_has_a_row_in_the_bench_readme():
+    readme = (ROOT / "bench" / "README.md").read_text()
+    benches = [p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_") and p.name != "run.py"]
+    assert benches and [b for b in benches if f"| `{b}` |" not in readme] == []
