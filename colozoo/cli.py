@@ -6,6 +6,7 @@ implementation when it runs), so `colozoo --help` and `colozoo models` never imp
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -47,5 +48,13 @@ def main(argv=None) -> int:
         return 1
 
 
+def run():
+    """The console script: `main`, then an exit that skips the last garbage collections over every object torch
+    and transformers created (0.5 s on a 2-core machine). Commands close and fsync what they write themselves."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -52,3 +52,21 @@ def test_help_is_within_half_a_second_of_import_torch():
     torch_s = wall("-c", "import torch")
     help_s = wall("-m", "colozoo.cli", "--help")
     assert help_s < torch_s + 0.5 + SLACK_S, f"colozoo --help {help_s:.2f} s, import torch {torch_s:.2f} s"
+
+
+def seconds_to_exit(through_run: bool, repeats: int = 3) -> float:
+    """From a command's end, after `import torch`, to the process's end: through the console script's `run` or a
+    plain `sys.exit` (the fastest of a few runs)."""
+    stamp = "sys.stderr.write(repr(time.time())), sys.stderr.flush()"
+    end = f"cli.main = lambda: ({stamp}, 0)[-1]; cli.run()" if through_run else f"{stamp}; sys.exit(0)"
+    code = f"import sys, time, torch; import colozoo.cli as cli; {end}"
+    best = float("inf")
+    for _ in range(repeats):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+        best = min(best, time.time() - float(proc.stderr.splitlines()[0]))
+    return best
+
+
+def test_the_console_script_exits_without_collecting_every_object_of_torch():
+    plain, script = seconds_to_exit(through_run=False), seconds_to_exit(through_run=True)
+    assert script < 0.6 * plain, f"the console script exits in {script:.2f} s, a plain exit in {plain:.2f} s"
