@@ -8,7 +8,7 @@ measured in the same run. Prints one JSON line per case (bench/README.md):
                             against the largest tensor (goal: largest + 300 MB over an interpreter that made the
                             same imports and read the config), and with --naive the obvious way (transformers from_pretrained, slice the state
                             dict, save_file) in seconds and RSS. `imports_s` times a process that only imports
-                            and reads the config; `floor_vs_cp_sync` = (imports + cp + sync) / cp + sync, the best
+                            and reads the config; `floor_vs_cp_sync` = (imports + cp + sync) / (cp + sync), the best
                             ratio any conversion after those imports could reach.
   convert/from_pretrained_tp2  per-rank peak RSS of colozoo.from_pretrained at tp=2 (goal: about half the model).
                             Peer: transformers from_pretrained of the whole model in one process; ratio = its RSS
@@ -105,7 +105,7 @@ def end_to_end(work: Path, repeats: int) -> dict:
     colozoo = [sys.executable, "-c", CLI_THEN_PEAK, "convert", str(work / "hf"), str(work / "tp4pp2"), "--tp", "4",
                "--pp", "2", "--quiet"]
     imports = [sys.executable, "-c", IMPORTS_THEN_PEAK, str(work / "hf")]
-    out = {"colozoo_s": [], "colozoo_peak_rss_mb": [], "cp_sync_s": [], "imports_s": []}
+    out = {"colozoo_s": [], "colozoo_peak_rss_mb": [], "cp_sync_s": [], "imports_s": [], "baseline_rss_mb": []}
     for i in range(repeats):
         for kind in ("cp", "colozoo") if i % 2 == 0 else ("colozoo", "cp"):
             shutil.rmtree(work / ("copy" if kind == "cp" else "tp4pp2"), ignore_errors=True)
@@ -119,7 +119,7 @@ def end_to_end(work: Path, repeats: int) -> dict:
                 out["colozoo_peak_rss_mb"].append(int(stdout.split()[-1]) / 1024)
         seconds, stdout = timed_child(imports)
         out["imports_s"].append(seconds)
-        out["baseline_rss_mb"] = int(stdout) / 1024
+        out["baseline_rss_mb"].append(int(stdout) / 1024)
     shutil.rmtree(work / "copy", ignore_errors=True)
     return out
 
@@ -257,7 +257,7 @@ def main():
         naive = run("work_naive", work / "hf", work / "naive") if args.naive else None
         ours_s, cp_s = statistics.median(ends["colozoo_s"]), statistics.median(ends["cp_sync_s"])
         imports_s = statistics.median(ends["imports_s"])
-        rss = statistics.median(ends["colozoo_peak_rss_mb"])
+        rss, baseline = statistics.median(ends["colozoo_peak_rss_mb"]), statistics.median(ends["baseline_rss_mb"])
         metrics = {
             "colozoo_s": round(ours_s, 2), "cp_sync_s": round(cp_s, 2),
             "colozoo_repeats_s": [round(x, 2) for x in ends["colozoo_s"]],
@@ -268,8 +268,8 @@ def main():
             "imports_s": round(imports_s, 2), "after_imports_s": round(ours_s - imports_s, 2),
             "after_imports_vs_cp_sync": round((ours_s - imports_s) / cp_s, 2),
             "floor_vs_cp_sync": round((imports_s + cp_s) / cp_s, 2),
-            "colozoo_peak_rss_mb": round(rss, 1), "baseline_rss_mb": round(ends["baseline_rss_mb"], 1),
-            "colozoo_rss_over_baseline_minus_largest_mb": round(rss - ends["baseline_rss_mb"] - largest / mb, 1),
+            "colozoo_peak_rss_mb": round(rss, 1), "baseline_rss_mb": round(baseline, 1),
+            "colozoo_rss_over_baseline_minus_largest_mb": round(rss - baseline - largest / mb, 1),
         }
         if naive is not None:
             metrics.update(naive_s=round(naive["seconds"], 2), naive_peak_rss_mb=naive["peak_rss_mb"])
