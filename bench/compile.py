@@ -56,7 +56,7 @@ def layers_step_of(model, ids):
 
     def step():
         model.zero_grad(set_to_none=True)
-        model.run_layers(hidden, ctx).sum().backward()
+        model.forward_layers(hidden, ctx).sum().backward()
     return step
 
 

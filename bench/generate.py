@@ -78,7 +78,9 @@ def cache_bytes(model, config, args, tp):
     head_dim = config.hidden_size // config.num_attention_heads
     formula = (2 * config.num_hidden_layers * (config.num_key_value_heads // tp) * head_dim
                * (args.prompt + args.new) * args.batch * 4)
-    return model.run.last_generation["cache_elements"] * 4, formula
+    return model.generate(torch.zeros(args.batch, args.prompt, dtype=torch.long, device=model.pc.device),
+                          max_new_tokens=args.new, eos_token_id=None, pad_token_id=0,
+                          return_dict_in_generate=True).cache_elements * 4, formula
 
 
 def report(case, config_fields, metrics, peer):

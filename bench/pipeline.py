@@ -31,7 +31,8 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from colozoo.models.base import BatchContext, ModelOutput, ParallelModel  # noqa: E402
+from colozoo.models.base import ModelOutput, ParallelModel  # noqa: E402
+from colozoo.runtime.run import Run  # noqa: E402
 
 
 class _Sleep(torch.autograd.Function):
@@ -70,17 +71,13 @@ class SleepModel(ParallelModel):
         if self.is_last:
             self.out = nn.Linear(h, config.vocab_size)
 
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None):
-        b, s = input_ids.shape
-        return BatchContext(attention_mask, None, torch.arange(s).expand(b, s), s)
-
     def embed(self, input_ids, ctx):
         return self.embedding(input_ids)
 
-    def head(self, hidden, ctx, labels=None, return_logits=False):
-        logits = self.out(hidden)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()) if labels is not None else None
-        return ModelOutput(loss=loss, logits=logits if return_logits else None)
+    def head(self, hidden, ctx, labels=None, logits=None):
+        scores = self.out(hidden)
+        loss = F.cross_entropy(scores[:, :-1].flatten(0, 1), labels[:, 1:].flatten()) if labels is not None else None
+        return ModelOutput(loss=loss, logits=scores)
 
 
 def _worker(rank, world, init_file, fn, args, results):
@@ -121,6 +118,7 @@ def bubble(pc, m, virtual, schedule, t_ms, steps):
     config = SimpleNamespace(num_hidden_layers=n_layers, hidden_size=8, vocab_size=16, t_forward=t_forward,
                              tie_word_embeddings=False)
     model = SleepModel(config, pc, rank_layers(n_layers, pp, pc.rank("pp"), virtual))
+    Run(model)
     ids = torch.randint(0, 16, (m, 4))
     times = []
     for step in range(steps + 1):
@@ -129,7 +127,7 @@ def bubble(pc, m, virtual, schedule, t_ms, steps):
         model.forward_backward(ids, ids, num_microbatches=m, schedule=schedule)
         elapsed = torch.tensor(time.perf_counter() - start)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step:  # the first step builds the stages
+        if step:  # the first step builds the schedule
             times.append(elapsed.item())
     step_time = statistics.median(times)
     busy = m * virtual * 3 * t_forward  # per rank: v layers, forward t + backward 2t per micro-batch

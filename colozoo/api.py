@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint
+from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint, save_pretrained
 from colozoo.checkpoint.format import ColozooCheckpoint
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.load import load_global_tensors
@@ -26,25 +26,15 @@ from colozoo.runtime.compile import compile_layers
 from colozoo.runtime.run import Run
 
 
-class ModelRun(Run):
-    """The run colozoo's public builders attach: a Run that can also write the model's files (the checkpoint
-    package sits above the runtime)."""
-
-    def save_pretrained(self, path, format: str = "colozoo", **kwargs):
-        from colozoo.checkpoint.convert import save_pretrained
-
-        return save_pretrained(self.model, path, format=format, **kwargs)
-
-
 def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
                 layers_per_stage: list[int] | None = None, balance: str | None = None, plan=None,
                 compile: bool = False):
     """This rank's shard of a model of `config` (see colozoo.models.build_model) with its Run attached, so it
-    runs on its mesh: pipeline stages, cp sharding, forward_backward, save_pretrained. `compile=True` compiles
+    runs on its mesh: pipeline stages, cp sharding, forward_backward, generate, save_pretrained. `compile=True` compiles
     each layer with torch.compile (colozoo.runtime.compile)."""
     model = build_layers(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
                          layers_per_stage=layers_per_stage, balance=balance)
-    ModelRun(model, plan=plan)
+    Run(model, plan=plan, save=save_pretrained)
     if compile:
         compile_layers(model)
     return model

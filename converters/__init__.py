@@ -1,23 +1,21 @@
 """Per-family maps between HF names/layouts and ours: `hf_sources(config)` gives, for each of our global
-parameter names, the HF tensors that make it up (a `Source`)."""
+parameter names, the HF tensors that make it up (a `Source`). Which module serves a family is the family table's
+word (colozoo.models.family: Family.converter)."""
 from __future__ import annotations
 
 import importlib
 
 from colozoo.core.errors import CheckpointError
-
-FAMILY_CONVERTERS = {"gpt2": "gpt2", "opt": "opt", "bert": "bert", "vit": "vit", "llama": "llama",
-                     "mistral": "llama", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
-                     "qwen2": "qwen", "qwen3": "qwen", "qwen3_moe": "qwen3_moe", "gemma2": "gemma",
-                     "gemma3_text": "gemma", "phi3": "phi3",
-                     "gpt_neox": "gpt_neox"}
+from colozoo.models.family import families, family_of
 
 
 def family_module(family: str):
+    """The converter module of a family (its name or one of its transformers model types)."""
     try:
-        return importlib.import_module(f"colozoo.converters.{FAMILY_CONVERTERS[family]}")
-    except KeyError:
-        raise CheckpointError(f"no converter for model family {family!r}; known: {sorted(FAMILY_CONVERTERS)}") from None
+        converter = family_of(family).converter
+    except ValueError:
+        raise CheckpointError(f"no converter for model family {family!r}; known: {sorted(families())}") from None
+    return importlib.import_module(f"colozoo.converters.{converter}")
 
 
 def hf_tensor_names(sources) -> set[str]:

@@ -1,5 +1,6 @@
 """Parallel-aware building blocks. With every degree at 1 they are plain layers."""
-from .attention import attention, build_attention_mask
+from .attention import attention, dense_attention_mask
+from .batch import BatchContext, RouterLogits
 from .comm import (copy_to_parallel, gather_from_parallel, gather_from_sequence, reduce_from_parallel,
                    reduce_scatter_to_sequence, scatter_to_sequence, split_to_parallel)
 from .dropout import dropout

@@ -9,15 +9,25 @@ from .context_parallel import context_parallel_attention
 from .local_attention import local_attention
 
 
-def build_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, causal: bool,
+def dense_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, causal: bool, window: int | None = None,
                          device=None) -> torch.Tensor | None:
-    """Boolean (batch, 1, q, k) mask, True = attend; None when plain causal (or no) masking suffices."""
-    if attention_mask is None:
+    """Boolean mask, True = attend: (batch, 1, 1, seq) over the keys of a bidirectional batch, (batch|1, 1, seq, seq)
+    of a causal one (a sliding `window` keeps the last `window` positions); None when plain causal attention (or
+    none) suffices."""
+    if not causal:
+        return None if attention_mask is None else attention_mask.to(torch.bool)[:, None, None, :]
+    windowed = window is not None and window < seq_len
+    if attention_mask is None and not windowed:
         return None
-    keep = attention_mask.to(torch.bool)[:, None, None, :]
-    if causal:
-        causal_mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=keep.device).tril()
-        keep = keep & causal_mask
+    device = attention_mask.device if attention_mask is not None else device
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    keep = k <= q
+    if windowed:
+        keep = keep & (k > q - window)
+    keep = keep[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask.to(torch.bool)[:, None, None, :]
     return keep
 
 

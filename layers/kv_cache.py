@@ -1,13 +1,15 @@
 """The KV cache of incremental decoding, sharded like the attention weights: each rank keeps the keys and values
-of its own (kv) heads, (batch, local kv heads, max_len, head_dim) per attention module (a sliding-window layer only
-its window), allocated once at the first write (the prefill) for the whole generation. Batches are left-padded: every row has the same length,
-and `key_keep` says which cached positions are real tokens.
+of its own (kv) heads, (batch, local kv heads, max_len, head_dim) per layer (keyed by the global layer index; a
+sliding-window layer keeps only its window), allocated once at the first write (the prefill) for the whole
+generation. Batches are left-padded: every row has the same length, and `key_keep` says which cached positions are
+real tokens.
 
 An attention module with `ctx.cache` set writes its new keys/values and attends over everything cached:
 
-    k, v, mask = ctx.cache.update(self, k, v, window=self.window)   # mask: (batch, 1, new, cached + new)
+    k, v, mask = ctx.cache.update(layer_idx, k, v, window=self.window)   # mask: (batch, 1, new, cached + new)
 
-The caller (colozoo.runtime.generate) advances `length` once per forward, after every layer wrote.
+After a forward in which every layer wrote, the caller (colozoo.runtime.generate) calls `cache.advance(new)`; to encode
+the whole sequence again, `cache.restart()`.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ class KVCache:
         self.max_len, self.length = max_len, 0
         self.key_keep = torch.ones(batch, max_len, dtype=torch.bool, device=key_keep.device)
         self.key_keep[:, :prompt] = key_keep.bool()
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(module) -> (keys, values)
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # global layer index -> (keys, values)
         self.rows = slice(None)
         self.masks: dict = {}  # the masks of the current step, built once for every layer
 
@@ -34,7 +36,17 @@ class KVCache:
         view.rows = rows
         return view
 
-    def update(self, module, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
+    def advance(self, new: int):
+        """The `new` positions every layer just wrote are cached: the next forward writes after them."""
+        if self.length + new > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} positions; {self.length + new} were asked for")
+        self.length += new
+
+    def restart(self):
+        """Forget every cached position (the buffers stay): the next forward writes from position 0."""
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
         """Store k/v (batch, kv heads, new, head_dim) at positions length.. and return the keys and values the new
         queries attend over with their boolean mask (batch, 1, new, keys). A sliding-window layer keeps only its
         last `window` positions, in a ring of `window` slots."""
@@ -43,11 +55,11 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} positions; {end} were asked for")
         ring = window is not None and window < self.max_len
-        if id(module) not in self.buffers:
+        if layer not in self.buffers:
             batch = self.key_keep.shape[0]
             shape = (batch, k.shape[1], window if ring else self.max_len, k.shape[3])
-            self.buffers[id(module)] = (k.new_empty(shape), v.new_empty(shape))
-        keys, values = (b[self.rows] for b in self.buffers[id(module)])
+            self.buffers[layer] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = (b[self.rows] for b in self.buffers[layer])
         if not ring:
             keys[:, :, self.length:end] = k
             values[:, :, self.length:end] = v
@@ -90,12 +102,12 @@ class KVCache:
         return sum(k.numel() + v.numel() for k, v in self.buffers.values())
 
 
-def keys_values_mask(ctx, owner, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+def keys_values_mask(ctx, layer: int, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                      window: int | None = None):
     """What an attention module attends over: its new k/v with the batch's mask, or, while generating
     (`ctx.cache`), every cached k/v with the cache's mask (causal order and window already in it).
     Returns (k, v, mask, causal) for `colozoo.layers.attention.attention`."""
     if ctx.cache is None:
         return k, v, ctx.mask_for(window), causal
-    k, v, mask = ctx.cache.update(owner, k, v, window)
+    k, v, mask = ctx.cache.update(layer, k, v, window)
     return k, v, mask, False

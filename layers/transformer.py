@@ -1,16 +1,16 @@
 """The classic transformer layer, as modules: multi-head self-attention and a two-linear MLP, each added to the
 residual stream, with a LayerNorm before each block (pre-norm) or after each residual add (post-norm).
 
-    SelfAttention     x -> qkv (column-parallel, chunks q | k | v) -> attention over this rank's heads
-                        -> out_proj (row-parallel)
+    SelfAttention     x -> qkv (column-parallel, chunks q | k | v) -> (q/k norm, rotary) -> KV cache -> attention
+                        over this rank's heads -> out_proj (row-parallel): every family's attention
     TransformerLayer  pre-norm:  h = x + drop(self_attn(self_attn_layer_norm(x)))
                                  out = h + drop(fc2(act(fc1(final_layer_norm(h)))))
                       post-norm: h = self_attn_layer_norm(x + drop(self_attn(x)))
                                  out = final_layer_norm(h + drop(fc2(act(fc1(h)))))
 
 The attention is a child module (`attention_block`), which is what selective activation checkpointing recomputes.
-Modules here take the model's batch context `ctx` and read `ctx.mask` (the dense mask, None for none or plain
-causal) and `ctx.cp` (context parallelism, or None).
+Modules here take the model's batch context `ctx` (colozoo.layers.batch): its masks, rotary angles, KV cache and
+context-parallel sharding.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from .comm import group_size
 from .dropout import dropout
 from .kv_cache import keys_values_mask
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .norm import LayerNorm
+from .norm import LayerNorm, RMSNorm
+from .rope import apply_rope
 
 
 def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
@@ -40,34 +41,57 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention over the heads this rank owns (tensor parallel by heads).
+    """The one attention block of every family: project -> split heads -> (q/k norm) -> (rotary) -> KV cache ->
+    attend over this rank's heads -> merge heads -> project back (tensor parallel by heads).
 
-    `scale_query` scales q after its projection (bias included) and attends with scale 1, as OPT does: the same
-    order gives the same rounding."""
+    Families set its options: `kv_heads` (grouped-query attention; a kv head replicated over `replica_group` when tp
+    exceeds the kv heads), `causal`, the biases, the score `scale` (default head_dim ** -0.5) or `scale_query` (q
+    scaled after its projection, attention at scale 1, as OPT: the same order gives the same rounding), GPT-2's
+    `upcast` order, the sliding `window`, the score `softcap`, `qk_norm` (RMSNorm options of a per-head norm of q and
+    k before the rotation), `rotary` ("global" or "local": which of the batch's angles rotate q and k) and the
+    names of its two projections (`names`, as the family's checkpoints call them)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *, causal: bool,
-                 qkv_bias: bool = True, out_bias: bool = True, dropout: float = 0.0, scale_query: bool = False,
-                 group=None, sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(self, hidden_size: int, num_heads: int, kv_heads: int | None = None, head_dim: int | None = None, *,
+                 layer_idx: int, causal: bool = True, qkv_bias: bool = True, out_bias: bool = True,
+                 dropout: float = 0.0, scale: float | None = None, scale_query: bool = False, upcast: bool = False,
+                 window: int | None = None, softcap: float | None = None, qk_norm: dict | None = None,
+                 rotary: str | None = None, names: tuple[str, str] = ("qkv", "out_proj"), group=None,
+                 replica_group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        tp, kv_heads = group_size(group), kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
-        self.local_heads = num_heads // group_size(group)
-        self.causal, self.dropout_p, self.scale_query = causal, dropout, scale_query
-        self.scale = self.head_dim ** -0.5
-        width = num_heads * self.head_dim
+        self.local_heads, self.local_kv_heads = num_heads // tp, max(kv_heads // tp, 1)
+        self.layer_idx, self.causal, self.dropout_p = layer_idx, causal, dropout
+        self.scale, self.scale_query = scale if scale is not None else self.head_dim ** -0.5, scale_query
+        self.upcast, self.window, self.softcap, self.rotary = upcast, window, softcap, rotary
+        self.names = names
+        width, kv_width = num_heads * self.head_dim, kv_heads * self.head_dim
         kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * width, bias=qkv_bias, chunks=(width, width, width), **kw)
-        self.out_proj = RowParallelLinear(width, hidden_size, bias=out_bias, **kw)
+        qkv = ColumnParallelLinear(hidden_size, width + 2 * kv_width, bias=qkv_bias, chunks=(width, kv_width, kv_width),
+                                   parts=(num_heads, kv_heads, kv_heads), replica_group=replica_group, **kw)
+        self.add_module(names[0], qkv)
+        self.add_module(names[1], RowParallelLinear(width, hidden_size, bias=out_bias, **kw))
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
+            norm = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype, **qk_norm)
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, **norm), RMSNorm(self.head_dim, **norm)
 
     def forward(self, x, ctx):
-        q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_heads, self.head_dim)
+        qkv_proj, out_proj = (self._modules[name] for name in self.names)
+        q, k, v = split_heads(qkv_proj(x), self.local_heads, self.local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            cos, sin = ctx.rope(local=self.rotary == "local")
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = self.scale
         if self.scale_query:
             q, scale = q * self.scale, 1.0
-        k, v, mask, causal = keys_values_mask(ctx, self, k, v, causal=self.causal)
-        out = attention(q, k, v, mask, causal=causal, scale=scale, cp=ctx.cp,
-                        dropout_p=self.dropout_p if self.training else 0.0,
-                        documents=ctx.documents if self.causal else None)  # packing: transformers' causal masks only
-        return self.out_proj(merge_heads(out))
+        k, v, mask, causal = keys_values_mask(ctx, self.layer_idx, k, v, causal=self.causal, window=self.window)
+        out = attention(q, k, v, mask, causal=causal, scale=scale, cp=ctx.cp, window=self.window,
+                        dropout_p=self.dropout_p if self.training else 0.0, upcast=self.upcast, softcap=self.softcap,
+                        documents=ctx.documents)
+        return out_proj(merge_heads(out))
 
 
 class TransformerLayer(nn.Module):

@@ -8,6 +8,7 @@ built.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +181,33 @@ def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=Non
     return tokens, rows.to(embedding.dtype)
 
 
+LOGITS = ("full", "vocab_slice", "none")
+
+
+@dataclass(frozen=True)
+class LogitsRequest:
+    """Which logits a forward returns. `gather`: "full" (the whole vocabulary on every rank), "vocab_slice" (this
+    rank's padded vocab slice, ungathered: vocab_parallel_argmax takes it) or "none" (the loss alone, the head fused
+    with it where it can be); `keep`: transformers' logits_to_keep, the last `keep` positions (0: all) or a tensor
+    of positions."""
+    gather: str = "full"
+    keep: int | torch.Tensor = 0
+
+    def __post_init__(self):
+        if self.gather not in LOGITS:
+            raise ValueError(f"logits gather must be one of {LOGITS}, got {self.gather!r}")
+        keep = self.keep
+        if not isinstance(keep, torch.Tensor) and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+            raise ValueError(f"logits_to_keep must be an integer >= 0 or a tensor of positions, got {keep!r}")
+
+
+def keep_positions(x: torch.Tensor, keep) -> torch.Tensor:
+    """x (batch, seq, ...) at transformers' logits_to_keep positions: the last `keep` (0: all), or those indexed."""
+    if isinstance(keep, torch.Tensor):
+        return x[:, keep.to(x.device)]
+    return x[:, -keep:] if keep else x
+
+
 class VocabParallelLMHead(nn.Module):
     """Projects hidden states onto this rank's vocab slice. `weight` may be tied to the embedding's. `softcap`
     (Gemma's final_logit_softcapping) caps every logit to softcap * tanh(logit / softcap), for the loss too."""
@@ -219,15 +247,16 @@ class VocabParallelLMHead(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def loss_and_logits(self, hidden, labels=None, return_logits=False, cp=None, ignore_index=-100,
+    def loss_and_logits(self, hidden, labels=None, logits: "LogitsRequest" = None, cp=None, ignore_index=-100,
                         label_smoothing=0.0):
-        """(loss or None, full logits or None) from the final hidden states. When only the loss is wanted (and no
-        softcap applies) the head matmul is fused into the loss: on CUDA in chunks with no logits tensor, once the
-        logits would pass FUSED_HEAD_ABOVE_BYTES (below it the head and the Triton loss run apart, faster); on the
-        torch path with the whole vocabulary on this rank, the logits become their gradient in the forward
-        (layers.linear_cross_entropy)."""
+        """(loss or None, logits or None) from the final hidden states, the logits as `logits` asks. When only the loss
+        is wanted (and no softcap applies) the head matmul is fused into the loss: on CUDA in chunks with no logits
+        tensor, once the logits would pass FUSED_HEAD_ABOVE_BYTES (below it the head and the Triton loss run apart,
+        faster); on the torch path with the whole vocabulary on this rank, the logits become their gradient in the
+        forward (layers.linear_cross_entropy)."""
+        logits = logits if logits is not None else LogitsRequest()
         weight = self.head_weight()
-        if labels is not None and not return_logits and self.softcap is None:
+        if labels is not None and logits.gather == "none" and self.softcap is None:
             targets = self._next_tokens(labels, ignore_index, cp)
             large = targets.numel() * weight.shape[0] * hidden.element_size() > FUSED_HEAD_ABOVE_BYTES
             if use_triton(hidden, weight, auto=large):
@@ -239,11 +268,17 @@ class VocabParallelLMHead(nn.Module):
                 return self._mean(per_token.sum(), targets, ignore_index, cp), None
             if group_size(self.group) == 1 and not use_triton(hidden, weight):  # the torch path fuses the head too
                 return self._mean(self(hidden, targets, ignore_index, label_smoothing), targets, ignore_index, cp), None
+        if labels is None and logits.gather == "none":
+            return None, None
+        kept_early = labels is None and not self.sequence_parallel and cp is None  # fewer positions to project
+        if kept_early:
+            hidden = keep_positions(hidden, logits.keep)
         logits_local = self(hidden)
         loss = self.loss(logits_local, labels, ignore_index, label_smoothing, cp) if labels is not None else None
-        if return_logits == "local":  # this rank's padded vocab slice, ungathered (vocab_parallel_argmax takes it)
-            return loss, logits_local
-        return loss, self.full_logits(logits_local, cp=cp) if return_logits else None
+        if logits.gather == "none":
+            return loss, None
+        out = logits_local if logits.gather == "vocab_slice" else self.full_logits(logits_local, cp=cp)
+        return loss, out if kept_early else keep_positions(out, logits.keep)
 
     def loss(self, logits_local, labels, ignore_index=-100, label_smoothing=0.0, cp=None) -> torch.Tensor:
         """Mean causal-LM loss over non-ignored tokens: logits at t predict labels at t+1.

@@ -1,92 +1,37 @@
-"""What every colozoo model shares: the output type, the batch context, config checks, and the three-part
-forward (embed on the first stage, blocks on every stage, head on the last) that pipeline stages reuse.
+"""What every colozoo model is: this rank's part of a family's model (embed on the first pipeline stage, layers keyed
+by their global index on every stage, head on the last), and the model protocol: every hook the runtime and the cost
+model read, declared here once with its default.
 
-A model knows only its layers. How it runs on its mesh (pipeline stages and schedules, context-parallel
-sharding of the batch, data-parallel wrapping, the training step, saving) is the business of the layers
-above: `colozoo.runtime.run.Run` attaches itself as `model.run`, and the methods users call on a model
-(`model(...)` on a pipeline or cp mesh, `forward_backward`, `save_pretrained`) are handed to it."""
+    class MyModel(ParallelModel):        # a family: build self.layers (a ModuleDict by global layer index), then
+        def embed(self, x, ctx): ...                            # first stage: input ids (pixels) -> hidden states
+        def head(self, hidden, ctx, labels=None, logits=LogitsRequest()) -> ModelOutput: ...  # last stage
+
+A model knows only its layers. How it runs on its mesh (pipeline stages, context-parallel sharding of the batch,
+data-parallel wrapping, the training step, generation, saving) is the business of its run
+(`colozoo.runtime.run.Run`, attached by `colozoo.build_model` / `from_pretrained` as `model.run`): `model(...)`,
+`forward_backward`, `generate` and `save_pretrained` are handed to it, and it drives `batch_context`, `embed`, the
+layers and `head` stage by stage.
+"""
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from colozoo.core.errors import UnsupportedConfig, require  # noqa: F401 (the families import them from here)
 from colozoo.core.mesh import ParallelContext, single_process
-from colozoo.core.partition import model_rank_layers
+from colozoo.layers.batch import BatchContext
 from colozoo.layers.comm import gather_from_parallel
 from colozoo.layers.context_parallel import gather_sequence
-from colozoo.layers.documents import packed_documents
 from colozoo.layers.dropout import dropout  # noqa: F401 (the families import it from here)
-from colozoo.models.outputs import ModelOutput  # noqa: F401 (the families import it from here)
-
-
-@dataclass
-class BatchContext:
-    """Per-batch tensors every layer may need, built once from the full (unsharded) batch."""
-    attention_mask: torch.Tensor | None  # (batch, seq) 1 = token, 0 = padding
-    # the dense boolean (batch, 1, q, k) mask (None: plain causal), or a function building it on first use: under
-    # context parallelism it is dropped unbuilt, since an (S, S) mask would grow with the full sequence squared
-    dense_mask: torch.Tensor | Callable[[], torch.Tensor | None] | None
-    position_ids: torch.Tensor           # (batch, seq) global positions
-    seq_len: int
-    cp: object | None = None             # layers.context_parallel.ContextParallel when cp > 1 (tokens are sharded)
-    data_group: object | None = None     # where batch statistics (MoE router losses) are summed; None: the cp group
-    cache: object | None = None          # layers.kv_cache.KVCache while generating: attention reads and extends it
-    token_rows: torch.Tensor | None = None  # greedy decoding under tp: the token embedding's rows of input_ids
-    hidden_states: list | None = None    # with output_hidden_states: every layer's input, then the last output
-    _documents: torch.Tensor | bool | None = None  # packed document ids once computed; False: one per row
-
-    @property
-    def documents(self) -> torch.Tensor | None:
-        """(batch, seq) ids of the packed documents (colozoo.layers.documents), computed on first use from the full
-        batch's positions, or None: transformers' convention packs only with position_ids, no attention_mask and
-        no KV cache. Context parallelism reads them before it shards the positions."""
-        if self.cache is not None or self.attention_mask is not None:
-            return None
-        if self._documents is None:
-            found = packed_documents(self.position_ids)
-            self._documents = False if found is None else found
-        return None if self._documents is False else self._documents
-
-    @property
-    def mask(self) -> torch.Tensor | None:
-        if callable(self.dense_mask):
-            self.dense_mask = self.dense_mask()
-        return self.dense_mask
-
-    @mask.setter
-    def mask(self, value):
-        self.dense_mask = value
-
-    def prepare(self):
-        """Build now what layers would build on first use (compiled layers then all see the same context). The
-        dense mask is left unbuilt under context parallelism."""
-        self.documents  # noqa: B018 (the property computes the packed documents' ids)
-        if self.cp is None:
-            self.mask  # noqa: B018 (the property builds it)
-
-    def mask_for(self, window: int | None) -> torch.Tensor | None:
-        """The dense mask of a layer with this sliding window: one mask serves every layer, unless the family mixes
-        windowed and full layers (Gemma)."""
-        return self.mask
-
-
-class UnsupportedConfig(ValueError):
-    """A transformers option this family does not implement."""
-
-
-def require(condition: bool, message: str):
-    if not condition:
-        raise UnsupportedConfig(message)
+from colozoo.layers.vocab import LogitsRequest
+from colozoo.models.outputs import ModelOutput
 
 
 def default_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`position_ids`, or 0..seq-1 for every sequence of the batch."""
     if position_ids is not None:
         return position_ids
-    b, s = input_ids.shape
+    b, s = input_ids.shape[:2]
     return torch.arange(s, device=input_ids.device).expand(b, s)
 
 
@@ -98,18 +43,28 @@ def check_divisible(what: str, value: int, tp: int):
 class ParallelModel(nn.Module):
     """Base of every family. Subclasses build `self.layers` as a ModuleDict keyed by *global* layer index."""
 
-    family: str = ""
+    # --- what a family declares (class attributes) --------------------------------------------------------------
+    family: str = ""                   # the family's name (colozoo.models.family_of gives its traits)
+    task: str = "causal_lm"            # the head: causal_lm, or an encoder's (bert, vit)
     tied_embedding: str | None = None  # parameter a tied LM head shares; the last pp stage holds a copy of it
+    causal: bool = True                # batches attend causally (False: encoders)
+    reencode_length: int | None = None  # generation encodes the whole sequence again at this length (Phi-3)
+    sliding_window: int | None = None  # the window most layers share, in the batch's mask (per-layer ones: their own)
+    run = None                         # the colozoo.runtime.run.Run that runs this model on its mesh; set by the run
 
     def __init__(self, config, pc: ParallelContext | None = None, layer_ids=None):
         super().__init__()
         self.config = config
         self.pc = pc or single_process()
         if layer_ids is None:  # one stage per pp rank, balanced by parameters
+            from colozoo.models.partition import model_rank_layers
+
             layer_ids = model_rank_layers(config, self.pc.config.pp, self.pc.rank("pp"))
         self.layer_ids = list(layer_ids)
         self.is_first = self.pc.is_first_stage
         self.is_last = self.pc.is_last_stage
+        self.rotary = None        # a rotary family's RotaryEmbedding
+        self.local_rotary = None  # one for sliding-window layers with their own RoPE base (Gemma 3)
 
     @staticmethod
     def num_layers(config) -> int:
@@ -123,28 +78,41 @@ class ParallelModel(nn.Module):
     def sequence_parallel(self) -> bool:
         return self.pc.sequence_parallel
 
-    def check_sequence(self, seq_len: int, max_positions: int | None = None):
-        """The sequence fits a learned position table of `max_positions` rows (if any) and sequence parallelism."""
-        if max_positions is not None and seq_len > max_positions:
-            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings={max_positions}")
+    # --- the batch --------------------------------------------------------------------------------------------------
+    def position_limit(self) -> int | None:
+        """How many positions a learned position table holds (None: no table, rotary or none)."""
+        return None
+
+    def check_sequence(self, seq_len: int):
+        """The sequence fits the position table (if any) and sequence parallelism."""
+        limit = self.position_limit()
+        if limit is not None and seq_len > limit:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings={limit}")
         if self.sequence_parallel and seq_len % self.pc.tp_size:
             raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.pc.tp_size}")
 
-    def run_layers(self, hidden: torch.Tensor, ctx: BatchContext, layers=None) -> torch.Tensor:
-        """`layers` (default: all of this rank's) in order; with output_hidden_states each input and the last output
-        are kept in ctx.hidden_states."""
-        for layer in (self.layers if layers is None else layers).values():
-            if ctx.hidden_states is not None:
-                ctx.hidden_states.append(hidden)
-            hidden = layer(hidden, ctx)
-        if ctx.hidden_states is not None:
-            ctx.hidden_states.append(hidden)
-        return hidden
+    def positions(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """The batch's position ids: given, else 0..seq-1 (OPT counts them over the attention mask)."""
+        return default_positions(input_ids, position_ids)
 
-    def context(self, input_ids, attention_mask=None, output_hidden_states=None, **kwargs) -> BatchContext:
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None,
+                      rope_length: int | None = None) -> BatchContext:
+        """The context of a batch of `input_ids` (batch, seq). `rope_length`: the length of the whole batch these rows
+        belong to (generation's pipeline micro-batches), which dynamic and LongRoPE scaling choose by."""
+        seq = input_ids.shape[1]
+        self.check_sequence(seq)
+        positions = self.positions(input_ids, attention_mask, position_ids)
+        ctx = BatchContext(attention_mask, positions, seq, causal=self.causal, window=self.sliding_window)
+        if self.rotary is not None:
+            ctx.rope_inv_freq, ctx.rope_scale = self.rotary(positions, rope_length), self.rotary.attention_factor
+        if self.local_rotary is not None:
+            ctx.local_rope_inv_freq = self.local_rotary(positions, rope_length)
+        return ctx
+
+    def context(self, input_ids, attention_mask=None, output_hidden_states=None, **inputs) -> BatchContext:
         """The family's batch context, set to keep every layer's hidden states when `output_hidden_states` (or
         the config's, as in transformers) asks for them."""
-        ctx = self.batch_context(input_ids, attention_mask, **kwargs)
+        ctx = self.batch_context(input_ids, attention_mask, **inputs)
         if self.wants_hidden_states(output_hidden_states):
             ctx.hidden_states = []
         return ctx
@@ -160,6 +128,34 @@ class ParallelModel(nn.Module):
                              f"(pp={self.pc.config.pp}): each stage holds only its own layers' states; run the "
                              f"model at pp=1 to get them")
         return output_hidden_states
+
+    def example_inputs(self, batch_size: int, seq_len: int, device=None) -> dict:
+        """A batch of the right shapes (zeros) for symbolic runs such as the profiler's."""
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        return {"input_ids": ids, "labels": ids}
+
+    # --- the three parts a run drives -----------------------------------------------------------------------------
+    def embed(self, x, ctx: BatchContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_layers(self, hidden: torch.Tensor, ctx: BatchContext, layers=None) -> torch.Tensor:
+        """`layers` (default: all of this rank's) in order; with output_hidden_states each input and the last output
+        are kept in ctx.hidden_states."""
+        for layer in (self.layers if layers is None else layers).values():
+            if ctx.hidden_states is not None:
+                ctx.hidden_states.append(hidden)
+            hidden = layer(hidden, ctx)
+        if ctx.hidden_states is not None:
+            ctx.hidden_states.append(hidden)
+        return hidden
+
+    def head(self, hidden, ctx: BatchContext, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        raise NotImplementedError
+
+    def lm_output(self, normed, ctx: BatchContext, labels, logits: LogitsRequest) -> ModelOutput:
+        """A causal LM's outputs from its final (normalised) hidden states: loss, logits and hidden states."""
+        loss, out = self.lm_head.loss_and_logits(normed, labels, logits, cp=ctx.cp)
+        return ModelOutput(loss=loss, logits=out, hidden_states=self.output_hidden_states(ctx, last=normed))
 
     def whole_sequence(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         """A (batch, seq, hidden) activation whole on every rank: all-gathered over tp under sequence parallelism
@@ -179,40 +175,55 @@ class ParallelModel(nn.Module):
         states = ctx.hidden_states if last is None else ctx.hidden_states[:-1] + [last]
         return tuple(self.whole_sequence(state, ctx) for state in states)
 
-    run = None  # the colozoo.runtime.run.Run that runs this model on its mesh; attached by the runtime
-
-    def forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, return_dict=None,
-                **kwargs) -> ModelOutput | tuple:
-        """A ModelOutput (`return_dict=False`: its tuple, as in transformers). `output_hidden_states=True` adds
-        `hidden_states` (pp == 1)."""
-        if self.run is not None:
-            out = self.run.forward(input_ids, attention_mask=attention_mask, labels=labels,
-                                   return_logits=return_logits, **kwargs)
-        elif self.pc.config.pp > 1 or self.pc.config.cp > 1:
-            raise RuntimeError(f"on a mesh with pp={self.pc.config.pp}, cp={self.pc.config.cp} a model runs through "
-                               f"its Run: build it with colozoo.build_model or colozoo.from_pretrained (or attach "
-                               f"colozoo.runtime.run.Run(model))")
-        else:
-            out = self.local_forward(input_ids, attention_mask=attention_mask, labels=labels,
-                                     return_logits=return_logits, **kwargs)
-        return out.to_tuple() if return_dict is False else out
-
-    def local_forward(self, input_ids, attention_mask=None, labels=None, return_logits=False, **kwargs):
-        """embed -> layers -> head on this rank's whole model, the batch unsharded (pp == cp == 1)."""
-        ctx = self.context(input_ids, attention_mask, **kwargs)
-        hidden = self.embed(input_ids, ctx)
-        hidden = self.run_layers(hidden, ctx)
-        return self.head(hidden, ctx, labels=labels, return_logits=return_logits)
-
+    # --- what the runtime and the cost model read -----------------------------------------------------------------
     def loss_token_count(self, labels) -> torch.Tensor:
         """How many label positions the mean loss averages over (causal LM: labels shift by one)."""
         return (labels[..., 1:] != -100).sum()
 
+    def can_generate(self) -> bool:
+        """A causal LM (its last stage holds an LM head), as transformers' can_generate."""
+        return self.task == "causal_lm"
+
+    def router_stats_width(self) -> int:
+        """Length of the MoE router statistics a pipeline stage hands to the next with its hidden states (0: none)."""
+        return 0
+
+    def router_statistics(self, ctx: BatchContext, device) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no MoE router")
+
+    def carries_router_stats(self, output_router_logits: bool | None = None) -> bool:
+        """Do pipeline stages hand MoE router statistics on? With the router losses on (the batch's choice, else the
+        config's) and pp > 1."""
+        if not self.router_stats_width() or self.pc.config.pp == 1:
+            return False
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        return bool(output_router_logits)
+
+    def stage_hidden_shape(self, batch: int, inputs: torch.Tensor) -> tuple[int, ...]:
+        """The hidden states between pipeline stages for a batch of `inputs`: this rank's share of the sequence
+        (context and sequence parallelism)."""
+        local_seq = inputs.shape[1] // self.pc.config.cp
+        local_seq = local_seq // self.pc.tp_size if self.sequence_parallel else local_seq
+        return batch, local_seq, self.config.hidden_size
+
+    @torch.no_grad()
+    def reset_buffers(self):
+        """Recompute non-persistent buffers (RoPE frequencies) after materialising a meta-initialised model."""
+        for rotary in (self.rotary, self.local_rotary):
+            if rotary is not None:
+                rotary.reset_buffers()
+
+    # --- what users call: handed to the run ------------------------------------------------------------------------
     def _run(self):
         if self.run is None:
             raise RuntimeError(f"{type(self).__name__} has no Run: build it with colozoo.build_model or "
                                f"colozoo.from_pretrained (a model on its own knows only its layers)")
         return self.run
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        """transformers' forward: a ModelOutput (`return_dict=False`: its tuple), see colozoo.runtime.run.Run.forward."""
+        return self._run().forward(input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
     def forward_backward(self, input_ids, labels, attention_mask=None, num_microbatches: int = 1, **kwargs):
         """One training step's forward and backward over the whole mesh; returns the mean loss on every rank."""
@@ -220,9 +231,8 @@ class ParallelModel(nn.Module):
                                             num_microbatches=num_microbatches, **kwargs)
 
     def generate(self, input_ids, attention_mask=None, **options):
-        """Token ids (batch, prompt + new) on every rank, as transformers' generate returns them: greedy or sampled
-        (max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id, pad_token_id,
-        seed, streamer)."""
+        """Token ids (batch, prompt + new) on every rank, as transformers' generate returns them (see
+        colozoo.runtime.generate)."""
         return self._run().generate(input_ids, attention_mask=attention_mask, **options)
 
     def save_pretrained(self, path, format: str = "colozoo", **kwargs):

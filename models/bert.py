@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding,
-                            VocabParallelLMHead, build_attention_mask, scatter_to_sequence,
-                            vocab_parallel_cross_entropy)
+                            VocabParallelLMHead, scatter_to_sequence, vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, check_divisible, default_positions,
-                                 dropout, require)
+from colozoo.layers.batch import BatchContext
+from colozoo.layers.vocab import LogitsRequest, keep_positions
+from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout, require
+from colozoo.models.family import Family
 
 
 def resolve_task(cls, config, task: str | None) -> type:
@@ -70,11 +69,6 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> t
     raise ValueError(f"unknown problem_type {problem!r}")
 
 
-@dataclass
-class BertBatchContext(BatchContext):
-    token_type_ids: torch.Tensor | None = None
-
-
 class BertEmbeddings(nn.Module):
     def __init__(self, config, pc, device=None, dtype=None):
         super().__init__()
@@ -91,7 +85,7 @@ class BertEmbeddings(nn.Module):
     def _replicated(self, x):
         return scatter_to_sequence(x, self.group) if self.sequence_parallel else x
 
-    def forward(self, input_ids, ctx: BertBatchContext):
+    def forward(self, input_ids, ctx: BatchContext):
         hidden = self.word_embeddings(input_ids) + self._replicated(self.token_type_embeddings(ctx.token_type_ids))
         hidden, _ = self.LayerNorm(hidden, residual=self._replicated(self.position_embeddings(ctx.position_ids)))
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
@@ -101,12 +95,13 @@ class EncoderLayer(TransformerLayer):
     """A layer of BERT (post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm) or of ViT (pre-LayerNorm:
     LayerNorm -> attention -> + -> LayerNorm -> MLP -> +), built from the config fields the two share."""
 
-    def __init__(self, config, pc, pre_norm: bool, device=None, dtype=None):
+    def __init__(self, config, layer_idx: int, pc, pre_norm: bool, device=None, dtype=None):
         check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        attention = SelfAttention(config.hidden_size, config.num_attention_heads, getattr(config, "head_dim", None),
-                                  causal=False, qkv_bias=getattr(config, "qkv_bias", True),
+        attention = SelfAttention(config.hidden_size, config.num_attention_heads,
+                                  head_dim=getattr(config, "head_dim", None), layer_idx=layer_idx, causal=False,
+                                  qkv_bias=getattr(config, "qkv_bias", True),
                                   dropout=config.attention_probs_dropout_prob, **kw)
         super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
                          pre_norm=pre_norm, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
@@ -117,6 +112,7 @@ class EncoderModel(ParallelModel):
     config marked with the class whose weights the model holds) and sequence parallelism, not context parallelism."""
 
     task = "base"
+    causal = False
     TASKS: dict[str, str] = {}
     title = ""  # the family's name in messages
 
@@ -159,7 +155,7 @@ class BertModel(EncoderModel):
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = BertEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, pc, pre_norm=False, **kw)
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=False, **kw)
                                      for i in self.layer_ids})
         if self.is_last:
             self.build_head(config, pc, **kw)
@@ -168,33 +164,32 @@ class BertModel(EncoderModel):
         self.pooler = BertPooler(config, device, dtype)
 
     def example_inputs(self, batch_size: int, seq_len: int, device=None) -> dict:
-        """A batch of the right shapes (zeros) for symbolic runs such as the profiler's."""
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
         return {"input_ids": ids, **self.example_labels(ids)}
 
     def example_labels(self, ids) -> dict:
         return {}
 
-    def batch_context(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
-        s = input_ids.shape[1]
-        self.check_sequence(s, self.config.max_position_embeddings)
-        position_ids = default_positions(input_ids, position_ids)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        mask = build_attention_mask(attention_mask, s, causal=False)
-        return BertBatchContext(attention_mask, mask, position_ids, s, token_type_ids=token_type_ids)
+    def position_limit(self) -> int:
+        return self.config.max_position_embeddings
+
+    def batch_context(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                      rope_length=None) -> BatchContext:
+        ctx = super().batch_context(input_ids, attention_mask, position_ids)
+        ctx.token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        return ctx
 
     def embed(self, input_ids, ctx):
         return self.embeddings(input_ids, ctx)
 
-    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         hidden = self.whole_sequence(hidden, ctx)
         return ModelOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden),
                            hidden_states=self.output_hidden_states(ctx))
 
 
 class BertForMaskedLM(BertModel):
-    """Masked-LM loss over positions whose label is not -100 (no shift); logits only with return_logits."""
+    """Masked-LM loss over positions whose label is not -100 (no shift); logits as `logits` asks."""
 
     task = "masked_lm"
     tied_embedding = "embeddings.word_embeddings.weight"
@@ -214,7 +209,7 @@ class BertForMaskedLM(BertModel):
         self.lm_head = VocabParallelLMHead(h, config.vocab_size, bias=True, group=pc.tp_group,
                                            tied_embedding=tied, **kw)
 
-    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         states = self.output_hidden_states(ctx)
         hidden = self.whole_sequence(hidden, ctx)
         logits_local = self.lm_head(self.transform_norm(self.transform_act(self.transform(hidden))))
@@ -222,8 +217,11 @@ class BertForMaskedLM(BertModel):
         if labels is not None:
             per_token = vocab_parallel_cross_entropy(logits_local, labels, self.config.vocab_size, self.tp_group)
             loss = per_token.sum() / (labels != -100).sum().clamp(min=1)
-        logits = self.lm_head.full_logits(logits_local) if return_logits else None
-        return ModelOutput(loss=loss, logits=logits, hidden_states=states)
+        out = None
+        if logits.gather != "none":
+            out = logits_local if logits.gather == "vocab_slice" else self.lm_head.full_logits(logits_local)
+            out = keep_positions(out, logits.keep)
+        return ModelOutput(loss=loss, logits=out, hidden_states=states)
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return (labels != -100).sum()
@@ -243,11 +241,11 @@ class BertForSequenceClassification(BertModel):
         self.classifier_dropout = (config.classifier_dropout if config.classifier_dropout is not None
                                    else config.hidden_dropout_prob)
 
-    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         pooled = self.pooler(self.whole_sequence(hidden, ctx))
-        logits = self.classifier(dropout(pooled, self.classifier_dropout, self.training, sharded=False))
-        loss = classification_loss(logits, labels, self.config) if labels is not None else None
-        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx))
+        scores = self.classifier(dropout(pooled, self.classifier_dropout, self.training, sharded=False))
+        loss = classification_loss(scores, labels, self.config) if labels is not None else None
+        return ModelOutput(loss=loss, logits=scores, hidden_states=self.output_hidden_states(ctx))
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return torch.tensor(labels.numel(), device=labels.device)
@@ -255,3 +253,6 @@ class BertForSequenceClassification(BertModel):
     def example_labels(self, ids) -> dict:
         dtype = torch.long if self.config.num_labels > 1 else torch.float
         return {"labels": torch.zeros(ids.shape[0], dtype=dtype, device=ids.device)}
+
+
+FAMILIES = (Family("bert", ("bert",), BertModel, converter="bert", learned_positions=True),)

@@ -6,42 +6,21 @@ residual by default.
             sequential: h = x + attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))] x n
         -> final_layer_norm -> lm_head (the checkpoint's embed_out; untied unless tie_word_embeddings)
 
-attention: qkv (column-parallel, chunks q | k | v; the checkpoint's query_key_value is stored per head and reordered by
-the converter), RoPE on the first rotary_dim = head_dim * partial_rotary_factor (rotary_pct) features of each head
-(models.llama's RoPE code), dense (row-parallel). mlp: dense_h_to_4h (column-parallel, with its activation),
+attention (layers.SelfAttention): qkv (column-parallel, chunks q | k | v; the checkpoint's query_key_value is stored
+per head and reordered by the converter), RoPE on the first rotary_dim = head_dim * partial_rotary_factor
+(rotary_pct) features of each head, dense (row-parallel). mlp: dense_h_to_4h (column-parallel, with its activation),
 dense_4h_to_h (row-parallel). Every linear has a bias unless attention_bias is off (attention only).
 """
 from __future__ import annotations
 
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                            VocabParallelLMHead, attention, merge_heads, split_heads)
-from colozoo.layers.kv_cache import keys_values_mask
-from colozoo.models.base import ModelOutput, check_divisible, dropout
-
-from .llama import RopeBatchContext, RotaryEmbedding, RotaryModel, apply_rope
-
-
-class GPTNeoXAttention(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
-        super().__init__()
-        h, heads = config.hidden_size, config.num_attention_heads
-        self.head_dim, self.local_heads = h // heads, heads // pc.tp_size
-        self.dropout_p = config.attention_dropout
-        kw = dict(bias=config.attention_bias, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
-                  device=device, dtype=dtype)
-        self.qkv = ColumnParallelLinear(h, 3 * h, chunks=(h, h, h), **kw)
-        self.dense = RowParallelLinear(h, h, **kw)
-
-    def forward(self, x, ctx: RopeBatchContext):
-        q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_heads, self.head_dim)
-        cos, sin = ctx.rope()
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v, mask, causal = keys_values_mask(ctx, self, k, v)
-        out = attention(q, k, v, mask, causal=causal, scale=self.head_dim ** -0.5, cp=ctx.cp,
-                        dropout_p=self.dropout_p if self.training else 0.0, documents=ctx.documents)
-        return self.dense(merge_heads(out))
+from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, SelfAttention, VocabParallelEmbedding,
+                            VocabParallelLMHead)
+from colozoo.layers.rope import RotaryEmbedding
+from colozoo.layers.vocab import LogitsRequest
+from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout
+from colozoo.models.family import Family
 
 
 class GPTNeoXMLP(nn.Module):
@@ -59,14 +38,18 @@ class GPTNeoXMLP(nn.Module):
 class GPTNeoXLayer(nn.Module):
     attention_block = "attention"  # what selective activation checkpointing recomputes
 
-    def __init__(self, config, pc, device=None, dtype=None):
+    def __init__(self, config, layer_idx: int, pc, device=None, dtype=None):
         super().__init__()
         norm = dict(eps=config.layer_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
                     device=device, dtype=dtype)
         self.parallel_residual = config.use_parallel_residual
         self.dropout_p, self.sharded_resid = config.hidden_dropout, pc.sequence_parallel
         self.input_layernorm = LayerNorm(config.hidden_size, **norm)
-        self.attention = GPTNeoXAttention(config, pc, device, dtype)
+        self.attention = SelfAttention(config.hidden_size, config.num_attention_heads, layer_idx=layer_idx,
+                                       qkv_bias=config.attention_bias, out_bias=config.attention_bias,
+                                       dropout=config.attention_dropout, rotary="global", names=("qkv", "dense"),
+                                       group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device,
+                                       dtype=dtype)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
         self.mlp = GPTNeoXMLP(config, pc, device, dtype)
 
@@ -81,7 +64,7 @@ class GPTNeoXLayer(nn.Module):
         return self._dropout(self.mlp(mlp_in)) + x
 
 
-class GPTNeoXForCausalLM(RotaryModel):
+class GPTNeoXForCausalLM(ParallelModel):
     family = "gpt_neox"
     tied_embedding = "embed_in.weight"
 
@@ -95,7 +78,7 @@ class GPTNeoXForCausalLM(RotaryModel):
         sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
         if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.embed_in = VocabParallelEmbedding(config.vocab_size, h, **sp, **kw)
-        self.layers = nn.ModuleDict({str(i): GPTNeoXLayer(config, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): GPTNeoXLayer(config, i, pc, **kw) for i in self.layer_ids})
         if self.is_last:
             self.final_layer_norm = LayerNorm(h, eps=config.layer_norm_eps, **sp, **kw)
             tied = self.embed_in if config.tie_word_embeddings else None
@@ -106,7 +89,8 @@ class GPTNeoXForCausalLM(RotaryModel):
         return dropout(self.embed_in(input_ids, ctx.token_rows), self.config.hidden_dropout, self.training,
                        sharded=self.sequence_parallel)
 
-    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        hidden = self.final_layer_norm(hidden)
-        loss, logits = self.lm_head.loss_and_logits(hidden, labels, return_logits, cp=ctx.cp)
-        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx, last=hidden))
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        return self.lm_output(self.final_layer_norm(hidden), ctx, labels, logits)
+
+
+FAMILIES = (Family("gpt_neox", ("gpt_neox",), GPTNeoXForCausalLM, converter="gpt_neox"),)

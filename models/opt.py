@@ -8,16 +8,15 @@ ReLU MLP, optional word-embedding projections, LM head tied to the token embeddi
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding,
-                            VocabParallelLMHead, build_attention_mask, copy_to_parallel, scatter_to_sequence)
-from colozoo.models.base import (BatchContext, ModelOutput, ParallelModel, UnsupportedConfig, check_divisible,
-                                 default_positions)
+                            VocabParallelLMHead, copy_to_parallel, scatter_to_sequence)
+from colozoo.layers.vocab import LogitsRequest
+from colozoo.models.base import ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, default_positions
+from colozoo.models.family import Family
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 
@@ -39,14 +38,13 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, weight)
 
 
-class OPTAttention(SelfAttention):
-    def __init__(self, config, pc, device=None, dtype=None):
-        h = config.hidden_size
-        if h % config.num_attention_heads:
-            raise UnsupportedConfig(f"hidden_size ({h}) must be divisible by num_attention_heads "
-                                    f"({config.num_attention_heads})")
-        # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
-        super().__init__(h, config.num_attention_heads, causal=True, qkv_bias=config.enable_bias,
+def opt_attention(config, layer_idx: int, pc, device=None, dtype=None) -> SelfAttention:
+    h = config.hidden_size
+    if h % config.num_attention_heads:
+        raise UnsupportedConfig(f"hidden_size ({h}) must be divisible by num_attention_heads "
+                                f"({config.num_attention_heads})")
+    # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
+    return SelfAttention(h, config.num_attention_heads, layer_idx=layer_idx, qkv_bias=config.enable_bias,
                          out_bias=config.enable_bias, dropout=config.attention_dropout, scale_query=True,
                          group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
 
@@ -54,9 +52,9 @@ class OPTAttention(SelfAttention):
 class OPTDecoderLayer(TransformerLayer):
     """Pre-LayerNorm, or post-LayerNorm (each norm after its residual add) for models like opt-350m."""
 
-    def __init__(self, config, pc, device=None, dtype=None):
+    def __init__(self, config, layer_idx: int, pc, device=None, dtype=None):
         check_divisible("the MLP width (ffn_dim)", config.ffn_dim, pc.tp_size)
-        super().__init__(OPTAttention(config, pc, device, dtype), config.hidden_size, config.ffn_dim,
+        super().__init__(opt_attention(config, layer_idx, pc, device, dtype), config.hidden_size, config.ffn_dim,
                          activation=config.activation_function, pre_norm=config.do_layer_norm_before,
                          dropout=config.dropout, bias=config.enable_bias,
                          norm_affine=config.layer_norm_elementwise_affine, group=pc.tp_group,
@@ -81,7 +79,7 @@ class OPTForCausalLM(ParallelModel):
             self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, h, **kw)
             if projected:
                 self.project_in = ReplicatedLinear(proj_dim, h, **sp, **kw)
-        self.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, i, pc, **kw) for i in self.layer_ids})
         if self.is_last:
             if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
                 self.final_layer_norm = LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine,
@@ -91,19 +89,21 @@ class OPTForCausalLM(ParallelModel):
             tied = self.embed_tokens if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(proj_dim, config.vocab_size, tied_embedding=tied, **sp, **kw)
 
-    def batch_context(self, input_ids, attention_mask=None, position_ids=None) -> BatchContext:
-        s = input_ids.shape[1]
-        self.check_sequence(s, self.config.max_position_embeddings)
+    def position_limit(self) -> int:
+        return self.config.max_position_embeddings
+
+    def check_sequence(self, seq_len: int):
+        super().check_sequence(seq_len)
         if self.training and self.config.layerdrop > 0:
             raise UnsupportedConfig(f"OPT layerdrop={self.config.layerdrop} in training is not supported "
                                     f"(set config.layerdrop = 0)")
+
+    def positions(self, input_ids, attention_mask=None, position_ids=None):
         if position_ids is None and attention_mask is not None:
             # positions count real tokens only; padding gets -1 (row 1 of the table), as in OPT
             mask = attention_mask.long()
             position_ids = mask.cumsum(dim=1) * mask - 1
-        position_ids = default_positions(input_ids, position_ids)
-        dense_mask = functools.partial(build_attention_mask, attention_mask, s, causal=True)
-        return BatchContext(attention_mask, dense_mask, position_ids, s)
+        return default_positions(input_ids, position_ids)
 
     def embed(self, input_ids, ctx):
         positions = self.embed_positions(ctx.position_ids + POSITION_OFFSET)
@@ -114,10 +114,12 @@ class OPTForCausalLM(ParallelModel):
             tokens = self.project_in(tokens)
         return tokens + positions
 
-    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         if hasattr(self, "final_layer_norm"):
             hidden = self.final_layer_norm(hidden)
         if hasattr(self, "project_out"):
             hidden = self.project_out(hidden)
-        loss, logits = self.lm_head.loss_and_logits(hidden, labels, return_logits, cp=ctx.cp)
-        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx, last=hidden))
+        return self.lm_output(hidden, ctx, labels, logits)
+
+
+FAMILIES = (Family("opt", ("opt",), OPTForCausalLM, converter="opt", learned_positions=True),)

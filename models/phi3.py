@@ -1,19 +1,18 @@
-"""Phi-3: the LLaMA-style decoder (models.llama: RoPE, RMSNorm, grouped-query attention, SwiGLU, optional sliding
-window) with LongRoPE scaling in the 128k models, an optional partial rotary factor (Phi-3.5 / Phi-4-mini) and
-dropout on the embeddings (embd_pdrop) and on both block outputs (resid_pdrop); no linear has a bias. Its
-checkpoints store the fused `qkv_proj` and `gate_up_proj` in our [q; k; v] and [gate; up] layouts
-(converters/phi3.py)."""
+"""Phi-3: the shared decoder (RoPE, RMSNorm, grouped-query attention, SwiGLU, optional sliding window) with LongRoPE
+scaling in the 128k models, an optional partial rotary factor (Phi-3.5 / Phi-4-mini) and dropout on the embeddings
+(embd_pdrop) and on both block outputs (resid_pdrop); no linear has a bias. Its checkpoints store the fused
+`qkv_proj` and `gate_up_proj` in our [q; k; v] and [gate; up] layouts (converters/phi3.py)."""
 from __future__ import annotations
 
 from torch import nn
 
 from colozoo.layers import GatedMLP
 from colozoo.models.base import dropout
+from colozoo.models.decoder import DecoderLayer, DecoderModel
+from colozoo.models.family import Family
 
-from .llama import DecoderLayer, LlamaAttention, LlamaForCausalLM
 
-
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(DecoderModel):
     family = "phi3"
 
     def build_layer(self, layer_idx: int, config, pc, **kw) -> DecoderLayer:
@@ -28,7 +27,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return self.config.original_max_position_embeddings + 1
 
     def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
-        return LlamaAttention(config, pc, qkv_bias=False, out_bias=False, window=self.sliding_window, **kw)
+        return self.attention(layer_idx, qkv_bias=False, out_bias=False, **kw)
 
     def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False, group=pc.tp_group,
@@ -37,3 +36,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids, ctx):
         return dropout(self.embed_tokens(input_ids, ctx.token_rows), self.config.embd_pdrop, self.training,
                        sharded=self.sequence_parallel)
+
+
+FAMILIES = (Family("phi3", ("phi3",), Phi3ForCausalLM, converter="phi3", gated_mlp=True),)

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE: the LLaMA-style decoder (models.llama) with the Qwen options.
+"""Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE: the shared decoder (colozoo.models.decoder) with the Qwen options.
 
     Qwen2      biases on q/k/v (not on o_proj); a layer is sliding-window or full by config.layer_types
                (transformers derives it from use_sliding_window and max_window_layers: layers >= max_window_layers
@@ -11,20 +11,13 @@
 """
 from __future__ import annotations
 
-from colozoo.layers.moe import MoE
+from colozoo.models.decoder import DecoderModel, MoEDecoderModel, dense_mlp, layer_window
+from colozoo.models.family import Family
 
-from .llama import LlamaAttention, LlamaForCausalLM, dense_mlp
-from .mixtral import MoECausalLM
 from .qwen2_moe import is_sparse
 
 
-def layer_window(config, layer_idx: int) -> int | None:
-    """Layer `layer_idx`'s sliding window: config.sliding_window for a "sliding_attention" layer, else None."""
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
+class Qwen2ForCausalLM(DecoderModel):
     family = "qwen2"
 
     def attention_window(self, config):
@@ -33,26 +26,32 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         return windows.pop() if len(windows) == 1 else None
 
     def build_attention(self, layer_idx, config, pc, **kw):
-        return LlamaAttention(config, pc, qkv_bias=True, out_bias=False, window=layer_window(config, layer_idx), **kw)
+        return self.attention(layer_idx, qkv_bias=True, out_bias=False, window=layer_window(config, layer_idx), **kw)
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
     family = "qwen3"
 
     def build_attention(self, layer_idx, config, pc, **kw):
-        return LlamaAttention(config, pc, window=layer_window(config, layer_idx), qk_norm=True, **kw)
+        return self.attention(layer_idx, window=layer_window(config, layer_idx), qk_norm={"eps": config.rms_norm_eps},
+                              **kw)
 
 
-class Qwen3MoeForCausalLM(MoECausalLM):
+class Qwen3MoeForCausalLM(MoEDecoderModel):
     family = "qwen3_moe"
     num_experts_key = "num_experts"
 
     def build_attention(self, layer_idx, config, pc, **kw):
-        return LlamaAttention(config, pc, window=self.sliding_window, qk_norm=True, **kw)
+        return self.attention(layer_idx, qk_norm={"eps": config.rms_norm_eps}, **kw)
 
-    def build_mlp(self, layer_idx, config, pc, device=None, dtype=None):
+    def build_mlp(self, layer_idx, config, pc, **kw):
         if not is_sparse(config, layer_idx):
-            return dense_mlp(config, pc, device, dtype)
-        return MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-                   activation=config.hidden_act, normalize_top_k=config.norm_topk_prob, ep_group=pc.group("ep"),
-                   tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+            return dense_mlp(config, pc, **kw)
+        return self.moe(config, pc, config.moe_intermediate_size, normalize_top_k=config.norm_topk_prob, **kw)
+
+
+FAMILIES = (
+    Family("qwen2", ("qwen2",), Qwen2ForCausalLM, converter="qwen", gated_mlp=True),
+    Family("qwen3", ("qwen3",), Qwen3ForCausalLM, converter="qwen", gated_mlp=True),
+    Family("qwen3_moe", ("qwen3_moe",), Qwen3MoeForCausalLM, converter="qwen3_moe", gated_mlp=True),
+)

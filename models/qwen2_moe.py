@@ -1,4 +1,4 @@
-"""Qwen2-MoE: the LLaMA-style decoder with biases on q/k/v (not on o_proj) and, in its sparse layers, a MoE MLP
+"""Qwen2-MoE: the shared decoder with biases on q/k/v (not on o_proj) and, in its sparse layers, a MoE MLP
 with un-normalised top-k weights (unless norm_topk_prob) plus a shared expert gated per token by a sigmoid.
 
     layer i is sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0, dense otherwise
@@ -7,11 +7,9 @@ with un-normalised top-k weights (unless norm_topk_prob) plus a shared expert ga
 """
 from __future__ import annotations
 
-from colozoo.layers.moe import MoE
 from colozoo.models.base import UnsupportedConfig
-
-from .llama import LlamaAttention, dense_mlp
-from .mixtral import MoECausalLM
+from colozoo.models.decoder import MoEDecoderModel, dense_mlp
+from colozoo.models.family import Family
 
 
 def is_sparse(config, layer_idx: int) -> bool:
@@ -19,7 +17,7 @@ def is_sparse(config, layer_idx: int) -> bool:
             and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
 
-class Qwen2MoeForCausalLM(MoECausalLM):
+class Qwen2MoeForCausalLM(MoEDecoderModel):
     family = "qwen2_moe"
     num_experts_key = "num_experts"
 
@@ -32,12 +30,13 @@ class Qwen2MoeForCausalLM(MoECausalLM):
         return None  # sliding layers are refused; the config's sliding_window (0 when unused) would mask everything
 
     def build_attention(self, layer_idx, config, pc, **kw):
-        return LlamaAttention(config, pc, qkv_bias=config.qkv_bias, window=self.sliding_window, **kw)  # no o_proj bias
+        return self.attention(layer_idx, qkv_bias=config.qkv_bias, out_bias=False, **kw)
 
-    def build_mlp(self, layer_idx, config, pc, device=None, dtype=None):
+    def build_mlp(self, layer_idx, config, pc, **kw):
         if not is_sparse(config, layer_idx):
-            return dense_mlp(config, pc, device, dtype)
-        return MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-                   activation=config.hidden_act, normalize_top_k=config.norm_topk_prob,
-                   shared_expert_size=config.shared_expert_intermediate_size or None, ep_group=pc.group("ep"),
-                   tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+            return dense_mlp(config, pc, **kw)
+        return self.moe(config, pc, config.moe_intermediate_size, normalize_top_k=config.norm_topk_prob,
+                        shared_expert_size=config.shared_expert_intermediate_size or None, **kw)
+
+
+FAMILIES = (Family("qwen2_moe", ("qwen2_moe",), Qwen2MoeForCausalLM, converter="qwen2_moe", gated_mlp=True),)

@@ -15,7 +15,10 @@ from torch import nn
 
 from colozoo.layers import LayerNorm, scatter_to_sequence
 from colozoo.layers.activations import get_activation
-from colozoo.models.base import BatchContext, ModelOutput, dropout, require
+from colozoo.layers.batch import BatchContext
+from colozoo.layers.vocab import LogitsRequest
+from colozoo.models.base import ModelOutput, dropout, require
+from colozoo.models.family import Family
 
 from .bert import EncoderLayer, EncoderModel, classification_loss
 
@@ -64,7 +67,7 @@ class ViTPooler(nn.Module):
 
 class ViTModel(EncoderModel):
     """The encoder with its pooler: returns last_hidden_state (CLS + patches) and pooler_output on every rank.
-    Called as model(pixel_values, labels=None, return_logits=False)."""
+    Called as model(pixel_values, labels=None)."""
 
     family, title = "vit", "ViT"
     TASKS = {"base": "ViTModel", "image_classification": "ViTForImageClassification"}
@@ -75,7 +78,7 @@ class ViTModel(EncoderModel):
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = ViTEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, pc, pre_norm=True, **kw)
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=True, **kw)
                                      for i in self.layer_ids})
         if self.is_last:
             self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=pc.tp_group,
@@ -95,10 +98,10 @@ class ViTModel(EncoderModel):
         dtype = torch.long if c.num_labels > 1 else torch.float
         return {"pixel_values": pixels, "labels": torch.zeros(batch_size, dtype=dtype, device=device)}
 
-    def forward(self, pixel_values, labels=None, return_logits=False, **kwargs) -> ModelOutput:
-        return super().forward(pixel_values, None, labels=labels, return_logits=return_logits, **kwargs)
+    def forward(self, pixel_values=None, labels=None, **kwargs) -> ModelOutput:
+        return super().forward(pixel_values, None, labels=labels, **kwargs)
 
-    def batch_context(self, pixel_values, attention_mask=None, position_ids=None) -> BatchContext:
+    def batch_context(self, pixel_values, attention_mask=None, position_ids=None, rope_length=None) -> BatchContext:
         c = self.config
         if pixel_values.dim() != 4 or pixel_values.shape[1] != c.num_channels:
             raise ValueError(f"pixel_values must be (batch, {c.num_channels}, height, width); got {tuple(pixel_values.shape)}")
@@ -109,7 +112,7 @@ class ViTModel(EncoderModel):
         device = pixel_values.device
         positions = torch.arange(padded, device=device).expand(pixel_values.shape[0], padded)
         mask = (torch.arange(padded, device=device) < seq)[None, None, None, :] if padded > seq else None
-        return BatchContext(None, mask, positions, seq)
+        return BatchContext(None, positions, seq, causal=False, dense_mask=mask)
 
     def sequence_lengths(self) -> tuple[int, int]:
         """(CLS + patches, that padded to a multiple of tp under sequence parallelism)."""
@@ -129,7 +132,7 @@ class ViTModel(EncoderModel):
         """Whole on every rank, without the sequence-parallel padding."""
         return super().whole_sequence(hidden, ctx)[:, :ctx.seq_len]
 
-    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         # transformers' ViT keeps the last layer's output, before the final LayerNorm, in hidden_states
         hidden = self.whole_sequence(self.layernorm(hidden), ctx)
         return ModelOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden),
@@ -145,10 +148,13 @@ class ViTForImageClassification(ViTModel):
         require(config.num_labels > 0, "ViTForImageClassification needs num_labels > 0")
         self.classifier = nn.Linear(config.hidden_size, config.num_labels, device=device, dtype=dtype)
 
-    def head(self, hidden, ctx, labels=None, return_logits=False) -> ModelOutput:
-        logits = self.classifier(self.whole_sequence(self.layernorm(hidden), ctx)[:, 0])
-        loss = classification_loss(logits, labels, self.config) if labels is not None else None
-        return ModelOutput(loss=loss, logits=logits, hidden_states=self.output_hidden_states(ctx))
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        scores = self.classifier(self.whole_sequence(self.layernorm(hidden), ctx)[:, 0])
+        loss = classification_loss(scores, labels, self.config) if labels is not None else None
+        return ModelOutput(loss=loss, logits=scores, hidden_states=self.output_hidden_states(ctx))
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return torch.tensor(labels.numel(), device=labels.device)
+
+
+FAMILIES = (Family("vit", ("vit",), ViTModel, converter="vit"),)

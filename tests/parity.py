@@ -336,7 +336,7 @@ def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, p
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     parallelize(model)
-    with layer_input_lengths(model) as lengths:
+    with layer_input_lengths(model) as lengths, torch.no_grad():  # pp evaluates without gradients
         out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
     check_sequence_sharding(lengths, ids.shape[1], tp, sequence_parallel)
     keep = mask.bool()
@@ -370,7 +370,8 @@ def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, l
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     parallelize(model)
-    out = model(**inputs, labels=labels, return_logits=True)
+    with torch.no_grad():  # pp evaluates without gradients
+        out = model(**inputs, labels=labels, return_logits=True)
     report = {}
     for name, ours, theirs in (("logits", out.logits, getattr(ref, "logits", None)),
                                ("last_hidden_state", out.last_hidden_state, getattr(ref, "last_hidden_state", None)),

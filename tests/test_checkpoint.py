@@ -23,7 +23,7 @@ from colozoo.checkpoint.convert import convert
 from colozoo.checkpoint.format import INDEX_NAME, ColozooCheckpoint
 from colozoo.core.errors import CheckpointError
 from colozoo.models.base import UnsupportedConfig
-from colozoo.models import MODEL_CLASSES
+from colozoo.models import families
 from colozoo.registry import UnknownModelError
 
 TIMEOUT = 120
@@ -63,9 +63,8 @@ CAUSAL = {"gpt2", "opt", "llama", "mixtral", "qwen2_moe"}
 
 def available(model_type: str) -> bool:
     try:
-        importlib.import_module(MODEL_CLASSES[model_type][0])
-        importlib.import_module(f"colozoo.converters.{model_type}")
-    except ImportError:
+        importlib.import_module(f"colozoo.converters.{families()[model_type].converter}")
+    except (ImportError, KeyError):
         return False
     return True
 

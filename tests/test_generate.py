@@ -142,12 +142,12 @@ def cache_elements(tp, pp):
     pc = init_parallel(tp=tp, pp=pp)
     config, hf, model = ours_and_hf("llama", pc)
     ids, mask = prompts(config.vocab_size)
-    model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
-    stats = model.run.last_generation
+    stats = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+                           return_dict_in_generate=True)
     head_dim = config.hidden_size // config.num_attention_heads
     expected = (2 * len(model.layers) * (config.num_key_value_heads // tp) * head_dim * (ids.shape[1] + NEW)
                 * ids.shape[0])
-    return stats["cache_elements"], expected
+    return stats.cache_elements, expected
 
 
 def test_kv_cache_holds_exactly_its_shard():
@@ -193,10 +193,11 @@ def test_cli_streams_text_and_reports_tokens_per_second(tmp_path, capsys):
 def test_sliding_window_layers_keep_only_their_window():
     config, hf, model = ours_and_hf("mistral", single_process())  # window 5 < prompt 9 + 6 new tokens
     ids, mask = prompts(config.vocab_size)
-    model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+                         return_dict_in_generate=True)
     head_dim = config.hidden_size // config.num_attention_heads
     window = config.sliding_window
-    assert model.run.last_generation["cache_elements"] == (2 * config.num_hidden_layers * config.num_key_value_heads
+    assert out.cache_elements == (2 * config.num_hidden_layers * config.num_key_value_heads
                                                            * head_dim * window * ids.shape[0])
 
 

@@ -69,9 +69,10 @@ def cache_against_formula(family, config_kwargs, attn_implementation="sdpa", tp=
     model = build_model(config, pc=pc, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     ids, mask = prompts(config.vocab_size)
-    model.eval().generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    out = model.eval().generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+                                return_dict_in_generate=True)
     formula = kv_cache_bytes(config, [int(i) for i in model.layers], tp, ids.shape[0], ids.shape[1] + NEW, 4)
-    return model.run.last_generation["cache_elements"] * 4, formula
+    return out.cache_elements * 4, formula
 
 
 def cached_families():

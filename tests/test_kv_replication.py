@@ -133,10 +133,11 @@ def _generate_and_cache(tp):
 
     config, hf, model = ours_and_hf("llama", init_parallel(tp=tp))
     ids, mask = prompts(config.vocab_size)
-    model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=None)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=None,
+                         return_dict_in_generate=True)
     head_dim = config.hidden_size // config.num_attention_heads
     one_head = 2 * config.num_hidden_layers * 1 * head_dim * (ids.shape[1] + 3) * ids.shape[0]
-    return tokens, model.run.last_generation["cache_elements"], one_head
+    return tokens, out.cache_elements, one_head
 
 
 def test_greedy_generate_tp4_with_two_kv_heads():

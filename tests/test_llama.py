@@ -23,7 +23,7 @@ OPTIONS = {
     "rope_llama3": dict(rope_parameters=LLAMA3),
     "rope_yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                        "rope_theta": 10000.0}),
-    # 12 tokens > original 8: LongRoPE's long factors (the models.llama RoPE code Phi-3 uses), attention factor 2
+    # 12 tokens > original 8: LongRoPE's long factors (the layers.rope code Phi-3 uses), attention factor 2
     "rope_longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 2.0,
                                            "original_max_position_embeddings": 8,
                                            "short_factor": [1.0] * 8, "long_factor": [1.0 + i for i in range(8)]}),
@@ -107,7 +107,7 @@ def test_meta_init_restores_rope_buffers():
     from colozoo.checkpoint.load import load_hf_weights
     from colozoo.checkpoint.sources import StateDictReader
     from colozoo.api import build_model
-    from colozoo.models.llama import rope_inv_freq
+    from colozoo.layers.rope import rope_inv_freq
 
     config = transformers.LlamaConfig(**BASE, rope_parameters=LLAMA3)
     hf = transformers.LlamaForCausalLM(config)

@@ -55,20 +55,21 @@ def _parity_with_plain_qkv_split(config_kwargs, tp):
     import colozoo.models.opt as opt
     from colozoo.layers import Split
 
-    original = opt.OPTAttention.__init__
+    original = opt.opt_attention
 
-    def wrong_split(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        for p in self.qkv.parameters():
+    def wrong_split(*args, **kwargs):
+        attention = original(*args, **kwargs)
+        for p in attention.qkv.parameters():
             p.shard_spec = (Split("tp", 0),)
+        return attention
 
-    opt.OPTAttention.__init__ = wrong_split
+    opt.opt_attention = wrong_split
     try:
         causal_lm_parity("opt", config_kwargs, tp)
     except AssertionError as e:
         return str(e)
     finally:
-        opt.OPTAttention.__init__ = original
+        opt.opt_attention = original
     return None
 
 
@@ -183,7 +184,8 @@ def _pipeline_parity(config_kwargs, pp, tp):
     model = load_hf_weights(build_model(config, pc=pc, device="meta"), StateDictReader(hf.state_dict()),
                             device="cpu").eval()
     ids, mask, labels = batch(config.vocab_size, 12)
-    out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+    with torch.no_grad():  # a pipeline evaluates without gradients
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
     ref = hf(ids, attention_mask=mask, labels=labels)
     close(out.logits[mask.bool()], ref.logits[mask.bool()], LOGITS_ATOL, "logits")
     close(out.loss, ref.loss, LOGITS_ATOL, "loss")

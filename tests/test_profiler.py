@@ -286,7 +286,7 @@ def test_cli_json(capsys):
 
 
 def test_pipeline_stages_are_split_as_the_model_splits_them():
-    from colozoo.core.partition import model_rank_layers
+    from colozoo.models.partition import model_rank_layers
     from colozoo.registry import get_config
 
     config = get_config("gpt2")

@@ -179,12 +179,13 @@ def test_qwen2_cache_keeps_a_window_only_for_sliding_layers():
 
     config, hf, model = ours_and_hf("qwen2", single_process(), GENERATE["qwen2"])
     ids, mask = prompts(config.vocab_size)  # 9 + 6 positions, window 5
-    model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+                         return_dict_in_generate=True)
     per_position = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * ids.shape[0]
     full, sliding = config.layer_types.count("full_attention"), config.layer_types.count("sliding_attention")
     assert (full, sliding) == (2, 2)
     expected = per_position * (full * (ids.shape[1] + NEW) + sliding * config.sliding_window)
-    assert model.run.last_generation["cache_elements"] == expected
+    assert out.cache_elements == expected
 
 
 def test_qwen_greedy_generate_tp2():

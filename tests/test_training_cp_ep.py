@@ -57,7 +57,7 @@ def build(pc, family, config, hf, options):
                 p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(pc)))
     model.train()
     if options.pop("cp_mode", None):
-        model.cp_mode = "all_to_all"
+        model.run.cp_mode = "all_to_all"  # the run's default for every forward that names none
     parallelize(model, **options)
     return model
 

@@ -39,7 +39,7 @@ from colozoo.checkpoint.peft import save_peft
 from colozoo.runtime.lora import lora_modules, lora_settings, merged_lora
 from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from colozoo.checkpoint.streaming import nbytes, stream_pieces
-from colozoo.models import TEXT_MODELS, text_config
+from colozoo.models import text_config, text_model
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -79,9 +79,9 @@ class HFCheckpoint(HFTensors):
     def __init__(self, path, config=None, allow_bin: bool = False):
         self.path = Path(path)
         config = config or transformers.AutoConfig.from_pretrained(self.path)
-        if config.model_type in TEXT_MODELS:
+        if text_model(config.model_type) is not None:
             warnings.warn(f"{self.path} holds a {config.architectures[0]}: loading its text model, "
-                          f"{TEXT_MODELS[config.model_type][1]} ignored", stacklevel=2)
+                          f"{text_model(config.model_type)[1]} ignored", stacklevel=2)
             config = text_config(config)
         if (self.path / "model.safetensors").exists() or (self.path / "model.safetensors.index.json").exists():
             reader = SafetensorsReader(self.path)

@@ -37,7 +37,8 @@ def _lora_states(mt, plan, workload, keys, weights, shard, ends=()):
 
 def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch."""
-    from colozoo.core.partition import model_stage_layers, stage_layers
+    from colozoo.core.partition import stage_layers
+    from colozoo.models.partition import model_stage_layers
 
     check_priced(plan)
     workload.check()

@@ -62,13 +62,17 @@ def _kinds(container) -> dict:
 
 
 def _build_parallel_model(config, pc: ParallelConfig, dtype):
-    """Our model of `config` on meta with fake tp/ep groups of the mesh's sizes (pp and cp are modelled)."""
-    from colozoo.models import build_model
+    """Our model of `config` on meta with fake tp/ep groups of the mesh's sizes (pp and cp are modelled), with the
+    run that drives its forward."""
     from colozoo.core.mesh import ParallelContext
+    from colozoo.models import build_model
+    from colozoo.runtime.run import Run
 
     trace_config = ParallelConfig(tp=pc.tp, dp=pc.ep, ep=pc.ep, sequence_parallel=pc.sequence_parallel)
     context = ParallelContext(trace_config, device=torch.device("cpu"))
-    return build_model(config, pc=context, device="meta", dtype=dtype), context
+    model = build_model(config, pc=context, device="meta", dtype=dtype)
+    Run(model)
+    return model, context
 
 
 @contextlib.contextmanager
@@ -117,11 +121,16 @@ def _representatives_only(model: nn.Module, prefix, container, kinds):
         renamed = {str(i): k for i, k in enumerate(reps)}
     parent_name, _, attr = prefix.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    stages = model.run.stages if getattr(model, "run", None) is not None else []  # a colozoo model's one stage
     setattr(parent, attr, subset)
+    for stage in stages:
+        stage.layers = subset
     try:
         yield renamed
     finally:
         setattr(parent, attr, container)
+        for stage in stages:
+            stage.layers = container
 
 
 def _rename_layers(trace: Trace, layer_prefix: str, renamed: dict):

@@ -11,16 +11,16 @@ encoded again (`reencode_length`: Phi-3's LongRoPE switches to its long factors,
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from colozoo.layers.kv_cache import KVCache
-from colozoo.layers.vocab import VocabParallelEmbedding, vocab_parallel_argmax
-from colozoo.runtime.pipeline import LOGITS, through_stages
+from colozoo.layers.vocab import LogitsRequest, VocabParallelEmbedding, vocab_parallel_argmax
+from colozoo.models import family_of
+from colozoo.runtime.pipeline import through_stages
 from colozoo.runtime.sampling import GenerationOptions, finish, next_tokens
-
-LEARNED_POSITIONS = ("gpt2", "opt")  # a position table: prompt + new tokens must fit in it
 
 
 def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -39,22 +39,32 @@ def check_generation(model, input_ids, attention_mask, options: GenerationOption
     pc = model.pc
     if pc.config.cp > 1 or pc.sequence_parallel:
         raise ValueError("generate runs one token at a time: build the model with cp=1 and sequence_parallel=False")
-    if not hasattr(model, "lm_head") and pc.is_last_stage:
+    if not model.can_generate():
         raise ValueError(f"{type(model).__name__} has no language-model head to generate with")
     limit = getattr(model.config, "max_position_embeddings", None)
     total = input_ids.shape[1] + options.max_new_tokens
     if limit is not None and input_ids.shape[1] > limit:
         raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) is longer than the model's maximum positions "
                          f"(max_position_embeddings={limit})")
-    if limit is not None and model.family in LEARNED_POSITIONS and total > limit:
+    if limit is not None and family_of(model.family).learned_positions and total > limit:
         raise ValueError(f"prompt + max_new_tokens = {total} exceeds {model.family}'s position table "
                          f"(max_position_embeddings={limit}); lower max_new_tokens")
 
 
+@dataclass
+class GenerateOutput:
+    """What `generate(..., return_dict_in_generate=True)` returns: transformers' `sequences`, and how it went (the
+    seconds of the prefill and of the decode steps, the elements this rank's KV cache held)."""
+    sequences: torch.Tensor
+    timings: dict = field(default_factory=dict)
+    cache_elements: int = 0
+
+
 @torch.no_grad()
 def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatches: int | None = None,
-             **options) -> torch.Tensor:
-    """(batch, prompt + new tokens) on every rank; sequences that finished are padded with pad_token_id."""
+             return_dict_in_generate: bool = False, **options) -> torch.Tensor | GenerateOutput:
+    """(batch, prompt + new tokens) on every rank (a GenerateOutput with `return_dict_in_generate`); sequences that
+    finished are padded with pad_token_id."""
     options = GenerationOptions.from_config(model.config, **options)
     check_generation(model, input_ids, attention_mask, options)
     pc = model.pc
@@ -68,13 +78,13 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     if options.do_sample:  # greedy decoding draws nothing: training's random state stays as it was
         generator = torch.Generator(device=pc.device)
         generator.manual_seed(options.seed if options.seed is not None else _shared_seed(pc))
-    extra = {"output_router_logits": False} if hasattr(model, "router_statistics") else {}
+    extra = {"output_router_logits": False} if model.router_stats_width() else {}
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
     new = input_ids
     reencode = getattr(model, "reencode_length", None)
     # greedy without a repetition penalty needs only each vocab slice's best logit, not the gathered logits
     sharded_argmax = pc.tp_size > 1 and not options.do_sample and options.repetition_penalty in (None, 1.0)
-    logits_wanted = "local" if sharded_argmax else True
+    logits_wanted = LogitsRequest("vocab_slice" if sharded_argmax else "full", keep=1)
     embedding = _token_embedding(model) if sharded_argmax else None
     rows = None  # the embedding rows of `new`, gathered with the tokens: the step's embedding needs no all-reduce
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
@@ -83,14 +93,15 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
     for step in range(options.max_new_tokens):
         started = time.perf_counter()
         if step and sequences.shape[1] == reencode:  # drop the cache, encode everything again
-            cache.length, new, rows = 0, sequences, None
+            cache.restart()
+            new, rows = sequences, None
         positions = generation_positions(mask)[:, -new.shape[1]:]
-        if len(micro_rows) > 1 and hasattr(model, "rotary"):  # dynamic / LongRoPE choose by the whole batch's length
+        if len(micro_rows) > 1 and model.rotary is not None:  # dynamic / LongRoPE choose by the whole batch's length
             extra["rope_length"] = int(positions.max()) + 1
         logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r),
                                extra if rows is None else dict(extra, token_rows=rows[r, None]), logits_wanted)
                   for r in micro_rows]
-        cache.length += new.shape[1]
+        cache.advance(new.shape[1])
         tokens, rows = None, None
         if pc.is_last_stage and sharded_argmax:
             tokens, rows = vocab_parallel_argmax(torch.cat(logits), model.config.vocab_size, pc.tp_group, embedding)
@@ -111,9 +122,11 @@ def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatc
             break
     if streamer is not None:
         streamer.end()
-    model.run.last_generation = dict(timings, batch=batch, prompt_tokens=input_ids.shape[1],
-                                     new_tokens=sequences.shape[1] - input_ids.shape[1], cache_elements=cache.numel())
-    return sequences
+    if not return_dict_in_generate:
+        return sequences
+    return GenerateOutput(sequences=sequences, timings=dict(timings, batch=batch, prompt_tokens=input_ids.shape[1],
+                                                            new_tokens=sequences.shape[1] - input_ids.shape[1]),
+                          cache_elements=cache.numel())
 
 
 def _token_embedding(model) -> torch.Tensor | None:
@@ -139,15 +152,11 @@ def _shared_seed(pc) -> int:
     return int(seed.item())
 
 
-def _last_logits(model, ids, positions, cache, extra, return_logits=True):
-    """Logits (rows, vocab) of the last position of `ids` on the last stage's ranks, None elsewhere (with
-    return_logits="local" this rank's padded vocab slice)."""
-    out = through_stages(model, ids, token_ids=ids, position_ids=positions, cache=cache, eval_outputs=True,
-                         return_logits=return_logits, **extra)
-    if out is None:
-        return None
-    logits = out[LOGITS]  # the stage returns every ModelOutput field, in order
-    return logits[:, -1]
+def _last_logits(model, ids, positions, cache, extra, logits: LogitsRequest):
+    """Logits (rows, vocab) of the last position of `ids` on the last stage's ranks, None elsewhere (this rank's
+    padded vocab slice when `logits` asks for it)."""
+    out = through_stages(model, ids, token_ids=ids, position_ids=positions, cache=cache, logits=logits, **extra)
+    return None if out is None else out.logits[:, -1]
 
 
 def _from_last_stage(model, tokens, batch: int) -> torch.Tensor:

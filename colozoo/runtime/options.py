@@ -9,4 +9,3 @@ OFFLOAD = ("none", "optimizer", "params")              # see colozoo.runtime.off
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_LEVELS = (0, 1, 2, 3)                             # what a plan may say; the profiler prices each
 ZERO = (0, 3)                                          # what runs: 0 DDP, 3 FSDP2 (ZeRO-1/2 are priced, not run)
-BALANCE = ("params", "flops", "layers")                # how pipeline stages split the layers

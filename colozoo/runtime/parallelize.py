@@ -1,5 +1,5 @@
-"""parallelize(): a model's pipeline stages wrapped for data parallelism (FSDP2 or DDP over dp*cp), mixed
-precision, activation checkpointing and offload, recorded in its Run as a TrainingSetup."""
+"""parallelize(): a model's pipeline stages (built with its Run) wrapped for data parallelism (FSDP2 or DDP over
+dp*cp), mixed precision, activation checkpointing and offload, recorded in its Run as a TrainingSetup."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +14,6 @@ from colozoo.runtime.compile import compile_layers
 from colozoo.runtime.errors import TrainingError
 from colozoo.runtime.offload import fsdp2_offload_policy
 from colozoo.runtime.options import CHECKPOINTING, DATA_PARALLEL, MIXED_PRECISION, OFFLOAD
-from colozoo.runtime.pipeline import build_stage_modules
 
 COMPUTE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,8 +52,8 @@ def tied_embedding(model):
 def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None = None,
                 activation_checkpointing: str | None = None, reshard_after_forward: bool = True,
                 offload: str | None = None, checkpoint_layers: int | None = None, compile: bool = False):
-    """Build the pipeline stages of `model` and wrap them for data parallelism over the dp mesh dimension; returns
-    the model's Run, which holds them. Collective over the whole job. Call once, before building the optimizer
+    """Wrap the pipeline stages of `model` for data parallelism over the dp mesh dimension; returns the model's Run,
+    which holds them. Collective over the whole job. Call once, before building the optimizer
     (FSDP replaces the parameters). `offload="optimizer"` keeps
     the fp32 master weights and AdamW states in CPU memory (build_optimizer then returns an OffloadedAdamW);
     `offload="params"` also keeps the sharded parameters and gradients there (FSDP2's CPUOffloadPolicy).
@@ -97,11 +96,9 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
     replicas = pc.size("dp_cp")
     sharded = replicas > 1 and data_parallel == "fsdp"
-    # router losses are statistics of the global batch, not of each rank's rows: summed over dp*cp
-    stages = build_stage_modules(model, activation_dtype=compute_dtype, data_group=pc.group("dp_cp"),
-                                 autocast_dtype=None if sharded else compute_dtype)
     wrapped = []
-    for stage in stages:
+    for stage in run.stages:
+        stage.activation_dtype, stage.autocast_dtype = compute_dtype, None if sharded else compute_dtype
         if sharded:
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

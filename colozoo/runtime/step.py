@@ -15,7 +15,8 @@ import torch.distributed as dist
 from colozoo.layers.shard import local_part
 from colozoo.runtime.errors import TrainingError
 from colozoo.runtime.parallelize import training_setup
-from colozoo.runtime.pipeline import StepScales, run_schedule
+from colozoo.runtime.pipeline import run_schedule
+from colozoo.runtime.stage import StepScales
 
 
 def forward_backward(model, input_ids, labels, attention_mask=None, num_microbatches: int = 1,
@@ -49,13 +50,15 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     for name, t in inputs.items():
         if isinstance(t, torch.Tensor) and t.shape[:1] != input_ids.shape[:1]:
             raise TrainingError(f"{name} must have the batch size of the inputs ({batch}), got {tuple(t.shape)}")
+    inputs.setdefault("cp_mode", model.run.cp_mode)
     rows = slice(pc.rank("dp") * batch // dp, (pc.rank("dp") + 1) * batch // dp)
     local = [t[rows] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
     inputs = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if v is not None}
 
     tied_grad = _stash_tied_grad(model, setup)
     expert_grads = _stash_expert_grads(model, setup)
-    step = StepScales(loss_scale=loss_scale, router_loss_scale=replicas / m, grad_scale=grad_scale)
+    step = StepScales(loss_scale=loss_scale, router_loss_scale=replicas / m, grad_scale=grad_scale,
+                      data_group=pc.group("dp_cp"), data_ranks=dp)
     if pc.config.pp > 1:
         local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
                                  num_microbatches=m, schedule=schedule, step=step, **inputs)
@@ -65,12 +68,11 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     _reduce_expert_grads(model, setup, expert_grads)
     if local_sum is not None and grad_scale != 1.0:
         local_sum = local_sum / grad_scale  # exact for a power-of-two scale
-    model.run.last_step = step
-    return _global_loss(model, local_sum, step)
+    return _global_loss(model, local_sum)
 
 
 def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, step, inputs):
-    stage, = model.run.stages
+    stage, = model.run.stages  # at pp = 1 the one stage holds the whole model
     batch = dict(labels=labels, attention_mask=attention_mask, position_ids=position_ids, **inputs)
     batch = {k: v for k, v in batch.items() if v is not None}
     chunks = {k: v.tensor_split(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in batch.items()}
@@ -146,20 +148,15 @@ def _reduce_expert_grads(model, setup, stash):
             p.grad += stash[name]
 
 
-def _global_loss(model, local_sum, step: StepScales) -> torch.Tensor:
-    """Sum of the weighted micro-batch losses over dp (undoing the * dp*cp; cp ranks hold the same value), plus
-    the router losses (the same on every data rank) once, then sent from the last stage to all."""
+def _global_loss(model, local_sum) -> torch.Tensor:
+    """Sum of the weighted micro-batch losses over dp, undoing the * dp*cp (cp ranks hold the same value; router
+    losses count 1/dp on each data rank, see StepScales.scaled_loss), then sent from the last stage to all."""
     pc = model.pc
     if local_sum is None:
         local_sum = torch.zeros((), device=pc.device)
-    replicas = pc.size("dp_cp")
-    router = step.router_losses
-    router_sum = torch.stack(router).sum() if router else torch.zeros((), device=pc.device)
-    router_scale = step.router_loss_scale
-    loss = (local_sum.float() - router_sum * router_scale) / replicas
+    loss = local_sum.float() / pc.size("dp_cp")
     if pc.size("dp") > 1:
         dist.all_reduce(loss, group=pc.group("dp"))
-    loss = loss + router_sum * router_scale / replicas
     if pc.config.pp > 1:
         dist.broadcast(loss, src=dist.get_global_rank(pc.group("pp"), pc.config.pp - 1), group=pc.group("pp"))
     return loss

@@ -1,0 +1,203 @@
+"""The shared decoder: the LLaMA-style causal LM that most families are, and its mixture-of-experts variant.
+
+    embed_tokens (vocab-parallel) -> [input_layernorm -> self_attn (layers.SelfAttention: qkv column, fused q/k/v of
+        different sizes, RoPE, o_proj row) -> + post_attention_layernorm -> mlp (gate_up column, act(gate) * up,
+        down_proj row; or a mixture of experts) -> +] x n -> norm -> lm_head (tied or not)
+
+A family subclasses DecoderModel and chooses per layer: `build_attention` (biases, sliding window, score scale and
+cap, q/k norm, local RoPE: options of layers.SelfAttention via `attention`), `build_mlp` (dense, experts, experts +
+shared expert) and `build_layer` (Gemma's four norms). MoEDecoderModel collects the router logits of a batch and adds
+the load-balancing (and z) loss, as transformers does with `output_router_logits` in the config or the forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colozoo.layers import (GatedMLP, RMSNorm, SelfAttention, VocabParallelEmbedding, VocabParallelLMHead)
+from colozoo.layers.batch import BatchContext
+from colozoo.layers.moe import MoE, router_losses, router_statistics
+from colozoo.layers.rope import RotaryEmbedding, head_dim_of
+from colozoo.layers.vocab import LogitsRequest
+from colozoo.models.base import ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, dropout
+
+
+def layer_window(config, layer_idx: int) -> int | None:
+    """Layer `layer_idx`'s sliding window: config.sliding_window for a "sliding_attention" layer of
+    config.layer_types, else None (full attention)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+
+
+def dense_mlp(config, pc, device=None, dtype=None) -> GatedMLP:
+    """The dense SwiGLU MLP (gate_up column, silu(gate) * up, down_proj row)."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                    bias=getattr(config, "mlp_bias", False), group=pc.tp_group,
+                    sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+
+
+class DecoderLayer(nn.Module):
+    """input_layernorm -> self_attn -> + post_attention_layernorm -> mlp -> +, for every family on this decoder.
+
+    The MLP is the family's: dense SwiGLU, a mixture of experts (Mixtral), or experts plus a shared expert
+    (Qwen2-MoE). A MoE returns (output, router logits); the logits are appended to ctx.router_logits for the
+    load-balancing loss. `resid_dropout` drops out both block outputs before their residual adds (Phi-3)."""
+
+    attention_block = "self_attn"  # what selective activation checkpointing recomputes
+
+    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None,
+                 resid_dropout: float = 0.0):
+        super().__init__()
+        self.resid_dropout, self.sharded_resid = resid_dropout, pc.sequence_parallel
+        norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                    device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = mlp
+        self.routed = isinstance(mlp, MoE)
+
+    def _dropout(self, x):
+        return dropout(x, self.resid_dropout, self.training, sharded=self.sharded_resid) if self.resid_dropout else x
+
+    def forward(self, x, ctx):
+        attn_out = self._dropout(self.self_attn(self.input_layernorm(x), ctx))
+        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
+        if not self.routed:
+            return x + self._dropout(self.mlp(mlp_in))
+        out, router_logits = self.mlp(mlp_in)
+        ctx.router_logits.append(router_logits)
+        return x + self._dropout(out)
+
+
+class DecoderModel(ParallelModel):
+    """The LLaMA-style causal LM: grouped-query attention with RoPE, RMSNorm, a gated MLP, an optional sliding window
+    (in the batch's mask) and a tied or untied LM head."""
+
+    tied_embedding = "embed_tokens.weight"
+    norm_options: dict = {}  # of every RMSNorm (Gemma: offset=True)
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, pc, layer_ids)
+        pc = self.pc
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % kv_heads:
+            raise UnsupportedConfig(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+        check_divisible("the attention heads (num_attention_heads)", heads, pc.tp_size)
+        if kv_heads % pc.tp_size and pc.tp_size % kv_heads:
+            raise UnsupportedConfig(f"tp={pc.tp_size} must divide the key/value heads (num_key_value_heads="
+                                    f"{kv_heads}) or be a multiple of them (each kv head then replicated over "
+                                    f"tp / num_key_value_heads ranks)")
+        pc.tp_subgroup(max(pc.tp_size // kv_heads, 1))  # collective: here, where every rank of every stage passes
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
+        self.sliding_window = self.attention_window(config)
+        h = config.hidden_size
+        kw = dict(device=device, dtype=dtype)
+        sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+        if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id, **sp, **kw)
+        self.layers = nn.ModuleDict({str(i): self.build_layer(i, config, pc, **kw) for i in self.layer_ids})
+        if self.is_last:
+            self.norm = RMSNorm(h, eps=config.rms_norm_eps, **self.norm_options, **sp, **kw)
+            tied = self.embed_tokens if config.tie_word_embeddings else None
+            self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied,
+                                               softcap=getattr(config, "final_logit_softcapping", None), **kw)
+        self.rotary = RotaryEmbedding(config, device=device)
+
+    def attention_window(self, config) -> int | None:
+        """The sliding attention window most layers share (None: full causal attention), in the batch's mask."""
+        return getattr(config, "sliding_window", None)
+
+    def build_layer(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        return DecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
+                            self.build_mlp(layer_idx, config, pc, **kw), **kw)
+
+    def attention(self, layer_idx: int, device=None, dtype=None, **options) -> SelfAttention:
+        """Layer `layer_idx`'s attention with this decoder's defaults (biases from config.attention_bias, the model's
+        window, global RoPE), `options` overriding them."""
+        c, pc = self.config, self.pc
+        bias = getattr(c, "attention_bias", False)
+        settings = dict(qkv_bias=bias, out_bias=bias, window=self.sliding_window, rotary="global",
+                        dropout=c.attention_dropout, names=("qkv", "o_proj"))
+        settings.update(options)
+        return SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c),
+                             layer_idx=layer_idx, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                             replica_group=pc.tp_subgroup(max(pc.tp_size // c.num_key_value_heads, 1)),
+                             device=device, dtype=dtype, **settings)
+
+    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        return self.attention(layer_idx, **kw)
+
+    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        """Layer `layer_idx`'s MLP: dense here, a mixture of experts in the MoE families."""
+        return dense_mlp(config, pc, **kw)
+
+    def embed(self, input_ids, ctx):
+        return self.embed_tokens(input_ids, ctx.token_rows)
+
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        return self.lm_output(self.norm(hidden), ctx, labels, logits)
+
+
+class MoEDecoderModel(DecoderModel):
+    """The decoder with MoE layers: router logits collected per batch, load-balancing (and z) loss. Options beyond
+    the configs, read when set on them: `router_z_loss_coef` adds a router z-loss, `capacity_factor` caps tokens per
+    expert (dropless without)."""
+
+    num_experts_key = "num_local_experts"  # the config attribute holding the number of experts
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        from colozoo.core.mesh import single_process
+
+        experts, ep = getattr(config, self.num_experts_key), (pc or single_process()).size("ep")
+        if experts % ep:
+            raise UnsupportedConfig(f"ep={ep} must divide the number of experts ({self.num_experts_key}={experts})")
+        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+        self.num_experts, self.top_k = experts, config.num_experts_per_tok
+
+    def moe(self, config, pc, inner_size: int, device=None, dtype=None, **options) -> MoE:
+        return MoE(config.hidden_size, inner_size, self.num_experts_of(config), config.num_experts_per_tok,
+                   activation=config.hidden_act, ep_group=pc.group("ep"), tp_group=pc.tp_group,
+                   sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype, **options)
+
+    def num_experts_of(self, config) -> int:
+        return getattr(config, self.num_experts_key)
+
+    def router_stats_width(self) -> int:
+        return 2 * self.num_experts + 2
+
+    def router_statistics(self, ctx: BatchContext, device) -> torch.Tensor:
+        """The router statistics of this stage's MoE layers plus those of earlier pipeline stages."""
+        token_mask = ctx.attention_mask
+        if token_mask is not None and ctx.cp is not None:
+            token_mask = ctx.cp.shard(token_mask)
+        if ctx.router_logits.items:
+            own = router_statistics(ctx.router_logits, self.num_experts, self.top_k, token_mask)
+        else:  # no MoE layer on this stage (Qwen2-MoE's dense layers)
+            own = torch.zeros(self.router_stats_width(), device=device, requires_grad=torch.is_grad_enabled())
+        return own if ctx.router_stats_in is None else ctx.router_stats_in + own
+
+    def batch_context(self, input_ids, attention_mask=None, position_ids=None, rope_length: int | None = None,
+                      output_router_logits: bool | None = None) -> BatchContext:
+        """`output_router_logits` (a forward keyword, as in transformers) overrides the config's."""
+        ctx = super().batch_context(input_ids, attention_mask, position_ids, rope_length)
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        ctx.output_router_logits = output_router_logits
+        return ctx
+
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        out = super().head(hidden, ctx, labels=labels, logits=logits)
+        if not ctx.output_router_logits:
+            return out
+        c = self.config
+        # the runtime sums over dp*cp (ctx.data_group), so the losses are those of the global batch
+        group = ctx.data_group if ctx.data_group is not None else ctx.cp.group if ctx.cp is not None else None
+        out.aux_loss, z_loss = router_losses(self.router_statistics(ctx, hidden.device), self.num_experts, group)
+        if out.loss is not None:
+            out.router_loss = c.router_aux_loss_coef * out.aux_loss
+            z_coef = getattr(c, "router_z_loss_coef", 0.0) or 0.0
+            if z_coef:
+                out.router_loss = out.router_loss + z_coef * z_loss
+            out.loss = out.loss + out.router_loss
+        return out
