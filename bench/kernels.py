@@ -75,7 +75,8 @@ def main():
     if device == "cpu" and not SMOKE:
         print(json.dumps({"benchmark": "kernels", "skipped": "no CUDA device (run with --smoke for a CPU check)"}))
         return
-    from colozoo.kernels import activations, cross_entropy, moe, norms, rope
+    from colozoo.kernels import (activations, activations_triton, cross_entropy, moe, norms, norms_triton, rope,
+                                 rope_triton)
     from colozoo.kernels.dispatch import use_kernels
     from colozoo.layers.attention import attention
     from colozoo.layers.vocab import vocab_parallel_cross_entropy as layer_cross_entropy
@@ -99,15 +100,15 @@ def main():
     # norms: fwd reads x, writes y; bwd reads x, dy, writes dx (weight traffic is negligible)
     m, n = (16384, 4096) if big else (64, 96)
     x, w, b = leaf(m, n), leaf(n), leaf(n)
-    for label, tri, ref in (("layer_norm", lambda x, w, b: norms.layer_norm_triton(x, w, b),
-                             lambda x, w, b: F.layer_norm(x, (n,), w, b)),
-                            ("rms_norm", lambda x, w, b: norms.rms_norm_triton(x, w),
+    for label, tri, ref in (("layer_norm", lambda x, w, b: norms_triton.layer_norm_triton(x, w, b),
+                             lambda x, w, b: norms.layer_norm_reference(x, w, b)),
+                            ("rms_norm", lambda x, w, b: norms_triton.rms_norm_triton(x, w),
                              lambda x, w, b: norms.rms_norm_reference(x, w))):
         report(label, "fwd+bwd", "GB/s", 5 * m * n * elt, bench(fwd_bwd(tri, (x, w, b)), (x, w, b)),
                bench(fwd_bwd(ref, (x, w, b)), (x, w, b)), bw_peak, rows=m, features=n)
     r = leaf(m, n)
     report("rms_norm_residual", "fwd+bwd", "GB/s", 8 * m * n * elt,
-           bench(fwd_bwd(lambda x, r, w: norms.rms_norm_triton(x, w, residual=r), (x, r, w)), (x, r, w)),
+           bench(fwd_bwd(lambda x, r, w: norms_triton.rms_norm_triton(x, w, residual=r), (x, r, w)), (x, r, w)),
            bench(fwd_bwd(lambda x, r, w: norms.rms_norm_reference(x, w, residual=r), (x, r, w)), (x, r, w)),
            bw_peak, rows=m, features=n)
 
@@ -125,12 +126,13 @@ def main():
             report("flash_attention", passes, "TFLOP/s", flops, *times, flops_peak, batch=bsz, heads=heads,
                    kv_heads=kv_heads, seq=seq, head_dim=d)
 
-    # rotary: reads x, writes y
+    # rotary: reads x, writes y; the models' cos/sin (fp32, two equal halves), of which the kernel reads one half
     x = leaf(bsz, heads, seq, 128 if big else 16)
-    angles = torch.randn(seq, x.shape[-1] // 2, device=device)
-    cos, sin = angles.cos(), angles.sin()
+    angles = torch.randn(bsz, seq, x.shape[-1] // 2, device=device)
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+    half = x.shape[-1] // 2
     report("rotary", "fwd+bwd", "GB/s", 4 * x.numel() * elt,
-           bench(fwd_bwd(lambda x: rope.apply_rotary_triton(x, cos, sin), (x,)), (x,)),
+           bench(fwd_bwd(lambda x: rope_triton.apply_rotary_triton(x, cos[..., :half], sin[..., :half]), (x,)), (x,)),
            bench(fwd_bwd(lambda x: rope.apply_rotary_reference(x, cos, sin), (x,)), (x,)), bw_peak,
            shape=list(x.shape))
 
@@ -138,10 +140,10 @@ def main():
     rows, width = (16384, 14336) if big else (32, 100)
     g, u, bias = leaf(rows, width), leaf(rows, width), leaf(width)
     report("swiglu", "fwd+bwd", "GB/s", 8 * rows * width * elt,
-           bench(fwd_bwd(activations.swiglu_triton, (g, u)), (g, u)),
+           bench(fwd_bwd(activations_triton.swiglu_triton, (g, u)), (g, u)),
            bench(fwd_bwd(activations.swiglu_reference, (g, u)), (g, u)), bw_peak, rows=rows, width=width)
     report("bias_gelu", "fwd+bwd", "GB/s", 5 * rows * width * elt,
-           bench(fwd_bwd(lambda x, b: activations.bias_gelu_triton(x, b, "tanh"), (g, bias)), (g, bias)),
+           bench(fwd_bwd(lambda x, b: activations_triton.bias_gelu_triton(x, b, "tanh"), (g, bias)), (g, bias)),
            bench(fwd_bwd(lambda x, b: activations.bias_gelu_reference(x, b, "tanh"), (g, bias)), (g, bias)),
            bw_peak, rows=rows, width=width)
 

@@ -17,15 +17,17 @@ Kernel modules are imported only when used: triton decides at decoration time wh
 """
 from __future__ import annotations
 
+import torch
+
 from .dispatch import interpreting, kernel_mode, set_kernels, triton_available, use_kernels, use_triton
 
 
-def apply_rotary(x, cos, sin, interleaved: bool = False):
-    """Rotate (batch, heads, seq, head_dim) by angles whose cos/sin are (seq | batch, seq, rotary_dim/2)."""
-    from . import rope
+def apply_rotary(x, cos, sin):
+    """`rope.apply_rotary` for cos/sin of one angle per rotated pair, (batch, seq, rotary_dim / 2) or (seq, ...); for
+    models/llama.py's apply_rope until layers/rope.py takes its place."""
+    from .rope import apply_rotary as rotate
 
-    fn = rope.apply_rotary_triton if use_triton(x) else rope.apply_rotary_reference
-    return fn(x, cos, sin, interleaved)
+    return rotate(x, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
 
 
 def decode_attention(q, k_cache, v_cache, length: int, key_mask=None, scale: float | None = None,

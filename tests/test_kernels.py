@@ -1,11 +1,11 @@
 """Every Triton kernel against its pure-torch reference, forward and backward, on small odd shapes.
 
 Without a GPU the kernels run on triton's CPU interpreter in fp32 and fp16 (it computes bf16 wrongly, so bf16
-runs only on CUDA). triton decides whether to interpret when a kernel is decorated, i.e. when its module is
-imported, so TRITON_INTERPRET is set here before any kernel module loads, and `kernel_module` reloads a
-module that something imported earlier in the other mode. References are evaluated in fp32 on the same
-(rounded) inputs. The layers are checked end to end too: GPT-2, LLaMA and Mixtral on the forced Triton path
-still match transformers to 1e-5 (with call counts proving each kernel ran), on one process and on two
+runs only on CUDA). triton decides whether to interpret when a kernel is decorated, i.e. when its module
+(colozoo.kernels.<op>_triton) is imported, so TRITON_INTERPRET is set here before any kernel module loads, and
+`kernel_module` reloads a module that something imported earlier in the other mode. References are evaluated in
+fp32 on the same (rounded) inputs. The layers are checked end to end too: GPT-2, LLaMA and Mixtral on the forced
+Triton path still match transformers to 1e-5 (with call counts proving each kernel ran), on one process and on two
 tensor-parallel ranks, through the logits and through the LM head fused into the loss.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def torch_cross_entropy(logits_local, target, vocab_size, group=None, label_smoo
         return vocab_parallel_cross_entropy(logits_local, target, vocab_size, group, label_smoothing=label_smoothing)
 from parity import causal_lm_parity, close  # noqa: E402
 
-from colozoo.kernels import dispatch  # noqa: E402
+from colozoo.kernels import activations, dispatch, norms, rope  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 NEEDS_GPU = pytest.mark.skipif(not CUDA, reason="the triton interpreter computes bf16 wrongly; bf16 needs a GPU")
@@ -45,7 +45,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def kernel_module(name: str):
-    """Import colozoo.kernels.<name> with its kernels decorated for this machine (interpreted on CPU)."""
+    """Import colozoo.kernels.<name> (an <op>_triton module) with its kernels decorated for this machine (interpreted
+    on CPU)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import KernelInterface
 
@@ -126,29 +127,29 @@ def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("kind", ["layer", "layer_no_affine", "rms"])
 def test_norms(kind, residual, dtype):
-    norms = kernel_module("norms")
+    kernels = kernel_module("norms_triton")
     n = 37  # not a power of two: a masked tail in every row; 3*7 rows spread unevenly over the programs
     x, r = randn(3, 7, n, seed=1), randn(3, 7, n, seed=2)
     w, b = 1 + randn(n, seed=3, scale=0.2), randn(n, seed=4, scale=0.2)
     if kind == "rms":
-        kernel = lambda x, w, *r: norms.rms_norm_triton(x, w, 1e-6, *r)  # noqa: E731
+        kernel = lambda x, w, *r: kernels.rms_norm_triton(x, w, 1e-6, *r)  # noqa: E731
         reference = lambda x, w, *r: norms.rms_norm_reference(x, w, 1e-6, *r)  # noqa: E731
         tensors = [x, w]
     elif kind == "layer":
-        kernel = lambda x, w, b, *r: norms.layer_norm_triton(x, w, b, 1e-5, *r)  # noqa: E731
+        kernel = lambda x, w, b, *r: kernels.layer_norm_triton(x, w, b, 1e-5, *r)  # noqa: E731
         reference = lambda x, w, b, *r: norms.layer_norm_reference(x, w, b, 1e-5, *r)  # noqa: E731
         tensors = [x, w, b]
     else:
-        kernel = lambda x, *r: norms.layer_norm_triton(x, None, None, 1e-5, *r)  # noqa: E731
+        kernel = lambda x, *r: kernels.layer_norm_triton(x, None, None, 1e-5, *r)  # noqa: E731
         reference = lambda x, *r: norms.layer_norm_reference(x, None, None, 1e-5, *r)  # noqa: E731
         tensors = [x]
     check(kernel, reference, dtype, tensors + ([r] if residual else []), f"{kind} norm")
 
 
 def test_norm_rejects_wrong_weight_shape():
-    norms = kernel_module("norms")
+    kernels = kernel_module("norms_triton")
     with pytest.raises(ValueError, match="weight has shape"):
-        norms.layer_norm_triton(torch.zeros(2, 5, device=DEVICE), torch.ones(4, device=DEVICE))
+        kernels.layer_norm_triton(torch.zeros(2, 5, device=DEVICE), torch.ones(4, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -222,24 +223,26 @@ def test_flash_attention_rejects_bad_heads():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("per_batch", [False, True], ids=["shared_angles", "per_batch_angles"])
-def test_rotary(per_batch, interleaved, dtype):
-    rope = kernel_module("rope")
+def test_rotary(per_batch, dtype):
+    """The kernel takes one angle per rotated pair, the reference the models' cos/sin (two equal halves)."""
+    kernels = kernel_module("rope_triton")
     angles = randn(2, 11, 7, seed=5) if per_batch else randn(11, 7, seed=5)  # rotary dim 14 of head dim 20
     cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    full_cos, full_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     x = randn(2, 11, 3, 20, seed=6).transpose(1, 2)  # a strided (batch, heads, seq, dim) view, as from a qkv split
-    check(lambda x: rope.apply_rotary_triton(x, cos, sin, interleaved),
-          lambda x: rope.apply_rotary_reference(x, cos, sin, interleaved), dtype, [x], "rotary")
+    check(lambda x: kernels.apply_rotary_triton(x, cos, sin),
+          lambda x: rope.apply_rotary_reference(x, full_cos, full_sin), dtype, [x], "rotary")
 
 
-def test_rotary_reference_is_llama_rotate_half():
-    rope = kernel_module("rope")
-    x, angles = randn(1, 2, 5, 8, seed=1), randn(5, 4, seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_reference_is_transformers(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x, angles = randn(2, 3, 5, 8, seed=1).to(dtype), randn(2, 5, 4, seed=2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    rotate_half = torch.cat((-x[..., 4:], x[..., :4]), -1)
-    assert_close(rope.apply_rotary_reference(x, angles.cos(), angles.sin()), x * cos + rotate_half * sin,
-                 torch.float32, "rotate half")
+    expected, _ = apply_rotary_pos_emb(x, x, cos.to(dtype), sin.to(dtype))  # HF's rotary embedding casts them first
+    assert torch.equal(rope.apply_rotary_reference(x, cos, sin), expected)
 
 
 # ----------------------------------------------------------------------------------------------- activations
@@ -247,11 +250,11 @@ def test_rotary_reference_is_llama_rotate_half():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu(dtype):
-    act = kernel_module("activations")
+    act = kernel_module("activations_triton")
     act_block, act.BLOCK = act.BLOCK, 64  # several programs and a masked tail on a tiny tensor
     try:
-        check(act.swiglu_triton, act.swiglu_reference, dtype, [randn(5, 77, seed=1, scale=3), randn(5, 77, seed=2)],
-              "swiglu")
+        check(act.swiglu_triton, activations.swiglu_reference, dtype,
+              [randn(5, 77, seed=1, scale=3), randn(5, 77, seed=2)], "swiglu")
     finally:
         act.BLOCK = act_block
 
@@ -260,12 +263,13 @@ def test_swiglu(dtype):
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_bias_gelu(with_bias, approximate, dtype):
-    act = kernel_module("activations")
+    act = kernel_module("activations_triton")
     act_block, act.BLOCK = act.BLOCK, 64
     tensors = [randn(5, 77, seed=1, scale=3)] + ([randn(77, seed=2)] if with_bias else [])
     try:
         check(lambda x, *b: act.bias_gelu_triton(x, *b, approximate=approximate),
-              lambda x, *b: act.bias_gelu_reference(x, *b, approximate=approximate), dtype, tensors, "bias gelu")
+              lambda x, *b: activations.bias_gelu_reference(x, *b, approximate=approximate), dtype, tensors,
+              "bias gelu")
     finally:
         act.BLOCK = act_block
 
@@ -390,7 +394,7 @@ GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resi
             attn_pdrop=0.0)
 
 
-KERNEL_MODULES = ("norms", "flash_attention", "rope", "activations", "cross_entropy", "moe")
+KERNEL_MODULES = ("norms_triton", "flash_attention", "rope_triton", "activations_triton", "cross_entropy", "moe")
 LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -426,9 +430,9 @@ def test_layers_take_the_triton_path(monkeypatch):
     from colozoo.layers.activations import get_activation, swiglu
 
     calls = []
-    for module, names in (("norms", ["layer_norm_triton", "rms_norm_triton"]),
+    for module, names in (("norms_triton", ["layer_norm_triton", "rms_norm_triton"]),
                           ("flash_attention", ["flash_attention_triton"]),
-                          ("activations", ["bias_gelu_triton", "swiglu_triton"]),
+                          ("activations_triton", ["bias_gelu_triton", "swiglu_triton"]),
                           ("cross_entropy", ["cross_entropy_triton"])):
         mod = kernel_module(module)
         for name in names:
@@ -463,17 +467,17 @@ def count_kernel_calls(monkeypatch) -> collections.Counter:
 def count_fused_norm_calls(monkeypatch) -> collections.Counter:
     """Counts the norm kernels' calls that were handed a residual, i.e. that fused the residual add (patched, still
     computing)."""
-    norms = kernel_module("norms")
+    kernels = kernel_module("norms_triton")
     calls = collections.Counter()
     for name in ("layer_norm_triton", "rms_norm_triton"):
-        original = getattr(norms, name)
+        original = getattr(kernels, name)
 
         def counted(*args, _f=original, _n=name, _signature=inspect.signature(original), **kwargs):
             if _signature.bind(*args, **kwargs).arguments.get("residual") is not None:
                 calls[_n] += 1
             return _f(*args, **kwargs)
 
-        monkeypatch.setattr(norms, name, counted)
+        monkeypatch.setattr(kernels, name, counted)
     return calls
 
 
@@ -616,7 +620,7 @@ def test_gelu_linear_fuses_its_bias(monkeypatch):
     on the Triton path; outputs and gradients agree with torch's path."""
     from colozoo.layers import ColumnParallelLinear
 
-    act = kernel_module("activations")
+    act = kernel_module("activations_triton")
     biases, original = [], act.bias_gelu_triton
     monkeypatch.setattr(act, "bias_gelu_triton",
                         lambda x, bias=None, approximate="none": biases.append(bias) or original(x, bias, approximate))
