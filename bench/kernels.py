@@ -78,7 +78,7 @@ def main():
     from colozoo.kernels import (activations, activations_triton, cross_entropy, moe, norms, norms_triton, rope,
                                  rope_triton)
     from colozoo.kernels.dispatch import use_kernels
-    from colozoo.layers.attention import attention
+    from colozoo.kernels.attention import local_attention
     from colozoo.layers.vocab import vocab_parallel_cross_entropy as layer_cross_entropy
 
     def vocab_parallel_cross_entropy(logits, target, vocab):  # the torch path, the kernels' reference
@@ -112,7 +112,7 @@ def main():
            bench(fwd_bwd(lambda x, r, w: norms.rms_norm_reference(x, w, residual=r), (x, r, w)), (x, r, w)),
            bw_peak, rows=m, features=n)
 
-    # flash attention vs the torch path of layers.attention (scaled_dot_product_attention)
+    # flash attention vs the torch path of kernels.attention (scaled_dot_product_attention)
     bsz, heads, kv_heads, seq = (4, 32, 8, 2048) if big else (1, 2, 1, 40)
     for d in (64, 128) if big else (16,):
         q, k, v = leaf(bsz, heads, seq, d), leaf(bsz, kv_heads, seq, d), leaf(bsz, kv_heads, seq, d)
@@ -122,7 +122,8 @@ def main():
             times = []
             for mode in ("triton", "torch"):
                 with use_kernels(mode):
-                    times.append(bench(fwd_bwd(lambda q, k, v: attention(q, k, v, causal=True), inputs), inputs))
+                    times.append(bench(fwd_bwd(lambda q, k, v: local_attention(q, k, v, causal=True), inputs),
+                                       inputs))
             report("flash_attention", passes, "TFLOP/s", flops, *times, flops_peak, batch=bsz, heads=heads,
                    kv_heads=kv_heads, seq=seq, head_dim=d)
 

@@ -30,16 +30,6 @@ def apply_rotary(x, cos, sin):
     return rotate(x, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
 
 
-def decode_attention(q, k_cache, v_cache, length: int, key_mask=None, scale: float | None = None,
-                     window: int | None = None):
-    """One new token's attention (batch, heads_q, 1, head_dim) over the first `length` positions of
-    (batch, heads_kv, max_len, head_dim) caches; see kernels.decode."""
-    from . import decode
-
-    fn = decode.decode_attention_triton if use_triton(q, k_cache, v_cache) else decode.decode_attention_reference
-    return fn(q, k_cache, v_cache, length, key_mask, scale, window)
-
-
 def moe_permute(hidden, expert_ids, num_experts: int):
     """(permuted rows grouped by expert, row_map, tokens_per_expert); see kernels.moe."""
     from . import moe
@@ -55,5 +45,5 @@ def moe_unpermute(expert_out, row_map, weights=None):
     return fn(expert_out, row_map, weights)
 
 
-__all__ = ["apply_rotary", "decode_attention", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
+__all__ = ["apply_rotary", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
            "set_kernels", "triton_available", "use_kernels", "use_triton"]

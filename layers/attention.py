@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from colozoo.kernels.attention import local_attention
+
 from .context_parallel import context_parallel_attention
-from .local_attention import local_attention
 
 
 def build_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, causal: bool,

@@ -1,4 +1,5 @@
-"""Every Triton kernel against its pure-torch reference, forward and backward, on small odd shapes.
+"""Every Triton kernel against its op's torch reference (flash attention: against an fp32 oracle here), forward and
+backward, on small odd shapes.
 
 Without a GPU the kernels run on triton's CPU interpreter in fp32 and fp16 (it computes bf16 wrongly, so bf16
 runs only on CUDA). triton decides whether to interpret when a kernel is decorated, i.e. when its module
@@ -165,10 +166,35 @@ ATTENTION_CASES = {
 }
 
 
+def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
+                              softcap: float | None = None, documents: torch.Tensor | None = None):
+    """The flash kernel's oracle: attention in plain torch, in fp32, with zeros for rows that see no key (where the
+    torch path of kernels.attention follows transformers instead)."""
+    dtype = q.dtype
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float(), v.float()
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+    if causal:
+        keep = keep.tril()
+    if mask is not None:
+        keep = keep & mask
+    if documents is not None:
+        keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ v).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
 def test_flash_attention(case, dtype):
-    fa = kernel_module("flash_attention")
+    fa = kernel_module("attention_triton")
     b, h, hk, sq, sk, d, causal, padded = ATTENTION_CASES[case]
     mask = None
     if padded:  # left padding on the first sequence (its first queries see nothing), right padding on the last
@@ -178,7 +204,7 @@ def test_flash_attention(case, dtype):
         mask = keep[:, None, None, :].to(DEVICE)
     tensors = [randn(b, h, sq, d, seed=1), randn(b, hk, sk, d, seed=2), randn(b, hk, sk, d, seed=3)]
     check(lambda q, k, v: fa.flash_attention_triton(q, k, v, mask, causal=causal, scale=0.3),
-          lambda q, k, v: fa.flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3),
+          lambda q, k, v: flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3),
           dtype, tensors, f"flash attention {case}")
 
 
@@ -188,7 +214,7 @@ def test_flash_attention(case, dtype):
 def test_flash_attention_softcap(case, dtype):
     """Gemma 2's capped scores, forward and backward: scores of a few units under a cap of 1 (which the reference
     shows changes the output)."""
-    fa = kernel_module("flash_attention")
+    fa = kernel_module("attention_triton")
     b, h, hk, sq, sk, d, causal, padded = ATTENTION_CASES[case]
     mask = None
     if padded:
@@ -197,23 +223,22 @@ def test_flash_attention_softcap(case, dtype):
         mask = keep[:, None, None, :].to(DEVICE)
     tensors = [randn(*shape, seed=seed).to(DEVICE) for seed, shape in ((1, (b, h, sq, d)), (2, (b, hk, sk, d)),
                                                                        (3, (b, hk, sk, d)))]
-    capped = fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3, softcap=1.0)
-    assert (capped - fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3)).abs().max() > 0.05
+    capped = flash_attention_reference(*tensors, mask, causal=causal, scale=0.3, softcap=1.0)
+    assert (capped - flash_attention_reference(*tensors, mask, causal=causal, scale=0.3)).abs().max() > 0.05
     check(lambda q, k, v: fa.flash_attention_triton(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
-          lambda q, k, v: fa.flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
+          lambda q, k, v: flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
           dtype, tensors, f"soft-capped flash attention {case}")
 
 
 def test_flash_attention_reference_matches_sdpa():
-    fa = kernel_module("flash_attention")
     q, k, v = randn(2, 4, 9, 16, seed=1), randn(2, 2, 9, 16, seed=2), randn(2, 2, 9, 16, seed=3)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
                                                                 v.repeat_interleave(2, 1), is_causal=True)
-    assert_close(fa.flash_attention_reference(q, k, v, causal=True), expected, torch.float32, "reference")
+    assert_close(flash_attention_reference(q, k, v, causal=True), expected, torch.float32, "reference")
 
 
 def test_flash_attention_rejects_bad_heads():
-    fa = kernel_module("flash_attention")
+    fa = kernel_module("attention_triton")
     q, k = torch.zeros(1, 4, 5, 16, device=DEVICE), torch.zeros(1, 3, 5, 16, device=DEVICE)
     with pytest.raises(ValueError, match="3 key/value heads do not divide 4 query heads"):
         fa.flash_attention_triton(q, k, k)
@@ -394,7 +419,8 @@ GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resi
             attn_pdrop=0.0)
 
 
-KERNEL_MODULES = ("norms_triton", "flash_attention", "rope_triton", "activations_triton", "cross_entropy", "moe")
+KERNEL_MODULES = ("norms_triton", "attention_triton", "rope_triton", "activations_triton", "cross_entropy",
+                  "moe")
 LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -431,7 +457,7 @@ def test_layers_take_the_triton_path(monkeypatch):
 
     calls = []
     for module, names in (("norms_triton", ["layer_norm_triton", "rms_norm_triton"]),
-                          ("flash_attention", ["flash_attention_triton"]),
+                          ("attention_triton", ["flash_attention_triton"]),
                           ("activations_triton", ["bias_gelu_triton", "swiglu_triton"]),
                           ("cross_entropy", ["cross_entropy_triton"])):
         mod = kernel_module(module)
