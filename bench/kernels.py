@@ -75,15 +75,10 @@ def main():
     if device == "cpu" and not SMOKE:
         print(json.dumps({"benchmark": "kernels", "skipped": "no CUDA device (run with --smoke for a CPU check)"}))
         return
-    from colozoo.kernels import (activations, activations_triton, cross_entropy, moe, norms, norms_triton, rope,
-                                 rope_triton)
-    from colozoo.kernels.dispatch import use_kernels
+    from colozoo.kernels import (activations, activations_triton, cross_entropy_triton, moe, norms, norms_triton, rope,
+                                 rope_triton, use_kernels)
     from colozoo.kernels.attention import local_attention
-    from colozoo.layers.vocab import vocab_parallel_cross_entropy as layer_cross_entropy
-
-    def vocab_parallel_cross_entropy(logits, target, vocab):  # the torch path, the kernels' reference
-        with use_kernels("torch"):
-            return layer_cross_entropy(logits, target, vocab)
+    from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy_reference as vocab_parallel_cross_entropy
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter"
     flops_peak, bw_peak = peak_for(name)
@@ -153,22 +148,23 @@ def main():
     target = torch.randint(0, vocab, (tokens,), device=device)
     logits = leaf(tokens, vocab, scale=2.0)
     report("cross_entropy", "fwd+bwd", "GB/s", 3 * tokens * vocab * elt,
-           bench(fwd_bwd(lambda z: cross_entropy.cross_entropy_triton(z, target, vocab), (logits,)), (logits,)),
+           bench(fwd_bwd(lambda z: cross_entropy_triton.cross_entropy_triton(z, target, vocab), (logits,)), (logits,)),
            bench(fwd_bwd(lambda z: vocab_parallel_cross_entropy(z, target, vocab), (logits,)), (logits,)),
            bw_peak, tokens=tokens, vocab=vocab)
     del logits
     # ... and fused with the LM head: 1 matmul forward, 3 backward (recompute, d hidden, d weight); 'auto' fuses only
-    # past layers.vocab.FUSED_HEAD_ABOVE_BYTES of logits and runs the head then the Triton loss below it (2nd line)
+    # past kernels.linear_cross_entropy.FUSED_HEAD_ABOVE_BYTES of logits and runs the head then the Triton loss below
+    # it (2nd line)
     h, weight = leaf(tokens, hidden), leaf(vocab, hidden, scale=0.02)
     report("linear_then_cross_entropy", "fwd+bwd", "TFLOP/s", 6 * tokens * hidden * vocab,
-           bench(fwd_bwd(lambda h, w: cross_entropy.cross_entropy_triton(F.linear(h, w), target, vocab), (h, weight)),
-                 (h, weight)),
+           bench(fwd_bwd(lambda h, w: cross_entropy_triton.cross_entropy_triton(F.linear(h, w), target, vocab),
+                         (h, weight)), (h, weight)),
            bench(fwd_bwd(lambda h, w: vocab_parallel_cross_entropy(F.linear(h, w), target, vocab),
                          (h, weight)), (h, weight)),
            flops_peak, tokens=tokens, hidden=hidden, vocab=vocab)
     report("linear_cross_entropy", "fwd+bwd", "TFLOP/s", 8 * tokens * hidden * vocab,
-           bench(fwd_bwd(lambda h, w: cross_entropy.linear_cross_entropy_triton(h, w, target, vocab), (h, weight)),
-                 (h, weight)),
+           bench(fwd_bwd(lambda h, w: cross_entropy_triton.linear_cross_entropy_triton(h, w, target, vocab),
+                         (h, weight)), (h, weight)),
            bench(fwd_bwd(lambda h, w: vocab_parallel_cross_entropy(F.linear(h, w), target, vocab),
                          (h, weight)), (h, weight)),
            flops_peak, tokens=tokens, hidden=hidden, vocab=vocab)

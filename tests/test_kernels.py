@@ -28,16 +28,16 @@ triton = pytest.importorskip("triton")
 from distributed import run_distributed  # noqa: E402
 
 
-def torch_cross_entropy(logits_local, target, vocab_size, group=None, label_smoothing=0.0):
-    """The torch path of the vocab-parallel loss (colozoo.layers.vocab), the cross-entropy kernels' reference."""
-    from colozoo.kernels.dispatch import use_kernels
-    from colozoo.layers.vocab import vocab_parallel_cross_entropy
-
-    with use_kernels("torch"):
-        return vocab_parallel_cross_entropy(logits_local, target, vocab_size, group, label_smoothing=label_smoothing)
 from parity import causal_lm_parity, close  # noqa: E402
 
 from colozoo.kernels import activations, dispatch, norms, rope  # noqa: E402
+from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy_reference  # noqa: E402
+
+
+def torch_cross_entropy(logits_local, target, vocab_size, group=None, label_smoothing=0.0):
+    """The torch path of the vocab-parallel loss, the cross-entropy kernels' reference."""
+    return vocab_parallel_cross_entropy_reference(logits_local, target, vocab_size, group,
+                                                  label_smoothing=label_smoothing)
 
 DEVICE = "cuda" if CUDA else "cpu"
 NEEDS_GPU = pytest.mark.skipif(not CUDA, reason="the triton interpreter computes bf16 wrongly; bf16 needs a GPU")
@@ -304,7 +304,7 @@ def test_bias_gelu(with_bias, approximate, dtype):
 
 @pytest.fixture
 def small_vocab_blocks():
-    ce = kernel_module("cross_entropy")
+    ce = kernel_module("cross_entropy_triton")
     block, ce.BLOCK_V = ce.BLOCK_V, 16  # vocab 37 -> three blocks, the last one masked
     yield ce
     ce.BLOCK_V = block
@@ -344,7 +344,7 @@ def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
 
     from colozoo.core.groups import vocab_range
 
-    ce = kernel_module("cross_entropy")
+    ce = kernel_module("cross_entropy_triton")
     ce.BLOCK_V = 16
     group = dist.group.WORLD
     vocab = 37  # padded to 38 over 2 ranks: the last rank holds one padded column
@@ -419,7 +419,7 @@ GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resi
             attn_pdrop=0.0)
 
 
-KERNEL_MODULES = ("norms_triton", "attention_triton", "rope_triton", "activations_triton", "cross_entropy",
+KERNEL_MODULES = ("norms_triton", "attention_triton", "rope_triton", "activations_triton", "cross_entropy_triton",
                   "moe")
 LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
@@ -459,7 +459,7 @@ def test_layers_take_the_triton_path(monkeypatch):
     for module, names in (("norms_triton", ["layer_norm_triton", "rms_norm_triton"]),
                           ("attention_triton", ["flash_attention_triton"]),
                           ("activations_triton", ["bias_gelu_triton", "swiglu_triton"]),
-                          ("cross_entropy", ["cross_entropy_triton"])):
+                          ("cross_entropy_triton", ["cross_entropy_triton"])):
         mod = kernel_module(module)
         for name in names:
             original = getattr(mod, name)
