@@ -175,14 +175,15 @@ def main():
     ids = torch.rand(tokens, experts, device=device).topk(top_k, dim=-1).indices
     weights = torch.softmax(torch.randn(tokens, top_k, device=device), -1).to(dtype).requires_grad_()
 
-    def moe_round_trip(permute, unpermute):
+    def moe_round_trip(mode):
         def run(x, weights):
-            permuted, row_map, _ = permute(x, ids, experts)
-            return unpermute(permuted, row_map, weights)
+            with use_kernels(mode):
+                permuted, row_map, _ = moe.permute(x, ids, experts)
+                return moe.unpermute(permuted, row_map, weights)
         return run
     report("moe_permute_unpermute", "fwd+bwd", "GB/s", 8 * tokens * top_k * hidden * elt,
-           bench(fwd_bwd(moe_round_trip(moe.moe_permute_triton, moe.moe_unpermute_triton), (x, weights)), (x, weights)),
-           bench(fwd_bwd(moe_round_trip(moe.moe_permute_reference, moe.moe_unpermute_reference), (x, weights)),
+           bench(fwd_bwd(moe_round_trip("triton"), (x, weights)), (x, weights)),
+           bench(fwd_bwd(moe_round_trip("torch"), (x, weights)),
                  (x, weights)), bw_peak, tokens=tokens, hidden=hidden, experts=experts, top_k=top_k)
 
 

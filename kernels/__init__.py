@@ -30,20 +30,4 @@ def apply_rotary(x, cos, sin):
     return rotate(x, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
 
 
-def moe_permute(hidden, expert_ids, num_experts: int):
-    """(permuted rows grouped by expert, row_map, tokens_per_expert); see kernels.moe."""
-    from . import moe
-
-    fn = moe.moe_permute_triton if use_triton(hidden) else moe.moe_permute_reference
-    return fn(hidden, expert_ids, num_experts)
-
-
-def moe_unpermute(expert_out, row_map, weights=None):
-    from . import moe
-
-    fn = moe.moe_unpermute_triton if use_triton(expert_out) else moe.moe_unpermute_reference
-    return fn(expert_out, row_map, weights)
-
-
-__all__ = ["apply_rotary", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
-           "set_kernels", "triton_available", "use_kernels", "use_triton"]
+__all__ = ["apply_rotary", "interpreting", "kernel_mode", "set_kernels", "triton_available", "use_kernels", "use_triton"]

@@ -30,7 +30,7 @@ from distributed import run_distributed  # noqa: E402
 
 from parity import causal_lm_parity, close  # noqa: E402
 
-from colozoo.kernels import activations, dispatch, norms, rope  # noqa: E402
+from colozoo.kernels import activations, dispatch, moe, norms, rope  # noqa: E402
 from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy_reference  # noqa: E402
 
 
@@ -384,33 +384,35 @@ def test_vocab_parallel_cross_entropy_tp2(fused):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_permute_unpermute(top_k, dtype):
-    moe = kernel_module("moe")
+    """The ops on the Triton path (the kernels move the rows the op's torch sort placed) against the references."""
+    kernel_module("moe_triton")
     tokens, hidden, experts = 13, 20, 5
     g = torch.Generator().manual_seed(0)
     expert_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
     row_scale = torch.linspace(0.5, 2.0, tokens * top_k, device=DEVICE)[:, None]  # stands in for the experts
 
-    def pipeline(permute, unpermute):
+    def pipeline(permute, unpermute, mode):
         def run(x, weights):
-            permuted, row_map, counts = permute(x, expert_ids, experts)
-            out = unpermute(permuted * row_scale.to(permuted.dtype), row_map, weights)
+            with dispatch.use_kernels(mode):
+                permuted, row_map, counts = permute(x, expert_ids, experts)
+                out = unpermute(permuted * row_scale.to(permuted.dtype), row_map, weights)
             return permuted, out
         return run
 
-    check(pipeline(moe.moe_permute_triton, moe.moe_unpermute_triton),
-          pipeline(moe.moe_permute_reference, moe.moe_unpermute_reference), dtype,
+    check(pipeline(moe.permute, moe.unpermute, "triton"),
+          pipeline(moe.permute_reference, moe.unpermute_reference, "torch"), dtype,
           [randn(tokens, hidden, seed=1), torch.softmax(randn(tokens, top_k, seed=2), -1)], "moe")
 
 
 def test_moe_routing_groups_by_expert():
-    moe = kernel_module("moe")
+    kernel_module("moe_triton")
     expert_ids = torch.tensor([[2, 0], [1, 2], [0, 1]], device=DEVICE)
     row_map, order, counts = moe.route(expert_ids, 4)
     assert counts.tolist() == [2, 2, 2, 0]
     assert order.tolist() == [1, 4, 2, 5, 0, 3]  # (token, slot) entries sorted by expert, stable
     assert row_map[order].tolist() == list(range(6))
-    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\)"):
-        moe.route(expert_ids, 2)
+    with dispatch.use_kernels("triton"), pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\)"):
+        moe.permute(torch.zeros(3, 4, device=DEVICE), expert_ids, 2)
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -420,7 +422,7 @@ GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resi
 
 
 KERNEL_MODULES = ("norms_triton", "attention_triton", "rope_triton", "activations_triton", "cross_entropy_triton",
-                  "moe")
+                  "moe_triton")
 LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
