@@ -8,11 +8,12 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
+import colozoo.core.groups as groups
 import colozoo.layers.comm as comm
 
-# colozoo calls the plain all-reduce through torch.distributed, the single-tensor gathers through names comm bound
-# at import (torch's deprecated aliases call the new names: patching both would count twice)
-_PATCHED = ((dist, "all_reduce", "all_reduce"), (comm, "_all_gather_single", "all_gather"),
+# colozoo calls the plain all-reduce through torch.distributed, the single-tensor gathers through names core.groups and
+# comm bound at import (torch's deprecated aliases call the new names: patching both would count twice)
+_PATCHED = ((dist, "all_reduce", "all_reduce"), (groups, "_all_gather_single", "all_gather"),
             (comm, "_reduce_scatter_single", "reduce_scatter"))
 SMALL = 1 << 14  # elements: an all-reduce this small is a weight gradient of a norm (or another small vector)
 

@@ -75,14 +75,10 @@ def main():
     if device == "cpu" and not SMOKE:
         print(json.dumps({"benchmark": "kernels", "skipped": "no CUDA device (run with --smoke for a CPU check)"}))
         return
-    from colozoo.kernels import activations, cross_entropy, moe, norms, rope
-    from colozoo.kernels.dispatch import use_kernels
-    from colozoo.layers.attention import attention
-    from colozoo.layers.vocab import vocab_parallel_cross_entropy as layer_cross_entropy
-
-    def vocab_parallel_cross_entropy(logits, target, vocab):  # the torch path, the kernels' reference
-        with use_kernels("torch"):
-            return layer_cross_entropy(logits, target, vocab)
+    from colozoo.kernels import (activations, activations_triton, cross_entropy_triton, moe, norms, norms_triton, rope,
+                                 rope_triton, use_kernels)
+    from colozoo.kernels.attention import local_attention
+    from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy_reference as vocab_parallel_cross_entropy
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter"
     flops_peak, bw_peak = peak_for(name)
@@ -99,19 +95,19 @@ def main():
     # norms: fwd reads x, writes y; bwd reads x, dy, writes dx (weight traffic is negligible)
     m, n = (16384, 4096) if big else (64, 96)
     x, w, b = leaf(m, n), leaf(n), leaf(n)
-    for label, tri, ref in (("layer_norm", lambda x, w, b: norms.layer_norm_triton(x, w, b),
-                             lambda x, w, b: F.layer_norm(x, (n,), w, b)),
-                            ("rms_norm", lambda x, w, b: norms.rms_norm_triton(x, w),
+    for label, tri, ref in (("layer_norm", lambda x, w, b: norms_triton.layer_norm_triton(x, w, b),
+                             lambda x, w, b: norms.layer_norm_reference(x, w, b)),
+                            ("rms_norm", lambda x, w, b: norms_triton.rms_norm_triton(x, w),
                              lambda x, w, b: norms.rms_norm_reference(x, w))):
         report(label, "fwd+bwd", "GB/s", 5 * m * n * elt, bench(fwd_bwd(tri, (x, w, b)), (x, w, b)),
                bench(fwd_bwd(ref, (x, w, b)), (x, w, b)), bw_peak, rows=m, features=n)
     r = leaf(m, n)
     report("rms_norm_residual", "fwd+bwd", "GB/s", 8 * m * n * elt,
-           bench(fwd_bwd(lambda x, r, w: norms.rms_norm_triton(x, w, residual=r), (x, r, w)), (x, r, w)),
+           bench(fwd_bwd(lambda x, r, w: norms_triton.rms_norm_triton(x, w, residual=r), (x, r, w)), (x, r, w)),
            bench(fwd_bwd(lambda x, r, w: norms.rms_norm_reference(x, w, residual=r), (x, r, w)), (x, r, w)),
            bw_peak, rows=m, features=n)
 
-    # flash attention vs the torch path of layers.attention (scaled_dot_product_attention)
+    # flash attention vs the torch path of kernels.attention (scaled_dot_product_attention)
     bsz, heads, kv_heads, seq = (4, 32, 8, 2048) if big else (1, 2, 1, 40)
     for d in (64, 128) if big else (16,):
         q, k, v = leaf(bsz, heads, seq, d), leaf(bsz, kv_heads, seq, d), leaf(bsz, kv_heads, seq, d)
@@ -121,16 +117,18 @@ def main():
             times = []
             for mode in ("triton", "torch"):
                 with use_kernels(mode):
-                    times.append(bench(fwd_bwd(lambda q, k, v: attention(q, k, v, causal=True), inputs), inputs))
+                    times.append(bench(fwd_bwd(lambda q, k, v: local_attention(q, k, v, causal=True), inputs),
+                                       inputs))
             report("flash_attention", passes, "TFLOP/s", flops, *times, flops_peak, batch=bsz, heads=heads,
                    kv_heads=kv_heads, seq=seq, head_dim=d)
 
-    # rotary: reads x, writes y
+    # rotary: reads x, writes y; the models' cos/sin (fp32, two equal halves), of which the kernel reads one half
     x = leaf(bsz, heads, seq, 128 if big else 16)
-    angles = torch.randn(seq, x.shape[-1] // 2, device=device)
-    cos, sin = angles.cos(), angles.sin()
+    angles = torch.randn(bsz, seq, x.shape[-1] // 2, device=device)
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+    half = x.shape[-1] // 2
     report("rotary", "fwd+bwd", "GB/s", 4 * x.numel() * elt,
-           bench(fwd_bwd(lambda x: rope.apply_rotary_triton(x, cos, sin), (x,)), (x,)),
+           bench(fwd_bwd(lambda x: rope_triton.apply_rotary_triton(x, cos[..., :half], sin[..., :half]), (x,)), (x,)),
            bench(fwd_bwd(lambda x: rope.apply_rotary_reference(x, cos, sin), (x,)), (x,)), bw_peak,
            shape=list(x.shape))
 
@@ -138,10 +136,10 @@ def main():
     rows, width = (16384, 14336) if big else (32, 100)
     g, u, bias = leaf(rows, width), leaf(rows, width), leaf(width)
     report("swiglu", "fwd+bwd", "GB/s", 8 * rows * width * elt,
-           bench(fwd_bwd(activations.swiglu_triton, (g, u)), (g, u)),
+           bench(fwd_bwd(activations_triton.swiglu_triton, (g, u)), (g, u)),
            bench(fwd_bwd(activations.swiglu_reference, (g, u)), (g, u)), bw_peak, rows=rows, width=width)
     report("bias_gelu", "fwd+bwd", "GB/s", 5 * rows * width * elt,
-           bench(fwd_bwd(lambda x, b: activations.bias_gelu_triton(x, b, "tanh"), (g, bias)), (g, bias)),
+           bench(fwd_bwd(lambda x, b: activations_triton.bias_gelu_triton(x, b, "tanh"), (g, bias)), (g, bias)),
            bench(fwd_bwd(lambda x, b: activations.bias_gelu_reference(x, b, "tanh"), (g, bias)), (g, bias)),
            bw_peak, rows=rows, width=width)
 
@@ -150,22 +148,23 @@ def main():
     target = torch.randint(0, vocab, (tokens,), device=device)
     logits = leaf(tokens, vocab, scale=2.0)
     report("cross_entropy", "fwd+bwd", "GB/s", 3 * tokens * vocab * elt,
-           bench(fwd_bwd(lambda z: cross_entropy.cross_entropy_triton(z, target, vocab), (logits,)), (logits,)),
+           bench(fwd_bwd(lambda z: cross_entropy_triton.cross_entropy_triton(z, target, vocab), (logits,)), (logits,)),
            bench(fwd_bwd(lambda z: vocab_parallel_cross_entropy(z, target, vocab), (logits,)), (logits,)),
            bw_peak, tokens=tokens, vocab=vocab)
     del logits
     # ... and fused with the LM head: 1 matmul forward, 3 backward (recompute, d hidden, d weight); 'auto' fuses only
-    # past layers.vocab.FUSED_HEAD_ABOVE_BYTES of logits and runs the head then the Triton loss below it (2nd line)
+    # past kernels.linear_cross_entropy.FUSED_HEAD_ABOVE_BYTES of logits and runs the head then the Triton loss below
+    # it (2nd line)
     h, weight = leaf(tokens, hidden), leaf(vocab, hidden, scale=0.02)
     report("linear_then_cross_entropy", "fwd+bwd", "TFLOP/s", 6 * tokens * hidden * vocab,
-           bench(fwd_bwd(lambda h, w: cross_entropy.cross_entropy_triton(F.linear(h, w), target, vocab), (h, weight)),
-                 (h, weight)),
+           bench(fwd_bwd(lambda h, w: cross_entropy_triton.cross_entropy_triton(F.linear(h, w), target, vocab),
+                         (h, weight)), (h, weight)),
            bench(fwd_bwd(lambda h, w: vocab_parallel_cross_entropy(F.linear(h, w), target, vocab),
                          (h, weight)), (h, weight)),
            flops_peak, tokens=tokens, hidden=hidden, vocab=vocab)
     report("linear_cross_entropy", "fwd+bwd", "TFLOP/s", 8 * tokens * hidden * vocab,
-           bench(fwd_bwd(lambda h, w: cross_entropy.linear_cross_entropy_triton(h, w, target, vocab), (h, weight)),
-                 (h, weight)),
+           bench(fwd_bwd(lambda h, w: cross_entropy_triton.linear_cross_entropy_triton(h, w, target, vocab),
+                         (h, weight)), (h, weight)),
            bench(fwd_bwd(lambda h, w: vocab_parallel_cross_entropy(F.linear(h, w), target, vocab),
                          (h, weight)), (h, weight)),
            flops_peak, tokens=tokens, hidden=hidden, vocab=vocab)
@@ -176,14 +175,15 @@ def main():
     ids = torch.rand(tokens, experts, device=device).topk(top_k, dim=-1).indices
     weights = torch.softmax(torch.randn(tokens, top_k, device=device), -1).to(dtype).requires_grad_()
 
-    def moe_round_trip(permute, unpermute):
+    def moe_round_trip(mode):
         def run(x, weights):
-            permuted, row_map, _ = permute(x, ids, experts)
-            return unpermute(permuted, row_map, weights)
+            with use_kernels(mode):
+                permuted, row_map, _ = moe.permute(x, ids, experts)
+                return moe.unpermute(permuted, row_map, weights)
         return run
     report("moe_permute_unpermute", "fwd+bwd", "GB/s", 8 * tokens * top_k * hidden * elt,
-           bench(fwd_bwd(moe_round_trip(moe.moe_permute_triton, moe.moe_unpermute_triton), (x, weights)), (x, weights)),
-           bench(fwd_bwd(moe_round_trip(moe.moe_permute_reference, moe.moe_unpermute_reference), (x, weights)),
+           bench(fwd_bwd(moe_round_trip("triton"), (x, weights)), (x, weights)),
+           bench(fwd_bwd(moe_round_trip("torch"), (x, weights)),
                  (x, weights)), bw_peak, tokens=tokens, hidden=hidden, experts=experts, top_k=top_k)
 
 

@@ -1,5 +1,5 @@
-"""Sizes and ranks of process groups (None or a group of one: a single process), the plain all-reduce, and
-the slice of a vocabulary each rank of a group holds. Every layer of the system uses these."""
+"""Sizes and ranks of process groups (None or a group of one: a single process), the plain all-reduce and
+all-gather, and the slice of a vocabulary each rank of a group holds. Every layer of the system uses these."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +20,22 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
+
+
+# torch >= 2.13 renames the single-tensor collectives; older releases only have the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The ranks' `x` joined along `dim`. The collective writes them one after another (rank-major); joining along a
+    later dim is then one copy into a contiguous result (none along dim 0, or when the dims before `dim` are ones)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out.view(size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def vocab_range(vocab_size: int, group) -> tuple[int, int, int]:

@@ -1,57 +1,22 @@
-"""Triton kernels for the hot paths, each module an autograd.Function beside its pure-torch reference.
+"""The hot paths' kernels, one op per module; layers call only the ops.
 
-    norms            LayerNorm / RMSNorm, optionally fused with the residual add
-    flash_attention  causal / padding-masked / grouped-query flash attention
-    decode           flash-decoding: one new token per sequence against a KV cache
-    rope             rotary position embeddings
-    activations      SwiGLU, bias + GeLU
-    cross_entropy    vocab-parallel cross entropy, alone or chunked and fused with the LM-head matmul
-    moe              MoE token permute / unpermute
+    norms                 layer_norm, rms_norm (optionally fused with the residual add; Gemma's 1 + weight)
+    rope                  apply_rotary: rotary position embeddings, partial rotary passing the rest through
+    activations           swiglu, bias_gelu, the GeLU variants by config name, linear_gelu (the bias into the GeLU)
+    attention             local_attention: SDPA, GPT-2's upcast order, capped scores, packed documents, dropout
+    decode                decode_attention: one new token per sequence against a KV cache
+    cross_entropy         vocab_parallel_cross_entropy
+    linear_cross_entropy  linear_cross_entropy: the LM head fused with its summed loss
+    moe                   permute / unpermute: MoE tokens grouped by expert and combined back
 
-`dispatch` picks Triton or torch (COLOZOO_KERNELS=auto|triton|torch, or `set_kernels`). Norms, attention, the
-activations and the logits' cross entropy dispatch inside `colozoo.layers`; the functions below do the same for
-the models' rotary embedding, decode attention over a KV cache and the MoE layer's token permutation (the LM
-head calls the fused loss of `cross_entropy` itself on the Triton path; its torch reference is
-`colozoo.layers.vocab`).
-Kernel modules are imported only when used: triton decides at decoration time whether to interpret.
+Each op module exports the op, which picks the Triton kernel or its torch reference with `dispatch`'s policy
+(COLOZOO_KERNELS=auto|triton|torch, or `set_kernels` / `use_kernels`), and that torch reference, which is the CPU
+path. The Triton kernels live in `<op>_triton` modules (the two cross entropies share `cross_entropy_triton`; the
+flash-decoding kernel is `decode_triton`), imported only when an op picks them: triton decides at decoration time
+whether to interpret, and an op module never imports triton.
 """
 from __future__ import annotations
 
-from .dispatch import interpreting, kernel_mode, set_kernels, triton_available, use_kernels, use_triton
+from .dispatch import interpreting, kernel_mode, kernels_interpreted, set_kernels, triton_available, use_kernels
 
-
-def apply_rotary(x, cos, sin, interleaved: bool = False):
-    """Rotate (batch, heads, seq, head_dim) by angles whose cos/sin are (seq | batch, seq, rotary_dim/2)."""
-    from . import rope
-
-    fn = rope.apply_rotary_triton if use_triton(x) else rope.apply_rotary_reference
-    return fn(x, cos, sin, interleaved)
-
-
-def decode_attention(q, k_cache, v_cache, length: int, key_mask=None, scale: float | None = None,
-                     window: int | None = None):
-    """One new token's attention (batch, heads_q, 1, head_dim) over the first `length` positions of
-    (batch, heads_kv, max_len, head_dim) caches; see kernels.decode."""
-    from . import decode
-
-    fn = decode.decode_attention_triton if use_triton(q, k_cache, v_cache) else decode.decode_attention_reference
-    return fn(q, k_cache, v_cache, length, key_mask, scale, window)
-
-
-def moe_permute(hidden, expert_ids, num_experts: int):
-    """(permuted rows grouped by expert, row_map, tokens_per_expert); see kernels.moe."""
-    from . import moe
-
-    fn = moe.moe_permute_triton if use_triton(hidden) else moe.moe_permute_reference
-    return fn(hidden, expert_ids, num_experts)
-
-
-def moe_unpermute(expert_out, row_map, weights=None):
-    from . import moe
-
-    fn = moe.moe_unpermute_triton if use_triton(expert_out) else moe.moe_unpermute_reference
-    return fn(expert_out, row_map, weights)
-
-
-__all__ = ["apply_rotary", "decode_attention", "interpreting", "kernel_mode", "moe_permute", "moe_unpermute",
-           "set_kernels", "triton_available", "use_kernels", "use_triton"]
+__all__ = ["interpreting", "kernel_mode", "kernels_interpreted", "set_kernels", "triton_available", "use_kernels"]

@@ -1,210 +1,94 @@
-"""Vocab-parallel cross entropy that never builds fp32 logits, alone or fused with the LM-head matmul.
+"""Vocab-parallel cross entropy: the per-token loss from each rank's slice of the logits, without gathering them.
 
-Each rank holds the logits of its own vocab slice (`colozoo.layers.vocab.vocab_range`; padded columns past
-the logical vocabulary are ignored). A kernel reduces every row of the slice to four fp32 numbers (max,
-sum of exp relative to that max, the target's logit if this slice holds it, and the sum of logits for label
-smoothing); the ranks then combine them with the same three all-reduces as `layers/vocab.py` (max, sum of
-exp, target logit; a fourth only under label smoothing). The backward kernel writes softmax - one-hot
-straight in the logits' dtype.
+    vocab_parallel_cross_entropy(logits_local, target, vocab_size, group=None, ignore_index=-100,
+                                 label_smoothing=0.0)
 
-`linear_cross_entropy_triton` goes further: it takes the hidden states and the (local) head weight and
-walks the tokens in chunks, so only one chunk's logits exist at a time, in the activation dtype; the
-backward pass recomputes each chunk's logits instead of keeping them.
+The vocabulary is padded to a multiple of the group size and split into equal slices (`core.groups.vocab_range`);
+padded columns never count. The op runs the Triton kernels (`cross_entropy_triton`) where `dispatch.use_triton`
+says so, otherwise the torch reference below: the loss in fp32 from one all-gather of each rank's max, sum of exps
+and target logit (log-softmax alone when one rank holds the whole vocabulary).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from colozoo.core.groups import all_reduce, group_size, vocab_range
+from colozoo.core.groups import all_gather, group_rank, group_size, vocab_range
 
-BLOCK_V = 1024
-CHUNK_BYTES = 512 * 2**20  # logits of one chunk in the fused path (smaller chunks make the matmuls and the
-# fp32 weight-gradient sums slower: 64 MiB ran 2.3x slower than 512 on an H100)
+from .dispatch import use_triton
 
 
-@triton.jit
-def _row_stats(LOGITS, TARGET, MAX, SUMEXP, PRED, SUMLOGITS, stride, row_offset, valid, vocab_start, ignore_index,
-               SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    LOGITS += row * stride
-    # per-lane running max and sum of exp, reduced across lanes at the end (lanes that saw only
-    # masked columns keep max -inf and contribute nothing)
-    m_lane = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
-    s_lane = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    t_lane = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for start in range(0, valid, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(LOGITS + cols, mask=cols < valid, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m_lane, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_lane = s_lane * tl.exp(m_lane - m_safe) + tl.exp(x - m_safe)
-        m_lane = m_new
-        if SMOOTHING:
-            t_lane += tl.where(cols < valid, x, 0.0)
-    m = tl.max(m_lane, axis=0)
-    sumexp = tl.sum(s_lane * tl.exp(m_lane - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-    total = tl.sum(t_lane, axis=0)
-    target = tl.load(TARGET + row_offset + row)
-    local = target - vocab_start
-    hit = (target != ignore_index) & (local >= 0) & (local < valid)
-    pred = tl.load(LOGITS + tl.where(hit, local, 0), mask=hit, other=0.0).to(tl.float32)
-    out = row_offset + row
-    tl.store(MAX + out, m)
-    tl.store(SUMEXP + out, sumexp)
-    tl.store(PRED + out, tl.where(hit, pred, 0.0))
-    if SMOOTHING:
-        tl.store(SUMLOGITS + out, total)
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab_size: int, group=None,
+                                 ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token loss from this rank's vocab slice of the logits (0 where target == ignore_index)."""
+    if use_triton(logits_local, target):
+        from .cross_entropy_triton import cross_entropy_triton
+
+        return cross_entropy_triton(logits_local, target, vocab_size, group, ignore_index, label_smoothing)
+    return vocab_parallel_cross_entropy_reference(logits_local, target, vocab_size, group, ignore_index,
+                                                  label_smoothing)
 
 
-@triton.jit
-def _row_grad(LOGITS, DLOGITS, TARGET, LSE, DLOSS, stride, dstride, row_offset, width, valid, vocab_start,
-              ignore_index, smoothing, vocab_size, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    LOGITS += row * stride
-    DLOGITS += row * dstride
-    target = tl.load(TARGET + row_offset + row)
-    lse = tl.load(LSE + row_offset + row)
-    scale = tl.where(target == ignore_index, 0.0, tl.load(DLOSS + row_offset + row))
-    local = target - vocab_start
-    for start in range(0, width, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(LOGITS + cols, mask=cols < valid, other=float("-inf")).to(tl.float32)
-        g = tl.exp(x - lse) - tl.where(cols == local, 1.0 - smoothing, 0.0) - tl.where(cols < valid, smoothing / vocab_size, 0.0)
-        g = tl.where(cols < valid, g, 0.0)
-        tl.store(DLOGITS + cols, (g * scale).to(DLOGITS.dtype.element_ty), mask=cols < width)
+def vocab_parallel_cross_entropy_reference(logits_local, target, vocab_size: int, group=None,
+                                           ignore_index: int = -100, label_smoothing: float = 0.0):
+    start, stop, _ = vocab_range(vocab_size, group)
+    return _VocabParallelCrossEntropy.apply(logits_local, target, start, stop - start, group, ignore_index,
+                                            label_smoothing, vocab_size)
 
 
-class _Stats:
-    """Per-row fp32 partial statistics of the local vocab slice, combined over the tensor-parallel group."""
-
-    def __init__(self, n: int, device, smoothing: bool):
-        f32 = dict(device=device, dtype=torch.float32)
-        self.max, self.sumexp, self.pred = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
-        self.sumlogits = torch.empty(n, **f32) if smoothing else None
-
-    def fill(self, logits, target, row_offset, valid, vocab_start, ignore_index):
-        if logits.shape[0]:
-            _row_stats[(logits.shape[0],)](logits, target, self.max, self.sumexp, self.pred, self.sumlogits,
-                                           logits.stride(0), row_offset, valid, vocab_start, ignore_index,
-                                           SMOOTHING=self.sumlogits is not None, BLOCK_V=BLOCK_V, num_warps=4)
-
-    def loss(self, target, group, ignore_index, smoothing, vocab_size):
-        """(per-token loss, log-sum-exp) after the all-reduces."""
-        global_max = self.max.clone()
-        if group_size(group) > 1:
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        rescale = torch.exp(self.max - global_max).nan_to_num_(0.0)  # a slice with no valid column has max -inf
-        sumexp = all_reduce(self.sumexp * rescale, group)
-        pred = all_reduce(self.pred, group)
-        lse = global_max + sumexp.log()
-        loss = lse - pred
-        if smoothing > 0:
-            mean_log_prob = all_reduce(self.sumlogits, group) / vocab_size - lse
-            loss = (1 - smoothing) * loss - smoothing * mean_log_prob
-        return loss.masked_fill(target == ignore_index, 0.0), lse
-
-
-def _grad(logits, dlogits, target, lse, dloss, row_offset, valid, vocab_start, ignore_index, smoothing, vocab_size):
-    if logits.shape[0]:
-        _row_grad[(logits.shape[0],)](logits, dlogits, target, lse, dloss, logits.stride(0), dlogits.stride(0),
-                                      row_offset, logits.shape[1], valid, vocab_start, ignore_index, smoothing,
-                                      vocab_size, BLOCK_V=BLOCK_V, num_warps=4)
-
-
-def _slice(vocab_size, local_width, group):
-    start, stop, per = vocab_range(vocab_size, group)
-    if per != local_width:
-        raise ValueError(f"local vocab width {local_width} does not match vocab_size={vocab_size} split over "
-                         f"{group_size(group)} ranks (expected {per})")
-    return start, max(stop - start, 0)
-
-
-class _CrossEntropy(torch.autograd.Function):
+class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, group, ignore_index, smoothing):
-        shape = target.shape
-        logits = logits.reshape(-1, logits.shape[-1])
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        target = target.reshape(-1).contiguous()
-        start, valid = _slice(vocab_size, logits.shape[1], group)
-        stats = _Stats(logits.shape[0], logits.device, smoothing > 0)
-        stats.fill(logits, target, 0, valid, start, ignore_index)
-        loss, lse = stats.loss(target, group, ignore_index, smoothing, vocab_size)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.args = (start, valid, ignore_index, smoothing, vocab_size)
-        ctx.logits_shape = shape + (logits.shape[1],)
-        return loss.view(shape)
+    def forward(ctx, logits, target, vocab_start, valid, group, ignore_index, label_smoothing, vocab_size):
+        logits = logits.float()
+        ignored = target == ignore_index
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= valid) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        ctx.valid, ctx.label_smoothing, ctx.vocab_size = valid, label_smoothing, vocab_size
+        ctx.log_space = group_size(group) == 1
+        if ctx.log_space:  # the whole vocabulary is here: torch's fused log_softmax is the fastest path
+            log_probs = torch.log_softmax(logits, dim=-1)
+            loss = -log_probs.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+            if label_smoothing > 0:
+                loss = (1 - label_smoothing) * loss - label_smoothing * log_probs.mean(dim=-1)
+            ctx.save_for_backward(log_probs, local_target, outside, ignored)
+            return loss.masked_fill(ignored, 0.0)
+
+        if valid < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., valid:] = float("-inf")
+        # one collective, not three: each rank's max, sum of exps relative to it and target logit (and logit sum, for
+        # label smoothing) are gathered. A rank holding only padding has max -inf: clamped, so its exps are 0, not nan
+        local_max = logits.max(dim=-1, keepdim=True).values.clamp(min=torch.finfo(logits.dtype).min)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0)
+        stats = [local_max.squeeze(-1), target_logit]
+        if label_smoothing > 0:
+            stats.append(logits[..., :valid].sum(dim=-1))
+        exp = (logits - local_max).exp_()
+        stats = all_gather(torch.stack([exp.sum(dim=-1), *stats])[None], 0, group)  # (tp, stat, ...)
+        sums, maxes = stats[:, 0], stats[:, 1]
+        global_max = maxes.max(dim=0).values
+        rescale = (maxes - global_max).exp()  # each rank's exps relative to the global max
+        sum_exp = (sums * rescale).sum(dim=0)
+        log_sum_exp = sum_exp.log() + global_max
+        loss = log_sum_exp - stats[:, 2].sum(dim=0)
+        if label_smoothing > 0:
+            mean_log_prob = stats[:, 3].sum(dim=0) / vocab_size - log_sum_exp
+            loss = (1 - label_smoothing) * loss - label_smoothing * mean_log_prob
+        loss = loss.masked_fill(ignored, 0.0)
+
+        softmax = exp.mul_((rescale[group_rank(group)] / sum_exp).unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, ignored)
+        return loss
 
     @staticmethod
-    def backward(ctx, dloss):
-        logits, target, lse = ctx.saved_tensors
-        start, valid, ignore_index, smoothing, vocab_size = ctx.args
-        dlogits = torch.empty_like(logits)
-        _grad(logits, dlogits, target, lse, dloss.reshape(-1).float().contiguous(), 0, valid, start, ignore_index,
-              smoothing, vocab_size)
-        return dlogits.view(ctx.logits_shape), None, None, None, None, None
-
-
-def _chunks(n: int, width: int, element_size: int, chunk_size: int | None):
-    rows = chunk_size or max(1, CHUNK_BYTES // max(1, width * element_size))
-    return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, vocab_size, group, ignore_index, smoothing, chunk_size):
-        shape = target.shape
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        target = target.reshape(-1).contiguous()
-        if hidden.shape[0] != target.shape[0]:
-            raise ValueError(f"{hidden.shape[0]} hidden rows but {target.shape[0]} targets")
-        start, valid = _slice(vocab_size, weight.shape[0], group)
-        stats = _Stats(hidden.shape[0], hidden.device, smoothing > 0)
-        chunks = _chunks(hidden.shape[0], weight.shape[0], hidden.element_size(), chunk_size)
-        for lo, hi in chunks:
-            stats.fill(F.linear(hidden[lo:hi], weight, bias), target, lo, valid, start, ignore_index)
-        loss, lse = stats.loss(target, group, ignore_index, smoothing, vocab_size)
-        ctx.save_for_backward(hidden, weight, bias, target, lse)
-        ctx.args = (start, valid, ignore_index, smoothing, vocab_size)
-        ctx.chunks, ctx.hidden_shape = chunks, shape + (hidden.shape[1],)
-        return loss.view(shape)
-
-    @staticmethod
-    def backward(ctx, dloss):
-        hidden, weight, bias, target, lse = ctx.saved_tensors
-        start, valid, ignore_index, smoothing, vocab_size = ctx.args
-        dloss = dloss.reshape(-1).float().contiguous()
-        dhidden = torch.empty_like(hidden)
-        dweight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-        dbias = torch.zeros(weight.shape[0], device=weight.device, dtype=torch.float32) if bias is not None else None
-        for lo, hi in ctx.chunks:
-            logits = F.linear(hidden[lo:hi], weight, bias)
-            _grad(logits, logits, target, lse, dloss, lo, valid, start, ignore_index, smoothing, vocab_size)
-            dhidden[lo:hi] = logits @ weight
-            dweight += logits.t() @ hidden[lo:hi]
-            if dbias is not None:
-                dbias += logits.float().sum(0)
-        return (dhidden.view(ctx.hidden_shape), dweight.to(weight.dtype),
-                dbias.to(bias.dtype) if bias is not None else None, None, None, None, None, None, None)
-
-
-def cross_entropy_triton(logits_local, target, vocab_size: int, group=None, ignore_index: int = -100,
-                         label_smoothing: float = 0.0):
-    """Per-token loss from this rank's vocab slice of the logits; same contract as
-    `colozoo.layers.vocab.vocab_parallel_cross_entropy`."""
-    return _CrossEntropy.apply(logits_local, target, vocab_size, group, ignore_index, float(label_smoothing))
-
-
-def linear_cross_entropy_triton(hidden, weight, target, vocab_size: int, bias=None, group=None,
-                                ignore_index: int = -100, label_smoothing: float = 0.0,
-                                chunk_size: int | None = None):
-    """Per-token loss of `hidden @ weight.T + bias` (weight = this rank's vocab slice of the LM head) without
-    keeping the logits. `hidden` must already be in the tensor-parallel region (copy_to_parallel or gathered
-    from the sequence), exactly as it would enter `F.linear` in `VocabParallelLMHead.forward`."""
-    return _LinearCrossEntropy.apply(hidden, weight, bias, target, vocab_size, group, ignore_index,
-                                     float(label_smoothing), chunk_size)
+    def backward(ctx, grad_loss):
+        probs, local_target, outside, ignored = ctx.saved_tensors
+        grad = probs.exp_() if ctx.log_space else probs
+        eps = ctx.label_smoothing
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1 - eps) * hit.unsqueeze(-1))
+        if eps > 0:
+            grad[..., : ctx.valid] -= eps / ctx.vocab_size
+        grad[..., ctx.valid:] = 0.0
+        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        return grad, None, None, None, None, None, None, None

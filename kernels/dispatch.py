@@ -69,6 +69,12 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def kernels_interpreted(like: torch.Tensor) -> bool:
+    """True when the ops would run Triton kernels on triton's CPU interpreter for tensors like `like` (what
+    torch.compile cannot trace)."""
+    return not like.is_cuda and interpreting() and use_triton(like)
+
+
 # Up to this many elements without autograd (a decode step's activations) an elementwise op costs the CPU its
 # launches, not the GPU its bytes, and one Triton launch costs several aten ones: 'auto' keeps torch there.
 LAUNCH_BOUND_ELEMENTS = 1 << 20

@@ -1,153 +1,92 @@
-"""MoE token permute / unpermute: group token copies by expert, then combine expert outputs back per token.
+"""MoE token permute / unpermute: group token copies by expert, then combine the expert outputs back per token.
 
-    permuted, row_map, tokens_per_expert = moe_permute(hidden (T, H), expert_ids (T, k), num_experts)
-    out = moe_unpermute(expert_out (T*k, H), row_map, weights (T, k) or None)   # (T, H)
+    permuted, row_map, tokens_per_expert = permute(hidden (T, H), expert_ids (T, k), num_experts)
+    out = unpermute(expert_out (T*k, H), row_map, weights (T, k) or None, dtype=None)   # (T, H)
 
 `row_map[t*k + j]` is the row of `permuted` that holds token t's copy for its j-th expert; rows are sorted by
 expert (stable, so tokens keep their order inside an expert) and `tokens_per_expert` gives the group sizes.
-Expert ids are global. The sort itself is torch's; the kernels move the rows, one program per row copy.
+Expert ids are global. `unpermute` sums each token's rows times its routing weights into `dtype` (default
+expert_out's). Each op runs the Triton kernels (`moe_triton`) where `dispatch.use_triton` says so, otherwise its
+torch reference here.
 """
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-BLOCK_H = 1024
+from .dispatch import use_triton
 
 
-@triton.jit
-def _scatter_rows(SRC, ROW_MAP, W, DST, Y, DW, K, H, HAS_WEIGHT: tl.constexpr, WANT_DW: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    """DST[row_map[e]] = W[e] * SRC[e // K] for entry e = t*K + j; optionally DW[e] = <Y[row_map[e]], SRC[e // K]>."""
-    entry = tl.program_id(0).to(tl.int64)
-    dest = tl.load(ROW_MAP + entry).to(tl.int64)
-    SRC += (entry // K) * H
-    DST += dest * H
-    scale = 1.0
-    if HAS_WEIGHT:
-        scale = tl.load(W + entry).to(tl.float32)
-    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for start in range(0, H, BLOCK_H):
-        cols = start + tl.arange(0, BLOCK_H)
-        x = tl.load(SRC + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(DST + cols, (x * scale).to(DST.dtype.element_ty), mask=cols < H)
-        if WANT_DW:
-            dot += x * tl.load(Y + dest * H + cols, mask=cols < H, other=0.0).to(tl.float32)
-    if WANT_DW:
-        tl.store(DW + entry, tl.sum(dot, axis=0))
+def permute(hidden, expert_ids, num_experts: int):
+    if use_triton(hidden):
+        from .moe_triton import moe_permute_triton
+
+        check_rows(hidden, expert_ids)
+        check_expert_ids(expert_ids, num_experts)
+        row_map, _, counts = route(expert_ids, num_experts)
+        return moe_permute_triton(hidden, row_map, expert_ids.shape[1]), row_map, counts
+    return permute_reference(hidden, expert_ids, num_experts)
 
 
-@triton.jit
-def _gather_rows(SRC, ROW_MAP, W, DST, K, H, HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr):
-    """DST[t] = sum_j W[t, j] * SRC[row_map[t*K + j]]."""
-    token = tl.program_id(0).to(tl.int64)
-    for start in range(0, H, BLOCK_H):
-        cols = start + tl.arange(0, BLOCK_H)
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for j in range(0, K):
-            entry = token * K + j
-            row = tl.load(ROW_MAP + entry).to(tl.int64)
-            x = tl.load(SRC + row * H + cols, mask=cols < H, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                x *= tl.load(W + entry).to(tl.float32)
-            acc += x
-        tl.store(DST + token * H + cols, acc.to(DST.dtype.element_ty), mask=cols < H)
+def unpermute(expert_out, row_map, weights=None, dtype: torch.dtype | None = None):
+    if use_triton(expert_out):
+        from .moe_triton import moe_unpermute_triton
+
+        check_weights(weights, row_map)
+        out = moe_unpermute_triton(expert_out, row_map, weights)
+        return out if dtype is None else out.to(dtype)
+    return unpermute_reference(expert_out, row_map, weights, dtype)
 
 
 def route(expert_ids: torch.Tensor, num_experts: int):
-    """(row_map, order, tokens_per_expert) for (tokens, k) global expert ids."""
+    """(row_map, order, tokens_per_expert) for (tokens, k) global expert ids: `order` lists the (token, slot) entries
+    sorted by expert, `row_map` is its inverse."""
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be (tokens, top_k), got shape {tuple(expert_ids.shape)}")
     flat = expert_ids.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"expert ids must lie in [0, {num_experts}); got range "
-                         f"[{int(flat.min())}, {int(flat.max())}]")
-    order = torch.sort(flat, stable=True).indices
-    row_map = torch.empty_like(order)
-    row_map[order] = torch.arange(order.numel(), device=order.device)
-    return row_map, order, torch.bincount(flat, minlength=num_experts)
+    order = torch.argsort(flat, stable=True)
+    return _inverse(order), order, torch.bincount(flat, minlength=num_experts)
 
 
-def _scatter(src, row_map, weights, k, y=None):
-    t, h = src.shape
-    dst = torch.empty(t * k, h, device=src.device, dtype=src.dtype)
-    dw = torch.empty(t * k, device=src.device, dtype=torch.float32) if y is not None else None
-    if dst.numel():
-        _scatter_rows[(t * k,)](src, row_map, weights, dst, y, dw, k, h, HAS_WEIGHT=weights is not None,
-                                WANT_DW=y is not None, BLOCK_H=min(BLOCK_H, triton.next_power_of_2(h)))
-    return dst, dw
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
 
 
-def _gather(src, row_map, weights, k):
-    h = src.shape[1]
-    t = row_map.numel() // k
-    dst = torch.empty(t, h, device=src.device, dtype=src.dtype)
-    if dst.numel():
-        _gather_rows[(t,)](src, row_map, weights, dst, k, h, HAS_WEIGHT=weights is not None,
-                           BLOCK_H=min(BLOCK_H, triton.next_power_of_2(h)))
-    return dst
+def permute_reference(hidden, expert_ids, num_experts: int):
+    check_rows(hidden, expert_ids)
+    row_map, order, counts = route(expert_ids, num_experts)
+    return hidden[order // expert_ids.shape[1]], row_map, counts
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, row_map, k):
-        ctx.save_for_backward(row_map)
-        ctx.k = k
-        return _scatter(hidden.contiguous(), row_map, None, k)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (row_map,) = ctx.saved_tensors
-        return _gather(grad.contiguous(), row_map, None, ctx.k), None, None
-
-
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, expert_out, row_map, weights):
-        k = weights.shape[1] if weights is not None else 1
-        expert_out = expert_out.contiguous()
-        flat_w = weights.reshape(-1).contiguous() if weights is not None else None
-        ctx.save_for_backward(expert_out, row_map, flat_w)
-        ctx.k, ctx.weights_shape = k, weights.shape if weights is not None else None
-        return _gather(expert_out, row_map, flat_w, k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        expert_out, row_map, flat_w = ctx.saved_tensors
-        want_dw = flat_w is not None and ctx.needs_input_grad[2]
-        dout, dw = _scatter(grad.contiguous(), row_map, flat_w, ctx.k, y=expert_out if want_dw else None)
-        dw = dw.view(ctx.weights_shape).to(flat_w.dtype) if want_dw else None
-        return dout, None, dw
+def unpermute_reference(expert_out, row_map, weights=None, dtype: torch.dtype | None = None):
+    """Each weighted row is cast to `dtype`, then summed per token in row order (by expert), as transformers' MoE
+    blocks add up their experts."""
+    check_weights(weights, row_map)
+    dtype = expert_out.dtype if dtype is None else dtype
+    k = 1 if weights is None else weights.shape[1]
+    order = _inverse(row_map)
+    if weights is not None:
+        expert_out = expert_out * weights.reshape(-1)[order, None]
+    combined = torch.zeros(row_map.numel() // k, expert_out.shape[-1], device=expert_out.device, dtype=dtype)
+    return combined.index_add(0, order // k, expert_out.to(dtype))
 
 
-def _check_rows(hidden, expert_ids):
+def check_rows(hidden, expert_ids):
     if hidden.dim() != 2 or hidden.shape[0] != expert_ids.shape[0]:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be (tokens, hidden) with tokens matching "
                          f"expert_ids {tuple(expert_ids.shape)}")
 
 
-def moe_permute_triton(hidden, expert_ids, num_experts: int):
-    _check_rows(hidden, expert_ids)
-    row_map, _, counts = route(expert_ids, num_experts)
-    return _Permute.apply(hidden, row_map, expert_ids.shape[1]), row_map, counts
+def check_expert_ids(expert_ids, num_experts: int):
+    """Every id in [0, num_experts): the Triton path reads them back to the host to check (the torch path does not,
+    so that it runs on meta tensors too)."""
+    flat = expert_ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts}); got range "
+                         f"[{int(flat.min())}, {int(flat.max())}]")
 
 
-def moe_unpermute_triton(expert_out, row_map, weights=None):
-    """Sum each token's expert outputs, weighted by its routing weights (T, k); with weights=None, k must be 1."""
+def check_weights(weights, row_map):
     if weights is not None and (weights.dim() != 2 or weights.numel() != row_map.numel()):
         raise ValueError(f"routing weights {tuple(weights.shape)} do not match {row_map.numel()} routed rows")
-    return _Unpermute.apply(expert_out, row_map, weights)
-
-
-def moe_permute_reference(hidden, expert_ids, num_experts: int):
-    _check_rows(hidden, expert_ids)
-    row_map, order, counts = route(expert_ids, num_experts)
-    return hidden[order // expert_ids.shape[1]], row_map, counts
-
-
-def moe_unpermute_reference(expert_out, row_map, weights=None):
-    if weights is None:
-        return expert_out[row_map]
-    rows = expert_out[row_map].view(*weights.shape, expert_out.shape[-1]).float()
-    return (rows * weights.float().unsqueeze(-1)).sum(1).to(expert_out.dtype)

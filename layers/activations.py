@@ -1,28 +1,11 @@
-"""Activation functions by their transformers config names (our own, so no forward code depends on HF)."""
+"""Activation functions by their transformers config names (our own, so no forward code depends on HF). The GeLU
+variants and SwiGLU are ops of `colozoo.kernels.activations`, which pick their Triton kernel or torch."""
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 
-from colozoo.kernels.dispatch import use_triton
-
-
-def gelu_tanh(x):
-    return F.gelu(x, approximate="tanh")
-
-
-def gelu_new(x):
-    if x.dtype == torch.float32:
-        # torch's fused tanh GeLU is the same function in one pass instead of seven, within fp32 rounding of the
-        # composed form; not in bf16 / fp16, where it rounds differently from transformers' composed gelu_new
-        return gelu_tanh(x)
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-def gelu_fast(x):
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+from colozoo.kernels.activations import GELUS, swiglu
 
 
 def quick_gelu(x):
@@ -30,10 +13,7 @@ def quick_gelu(x):
 
 
 ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": gelu_new,
-    "gelu_pytorch_tanh": gelu_tanh,
-    "gelu_fast": gelu_fast,
+    **GELUS,
     "quick_gelu": quick_gelu,
     "relu": F.relu,
     "silu": F.silu,
@@ -41,37 +21,6 @@ ACTIVATIONS = {
     "tanh": torch.tanh,
     "sigmoid": torch.sigmoid,
 }
-
-
-def bias_gelu(x, bias=None, approximate: str = "none"):
-    """gelu(x + bias), fused into one kernel on the Triton path."""
-    if use_triton(x, bias):
-        from colozoo.kernels.activations import bias_gelu_triton
-
-        return bias_gelu_triton(x, bias, approximate)
-    return F.gelu(x if bias is None else x + bias, approximate=approximate)
-
-
-def swiglu(gate, up):
-    """silu(gate) * up, fused into one kernel on the Triton path."""
-    if use_triton(gate, up, elementwise=True):
-        from colozoo.kernels.activations import swiglu_triton
-
-        return swiglu_triton(gate, up)
-    return F.silu(gate) * up
-
-
-def _gelu_with_kernel(torch_fn, approximate: str):
-    def act(x):
-        return bias_gelu(x, None, approximate) if use_triton(x) else torch_fn(x)
-
-    act.__name__ = getattr(torch_fn, "__name__", "gelu")
-    return act
-
-
-GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
-for _name, _approximate in GELU_APPROXIMATION.items():
-    ACTIVATIONS[_name] = _gelu_with_kernel(ACTIVATIONS[_name], _approximate)
 
 
 def get_activation(name: str):

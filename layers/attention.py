@@ -1,12 +1,13 @@
-"""Attention for the heads this rank owns: local (colozoo.layers.local_attention) or, under context
+"""Attention for the heads this rank owns: local (the attention op, colozoo.kernels.attention) or, under context
 parallelism, across the cp ranks (colozoo.layers.context_parallel). Inputs are (batch, heads_local, seq,
 head_dim)."""
 from __future__ import annotations
 
 import torch
 
+from colozoo.kernels.attention import local_attention
+
 from .context_parallel import context_parallel_attention
-from .local_attention import local_attention
 
 
 def dense_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, causal: bool, window: int | None = None,

@@ -17,24 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from colozoo.core.groups import all_reduce, group_rank, group_size  # noqa: F401 (part of this module's surface)
-
+from colozoo.core.groups import all_gather, all_reduce, group_rank, group_size  # noqa: F401 (this module's surface)
 
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The ranks' `x` joined along `dim`. The collective writes them one after another (rank-major); joining along a
-    later dim is then one copy into a contiguous result (none along dim 0, or when the dims before `dim` are ones)."""
-    size = group_size(group)
-    if size == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    _all_gather_single(out, x, group=group)
-    return out.view(size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _scatter_chunks(x: torch.Tensor, dim: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

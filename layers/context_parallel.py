@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from colozoo.kernels.attention import local_attention
+
 from .comm import group_rank, group_size
 from .documents import same_document
-from .local_attention import local_attention
 
 CP_MODES = ("ring", "all_to_all")
 

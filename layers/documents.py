@@ -4,11 +4,13 @@ transformers' convention (masking_utils.find_packed_sequence_indices): when `pos
 `attention_mask` and no KV cache, a position that is not the previous position + 1 starts a new document, and each
 token attends only to earlier tokens of its own document (sliding windows and soft-capping apply as usual). The
 batch context computes the document ids once per batch (`BatchContext.documents`); every attention path takes these
-(batch, seq) ids: the torch path turns them into a dense keep-mask, the flash kernel and ring / all-to-all
-attention compare ids per block."""
+(batch, seq) ids: the torch path turns them into a dense keep-mask (`kernels.attention.with_documents`), the flash
+kernel and ring / all-to-all attention compare ids per block."""
 from __future__ import annotations
 
 import torch
+
+from colozoo.kernels.attention import same_document, with_documents  # noqa: F401 (the dense-mask side, for attention)
 
 
 def packed_documents(position_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -21,20 +23,3 @@ def packed_documents(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     if not bool(documents[:, -1].any()):
         return None
     return documents
-
-
-def same_document(q_documents: torch.Tensor, k_documents: torch.Tensor) -> torch.Tensor:
-    """Boolean (batch, 1, q, k): True where query and key belong to one document."""
-    return (q_documents[:, :, None] == k_documents[:, None, :])[:, None]
-
-
-def with_documents(mask: torch.Tensor | None, documents: torch.Tensor, causal: bool) -> torch.Tensor:
-    """A self-attention keep-mask (None: plain causal, or none) narrowed to pairs within one document."""
-    keep = same_document(documents, documents)
-    if mask is None:
-        if causal:
-            keep = keep & torch.ones(keep.shape[-2:], dtype=torch.bool, device=keep.device).tril()
-        return keep
-    if mask.dtype == torch.bool:
-        return mask & keep
-    return mask.masked_fill(~keep, torch.finfo(mask.dtype).min)  # an additive float mask

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.kernels.dispatch import use_triton
+from colozoo.kernels.activations import GELU_APPROXIMATION, linear_gelu
 
-from .activations import GELU_APPROXIMATION, bias_gelu, get_activation
+from .activations import get_activation
 from .comm import (SEQ_DIM, all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
                    group_size, reduce_from_parallel, reduce_scatter_to_sequence, start_reduce, sum_replica_grads)
 from .matmul import linear
@@ -83,7 +83,7 @@ def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool = Fal
 
 class ColumnParallelLinear(nn.Module):
     """`activation` (a config name) is applied to the local output; a GeLU takes the bias with it into one
-    fused kernel on the Triton path."""
+    fused kernel on the Triton path (kernels.activations.linear_gelu)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  sequence_parallel: bool = False, gather_output: bool = False,
@@ -115,17 +115,20 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = sum_replica_grads(self.weight, self.replicated_rows, self.replica_group)
         bias = sum_replica_grads(self.bias, self.replicated_rows, self.replica_group) if self.bias is not None else None
-        fuse_bias = self.activation in GELU_APPROXIMATION and bias is not None and use_triton(x, weight, bias)
-        if self.lora is None:
-            y = column_parallel_linear(x, weight, None if fuse_bias else bias, self.group, self.sequence_parallel)
-        else:  # the adapter reads the same input: the input gradient is summed over both paths
-            x = enter_parallel(x, self.group, self.sequence_parallel)
-            y = self.lora(x, linear(x, weight, None if fuse_bias else bias))  # before the activation
-        if fuse_bias:
-            y = bias_gelu(y, bias, GELU_APPROXIMATION[self.activation])
-        elif self.act is not None:
-            y = self.act(y)
+        if self.activation in GELU_APPROXIMATION and bias is not None:
+            y = linear_gelu(self._linear, x, weight, bias, self.activation)
+        else:
+            y = self._linear(x, weight, bias)
+            if self.act is not None:
+                y = self.act(y)
         return gather_from_parallel(y, self.group) if self.gather_output else y
+
+    def _linear(self, x, weight, bias):
+        if self.lora is None:
+            return column_parallel_linear(x, weight, bias, self.group, self.sequence_parallel)
+        # the adapter reads the same input: the input gradient is summed over both paths
+        x = enter_parallel(x, self.group, self.sequence_parallel)
+        return self.lora(x, linear(x, weight, bias))
 
     def extra_repr(self):
         act = f", activation={self.activation}" if self.activation else ""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.kernels import moe_permute, moe_unpermute, use_triton
+from colozoo.kernels.moe import permute, unpermute
 
 from .activations import get_gated_activation
 from .comm import (copy_to_parallel, gather_from_parallel, group_rank, group_size, reduce_from_parallel,
@@ -169,13 +169,12 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits, weights, experts = self.gate(tokens)
-        if self.capacity_factor is None and use_triton(tokens):  # dropless: the fused permute kernels
-            rows, row_map, counts = moe_permute(tokens, experts, self.num_experts)
-            combined = moe_unpermute(self._run_experts(rows, counts), row_map, weights)
+        if self.capacity_factor is None:  # dropless
+            rows, row_map, counts = permute(tokens, experts, self.num_experts)
+            combined = unpermute(self._run_experts(rows, counts), row_map, weights, x.dtype)
             return self._finish(combined, tokens, shape), logits
         assignment = torch.arange(experts.numel(), device=x.device)
-        if self.capacity_factor is not None:
-            assignment = assignment[self._within_capacity(experts.reshape(-1))]
+        assignment = assignment[self._within_capacity(experts.reshape(-1))]
         expert_of = experts.reshape(-1)[assignment]
         order = torch.argsort(expert_of, stable=True)
         assignment = assignment[order]

@@ -7,10 +7,9 @@ backward) sums it over the tensor-parallel group.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from colozoo.kernels.dispatch import use_triton
+from colozoo.kernels.norms import layer_norm, rms_norm
 
 from .comm import copy_to_parallel
 
@@ -20,12 +19,6 @@ class _SequenceParallelAware(nn.Module):
         if p is None or not self.sequence_parallel:
             return p
         return copy_to_parallel(p, self.group)
-
-    def _triton(self, x, residual, *params) -> bool:
-        """The Triton kernel returns the input dtype, so it only stands in when the residual and the parameters
-        share it (torch would promote a mixed-dtype sum)."""
-        same_dtype = all(t is None or t.dtype == x.dtype for t in (residual, *params))
-        return same_dtype and use_triton(x, residual, elementwise=True)
 
 
 class LayerNorm(_SequenceParallelAware):
@@ -38,14 +31,7 @@ class LayerNorm(_SequenceParallelAware):
 
     def forward(self, x, residual=None):
         """Normalise x; given `residual`, normalise x + residual and return (normed, x + residual)."""
-        if self._triton(x, residual, self.weight, self.bias):
-            from colozoo.kernels.norms import layer_norm_triton
-
-            return layer_norm_triton(x, self._param(self.weight), self._param(self.bias), self.eps, residual)
-        if residual is not None:
-            summed = x + residual
-            return self.forward(summed), summed
-        return F.layer_norm(x, (self.dim,), self._param(self.weight), self._param(self.bias), self.eps)
+        return layer_norm(x, self._param(self.weight), self._param(self.bias), self.eps, residual)
 
     def extra_repr(self):
         return f"{self.dim}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
@@ -67,24 +53,7 @@ class RMSNorm(_SequenceParallelAware):
 
     def forward(self, x, residual=None):
         """Normalise x; given `residual`, normalise x + residual and return (normed, x + residual)."""
-        if self.offset:  # the kernel multiplies in fp32 too, so an fp32 (1 + weight) is exact whatever x's dtype
-            if self._triton(x, residual):
-                from colozoo.kernels.norms import rms_norm_triton
-
-                return rms_norm_triton(x, 1 + self._param(self.weight).float(), self.eps, residual)
-        elif self._triton(x, residual, self.weight):
-            from colozoo.kernels.norms import rms_norm_triton
-
-            return rms_norm_triton(x, self._param(self.weight), self.eps, residual)
-        if residual is not None:
-            summed = x + residual
-            return self.forward(summed), summed
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x * (1 + self._param(self.weight).float())).to(dtype)
-        return self._param(self.weight) * x.to(dtype)
+        return rms_norm(x, self._param(self.weight), self.eps, residual, offset=self.offset)
 
     def extra_repr(self):
         offset = ", offset" if self.offset else ""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from colozoo.core.errors import UnsupportedConfig, require
-from colozoo.kernels import apply_rotary, use_triton
+from colozoo.kernels.rope import apply_rotary
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -168,23 +168,10 @@ def rotary_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor, scale: flo
     return angles.cos() * scale, angles.sin() * scale
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x, cos, sin):
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, rotary_dim), their two halves equal. Features past
-    rotary_dim (partial rotary) pass through."""
-    if use_triton(x, elementwise=True):  # the kernel takes one angle per rotated pair, passes the rest
-        half = cos.shape[-1] // 2
-        return apply_rotary(x, cos[..., :half], sin[..., :half])
-    rot = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    if rot < x.shape[-1]:
-        x, rest = x[..., :rot], x[..., rot:]
-        return torch.cat((x * cos + rotate_half(x) * sin, rest), dim=-1)
-    return x * cos + rotate_half(x) * sin
+    """x: (batch, heads, seq, head_dim) rotated by cos/sin (batch, seq, rotary_dim), their two halves equal; features
+    past rotary_dim (partial rotary) pass through. The rotary op (colozoo.kernels.rope) picks its kernel."""
+    return apply_rotary(x, cos, sin)
 
 
 class _RopeView:

@@ -3,11 +3,12 @@
 The vocabulary is padded to a multiple of tp and split into equal slices. Padded rows are zero, never
 stored in checkpoints (the shard spec records the logical size), masked to -inf before every softmax and
 stripped from gathered logits, so they never leak into outputs. The loss is computed on the local vocab
-slice with one small all-gather (each rank's max, sum of exp, target logit); full-vocabulary logits are never
-built.
+slice (`kernels.cross_entropy`, re-exported here), or fused with the head (`kernels.linear_cross_entropy`);
+full-vocabulary logits are never built.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,18 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from colozoo.core.groups import vocab_range
-from colozoo.kernels.dispatch import use_triton
+from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy
+from colozoo.kernels.linear_cross_entropy import linear_cross_entropy
 
-from .comm import (all_gather, gather_from_parallel, group_rank, group_size, reduce_from_parallel,
-                   reduce_scatter_to_sequence)
+from .comm import all_gather, gather_from_parallel, group_size, reduce_from_parallel, reduce_scatter_to_sequence
 from .linear import column_parallel_linear, enter_parallel
-from .linear_cross_entropy import linear_cross_entropy_sum
 from .shard import Split, shard
-
-# On CUDA the chunked fused head + loss keeps only a chunk of logits but recomputes them in the backward: on an H100
-# (bench/kernels.py) a plain head + the Triton loss was 1.6x faster at 8k tokens x 128k vocab for 0.4 GiB more. So
-# 'auto' fuses only past this many bytes of logits, where their memory starts to matter.
-FUSED_HEAD_ABOVE_BYTES = 4 * 2**30
 
 
 class Embedding(nn.Embedding):
@@ -76,77 +71,6 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self):
         return f"{self.num_embeddings} (local {self.weight.shape[0]}), {self.embedding_dim}"
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, vocab_start, valid, group, ignore_index, label_smoothing, vocab_size):
-        logits = logits.float()
-        ignored = target == ignore_index
-        local_target = target - vocab_start
-        outside = (local_target < 0) | (local_target >= valid) | ignored
-        local_target = local_target.masked_fill(outside, 0)
-        ctx.valid, ctx.label_smoothing, ctx.vocab_size = valid, label_smoothing, vocab_size
-        ctx.log_space = group_size(group) == 1
-        if ctx.log_space:  # the whole vocabulary is here: torch's fused log_softmax is the fastest path
-            log_probs = torch.log_softmax(logits, dim=-1)
-            loss = -log_probs.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-            if label_smoothing > 0:
-                loss = (1 - label_smoothing) * loss - label_smoothing * log_probs.mean(dim=-1)
-            ctx.save_for_backward(log_probs, local_target, outside, ignored)
-            return loss.masked_fill(ignored, 0.0)
-
-        if valid < logits.shape[-1]:
-            logits = logits.clone()
-            logits[..., valid:] = float("-inf")
-        # one collective, not three: each rank's max, sum of exps relative to it and target logit (and logit sum, for
-        # label smoothing) are gathered. A rank holding only padding has max -inf: clamped, so its exps are 0, not nan
-        local_max = logits.max(dim=-1, keepdim=True).values.clamp(min=torch.finfo(logits.dtype).min)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0)
-        stats = [local_max.squeeze(-1), target_logit]
-        if label_smoothing > 0:
-            stats.append(logits[..., :valid].sum(dim=-1))
-        exp = (logits - local_max).exp_()
-        stats = all_gather(torch.stack([exp.sum(dim=-1), *stats])[None], 0, group)  # (tp, stat, ...)
-        sums, maxes = stats[:, 0], stats[:, 1]
-        global_max = maxes.max(dim=0).values
-        rescale = (maxes - global_max).exp()  # each rank's exps relative to the global max
-        sum_exp = (sums * rescale).sum(dim=0)
-        log_sum_exp = sum_exp.log() + global_max
-        loss = log_sum_exp - stats[:, 2].sum(dim=0)
-        if label_smoothing > 0:
-            mean_log_prob = stats[:, 3].sum(dim=0) / vocab_size - log_sum_exp
-            loss = (1 - label_smoothing) * loss - label_smoothing * mean_log_prob
-        loss = loss.masked_fill(ignored, 0.0)
-
-        softmax = exp.mul_((rescale[group_rank(group)] / sum_exp).unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside, ignored)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        probs, local_target, outside, ignored = ctx.saved_tensors
-        grad = probs.exp_() if ctx.log_space else probs
-        eps = ctx.label_smoothing
-        hit = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1 - eps) * hit.unsqueeze(-1))
-        if eps > 0:
-            grad[..., : ctx.valid] -= eps / ctx.vocab_size
-        grad[..., ctx.valid:] = 0.0
-        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
-        return grad, None, None, None, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab_size: int, group=None,
-                                 ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token loss from this rank's vocab slice of the logits (0 where target == ignore_index)."""
-    if use_triton(logits_local, target):
-        from colozoo.kernels.cross_entropy import cross_entropy_triton
-
-        return cross_entropy_triton(logits_local, target, vocab_size, group, ignore_index, label_smoothing)
-    start, stop, _ = vocab_range(vocab_size, group)
-    return _VocabParallelCrossEntropy.apply(logits_local, target, start, stop - start, group, ignore_index,
-                                            label_smoothing, vocab_size)
 
 
 def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=None,
@@ -235,13 +159,15 @@ class VocabParallelLMHead(nn.Module):
         return self._tied[0].weight if self.tied else self.weight
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100,
-                label_smoothing: float = 0.0) -> torch.Tensor:
-        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded. With `targets` (the whole
-        vocabulary on this rank, no softcap): the summed loss of the fused head and loss instead, computed here so
-        that module hooks (the symbolic profiler's) see the head's weight and FLOPs as the head's."""
+                label_smoothing: float = 0.0) -> torch.Tensor | None:
+        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded. With `targets` (no softcap): the
+        summed loss of the head fused with the loss instead (kernels.linear_cross_entropy), or None where they do not
+        fuse; computed here so that module hooks (the symbolic profiler's) see the head's weight and FLOPs as the
+        head's."""
         if targets is not None:
-            return linear_cross_entropy_sum(hidden, self.head_weight(), targets, self.bias, ignore_index,
-                                            label_smoothing)
+            enter = functools.partial(enter_parallel, group=self.group, sequence_parallel=self.sequence_parallel)
+            return linear_cross_entropy(hidden, self.head_weight(), targets, self.vocab_size, self.bias, self.group,
+                                        ignore_index, label_smoothing, enter_parallel=enter)
         logits = column_parallel_linear(hidden, self.head_weight(), self.bias, self.group, self.sequence_parallel)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -250,24 +176,15 @@ class VocabParallelLMHead(nn.Module):
     def loss_and_logits(self, hidden, labels=None, logits: "LogitsRequest" = None, cp=None, ignore_index=-100,
                         label_smoothing=0.0):
         """(loss or None, logits or None) from the final hidden states, the logits as `logits` asks. When only the loss
-        is wanted (and no softcap applies) the head matmul is fused into the loss: on CUDA in chunks with no logits
-        tensor, once the logits would pass FUSED_HEAD_ABOVE_BYTES (below it the head and the Triton loss run apart,
-        faster); on the torch path with the whole vocabulary on this rank, the logits become their gradient in the
-        forward (layers.linear_cross_entropy)."""
+        is wanted (and no softcap applies) the head matmul is fused into the loss where kernels.linear_cross_entropy
+        fuses it (on CUDA in chunks with no logits tensor once the logits would be large; on the torch path with the
+        whole vocabulary on this rank, the logits become their gradient in the forward)."""
         logits = logits if logits is not None else LogitsRequest()
-        weight = self.head_weight()
         if labels is not None and logits.gather == "none" and self.softcap is None:
             targets = self._next_tokens(labels, ignore_index, cp)
-            large = targets.numel() * weight.shape[0] * hidden.element_size() > FUSED_HEAD_ABOVE_BYTES
-            if use_triton(hidden, weight, auto=large):
-                from colozoo.kernels.cross_entropy import linear_cross_entropy_triton as linear_cross_entropy
-
-                hidden = enter_parallel(hidden, self.group, self.sequence_parallel)
-                per_token = linear_cross_entropy(hidden, weight, targets, self.vocab_size, self.bias, self.group,
-                                                 ignore_index, label_smoothing)
-                return self._mean(per_token.sum(), targets, ignore_index, cp), None
-            if group_size(self.group) == 1 and not use_triton(hidden, weight):  # the torch path fuses the head too
-                return self._mean(self(hidden, targets, ignore_index, label_smoothing), targets, ignore_index, cp), None
+            total = self(hidden, targets, ignore_index, label_smoothing)
+            if total is not None:
+                return self._mean(total, targets, ignore_index, cp), None
         if labels is None and logits.gather == "none":
             return None, None
         kept_early = labels is None and not self.sequence_parallel and cp is None  # fewer positions to project

@@ -119,7 +119,7 @@ def _flash_ignores_documents():
 
     if not torch.cuda.is_available():  # as tests/test_kernels.py: interpret, so its kernel_module keeps this module
         os.environ["TRITON_INTERPRET"] = "1"
-    _replace("colozoo.kernels.flash_attention", "flash_attention_triton",
+    _replace("colozoo.kernels.attention_triton", "flash_attention_triton",
              lambda original: lambda *args, documents=None, **kwargs: original(*args, **kwargs))
 
 

@@ -158,3 +158,87 @@ def test_every_benchmark_has_a_row_in_the_bench_readme():
     readme = (ROOT / "bench" / "README.md").read_text()
     benches = [p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_") and p.name != "run.py"]
     assert benches and [b for b in benches if f"| `{b}` |" not in readme] == []
+
+
+# ---------------------------------------------------------------- kernels: layers call only the ops
+
+KERNELS = "colozoo.kernels"
+PENDING_DISPATCH: set[str] = set()  # modules allowed to reach past the ops for a while (none now)
+
+
+def _in_kernels(module: str) -> bool:
+    return module == KERNELS or module.startswith(KERNELS + ".")
+
+
+def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def _imported_names(module: str, path: Path, body) -> list[str]:
+    """Every module or name the statements import, absolute and dotted ("colozoo.kernels.dispatch.use_triton")."""
+    names = []
+    for node in body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, path, node)
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+    return names
+
+
+def _module_level(tree: ast.Module):
+    """The statements that run when the module is imported: the body, through if / try / with blocks."""
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                pending += getattr(node, field, [])
+        elif isinstance(node, ast.ExceptHandler):
+            pending += node.body
+
+
+def _kernel_policy_uses(module: str, path: Path) -> list[str]:
+    """Where `module` reaches past the ops: imports kernels.dispatch or a Triton module, or names use_triton."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for name in _imported_names(module, path, ast.walk(tree)):
+        if (name.startswith(f"{KERNELS}.dispatch") or name.split(".")[-1] == "use_triton"
+                or (name.startswith(KERNELS + ".") and name.split(".")[2].endswith("_triton"))
+                or name.split(".")[0] == "triton"):
+            found.append(f"imports {name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Name) and node.id == "use_triton") or (
+                isinstance(node, ast.Attribute) and node.attr == "use_triton"):
+            found.append(f"line {node.lineno}: use_triton")
+    return sorted(set(found))
+
+
+def test_only_kernels_pick_triton_or_torch():
+    """Outside kernels/ nothing imports kernels.dispatch or a Triton module, or calls use_triton: layers call the ops
+    (the mode switches set_kernels / use_kernels come from colozoo.kernels)."""
+    wrong = {m: uses for m, p in MODULES.items() if not _in_kernels(m) and m not in PENDING_DISPATCH
+             and (uses := _kernel_policy_uses(m, p))}
+    assert not wrong, f"kernel dispatch outside colozoo.kernels: {wrong}"
+    stale = [m for m in sorted(PENDING_DISPATCH) if not _kernel_policy_uses(m, MODULES[m])]
+    assert not stale, f"no longer reach past the ops, drop them from PENDING_DISPATCH: {stale}"
+
+
+def test_op_modules_import_no_triton():
+    """An op module (colozoo.kernels.<op>) imports triton, or an <op>_triton module, only inside the op that runs
+    the kernel: triton decides at decoration time whether to interpret, so kernels load only when used."""
+    wrong = {}
+    for m, p in MODULES.items():
+        if not _in_kernels(m) or m.rpartition(".")[2].endswith("_triton"):
+            continue
+        tree = ast.parse(p.read_text(), str(p))
+        triton = [n for n in _imported_names(m, p, _module_level(tree))
+                  if n.split(".")[0] == "triton" or (n.startswith(KERNELS + ".") and n.split(".")[2].endswith("_triton"))]
+        if triton:
+            wrong[m] = triton
+    assert not wrong, f"op modules importing triton at module level: {wrong}"

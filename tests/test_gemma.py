@@ -57,7 +57,7 @@ def _logits_without(family, switch_off: str):
         elif switch_off == "sliding_window":
             layer.self_attn.window = None
         elif switch_off == "local_rope":
-            layer.self_attn.local_rope = False
+            layer.self_attn.rotary = "global"
     if switch_off == "final_softcap":
         model.lm_head.softcap = None
     keep = mask.bool()

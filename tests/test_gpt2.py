@@ -100,7 +100,7 @@ def test_upcast_attention_never_takes_the_triton_kernel(monkeypatch):
 
     from colozoo.layers import attention
 
-    module = sys.modules["colozoo.layers.local_attention"]
+    module = sys.modules["colozoo.kernels.attention"]
     q, k, v = torch.randn(3, 2, 4, 6, 16, dtype=torch.bfloat16).unbind(0)
     expected = attention(q, k, v, causal=True, upcast=True)
     monkeypatch.setattr(module, "use_triton", lambda *tensors: True)  # as on a GPU with triton
@@ -108,5 +108,5 @@ def test_upcast_attention_never_takes_the_triton_kernel(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("the Triton kernel ran for upcast attention")
 
-    monkeypatch.setattr("colozoo.kernels.flash_attention.flash_attention_triton", no_kernel, raising=False)
+    monkeypatch.setattr("colozoo.kernels.attention_triton.flash_attention_triton", no_kernel, raising=False)
     assert torch.equal(attention(q, k, v, causal=True, upcast=True), expected)

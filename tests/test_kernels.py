@@ -1,11 +1,12 @@
-"""Every Triton kernel against its pure-torch reference, forward and backward, on small odd shapes.
+"""Every Triton kernel against its op's torch reference (flash attention: against an fp32 oracle here), forward and
+backward, on small odd shapes.
 
 Without a GPU the kernels run on triton's CPU interpreter in fp32 and fp16 (it computes bf16 wrongly, so bf16
-runs only on CUDA). triton decides whether to interpret when a kernel is decorated, i.e. when its module is
-imported, so TRITON_INTERPRET is set here before any kernel module loads, and `kernel_module` reloads a
-module that something imported earlier in the other mode. References are evaluated in fp32 on the same
-(rounded) inputs. The layers are checked end to end too: GPT-2, LLaMA and Mixtral on the forced Triton path
-still match transformers to 1e-5 (with call counts proving each kernel ran), on one process and on two
+runs only on CUDA). triton decides whether to interpret when a kernel is decorated, i.e. when its module
+(colozoo.kernels.<op>_triton) is imported, so TRITON_INTERPRET is set here before any kernel module loads, and
+`kernel_module` reloads a module that something imported earlier in the other mode. References are evaluated in
+fp32 on the same (rounded) inputs. The layers are checked end to end too: GPT-2, LLaMA and Mixtral on the forced
+Triton path still match transformers to 1e-5 (with call counts proving each kernel ran), on one process and on two
 tensor-parallel ranks, through the logits and through the LM head fused into the loss.
 """
 from __future__ import annotations
@@ -27,16 +28,16 @@ triton = pytest.importorskip("triton")
 from distributed import run_distributed  # noqa: E402
 
 
-def torch_cross_entropy(logits_local, target, vocab_size, group=None, label_smoothing=0.0):
-    """The torch path of the vocab-parallel loss (colozoo.layers.vocab), the cross-entropy kernels' reference."""
-    from colozoo.kernels.dispatch import use_kernels
-    from colozoo.layers.vocab import vocab_parallel_cross_entropy
-
-    with use_kernels("torch"):
-        return vocab_parallel_cross_entropy(logits_local, target, vocab_size, group, label_smoothing=label_smoothing)
 from parity import causal_lm_parity, close  # noqa: E402
 
-from colozoo.kernels import dispatch  # noqa: E402
+from colozoo.kernels import activations, dispatch, moe, norms, rope  # noqa: E402
+from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy_reference  # noqa: E402
+
+
+def torch_cross_entropy(logits_local, target, vocab_size, group=None, label_smoothing=0.0):
+    """The torch path of the vocab-parallel loss, the cross-entropy kernels' reference."""
+    return vocab_parallel_cross_entropy_reference(logits_local, target, vocab_size, group,
+                                                  label_smoothing=label_smoothing)
 
 DEVICE = "cuda" if CUDA else "cpu"
 NEEDS_GPU = pytest.mark.skipif(not CUDA, reason="the triton interpreter computes bf16 wrongly; bf16 needs a GPU")
@@ -45,7 +46,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def kernel_module(name: str):
-    """Import colozoo.kernels.<name> with its kernels decorated for this machine (interpreted on CPU)."""
+    """Import colozoo.kernels.<name> (an <op>_triton module) with its kernels decorated for this machine (interpreted
+    on CPU)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import KernelInterface
 
@@ -126,29 +128,29 @@ def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("kind", ["layer", "layer_no_affine", "rms"])
 def test_norms(kind, residual, dtype):
-    norms = kernel_module("norms")
+    kernels = kernel_module("norms_triton")
     n = 37  # not a power of two: a masked tail in every row; 3*7 rows spread unevenly over the programs
     x, r = randn(3, 7, n, seed=1), randn(3, 7, n, seed=2)
     w, b = 1 + randn(n, seed=3, scale=0.2), randn(n, seed=4, scale=0.2)
     if kind == "rms":
-        kernel = lambda x, w, *r: norms.rms_norm_triton(x, w, 1e-6, *r)  # noqa: E731
+        kernel = lambda x, w, *r: kernels.rms_norm_triton(x, w, 1e-6, *r)  # noqa: E731
         reference = lambda x, w, *r: norms.rms_norm_reference(x, w, 1e-6, *r)  # noqa: E731
         tensors = [x, w]
     elif kind == "layer":
-        kernel = lambda x, w, b, *r: norms.layer_norm_triton(x, w, b, 1e-5, *r)  # noqa: E731
+        kernel = lambda x, w, b, *r: kernels.layer_norm_triton(x, w, b, 1e-5, *r)  # noqa: E731
         reference = lambda x, w, b, *r: norms.layer_norm_reference(x, w, b, 1e-5, *r)  # noqa: E731
         tensors = [x, w, b]
     else:
-        kernel = lambda x, *r: norms.layer_norm_triton(x, None, None, 1e-5, *r)  # noqa: E731
+        kernel = lambda x, *r: kernels.layer_norm_triton(x, None, None, 1e-5, *r)  # noqa: E731
         reference = lambda x, *r: norms.layer_norm_reference(x, None, None, 1e-5, *r)  # noqa: E731
         tensors = [x]
     check(kernel, reference, dtype, tensors + ([r] if residual else []), f"{kind} norm")
 
 
 def test_norm_rejects_wrong_weight_shape():
-    norms = kernel_module("norms")
+    kernels = kernel_module("norms_triton")
     with pytest.raises(ValueError, match="weight has shape"):
-        norms.layer_norm_triton(torch.zeros(2, 5, device=DEVICE), torch.ones(4, device=DEVICE))
+        kernels.layer_norm_triton(torch.zeros(2, 5, device=DEVICE), torch.ones(4, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -164,10 +166,35 @@ ATTENTION_CASES = {
 }
 
 
+def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
+                              softcap: float | None = None, documents: torch.Tensor | None = None):
+    """The flash kernel's oracle: attention in plain torch, in fp32, with zeros for rows that see no key (where the
+    torch path of kernels.attention follows transformers instead)."""
+    dtype = q.dtype
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float(), v.float()
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+    if causal:
+        keep = keep.tril()
+    if mask is not None:
+        keep = keep & mask
+    if documents is not None:
+        keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ v).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
 def test_flash_attention(case, dtype):
-    fa = kernel_module("flash_attention")
+    fa = kernel_module("attention_triton")
     b, h, hk, sq, sk, d, causal, padded = ATTENTION_CASES[case]
     mask = None
     if padded:  # left padding on the first sequence (its first queries see nothing), right padding on the last
@@ -177,7 +204,7 @@ def test_flash_attention(case, dtype):
         mask = keep[:, None, None, :].to(DEVICE)
     tensors = [randn(b, h, sq, d, seed=1), randn(b, hk, sk, d, seed=2), randn(b, hk, sk, d, seed=3)]
     check(lambda q, k, v: fa.flash_attention_triton(q, k, v, mask, causal=causal, scale=0.3),
-          lambda q, k, v: fa.flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3),
+          lambda q, k, v: flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3),
           dtype, tensors, f"flash attention {case}")
 
 
@@ -187,7 +214,7 @@ def test_flash_attention(case, dtype):
 def test_flash_attention_softcap(case, dtype):
     """Gemma 2's capped scores, forward and backward: scores of a few units under a cap of 1 (which the reference
     shows changes the output)."""
-    fa = kernel_module("flash_attention")
+    fa = kernel_module("attention_triton")
     b, h, hk, sq, sk, d, causal, padded = ATTENTION_CASES[case]
     mask = None
     if padded:
@@ -196,23 +223,22 @@ def test_flash_attention_softcap(case, dtype):
         mask = keep[:, None, None, :].to(DEVICE)
     tensors = [randn(*shape, seed=seed).to(DEVICE) for seed, shape in ((1, (b, h, sq, d)), (2, (b, hk, sk, d)),
                                                                        (3, (b, hk, sk, d)))]
-    capped = fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3, softcap=1.0)
-    assert (capped - fa.flash_attention_reference(*tensors, mask, causal=causal, scale=0.3)).abs().max() > 0.05
+    capped = flash_attention_reference(*tensors, mask, causal=causal, scale=0.3, softcap=1.0)
+    assert (capped - flash_attention_reference(*tensors, mask, causal=causal, scale=0.3)).abs().max() > 0.05
     check(lambda q, k, v: fa.flash_attention_triton(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
-          lambda q, k, v: fa.flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
+          lambda q, k, v: flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3, softcap=1.0),
           dtype, tensors, f"soft-capped flash attention {case}")
 
 
 def test_flash_attention_reference_matches_sdpa():
-    fa = kernel_module("flash_attention")
     q, k, v = randn(2, 4, 9, 16, seed=1), randn(2, 2, 9, 16, seed=2), randn(2, 2, 9, 16, seed=3)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
                                                                 v.repeat_interleave(2, 1), is_causal=True)
-    assert_close(fa.flash_attention_reference(q, k, v, causal=True), expected, torch.float32, "reference")
+    assert_close(flash_attention_reference(q, k, v, causal=True), expected, torch.float32, "reference")
 
 
 def test_flash_attention_rejects_bad_heads():
-    fa = kernel_module("flash_attention")
+    fa = kernel_module("attention_triton")
     q, k = torch.zeros(1, 4, 5, 16, device=DEVICE), torch.zeros(1, 3, 5, 16, device=DEVICE)
     with pytest.raises(ValueError, match="3 key/value heads do not divide 4 query heads"):
         fa.flash_attention_triton(q, k, k)
@@ -222,24 +248,26 @@ def test_flash_attention_rejects_bad_heads():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("per_batch", [False, True], ids=["shared_angles", "per_batch_angles"])
-def test_rotary(per_batch, interleaved, dtype):
-    rope = kernel_module("rope")
+def test_rotary(per_batch, dtype):
+    """The kernel takes one angle per rotated pair, the reference the models' cos/sin (two equal halves)."""
+    kernels = kernel_module("rope_triton")
     angles = randn(2, 11, 7, seed=5) if per_batch else randn(11, 7, seed=5)  # rotary dim 14 of head dim 20
     cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    full_cos, full_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     x = randn(2, 11, 3, 20, seed=6).transpose(1, 2)  # a strided (batch, heads, seq, dim) view, as from a qkv split
-    check(lambda x: rope.apply_rotary_triton(x, cos, sin, interleaved),
-          lambda x: rope.apply_rotary_reference(x, cos, sin, interleaved), dtype, [x], "rotary")
+    check(lambda x: kernels.apply_rotary_triton(x, cos, sin),
+          lambda x: rope.apply_rotary_reference(x, full_cos, full_sin), dtype, [x], "rotary")
 
 
-def test_rotary_reference_is_llama_rotate_half():
-    rope = kernel_module("rope")
-    x, angles = randn(1, 2, 5, 8, seed=1), randn(5, 4, seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_reference_is_transformers(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x, angles = randn(2, 3, 5, 8, seed=1).to(dtype), randn(2, 5, 4, seed=2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    rotate_half = torch.cat((-x[..., 4:], x[..., :4]), -1)
-    assert_close(rope.apply_rotary_reference(x, angles.cos(), angles.sin()), x * cos + rotate_half * sin,
-                 torch.float32, "rotate half")
+    expected, _ = apply_rotary_pos_emb(x, x, cos.to(dtype), sin.to(dtype))  # HF's rotary embedding casts them first
+    assert torch.equal(rope.apply_rotary_reference(x, cos, sin), expected)
 
 
 # ----------------------------------------------------------------------------------------------- activations
@@ -247,11 +275,11 @@ def test_rotary_reference_is_llama_rotate_half():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu(dtype):
-    act = kernel_module("activations")
+    act = kernel_module("activations_triton")
     act_block, act.BLOCK = act.BLOCK, 64  # several programs and a masked tail on a tiny tensor
     try:
-        check(act.swiglu_triton, act.swiglu_reference, dtype, [randn(5, 77, seed=1, scale=3), randn(5, 77, seed=2)],
-              "swiglu")
+        check(act.swiglu_triton, activations.swiglu_reference, dtype,
+              [randn(5, 77, seed=1, scale=3), randn(5, 77, seed=2)], "swiglu")
     finally:
         act.BLOCK = act_block
 
@@ -260,12 +288,13 @@ def test_swiglu(dtype):
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_bias_gelu(with_bias, approximate, dtype):
-    act = kernel_module("activations")
+    act = kernel_module("activations_triton")
     act_block, act.BLOCK = act.BLOCK, 64
     tensors = [randn(5, 77, seed=1, scale=3)] + ([randn(77, seed=2)] if with_bias else [])
     try:
         check(lambda x, *b: act.bias_gelu_triton(x, *b, approximate=approximate),
-              lambda x, *b: act.bias_gelu_reference(x, *b, approximate=approximate), dtype, tensors, "bias gelu")
+              lambda x, *b: activations.bias_gelu_reference(x, *b, approximate=approximate), dtype, tensors,
+              "bias gelu")
     finally:
         act.BLOCK = act_block
 
@@ -275,7 +304,7 @@ def test_bias_gelu(with_bias, approximate, dtype):
 
 @pytest.fixture
 def small_vocab_blocks():
-    ce = kernel_module("cross_entropy")
+    ce = kernel_module("cross_entropy_triton")
     block, ce.BLOCK_V = ce.BLOCK_V, 16  # vocab 37 -> three blocks, the last one masked
     yield ce
     ce.BLOCK_V = block
@@ -315,7 +344,7 @@ def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
 
     from colozoo.core.groups import vocab_range
 
-    ce = kernel_module("cross_entropy")
+    ce = kernel_module("cross_entropy_triton")
     ce.BLOCK_V = 16
     group = dist.group.WORLD
     vocab = 37  # padded to 38 over 2 ranks: the last rank holds one padded column
@@ -355,33 +384,35 @@ def test_vocab_parallel_cross_entropy_tp2(fused):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_permute_unpermute(top_k, dtype):
-    moe = kernel_module("moe")
+    """The ops on the Triton path (the kernels move the rows the op's torch sort placed) against the references."""
+    kernel_module("moe_triton")
     tokens, hidden, experts = 13, 20, 5
     g = torch.Generator().manual_seed(0)
     expert_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
     row_scale = torch.linspace(0.5, 2.0, tokens * top_k, device=DEVICE)[:, None]  # stands in for the experts
 
-    def pipeline(permute, unpermute):
+    def pipeline(permute, unpermute, mode):
         def run(x, weights):
-            permuted, row_map, counts = permute(x, expert_ids, experts)
-            out = unpermute(permuted * row_scale.to(permuted.dtype), row_map, weights)
+            with dispatch.use_kernels(mode):
+                permuted, row_map, counts = permute(x, expert_ids, experts)
+                out = unpermute(permuted * row_scale.to(permuted.dtype), row_map, weights)
             return permuted, out
         return run
 
-    check(pipeline(moe.moe_permute_triton, moe.moe_unpermute_triton),
-          pipeline(moe.moe_permute_reference, moe.moe_unpermute_reference), dtype,
+    check(pipeline(moe.permute, moe.unpermute, "triton"),
+          pipeline(moe.permute_reference, moe.unpermute_reference, "torch"), dtype,
           [randn(tokens, hidden, seed=1), torch.softmax(randn(tokens, top_k, seed=2), -1)], "moe")
 
 
 def test_moe_routing_groups_by_expert():
-    moe = kernel_module("moe")
+    kernel_module("moe_triton")
     expert_ids = torch.tensor([[2, 0], [1, 2], [0, 1]], device=DEVICE)
     row_map, order, counts = moe.route(expert_ids, 4)
     assert counts.tolist() == [2, 2, 2, 0]
     assert order.tolist() == [1, 4, 2, 5, 0, 3]  # (token, slot) entries sorted by expert, stable
     assert row_map[order].tolist() == list(range(6))
-    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\)"):
-        moe.route(expert_ids, 2)
+    with dispatch.use_kernels("triton"), pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\)"):
+        moe.permute(torch.zeros(3, 4, device=DEVICE), expert_ids, 2)
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -390,7 +421,8 @@ GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resi
             attn_pdrop=0.0)
 
 
-KERNEL_MODULES = ("norms", "flash_attention", "rope", "activations", "cross_entropy", "moe")
+KERNEL_MODULES = ("norms_triton", "attention_triton", "rope_triton", "activations_triton", "cross_entropy_triton",
+                  "moe_triton")
 LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -426,10 +458,10 @@ def test_layers_take_the_triton_path(monkeypatch):
     from colozoo.layers.activations import get_activation, swiglu
 
     calls = []
-    for module, names in (("norms", ["layer_norm_triton", "rms_norm_triton"]),
-                          ("flash_attention", ["flash_attention_triton"]),
-                          ("activations", ["bias_gelu_triton", "swiglu_triton"]),
-                          ("cross_entropy", ["cross_entropy_triton"])):
+    for module, names in (("norms_triton", ["layer_norm_triton", "rms_norm_triton"]),
+                          ("attention_triton", ["flash_attention_triton"]),
+                          ("activations_triton", ["bias_gelu_triton", "swiglu_triton"]),
+                          ("cross_entropy_triton", ["cross_entropy_triton"])):
         mod = kernel_module(module)
         for name in names:
             original = getattr(mod, name)
@@ -463,17 +495,17 @@ def count_kernel_calls(monkeypatch) -> collections.Counter:
 def count_fused_norm_calls(monkeypatch) -> collections.Counter:
     """Counts the norm kernels' calls that were handed a residual, i.e. that fused the residual add (patched, still
     computing)."""
-    norms = kernel_module("norms")
+    kernels = kernel_module("norms_triton")
     calls = collections.Counter()
     for name in ("layer_norm_triton", "rms_norm_triton"):
-        original = getattr(norms, name)
+        original = getattr(kernels, name)
 
         def counted(*args, _f=original, _n=name, _signature=inspect.signature(original), **kwargs):
             if _signature.bind(*args, **kwargs).arguments.get("residual") is not None:
                 calls[_n] += 1
             return _f(*args, **kwargs)
 
-        monkeypatch.setattr(norms, name, counted)
+        monkeypatch.setattr(kernels, name, counted)
     return calls
 
 
@@ -616,7 +648,7 @@ def test_gelu_linear_fuses_its_bias(monkeypatch):
     on the Triton path; outputs and gradients agree with torch's path."""
     from colozoo.layers import ColumnParallelLinear
 
-    act = kernel_module("activations")
+    act = kernel_module("activations_triton")
     biases, original = [], act.bias_gelu_triton
     monkeypatch.setattr(act, "bias_gelu_triton",
                         lambda x, bias=None, approximate="none": biases.append(bias) or original(x, bias, approximate))

@@ -1,10 +1,10 @@
-"""The torch path's fused LM head + summed cross entropy (layers/linear_cross_entropy.py) against F.linear +
+"""The torch path's fused LM head + summed cross entropy (kernels/linear_cross_entropy.py) against F.linear +
 F.cross_entropy, and the model heads that take it."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from colozoo.layers.linear_cross_entropy import linear_cross_entropy_sum
+from colozoo.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from colozoo.layers.vocab import VocabParallelLMHead
 from parity import close
 
@@ -54,11 +54,11 @@ def test_linear_cross_entropy_sum_all_ignored():
 @pytest.mark.parametrize("return_logits", [False, True])
 def test_lm_head_fuses_the_loss_only_without_logits(monkeypatch, return_logits):
     """The head takes the fused path exactly when no logits are asked for, and both paths give the same loss."""
-    import colozoo.layers.vocab as vocab
+    import colozoo.kernels.linear_cross_entropy as op
 
     calls = []
-    fused = vocab.linear_cross_entropy_sum
-    monkeypatch.setattr(vocab, "linear_cross_entropy_sum", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fused = op.linear_cross_entropy_sum
+    monkeypatch.setattr(op, "linear_cross_entropy_sum", lambda *a, **k: calls.append(1) or fused(*a, **k))
     torch.manual_seed(0)
     head = VocabParallelLMHead(24, 101)
     hidden, _, _, labels = _inputs(torch.float32, False)

@@ -337,7 +337,7 @@ def test_flash_attention_documents(case):
     """The kernel's document comparison, forward and backward, against the reference; several documents in each
     row (blocks of 16 queries straddle their boundaries), with padding where the case has it."""
     tk = _kernels()
-    fa = tk.kernel_module("flash_attention")
+    fa = tk.kernel_module("attention_triton")
     b, h, hk, sq, sk, d, causal, padded = tk.ATTENTION_CASES[case]
     mask = None
     if padded:
@@ -349,12 +349,12 @@ def test_flash_attention_documents(case):
     starts[-1, sq // 2] = 1
     documents = starts.cumsum(-1, dtype=torch.int32)
     tensors = [tk.randn(b, h, sq, d, seed=1), tk.randn(b, hk, sk, d, seed=2), tk.randn(b, hk, sk, d, seed=3)]
-    packed = fa.flash_attention_reference(*tensors, mask, causal=causal, documents=documents)
-    assert (packed - fa.flash_attention_reference(*tensors, mask, causal=causal)).abs().max() > 0.05
+    packed = tk.flash_attention_reference(*tensors, mask, causal=causal, documents=documents)
+    assert (packed - tk.flash_attention_reference(*tensors, mask, causal=causal)).abs().max() > 0.05
     for dtype in (torch.float32, torch.float16):
         tk.check(lambda q, k, v: fa.flash_attention_triton(q, k, v, mask, causal=causal, scale=0.3,
                                                            documents=documents),
-                 lambda q, k, v: fa.flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3,
+                 lambda q, k, v: tk.flash_attention_reference(q, k, v, mask, causal=causal, scale=0.3,
                                                               documents=documents),
                  dtype, tensors, f"packed flash attention {case}")
 
@@ -363,7 +363,7 @@ def test_no_leakage_flash_kernel(monkeypatch):
     """LLaMA packed on the Triton path (interpreted, fp32): the flash kernel is handed the document ids."""
     tk = _kernels()
     calls = []
-    fa = tk.kernel_module("flash_attention")
+    fa = tk.kernel_module("attention_triton")
     original = fa.flash_attention_triton
     monkeypatch.setattr(fa, "flash_attention_triton",
                         lambda *a, **k: calls.append(k.get("documents") is not None) or original(*a, **k))

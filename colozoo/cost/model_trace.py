@@ -217,7 +217,7 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
         raise ProfilerError(f"{type(generic).__name__} is not a colozoo model: only dp and cp apply to it "
                             f"(got tp={pc.tp}, pp={pc.pp}, ep={pc.ep})")
     sizes = list(batch_size) if isinstance(batch_size, (list, tuple)) else [batch_size]
-    from colozoo.kernels.dispatch import use_kernels
+    from colozoo.kernels import use_kernels
 
     traces = {}
     with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)), warnings.catch_warnings():

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from colozoo.kernels import interpreting, use_triton
+from colozoo.kernels import kernels_interpreted
 from colozoo.runtime.errors import TrainingError
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # eager / aot_eager: dynamo's tracing only, for debugging
@@ -45,7 +45,7 @@ def check_compile(model, backend: str = "inductor"):
     if backend not in BACKENDS:
         raise TrainingError(f"compile backend must be one of {BACKENDS}, got {backend!r}")
     probe = next((p for p in model.parameters() if not p.is_meta), None)
-    if probe is not None and not probe.is_cuda and interpreting() and use_triton(probe):
+    if probe is not None and kernels_interpreted(probe):
         raise TrainingError("compile=True cannot compile the Triton kernels that run under TRITON_INTERPRET=1 on CPU "
                             "(the interpreter is Python, not a kernel inductor can trace); unset TRITON_INTERPRET or "
                             "set COLOZOO_KERNELS=torch, or leave compile off")

@@ -1,7 +1,14 @@
-"""The LM head fused with its summed cross entropy on the torch path, when one rank holds the whole vocabulary.
+"""The LM head fused with its summed cross entropy, so that no logits tensor is kept.
 
-When only the loss is wanted, the logits' gradient is known in the forward: softmax - one-hot, times the gradient of
-the summed loss, one number. So the forward turns the logits into that gradient in place (max, exp, sum, divide; no
+    linear_cross_entropy(hidden, weight, target, vocab_size, bias=None, group=None, ignore_index=-100,
+                         label_smoothing=0.0, *, enter_parallel=None)     summed loss, or None: not fused here
+
+On the Triton path (`cross_entropy_triton.linear_cross_entropy_triton`) the tokens go through the head in chunks and
+the backward recomputes each chunk's logits; 'auto' fuses there only once the logits would pass
+FUSED_HEAD_ABOVE_BYTES. The torch path fuses when one rank holds the whole vocabulary: `linear_cross_entropy_sum`.
+
+That torch reference knows the logits' gradient in the forward: softmax - one-hot, times the gradient of the summed
+loss, one number. So the forward turns the logits into that gradient in place (max, exp, sum, divide; no
 log-softmax tensor of its own) and keeps it; the backward is the linear's two matmuls, scaled. Against the log-softmax
 path this saves one (tokens, vocab) tensor and two passes over it. Blocks of rows would keep the softmax in cache,
 but they cost the matmul more than that saves (it streams the weight once per block).
@@ -10,6 +17,36 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from colozoo.core.groups import group_size
+
+from .dispatch import use_triton
+
+# On CUDA the chunked fused head + loss keeps only a chunk of logits but recomputes them in the backward: on an H100
+# (bench/kernels.py) a plain head + the Triton loss was 1.6x faster at 8k tokens x 128k vocab for 0.4 GiB more. So
+# 'auto' fuses only past this many bytes of logits, where their memory starts to matter.
+FUSED_HEAD_ABOVE_BYTES = 4 * 2**30
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                         bias: torch.Tensor | None = None, group=None, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, *, enter_parallel=None) -> torch.Tensor | None:
+    """The sum over tokens of the cross entropy of `hidden @ weight.T + bias` (weight: this rank's vocab slice of the
+    LM head) against `target` (ignored targets add 0), or None where the head and the loss run apart faster or the
+    torch path has no fused form (a vocabulary split over ranks): then take the logits and
+    `kernels.cross_entropy.vocab_parallel_cross_entropy`. `enter_parallel(hidden)` brings the hidden states into the
+    tensor-parallel region (copied, or gathered along the sequence) as the head's matmul would."""
+    large = target.numel() * weight.shape[0] * hidden.element_size() > FUSED_HEAD_ABOVE_BYTES
+    if use_triton(hidden, weight, auto=large):
+        from .cross_entropy_triton import linear_cross_entropy_triton
+
+        if enter_parallel is not None:
+            hidden = enter_parallel(hidden)
+        return linear_cross_entropy_triton(hidden, weight, target, vocab_size, bias, group, ignore_index,
+                                           label_smoothing).sum()
+    if group_size(group) == 1 and not use_triton(hidden, weight):
+        return linear_cross_entropy_sum(hidden, weight, target, bias, ignore_index, label_smoothing)
+    return None
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):

@@ -1,7 +1,13 @@
-"""Attention over the heads this rank owns and the tokens it holds: torch's scaled_dot_product_attention, the
-flash-attention kernel on the Triton path, or GPT-2's upcast order. Inputs are (batch, heads_local, seq,
-head_dim). Dropout inside attention runs on the tracked tensor-parallel RNG, since each rank holds different
-heads. `colozoo.layers.attention` adds attention across context-parallel ranks on top of this."""
+"""Attention over the heads this rank owns and the tokens it holds, (batch, heads_local, seq, head_dim) inputs:
+
+    local_attention(q, k, v, mask=None, *, causal, scale=None, dropout_p=0.0, upcast=False, softcap=None,
+                    documents=None)
+
+The op runs torch's scaled_dot_product_attention, GPT-2's upcast order or Gemma 2's capped scores (the torch path),
+or on the Triton path the flash-attention kernel (`attention_triton`) or, for one query token against a KV cache,
+the flash-decoding kernel (the `decode` op). Dropout inside attention runs on the tracked tensor-parallel RNG, since
+each rank holds different heads. `colozoo.layers.attention` adds attention across context-parallel ranks on top.
+"""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -10,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from colozoo.core.rng import get_rng_tracker
-from colozoo.kernels.dispatch import use_triton
 
-from .documents import with_documents
+from .decode import decode_attention
+from .dispatch import use_triton
 
 
 def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
@@ -29,16 +35,14 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
     kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
     if decoding and kernel and softcap is None and use_triton(q, k, v):
-        from colozoo.kernels.decode import decode_attention_triton
-
         key_mask = mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
-        return decode_attention_triton(q, k, v, k.shape[2], key_mask, scale)
+        return decode_attention(q, k, v, k.shape[2], key_mask, scale)
     # torch's fused CUDA attention (flash, cuDNN, memory-efficient) trains about twice as fast as the Triton kernel;
     # 'auto' takes the kernel where torch has none: capped scores and packed documents. A padded batch keeps the
     # capped scores on torch, since transformers' eager attention spreads a row that sees no key over all keys.
     only_kernel = documents is not None or (softcap is not None and mask is None)
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v, auto=only_kernel):
-        from colozoo.kernels.flash_attention import flash_attention_triton
+        from .attention_triton import flash_attention_triton
 
         return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap,
                                       documents=documents)
@@ -109,3 +113,20 @@ def _softcap_attention(q, k, v, mask, *, causal: bool, scale: float | None, drop
         with get_rng_tracker().fork(device_type=q.device.type):
             weights = F.dropout(weights, dropout_p)
     return torch.matmul(weights, v)
+
+
+def same_document(q_documents: torch.Tensor, k_documents: torch.Tensor) -> torch.Tensor:
+    """Boolean (batch, 1, q, k): True where query and key belong to one document."""
+    return (q_documents[:, :, None] == k_documents[:, None, :])[:, None]
+
+
+def with_documents(mask: torch.Tensor | None, documents: torch.Tensor, causal: bool) -> torch.Tensor:
+    """A self-attention keep-mask (None: plain causal, or none) narrowed to pairs within one document."""
+    keep = same_document(documents, documents)
+    if mask is None:
+        if causal:
+            keep = keep & torch.ones(keep.shape[-2:], dtype=torch.bool, device=keep.device).tril()
+        return keep
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, torch.finfo(mask.dtype).min)  # an additive float mask

@@ -1,4 +1,5 @@
-"""Flash attention (forward and backward) for (batch, heads, seq, head_dim) tensors.
+"""The flash-attention kernel of `colozoo.kernels.attention` (forward and backward) for (batch, heads, seq, head_dim)
+tensors.
 
 Supports causal masking (top-left aligned, like `scaled_dot_product_attention(is_causal=True)`), any boolean
 keep-mask broadcastable to (batch, heads, q, k) such as a key-padding mask, grouped-query attention (k/v
@@ -308,27 +309,3 @@ def flash_attention_triton(q, k, v, mask=None, *, causal: bool = False, scale: f
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _FlashAttention.apply(q, k, v, mask, causal, float(scale), None if softcap is None else float(softcap),
                                  documents)
-
-
-def flash_attention_reference(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
-                              softcap: float | None = None, documents: torch.Tensor | None = None):
-    """The same in plain torch, in fp32, with zeros for rows that see no key."""
-    dtype = q.dtype
-    group = q.shape[1] // k.shape[1]
-    q, k, v = q.float(), k.float(), v.float()
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
-    if causal:
-        keep = keep.tril()
-    if mask is not None:
-        keep = keep & mask
-    if documents is not None:
-        keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])
-    scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return (probs @ v).to(dtype)
