@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
 
 from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint, save_pretrained
 from colozoo.checkpoint.format import ColozooCheckpoint
@@ -34,6 +35,8 @@ def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: 
     each layer with torch.compile (colozoo.runtime.compile)."""
     model = build_layers(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
                          layers_per_stage=layers_per_stage, balance=balance)
+    if model.can_generate():
+        model.generation_config = transformers.GenerationConfig.from_model_config(config)
     Run(model, plan=plan, save=save_pretrained)
     if compile:
         compile_layers(model)
@@ -92,7 +95,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
                     sequence_parallel: bool = False, dtype=None, device=None, allow_bin: bool = False,
                     verify: bool = True, plan: str | None = None, gpu_memory=None,
                     layers_per_stage: list[int] | None = None, balance: str | None = None, adapter=None,
-                    compile: bool = False):
+                    compile: bool = False, torch_dtype=None):
     """Build this rank's shard of a model and load its slices. `dtype=None` keeps the checkpoint's dtype;
     `allow_bin` permits PyTorch .bin weights (read with weights_only=True); `verify` checks file checksums.
     `plan="auto"` replaces the degrees by the planner's best plan for the current world size (the whole plan,
@@ -100,7 +103,13 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     applies it). Pipeline stages hold `layers_per_stage` layers each, or a partition balanced by `balance`
     ("params" by default, "flops", or "layers" for equal counts). `adapter`: a PEFT LoRA adapter directory (written
     by colozoo or by peft) attached on top, each rank reading only its slices; the base is then frozen. `compile=True`
-    compiles each layer with torch.compile (one graph serves every layer; colozoo.runtime.compile)."""
+    compiles each layer with torch.compile (one graph serves every layer; colozoo.runtime.compile). `torch_dtype`:
+    transformers' name for `dtype`. The model's `generation_config` is the directory's generation_config.json when it
+    has one, as in transformers."""
+    if torch_dtype is not None:
+        if dtype is not None and parse_dtype(dtype) != parse_dtype(torch_dtype):
+            raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; give one of them")
+        dtype = torch_dtype
     device = torch.device(device) if device is not None else None
     source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
     config = source.config
@@ -128,4 +137,8 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
         load_peft(model, adapter)
     if compile:
         compile_layers(model)
+    saved = getattr(source, "path", None)
+    if model.can_generate() and saved is not None and (Path(saved) / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(saved)
+    model.name_or_path = str(saved) if saved is not None else str(name_or_path)
     return model.eval()

@@ -88,16 +88,16 @@ def run(args) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     streamer = TextStreamer(tokenizer, skip_prompt=False) if rank0 and len(prompts) == 1 else None
     sampling = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
-    ids = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"],
+    out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"],
                          max_new_tokens=args.max_new_tokens, do_sample=sampling,
-                         temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                         temperature=args.temperature or 1.0, top_k=args.top_k or 0, top_p=args.top_p,
                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                         pad_token_id=tokenizer.pad_token_id, streamer=streamer)
+                         pad_token_id=tokenizer.pad_token_id, streamer=streamer, return_dict_in_generate=True)
     if rank0:
         if streamer is None:
-            for text in tokenizer.batch_decode(ids, skip_special_tokens=True):
+            for text in tokenizer.batch_decode(out.sequences, skip_special_tokens=True):
                 print(text, end="\n\n")
-        stats = model.run.last_generation
+        stats = out.timings
         prompt_tokens = int(batch["attention_mask"].sum())
         decode = stats["decode_steps"] * stats["batch"] / max(stats["decode_s"], 1e-9)
         print(f"prefill {prompt_tokens / max(stats['prefill_s'], 1e-9):.1f} tokens/s, decode {decode:.1f} "

@@ -42,6 +42,14 @@ class KVCache:
             raise ValueError(f"the KV cache holds {self.max_len} positions; {self.length + new} were asked for")
         self.length += new
 
+    def reorder(self, rows: torch.Tensor):
+        """Row i of every buffer becomes what row rows[i] held (beam search continues its best sequences)."""
+        rows = rows.to(self.key_keep.device)
+        self.key_keep = self.key_keep.index_select(0, rows)
+        self.buffers = {layer: (k.index_select(0, rows.to(k.device)), v.index_select(0, rows.to(v.device)))
+                        for layer, (k, v) in self.buffers.items()}
+        self.masks = {}
+
     def restart(self):
         """Forget every cached position (the buffers stay): the next forward writes from position 0."""
         self.length = 0

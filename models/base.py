@@ -51,6 +51,8 @@ class ParallelModel(nn.Module):
     reencode_length: int | None = None  # generation encodes the whole sequence again at this length (Phi-3)
     sliding_window: int | None = None  # the window most layers share, in the batch's mask (per-layer ones: their own)
     run = None                         # the colozoo.runtime.run.Run that runs this model on its mesh; set by the run
+    generation_config = None           # transformers' GenerationConfig generate starts from (generation_config.json)
+    name_or_path = None                # the directory the weights came from (from_pretrained), as in transformers
 
     def __init__(self, config, pc: ParallelContext | None = None, layer_ids=None):
         super().__init__()

@@ -393,3 +393,14 @@ def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, l
     close(loss, ref.loss, atol, "forward_backward loss")
     report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol)
     return report
+
+
+def vary_weights(model, std: float = 0.5, seed: int = 3):
+    """Redraw every matrix of a tiny random model with a large spread, so that its greedy continuations depend on the
+    context (with transformers' small init a tiny model repeats one token whatever it reads) and beams diverge."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

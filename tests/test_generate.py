@@ -43,8 +43,11 @@ def prompts(vocab_size: int, lengths=(5, 9, 3)):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def ours_and_hf(family, pc, config_kwargs=None, attn_implementation="sdpa"):
+def ours_and_hf(family, pc, config_kwargs=None, attn_implementation="sdpa", prepare=None):
+    """transformers' tiny model of `family` (passed through `prepare` first, if given) and ours loaded from it."""
     config, hf = hf_causal_lm(family, config_kwargs or FAMILIES[family], attn_implementation=attn_implementation)
+    if prepare is not None:
+        prepare(hf)
     if hasattr(config, "num_experts_per_tok"):  # transformers fuses experts in memory: load what it saves
         model = load_saved(hf, config, pc)[0]
     else:

@@ -1,12 +1,13 @@
-"""Incremental decoding on any mesh: `model.generate(...)`, with transformers' arguments and result.
+"""`model.generate(...)` on any mesh, with transformers' arguments, generation config and results.
 
-One prefill of the (left-padded) prompts, then one token per step. Each rank keeps the KV cache of its own heads
-(layers.kv_cache). Under pipeline parallelism the batch is cut into micro-batches that follow each other through
-the stages, so stages work on different micro-batches at once; the last stage chooses the next tokens and
-broadcasts them over the pp group. Token choice (colozoo.runtime.sampling) runs on identical logits with the same
-seeded generator on every rank that chooses, so every rank returns the same (batch, prompt + new) tensor.
-A model whose position encoding changes with the sequence length names the length at which the whole sequence is
-encoded again (`reencode_length`: Phi-3's LongRoPE switches to its long factors, as transformers' Phi-3 does).
+    ids = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)            # (batch, prompt + new)
+    out = model.generate(input_ids, num_beams=4, return_dict_in_generate=True, output_scores=True)
+
+One prefill of the (left-padded) prompts, then one token per step (colozoo.runtime.decode_steps); greedy and sampled
+decoding here, beam search in colozoo.runtime.beam_search, the options resolved as transformers resolves them
+(colozoo.runtime.generation_config: the call's, the model's `generation_config`, transformers' defaults). Token choice
+(colozoo.runtime.sampling) runs on identical logits with the same seeded generator on every rank that chooses, so
+every rank returns the same result. Nothing of a call is kept: timings and the cache size come back in the output.
 """
 from __future__ import annotations
 
@@ -14,25 +15,41 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from colozoo.layers.kv_cache import KVCache
-from colozoo.layers.vocab import LogitsRequest, VocabParallelEmbedding, vocab_parallel_argmax
+from colozoo.layers.vocab import LogitsRequest, vocab_parallel_argmax
 from colozoo.models import family_of
-from colozoo.runtime.pipeline import through_stages
-from colozoo.runtime.sampling import GenerationOptions, finish, next_tokens
+from colozoo.runtime.decode_steps import DecodeSteps, from_last_stage, shared_seed, token_embedding
+from colozoo.runtime.generation_config import Decoding, resolve
+from colozoo.runtime.sampling import choose, finish, process
 
 
-def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions as transformers' generate gives them: real tokens count from 0, left padding sits at 1."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 1)
+@dataclass
+class GenerateOutput:
+    """What `generate(..., return_dict_in_generate=True)` returns: transformers' fields (`scores`: each step's
+    processed scores, with output_scores; `logits`: each step's raw logits, with output_logits; beam search adds
+    `sequences_scores` and `beam_indices`) and how it went (the seconds of the prefill and of the decode steps, the
+    elements this rank's KV cache held)."""
+    sequences: torch.Tensor
+    scores: tuple | None = None
+    logits: tuple | None = None
+    sequences_scores: torch.Tensor | None = None
+    beam_indices: torch.Tensor | None = None
+    timings: dict = field(default_factory=dict)
+    cache_elements: int = 0
 
 
-def check_generation(model, input_ids, attention_mask, options: GenerationOptions):
-    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError(f"input_ids must be a (batch, length) LongTensor, got {tuple(input_ids.shape)} "
-                         f"{input_ids.dtype}")
+def check_inputs(model, input_ids, attention_mask, decoding: Decoding):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a (batch, length) LongTensor, got {shape}"
+                         f"{' ' + str(input_ids.dtype) if isinstance(input_ids, torch.Tensor) else ''} (a single "
+                         f"prompt is a batch of one: input_ids[None])")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} hold no prompt: give at least one token per sequence")
+    vocab = model.config.vocab_size
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab}): "
+                         f"{int(input_ids.min())}..{int(input_ids.max())}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
                          f"{tuple(input_ids.shape)}")
@@ -42,128 +59,115 @@ def check_generation(model, input_ids, attention_mask, options: GenerationOption
     if not model.can_generate():
         raise ValueError(f"{type(model).__name__} has no language-model head to generate with")
     limit = getattr(model.config, "max_position_embeddings", None)
-    total = input_ids.shape[1] + options.max_new_tokens
     if limit is not None and input_ids.shape[1] > limit:
         raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) is longer than the model's maximum positions "
                          f"(max_position_embeddings={limit})")
-    if limit is not None and family_of(model.family).learned_positions and total > limit:
-        raise ValueError(f"prompt + max_new_tokens = {total} exceeds {model.family}'s position table "
+    if limit is not None and family_of(model.family).learned_positions and decoding.max_length > limit:
+        raise ValueError(f"prompt + new tokens = {decoding.max_length} exceeds {model.family}'s position table "
                          f"(max_position_embeddings={limit}); lower max_new_tokens")
 
 
-@dataclass
-class GenerateOutput:
-    """What `generate(..., return_dict_in_generate=True)` returns: transformers' `sequences`, and how it went (the
-    seconds of the prefill and of the decode steps, the elements this rank's KV cache held)."""
-    sequences: torch.Tensor
-    timings: dict = field(default_factory=dict)
-    cache_elements: int = 0
+def stop_string_criteria(decoding: Decoding, tokenizer):
+    """transformers' own stop-string matcher (it needs the tokenizer's vocabulary), or None."""
+    if decoding.stop_strings is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tokenizer)")
+    from transformers.generation import StopStringCriteria
+
+    return StopStringCriteria(tokenizer, list(decoding.stop_strings))
 
 
 @torch.no_grad()
-def generate(model, input_ids, attention_mask=None, streamer=None, num_microbatches: int | None = None,
-             return_dict_in_generate: bool = False, **options) -> torch.Tensor | GenerateOutput:
-    """(batch, prompt + new tokens) on every rank (a GenerateOutput with `return_dict_in_generate`); sequences that
-    finished are padded with pad_token_id."""
-    options = GenerationOptions.from_config(model.config, **options)
-    check_generation(model, input_ids, attention_mask, options)
+def generate(model, input_ids, attention_mask=None, generation_config=None, streamer=None, tokenizer=None,
+             num_microbatches: int | None = None, **options) -> torch.Tensor | GenerateOutput:
+    """(batch * num_return_sequences, prompt + new tokens) on every rank, or a GenerateOutput with
+    return_dict_in_generate; sequences that finished early are padded with pad_token_id. `options`: transformers'
+    GenerationConfig fields, and `seed` (sampling draws from a generator seeded with it, the same on every rank)."""
+    decoding = resolve(model, input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0, generation_config,
+                       **options)
+    check_inputs(model, input_ids, attention_mask, decoding)
     pc = model.pc
     input_ids = input_ids.to(pc.device)
     mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(pc.device)).long()
-    batch = input_ids.shape[0]
-    micro = num_microbatches or (min(batch, pc.config.pp) if pc.config.pp > 1 else 1)
-    micro_rows = [slice(r[0].item(), r[-1].item() + 1) for r in torch.arange(batch).tensor_split(micro) if len(r)]
-    cache = KVCache(mask, max_len=input_ids.shape[1] + options.max_new_tokens)
+    stop = stop_string_criteria(decoding, tokenizer)
+    if decoding.num_beams > 1:
+        if streamer is not None:
+            raise ValueError("a streamer shows one sequence as it grows; beam search changes its sequences, so it "
+                             "cannot stream (as in transformers)")
+        from colozoo.runtime.beam_search import beam_search
+
+        return beam_search(model, input_ids, mask, decoding, stop, num_microbatches)
+    if decoding.num_return_sequences > 1:  # sampling: each prompt's copies draw their own tokens
+        input_ids = input_ids.repeat_interleave(decoding.num_return_sequences, dim=0)
+        mask = mask.repeat_interleave(decoding.num_return_sequences, dim=0)
+    return _sample(model, input_ids, mask, decoding, stop, streamer, num_microbatches)
+
+
+def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_microbatches) -> torch.Tensor | GenerateOutput:
+    """Greedy or sampled decoding, one token per step, until every sequence ended or max_length."""
+    pc = model.pc
+    batch, prompt = input_ids.shape
+    steps = DecodeSteps(model, mask, decoding.max_length, num_microbatches, decoding.use_cache)
     generator = None
-    if options.do_sample:  # greedy decoding draws nothing: training's random state stays as it was
+    if decoding.do_sample:  # greedy decoding draws nothing: training's random state stays as it was
         generator = torch.Generator(device=pc.device)
-        generator.manual_seed(options.seed if options.seed is not None else _shared_seed(pc))
-    extra = {"output_router_logits": False} if model.router_stats_width() else {}
+        generator.manual_seed(decoding.seed if decoding.seed is not None else shared_seed(pc))
+    keep_scores = decoding.return_dict_in_generate and decoding.output_scores
+    keep_logits = decoding.return_dict_in_generate and decoding.output_logits
+    # greedy and nothing else wanted: each vocab slice's best logit is enough, not the gathered logits
+    sharded_argmax = pc.tp_size > 1 and not decoding.processes_scores and not (keep_scores or keep_logits)
+    wanted = LogitsRequest("vocab_slice" if sharded_argmax else "full", keep=1)
+    embedding = token_embedding(model) if sharded_argmax else None
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
-    new = input_ids
-    reencode = getattr(model, "reencode_length", None)
-    # greedy without a repetition penalty needs only each vocab slice's best logit, not the gathered logits
-    sharded_argmax = pc.tp_size > 1 and not options.do_sample and options.repetition_penalty in (None, 1.0)
-    logits_wanted = LogitsRequest("vocab_slice" if sharded_argmax else "full", keep=1)
-    embedding = _token_embedding(model) if sharded_argmax else None
-    rows = None  # the embedding rows of `new`, gathered with the tokens: the step's embedding needs no all-reduce
+    padding = (mask != 0).int().argmax(dim=1)  # left padding, which the repetition penalty leaves out
+    rows = None  # the embedding rows of the newest tokens, gathered with them: the step's embedding needs no all-reduce
+    scores, raw_logits = [], []
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    for step in range(options.max_new_tokens):
+    while sequences.shape[1] < decoding.max_length:
         started = time.perf_counter()
-        if step and sequences.shape[1] == reencode:  # drop the cache, encode everything again
-            cache.restart()
-            new, rows = sequences, None
-        positions = generation_positions(mask)[:, -new.shape[1]:]
-        if len(micro_rows) > 1 and model.rotary is not None:  # dynamic / LongRoPE choose by the whole batch's length
-            extra["rope_length"] = int(positions.max()) + 1
-        logits = [_last_logits(model, new[r], positions[r], cache.micro_batch(r),
-                               extra if rows is None else dict(extra, token_rows=rows[r, None]), logits_wanted)
-                  for r in micro_rows]
-        cache.advance(new.shape[1])
+        logits = steps.logits(sequences, wanted, token_rows=rows)
         tokens, rows = None, None
         if pc.is_last_stage and sharded_argmax:
-            tokens, rows = vocab_parallel_argmax(torch.cat(logits), model.config.vocab_size, pc.tp_group, embedding)
+            tokens, rows = vocab_parallel_argmax(logits, model.config.vocab_size, pc.tp_group, embedding)
         elif pc.is_last_stage:
-            tokens = next_tokens(torch.cat(logits).float(), sequences, options, generator)
-        tokens = _from_last_stage(model, tokens, batch)
-        if rows is not None and options.eos_token_id is not None and not bool(unfinished.all()):
+            processed = process(logits, sequences, decoding, padding)
+            tokens = choose(processed, decoding, generator)
+            scores += [processed] if keep_scores else []
+            raw_logits += [logits.float()] if keep_logits else []
+        tokens = from_last_stage(model, tokens, (batch,))
+        if rows is not None and decoding.eos_token_id is not None and not bool(unfinished.all()):
             rows = None  # a finished row continues with the pad token, not the token chosen for it
-        tokens, unfinished = finish(tokens, unfinished, options)
+        tokens, unfinished = finish(tokens, unfinished, decoding)
         sequences = torch.cat([sequences, tokens[:, None]], dim=1)
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-        new = tokens[:, None]
-        timings["prefill_s" if step == 0 else "decode_s"] += time.perf_counter() - started
-        timings["decode_steps"] += step > 0
+        steps.extend()
+        if stop is not None:
+            unfinished = unfinished & ~stop(sequences, None).to(unfinished.device)
+        first = steps.steps == 1
+        timings["prefill_s" if first else "decode_s"] += time.perf_counter() - started
+        timings["decode_steps"] += not first
         if streamer is not None:
             streamer.put(tokens.cpu())
-        if options.eos_token_id is not None and not unfinished.any():  # a sync per step only when it can end
+        if (decoding.eos_token_id is not None or stop is not None) and not unfinished.any():  # a sync only then
             break
     if streamer is not None:
         streamer.end()
-    if not return_dict_in_generate:
+    if not decoding.return_dict_in_generate:
         return sequences
-    return GenerateOutput(sequences=sequences, timings=dict(timings, batch=batch, prompt_tokens=input_ids.shape[1],
-                                                            new_tokens=sequences.shape[1] - input_ids.shape[1]),
-                          cache_elements=cache.numel())
+    vocab = model.config.vocab_size
+    return GenerateOutput(sequences=sequences, scores=_steps_from_last_stage(model, scores, keep_scores, batch, vocab),
+                          logits=_steps_from_last_stage(model, raw_logits, keep_logits, batch, vocab),
+                          timings=dict(timings, batch=batch, prompt_tokens=prompt, new_tokens=sequences.shape[1] - prompt),
+                          cache_elements=steps.cache.numel())
 
 
-def _token_embedding(model) -> torch.Tensor | None:
-    """This rank's slice of the token embedding's weight when the ranks choosing tokens also embed them (pp == 1),
-    as a plain tensor (not sharded further by FSDP); None otherwise."""
-    name = getattr(model, "tied_embedding", None)
-    if model.pc.config.pp > 1 or name is None:
+def _steps_from_last_stage(model, per_step: list, kept: bool, batch: int, vocab: int) -> tuple | None:
+    """Each step's (batch, vocab) scores, on every pp rank; None when they were not asked for."""
+    if not kept:
         return None
-    module = model.get_submodule(name.rsplit(".", 1)[0])
-    if not isinstance(module, VocabParallelEmbedding) or type(module.weight.data) is not torch.Tensor:
-        return None
-    return module.weight.detach()
-
-
-def _shared_seed(pc) -> int:
-    """Without a seed, sampling draws from torch's global generator as transformers' does: one draw on every rank
-    (so generators that agree across ranks keep agreeing, as dropout under tensor parallelism needs), and rank 0's
-    value for all, so every rank samples the same tokens."""
-    seed = torch.randint(2 ** 62, (1,))
-    if dist.is_available() and dist.is_initialized():
-        seed = seed.to(pc.device)
-        dist.broadcast(seed, src=0)
-    return int(seed.item())
-
-
-def _last_logits(model, ids, positions, cache, extra, logits: LogitsRequest):
-    """Logits (rows, vocab) of the last position of `ids` on the last stage's ranks, None elsewhere (this rank's
-    padded vocab slice when `logits` asks for it)."""
-    out = through_stages(model, ids, token_ids=ids, position_ids=positions, cache=cache, logits=logits, **extra)
-    return None if out is None else out.logits[:, -1]
-
-
-def _from_last_stage(model, tokens, batch: int) -> torch.Tensor:
-    if model.pc.config.pp == 1:
-        return tokens
-    buffer = tokens if tokens is not None else torch.empty(batch, dtype=torch.long, device=model.pc.device)
-    group = model.pc.group("pp")
-    dist.broadcast(buffer, src=dist.get_global_rank(group, model.pc.config.pp - 1), group=group)
-    return buffer
-
+    count = from_last_stage(model, torch.tensor(len(per_step), device=model.pc.device) if per_step else None, ())
+    stacked = torch.stack(per_step) if per_step else None
+    stacked = from_last_stage(model, stacked, (int(count), batch, vocab), dtype=torch.float32)
+    return tuple(stacked.unbind(0))

@@ -1,0 +1,105 @@
+"""One decoding step on any mesh: the new tokens of every sequence through the pipeline stages against the KV cache,
+and the last position's logits on the ranks of the last stage; the rest of generation (colozoo.runtime.generate,
+colozoo.runtime.beam_search) decides what to do with them.
+
+Each rank keeps the KV cache of its own heads (layers.kv_cache). Under pipeline parallelism the batch is cut into
+micro-batches that follow each other through the stages, so stages work on different micro-batches at once; the
+last stage decides and `from_last_stage` hands its decision to every pp rank. A model whose position encoding changes
+with the sequence length names the length at which the whole sequence is encoded again (`reencode_length`: Phi-3's
+LongRoPE switches to its long factors, as transformers' Phi-3 does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from colozoo.layers.kv_cache import KVCache
+from colozoo.layers.vocab import LogitsRequest, VocabParallelEmbedding
+from colozoo.runtime.pipeline import through_stages
+
+
+def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions as transformers' generate gives them: real tokens count from 0, left padding sits at 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+class DecodeSteps:
+    """The forwards of one generate call: the cache, the micro-batches, the growing attention mask."""
+
+    def __init__(self, model, attention_mask: torch.Tensor, max_length: int, num_microbatches: int | None = None,
+                 use_cache: bool = True):
+        pc = model.pc
+        self.model, self.mask, self.use_cache = model, attention_mask, use_cache
+        batch = attention_mask.shape[0]
+        micro = num_microbatches or (min(batch, pc.config.pp) if pc.config.pp > 1 else 1)
+        self.micro_rows = [slice(int(r[0]), int(r[-1]) + 1) for r in torch.arange(batch).tensor_split(micro) if len(r)]
+        self.cache = KVCache(attention_mask, max_len=max_length)
+        self.extra = {"output_router_logits": False} if model.router_stats_width() else {}
+        self.steps = 0
+
+    def logits(self, sequences: torch.Tensor, logits: LogitsRequest, token_rows=None) -> torch.Tensor | None:
+        """The next-token logits (batch, vocab) of `sequences` (batch, length: the prompt and every token chosen so far)
+        on the last stage's ranks, None elsewhere; the cache takes the positions it has not seen. `token_rows`: the
+        embedding rows of the newest tokens, known already (greedy decoding under tp)."""
+        model = self.model
+        reencode = model.reencode_length
+        if self.steps and (not self.use_cache or sequences.shape[1] == reencode):
+            self.cache.restart()  # drop the cache, encode everything again
+            token_rows = None
+        new = sequences[:, self.cache.length:]
+        positions = generation_positions(self.mask)[:, -new.shape[1]:]
+        extra = dict(self.extra)
+        if len(self.micro_rows) > 1 and model.rotary is not None:  # dynamic / LongRoPE choose by the whole batch
+            extra["rope_length"] = int(positions.max()) + 1
+        outs = []
+        for rows in self.micro_rows:
+            step_extra = extra if token_rows is None else dict(extra, token_rows=token_rows[rows, None])
+            out = through_stages(model, new[rows], token_ids=new[rows], position_ids=positions[rows],
+                                 cache=self.cache.micro_batch(rows), logits=logits, **step_extra)
+            outs.append(None if out is None else out.logits[:, -1])
+        self.cache.advance(new.shape[1])
+        self.steps += 1
+        return None if outs[0] is None else torch.cat(outs)
+
+    def extend(self, new_tokens: int = 1):
+        """The attention mask of the sequences after `new_tokens` more tokens each."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], new_tokens)], dim=1)
+
+    def reorder(self, rows: torch.Tensor):
+        """Every cached sequence replaced by the one at `rows` (beam search keeps its best continuations)."""
+        self.cache.reorder(rows)
+        self.mask = self.mask.index_select(0, rows.to(self.mask.device))
+
+
+def from_last_stage(model, value: torch.Tensor | None, shape, dtype=torch.long) -> torch.Tensor:
+    """The tensor the last pipeline stage computed (`shape`, `dtype`), on every pp rank."""
+    if model.pc.config.pp == 1:
+        return value
+    buffer = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=model.pc.device)
+    group = model.pc.group("pp")
+    dist.broadcast(buffer, src=dist.get_global_rank(group, model.pc.config.pp - 1), group=group)
+    return buffer
+
+
+def token_embedding(model) -> torch.Tensor | None:
+    """This rank's slice of the token embedding's weight when the ranks choosing tokens also embed them (pp == 1),
+    as a plain tensor (not sharded further by FSDP); None otherwise."""
+    name = model.tied_embedding
+    if model.pc.config.pp > 1 or name is None:
+        return None
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    if not isinstance(module, VocabParallelEmbedding) or type(module.weight.data) is not torch.Tensor:
+        return None
+    return module.weight.detach()
+
+
+def shared_seed(pc) -> int:
+    """Without a seed, sampling draws from torch's global generator as transformers' does: one draw on every rank
+    (so generators that agree across ranks keep agreeing, as dropout under tensor parallelism needs), and rank 0's
+    value for all, so every rank samples the same tokens."""
+    seed = torch.randint(2 ** 62, (1,))
+    if dist.is_available() and dist.is_initialized():
+        seed = seed.to(pc.device)
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
