@@ -132,7 +132,7 @@ def work_naive(src: Path, dst: Path) -> dict:
 
     from colozoo.checkpoint.format import plan_mesh
     from colozoo.checkpoint.layout import ModelLayout
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
 
     start = time.perf_counter()

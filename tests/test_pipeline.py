@@ -7,7 +7,7 @@ from distributed import run_distributed
 from parity import LOGITS_ATOL, batch, close, hf_causal_lm
 
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.readers import StateDictReader
 from colozoo.api import build_model
 from colozoo.core.mesh import init_parallel
 from colozoo.core.partition import (PartitionError, layer_cost, model_stage_layers, rank_layers, stage_layers,
