@@ -56,13 +56,13 @@ def test_plan_auto_plans_for_lora(tiny, tmp_path, monkeypatch):  # noqa: F811
 
     calls = []
 
-    def recording_plan(name, **kwargs):
-        calls.append(kwargs)
-        return real_plan(name, **kwargs)
+    def recording_plan(model, hardware, workload, *args, **kwargs):
+        calls.append(workload)
+        return real_plan(model, hardware, workload, *args, **kwargs)
 
     real_plan = planner.plan
     monkeypatch.setattr(planner, "plan", recording_plan)
     summary = run(small_run(tiny, tmp_path / "lora", plan="auto", global_batch_size=2, lora_r=4,
                             lora_targets="c_attn", eval_interval=0))
-    assert len(calls) == 1 and calls[0]["lora_r"] == 4 and calls[0]["lora_targets"] == ("c_attn",), calls
+    assert len(calls) == 1 and (calls[0].lora.r, calls[0].lora.targets) == (4, ("c_attn",)), calls
     assert summary["step"] == 6 and Path(summary["adapter"], "adapter_config.json").exists()

@@ -19,16 +19,16 @@ def plan_training(cfg, config, global_batch: int):
     every rank gets the same plan): a colozoo.runtime.plan.Plan."""
     from colozoo.core.mesh import init_distributed
     from colozoo.cost.planner import best_plan_for_world
+    from colozoo.cost.setup import Workload
 
     seq_len = cfg.seq_len
     if cfg.task == "imgcls":  # a ViT's sequence is its patches and the class token
         from colozoo.models.vit import num_patches
 
         seq_len = num_patches(config) + 1
-    lora = dict(lora_r=cfg.lora_r, lora_targets=cfg.lora_target_modules(), task=TASK_HEADS[cfg.task]) \
-        if cfg.lora_r else {}
-    return best_plan_for_world(config, init_distributed(), global_batch=global_batch, seq_len=seq_len,
-                               dtype=cfg.dtype, **lora)
+    lora = cfg.lora_settings()
+    workload = Workload(seq_len=seq_len, dtype=cfg.dtype, lora=lora, task=TASK_HEADS[cfg.task] if lora else None)
+    return best_plan_for_world(config, init_distributed(), workload, global_batch=global_batch)
 
 
 def load_model(cfg, task: str, plan=None):
@@ -44,17 +44,10 @@ def load_model(cfg, task: str, plan=None):
     else:
         model = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
     model.run.plan = plan
-    if cfg.lora_r:
-        attach_lora(model, cfg)
+    lora = cfg.lora_settings()
+    if lora is not None:  # adapters on the targeted linears (before data-parallel wrapping), everything else frozen
+        lora.apply(model, seed=cfg.seed)
     return model, fresh
-
-
-def attach_lora(model, cfg):
-    """--lora-r: adapters on the targeted linears (before data-parallel wrapping), everything else frozen."""
-    from colozoo.runtime.lora import apply_lora
-
-    apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha or cfg.lora_r, dropout=cfg.lora_dropout,
-               targets=cfg.lora_target_modules(), use_rslora=cfg.lora_rslora, seed=cfg.seed)
 
 
 def prepare_training(model, cfg) -> dict | None:
