@@ -190,10 +190,7 @@ def run(cfg: FinetuneConfig) -> dict:
     if cfg.tensorboard:
         tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
 
-    model, fresh = runtime.load_model(cfg, cfg.task, plan)
-    if train.label_names:  # saved checkpoints and the export name the classes as the data does
-        model.config.id2label = train.label_names
-        model.config.label2id = {name: i for i, name in train.label_names.items()}
+    model, fresh = runtime.load_model(cfg, cfg.task, plan, labels=train.label_names)
     pc = model.pc
     sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
     total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
