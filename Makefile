@@ -31,7 +31,7 @@ demo: setup
 
 bench: setup
 	$(PY) -m pip install -q -e ".[test,bench]"
-	$(PY) bench/run.py
+	$(PY) bench/run_benchmarks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,7 +27,7 @@ import transformers  # noqa: E402
 
 from colozoo.api import build_model  # noqa: E402
 from colozoo.checkpoint.load import load_hf_weights  # noqa: E402
-from colozoo.checkpoint.sources import StateDictReader  # noqa: E402
+from colozoo.checkpoint.readers import StateDictReader  # noqa: E402
 from colozoo.runtime.compile import compile_layers  # noqa: E402
 from throughput import timed  # noqa: E402
 

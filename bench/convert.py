@@ -82,7 +82,8 @@ def generate(directory: Path, gb: float):
 # `colozoo convert` as the console script runs it, then its own peak RSS (VmHWM: ru_maxrss from wait4 would count
 # this parent's memory, which Linux carries over fork and exec)
 PEAK = "print([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1])"
-CLI_THEN_PEAK = f"import atexit; atexit.register(lambda: {PEAK}); from colozoo.cli import run; run()"
+CLI_THEN_PEAK = (f"import atexit; atexit.register(lambda: {PEAK}); "
+                 f"from colozoo.cli import main_and_exit; main_and_exit()")
 # what the converter imports and reads before its first tensor: the baseline its peak is compared with (it exits
 # as the console script does)
 IMPORTS_THEN_PEAK = (f"import gc, sys, transformers, colozoo.checkpoint.convert; "
@@ -132,7 +133,7 @@ def work_naive(src: Path, dst: Path) -> dict:
 
     from colozoo.checkpoint.format import plan_mesh
     from colozoo.checkpoint.layout import ModelLayout
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
 
     start = time.perf_counter()

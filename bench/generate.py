@@ -101,7 +101,7 @@ def report(case, config_fields, metrics, peer):
 def one_process(args):
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
 
     torch.set_num_threads(args.threads)
     config = llama_config(args)

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from colozoo.api import build_model  # noqa: E402
 from colozoo.checkpoint.load import load_hf_weights  # noqa: E402
-from colozoo.checkpoint.sources import StateDictReader  # noqa: E402
+from colozoo.checkpoint.readers import StateDictReader  # noqa: E402
 
 
 def hf_config(family: str, args):

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E40
 
 from colozoo.api import build_model  # noqa: E402
 from colozoo.checkpoint.load import load_hf_weights  # noqa: E402
-from colozoo.checkpoint.sources import StateDictReader  # noqa: E402
+from colozoo.checkpoint.readers import StateDictReader  # noqa: E402
 
 VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000}  # the families' real vocabularies
 MATMUL_OPS = ("mm", "bmm", "addmm", "baddbmm", "attention")  # operators whose self time counts as matrix products

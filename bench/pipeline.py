@@ -142,7 +142,7 @@ def train_step(tp, pp, m, steps, config_kwargs, batch_size, seq):
     import transformers
 
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.training import build_optimizer, clip_grad_norm_

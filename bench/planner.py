@@ -175,9 +175,9 @@ CALIBRATION_SIZES = (1, 2, 4)
 def step_flops() -> dict:
     """{micro-batch size: FLOPs of an unsharded fwd + bwd}, from the profiler (before the workers start:
     it cannot run inside a torch.distributed job)."""
-    from colozoo.cost.profiler import profile
+    from colozoo.cost.profiler import profile_for
 
-    return {mbs: profile(config(), batch_size=mbs, seq_len=SEQ, dtype="float32", target="cpu").step_flops
+    return {mbs: profile_for(config(), batch_size=mbs, seq_len=SEQ, dtype="float32", target="cpu").step_flops
             for mbs in CALIBRATION_SIZES}
 
 
@@ -238,16 +238,17 @@ def cpu_hardware(links: dict, compute: tuple[float, float]):
 def predictions(cpu, plans):
     from colozoo.cost.planner import estimate
     from colozoo.cost.profiler import profile
-    from colozoo.cost.setup import Workload, parse_mesh
-    from colozoo.runtime.plan import Plan
+    from colozoo.cost.setup import Workload, parse_mesh, plan_of
 
     out = {}
+    workload = Workload(seq_len=SEQ, dtype="float32", target="cpu")
     for name, mesh, m, data_parallel in plans:
         pc = parse_mesh(mesh)
         zero = 3 if data_parallel == "fsdp" and pc.dp > 1 else 0
-        report = profile(config(), batch_size=BATCH // (pc.dp * m), seq_len=SEQ, mesh=pc, dtype="float32", zero=zero,
-                         num_microbatches=m, schedule=schedule_for(mesh, m), target="cpu")
-        step, _, _ = estimate(report, Plan(**report.plan), Workload(**report.workload), cpu)
+        plan = plan_of(pc, micro_batch_size=BATCH // (pc.dp * m), num_microbatches=m, schedule=schedule_for(mesh, m),
+                       zero=zero)
+        report = profile(config(), plan, workload)
+        step, _, _ = estimate(report, plan, workload, cpu)
         # what exists before the step: weights, master weights, optimizer states
         dynamic = max(s["peak"] - s["weights"] - s["master"] - s["optimizer"] for s in report.stages)
         out[name] = {"seconds": step, "total": report.peak_memory, "dynamic": dynamic}

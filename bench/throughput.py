@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from colozoo.checkpoint.load import load_hf_weights  # noqa: E402
-from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.readers import StateDictReader
 from colozoo.api import build_model  # noqa: E402
 
 

@@ -16,7 +16,9 @@ _LAZY = {
     "from_pretrained": "colozoo.api",
     "convert": "colozoo.checkpoint.convert",
     "profile": "colozoo.cost.profiler",
+    "profile_for": "colozoo.cost.profiler",
     "plan": "colozoo.cost.planner",
+    "plan_for": "colozoo.cost.planner",
     "build_model": "colozoo.api",
 }
 

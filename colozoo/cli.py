@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         return 1
 
 
-def run():
+def main_and_exit():
     """The console script: `main`, then an exit that skips the last garbage collections over every object torch
     and transformers created (0.5 s on a 2-core machine). Commands close and fsync what they write themselves."""
     code = main()
@@ -57,4 +57,4 @@ def run():
 
 
 if __name__ == "__main__":
-    run()
+    main_and_exit()

@@ -12,8 +12,8 @@ from parity import batch, close, hf_causal_lm, hf_model, layer_input_lengths
 
 from colozoo.api import build_model
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import StateDictReader
-from colozoo.checkpoint.sources import GlobalTensor
+from colozoo.checkpoint.readers import StateDictReader
+from colozoo.checkpoint.readers import GlobalTensor
 from colozoo.converters import family_module
 from colozoo.core.mesh import coords_of, init_parallel, single_process
 from colozoo.layers.shard import gather_tensor, local_part, materialize, shard_tensor, spec_of

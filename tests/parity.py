@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
 from colozoo.converters import family_module
 from colozoo.layers.shard import gather_tensor, spec_of
 from colozoo.api import build_model

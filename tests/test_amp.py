@@ -17,7 +17,7 @@ from test_training_cp_ep import MIXTRAL, build as build_from_hf
 
 from colozoo.runtime.amp import DynamicLossScaler
 from colozoo.finetune import loop, state
-from colozoo.finetune.loop import run
+from colozoo.finetune.loop import finetune
 from colozoo.finetune.metrics import read_metrics
 from colozoo.layers.shard import local_part
 from colozoo.core.mesh import init_parallel, single_process
@@ -158,13 +158,13 @@ def test_grad_scale_scales_pipeline_and_router_gradients_but_not_the_loss():
 
 def test_float16_fine_tuning_scales_the_loss_and_trains(tiny, tmp_path):  # noqa: F811
     out = tmp_path / "fp16"
-    run(small_run(tiny, out, dtype="float16", lr=5e-3, eval_fraction=0.0))
+    finetune(small_run(tiny, out, dtype="float16", lr=5e-3, eval_fraction=0.0))
     records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     curve = [r["loss"] for r in records]
     assert len(curve) == 6 and curve[-1] < curve[0]
     assert all(r["loss_scale"] == 2.0 ** 16 and r["skipped"] is False for r in records)
     reference = tmp_path / "fp32"
-    run(small_run(tiny, reference, lr=5e-3, eval_fraction=0.0))
+    finetune(small_run(tiny, reference, lr=5e-3, eval_fraction=0.0))
     assert "loss_scale" not in read_metrics(reference / "metrics.jsonl")[0]
     assert curve == pytest.approx(losses(reference), abs=2e-2)
 
@@ -177,16 +177,16 @@ def test_skipped_steps_and_resume_restore_the_loss_scale(tiny, tmp_path, monkeyp
                         functools.partial(DynamicLossScaler, init_scale=2.0 ** 20, growth_interval=1))
     options = dict(dtype="float16", eval_fraction=0.0)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(small_run(tiny, straight, **options))
+    finetune(small_run(tiny, straight, **options))
     records = [r for r in read_metrics(straight / "metrics.jsonl") if "loss" in r]
     assert records[0]["skipped"] and records[0]["grad_norm"] is None and not all(r["skipped"] for r in records)
     assert all(b["lr"] == a["lr"] for a, b in zip(records, records[1:]) if a["skipped"])
     assert records[-1]["skipped_steps"] == sum(r["skipped"] for r in records)
 
-    run(small_run(tiny, resumed, stop_after=3, **options))
+    finetune(small_run(tiny, resumed, stop_after=3, **options))
     saved = json.loads((state.latest_checkpoint(resumed / "checkpoints") / "meta.json").read_text())
     assert saved["scaler"]["scale"] < 2.0 ** 20 and saved["scaler"]["skipped_steps"] >= 1
-    run(small_run(tiny, resumed, **options))
+    finetune(small_run(tiny, resumed, **options))
     resumed_records = [r for r in read_metrics(resumed / "metrics.jsonl") if "loss" in r]
 
     def fields(rs):

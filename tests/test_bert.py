@@ -118,7 +118,7 @@ def test_bert_base_model_pipeline_parallel():
 
 def selective_checkpointing_gradients(mode):
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.core.rng import model_parallel_seed
     from colozoo.runtime.training import parallelize

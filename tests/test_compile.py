@@ -66,7 +66,7 @@ def compiled_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", CACHE)
     from torch._dynamo.utils import counters
 
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.compile import is_compiled
 
@@ -150,7 +150,7 @@ def test_compile_generation_decodes_eagerly():
 
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
 
     config, hf = hf_causal_lm("gpt2", GPT2)
     models = []

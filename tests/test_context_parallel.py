@@ -113,7 +113,7 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     """Context parallel against transformers: logits, loss and every gradient (summed over the cp ranks). With
     `right_padding`, the first sequence ends in that many padded positions that carry labels."""
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.api import build_model
     from colozoo.core.mesh import coords_of, init_parallel
@@ -208,7 +208,7 @@ def test_ring_attention_bf16():
 
 def cp_pipeline_forward_parity(family, mode):
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
@@ -324,7 +324,7 @@ def gpt2_upcast_ring_matches_cp1_bf16():
     """bf16 GPT-2 with reorder_and_upcast_attn: the ring's logits are cp=1's to a few roundings, a tolerance that
     attention with bf16 scores (transformers' eager path without the option) misses by far."""
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 

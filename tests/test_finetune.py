@@ -19,7 +19,7 @@ from colozoo.demo_finetune import build_tokenizer, make_tiny_gpt2, texts  # noqa
 from colozoo.finetune import data as D  # noqa: E402
 from colozoo.finetune import state  # noqa: E402
 from colozoo.finetune.config import FinetuneConfig  # noqa: E402
-from colozoo.finetune.loop import Interrupt, run  # noqa: E402
+from colozoo.finetune.loop import Interrupt, finetune  # noqa: E402
 from colozoo.finetune.metrics import read_metrics  # noqa: E402
 from colozoo.finetune.schedule import build_scheduler, warmup_cosine  # noqa: E402
 
@@ -178,7 +178,7 @@ def test_bad_input_fails_before_training(case, tiny, tmp_path, monkeypatch):
     out = tmp_path / "run"
     overrides = make(tiny, tmp_path)
     with pytest.raises(ValueError, match=message):
-        run(small_run(overrides.pop("model_dir", tiny), out, **overrides))
+        finetune(small_run(overrides.pop("model_dir", tiny), out, **overrides))
     assert not out.exists()  # nothing trained, nothing written
 
 
@@ -189,16 +189,16 @@ def test_bad_input_fails_before_training(case, tiny, tmp_path, monkeypatch):
 def straight(tiny, tmp_path_factory):
     """The uninterrupted run the interrupted ones must reproduce."""
     out = tmp_path_factory.mktemp("straight")
-    run(small_run(tiny, out))
+    finetune(small_run(tiny, out))
     return out
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny, straight, tmp_path):
     resumed = tmp_path / "resumed"
-    first = run(small_run(tiny, resumed, stop_after=3))
+    first = finetune(small_run(tiny, resumed, stop_after=3))
     assert first["stopped"] and first["step"] == 3
     assert [p.name for p in state.complete_checkpoints(resumed / "checkpoints")] == ["step-00000002", "step-00000003"]
-    second = run(small_run(tiny, resumed))
+    second = finetune(small_run(tiny, resumed))
     assert second["step"] == 6 and not second["stopped"]
     assert len(losses(straight)) == 6
     assert losses(resumed) == losses(straight)  # bit for bit: data position, optimizer, scheduler and RNG restored
@@ -219,11 +219,11 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tm
 
     monkeypatch.setattr(state, "_before_commit", crash)
     with pytest.raises(Crash):
-        run(small_run(tiny, crashed))
+        finetune(small_run(tiny, crashed))
     monkeypatch.undo()
     assert state.latest_checkpoint(crashed / "checkpoints").name == "step-00000002"
     assert (crashed / "checkpoints" / ".tmp-step-00000004").exists()  # the half-written save, never committed
-    run(small_run(tiny, crashed))
+    finetune(small_run(tiny, crashed))
     assert losses(crashed) == losses(straight)
     assert not list((crashed / "checkpoints").glob(".tmp-*"))
 
@@ -232,14 +232,14 @@ KILL_MID_SAVE = """
 import json, os, signal, sys
 from colozoo.finetune import state
 from colozoo.finetune.config import FinetuneConfig
-from colozoo.finetune.loop import run
+from colozoo.finetune.loop import finetune
 
 def die(tmp):
     if tmp.name.endswith("00000004"):  # every file of step 4 written, not yet renamed into place
         os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: the process is simply gone
 
 state._before_commit = die
-run(FinetuneConfig(**json.loads(sys.argv[1])))
+finetune(FinetuneConfig(**json.loads(sys.argv[1])))
 """
 
 
@@ -255,7 +255,7 @@ def test_a_process_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, st
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert state.latest_checkpoint(crashed / "checkpoints").name == "step-00000002"
     assert any((crashed / "checkpoints" / ".tmp-step-00000004").iterdir())  # written, never committed
-    run(small_run(tiny, crashed))
+    finetune(small_run(tiny, crashed))
     assert losses(crashed) == losses(straight)
     assert not list((crashed / "checkpoints").glob(".tmp-*"))
 
@@ -264,7 +264,7 @@ def _killed_mid_save_on_two_ranks(model, root):
     import torch.distributed as dist
 
     rank, degrees = dist.get_rank(), dict(dp=2, data_parallel="fsdp")
-    run(small_run(model, Path(root) / "straight", **degrees))
+    finetune(small_run(model, Path(root) / "straight", **degrees))
     crashed = Path(root) / "crashed"
 
     def killed(tmp):
@@ -277,14 +277,14 @@ def _killed_mid_save_on_two_ranks(model, root):
     original, state._before_commit = state._before_commit, killed
     try:
         with pytest.raises(Crash):
-            run(small_run(model, crashed, **degrees))
+            finetune(small_run(model, crashed, **degrees))
     finally:
         state._before_commit = original
     dist.barrier()
     latest = state.latest_checkpoint(crashed / "checkpoints").name
     partial = sorted(p.name for p in (crashed / "checkpoints" / ".tmp-step-00000004").iterdir())
     dist.barrier()
-    resumed = run(small_run(model, crashed, **degrees))
+    resumed = finetune(small_run(model, crashed, **degrees))
     return latest, partial, resumed["step"], losses(Path(root) / "straight"), losses(crashed)
 
 
@@ -301,7 +301,7 @@ def test_killed_mid_save_on_two_ranks_resumes_from_the_previous_checkpoint(tiny,
 def test_a_checkpoint_is_json_and_safetensors_only(tiny, tmp_path):
     """No pickles: tensors in safetensors (the model part is a colozoo checkpoint), everything else JSON."""
     out = tmp_path / "run"
-    run(small_run(tiny, out, steps=2))
+    finetune(small_run(tiny, out, steps=2))
     ckpt = state.latest_checkpoint(out / "checkpoints")
     assert sorted(p.name for p in ckpt.iterdir()) == ["colozoo_index.json", "meta.json", "rng-rank-00000.json",
                                                       "state-rank-00000.safetensors", "training_index.json"]
@@ -315,7 +315,7 @@ def test_a_checkpoint_is_json_and_safetensors_only(tiny, tmp_path):
 
 
 def _e2e(model, output, tp):
-    summary = run(small_run(model, output, tp=tp, steps=8, export_hf=True, plot=True, lr=5e-3))
+    summary = finetune(small_run(model, output, tp=tp, steps=8, export_hf=True, plot=True, lr=5e-3))
     return summary, losses(output)
 
 
@@ -341,9 +341,9 @@ def test_end_to_end_tp2_export_matches_transformers(tiny, tmp_path):
 
 def _resume_distributed(model, root, degrees):
     straight, resumed = Path(root) / "straight", Path(root) / "resumed"
-    run(small_run(model, straight, **degrees))
-    first = run(small_run(model, resumed, stop_after=3, **degrees))
-    run(small_run(model, resumed, **degrees))
+    finetune(small_run(model, straight, **degrees))
+    first = finetune(small_run(model, resumed, stop_after=3, **degrees))
+    finetune(small_run(model, resumed, **degrees))
     return first["step"], losses(straight), losses(resumed)
 
 
@@ -362,7 +362,7 @@ def test_other_causal_lm_families_fine_tune_and_export(family, tmp_path):
 
     model = make_tiny_causal_lm(tmp_path / family, family, layers=2, positions=32)
     out = tmp_path / "run"
-    summary = run(small_run(model, out, steps=4, lr=5e-3, export_hf=True))
+    summary = finetune(small_run(model, out, steps=4, lr=5e-3, export_hf=True))
     curve = losses(out)
     assert summary["step"] == 4 and curve[-1] < curve[0]
     _check_export(out)
@@ -407,9 +407,9 @@ def tiny_bert(tmp_path_factory):
 
 def _bert_run(base, output, degrees):
     subset = str(base / "sentiment16.jsonl")  # one global batch, seen every step: the loss must fall
-    summary = run(small_run(base, output, task="seqcls", data=subset, eval_data=subset, micro_batch_size=8,
-                            global_batch_size=16, steps=6, lr=3e-3, eval_interval=0, export_hf=True, num_labels=2,
-                            **degrees))
+    summary = finetune(small_run(base, output, task="seqcls", data=subset, eval_data=subset, micro_batch_size=8,
+                                 global_batch_size=16, steps=6, lr=3e-3, eval_interval=0, export_hf=True, num_labels=2,
+                                 **degrees))
     return summary, losses(output)
 
 
@@ -454,7 +454,7 @@ def tiny_vit(tmp_path_factory):
 
 def _vit_run(base, data, output, **overrides):
     options = dict(task="imgcls", data=data, eval_data=data, micro_batch_size=16, steps=6, lr=3e-3, eval_interval=0)
-    return run(small_run(base, output, **{**options, **overrides}))
+    return finetune(small_run(base, output, **{**options, **overrides}))
 
 
 def test_vit_image_classification_from_npz(tiny_vit, tmp_path):
@@ -500,11 +500,11 @@ def test_bfloat16_trains_in_mixed_precision(task, tiny, tiny_bert, tiny_vit, tmp
     out = tmp_path / "run"
     options = dict(dtype="bfloat16", eval_fraction=0.0)
     if task == "lm":
-        run(small_run(tiny, out, lr=5e-3, **options))
+        finetune(small_run(tiny, out, lr=5e-3, **options))
     elif task == "seqcls":
         subset = str(tiny_bert / "sentiment16.jsonl")
-        run(small_run(tiny_bert, out, task="seqcls", data=subset, micro_batch_size=16, lr=3e-3, num_labels=2,
-                      **options))
+        finetune(small_run(tiny_bert, out, task="seqcls", data=subset, micro_batch_size=16, lr=3e-3, num_labels=2,
+                           **options))
     else:
         _vit_run(*tiny_vit, out, eval_data=None, **options)
     assert seen["model"].run.setup.mixed_precision == "bf16"
@@ -518,7 +518,7 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_loss_curve(tin
     for checkpointing in (True, False):
         seen = _watch_training(monkeypatch)
         out = tmp_path / f"checkpointing-{checkpointing}"
-        run(small_run(tiny, out, activation_checkpointing=checkpointing, eval_interval=0))
+        finetune(small_run(tiny, out, activation_checkpointing=checkpointing, eval_interval=0))
         runs[checkpointing] = seen["block_calls"], losses(out)
         monkeypatch.undo()
     assert runs[True][0] - runs[False][0] == 6  # each of the 6 steps (one micro-batch) runs the layer again
@@ -534,14 +534,15 @@ def test_optimizer_offload_keeps_the_loss_curve(tiny, tmp_path, monkeypatch):
     curves = {}
     for offload in ("optimizer", "none"):
         out = tmp_path / offload
-        run(small_run(tiny, out, offload=offload, eval_interval=0, save_interval=3))
+        finetune(small_run(tiny, out, offload=offload, eval_interval=0, save_interval=3))
         curves[offload] = losses(out), [r["lr"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r]
     assert [type(o).__name__ for o in built] == ["OffloadedAdamW", "AdamW"]
     assert curves["optimizer"][1] == curves["none"][1]  # the schedule drives the CPU AdamW's learning rate
     assert curves["optimizer"][0] == pytest.approx(curves["none"][0], abs=1e-5)
     resumed = tmp_path / "resumed"  # the offloaded optimizer's state round-trips through a checkpoint
-    assert run(small_run(tiny, resumed, offload="optimizer", eval_interval=0, save_interval=3, stop_after=3))["stopped"]
-    run(small_run(tiny, resumed, offload="optimizer", eval_interval=0, save_interval=3))
+    stopped = finetune(small_run(tiny, resumed, offload="optimizer", eval_interval=0, save_interval=3, stop_after=3))
+    assert stopped["stopped"]
+    finetune(small_run(tiny, resumed, offload="optimizer", eval_interval=0, save_interval=3))
     assert losses(resumed) == curves["optimizer"][0]
 
 
@@ -552,8 +553,8 @@ def test_epochs_set_the_number_of_steps(tiny, tmp_path):
     train, _ = D.lm_dataset(data, tok, seq_len=16).split(0.1)
     steps_per_epoch = len(train) // 4
     assert steps_per_epoch >= 2
-    summary = run(small_run(tiny, tmp_path / "run", data=str(data), steps=None, epochs=1.5, micro_batch_size=4,
-                            eval_interval=0, save_interval=0))
+    summary = finetune(small_run(tiny, tmp_path / "run", data=str(data), steps=None, epochs=1.5, micro_batch_size=4,
+                                 eval_interval=0, save_interval=0))
     assert summary["total_steps"] == int(1.5 * steps_per_epoch) and summary["step"] == summary["total_steps"]
     assert len(losses(tmp_path / "run")) == summary["total_steps"]
 

@@ -17,7 +17,7 @@ from colozoo.demo_finetune import texts  # noqa: E402
 from colozoo.finetune import data as D  # noqa: E402
 from colozoo.finetune import sft  # noqa: E402
 from colozoo.finetune import token_cache as T  # noqa: E402
-from colozoo.finetune.loop import run  # noqa: E402
+from colozoo.finetune.loop import finetune  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 IN_MEMORY_BYTES = 3 * 8  # per token, as the in-memory dataset holds it: int64 input_ids, attention_mask, labels
@@ -74,8 +74,8 @@ def test_dataset_larger_than_the_memory_it_may_use_trains(tiny, tmp_path):  # no
     assert in_memory > 200e6, measured  # what the in-memory dataset would hold
     assert measured["grown_kib"] * 1024 < 60e6, measured  # the data path's peak, building and reading batches
     # the run reuses that cache (same dataset, tokenizer and options) and trains on it
-    summary = run(small_run(tiny, output, data=str(data), steps=3, eval_interval=0, eval_fraction=0.01,
-                            save_interval=0))
+    summary = finetune(small_run(tiny, output, data=str(data), steps=3, eval_interval=0, eval_fraction=0.01,
+                                 save_interval=0))
     assert summary["step"] == 3 and len(losses(output)) == 3
     assert len(list((output / "data-cache").glob("train-*"))) == 1
 
@@ -84,14 +84,14 @@ def test_cache_is_reused_on_resume_and_rebuilt_when_the_dataset_changes(tiny, tm
     data = tmp_path / "stories.jsonl"
     data.write_bytes(STORIES.read_bytes())
     output = tmp_path / "run"
-    run(small_run(tiny, output, data=str(data), stop_after=2, eval_fraction=0.1))
+    finetune(small_run(tiny, output, data=str(data), stop_after=2, eval_fraction=0.1))
     (cache,) = (output / "data-cache").glob("train-*")
     built = (cache / "meta.json").stat().st_mtime_ns
-    run(small_run(tiny, output, data=str(data), eval_fraction=0.1))  # resumes at step 2: same rows, not rebuilt
+    finetune(small_run(tiny, output, data=str(data), eval_fraction=0.1))  # resumes at step 2: same rows, not rebuilt
     assert len(losses(output)) == 6 and (cache / "meta.json").stat().st_mtime_ns == built
     with data.open("a") as f:
         f.write(json.dumps({"text": "one more story about a cat and a dog"}) + "\n")
-    run(small_run(tiny, output, data=str(data), eval_fraction=0.1, resume=False))
+    finetune(small_run(tiny, output, data=str(data), eval_fraction=0.1, resume=False))
     (rebuilt,) = (output / "data-cache").glob("train-*")  # a new cache; the stale one is gone
     assert rebuilt != cache and not cache.exists()
 

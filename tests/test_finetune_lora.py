@@ -17,7 +17,7 @@ from parity import close  # noqa: E402
 
 from colozoo.finetune import add_parser, state  # noqa: E402
 from colozoo.finetune.config import FinetuneConfig, config_from_args  # noqa: E402
-from colozoo.finetune.loop import run  # noqa: E402
+from colozoo.finetune.loop import finetune  # noqa: E402
 from colozoo.finetune.metrics import read_metrics  # noqa: E402
 
 
@@ -62,20 +62,20 @@ def test_command_line_lora_and_chat_options():
 @pytest.fixture(scope="module")
 def straight(chat_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-straight")
-    run(lora_run(chat_model, out, "--lora-targets", "q_proj,v_proj"))
+    finetune(lora_run(chat_model, out, "--lora-targets", "q_proj,v_proj"))
     return out
 
 
 def test_lora_resume_reproduces_the_uninterrupted_run(chat_model, straight, tmp_path):
     resumed = tmp_path / "resumed"
-    first = run(lora_run(chat_model, resumed, "--lora-targets", "q_proj,v_proj", "--stop-after", "3"))
+    first = finetune(lora_run(chat_model, resumed, "--lora-targets", "q_proj,v_proj", "--stop-after", "3"))
     assert first["stopped"] and first["step"] == 3
     checkpoint = state.latest_checkpoint(resumed / "checkpoints")
     optimizer_states = [n for n in json.loads((checkpoint / "training_index.json").read_text())["tensors"]]
     assert optimizer_states and all(".lora_" in n or ".lora." in n for n in optimizer_states), optimizer_states
     adapter = json.loads((checkpoint / "adapter" / "adapter_config.json").read_text())
     assert {n.rsplit(".", 1)[-1] for n in adapter["target_modules"]} == {"q_proj", "v_proj"} and adapter["r"] == 4
-    second = run(lora_run(chat_model, resumed, "--lora-targets", "q_proj,v_proj"))
+    second = finetune(lora_run(chat_model, resumed, "--lora-targets", "q_proj,v_proj"))
     assert second["step"] == 6 and len(losses(straight)) == 6
     assert losses(resumed) == losses(straight)  # bit for bit: adapters, their optimizer states and the RNG restored
     assert losses(straight)[-1] < losses(straight)[0]
@@ -89,14 +89,14 @@ def test_resume_without_the_adapters_is_refused(chat_model, straight, tmp_path):
     cfg = lora_run(chat_model, tmp_path / "copy", "--steps", "8")
     cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout = None, None, 0.0
     with pytest.raises(ValueError, match="holds the training state of another model"):
-        run(cfg)
+        finetune(cfg)
 
 
 def test_tensorboard_logs_the_metrics_scalars(chat_model, tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb-run"
-    run(lora_run(chat_model, out, "--steps", "3", "--tensorboard", str(out / "tb")))
+    finetune(lora_run(chat_model, out, "--steps", "3", "--tensorboard", str(out / "tb")))
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     records = read_metrics(out / "metrics.jsonl")
@@ -108,13 +108,13 @@ def test_tensorboard_logs_the_metrics_scalars(chat_model, tmp_path, monkeypatch)
             assert s == step and v == pytest.approx(value, rel=1e-6), tag  # TensorBoard stores float32
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     with pytest.raises(ValueError, match=r"^--tensorboard needs the tensorboard package: pip install tensorboard$"):
-        run(lora_run(chat_model, tmp_path / "no-tb", "--tensorboard", str(tmp_path / "tb2")))
+        finetune(lora_run(chat_model, tmp_path / "no-tb", "--tensorboard", str(tmp_path / "tb2")))
     assert not (tmp_path / "no-tb" / "checkpoints").exists()
 
 
 def _e2e(model, output):
     cfg = lora_run(model, output, "--tp", "2", "--lora-r", "4", "--lora-dropout", "0", "--merge")
-    summary = run(cfg)
+    summary = finetune(cfg)
     return summary, [r["eval_loss"] for r in read_metrics(Path(output) / "metrics.jsonl") if "eval_loss" in r]
 
 
@@ -143,9 +143,9 @@ def test_end_to_end_chat_lora_tp2_adapter_and_merged_export_match(chat_model, tm
 
 def _resume_on_mesh(model, root, mesh):
     straight, resumed = Path(root) / "straight", Path(root) / "resumed"
-    run(lora_run(model, straight, *mesh))
-    first = run(lora_run(model, resumed, *mesh, "--stop-after", "3"))
-    run(lora_run(model, resumed, *mesh))
+    finetune(lora_run(model, straight, *mesh))
+    first = finetune(lora_run(model, resumed, *mesh, "--stop-after", "3"))
+    finetune(lora_run(model, resumed, *mesh))
     return first["step"], losses(straight), losses(resumed), (resumed / "adapter" / "adapter_config.json").exists()
 
 

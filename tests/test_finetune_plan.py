@@ -11,15 +11,15 @@ from test_finetune import losses, small_run, tiny, tiny_bert  # noqa: F401 (fixt
 
 from colozoo.finetune import main, state
 from colozoo.finetune.config import FinetuneConfig
-from colozoo.finetune.loop import run
+from colozoo.finetune.loop import finetune
 
 
 def _planned_runs(lm, bert, root):
     root = Path(root)
-    run(small_run(lm, root / "lm", plan="auto", global_batch_size=4, lr=5e-3, dtype="float16"))
+    finetune(small_run(lm, root / "lm", plan="auto", global_batch_size=4, lr=5e-3, dtype="float16"))
     subset = str(bert / "sentiment16.jsonl")
-    run(small_run(bert, root / "bert", plan="auto", task="seqcls", data=subset, eval_data=subset,
-                  global_batch_size=16, lr=3e-3, eval_interval=0, num_labels=2))
+    finetune(small_run(bert, root / "bert", plan="auto", task="seqcls", data=subset, eval_data=subset,
+                       global_batch_size=16, lr=3e-3, eval_interval=0, num_labels=2))
     return {name: losses(root / name) for name in ("lm", "bert")}
 
 
@@ -56,13 +56,13 @@ def test_plan_auto_plans_for_lora(tiny, tmp_path, monkeypatch):  # noqa: F811
 
     calls = []
 
-    def recording_plan(name, **kwargs):
-        calls.append(kwargs)
-        return real_plan(name, **kwargs)
+    def recording_plan(model, hardware, workload, *args, **kwargs):
+        calls.append(workload)
+        return real_plan(model, hardware, workload, *args, **kwargs)
 
     real_plan = planner.plan
     monkeypatch.setattr(planner, "plan", recording_plan)
-    summary = run(small_run(tiny, tmp_path / "lora", plan="auto", global_batch_size=2, lora_r=4,
-                            lora_targets="c_attn", eval_interval=0))
-    assert len(calls) == 1 and calls[0]["lora_r"] == 4 and calls[0]["lora_targets"] == ("c_attn",), calls
+    summary = finetune(small_run(tiny, tmp_path / "lora", plan="auto", global_batch_size=2, lora_r=4,
+                                 lora_targets="c_attn", eval_interval=0))
+    assert len(calls) == 1 and (calls[0].lora.r, calls[0].lora.targets) == (4, ("c_attn",)), calls
     assert summary["step"] == 6 and Path(summary["adapter"], "adapter_config.json").exists()

@@ -7,12 +7,12 @@ import transformers
 
 from test_finetune import small_run, tiny  # noqa: F401 (a fixture)
 
-from colozoo.finetune import run
+from colozoo.finetune import finetune
 
 
 def test_samples_at_every_evaluation_match_the_exported_model(tiny, tmp_path):  # noqa: F811
     out = tmp_path / "run"
-    summary = run(small_run(tiny, out, export_hf=True, samples=2, sample_tokens=4, eval_interval=3))
+    summary = finetune(small_run(tiny, out, export_hf=True, samples=2, sample_tokens=4, eval_interval=3))
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 0, 3, 3, 6, 6]
     assert records[0]["prompt"] == records[2]["prompt"] and records[0]["prompt"]
@@ -28,5 +28,5 @@ def test_samples_at_every_evaluation_match_the_exported_model(tiny, tmp_path):  
 
 def test_no_samples_when_asked_for_none(tiny, tmp_path):  # noqa: F811
     out = tmp_path / "run"
-    run(small_run(tiny, out, samples=0))
+    finetune(small_run(tiny, out, samples=0))
     assert not (out / "samples.jsonl").exists()

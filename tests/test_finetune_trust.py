@@ -85,11 +85,11 @@ def test_convert_carries_tokenizer_and_generation_files_both_ways(tiny, tmp_path
 def test_exported_classifier_keeps_the_label_names_of_the_data(tiny_bert, tmp_path):
     import transformers
 
-    from colozoo.finetune import run
+    from colozoo.finetune import finetune
 
     subset = str(tiny_bert / "sentiment16.jsonl")  # labels "negative" / "positive"
-    run(small_run(tiny_bert, tmp_path / "run", task="seqcls", data=subset, eval_data=subset, steps=1, num_labels=2,
-                  eval_interval=0, save_interval=0, export_hf=True))
+    finetune(small_run(tiny_bert, tmp_path / "run", task="seqcls", data=subset, eval_data=subset, steps=1, num_labels=2,
+                       eval_interval=0, save_interval=0, export_hf=True))
     config = transformers.AutoConfig.from_pretrained(str(tmp_path / "run" / "hf"))
     assert config.id2label == {0: "negative", 1: "positive"}
     assert config.label2id == {"negative": 0, "positive": 1}

@@ -17,7 +17,7 @@ TIMEOUT = 180
 def _fresh(family, pc=None):
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
 
     config, hf = hf_causal_lm(family, FAMILIES[family])

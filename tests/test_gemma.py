@@ -44,7 +44,7 @@ def test_gemma_tensor_parallel(family, tp, sp):
 def _logits_without(family, switch_off: str):
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
 
     config, hf = hf_causal_lm(family, CONFIGS[family], attn_implementation=ATTENTION[family])
     ids, mask, _ = batch(config.vocab_size, 12)
@@ -274,7 +274,7 @@ def test_embedding_normaliser_is_rounded_to_the_activation_dtype():
     """sqrt(72) = 8.485 is 8.5 in bf16: transformers scales bf16 embeddings by 8.5, and so do we, bit for bit."""
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
 
     config, hf = hf_causal_lm("gemma2", {**GEMMA2, "hidden_size": 72}, attn_implementation="eager")
     hf = hf.to(torch.bfloat16)

@@ -10,7 +10,7 @@ from test_mixtral import load_saved
 
 from colozoo.api import build_model
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.readers import StateDictReader
 from colozoo.core.mesh import init_parallel, single_process
 
 TIMEOUT = 240

@@ -61,7 +61,7 @@ def cache_against_formula(family, config_kwargs, attn_implementation="sdpa", tp=
 
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel, single_process
 
     pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()

@@ -3,7 +3,7 @@ import torch
 import transformers
 
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.readers import StateDictReader
 from colozoo.models.base import UnsupportedConfig
 from colozoo.api import build_model
 from colozoo.core.mesh import init_parallel

@@ -58,7 +58,7 @@ def test_gpt_neox_converter_round_trip_tp2():
 def test_query_key_value_is_regrouped_per_head():
     """Our qkv rows are [q of every head; k of every head; v ...]; HF's query_key_value interleaves them per head.
     The read (a slice of ours from the HF tensor) and the split (ours back to HF) are inverse copies."""
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.converters.source import Source
 
     heads, head_dim = 4, 3

@@ -548,7 +548,7 @@ def _fused_loss_parity(model_type, config_kwargs, tp=1, sequence_parallel=False)
 
     from colozoo.checkpoint.load import load_hf_weights
     from colozoo.checkpoint.safetensors_io import SafetensorsReader
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.api import build_model

@@ -157,7 +157,7 @@ def train_step_against_hf(tp, dp=1, config_kwargs=KV2):
 
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
     from colozoo.core.mesh import coords_of, init_parallel
     from colozoo.layers.shard import spec_of

@@ -84,7 +84,7 @@ def test_fused_head_matches_transformers(model_type):
     transformers, padding and ignored labels included."""
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from parity import batch, hf_causal_lm, resolved_sources
 
     config, hf = hf_causal_lm(model_type, FAMILIES[model_type])

@@ -105,7 +105,7 @@ def test_llama_converter_round_trip_tp2():
 
 def test_meta_init_restores_rope_buffers():
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.layers.rope import rope_inv_freq
 

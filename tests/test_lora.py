@@ -151,7 +151,7 @@ def _small_model(family="opt"):
 
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
 
     config, hf, _, _ = hf_and_batch(family)
     model = build_model(config, device="meta")

@@ -4,13 +4,14 @@ import torch
 import transformers
 
 from colozoo.api import build_model
-from colozoo.cost.planner import plan
-from colozoo.cost.profiler import profile
-from colozoo.runtime.lora import apply_lora, lora_modules
+from colozoo.cost.planner import plan_for
+from colozoo.cost.profiler import profile_for
+from colozoo.runtime.lora import LoraSettings, apply_lora, lora_modules
 
 LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64)
 R = 8
+ALL_LINEAR = LoraSettings(r=R, targets="all-linear")
 
 
 def expected_adapters(tp: int) -> int:
@@ -27,8 +28,8 @@ def test_profile_counts_only_adapters_as_trainable():
     actual = sum(p.numel() for a in lora_modules(model).values() for p in (a.A, a.B))
     assert actual == expected_adapters(1)
     for tp in (1, 2):
-        full = profile(config, batch_size=2, seq_len=32, mesh=f"tp={tp},dp=2", dtype="bfloat16")
-        lora = profile(config, batch_size=2, seq_len=32, mesh=f"tp={tp},dp=2", dtype="bfloat16", lora_r=R)
+        full = profile_for(config, batch_size=2, seq_len=32, mesh=f"tp={tp},dp=2", dtype="bfloat16")
+        lora = profile_for(config, batch_size=2, seq_len=32, mesh=f"tp={tp},dp=2", dtype="bfloat16", lora=ALL_LINEAR)
         stage, base = lora.stages[0], full.stages[0]
         n = expected_adapters(tp)
         assert stage["trainable"] == n and base["trainable"] == -1
@@ -40,7 +41,8 @@ def test_profile_counts_only_adapters_as_trainable():
 
 def test_plan_with_lora_needs_less_memory():
     kw = dict(gpus=2, gpu_memory="80GB", seq_len=512, global_batch=8, micro_batch_sizes=(2,), schedules=("1f1b",))
-    full, lora = plan("opt-125m", **kw).best, plan("opt-125m", lora_r=16, **kw).best
+    lora_16 = LoraSettings(r=16, targets="all-linear")
+    full, lora = plan_for("opt-125m", **kw).best, plan_for("opt-125m", lora=lora_16, **kw).best
     assert lora.memory < full.memory
 
 
@@ -48,7 +50,7 @@ def test_adapter_count_with_kv_heads_replicated_over_tp():
     from colozoo.cost.lora import adapter_params_per_layer
 
     config = transformers.AutoConfig.for_model("llama", **LLAMA)  # 4 kv heads of 8 features: at tp=8, 2 ranks each
-    counts = adapter_params_per_layer(config, tp=8, r=R, targets=("k_proj",))
+    counts = adapter_params_per_layer(config, tp=8, lora=LoraSettings(r=R, targets=("k_proj",)))
     assert counts == {str(i): R * 64 + 8 * R for i in range(4)}  # A whole, B one whole kv head on every rank
 
 
@@ -65,15 +67,16 @@ def test_modules_to_save_count_as_trainable():
     head = 64 * 3 + 3
     adapters = sum(p.numel() for a in lora_modules(model).values() for p in (a.A, a.B))
     assert trainable == adapters + head
-    kw = dict(batch_size=2, seq_len=32, mesh="dp=2", dtype="bfloat16", lora_r=R)
-    plain = profile(config, **kw).stages[0]
-    cls = profile(config, task="sequence_classification", **kw)
+    kw = dict(batch_size=2, seq_len=32, mesh="dp=2", dtype="bfloat16", lora=ALL_LINEAR)
+    plain = profile_for(config, **kw).stages[0]
+    cls = profile_for(config, task="sequence_classification", **kw)
     stage = cls.stages[0]
     assert plain["trainable"] == adapters and stage["trainable"] == trainable
     assert stage["grads"] == 4 * trainable and stage["optimizer"] == 8 * trainable and stage["master"] == 0
     assert stage["weights"] == plain["weights"]  # the head is already among the base weights
     assert cls.comm["dp_cp.all_reduce"] == 4 * trainable
-    nothing_saved = profile(config, task="sequence_classification", lora_modules_to_save=(), **kw).stages[0]
+    frozen_head = LoraSettings(r=R, targets="all-linear", modules_to_save=())
+    nothing_saved = profile_for(config, task="sequence_classification", **{**kw, "lora": frozen_head}).stages[0]
     assert nothing_saved["trainable"] == adapters
-    first, last = profile(config, task="sequence_classification", **{**kw, "mesh": "pp=2"}).stages
+    first, last = profile_for(config, task="sequence_classification", **{**kw, "mesh": "pp=2"}).stages
     assert first["trainable"] == adapters // 2 and last["trainable"] == adapters // 2 + head

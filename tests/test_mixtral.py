@@ -74,7 +74,7 @@ def load_saved(hf, config, pc):
 
 def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", config_overrides=None,
                    family="mixtral"):
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.core.mesh import coords_of, init_parallel
@@ -153,7 +153,7 @@ def test_mixtral_context_parallel_with_ep(mode):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_converter_round_trip_bit_exact(family):
     from colozoo.checkpoint.safetensors_io import SafetensorsReader
-    from colozoo.checkpoint.sources import GlobalTensor
+    from colozoo.checkpoint.readers import GlobalTensor
     from colozoo.converters import family_module
 
     config, hf = hf_causal_lm(family, FAMILIES[family])
@@ -220,7 +220,7 @@ def _pipeline_parity(family, pp, tp, ep, config_kwargs=None):
     """MoE layers on pipeline stages with the router losses on: every stage hands its layers' router statistics
     on with the hidden states. Eval logits, loss and aux loss, then a forward_backward over 2 micro-batches (loss
     and every gathered gradient), against transformers (on FAMILIES[family] unless `config_kwargs` is given)."""
-    from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+    from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
     from colozoo.converters import family_module
     from colozoo.layers.shard import gather_tensor, spec_of
     from colozoo.core.mesh import coords_of, init_parallel

@@ -8,7 +8,7 @@ from distributed import run_distributed
 from parity import batch, hf_causal_lm
 
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.readers import StateDictReader
 from colozoo.api import build_model
 from colozoo.runtime.checkpointing import is_checkpointed
 from colozoo.runtime.plan import Plan

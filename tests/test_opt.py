@@ -142,7 +142,7 @@ def test_opt_loads_a_save_pretrained_checkpoint(tmp_path, option):
 
 def _train_step_with_dropout(tp):
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
     from colozoo.core.rng import model_parallel_seed
@@ -175,7 +175,7 @@ def _pipeline_parity(config_kwargs, pp, tp):
     from parity import LOGITS_ATOL, batch, hf_causal_lm
 
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 

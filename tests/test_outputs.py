@@ -46,7 +46,7 @@ def test_model_output_behaves_like_transformers():
 def _load(architecture, config_kwargs, task=None):
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
 
     model_type = getattr(transformers, architecture).config_class.model_type
@@ -130,7 +130,7 @@ def test_causal_lm_hidden_states_tp2(family, config):
 def _hidden_states_on_mesh(family, config_kwargs, cp=1, dp=1, fsdp=False):
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.training import parallelize
 

@@ -68,7 +68,7 @@ def build(pc, hf):
     """Our model on `pc` with `hf`'s weights, and what they were read from (None: a saved checkpoint)."""
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
 
     if hf.config.model_type in MOE:
         from test_mixtral import load_saved
@@ -83,7 +83,7 @@ def build(pc, hf):
 def gradients_match(model, pc, weights, hf_grads):
     """Every gradient, gathered (over FSDP's shards, then tp), equals transformers' (MoE families: by its in-memory
     names)."""
-    from colozoo.checkpoint.sources import GlobalTensor
+    from colozoo.checkpoint.readers import GlobalTensor
     from colozoo.converters import family_module
     from colozoo.core.mesh import coords_of
     from colozoo.layers.shard import gather_tensor, spec_of
@@ -123,7 +123,7 @@ def stitched_reference(hf, ids, positions):
 def packed_parity(family: str, tp: int = 1, sequence_parallel: bool = False):
     """Logits, loss and every gradient of a packed batch against transformers; transformers is first checked to
     honour the packing itself (a document's logits equal those of the document run alone)."""
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
 
     pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
@@ -166,7 +166,7 @@ def no_leakage(family: str = "llama", tp: int = 1, sequence_parallel: bool = Fal
     """Each document's logits and loss in the packed batch equal transformers' on the document alone (so nothing
     crosses a document boundary), on the path the mesh and `kernels` select; with `train`, forward_backward over
     two micro-batches gives transformers' packed loss and gradients."""
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
     from colozoo.kernels.dispatch import use_kernels
     from colozoo.runtime.training import parallelize

@@ -8,7 +8,7 @@ from distributed import run_distributed
 from parity import LOGITS_ATOL, batch, close, hf_causal_lm
 
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.readers import StateDictReader
 from colozoo.api import build_model
 from colozoo.core.mesh import init_parallel
 from colozoo.core.partition import PartitionError, rank_layers, stage_layers, virtual_stage_layers
@@ -167,7 +167,7 @@ def test_layer_cost_equals_the_built_model(name):
     last stage's head (Gemma and Qwen3: heads x head_dim != hidden; grouped kv heads; Qwen3-MoE's router); by FLOPs,
     the profiler's traced layer against its head."""
     from colozoo.core.mesh import ParallelContext
-    from colozoo.cost.profiler import profile
+    from colozoo.cost.profiler import profile_for
     from colozoo.models import build_model as build_layers
     from colozoo.registry import get_config
 
@@ -181,7 +181,7 @@ def test_layer_cost_equals_the_built_model(name):
     _, first, last = layer_cost(config, "params")
     assert first == pytest.approx(count(stages[0], False) / layer, rel=1e-3)
     assert last == pytest.approx(count(stages[1], False) / layer, rel=1e-3)  # the head (a tied copy) and the norm
-    report = profile(name, batch_size=1, seq_len=256, optimizer="none")  # bf16: MoE experts run torch._grouped_mm
+    report = profile_for(name, batch_size=1, seq_len=256, optimizer="none")  # bf16: MoE experts run torch._grouped_mm
     units = {u["name"].split()[0]: u for u in report.units}
     measured = units["head"]["fwd_flops"] / units["layer"]["fwd_flops"]
     assert layer_cost(config, "flops", seq_len=256)[2] == pytest.approx(measured, rel=1e-3)

@@ -8,9 +8,9 @@ import torch
 from colozoo.cost.hardware import GB, GiB, HardwareError, get_hardware, parse_bytes
 from colozoo.cost.offload import MemoryNeed, decide_offload, pipelined, split
 from colozoo.runtime.offload import CHUNK_BYTES, OffloadedAdamW, fsdp2_offload_policy
-from colozoo.cost.planner import best_plan_for_world, plan
-from colozoo.cost.profiler import profile
-from colozoo.cost.setup import get_config
+from colozoo.cost.planner import SearchSpace, best_plan_for_world, plan_for
+from colozoo.cost.profiler import profile, profile_for
+from colozoo.cost.setup import Workload, get_config
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -85,14 +85,12 @@ def test_offloaded_adamw_matches_adamw(chunk_bytes):
 
 
 def test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout():
-    result = plan("opt-125m", gpus=8, gpu_memory="80GB", seq_len=1024, global_batch=64,
-                  micro_batch_sizes=(1, 2))
+    result = plan_for("opt-125m", gpus=8, gpu_memory="80GB", seq_len=1024, global_batch=64,
+                      micro_batch_sizes=(1, 2))
     best = result.best
     assert best.tp * best.pp * best.dp * best.cp == 8 and best.dp * best.micro_batch_size * best.num_microbatches == 64
-    # the predicted memory is the profiler's for the same degrees
-    again = profile("opt-125m", batch_size=best.micro_batch_size, seq_len=1024, mesh=best.mesh(), zero=best.zero,
-                    num_microbatches=best.num_microbatches, checkpointing=best.checkpointing,
-                    checkpoint_layers=best.checkpoint_layers, schedule=best.schedule, offload=best.offload)
+    # the predicted memory is the profiler's for the same plan
+    again = profile("opt-125m", best.choices(), Workload(seq_len=1024))
     assert again.peak_memory == pytest.approx(best.memory)
     assert "why" in result.table() and result.to_json().startswith("{")
     # ranked fastest first, among plans that differ: the best is the fastest of all those searched
@@ -107,13 +105,13 @@ def test_partial_checkpointing_beats_recomputing_every_layer():
     # costs less than recomputing all 12
     kw = dict(gpus=1, gpu_memory="4.5GB", seq_len=1024, global_batch=8, micro_batch_sizes=(4,), allow_offload=False)
     limit = get_hardware("H100-80GB", gpu_memory="4.5GB").memory_limit
-    partial, whole = plan("opt-125m", **kw).best, plan("opt-125m", partial_checkpointing=False, **kw).best
+    partial, whole = plan_for("opt-125m", **kw).best, plan_for("opt-125m", partial_checkpointing=False, **kw).best
     assert partial.checkpointing == whole.checkpointing == "full"
     assert 0 < partial.checkpoint_layers < 12 and whole.checkpoint_layers is None
     assert partial.step_seconds < whole.step_seconds and partial.memory <= limit
     setup = dict(batch_size=4, seq_len=1024, num_microbatches=2)
-    assert profile("opt-125m", **setup).peak_memory > limit  # so some recompute is needed...
-    fewer = profile("opt-125m", checkpointing="full", checkpoint_layers=partial.checkpoint_layers - 1, **setup)
+    assert profile_for("opt-125m", **setup).peak_memory > limit  # so some recompute is needed...
+    fewer = profile_for("opt-125m", checkpointing="full", checkpoint_layers=partial.checkpoint_layers - 1, **setup)
     assert fewer.peak_memory > limit  # ...and the planner took the fewest layers that fit
 
 
@@ -122,11 +120,11 @@ def test_long_sequences_choose_context_parallel():
     # parallelism has to recompute most layers; the planner sees cp only when it may use it
     kw = dict(gpus=2, gpu_memory="80GB", seq_len=32768, global_batch=2, micro_batch_sizes=(1,), zero_levels=(3,),
               schedules=("1f1b",))
-    with_cp = plan("Llama-3.2-1B", **kw)
+    with_cp = plan_for("Llama-3.2-1B", **kw)
     assert (with_cp.best.cp, with_cp.best.checkpointing) == (2, "none"), with_cp.best.mesh()
     dp_only = next(p for p in with_cp.plans if (p.dp, p.cp, p.tp, p.pp) == (2, 1, 1, 1))
     assert dp_only.checkpointing == "full" and dp_only.step_seconds > with_cp.best.step_seconds
-    without = plan("Llama-3.2-1B", context_parallel=False, **kw)
+    without = plan_for("Llama-3.2-1B", context_parallel=False, **kw)
     assert all(p.cp == 1 for p in without.plans) and without.best.step_seconds > with_cp.best.step_seconds
 
 
@@ -134,8 +132,8 @@ def test_context_parallel_ranks_do_the_whole_sequences_attention():
     # ring attention: a cp rank's queries meet every chunk's keys, so two half sequences on a cp=2 rank cost
     # what one whole sequence costs on a cp=1 rank (the same tokens, the same (query, key) pairs)
     config = get_config("Llama-3.2-1B")
-    whole = profile(config, batch_size=1, seq_len=8192)
-    halves = profile(config, batch_size=2, seq_len=8192, mesh="cp=2")
+    whole = profile_for(config, batch_size=1, seq_len=8192)
+    halves = profile_for(config, batch_size=2, seq_len=8192, mesh="cp=2")
     for key in ("fwd_flops", "bwd_flops"):
         assert halves.stages[0][key] == pytest.approx(whole.stages[0][key], rel=1e-3), key
     assert halves.stages[0]["activations"] == pytest.approx(whole.stages[0]["activations"], rel=0.01)
@@ -145,8 +143,8 @@ def test_mixture_of_experts_chooses_expert_parallelism():
     # Mixtral 8x7B on 16 GPUs without tensor parallelism: FSDP over plain data parallelism gathers all eight
     # experts of every layer on every rank; splitting the experts over ep ranks gathers only their own and sends
     # tokens instead. (With tp, whose shards of the experts are already small, tp4 x pp2 x dp2 wins.)
-    result = plan("Mixtral-8x7B-v0.1", gpus=16, gpu_memory="80GB", seq_len=4096, global_batch=16,
-                  micro_batch_sizes=(1,), zero_levels=(3,), schedules=("1f1b",))
+    result = plan_for("Mixtral-8x7B-v0.1", gpus=16, gpu_memory="80GB", seq_len=4096, global_batch=16,
+                      micro_batch_sizes=(1,), zero_levels=(3,), schedules=("1f1b",))
     data_parallel = [p for p in result.plans if p.tp == 1]
     best = min(data_parallel, key=lambda p: p.step_seconds)
     assert best.ep > 1, best.mesh()
@@ -156,7 +154,7 @@ def test_mixture_of_experts_chooses_expert_parallelism():
     # ep=8 over dp=8 each rank keeps its one expert per layer whole, so its AdamW states (8 bytes a parameter)
     # are still 1/8 of the model's, as under plain FSDP, not 1/64 of the experts'
     kw = dict(batch_size=1, seq_len=1024, zero=3, checkpointing="full")
-    flat, split = (profile("Mixtral-8x7B-v0.1", mesh=m, **kw) for m in ("dp=8", "dp=8,ep=8"))
+    flat, split = (profile_for("Mixtral-8x7B-v0.1", mesh=m, **kw) for m in ("dp=8", "dp=8,ep=8"))
     assert flat.stages[0]["optimizer"] == pytest.approx(8 * flat.total_params / 8, rel=1e-3)
     assert split.stages[0]["optimizer"] == pytest.approx(flat.stages[0]["optimizer"], rel=1e-3)
     assert split.stages[0]["comm"]["ep.all_to_all"] > 0 and "ep.all_to_all" not in flat.stages[0]["comm"]
@@ -164,12 +162,12 @@ def test_mixture_of_experts_chooses_expert_parallelism():
 
 def test_one_f_one_b_fits_where_gpipe_does_not():
     setup = dict(batch_size=4, seq_len=1024, mesh="pp=4", num_microbatches=8)
-    one_f, gpipe = (profile("opt-125m", schedule=s, **setup) for s in ("1f1b", "gpipe"))
+    one_f, gpipe = (profile_for("opt-125m", schedule=s, **setup) for s in ("1f1b", "gpipe"))
     # the first stage holds pp=4 micro-batches' activations under 1F1B, all 8 under GPipe
     assert one_f.stages[0]["inflight"] == 4 and gpipe.stages[0]["inflight"] == 8
     assert gpipe.peak_memory > 2 * one_f.peak_memory
-    result = plan("opt-125m", gpus=4, gpu_memory="4GB", seq_len=1024, global_batch=32, micro_batch_sizes=(4,),
-                  zero_levels=(0,))
+    result = plan_for("opt-125m", gpus=4, gpu_memory="4GB", seq_len=1024, global_batch=32, micro_batch_sizes=(4,),
+                      zero_levels=(0,))
     pp4 = [p for p in result.plans if p.pp == 4]
     assert pp4 and all(p.schedule == "1f1b" for p in pp4)
     assert any(p.checkpointing == "none" and p.offload == "none" for p in pp4)
@@ -178,24 +176,24 @@ def test_one_f_one_b_fits_where_gpipe_does_not():
 
 def test_plan_offloads_when_gpu_memory_runs_short():
     # 1.3B parameters x 16 bytes of model state do not fit one 20 GB GPU: the optimizer moves to the CPU
-    result = plan("opt-1.3b", gpus=1, gpu_memory="20GB", seq_len=1024, global_batch=8, micro_batch_sizes=(1,))
+    result = plan_for("opt-1.3b", gpus=1, gpu_memory="20GB", seq_len=1024, global_batch=8, micro_batch_sizes=(1,))
     best = result.best
     assert best.offload == "optimizer" and any("optimizer states" in w for w in best.why)
     assert best.breakdown["offload"] > 0
-    assert not plan("opt-1.3b", gpus=1, gpu_memory="20GB", seq_len=1024, global_batch=8, micro_batch_sizes=(1,),
-                    allow_offload=False).plans
+    assert not plan_for("opt-1.3b", gpus=1, gpu_memory="20GB", seq_len=1024, global_batch=8, micro_batch_sizes=(1,),
+                        allow_offload=False).plans
 
 
 def test_collective_latency_and_overlap_are_priced():
     from colozoo.core.mesh import ParallelConfig
     from colozoo.cost.planner import estimate
-    from colozoo.cost.setup import Workload, plan_of
+    from colozoo.cost.setup import plan_of
 
     workload = Workload(seq_len=256, dtype="bfloat16")
     kw = dict(batch_size=2, seq_len=256, zero=3, num_microbatches=2)
     tp, dp = ParallelConfig(tp=2, sequence_parallel=True), ParallelConfig(dp=2)
     tp_plan, dp_plan = (plan_of(mesh, micro_batch_size=2, zero=3, num_microbatches=2) for mesh in (tp, dp))
-    tp_report, dp_report = profile("opt-125m", mesh=tp, **kw), profile("opt-125m", mesh=dp, **kw)
+    tp_report, dp_report = profile_for("opt-125m", mesh=tp, **kw), profile_for("opt-125m", mesh=dp, **kw)
     # 12 layers x (2 forward + 2 backward) sequence-parallel gathers and reduce-scatters, 2 micro-batches
     assert sum(tp_report.comm_calls.values()) >= 12 * 4 * 2
     # FSDP: every layer and the stage gathered for each micro-batch's forward and (but the stage) backward,
@@ -223,8 +221,8 @@ def test_collective_latency_and_overlap_are_priced():
 
 
 def test_best_plan_for_world_and_cli(capsys):
-    degrees = best_plan_for_world("opt-125m", 4, gpu_memory="16GB", seq_len=512, global_batch=16,
-                                  micro_batch_sizes=(2,)).to_dict()
+    degrees = best_plan_for_world("opt-125m", 4, Workload(seq_len=512), SearchSpace(micro_batch_sizes=(2,)),
+                                  global_batch=16, gpu_memory="16GB").to_dict()
     assert degrees["tp"] * degrees["pp"] * degrees["dp"] * degrees["cp"] == 4
     from colozoo.cli import main
 

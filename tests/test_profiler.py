@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from colozoo.kernels.dispatch import use_kernels
 from colozoo.api import build_model
 from colozoo.cost.trace import EXTRA_FLOP_FORMULAS
-from colozoo.cost.profiler import profile
+from colozoo.cost.profiler import profile_for
 from colozoo.cost.setup import ProfilerError, get_config
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -62,7 +62,7 @@ def test_flops_and_activations_match_a_real_run(family, dropout):
         dict(dropout=dropout, attention_dropout=dropout)
     config = config_of(family, **drop)
     real_flops, real_saved = real_step(config)
-    report = profile(config, batch_size=B, seq_len=S, dtype="float32", target="cpu")
+    report = profile_for(config, batch_size=B, seq_len=S, dtype="float32", target="cpu")
     assert report.step_flops == real_flops  # one layer traced, multiplied by three
     predicted = report.stages[0]["activations"]
     assert abs(predicted - real_saved) / real_saved < 0.05, (predicted, real_saved)
@@ -94,8 +94,8 @@ def test_partial_checkpointing_saves_what_the_profiler_predicts():
         saved, grads = checkpointed_step(config, k)
         for name, g in none_grads.items():  # recomputation changes memory, not the numbers
             torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-6, msg=name)
-        predicted = profile(config, batch_size=B, seq_len=S, dtype="float32", target="cpu", checkpointing="full",
-                            checkpoint_layers=k).stages[0]["activations"]
+        predicted = profile_for(config, batch_size=B, seq_len=S, dtype="float32", target="cpu", checkpointing="full",
+                                checkpoint_layers=k).stages[0]["activations"]
         assert abs(predicted - saved) / saved < 0.05, (k, predicted, saved)
         measured.append(saved)
     assert none_saved > measured[0] > measured[1], (none_saved, measured)
@@ -131,7 +131,7 @@ def test_layer_activations_match_korthikanti(tp, sp, checkpointing):
     config = transformers.GPT2Config(vocab_size=101, n_positions=256, n_embd=H_K, n_layer=2, n_head=A_K,
                                      activation_function="gelu_pytorch_tanh")  # one fused GeLU, as in the paper
     mesh = dict(tp=tp, sequence_parallel=sp)
-    report = profile(config, batch_size=B_K, seq_len=S_K, mesh=mesh, dtype="float16", checkpointing=checkpointing)
+    report = profile_for(config, batch_size=B_K, seq_len=S_K, mesh=mesh, dtype="float16", checkpointing=checkpointing)
     layer = next(u for u in report.units if u["name"].startswith("layer"))
     saved = layer["saved_bytes"] - (layer["attention_core_bytes"] if checkpointing == "selective" else 0)
     expected = korthikanti(tp, sp)
@@ -161,8 +161,8 @@ def korthikanti_paper(t=1, sp=False, selective=False) -> float:
 def test_eager_layer_activations_match_korthikanti_unconverted(tp, sp, checkpointing):
     config = transformers.GPT2Config(vocab_size=101, n_positions=256, n_embd=H_K, n_layer=2, n_head=A_K,
                                      activation_function="gelu_pytorch_tanh", attn_pdrop=0.1, resid_pdrop=0.1)
-    report = profile(config, batch_size=B_K, seq_len=S_K, mesh=dict(tp=tp, sequence_parallel=sp), dtype="float16",
-                     checkpointing=checkpointing, target="eager")
+    report = profile_for(config, batch_size=B_K, seq_len=S_K, mesh=dict(tp=tp, sequence_parallel=sp), dtype="float16",
+                         checkpointing=checkpointing, target="eager")
     layer = next(u for u in report.units if u["name"].startswith("layer"))
     assert layer["attention_core_bytes"] == pytest.approx(S_K * B_K * H_K * 5 * A_K * S_K / H_K / tp)
     saved = layer["saved_bytes"] - (layer["attention_core_bytes"] if checkpointing == "selective" else 0)
@@ -174,8 +174,8 @@ def test_eager_layer_activations_match_korthikanti_unconverted(tp, sp, checkpoin
 
 def test_eager_attention_selective_drops_the_s_by_s_tensors():
     config = config_of("gpt2", attn_pdrop=0.1)  # CPU runs dropout attention on the math path
-    none = profile(config, batch_size=B, seq_len=S, dtype="float32", target="cpu")
-    selective = profile(config, batch_size=B, seq_len=S, dtype="float32", target="cpu", checkpointing="selective")
+    none = profile_for(config, batch_size=B, seq_len=S, dtype="float32", target="cpu")
+    selective = profile_for(config, batch_size=B, seq_len=S, dtype="float32", target="cpu", checkpointing="selective")
     layer = next(u for u in none.units if u["name"].startswith("layer"))
     assert layer["attention_core_bytes"] >= 3 * B * 4 * S * S * 4  # probabilities, mask, dropped probabilities
     assert none.stages[0]["activations"] - selective.stages[0]["activations"] == 3 * layer["attention_core_bytes"]
@@ -184,9 +184,9 @@ def test_eager_attention_selective_drops_the_s_by_s_tensors():
 
 def test_tensor_parallel_shards_and_collectives():
     b, s, h = B, S, 64
-    one = profile(config_of("gpt2"), batch_size=b, seq_len=s, dtype="float32")
-    two = profile(config_of("gpt2"), batch_size=b, seq_len=s, dtype="float32", mesh="tp=2")
-    sp = profile(config_of("gpt2"), batch_size=b, seq_len=s, dtype="float32", mesh="tp=2,sp")
+    one = profile_for(config_of("gpt2"), batch_size=b, seq_len=s, dtype="float32")
+    two = profile_for(config_of("gpt2"), batch_size=b, seq_len=s, dtype="float32", mesh="tp=2")
+    sp = profile_for(config_of("gpt2"), batch_size=b, seq_len=s, dtype="float32", mesh="tp=2,sp")
     layer = lambda r: next(u for u in r.units if u["name"].startswith("layer"))  # noqa: E731
     # column/row weights halve, biases of row-parallel linears and norms stay whole (the shard specs)
     replicated = (2 * 2 * h + 2 * h) * 4  # two LayerNorms, two row-parallel biases
@@ -203,8 +203,8 @@ def test_tensor_parallel_shards_and_collectives():
 def test_pipeline_stages_and_memory_terms():
     config = config_of("gpt2", n_layer=4)
     base = dict(batch_size=B, seq_len=S, dtype="bfloat16")
-    flat = profile(config, **base)
-    piped = profile(config, mesh="pp=2,dp=2", num_microbatches=4, zero=1, **base)
+    flat = profile_for(config, **base)
+    piped = profile_for(config, mesh="pp=2,dp=2", num_microbatches=4, zero=1, **base)
     assert [s["layers"] for s in piped.stages] == [[0, 1], [2, 3]]
     assert [s["inflight"] for s in piped.stages] == [2, 1]  # 1F1B: the first stage holds pp micro-batches
     # the tied LM head weight is duplicated on the last stage
@@ -213,13 +213,13 @@ def test_pipeline_stages_and_memory_terms():
     st = piped.stages[0]
     assert st["master"] == pytest.approx(st["params"] * 4 / 2)  # ZeRO-1 over dp=2
     assert st["optimizer"] == pytest.approx(st["params"] * 8 / 2)
-    fsdp = profile(config, mesh="dp=4", zero=3, offload="optimizer", **base)
+    fsdp = profile_for(config, mesh="dp=4", zero=3, offload="optimizer", **base)
     assert fsdp.stages[0]["weights"] == pytest.approx(flat.stages[0]["weights"] / 4)
     assert fsdp.stages[0]["optimizer"] == 0 and fsdp.stages[0]["cpu_bytes"] > 0
-    full = profile(config, checkpointing="full", **base)
+    full = profile_for(config, checkpointing="full", **base)
     assert full.stages[0]["activations"] < flat.stages[0]["activations"] / 2
     long = dict(batch_size=8, seq_len=64, dtype="bfloat16")  # activations dominate the peak
-    peaks = [profile(config, checkpointing="full", checkpoint_layers=k, **long).peak_memory for k in (0, 2, 4)]
+    peaks = [profile_for(config, checkpointing="full", checkpoint_layers=k, **long).peak_memory for k in (0, 2, 4)]
     assert peaks[0] > peaks[1] > peaks[2]
     assert set(piped.comm) >= {"pp.send_recv", "dp_cp.reduce_scatter", "dp_cp.all_gather"}
 
@@ -227,14 +227,14 @@ def test_pipeline_stages_and_memory_terms():
 def test_any_module_and_big_models_profile_in_seconds():
     hf_config = transformers.GPT2Config(**GPT2)
     hf = transformers.GPT2LMHeadModel(hf_config)
-    ours = profile(config_of("gpt2"), batch_size=B, seq_len=S, dtype="float32", target="cpu")
-    theirs = profile(hf, batch_size=B, seq_len=S, dtype="float32", target="cpu")
+    ours = profile_for(config_of("gpt2"), batch_size=B, seq_len=S, dtype="float32", target="cpu")
+    theirs = profile_for(hf, batch_size=B, seq_len=S, dtype="float32", target="cpu")
     assert theirs.total_params == ours.total_params  # same model, HF's code
     assert theirs.step_flops == ours.step_flops
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     start = time.perf_counter()
-    big = profile("opt-30b", batch_size=1, seq_len=2048, mesh="tp=8,pp=4,dp=2,sp", zero=1, num_microbatches=8,
-                  checkpointing="selective")
+    big = profile_for("opt-30b", batch_size=1, seq_len=2048, mesh="tp=8,pp=4,dp=2,sp", zero=1, num_microbatches=8,
+                      checkpointing="selective")
     assert time.perf_counter() - start < 20  # about 3.5 s on an idle core
     assert 29.9e9 < big.total_params < 30.1e9 and big.peak_memory < 80 * 2 ** 30
     text, blob = big.table(), big.to_json()
@@ -243,25 +243,25 @@ def test_any_module_and_big_models_profile_in_seconds():
     with torch.device("meta"):
         llama = transformers.LlamaForCausalLM(get_config("llama-2-70b"))
     start = time.perf_counter()
-    step = profile(llama, batch_size=1, seq_len=4096, mesh="dp=32", zero=3, checkpointing="full")
+    step = profile_for(llama, batch_size=1, seq_len=4096, mesh="dp=32", zero=3, checkpointing="full")
     assert time.perf_counter() - start < 20
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     assert grown < 2 * 2 ** 30, f"profiling 30B and 70B models raised peak RSS by {grown / 2 ** 30:.1f} GiB"
     assert 68.9e9 < step.total_params < 69.1e9 and step.peak_memory < 80 * 2 ** 30
     # on 8 GPUs the 14 bytes per parameter that persist through a bf16 AdamW step (weights, fp32 master
     # weights, two fp32 states) alone exceed 80 GB
-    eight = profile(llama, batch_size=1, seq_len=4096, mesh="dp=8", zero=3, checkpointing="full")
+    eight = profile_for(llama, batch_size=1, seq_len=4096, mesh="dp=8", zero=3, checkpointing="full")
     assert eight.peak_memory > 14 * step.total_params / 8 > 80e9
     assert next(u for u in step.units if u["name"].startswith("layer"))["count"] == 80
 
 
 def test_bad_input_is_named():
     with pytest.raises(ProfilerError, match="bad mesh entry"):
-        profile(config_of("gpt2"), mesh="tp=two")
+        profile_for(config_of("gpt2"), mesh="tp=two")
     with pytest.raises(ProfilerError, match="checkpointing"):
-        profile(config_of("gpt2"), checkpointing="some")
+        profile_for(config_of("gpt2"), checkpointing="some")
     with pytest.raises(ProfilerError, match="not a colozoo model"):
-        profile(torch.nn.Linear(4, 4), mesh="tp=2")
+        profile_for(torch.nn.Linear(4, 4), mesh="tp=2")
 
 
 def test_cli_json(capsys):
@@ -290,7 +290,7 @@ def test_pipeline_stages_are_split_as_the_model_splits_them():
     from colozoo.registry import get_config
 
     config = get_config("gpt2")
-    report = profile("gpt2", batch_size=1, seq_len=128, mesh="pp=4")
+    report = profile_for("gpt2", batch_size=1, seq_len=128, mesh="pp=4")
     expected = [model_rank_layers(config, 4, rank) for rank in range(4)]
     assert [[int(k) for k in s["layers"]] for s in report.stages] == expected
     assert len(expected[0]) < len(expected[1])  # the embedding's stage holds fewer layers: not an even split

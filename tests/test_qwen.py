@@ -227,10 +227,10 @@ def test_registered_qwen_sizes_match_transformers(name):
 def test_profile_qwen3_32b_tp8():
     """The profiler builds Qwen3-32B on an 8-way tp mesh: whole-head q/k norms stay replicated (their gradients
     summed over tp), everything else is split by 8."""
-    from colozoo.cost.profiler import profile
+    from colozoo.cost.profiler import profile_for
 
     b, s, h, hd = 1, 128, 5120, 128
-    report = profile("Qwen3-32B", batch_size=b, seq_len=s, mesh="tp=8")
+    report = profile_for("Qwen3-32B", batch_size=b, seq_len=s, mesh="tp=8")
     assert report.total_params == PUBLISHED["Qwen3-32B"]
     layer = next(u for u in report.units if u["name"].startswith("layer"))
     split = (64 + 2 * 8) * hd * h + 64 * hd * h + 3 * h * 25600  # q/k/v, o_proj, gate/up/down

@@ -18,7 +18,7 @@ from parity import close  # noqa: E402
 from colozoo.demo_finetune import make_tiny_gpt2  # noqa: E402
 from colozoo.finetune import state  # noqa: E402
 from colozoo.finetune.config import FinetuneConfig  # noqa: E402
-from colozoo.finetune.loop import run  # noqa: E402
+from colozoo.finetune.loop import finetune  # noqa: E402
 from colozoo.finetune.metrics import read_metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,11 +47,11 @@ def resume_across(model, root, legs: list[dict], last: dict, export: bool = Fals
     """(losses of an uninterrupted run on mesh `last`, losses of a run stopped on each of `legs` in turn, evenly
     spread over the 6 steps, and finished on `last`)."""
     straight, resumed = Path(root) / "straight", Path(root) / "resumed"
-    run(small_run(model, straight, **last))
+    finetune(small_run(model, straight, **last))
     for i, mesh in enumerate(legs):
         stop = 6 * (i + 1) // (len(legs) + 1)
-        assert run(small_run(model, resumed, stop_after=stop, save_interval=stop, **mesh))["step"] == stop
-    assert run(small_run(model, resumed, export_hf=export, **last))["step"] == 6
+        assert finetune(small_run(model, resumed, stop_after=stop, save_interval=stop, **mesh))["step"] == stop
+    assert finetune(small_run(model, resumed, export_hf=export, **last))["step"] == 6
     return losses(straight), losses(resumed)
 
 
@@ -61,10 +61,10 @@ def check_continues(straight, resumed, what):
 
 
 def test_tp2_to_tp1_with_offload(tiny, tmp_path):
-    run_distributed(run, 2, cfg=small_run(tiny, tmp_path / "resumed", tp=2, stop_after=3), timeout=240)
+    run_distributed(finetune, 2, cfg=small_run(tiny, tmp_path / "resumed", tp=2, stop_after=3), timeout=240)
     straight = tmp_path / "straight"
-    run(small_run(tiny, straight, offload="optimizer"))
-    summary = run(small_run(tiny, tmp_path / "resumed", offload="optimizer"))
+    finetune(small_run(tiny, straight, offload="optimizer"))
+    summary = finetune(small_run(tiny, tmp_path / "resumed", offload="optimizer"))
     assert summary["step"] == 6
     check_continues(losses(straight), losses(tmp_path / "resumed"), "tp2 -> tp1 (optimizer offload)")
 
@@ -103,7 +103,7 @@ def test_fsdp_checkpoint_exports_like_the_model(tiny, tmp_path):
     """A checkpoint whose tensors FSDP split by rows (dp2) converts to the same HF directory the run exported."""
     from colozoo.checkpoint.convert import convert
 
-    run_distributed(run, 2, cfg=small_run(tiny, tmp_path / "run", dp=2, steps=2, export_hf=True), timeout=240)
+    run_distributed(finetune, 2, cfg=small_run(tiny, tmp_path / "run", dp=2, steps=2, export_hf=True), timeout=240)
     final = state.latest_checkpoint(tmp_path / "run" / "checkpoints")
     index = json.loads((final / "colozoo_index.json").read_text())
     assert len(index["tensors"]["wte.weight"]["pieces"]) == 2  # each dp rank wrote its rows
@@ -123,21 +123,21 @@ class RunsCode:
 
 def test_a_pickle_in_a_checkpoint_is_never_unpickled(tiny, tmp_path):
     out, marker = tmp_path / "run", tmp_path / "code-ran"
-    run(small_run(tiny, out, steps=4, stop_after=2))
+    finetune(small_run(tiny, out, steps=4, stop_after=2))
     ckpt = state.latest_checkpoint(out / "checkpoints")
     payload = pickle.dumps(RunsCode(marker))
     for name in ("rank-00000.pt", "optimizer.pt", "rng.pkl"):
         (ckpt / name).write_bytes(payload)
-    assert run(small_run(tiny, out, steps=4))["step"] == 4  # resumed, the pickles ignored
+    assert finetune(small_run(tiny, out, steps=4))["step"] == 4  # resumed, the pickles ignored
     assert not marker.exists()
 
-    run(small_run(tiny, out, steps=4, resume=False, stop_after=2))
+    finetune(small_run(tiny, out, steps=4, resume=False, stop_after=2))
     ckpt = state.latest_checkpoint(out / "checkpoints")
     meta = json.loads((ckpt / "meta.json").read_text())
     (ckpt / "meta.json").write_text(json.dumps({**meta, "format": state.PICKLED_FORMAT}))  # an older, pickled save
     (ckpt / "rank-00000.pt").write_bytes(payload)
     with pytest.raises(state.ResumeError, match="pickles, which resume never loads"):
-        run(small_run(tiny, out, steps=4))
+        finetune(small_run(tiny, out, steps=4))
     assert not marker.exists()
     pickle.loads(payload)  # the file was live: unpickling it runs its code
     assert marker.exists()
@@ -152,14 +152,14 @@ def test_no_pickle_loading_in_colozoo():
 
 def test_another_model_or_data_position_is_refused(tiny, tmp_path):
     out = tmp_path / "run"
-    run(small_run(tiny, out, steps=4, stop_after=2))
+    finetune(small_run(tiny, out, steps=4, stop_after=2))
     other = make_tiny_gpt2(tmp_path / "three-layers", n_layer=3, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
                            attn_pdrop=0.0)
     with pytest.raises(state.ResumeError, match=r"another model \(its config differs: n_layer: 2 in the checkpoint, "
                                                 r"3 here\)"):
-        run(small_run(other, out, steps=4))
+        finetune(small_run(other, out, steps=4))
     with pytest.raises(state.ResumeError, match=r"global_batch 4 in the checkpoint, 8 here"):
-        run(small_run(tiny, out, steps=4, global_batch_size=8))
+        finetune(small_run(tiny, out, steps=4, global_batch_size=8))
 
 
 def test_async_save_lets_training_go_on_and_resumes_exactly(tiny, tmp_path, monkeypatch):
@@ -178,10 +178,10 @@ def test_async_save_lets_training_go_on_and_resumes_exactly(tiny, tmp_path, monk
         committed_after[step] = len(losses(out))
 
     monkeypatch.setattr(state, "_before_commit", commit_after_next_step)
-    run(small_run(tiny, out, async_save=True))
+    finetune(small_run(tiny, out, async_save=True))
     monkeypatch.undo()
     assert committed_after[2] > 2 and committed_after[4] > 4, committed_after
     straight = losses(out)
     shutil.rmtree(out / "checkpoints" / "step-00000006")
-    assert run(small_run(tiny, out, async_save=True))["step"] == 6  # from the asynchronously written step 4
+    assert finetune(small_run(tiny, out, async_save=True))["step"] == 6  # from the asynchronously written step 4
     assert losses(out) == straight

@@ -8,7 +8,7 @@ from parity import batch, hf_causal_lm
 
 from colozoo.api import build_model
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import StateDictReader
+from colozoo.checkpoint.readers import StateDictReader
 from colozoo.core.mesh import init_parallel, single_process
 from colozoo.models import build_model as build_layers
 from colozoo.runtime.run import Run

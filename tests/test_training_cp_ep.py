@@ -8,7 +8,7 @@ from distributed import run_distributed
 from parity import RTOL, batch, hf_causal_lm
 
 from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
 from colozoo.converters import family_module
 from colozoo.layers.shard import gather_tensor, materialize, shard_tensor, spec_of
 from colozoo.api import build_model

@@ -69,7 +69,7 @@ def test_published_names_and_in_memory_names_both_load():
     """transformers saves ViT (and the hub checkpoints hold it) under encoder.layer.N.attention.attention.query...,
     while its in-memory state dict says layers.N.attention.q_proj; the converter maps the saved names and reads both."""
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.converters.vit import hf_sources
     from colozoo.api import build_model
     from parity import hf_model
@@ -104,7 +104,7 @@ def test_vit_image_classification_pipeline_parallel(pp, tp, sp):
 
 def checkpointed_step(mode):
     from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.sources import StateDictReader
+    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.api import build_model
     from colozoo.core.rng import model_parallel_seed
     from colozoo.runtime.training import parallelize

@@ -29,9 +29,9 @@ from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, file_name,
                                        plan_mesh, rank_pieces, tensor_entry, write_index)
 from colozoo.checkpoint.layout import ModelLayout, check_mesh
 from colozoo.core.dtypes import dtype_name, parse_dtype
-from colozoo.checkpoint.sources import GlobalTensor, StateDictReader
+from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
 from colozoo.checkpoint.load import HFTensors
-from colozoo.checkpoint.sources import index_files
+from colozoo.checkpoint.readers import index_files
 from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.collective import collective as _collective, world as _world
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf

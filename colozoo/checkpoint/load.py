@@ -17,7 +17,7 @@ from colozoo.core.errors import CheckpointError
 
 from .format import ColozooTensor
 from .layout import ModelLayout
-from .sources import GlobalTensor, TensorReader
+from .readers import GlobalTensor, TensorReader
 
 def _resolve_prefix(reader: TensorReader, sources, prefix: str, namings=()):
     """Checkpoints of a base model (e.g. GPT2Model) lack the task-model prefix; adapt the names. `namings`: lists

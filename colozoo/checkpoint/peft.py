@@ -20,7 +20,7 @@ from colozoo.checkpoint.collective import collective, world
 from colozoo.checkpoint.atomic import atomic_directory, check_destination
 from colozoo.checkpoint.load import copy_slices
 from colozoo.checkpoint.safetensors_io import SafetensorsReader
-from colozoo.checkpoint.sources import GlobalTensor
+from colozoo.checkpoint.readers import GlobalTensor
 from colozoo.converters import family_module
 from colozoo.converters.source import Source
 from colozoo.core.errors import CheckpointError

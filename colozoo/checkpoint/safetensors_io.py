@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from colozoo.checkpoint.sources import TensorReader, index_files
+from colozoo.checkpoint.readers import TensorReader, index_files
 from colozoo.core.dtypes import SAFETENSORS as DTYPES, SAFETENSORS_CODES as DTYPE_CODES
 from colozoo.core.errors import CheckpointError
 

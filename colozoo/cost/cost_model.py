@@ -22,8 +22,8 @@ def _lora_states(mt, plan, workload, keys, weights, shard, ends=()):
     states; ZeRO shards them like any parameter."""
     from colozoo.cost.lora import adapter_params_per_layer, saved_params_per_unit
 
-    counts = adapter_params_per_layer(mt.config, plan.tp, workload.lora_r, workload.lora_targets)
-    saved = saved_params_per_unit(mt.config, workload.task, workload.lora_targets, workload.lora_modules_to_save)
+    counts = adapter_params_per_layer(mt.config, plan.tp, workload.lora)
+    saved = saved_params_per_unit(mt.config, workload.task, workload.lora)
     n_adapters = sum(counts.get(str(k), 0) for k in keys)
     n = n_adapters + sum(saved.get(str(k), 0) for k in (*keys, *ends))
     adapters = 4.0 * n_adapters
@@ -87,7 +87,7 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
             weights *= kept
         cpu = 0.0
         n_lora = 0
-        if workload.lora_r:  # the base is frozen: gradients, master weights and optimizer states for adapters only
+        if workload.lora:  # the base is frozen: gradients, master weights and optimizer states for adapters only
             ends = ("embed",) * (s == 0) + ("head",) * (s == len(stages) - 1)
             weights, grads, master, optim, n_lora = _lora_states(mt, plan, workload, keys, weights, shard, ends)
         if plan.offload in ("optimizer", "params"):
@@ -126,8 +126,8 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
         stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
                                      master, optim, fsdp, activations, transient, peak, cpu, inflight, int(fwd),
                                      int(bwd), *_stage_comm(parts, keys, plan, param_bytes, s, len(stages),
-                                                                4.0 * n_lora if workload.lora_r else None)))
-        if workload.lora_r:
+                                                                4.0 * n_lora if workload.lora else None)))
+        if workload.lora:
             stage_costs[-1].trainable = n_lora
         comm_by_stage.append(stage_costs[-1].comm)
     busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
@@ -135,7 +135,8 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     mesh = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "cp", "ep")}
     mesh["sp"] = plan.sequence_parallel
     return ProfileReport(
-        model=name, mesh=mesh, plan=plan.choices().to_dict(), workload=asdict(workload), num_layers=n_layers, total_params=total,
+        model=name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
+        total_params=total,
         units=[asdict(u) for u in units.values()], stages=[asdict(s) for s in stage_costs],
         comm=comm_by_stage[busiest], comm_calls=stage_costs[busiest].comm_calls,
         peak_memory=max(s.peak for s in stage_costs),

@@ -16,7 +16,7 @@ from colozoo.core.dtypes import NAMES as DTYPES
 from colozoo.core.dtypes import human_bytes
 from colozoo.cost.hardware import get_hardware
 from colozoo.cost.profiler import profile
-from colozoo.cost.setup import ProfilerError, get_config, parse_mesh
+from colozoo.cost.setup import ProfilerError, Workload, get_config, parse_mesh, plan_of
 
 
 @dataclass
@@ -83,7 +83,7 @@ def profile_generation(name, batch_size: int = 1, seq_len: int = 2048, mesh=None
     hw = get_hardware(hardware)
     config = get_config(name) if isinstance(name, str) else name
     element = DTYPES[dtype].itemsize
-    report = profile(name, batch_size=1, seq_len=min(seq_len, 128), mesh=degrees, dtype=dtype, optimizer="none")
+    report = profile(name, plan_of(degrees), Workload(seq_len=min(seq_len, 128), dtype=dtype, optimizer="none"))
     windows = attention_windows(config) if windows is None else windows
     stages = []
     for stage in report.stages:

@@ -8,11 +8,16 @@ import math
 
 from colozoo.core.mesh import ParallelContext
 from colozoo.cost.setup import ProfilerError
+from colozoo.runtime.lora import LoraSettings
 
 _CACHE: dict = {}
 
 
-def adapter_params_per_layer(config, tp: int, r: int, targets) -> dict[str, int]:
+def _targets(lora: LoraSettings):
+    return lora.targets if isinstance(lora.targets, str) else tuple(lora.targets)
+
+
+def adapter_params_per_layer(config, tp: int, lora: LoraSettings) -> dict[str, int]:
     """{global layer index (as a string): adapter parameters on one tp rank of that layer's stage}."""
     from colozoo.layers.shard import local_shape
     from colozoo.models import build_model
@@ -20,12 +25,12 @@ def adapter_params_per_layer(config, tp: int, r: int, targets) -> dict[str, int]
 
     if config is None:
         raise ProfilerError("LoRA costs need the model's config (profile a registered name or a config)")
-    targets = targets if isinstance(targets, str) else tuple(targets)
-    key = (id(config), tp, r, targets)
+    targets = _targets(lora)
+    key = (id(config), tp, lora.r, targets)
     if key not in _CACHE:
         model = build_model(config, pc=ParallelContext.virtual(), device="meta")
         try:
-            apply_lora(model, r=r, targets=targets)
+            apply_lora(model, r=lora.r, targets=targets)
         except ValueError as e:
             raise ProfilerError(str(e)) from None
         counts: dict[str, int] = {}
@@ -39,14 +44,14 @@ def adapter_params_per_layer(config, tp: int, r: int, targets) -> dict[str, int]
     return _CACHE[key]
 
 
-def saved_params_per_unit(config, task: str | None, targets, modules_to_save) -> dict[str, int]:
+def saved_params_per_unit(config, task: str | None, lora: LoraSettings) -> dict[str, int]:
     """{unit: parameters trained whole beside the adapters}: units are global layer indices (as strings), "embed"
-    (before the layers) and "head" (after them). `modules_to_save` None: the task's default, as apply_lora."""
+    (before the layers) and "head" (after them). `lora.modules_to_save` None: the task's default, as apply_lora."""
     from colozoo.models import build_model
     from colozoo.runtime.lora import apply_lora
 
-    targets = targets if isinstance(targets, str) else tuple(targets)
-    saved = modules_to_save if modules_to_save is None else tuple(modules_to_save)
+    targets = _targets(lora)
+    saved = lora.modules_to_save if lora.modules_to_save is None else tuple(lora.modules_to_save)
     key = ("saved", id(config), task, targets, saved)
     if key not in _CACHE:
         model = build_model(config, pc=ParallelContext.virtual(), device="meta", task=task)

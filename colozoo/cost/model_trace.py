@@ -249,7 +249,8 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
                 for p in params.values():
                     p.grad = None
                 with balanced_routing(model):
-                    traces[size] = trace_step(model, run, target=target, group_names=group_names)
+                    stages = model.run.stages if getattr(model, "run", None) is not None else ()
+                    traces[size] = trace_step(model, run, target=target, group_names=group_names, wrappers=stages)
     root = type(model).__name__
     layer_prefix = f"{root}.{prefix}." if prefix else None
     if all(k.isdigit() for k in all_layers):

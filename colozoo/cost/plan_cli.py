@@ -9,7 +9,7 @@ from dataclasses import fields
 from colozoo.core.names import DTYPE_NAMES as DTYPES
 from colozoo.cost.hardware import PRESETS, Hardware, HardwareError
 from colozoo.cost.priced import OPTIMIZER_BYTES
-from colozoo.cost.profile_cli import lora_targets
+from colozoo.cost.profile_cli import workload_from_args
 
 
 def add_parser(subparsers):
@@ -67,8 +67,9 @@ def _overrides(items) -> dict:
 def _main(args) -> int:
     import warnings
 
+    from colozoo.cost.hardware import get_hardware
     from colozoo.cost.inference import plan_generation
-    from colozoo.cost.planner import plan
+    from colozoo.cost.planner import SearchSpace, plan
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.generate:
@@ -77,10 +78,10 @@ def _main(args) -> int:
         print(json.dumps(found.to_dict(), indent=1) if args.json else found.table())
         return 0
     try:
-        result = plan(args.name, gpus=args.gpus, gpu_memory=args.gpu_memory, hardware=args.hardware,
-                      gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,
-                      dtype=args.dtype, optimizer=args.optimizer, allow_offload=not args.no_offload,
-                      lora_r=args.lora_r, lora_targets=lora_targets(args.lora_targets), **_overrides(args.set))
+        hardware = get_hardware(args.hardware, gpus=args.gpus, gpu_memory=args.gpu_memory,
+                                gpus_per_node=args.gpus_per_node, **_overrides(args.set))
+        result = plan(args.name, hardware, workload_from_args(args), SearchSpace(allow_offload=not args.no_offload),
+                      global_batch=args.global_batch)
     except HardwareError as e:
         raise ValueError(str(e)) from None
     if args.json:

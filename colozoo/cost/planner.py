@@ -1,6 +1,7 @@
 """Auto-parallel planner (the Colossal-Auto idea): layout and activation checkpointing chosen together.
 
-    result = colozoo.plan("opt-30b", gpus=8, gpu_memory="80GB")
+    result = colozoo.plan("opt-30b", get_hardware("H100-80GB", gpus=8), Workload(seq_len=2048))
+    result = colozoo.plan_for("opt-30b", gpus=8, gpu_memory="80GB", seq_len=2048)   # the same
     print(result.table()); result.best.choices()   # a colozoo.runtime.plan.Plan
     colozoo plan opt-30b --gpus 8 --gpu-memory 80GB --hardware H100-80GB
 
@@ -15,7 +16,8 @@ hide. Plans are ranked by step time among those under the memory limit.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from colozoo.cost.hardware import Hardware, get_hardware
 from colozoo.cost.offload import MemoryNeed, decide_offload
@@ -190,42 +192,48 @@ def _fits(report, hw: Hardware) -> bool:
     return report.peak_memory <= hw.memory_limit
 
 
-def _traces(name, seq_len, dtype, target, tp, cp, ep, sp, cache, batch_sizes) -> dict | str:
-    """{micro-batch size: ModelTrace} at this tp/ep/sp and local sequence (seq_len is already divided by cp;
-    traced once per size: the worst op's temporaries are not linear in the batch), or why the degrees do not
-    apply. Cached per (tp, cp, ep, sp)."""
-    key = (tp, cp, ep, sp)
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the planner chooses among besides the mesh (every tp x cp x ep x pp x dp that fills the GPUs)."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    schedules: tuple[str, ...] = PRICED_SCHEDULES
+    zero_levels: tuple[int, ...] = ZERO
+    context_parallel: bool | None = None  # None: for sequences of 8192 tokens and more
+    allow_offload: bool = True
+    partial_checkpointing: bool = True   # recompute the fewest layers per stage that fit (False: all of them)
+
+
+def _traces(model, workload: Workload, tp, cp, ep, batch_sizes, cache) -> dict | str:
+    """{micro-batch size: ModelTrace} at this tp/ep (sequence parallel under tp) and cp's local sequence (traced
+    once per size: the worst op's temporaries are not linear in the batch), or why the degrees do not apply.
+    Cached per (tp, cp, ep)."""
+    key = (tp, cp, ep)
     if key not in cache:
         try:
-            mesh = ParallelConfig(tp=tp, dp=ep, ep=ep, sequence_parallel=sp)
-            cache[key] = trace_model(name, list(batch_sizes), seq_len, mesh, dtype, target)
+            mesh = ParallelConfig(tp=tp, dp=ep, ep=ep, sequence_parallel=tp > 1)
+            cache[key] = trace_model(model, list(batch_sizes), workload.seq_len // cp, mesh, workload.dtype,
+                                     workload.target)
         except (ValueError, RuntimeError) as e:
             cache[key] = f"tp={tp}: {str(e).splitlines()[0][:80]}"
     return cache[key]
 
 
-def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len: int | None = None,
-         global_batch: int | None = None, dtype: str = "bfloat16", optimizer: str = "adamw",
-         micro_batch_sizes=(1, 2, 4, 8), schedules=PRICED_SCHEDULES, zero_levels=ZERO,
-         context_parallel: bool | None = None, allow_offload: bool = True, partial_checkpointing: bool = True,
-         target: str = "cuda", lora_r: int = 0, lora_targets="all-linear", lora_modules_to_save=None,
-         task: str | None = None, gpus_per_node: int | None = None, top: int | None = None,
-         **hardware_overrides) -> PlanResult:
-    """Search layouts x micro-batching x checkpointing x ZeRO x offload for the fastest plan that fits (`lora_r` > 0:
-    for LoRA fine-tuning, only the adapters and `lora_modules_to_save` training; None: the `task` head's default,
-    as colozoo.runtime.lora.apply_lora)."""
-    import time
-
+def plan(model, hardware: Hardware, workload: Workload, search: SearchSpace = SearchSpace(), *,
+         global_batch: int | None = None, top: int | None = None) -> PlanResult:
+    """The plans that train `model` (a registered name or a config) on all of `hardware`'s GPUs, `global_batch`
+    sequences of `workload` per step (None: about a million tokens, at least one sequence per GPU), searched over
+    layouts x `search` (micro-batching, schedules, ZeRO, checkpointing, offload): those that fit, fastest first
+    (the `top` first). With `workload.lora`, only the adapters and the modules to save train."""
     start = time.perf_counter()
-    hw = get_hardware(hardware, gpus=gpus, gpu_memory=gpu_memory, gpus_per_node=gpus_per_node,
-                      **hardware_overrides)
-    config = get_config(name) if isinstance(name, str) else name
-    seq_len = seq_len or default_seq_len(config)
-    if global_batch is None:  # about a million tokens, at least one sequence per GPU
+    config = get_config(model) if isinstance(model, str) else model
+    if workload.seq_len is None:
+        workload = replace(workload, seq_len=default_seq_len(config))
+    seq_len, gpus, hw = workload.seq_len, hardware.gpus, hardware
+    if global_batch is None:
         global_batch = max(gpus, 2 ** 20 // seq_len)
     heads = getattr(config, "num_attention_heads", 1)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    use_cp = context_parallel if context_parallel is not None else seq_len >= 8192
+    use_cp = search.context_parallel if search.context_parallel is not None else seq_len >= 8192
     cache, plans, rejected, searched = {}, [], {}, 0
 
     def reject(reason):
@@ -244,8 +252,7 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
             for ep in (divisors(pp_dp) if experts else [1]):
                 if experts and experts % ep:
                     continue
-                traces = _traces(name, seq_len // cp, dtype, target, tp, cp, ep, tp > 1, cache,
-                                 micro_batch_sizes)
+                traces = _traces(model, workload, tp, cp, ep, search.micro_batch_sizes, cache)
                 if isinstance(traces, str):
                     reject(traces)
                     continue
@@ -254,50 +261,58 @@ def plan(name, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, seq_len:
                     dp = pp_dp // pp
                     if pp > len(mt.layers) or (experts and (dp * cp) % ep):
                         continue
-                    pc = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1)
-                    for mbs in micro_batch_sizes:
+                    for mbs in search.micro_batch_sizes:
                         if global_batch % (dp * mbs):
                             continue
                         m = global_batch // (dp * mbs)
-                        for schedule in (schedules if pp > 1 else ("1f1b",)):
-                            for zero in (zero_levels if dp * cp > 1 else (0,)):
+                        for schedule in (search.schedules if pp > 1 else ("1f1b",)):
+                            for zero in (search.zero_levels if dp * cp > 1 else (0,)):
                                 searched += 1
-                                best = _best_recompute(traces[mbs], pc, mbs, m, schedule, zero, seq_len, dtype,
-                                                       optimizer, target, hw, global_batch, allow_offload,
-                                                       partial_checkpointing,
-                                                       (lora_r, lora_targets, lora_modules_to_save, task))
+                                layout = Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1,
+                                              micro_batch_size=mbs, num_microbatches=m, schedule=schedule, zero=zero)
+                                best = _best_recompute(traces[mbs], layout, workload, hw, search, global_batch)
                                 if isinstance(best, str):
                                     reject(best)
                                 else:
                                     plans.append(best)
     plans.sort(key=lambda p: (p.step_seconds, p.memory))
-    hw_dict = hw.to_dict()
-    result = PlanResult(name if isinstance(name, str) else type(name).__name__, hw_dict, seq_len, global_batch,
-                        plans[:top] if top else plans, rejected, searched, time.perf_counter() - start)
-    return result
+    return PlanResult(model if isinstance(model, str) else type(model).__name__, hw.to_dict(), seq_len, global_batch,
+                      plans[:top] if top else plans, rejected, searched, time.perf_counter() - start)
 
 
-def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, target, hw, global_batch,
-                    allow_offload, partial_checkpointing=True, lora=(0, "all-linear", None, None)):
+def plan_for(model, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, gpus_per_node: int | None = None,
+             global_batch: int | None = None, top: int | None = None, **settings) -> PlanResult:
+    """plan() with the hardware, the workload and the search space given field by field: `hardware` a preset name
+    (or a Hardware) with `gpus` in all, `gpu_memory` ('80GB') and `gpus_per_node`, and `settings` any field of the
+    Workload (seq_len, dtype, optimizer, target, lora, task), of the SearchSpace (micro_batch_sizes, schedules,
+    zero_levels, context_parallel, allow_offload, partial_checkpointing) or of the Hardware (overrides)."""
+    workload_fields, search_fields = _fields_of(Workload, settings), _fields_of(SearchSpace, settings)
+    overrides = {k: v for k, v in settings.items() if k not in workload_fields and k not in search_fields}
+    hw = get_hardware(hardware, gpus=gpus, gpu_memory=gpu_memory, gpus_per_node=gpus_per_node, **overrides)
+    return plan(model, hw, Workload(**workload_fields), SearchSpace(**search_fields), global_batch=global_batch,
+                top=top)
+
+
+def _fields_of(cls, settings: dict) -> dict:
+    return {f.name: settings[f.name] for f in fields(cls) if f.name in settings}
+
+
+def _best_recompute(mt, layout: Plan, workload: Workload, hw: Hardware, search: SearchSpace, global_batch: int):
     """The fastest checkpointing choice that fits this layout, with CPU offload only when nothing else does."""
-    workload = Workload(seq_len=seq_len, dtype=dtype, optimizer=optimizer, target=target, lora_r=lora[0],
-                        lora_targets=lora[1], lora_modules_to_save=lora[2], task=lora[3])
-    layout = Plan(**asdict(pc), micro_batch_size=mbs, num_microbatches=m, schedule=schedule, zero=zero)
-
     def evaluate(checkpointing, k=None, offload="none"):
-        plan = replace(layout, checkpointing=checkpointing, checkpoint_layers=k, offload=offload)
-        return assemble(mt, plan, workload), plan
+        candidate = replace(layout, checkpointing=checkpointing, checkpoint_layers=k, offload=offload)
+        return assemble(mt, candidate, workload), candidate
 
     candidates = []
     for checkpointing in ("none", "selective"):
-        report, plan = evaluate(checkpointing)
+        report, candidate = evaluate(checkpointing)
         if _fits(report, hw):
-            candidates.append((report, plan))
+            candidates.append((report, candidate))
     max_layers = max(len(s["layers"]) for s in assemble(mt, replace(layout, schedule="1f1b", zero=0),
                                                         workload).stages)
     # fewest recomputed layers per stage that fit: memory falls monotonically with k
-    lo, hi = (1, max_layers) if partial_checkpointing else (max_layers, max_layers)
-    report, plan = evaluate("full", hi)
+    lo, hi = (1, max_layers) if search.partial_checkpointing else (max_layers, max_layers)
+    report, candidate = evaluate("full", hi)
     if _fits(report, hw):
         while lo < hi:
             mid = (lo + hi) // 2
@@ -305,30 +320,32 @@ def _best_recompute(mt, pc, mbs, m, schedule, zero, seq_len, dtype, optimizer, t
                 hi = mid
             else:
                 lo = mid + 1
-        candidates.append(evaluate("full", hi if partial_checkpointing else None))
-    elif allow_offload:
+        candidates.append(evaluate("full", hi if search.partial_checkpointing else None))
+    elif search.allow_offload:
         base = report
         # parameters go to CPU memory through FSDP's offload policy: only when they are sharded
-        for level in ("optimizer", "params") if zero >= 3 and pc.dp * pc.cp > 1 else ("optimizer",):
-            report, plan = evaluate("full", max_layers, level)
+        for level in ("optimizer", "params") if layout.zero >= 3 and layout.dp * layout.cp > 1 else ("optimizer",):
+            report, candidate = evaluate("full", max_layers, level)
             if _fits(report, hw):
-                candidates.append((report, plan, base))
+                candidates.append((report, candidate, base))
                 break
     if not candidates:
-        held = f" ({schedule} holds {m} micro-batches)" if schedule == "gpipe" else ""
-        return (f"over {human(hw.memory_limit)} even with full recompute" + (" and offload" if allow_offload else "")
-                + held)
+        held = f" ({layout.schedule} holds {layout.num_microbatches} micro-batches)" \
+            if layout.schedule == "gpipe" else ""
+        return (f"over {human(hw.memory_limit)} even with full recompute"
+                + (" and offload" if search.allow_offload else "") + held)
     best = None
-    for report, plan, *base in candidates:
-        step, breakdown, decision = estimate(report, plan, workload, hw, base[0] if base else None)
+    for report, candidate, *base in candidates:
+        step, breakdown, decision = estimate(report, candidate, workload, hw, base[0] if base else None)
         if best is None or step < best[1]:
-            best = (report, step, breakdown, plan, decision)
-    report, step, breakdown, plan, decision = best
+            best = (report, step, breakdown, candidate, decision)
+    report, step, breakdown, chosen, decision = best
     # model FLOPs utilisation counts forward + backward (~2x forward), not recomputation
-    useful = 3 * sum(st["fwd_flops"] for st in report.stages) / len(report.stages) * m
-    why = _why(report, plan, workload, breakdown, step, hw, decision, max_layers)
-    return RankedPlan(**asdict(plan), memory=report.peak_memory, step_seconds=step, breakdown=breakdown,
-                      tokens_per_second=global_batch * seq_len / step, mfu=useful / step / hw.peak_flops, why=why)
+    useful = 3 * sum(st["fwd_flops"] for st in report.stages) / len(report.stages) * layout.num_microbatches
+    why = _why(report, chosen, workload, breakdown, step, hw, decision, max_layers)
+    return RankedPlan(**asdict(chosen), memory=report.peak_memory, step_seconds=step, breakdown=breakdown,
+                      tokens_per_second=global_batch * workload.seq_len / step, mfu=useful / step / hw.peak_flops,
+                      why=why)
 
 
 def _why(report, plan: Plan, workload: Workload, breakdown, step, hw, decision, max_layers) -> list[str]:
@@ -354,13 +371,14 @@ def _why(report, plan: Plan, workload: Workload, breakdown, step, hw, decision, 
     return why
 
 
-def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, **kwargs) -> Plan:
-    """The best Plan for `world_size` GPUs (for from_pretrained(..., plan="auto")).
+def best_plan_for_world(model, world_size: int, workload: Workload = Workload(), search: SearchSpace = SearchSpace(),
+                        *, global_batch: int | None = None, gpu_memory=None, hardware=None) -> Plan:
+    """The best Plan for `world_size` GPUs (for from_pretrained(..., plan="auto") and colozoo finetune --plan auto).
 
-    GPU memory defaults to this machine's device. The search keeps to what colozoo.runtime.training.apply_plan runs:
-    DDP or FSDP (ZeRO 0 or 3; ZeRO-1 and 2 are not in colozoo.runtime.training); keyword arguments go to plan().
-    Inside a torch.distributed job rank 0 plans in a fresh process (the profiler builds fake process groups
-    of its own) and broadcasts the result.
+    GPU memory defaults to this machine's device, `hardware` (a preset name) to the preset of its name. The search
+    keeps to what colozoo.runtime.training.apply_plan runs: DDP or FSDP (ZeRO 0 or 3; ZeRO-1 and 2 are not in
+    colozoo.runtime.training). Inside a torch.distributed job rank 0 plans in a fresh process (the profiler builds
+    fake process groups of its own) and broadcasts the result.
     """
     import torch
     import torch.distributed as dist
@@ -372,25 +390,24 @@ def best_plan_for_world(name, world_size: int, gpu_memory=None, hardware=None, *
         hardware = next((k for k in ("H200", "H100-80GB", "A100-80GB", "A100-40GB", "L40S", "V100-32GB")
                          if k.split("-")[0] in device), "H100-80GB")
     gpus_per_node = min(world_size, torch.cuda.device_count()) if torch.cuda.is_available() else None
-    args = (name, world_size, gpu_memory, hardware or "H100-80GB", gpus_per_node, kwargs)
+    hw = get_hardware(hardware or "H100-80GB", gpus=world_size, gpu_memory=gpu_memory, gpus_per_node=gpus_per_node)
+    args = (model, hw, workload, search, global_batch)
     if not (dist.is_available() and dist.is_initialized()):
-        return _best_degrees(*args)
+        return _best_plan(*args)
     box = [None]
     if dist.get_rank() == 0:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-            box[0] = pool.submit(_best_degrees, *args).result()
+            box[0] = pool.submit(_best_plan, *args).result()
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _best_degrees(name, world_size, gpu_memory, hardware, gpus_per_node, kwargs) -> Plan:
-    kwargs = dict(kwargs)
-    result = plan(name, gpus=world_size, gpu_memory=gpu_memory, hardware=hardware, gpus_per_node=gpus_per_node,
-                  **kwargs)
-    return result.best.choices()
+def _best_plan(model, hw: Hardware, workload: Workload, search: SearchSpace, global_batch: int | None) -> Plan:
+    return plan(model, hw, workload, search, global_batch=global_batch).best.choices()
 
 
-__all__ = ["plan", "best_plan_for_world", "Plan", "RankedPlan", "PlanResult", "estimate", "PlanError"]
+__all__ = ["plan", "plan_for", "SearchSpace", "best_plan_for_world", "Plan", "RankedPlan", "PlanResult", "estimate",
+           "PlanError"]

@@ -27,6 +27,16 @@ def lora_targets(text: str):
     return text if text == "all-linear" else tuple(t.strip() for t in text.split(",") if t.strip())
 
 
+def workload_from_args(args):
+    """The Workload of the shared options (add_setup_arguments): --seq-len (None: the model's default), --dtype,
+    --optimizer, and --lora-r / --lora-targets as one LoraSettings (--lora-r 0: none)."""
+    from colozoo.cost.setup import Workload
+    from colozoo.runtime.lora import LoraSettings
+
+    lora = LoraSettings(r=args.lora_r, targets=lora_targets(args.lora_targets)) if args.lora_r else None
+    return Workload(seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lora=lora)
+
+
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "profile", help="FLOPs, memory and communication of a training step, on meta tensors",
@@ -53,6 +63,7 @@ def add_parser(subparsers):
 def _main(args) -> int:
     from colozoo.cost.inference import profile_generation
     from colozoo.cost.profiler import profile
+    from colozoo.cost.setup import plan_of
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.generate:
@@ -60,9 +71,8 @@ def _main(args) -> int:
                                    mesh=args.mesh or None, dtype=args.dtype, hardware=args.hardware)
         print(json.dumps(found.to_dict(), indent=1) if args.json else found.table())
         return 0
-    report = profile(args.name, batch_size=args.batch_size, seq_len=args.seq_len, mesh=args.mesh or None,
-                     dtype=args.dtype, checkpointing=args.checkpointing, optimizer=args.optimizer, zero=args.zero,
-                     num_microbatches=args.microbatches, schedule=args.schedule, offload=args.offload,
-                     lora_r=args.lora_r, lora_targets=lora_targets(args.lora_targets))
+    plan = plan_of(args.mesh or None, micro_batch_size=args.batch_size, num_microbatches=args.microbatches,
+                   schedule=args.schedule, zero=args.zero, checkpointing=args.checkpointing, offload=args.offload)
+    report = profile(args.name, plan, workload_from_args(args))
     print(report.to_json(indent=1) if args.json else report.table())
     return 0

@@ -1,6 +1,7 @@
 """Symbolic profiler: the cost of one training step of any model at any mesh, without running it.
 
-    report = colozoo.profile("opt-30b", batch_size=1, seq_len=2048, mesh="tp=8,pp=4,dp=2,sp")
+    report = colozoo.profile("opt-30b", Plan(tp=8, pp=4, dp=2, sequence_parallel=True), Workload(seq_len=2048))
+    report = colozoo.profile_for("opt-30b", batch_size=1, seq_len=2048, mesh="tp=8,pp=4,dp=2,sp")  # the same
     print(report.table()); report.to_json()
     colozoo profile opt-30b --batch-size 1 --seq-len 2048 --mesh tp=8,pp=4 --json
 
@@ -17,54 +18,55 @@ lack). `target` picks the attention kernels: "cuda" (flash), "cpu", or "eager" (
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from colozoo.core.mesh import ParallelConfig
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import _resolve, default_seq_len, trace_model
 from colozoo.cost.report import ProfileReport
-from colozoo.cost.setup import Workload, check_priced, plan_of
-from colozoo.runtime.plan import Plan
+from colozoo.cost.setup import ProfilerError, Workload, check_priced, plan_of
+from colozoo.runtime.plan import DEGREES, Plan
+
+# the Plan's fields besides the mesh and the micro-batch size
+STEP_CHOICES = tuple(f.name for f in fields(Plan) if f.name not in (*DEGREES, "micro_batch_size"))
 
 
-def profile(model_or_name, batch_size: int = 1, seq_len: int | None = None, mesh=None, dtype: str = "bfloat16",
-            checkpointing: str = "none", *, checkpoint_layers: int | None = None, optimizer: str = "adamw",
-            zero: int = 0, num_microbatches: int = 1, schedule: str = "1f1b", offload: str = "none",
-            target: str = "cuda", inputs: dict | None = None, lora_r: int = 0,
-            lora_targets="all-linear", lora_modules_to_save=None, task: str | None = None) -> ProfileReport:
-    """Profile one training step per rank on meta tensors.
+def profile(model, plan: Plan, workload: Workload, inputs: dict | None = None) -> ProfileReport:
+    """Profile one training step per rank on meta tensors: `model` run by `plan` (a colozoo.runtime.plan.Plan) on
+    `workload` (seq_len None: the model's default; `lora`: LoRA fine-tuning, where only the adapters and the
+    modules to save have gradients, master weights and optimizer states).
 
-    model_or_name: a registered name, a transformers config, a colozoo model (rebuilt from its config on
-    the mesh) or any nn.Module (traced whole as given; mesh then only shards data-parallel model states).
-    `inputs` overrides the default batch (input_ids and labels of batch_size x seq_len).
-    `lora_r` > 0: LoRA fine-tuning with adapters of that rank on `lora_targets` (HF module names or "all-linear"):
-    gradients, master weights and optimizer states only for the adapters and the HF modules `lora_modules_to_save`
-    (None: the default of the model's `task` head, as colozoo.runtime.lora.apply_lora: a classifier).
+    model: a registered name, a transformers config, a colozoo model (rebuilt from its config on the mesh) or any
+    nn.Module (traced whole as given; the plan's mesh then only shards data-parallel model states).
+    `inputs` overrides the default batch (input_ids and labels of micro_batch_size x seq_len).
     """
     start = time.perf_counter()
-    plan = plan_of(mesh, micro_batch_size=batch_size, num_microbatches=num_microbatches, schedule=schedule, zero=zero,
-                   checkpointing=checkpointing, checkpoint_layers=checkpoint_layers, offload=offload)
-    return profile_plan(model_or_name, plan, Workload(seq_len=seq_len or 0, dtype=dtype, optimizer=optimizer,
-                                                      target=target, lora_r=lora_r, lora_targets=lora_targets,
-                                                      lora_modules_to_save=lora_modules_to_save, task=task),
-                        inputs, start)
-
-
-def profile_plan(model_or_name, plan: Plan, workload: Workload, inputs: dict | None = None,
-                 start: float | None = None) -> ProfileReport:
-    """Profile one training step of `model_or_name` run by `plan` (a colozoo.runtime.plan.Plan) on `workload`
-    (seq_len 0: the model's default)."""
-    start = time.perf_counter() if start is None else start
-    config, _ = _resolve(model_or_name)
-    if workload.seq_len == 0:
+    config, _ = _resolve(model)
+    if workload.seq_len is None:
         workload = replace(workload, seq_len=default_seq_len(config))
     check_priced(plan)
     workload.check()
     mesh = ParallelConfig(**plan.degrees())
-    mt = trace_model(config if isinstance(model_or_name, str) else model_or_name, plan.micro_batch_size,
-                     workload.seq_len, mesh, workload.dtype, workload.target, inputs)
-    if isinstance(model_or_name, str):
-        mt.name = model_or_name
+    mt = trace_model(config if isinstance(model, str) else model, plan.micro_batch_size, workload.seq_len, mesh,
+                     workload.dtype, workload.target, inputs)
+    if isinstance(model, str):
+        mt.name = model
     report = assemble(mt, plan, workload)
     report.profile_seconds = time.perf_counter() - start
     return report
+
+
+def profile_for(model, batch_size: int = 1, seq_len: int | None = None, mesh=None, *, inputs: dict | None = None,
+                **choices) -> ProfileReport:
+    """profile() with the plan and the workload given field by field: `mesh` as colozoo.cost.setup.parse_mesh takes
+    it ('tp=8,pp=4,dp=2,sp', a dict or a ParallelConfig), `batch_size` the micro-batch size, and `choices` any
+    other field of the Plan (num_microbatches, schedule, zero, checkpointing, checkpoint_layers, offload) or of the
+    Workload (dtype, optimizer, target, lora, task)."""
+    plan_choices = {k: v for k, v in choices.items() if k in STEP_CHOICES}
+    workload_fields = {k: v for k, v in choices.items() if k not in plan_choices}
+    unknown = sorted(set(workload_fields) - {f.name for f in fields(Workload)})
+    if unknown:
+        raise ProfilerError(f"profile_for() got unknown settings {unknown}; it takes the Plan's {STEP_CHOICES} and "
+                            f"the Workload's {tuple(f.name for f in fields(Workload) if f.name != 'seq_len')}")
+    return profile(model, plan_of(mesh, micro_batch_size=batch_size, **plan_choices),
+                   Workload(seq_len=seq_len, **workload_fields), inputs)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-
 from colozoo.core.dtypes import human_bytes as human
+from colozoo.cost.setup import Workload
 
 
 @dataclass
@@ -56,7 +56,7 @@ class ProfileReport:
     model: str
     mesh: dict
     plan: dict                   # the colozoo.runtime.plan.Plan priced, as a dict
-    workload: dict               # seq_len, dtype, optimizer, target, LoRA (colozoo.cost.setup.Workload)
+    workload: dict               # seq_len, dtype, optimizer, target, LoRA (colozoo.cost.setup.Workload.to_dict)
     num_layers: int
     total_params: int            # global, tied weights once, vocab padding included
     units: list                  # UnitCost as dicts
@@ -96,8 +96,9 @@ class ProfileReport:
                 if s["fwd_flops"] or s["bwd_flops"] or s["saved_bytes"]:
                     ops.add_row(u["name"], op, str(s["calls"]), flops(s["fwd_flops"]), flops(s["bwd_flops"]),
                                 human(s["saved_bytes"]))
-        lora = self.workload.get("lora_r", 0)
-        stages = Table(title="memory per rank, training step" + (f" (LoRA r={lora}: trainable = adapters)" if lora else ""))
+        lora = Workload.from_dict(self.workload).lora
+        stages = Table(title="memory per rank, training step" +
+                       (f" (LoRA r={lora.r}: trainable = adapters)" if lora else ""))
         for col in ("stage", "layers", "trainable", "weights", "grads", "master", "optim", "fsdp buf", "activations",
                     "transient", "peak", "CPU"):
             stages.add_column(col, justify="right")

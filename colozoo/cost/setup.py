@@ -1,6 +1,6 @@
 """What a profile is of: the model (a registry name, a config, or a fallback config), the Plan that runs the step
 (mesh, micro-batching, schedule, ZeRO, checkpointing, offload: colozoo.runtime.plan, the one plan type) and the
-Workload it processes (sequence length, dtype, optimizer, whose kernels)."""
+Workload it processes (sequence length, dtype, optimizer, whose kernels, LoRA)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -11,6 +11,7 @@ from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
 from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES
 from colozoo.cost.trace import TARGETS
+from colozoo.runtime.lora import ALL_LINEAR, LoraSettings
 from colozoo.runtime.plan import Plan
 
 
@@ -84,16 +85,16 @@ def check_priced(plan: Plan):
         raise ProfilerError(f"schedule {plan.schedule!r} is not priced; the profiler prices {PRICED_SCHEDULES}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Workload:
-    """What a step processes, besides the plan that runs it: the sequence, the dtypes, the optimizer, whose kernels."""
-    seq_len: int = 1024
+    """What a step processes, besides the plan that runs it: the sequence, the dtypes, the optimizer, whose kernels,
+    and for LoRA fine-tuning the adapters' settings."""
+    seq_len: int | None = None           # None: the model's default (min(2048, max positions))
     dtype: str = "bfloat16"              # parameter and activation dtype; 16-bit keeps fp32 master weights
     optimizer: str = "adamw"
     target: str = "cuda"                 # whose attention kernels: cuda (flash), cpu or eager (unfused GPU)
-    lora_r: int = 0                      # > 0: LoRA fine-tuning, base frozen, only fp32 adapters train
-    lora_targets: str | tuple = "all-linear"  # HF module names, as colozoo.runtime.lora.apply_lora takes them
-    lora_modules_to_save: tuple | None = None  # HF modules trained whole beside the adapters; None: the task's
+    lora: LoraSettings | None = None     # LoRA fine-tuning: base frozen, only fp32 adapters (and the modules to
+    #                                      save; None there: the task head's default, as apply_lora) train
     task: str | None = None              # the model's task head ("sequence_classification": a classifier)
 
     def check(self):
@@ -103,11 +104,30 @@ class Workload:
             raise ProfilerError(f"optimizer {self.optimizer!r} not one of {sorted(OPTIMIZER_BYTES)}")
         if self.target not in TARGETS:
             raise ProfilerError(f"target {self.target!r} not one of {TARGETS}")
-        if not isinstance(self.lora_r, int) or self.lora_r < 0:
-            raise ProfilerError(f"lora_r must be a non-negative integer (0: no LoRA), got {self.lora_r!r}")
-        if self.seq_len < 1:
+        if self.lora is not None and not isinstance(self.lora, LoraSettings):
+            raise ProfilerError(f"lora must be a colozoo.runtime.lora.LoraSettings or None, got {self.lora!r}")
+        if self.lora is not None and (not isinstance(self.lora.r, int) or self.lora.r < 1):
+            raise ProfilerError(f"LoRA rank r must be a positive integer, got {self.lora.r!r}")
+        if self.seq_len is None or self.seq_len < 1:
             raise ProfilerError(f"seq_len must be >= 1, got {self.seq_len}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        """The workload as reports write it (LoRA as the flat lora_r / lora_targets / lora_modules_to_save fields
+        the JSON has always had; lora_r 0: no LoRA)."""
+        lora = self.lora
+        return {"seq_len": self.seq_len, "dtype": self.dtype, "optimizer": self.optimizer, "target": self.target,
+                "lora_r": lora.r if lora else 0, "lora_targets": lora.targets if lora else ALL_LINEAR,
+                "lora_modules_to_save": lora.modules_to_save if lora else None, "task": self.task}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Workload":
+        """The inverse of to_dict (e.g. a report's workload)."""
+        targets, saved = d.get("lora_targets", ALL_LINEAR), d.get("lora_modules_to_save")
+        lora = LoraSettings(r=d["lora_r"], targets=targets if isinstance(targets, str) else tuple(targets),
+                            modules_to_save=None if saved is None else tuple(saved)) if d.get("lora_r") else None
+        return cls(seq_len=d["seq_len"], dtype=d["dtype"], optimizer=d["optimizer"], target=d["target"], lora=lora,
+                   task=d.get("task"))

@@ -301,8 +301,25 @@ def _record_graph_ops(trace: Trace, recorder, roots):
         stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
-def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: dict | None = None) -> Trace:
-    """Trace `loss = run(module)` and `loss.backward()` on meta tensors; `module`'s parameters must be on meta."""
+def named_tracker(module: torch.nn.Module, wrappers=()) -> ModuleTracker:
+    """A ModuleTracker that names `module`'s submodules as module.named_modules() does (under the module's class name),
+    whatever runs them: `wrappers` (a colozoo model's pipeline stages) hold those submodules too and pass for the
+    module itself, instead of renaming them after their own children the first time they run."""
+    tracker = ModuleTracker()
+    root = type(module).__name__
+    for name, sub in module.named_modules():
+        tracker._known_modules[sub] = f"{root}.{name}" if name else root
+        tracker._seen_modules.add(sub)
+    for wrapper in wrappers:
+        tracker._known_modules[wrapper] = root
+        tracker._seen_modules.add(wrapper)
+    return tracker
+
+
+def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: dict | None = None,
+               wrappers=()) -> Trace:
+    """Trace `loss = run(module)` and `loss.backward()` on meta tensors; `module`'s parameters must be on meta.
+    `wrappers`: modules that run `module`'s submodules for it (see named_tracker)."""
     if target not in TARGETS:
         raise ValueError(f"target {target!r} not one of {TARGETS}")
     trace = Trace()
@@ -310,7 +327,7 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
     for name, p in module.named_parameters():
         param_keys.setdefault(storage_key(p), name)
     buffer_keys = {storage_key(b) for b in module.buffers()}
-    tracker = ModuleTracker()
+    tracker = named_tracker(module, wrappers)
     recorder = _Recorder(trace, tracker, group_names or {})
     for t in (*module.parameters(), *module.buffers()):
         trace.static_ids.add(recorder.record_id(t, 0))

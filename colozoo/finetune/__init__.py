@@ -13,13 +13,14 @@ from dataclasses import fields
 
 from colozoo.finetune.config import FinetuneConfig, HelpFormatter, add_arguments, config_from_args
 
-__all__ = ["FinetuneConfig", "run", "add_parser", "main"]
+__all__ = ["FinetuneConfig", "finetune", "add_parser", "main"]
 
 
-def run(config: FinetuneConfig) -> dict:
-    from colozoo.finetune.loop import run as _run
+def finetune(config: FinetuneConfig) -> dict:
+    """Fine-tune as `config` says, on every rank of the job (colozoo.finetune.loop); returns the summary."""
+    from colozoo.finetune.loop import finetune as loop_finetune
 
-    return _run(config)
+    return loop_finetune(config)
 
 
 def _command(args) -> int:
@@ -27,7 +28,7 @@ def _command(args) -> int:
 
     if args.nproc_per_node and not launch.under_torchrun():
         return launch.launch(args.nproc_per_node, worker_arguments(args))
-    summary = run(config_from_args(args))
+    summary = finetune(config_from_args(args))
     return 0 if summary.get("step") else 1
 
 

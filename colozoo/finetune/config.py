@@ -123,6 +123,16 @@ class FinetuneConfig:
             return "all-linear"
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
+    def lora_settings(self):
+        """The --lora-* options as one colozoo.runtime.lora.LoraSettings (alpha defaults to r; a classifier's head
+        trains whole, as apply_lora's default), or None without --lora-r."""
+        if self.lora_r is None:
+            return None
+        from colozoo.runtime.lora import LoraSettings
+
+        return LoraSettings(r=self.lora_r, alpha=self.lora_alpha or self.lora_r, dropout=self.lora_dropout,
+                            targets=self.lora_target_modules(), use_rslora=self.lora_rslora)
+
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

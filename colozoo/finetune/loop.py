@@ -1,89 +1,228 @@
-"""The fine-tuning loop: check everything, load, train with periodic eval and checkpoints, export.
+"""The fine-tuning loop: check everything, load, train with periodic evaluation and checkpoints, export.
 
-Every rank of a torchrun job runs `run(config)`. All input checks happen before the model is loaded, so bad
-input costs seconds and leaves nothing behind.
+Every rank of a torchrun job runs `finetune(config)`. All input checks happen before the model is loaded
+(colozoo.finetune.inputs), so bad input costs seconds and leaves nothing behind.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from colozoo.runtime.amp import DynamicLossScaler
-from colozoo.runtime.offload import OffloadedAdamW
+from colozoo.core.rng import model_parallel_seed
 from colozoo.finetune import data as D
-from colozoo.finetune import runtime, samples, sft, state, token_cache
+from colozoo.finetune import runtime, samples, state
 from colozoo.finetune.config import FinetuneConfig
-from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, perplexity, plot_loss,
-                                      tensorboard_writer_class, truncate_metrics)
+from colozoo.finetune.inputs import Inputs, check_inputs
+from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
-from colozoo.core.mesh import ParallelConfig
-from colozoo.core.rng import model_parallel_seed
-from colozoo.runtime.plan import DEGREES, Plan
+from colozoo.runtime.amp import DynamicLossScaler
+from colozoo.runtime.lora import LoraSettings
+from colozoo.runtime.offload import OffloadedAdamW
 
 
-def model_source(name_or_path: str):
-    """(transformers config, directory holding the tokenizer or None), without loading any weights."""
-    from colozoo.api import resolve
-
-    source = resolve(name_or_path, verify=True)  # checksums are checked when weights are read
-    return source.config, getattr(source, "path", None)
-
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_mesh(cfg: FinetuneConfig, plan: Plan | None = None) -> ParallelConfig:
-    """The mesh of the config's degrees, or of the plan's under --plan auto."""
-    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
-    return ParallelConfig.for_world(_world_size(), **degrees)
-
-
-def plan_run(cfg: FinetuneConfig, config) -> tuple[Plan, ParallelConfig, int]:
-    """--plan auto: (the plan, its mesh, the global batch it splits: --global-batch-size, else micro batch x world)."""
-    global_batch = cfg.global_batch_size or cfg.micro_batch_size * _world_size()
-    plan = runtime.plan_training(cfg, config, global_batch)
-    mesh = check_mesh(cfg, plan)
-    if plan.dp * plan.micro_batch_size * plan.num_microbatches != global_batch:
-        raise ValueError(f"the plan {plan} does not split the global batch of {global_batch} into dp x micro batch "
-                         f"x micro-batches")
-    return plan, mesh, global_batch
+def finetune(cfg: FinetuneConfig) -> dict:
+    """Fine-tune as `cfg` says (every rank of the job calls it); returns the summary, also OUTPUT/summary.json."""
+    inputs = check_inputs(cfg)
+    trainer = load(cfg, inputs)
+    checkpoints = Checkpoints(cfg, inputs, trainer)
+    resumed = checkpoints.resume()
+    start = resumed.meta["step"] if resumed else 0
+    prepare_output(cfg, inputs, start, checkpoints.root)
+    reporter = open_reporter(cfg, inputs, trainer, checkpoints.mesh, start, resumed)
+    evaluate_at = Evaluator(cfg, inputs, trainer.model, reporter)
+    if start == 0 and inputs.evaluation is not None and cfg.eval_interval:
+        evaluate_at(0)  # the baseline the fine-tuning improves on
+    try:
+        outcome = train(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, start)
+    finally:
+        checkpoints.saver.wait(raise_error=False)  # a failed run still lets the save in flight finish (or fail) first
+        reporter.close()
+    return finish(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, outcome)
 
 
-def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData, D.TensorData, object]:
-    """(train, eval, tokenizer or None), checked against the model's config."""
-    tokenizer = None
-    if cfg.task == "imgcls":
-        read = lambda path, role: D.image_dataset(path, config, directory)  # noqa: E731
-    else:
-        D.check_seq_len(cfg.seq_len, getattr(config, "max_position_embeddings", None))
-        tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
-        if cfg.chat or cfg.task == "lm":
-            read = lambda path, role: token_cache.lm_rows(cfg, tokenizer, path, role)  # noqa: E731
-        else:
-            read = lambda path, role: D.classification_dataset(path, tokenizer, cfg.seq_len, config,  # noqa: E731
-                                                               cfg.text_field, cfg.label_field)
-    train = read(cfg.data, "train")
-    if cfg.eval_data:
-        evaluation = read(cfg.eval_data, "eval")
-    elif cfg.eval_fraction > 0:
-        train, evaluation = train.split(cfg.eval_fraction)
-    else:
-        evaluation = None
-    return train, evaluation, tokenizer
+# --- load -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Trainer:
+    """The loaded model and what trains it: which samples each step takes, the optimizer, its learning-rate schedule
+    and the fp16 loss scaler."""
+    cfg: FinetuneConfig
+    model: torch.nn.Module
+    fresh: list[str]                     # parameters of a new task head, initialised fresh
+    lora: LoraSettings | None
+    sampler: D.BatchSampler
+    total_steps: int
+    step_options: dict                   # forward_backward's micro-batching (and schedule, under a plan)
+    micro_batch_size: int
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: DynamicLossScaler
+
+    def step(self, batch: dict, number: int) -> "StepResult":
+        """One optimizer step on this rank's rows of the global batch (`number`: the step it completes)."""
+        batch = _to(batch, self.model.pc.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_scale = self.scaler.scale
+        loss = runtime.forward_backward(self.model, batch, grad_scale=loss_scale, **self.step_options)
+        overflow = self.scaler.unscale_(self.model)  # every rank agrees; clipping then sees the true gradients
+        grad_norm = None if overflow else runtime.clip_grad_norm(self.model, self.cfg.grad_clip)
+        if not self.scaler.enabled:  # fp16 skips such steps; in fp32/bf16 they would poison the weights
+            check_finite(number, float(loss.detach()), grad_norm, self.cfg.dtype)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not overflow:  # a skipped step leaves the learning-rate schedule where it is too
+            self.optimizer.step()
+            self.scheduler.step()
+        self.scaler.update(overflow)
+        return StepResult(float(loss.detach()), lr, grad_norm, overflow, loss_scale)
 
 
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+@dataclass
+class StepResult:
+    loss: float
+    lr: float
+    grad_norm: float | None              # None: the step was skipped (fp16 overflow)
+    overflow: bool
+    loss_scale: float
+
+
+def load(cfg: FinetuneConfig, inputs: Inputs) -> Trainer:
+    """This rank's shard of the model, its config naming the data's classes, prepared for training on the mesh
+    (data parallelism, mixed precision, checkpointing: collective), with its sampler, optimizer and schedule."""
+    model, fresh = runtime.load_model(cfg, cfg.task, inputs.plan, labels=inputs.train.label_names)
+    pc, plan = model.pc, inputs.plan
+    sampler = D.BatchSampler(len(inputs.train), inputs.global_batch, pc.rank("dp"), inputs.mesh.dp, cfg.seed)
+    total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
+    model_parallel_seed(cfg.seed, pc)
+    planned_step = runtime.prepare_training(model, cfg)
+    step_options = planned_step if plan else {"num_microbatches": cfg.num_microbatches(inputs.mesh.dp)}
+    model.train()
+    optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
+    # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
+    scheduled = optimizer.optimizer if isinstance(optimizer, OffloadedAdamW) else optimizer
+    scheduler = build_scheduler(scheduled, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
+    scaler = DynamicLossScaler(enabled=cfg.dtype == "float16")  # fp16 gradients underflow without loss scaling
+    return Trainer(cfg, model, fresh, cfg.lora_settings(), sampler, total_steps, step_options,
+                   plan.micro_batch_size if plan else cfg.micro_batch_size, optimizer, scheduler, scaler)
+
+
+# --- checkpoints and resuming -----------------------------------------------------------------------------------
+
+@dataclass
+class Resumed:
+    path: Path                           # the checkpoint
+    meta: dict                           # its meta: step, mesh, rng_restored (see state.load_training_state)
+
+
+class Checkpoints:
+    """OUTPUT/checkpoints: resumable saves of the whole training state (written in the background under
+    --async-save), with the LoRA adapters in PEFT format beside each."""
+
+    def __init__(self, cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer):
+        self.cfg, self.trainer = cfg, trainer
+        self.root = Path(cfg.output) / "checkpoints"
+        self.mesh = {k: getattr(inputs.mesh, k) for k in ("tp", "pp", "dp", "cp", "ep")}
+        self.data_position = {"global_batch": inputs.global_batch, "seed": cfg.seed, "samples": len(inputs.train)}
+        self.saver = CheckpointSaver(asynchronous=cfg.async_save)
+
+    def path(self, step: int) -> Path:
+        return self.root / f"{state.PREFIX}{step:08d}"
+
+    def resume(self) -> Resumed | None:
+        """The newest complete checkpoint, loaded into the trainer; None under --no-resume or before the first."""
+        latest = state.latest_checkpoint(self.root) if self.cfg.resume else None
+        if latest is None:
+            return None
+        t = self.trainer
+        return Resumed(latest, state.load_training_state(latest, t.model, t.optimizer, t.scheduler, self.mesh,
+                                                         t.scaler, self.data_position))
+
+    def save(self, step: int, final: bool) -> Path:
+        t = self.trainer
+        path = self.saver.save(self.root, step, t.model, t.optimizer, t.scheduler, self.mesh, final=final,
+                               extra={"total_steps": t.total_steps, "data": self.data_position},
+                               keep_last=self.cfg.keep_last, scaler=t.scaler)
+        if t.lora:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
+            self.saver.wait()
+            runtime.export_adapter(t.model, path / "adapter")
+        return path
+
+
+def prepare_output(cfg: FinetuneConfig, inputs: Inputs, start: int, checkpoints: Path):
+    """Rank 0 records the options (and the plan) in OUTPUT/config.json; a resumed run drops the metrics logged
+    after its checkpoint, a fresh start an earlier run's metrics and checkpoints. Every rank waits for it."""
+    output = Path(cfg.output)
+    if _is_rank0():
+        output.mkdir(parents=True, exist_ok=True)
+        saved_config = {**cfg.to_json(), "planned": inputs.plan.to_dict()} if inputs.plan else cfg.to_json()
+        (output / "config.json").write_text(json.dumps(saved_config, indent=1))
+        if start:
+            truncate_metrics(output / "metrics.jsonl", start)
+        else:  # a fresh start in this directory: an earlier run's metrics and checkpoints would only mislead
+            (output / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(checkpoints, ignore_errors=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# --- progress and evaluation ------------------------------------------------------------------------------------
+
+def open_reporter(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, mesh: dict, start: int,
+                  resumed: Resumed | None) -> Reporter:
+    """Rank 0's progress bar and metrics, opened with a word on what the run does (collective: it counts the
+    parameters over every rank)."""
+    model = trainer.model
+    n_params = runtime.parameter_count(model)
+    reporter = Reporter(Path(cfg.output), trainer.total_steps, start, flops_per_token=6 * n_params,
+                        peak=peak_flops(model.pc.device, cfg.dtype, cfg.peak_tflops),
+                        world_size=inputs.mesh.world_size, enabled=_is_rank0(), progress=cfg.progress,
+                        tensorboard=cfg.tensorboard)
+    reporter.print(f"{device_notice(model.pc.device)}; {n_params:,} parameters on mesh "
+                   f"{' x '.join(f'{k}={v}' for k, v in mesh.items() if v > 1) or 'of one process'}; "
+                   f"{len(inputs.train)} training samples, {trainer.total_steps} steps of {inputs.global_batch} "
+                   f"({trainer.step_options['num_microbatches']} micro-batches of {trainer.micro_batch_size} per dp "
+                   f"rank)")
+    for note in inputs.notes:
+        reporter.print(f"warning: {note}")
+    if inputs.plan:
+        reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in inputs.plan.to_dict().items()))
+    if resumed is not None:
+        reporter.print(f"resumed from {resumed.path} at step {start}")
+        if not resumed.meta["rng_restored"]:
+            reporter.print(f"resharded from mesh {resumed.meta['mesh']}: random states restart from --seed")
+    if trainer.fresh:
+        reporter.print(f"new task head, initialised fresh: {', '.join(trainer.fresh)}")
+    return reporter
+
+
+class Evaluator:
+    """`evaluate_at(step)`: the held-out loss (and perplexity or accuracy), logged, with a causal LM's greedy
+    continuations of a few held-out prompts."""
+
+    def __init__(self, cfg: FinetuneConfig, inputs: Inputs, model, reporter: Reporter):
+        self.cfg, self.model, self.reporter = cfg, model, reporter
+        self.data, self.tokenizer = inputs.evaluation, inputs.tokenizer
+        self.prompts = samples.held_out_prompts(inputs.evaluation, cfg.samples, cfg.seq_len // 2,
+                                                until_answer=cfg.chat) if cfg.task == "lm" else None
+        if self.prompts is not None and samples.why_no_samples(model):
+            reporter.print(f"no samples: {samples.why_no_samples(model)}")
+            self.prompts = None
+
+    def __call__(self, step: int) -> dict:
+        results = evaluate(self.model, self.data, self.cfg)
+        self.reporter.evaluation(step, results)
+        if self.prompts is not None:
+            samples.write_samples(self.model, self.prompts, self.tokenizer, step, Path(self.cfg.output),
+                                  self.cfg.sample_tokens, self.reporter, _is_rank0())
+        return results
 
 
 @torch.no_grad()
@@ -111,6 +250,45 @@ def evaluate(model, data: D.TensorData, cfg: FinetuneConfig) -> dict:
     if cfg.task == "lm":
         return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
     return {"eval_loss": loss, "eval_acc": totals[1].item() / totals[2].item()}
+
+
+# --- the step loop ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    step: int                            # the last step trained
+    stopped: bool                        # by Ctrl-C / SIGTERM or --stop-after, before the last step
+    interrupted: bool                    # by Ctrl-C / SIGTERM
+    saved_at: int | None                 # the step of the last checkpoint written
+
+
+def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Checkpoints, evaluate_at: Evaluator,
+          reporter: Reporter, start: int) -> Outcome:
+    """Steps from `start` to the last, logging every --log-interval steps, evaluating every --eval-interval and
+    saving every --save-interval; Ctrl-C, SIGTERM and --stop-after save and stop at the end of a step."""
+    step, saved_at, stopped, interrupted, total = start, None, False, False, trainer.total_steps
+    with Interrupt() as interrupt:
+        while step < total:
+            tick = time.perf_counter()
+            indices = trainer.sampler.global_indices(step)
+            result = trainer.step(inputs.train.take(indices), step + 1)
+            step += 1
+            if step % cfg.log_interval == 0 or step == total:
+                amp = {"loss_scale": result.loss_scale, "skipped": result.overflow,
+                       "skipped_steps": trainer.scaler.skipped_steps} if trainer.scaler.enabled else {}
+                reporter.step(step, result.loss, result.lr, int(inputs.train.tokens[indices].sum()),
+                              time.perf_counter() - tick, result.grad_norm, inputs.global_batch, **amp)
+            if inputs.evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
+                evaluate_at(step)
+            interrupted = interrupt.agreed(trainer.model.pc.device)
+            stopped = interrupted or step == cfg.stop_after
+            if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total:
+                checkpoints.save(step, final=stopped or step == total)
+                saved_at = step
+            if stopped:
+                break
+    checkpoints.saver.wait()
+    return Outcome(step, stopped, interrupted, saved_at)
 
 
 class Interrupt:
@@ -144,17 +322,6 @@ class Interrupt:
         return bool(flag.item())
 
 
-def check_writable(output: Path):
-    """Before the model is loaded: the output directory can be created and written (every rank writes shards)."""
-    probe = output / f".write-test-{os.getpid()}"
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
-
-
 class NonFiniteError(ValueError):
     pass
 
@@ -167,170 +334,23 @@ def check_finite(step: int, loss: float, grad_norm: float, dtype: str):
                              f"resume from the last checkpoint)")
 
 
-def _is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+# --- the end: final evaluation, exports, summary -----------------------------------------------------------------
 
-
-def run(cfg: FinetuneConfig) -> dict:
-    plan = None
-    if cfg.plan is None:  # bad degrees or batch sizes fail before anything is read
-        mesh = check_mesh(cfg)
-        cfg.num_microbatches(mesh.dp)
-    config, directory = model_source(cfg.model)
-    if cfg.num_labels is not None:
-        config.num_labels = cfg.num_labels
-    train, evaluation, tokenizer = build_datasets(cfg, config, directory)
-    notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
-    if cfg.plan is None:
-        global_batch = cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
+def finish(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Checkpoints, evaluate_at: Evaluator,
+           reporter: Reporter, outcome: Outcome) -> dict:
+    """The run's summary (OUTPUT/summary.json, with the loss plot); after the last step, the final evaluation and
+    the exports first."""
+    step, output = outcome.step, Path(cfg.output)
+    summary = {"step": step, "total_steps": trainer.total_steps, "stopped": outcome.stopped,
+               "checkpoint": str(checkpoints.path(step)) if outcome.saved_at == step else None}
+    if outcome.stopped:
+        reporter.print(f"{'interrupted' if outcome.interrupted else 'stopped'} at step {step}/{trainer.total_steps}, "
+                       f"saved to {summary['checkpoint']}; rerun the same command to resume")
     else:
-        plan, mesh, global_batch = plan_run(cfg, config)
-    D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
-    check_writable(Path(cfg.output))
-    if cfg.tensorboard:
-        tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
-
-    model, fresh = runtime.load_model(cfg, cfg.task, plan)
-    if train.label_names:  # saved checkpoints and the export name the classes as the data does
-        model.config.id2label = train.label_names
-        model.config.label2id = {name: i for i, name in train.label_names.items()}
-    pc = model.pc
-    sampler = D.BatchSampler(len(train), global_batch, pc.rank("dp"), mesh.dp, cfg.seed)
-    total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
-    model_parallel_seed(cfg.seed, pc)
-    plan_step = runtime.prepare_training(model, cfg)
-    step_options = plan_step if plan else {"num_microbatches": cfg.num_microbatches(mesh.dp)}
-    micro_batch_size = plan.micro_batch_size if plan else cfg.micro_batch_size
-    model.train()
-    optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
-    # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
-    scheduled = optimizer.optimizer if isinstance(optimizer, OffloadedAdamW) else optimizer
-    scheduler = build_scheduler(scheduled, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
-    scaler = DynamicLossScaler(enabled=cfg.dtype == "float16")  # fp16 gradients underflow without loss scaling
-
-    output, rank0 = Path(cfg.output), _is_rank0()
-    checkpoints = output / "checkpoints"
-    mesh_json = {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep}
-    start, resumed = 0, None
-    data_position = {"global_batch": global_batch, "seed": cfg.seed, "samples": len(train)}
-    latest = state.latest_checkpoint(checkpoints) if cfg.resume else None
-    if latest is not None:
-        resumed = state.load_training_state(latest, model, optimizer, scheduler, mesh_json, scaler, data_position)
-        start = resumed["step"]
-    if rank0:
-        output.mkdir(parents=True, exist_ok=True)
-        saved_config = {**cfg.to_json(), "planned": plan.to_dict()} if plan else cfg.to_json()
-        (output / "config.json").write_text(json.dumps(saved_config, indent=1))
-        if start:
-            truncate_metrics(output / "metrics.jsonl", start)
-        else:  # a fresh start in this directory: an earlier run's metrics and checkpoints would only mislead
-            (output / "metrics.jsonl").unlink(missing_ok=True)
-            shutil.rmtree(checkpoints, ignore_errors=True)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-    n_params = runtime.parameter_count(model)
-    reporter = Reporter(output, total_steps, start, flops_per_token=6 * n_params,
-                        peak=peak_flops(pc.device, cfg.dtype, cfg.peak_tflops), world_size=mesh.world_size,
-                        enabled=rank0, progress=cfg.progress, tensorboard=cfg.tensorboard)
-    reporter.print(f"{device_notice(pc.device)}; {n_params:,} parameters on mesh "
-                   f"{' x '.join(f'{k}={v}' for k, v in mesh_json.items() if v > 1) or 'of one process'}; "
-                   f"{len(train)} training samples, {total_steps} steps of {global_batch} "
-                   f"({step_options['num_microbatches']} micro-batches of {micro_batch_size} per dp rank)")
-    for note in notes:
-        reporter.print(f"warning: {note}")
-    if plan:
-        reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items()))
-    if latest is not None:
-        reporter.print(f"resumed from {latest} at step {start}")
-        if not resumed["rng_restored"]:
-            reporter.print(f"resharded from mesh {resumed['mesh']}: random states restart from --seed")
-    if fresh:
-        reporter.print(f"new task head, initialised fresh: {', '.join(fresh)}")
-
-    saver = CheckpointSaver(asynchronous=cfg.async_save)
-
-    def save(step, final):
-        path = saver.save(checkpoints, step, model, optimizer, scheduler, mesh_json, final=final,
-                          extra={"total_steps": total_steps, "data": data_position}, keep_last=cfg.keep_last,
-                          scaler=scaler)
-        if cfg.lora_r:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
-            saver.wait()
-            runtime.export_adapter(model, path / "adapter")
-        return path
-
-    prompts = samples.held_out_prompts(evaluation, cfg.samples, cfg.seq_len // 2, until_answer=cfg.chat) \
-        if cfg.task == "lm" else None
-    if prompts is not None and samples.why_no_samples(model):
-        reporter.print(f"no samples: {samples.why_no_samples(model)}")
-        prompts = None
-
-    def evaluation_at(step):
-        results = evaluate(model, evaluation, cfg)
-        reporter.evaluation(step, results)
-        if prompts is not None:
-            samples.write_samples(model, prompts, tokenizer, step, output, cfg.sample_tokens, reporter, rank0)
-        return results
-
-    step, saved_at, stopped, interrupted = start, None, False, False
-    if start == 0 and evaluation is not None and cfg.eval_interval:
-        evaluation_at(0)  # the baseline the fine-tuning improves on
-    try:
-        with Interrupt() as interrupt:
-            while step < total_steps:
-                tick = time.perf_counter()
-                indices = sampler.global_indices(step)
-                batch = _to(train.take(indices), pc.device)
-                optimizer.zero_grad(set_to_none=True)
-                loss_scale = scaler.scale
-                loss = runtime.forward_backward(model, batch, grad_scale=loss_scale, **step_options)
-                overflow = scaler.unscale_(model)  # every rank agrees; clipping then sees the true gradients
-                grad_norm = None if overflow else runtime.clip_grad_norm(model, cfg.grad_clip)
-                if not scaler.enabled:  # fp16 skips such steps; in fp32/bf16 they would poison the weights
-                    check_finite(step + 1, float(loss.detach()), grad_norm, cfg.dtype)
-                lr = optimizer.param_groups[0]["lr"]
-                if not overflow:  # a skipped step leaves the learning-rate schedule where it is too
-                    optimizer.step()
-                    scheduler.step()
-                scaler.update(overflow)
-                step += 1
-                tokens = int(train.tokens[indices].sum())
-                if step % cfg.log_interval == 0 or step == total_steps:
-                    amp = {"loss_scale": loss_scale, "skipped": overflow,
-                           "skipped_steps": scaler.skipped_steps} if scaler.enabled else {}
-                    reporter.step(step, float(loss.detach()), lr, tokens, time.perf_counter() - tick, grad_norm,
-                                  global_batch, **amp)
-                if evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 \
-                        and step < total_steps:
-                    evaluation_at(step)
-                interrupted = interrupt.agreed(pc.device)
-                stopped = interrupted or step == cfg.stop_after
-                if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total_steps:
-                    save(step, final=stopped or step == total_steps)
-                    saved_at = step
-                if stopped:
-                    break
-        saver.wait()
-    finally:
-        saver.wait(raise_error=False)  # a failed run still lets the save in flight finish (or fail) first
-        reporter.close()
-
-    summary = {"step": step, "total_steps": total_steps, "stopped": stopped,
-               "checkpoint": str(checkpoints / f"{state.PREFIX}{step:08d}") if saved_at == step else None}
-    if stopped:
-        reporter.print(f"{'interrupted' if interrupted else 'stopped'} at step {step}/{total_steps}, saved to "
-                       f"{summary['checkpoint']}; rerun the same command to resume")
-    else:
-        if evaluation is not None:
-            summary.update(evaluation_at(step))
-        if cfg.lora_r:
-            summary["adapter"] = str(runtime.export_adapter(model, output / "adapter"))
-            reporter.print(f"exported the LoRA adapters (PEFT format) to {summary['adapter']}")
-        if cfg.export_hf and (cfg.merge or not cfg.lora_r):
-            summary["export"] = str(export(model, cfg, output, evaluation or train, tokenizer))
-            reporter.print(f"exported a transformers model{' (adapters merged)' if cfg.lora_r else ''} to "
-                           f"{summary['export']}")
-    if rank0:
+        if inputs.evaluation is not None:
+            summary.update(evaluate_at(step))
+        summary.update(export_results(cfg, inputs, trainer, reporter))
+    if _is_rank0():
         if cfg.plot and plot_loss(output / "metrics.jsonl", output / "loss.png"):
             summary["plot"] = str(output / "loss.png")
         (output / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -338,14 +358,30 @@ def run(cfg: FinetuneConfig) -> dict:
     return summary
 
 
-def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokenizer) -> Path:
-    """HF export, plus the colozoo model's logits on one batch (probe.pt) so anyone can check the export."""
+def export_results(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, reporter: Reporter) -> dict:
+    """The LoRA adapters (PEFT format) to OUTPUT/adapter, and a transformers model (merged under LoRA only with
+    --merge) to OUTPUT/hf; returns where they went."""
+    exported, output, model = {}, Path(cfg.output), trainer.model
+    if trainer.lora:
+        exported["adapter"] = str(runtime.export_adapter(model, output / "adapter"))
+        reporter.print(f"exported the LoRA adapters (PEFT format) to {exported['adapter']}")
+    if cfg.export_hf and (cfg.merge or not trainer.lora):
+        exported["export"] = str(export(model, cfg, output, inputs.evaluation or inputs.train, inputs.tokenizer,
+                                        merge_lora=trainer.lora is not None))
+        reporter.print(f"exported a transformers model{' (adapters merged)' if trainer.lora else ''} to "
+                       f"{exported['export']}")
+    return exported
+
+
+def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokenizer, merge_lora: bool = False) -> Path:
+    """HF export (LoRA adapters merged in), plus the colozoo model's logits on one batch (probe.pt) so anyone can
+    check the export."""
     path = output / "hf"
     if _is_rank0() and path.exists():  # a resumed run exports again
         shutil.rmtree(path)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    runtime.export_hf(model, path, merge_lora=bool(cfg.lora_r))
+    runtime.export_hf(model, path, merge_lora=merge_lora)
     model.eval()
     with torch.no_grad():
         batch = data.take(range(min(cfg.micro_batch_size, len(data))))
@@ -358,3 +394,11 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return path
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

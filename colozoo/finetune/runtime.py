@@ -19,42 +19,37 @@ def plan_training(cfg, config, global_batch: int):
     every rank gets the same plan): a colozoo.runtime.plan.Plan."""
     from colozoo.core.mesh import init_distributed
     from colozoo.cost.planner import best_plan_for_world
+    from colozoo.cost.setup import Workload
 
     seq_len = cfg.seq_len
     if cfg.task == "imgcls":  # a ViT's sequence is its patches and the class token
         from colozoo.models.vit import num_patches
 
         seq_len = num_patches(config) + 1
-    lora = dict(lora_r=cfg.lora_r, lora_targets=cfg.lora_target_modules(), task=TASK_HEADS[cfg.task]) \
-        if cfg.lora_r else {}
-    return best_plan_for_world(config, init_distributed(), global_batch=global_batch, seq_len=seq_len,
-                               dtype=cfg.dtype, **lora)
+    lora = cfg.lora_settings()
+    workload = Workload(seq_len=seq_len, dtype=cfg.dtype, lora=lora, task=TASK_HEADS[cfg.task] if lora else None)
+    return best_plan_for_world(config, init_distributed(), workload, global_batch=global_batch)
 
 
-def load_model(cfg, task: str, plan=None):
+def load_model(cfg, task: str, plan=None, labels: dict[int, str] | None = None):
     """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.run.plan) asks for;
     returns (model, names of the parameters initialised fresh because the checkpoint lacks them); model.pc is the
-    mesh. Weights stay fp32: a lower --dtype becomes mixed precision in prepare_training. Checksums are verified."""
+    mesh. A classifier's config names its classes `labels` (id -> name, as the data names them), so saved
+    checkpoints and the export do too. Weights stay fp32: a lower --dtype becomes mixed precision in
+    prepare_training. Checksums are verified."""
     from colozoo.api import from_pretrained
 
     degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
     fresh = []
     if TASK_HEADS[task]:
-        model, fresh = _load_with_task_head(cfg, task, degrees, torch.float32)
+        model, fresh = _load_with_task_head(cfg, task, degrees, torch.float32, labels)
     else:
         model = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
     model.run.plan = plan
-    if cfg.lora_r:
-        attach_lora(model, cfg)
+    lora = cfg.lora_settings()
+    if lora is not None:  # adapters on the targeted linears (before data-parallel wrapping), everything else frozen
+        lora.apply(model, seed=cfg.seed)
     return model, fresh
-
-
-def attach_lora(model, cfg):
-    """--lora-r: adapters on the targeted linears (before data-parallel wrapping), everything else frozen."""
-    from colozoo.runtime.lora import apply_lora
-
-    apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha or cfg.lora_r, dropout=cfg.lora_dropout,
-               targets=cfg.lora_target_modules(), use_rslora=cfg.lora_rslora, seed=cfg.seed)
 
 
 def prepare_training(model, cfg) -> dict | None:
@@ -89,7 +84,7 @@ class FreshTensor:
         return self.value if index is None else self.value[index]
 
 
-def _load_with_task_head(cfg, task, degrees, dtype):
+def _load_with_task_head(cfg, task, degrees, dtype, labels: dict[int, str] | None):
     """A classifier on top of a checkpoint that may hold only the base model (e.g. a sentence encoder): the head
     the checkpoint lacks starts fresh (normal(0, initializer_range), zero bias); everything else is loaded.
     Returns (model, names of the fresh parameters)."""
@@ -105,6 +100,8 @@ def _load_with_task_head(cfg, task, degrees, dtype):
     config = copy.deepcopy(source.config)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
+    if labels:
+        config.id2label, config.label2id = dict(labels), {name: i for i, name in labels.items()}
     model = build_model(config, pc=pc, device="meta", dtype=dtype, task=TASK_HEADS[task])
     layout = ModelLayout(model.config)
     std = getattr(config, "initializer_range", 0.02)

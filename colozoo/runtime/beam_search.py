@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from colozoo.layers.vocab import LogitsRequest
-from colozoo.runtime.decode_steps import DecodeSteps, from_last_stage
+from colozoo.runtime.decode_steps import DecodeSteps, GenerateOutput, from_last_stage, steps_from_last_stage
 from colozoo.runtime.generation_config import Decoding
 from colozoo.runtime.sampling import process
 
@@ -119,8 +119,6 @@ def _take(tensor: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
 
 
 def beam_search(model, input_ids, mask, decoding: Decoding, stop, num_microbatches):
-    from colozoo.runtime.generate import GenerateOutput
-
     pc, beams = model.pc, decoding.num_beams
     input_ids = input_ids.repeat_interleave(beams, dim=0)
     steps = DecodeSteps(model, mask.repeat_interleave(beams, dim=0), decoding.max_length, num_microbatches,
@@ -156,10 +154,8 @@ def beam_search(model, input_ids, mask, decoding: Decoding, stop, num_microbatch
     sequences_scores = from_last_stage(model, found[1] if found else None, (n,), dtype=torch.float32)
     origins = from_last_stage(model, found[2].long() if found else None, (n, int(shape[1]) - input_ids.shape[1]))
     vocab = model.config.vocab_size
-    from colozoo.runtime.generate import _steps_from_last_stage
-
     return GenerateOutput(sequences=out, sequences_scores=sequences_scores if keep_scores else None,
                           beam_indices=origins,
-                          scores=_steps_from_last_stage(model, scores, keep_scores, input_ids.shape[0], vocab),
-                          logits=_steps_from_last_stage(model, raw_logits, keep_logits, input_ids.shape[0], vocab),
+                          scores=steps_from_last_stage(model, scores, keep_scores, input_ids.shape[0], vocab),
+                          logits=steps_from_last_stage(model, raw_logits, keep_logits, input_ids.shape[0], vocab),
                           cache_elements=steps.cache.numel())

@@ -10,12 +10,29 @@ LongRoPE switches to its long factors, as transformers' Phi-3 does).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
 from colozoo.layers.kv_cache import KVCache
 from colozoo.layers.vocab import LogitsRequest, VocabParallelEmbedding
 from colozoo.runtime.pipeline import through_stages
+
+
+@dataclass
+class GenerateOutput:
+    """What `generate(..., return_dict_in_generate=True)` returns: transformers' fields (`scores`: each step's
+    processed scores, with output_scores; `logits`: each step's raw logits, with output_logits; beam search adds
+    `sequences_scores` and `beam_indices`) and how it went (the seconds of the prefill and of the decode steps, the
+    elements this rank's KV cache held)."""
+    sequences: torch.Tensor
+    scores: tuple | None = None
+    logits: tuple | None = None
+    sequences_scores: torch.Tensor | None = None
+    beam_indices: torch.Tensor | None = None
+    timings: dict = field(default_factory=dict)
+    cache_elements: int = 0
 
 
 def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -103,3 +120,13 @@ def shared_seed(pc) -> int:
         seed = seed.to(pc.device)
         dist.broadcast(seed, src=0)
     return int(seed.item())
+
+
+def steps_from_last_stage(model, per_step: list, kept: bool, batch: int, vocab: int) -> tuple | None:
+    """Each step's (batch, vocab) scores, on every pp rank; None when they were not asked for."""
+    if not kept:
+        return None
+    count = from_last_stage(model, torch.tensor(len(per_step), device=model.pc.device) if per_step else None, ())
+    stacked = torch.stack(per_step) if per_step else None
+    stacked = from_last_stage(model, stacked, (int(count), batch, vocab), dtype=torch.float32)
+    return tuple(stacked.unbind(0))

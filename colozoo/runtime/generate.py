@@ -12,30 +12,16 @@ every rank returns the same result. Nothing of a call is kept: timings and the c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from colozoo.layers.vocab import LogitsRequest, vocab_parallel_argmax
 from colozoo.models import family_of
-from colozoo.runtime.decode_steps import DecodeSteps, from_last_stage, shared_seed, token_embedding
+from colozoo.runtime.beam_search import beam_search
+from colozoo.runtime.decode_steps import (DecodeSteps, GenerateOutput, from_last_stage, shared_seed,
+                                         steps_from_last_stage, token_embedding)
 from colozoo.runtime.generation_config import Decoding, resolve
 from colozoo.runtime.sampling import choose, finish, process
-
-
-@dataclass
-class GenerateOutput:
-    """What `generate(..., return_dict_in_generate=True)` returns: transformers' fields (`scores`: each step's
-    processed scores, with output_scores; `logits`: each step's raw logits, with output_logits; beam search adds
-    `sequences_scores` and `beam_indices`) and how it went (the seconds of the prefill and of the decode steps, the
-    elements this rank's KV cache held)."""
-    sequences: torch.Tensor
-    scores: tuple | None = None
-    logits: tuple | None = None
-    sequences_scores: torch.Tensor | None = None
-    beam_indices: torch.Tensor | None = None
-    timings: dict = field(default_factory=dict)
-    cache_elements: int = 0
 
 
 def check_inputs(model, input_ids, attention_mask, decoding: Decoding):
@@ -95,8 +81,6 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
         if streamer is not None:
             raise ValueError("a streamer shows one sequence as it grows; beam search changes its sequences, so it "
                              "cannot stream (as in transformers)")
-        from colozoo.runtime.beam_search import beam_search
-
         return beam_search(model, input_ids, mask, decoding, stop, num_microbatches)
     if decoding.num_return_sequences > 1:  # sampling: each prompt's copies draw their own tokens
         input_ids = input_ids.repeat_interleave(decoding.num_return_sequences, dim=0)
@@ -157,17 +141,7 @@ def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_micr
     if not decoding.return_dict_in_generate:
         return sequences
     vocab = model.config.vocab_size
-    return GenerateOutput(sequences=sequences, scores=_steps_from_last_stage(model, scores, keep_scores, batch, vocab),
-                          logits=_steps_from_last_stage(model, raw_logits, keep_logits, batch, vocab),
+    return GenerateOutput(sequences=sequences, scores=steps_from_last_stage(model, scores, keep_scores, batch, vocab),
+                          logits=steps_from_last_stage(model, raw_logits, keep_logits, batch, vocab),
                           timings=dict(timings, batch=batch, prompt_tokens=prompt, new_tokens=sequences.shape[1] - prompt),
                           cache_elements=steps.cache.numel())
-
-
-def _steps_from_last_stage(model, per_step: list, kept: bool, batch: int, vocab: int) -> tuple | None:
-    """Each step's (batch, vocab) scores, on every pp rank; None when they were not asked for."""
-    if not kept:
-        return None
-    count = from_last_stage(model, torch.tensor(len(per_step), device=model.pc.device) if per_step else None, ())
-    stacked = torch.stack(per_step) if per_step else None
-    stacked = from_last_stage(model, stacked, (int(count), batch, vocab), dtype=torch.float32)
-    return tuple(stacked.unbind(0))

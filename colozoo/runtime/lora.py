@@ -32,30 +32,33 @@ TASK_MODULES_TO_SAVE = {"sequence_classification": ("classifier", "score")}
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """What rebuilds a model's adapters (kept in colozoo checkpoints; PEFT's adapter_config says the same)."""
+    """What builds (and rebuilds) a model's adapters: apply_lora's arguments, kept in colozoo checkpoints (PEFT's
+    adapter_config says the same). The defaults are apply_lora's and PEFT's, so the cost model can say just r."""
     r: int
-    alpha: float
+    alpha: float = 8
     dropout: float = 0.0
     targets: tuple[str, ...] | str = ("q_proj", "v_proj")
     use_rslora: bool = False
-    modules_to_save: tuple[str, ...] = ()  # HF modules trained whole beside the adapters (a classifier)
+    modules_to_save: tuple[str, ...] | None = None  # HF modules trained whole beside the adapters (a classifier);
+    #                                                 None: the task head's default (TASK_MODULES_TO_SAVE)
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["targets"] = self.targets if isinstance(self.targets, str) else list(self.targets)
-        out["modules_to_save"] = list(self.modules_to_save)
+        out["modules_to_save"] = None if self.modules_to_save is None else list(self.modules_to_save)
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> "LoraSettings":
         targets = d["targets"]
+        saved = d.get("modules_to_save", ())
         return cls(d["r"], d["alpha"], d.get("dropout", 0.0), targets if isinstance(targets, str) else tuple(targets),
-                   d.get("use_rslora", False), tuple(d.get("modules_to_save", ())))
+                   d.get("use_rslora", False), None if saved is None else tuple(saved))
 
-    def apply(self, model):
-        """apply_lora with these settings."""
+    def apply(self, model, seed: int = 0):
+        """apply_lora with these settings (`seed`: the adapters' initial values)."""
         return apply_lora(model, r=self.r, alpha=self.alpha, dropout=self.dropout, targets=self.targets,
-                          use_rslora=self.use_rslora, modules_to_save=self.modules_to_save)
+                          use_rslora=self.use_rslora, seed=seed, modules_to_save=self.modules_to_save)
 
 
 def hf_linear_modules(config) -> dict[str, tuple[str, ...]]:

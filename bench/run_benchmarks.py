@@ -1,8 +1,8 @@
 """Run the benchmarks and collect their JSON lines.
 
-    python bench/run.py                      # every bench/*.py except this runner
-    python bench/run.py throughput -- --layers 1 --repeats 3   # named ones; args after -- go to each bench
-    python bench/run.py --out results.jsonl
+    python bench/run_benchmarks.py           # every bench/*.py except this runner
+    python bench/run_benchmarks.py throughput -- --layers 1 --repeats 3   # named ones; args after -- go to each
+    python bench/run_benchmarks.py --out results.jsonl
 
 Each bench is run as its own process (so one cannot skew another's threads or memory). Lines a bench prints
 that parse as a JSON object with a "bench" key are its results; everything else is passed through to stderr.

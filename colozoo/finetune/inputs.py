@@ -1,0 +1,112 @@
+"""Everything a fine-tuning run checks before it loads the model: the mesh, the model's config, the data, the plan
+and the output directory, so bad input costs seconds and leaves nothing behind."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from colozoo.core.mesh import ParallelConfig
+from colozoo.finetune import data as D
+from colozoo.finetune import runtime, token_cache
+from colozoo.finetune.config import FinetuneConfig
+from colozoo.finetune.metrics import tensorboard_writer_class
+from colozoo.runtime.plan import DEGREES, Plan
+
+
+@dataclass
+class Inputs:
+    """What the checks found: the model's config, the data, and the mesh and global batch they train on."""
+    config: object                       # the model's transformers config (--num-labels applied)
+    train: D.TensorData
+    evaluation: D.TensorData | None
+    tokenizer: object | None             # None for images
+    notes: list[str]                     # warnings about the tokenizer, printed once training starts
+    plan: Plan | None                    # --plan auto's plan
+    mesh: ParallelConfig
+    global_batch: int
+
+
+def check_inputs(cfg: FinetuneConfig) -> Inputs:
+    """Check the degrees, read the model's config and the data, plan under --plan auto (collective), and check that
+    the data fills a global batch and the output can be written."""
+    if cfg.plan is None:  # bad degrees or batch sizes fail before anything is read
+        mesh = check_mesh(cfg)
+        cfg.num_microbatches(mesh.dp)
+    config, directory = model_source(cfg.model)
+    if cfg.num_labels is not None:
+        config.num_labels = cfg.num_labels
+    train, evaluation, tokenizer = build_datasets(cfg, config, directory)
+    notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
+    if cfg.plan is None:
+        plan, global_batch = None, cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
+    else:
+        plan, mesh, global_batch = plan_run(cfg, config)
+    D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
+    check_writable(Path(cfg.output))
+    if cfg.tensorboard:
+        tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
+    return Inputs(config, train, evaluation, tokenizer, notes, plan, mesh, global_batch)
+
+
+def model_source(name_or_path: str):
+    """(transformers config, directory holding the tokenizer or None), without loading any weights."""
+    from colozoo.api import resolve
+
+    source = resolve(name_or_path, verify=True)  # checksums are checked when weights are read
+    return source.config, getattr(source, "path", None)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_mesh(cfg: FinetuneConfig, plan: Plan | None = None) -> ParallelConfig:
+    """The mesh of the config's degrees, or of the plan's under --plan auto."""
+    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    return ParallelConfig.for_world(world_size(), **degrees)
+
+
+def plan_run(cfg: FinetuneConfig, config) -> tuple[Plan, ParallelConfig, int]:
+    """--plan auto: (the plan, its mesh, the global batch it splits: --global-batch-size, else micro batch x world)."""
+    global_batch = cfg.global_batch_size or cfg.micro_batch_size * world_size()
+    plan = runtime.plan_training(cfg, config, global_batch)
+    mesh = check_mesh(cfg, plan)
+    if plan.dp * plan.micro_batch_size * plan.num_microbatches != global_batch:
+        raise ValueError(f"the plan {plan} does not split the global batch of {global_batch} into dp x micro batch "
+                         f"x micro-batches")
+    return plan, mesh, global_batch
+
+
+def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData, D.TensorData, object]:
+    """(train, eval, tokenizer or None), checked against the model's config."""
+    tokenizer = None
+    if cfg.task == "imgcls":
+        read = lambda path, role: D.image_dataset(path, config, directory)  # noqa: E731
+    else:
+        D.check_seq_len(cfg.seq_len, getattr(config, "max_position_embeddings", None))
+        tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
+        if cfg.chat or cfg.task == "lm":
+            read = lambda path, role: token_cache.lm_rows(cfg, tokenizer, path, role)  # noqa: E731
+        else:
+            read = lambda path, role: D.classification_dataset(path, tokenizer, cfg.seq_len, config,  # noqa: E731
+                                                               cfg.text_field, cfg.label_field)
+    train = read(cfg.data, "train")
+    if cfg.eval_data:
+        evaluation = read(cfg.eval_data, "eval")
+    elif cfg.eval_fraction > 0:
+        train, evaluation = train.split(cfg.eval_fraction)
+    else:
+        evaluation = None
+    return train, evaluation, tokenizer
+
+
+def check_writable(output: Path):
+    """Before the model is loaded: the output directory can be created and written (every rank writes shards)."""
+    probe = output / f".write-test-{os.getpid()}"
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
