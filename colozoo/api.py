@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint, save_pretrained
+from colozoo.checkpoint.convert import HF_WEIGHT_FILES, HFCheckpoint, open_checkpoint
+from colozoo.checkpoint.save import save_pretrained
 from colozoo.checkpoint.format import ColozooCheckpoint
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.load import load_global_tensors

@@ -19,7 +19,8 @@ from colozoo.core.groups import vocab_range
 from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy
 from colozoo.kernels.linear_cross_entropy import linear_cross_entropy
 
-from .comm import all_gather, gather_from_parallel, group_size, reduce_from_parallel, reduce_scatter_to_sequence
+from .comm import (all_gather, gather_from_parallel, group_size, reduce_from_parallel, reduce_scatter_to_sequence,
+                   scatter_to_sequence)
 from .linear import column_parallel_linear, enter_parallel
 from .shard import Split, shard
 
@@ -53,7 +54,7 @@ class VocabParallelEmbedding(nn.Module):
         if rows is not None:
             if rows.shape != (*ids.shape, self.embedding_dim):
                 raise ValueError(f"token rows {tuple(rows.shape)} do not match ids {tuple(ids.shape)}")
-            return rows
+            return scatter_to_sequence(rows, self.group) if self.sequence_parallel else rows
         tp = group_size(self.group)
         local_pad = None
         if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_stop:

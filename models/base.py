@@ -23,7 +23,7 @@ from colozoo.layers.batch import BatchContext
 from colozoo.layers.comm import gather_from_parallel
 from colozoo.layers.context_parallel import gather_sequence
 from colozoo.layers.dropout import dropout  # noqa: F401 (the families import it from here)
-from colozoo.layers.vocab import LogitsRequest
+from colozoo.layers.vocab import LogitsRequest, VocabParallelEmbedding
 from colozoo.models.outputs import ModelOutput
 
 
@@ -46,6 +46,7 @@ class ParallelModel(nn.Module):
     # --- what a family declares (class attributes) --------------------------------------------------------------
     family: str = ""                   # the family's name (colozoo.models.family_of gives its traits)
     task: str = "causal_lm"            # the head: causal_lm, or an encoder's (bert, vit)
+    input_embedding: str | None = None  # the token embedding module (get_input_embeddings)
     tied_embedding: str | None = None  # parameter a tied LM head shares; the last pp stage holds a copy of it
     causal: bool = True                # batches attend causally (False: encoders)
     reencode_length: int | None = None  # generation encodes the whole sequence again at this length (Phi-3)
@@ -216,6 +217,39 @@ class ParallelModel(nn.Module):
             if rotary is not None:
                 rotary.reset_buffers()
 
+    # --- transformers' model surface ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live."""
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of this rank's floating-point parameters (the first one's)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters on this rank, as transformers counts them (a tied weight once). On a mesh each rank counts its
+        own shards: tensor, expert and pipeline parallelism split the count, data parallelism (FSDP) too."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding | VocabParallelEmbedding)}
+        unique = {id(p): p for p in self.parameters()}  # named_parameters() would count a tied copy once too
+        return sum(p.numel() for key, p in unique.items()
+                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and key in embeddings))
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The token embedding (its vocab shard under tp), on the first pipeline stage; None on the others."""
+        if self.input_embedding is None or not self.is_first:
+            return None
+        return self.get_submodule(self.input_embedding)
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The LM head (its vocab shard under tp), on the last pipeline stage; None elsewhere or without one."""
+        return getattr(self, "lm_head", None)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+        """Every layer recomputes its forward in backward (transformers' name for activation checkpointing "full")."""
+        self._run().gradient_checkpointing_enable()
+
     # --- what users call: handed to the run ------------------------------------------------------------------------
     def _run(self):
         if self.run is None:
@@ -237,7 +271,8 @@ class ParallelModel(nn.Module):
         colozoo.runtime.generate)."""
         return self._run().generate(input_ids, attention_mask=attention_mask, **options)
 
-    def save_pretrained(self, path, format: str = "colozoo", **kwargs):
-        """Write a colozoo sharded checkpoint (collectively, each rank its shard), with format="hf" an HF directory
-        (merge_lora=True folds LoRA adapters in), with format="peft" the LoRA adapters as PEFT writes them."""
+    def save_pretrained(self, path, format: str = "hf", **kwargs):
+        """Write a directory transformers loads (the default, as transformers' save_pretrained; merge_lora=True folds
+        LoRA adapters in), with format="colozoo" a sharded checkpoint reshardable onto any mesh (each rank its
+        shard), with format="peft" the LoRA adapters as PEFT writes them (colozoo.checkpoint.save)."""
         return self._run().save_pretrained(path, format=format, **kwargs)

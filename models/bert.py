@@ -86,7 +86,8 @@ class BertEmbeddings(nn.Module):
         return scatter_to_sequence(x, self.group) if self.sequence_parallel else x
 
     def forward(self, input_ids, ctx: BatchContext):
-        hidden = self.word_embeddings(input_ids) + self._replicated(self.token_type_embeddings(ctx.token_type_ids))
+        hidden = self.word_embeddings(input_ids, ctx.token_rows)
+        hidden = hidden + self._replicated(self.token_type_embeddings(ctx.token_type_ids))
         hidden, _ = self.LayerNorm(hidden, residual=self._replicated(self.position_embeddings(ctx.position_ids)))
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
@@ -139,6 +140,7 @@ class BertModel(EncoderModel):
     """The encoder with its pooler: returns last_hidden_state and pooler_output (full sequence, on every rank)."""
 
     family, title = "bert", "BERT"
+    input_embedding = "embeddings.word_embeddings"
     TASKS = {"base": "BertModel", "masked_lm": "BertForMaskedLM",
              "sequence_classification": "BertForSequenceClassification"}
     ARCHITECTURE_ALIASES = {"BertForPreTraining": "masked_lm"}  # its NSP head is ignored when loading

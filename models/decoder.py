@@ -74,7 +74,7 @@ class DecoderModel(ParallelModel):
     """The LLaMA-style causal LM: grouped-query attention with RoPE, RMSNorm, a gated MLP, an optional sliding window
     (in the batch's mask) and a tied or untied LM head."""
 
-    tied_embedding = "embed_tokens.weight"
+    input_embedding, tied_embedding = "embed_tokens", "embed_tokens.weight"
     norm_options: dict = {}  # of every RMSNorm (Gemma: offset=True)
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):

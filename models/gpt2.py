@@ -63,7 +63,7 @@ class GPT2Block(nn.Module):
 
 class GPT2ForCausalLM(ParallelModel):
     family = "gpt2"
-    tied_embedding = "wte.weight"
+    input_embedding, tied_embedding = "wte", "wte.weight"
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)

@@ -66,7 +66,7 @@ class GPTNeoXLayer(nn.Module):
 
 class GPTNeoXForCausalLM(ParallelModel):
     family = "gpt_neox"
-    tied_embedding = "embed_in.weight"
+    input_embedding, tied_embedding = "embed_in", "embed_in.weight"
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)

@@ -63,7 +63,7 @@ class OPTDecoderLayer(TransformerLayer):
 
 class OPTForCausalLM(ParallelModel):
     family = "opt"
-    tied_embedding = "embed_tokens.weight"
+    input_embedding, tied_embedding = "embed_tokens", "embed_tokens.weight"
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)

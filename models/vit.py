@@ -70,6 +70,7 @@ class ViTModel(EncoderModel):
     Called as model(pixel_values, labels=None)."""
 
     family, title = "vit", "ViT"
+    input_embedding = "embeddings.projection"
     TASKS = {"base": "ViTModel", "image_classification": "ViTForImageClassification"}
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):

@@ -214,7 +214,7 @@ def _logits_vs_transformers(path, reference, tp, pp=1, dtype=None, ep=1):
 
 def _save_then_check(path, out_colozoo, out_hf, tp, pp=1, ep=1, layers_per_stage=None):
     model = colozoo.from_pretrained(path, tp=tp, pp=pp, ep=ep, layers_per_stage=layers_per_stage)
-    model.save_pretrained(out_colozoo)
+    model.save_pretrained(out_colozoo, format="colozoo")
     model.save_pretrained(out_hf, format="hf")
     return True
 
@@ -290,7 +290,7 @@ def _save_after_fsdp(path, out_colozoo, out_hf):
     model = colozoo.from_pretrained(path, tp=2, dp=2).train()
     parallelize(model, data_parallel="fsdp")
     assert any(hasattr(p, "full_tensor") for p in model.parameters())  # FSDP shards over dp
-    model.save_pretrained(out_colozoo)
+    model.save_pretrained(out_colozoo, format="colozoo")
     model.save_pretrained(out_hf, format="hf")
     return True
 
@@ -324,7 +324,7 @@ def _save_fsdp_counting_whole_parameters(path, out):
         return whole
     DTensor.full_tensor = counting
     try:
-        model.save_pretrained(out)
+        model.save_pretrained(out, format="colozoo")
     finally:
         DTensor.full_tensor = original
     return most[0]
@@ -350,7 +350,7 @@ def _save_with_a_failing_rank(path, out):
             raise OSError("No space left on device")
         safetensors_io.SafetensorsWriter.write = disk_full
     try:
-        model.save_pretrained(out)
+        model.save_pretrained(out, format="colozoo")
     except (OSError, CheckpointError) as e:
         return str(e)
     finally:
@@ -366,14 +366,15 @@ def test_save_pretrained_failing_rank_leaves_nothing(tmp_path):
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
-def test_save_pretrained_refuses_non_empty_destination(tmp_path):
+def test_save_pretrained_refuses_a_directory_that_is_no_checkpoint_of_its_format(tmp_path):
+    """The colozoo format replaces only a colozoo checkpoint; the HF format replaces as transformers does (see
+    tests/test_transformers_script.py)."""
     hf = make_hf(tmp_path / "hf", "gpt2")
     model = colozoo.from_pretrained(hf)
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "keep.txt").write_text("mine")
-    for fmt in ("colozoo", "hf"):
-        with pytest.raises(FileExistsError, match="not empty"):
-            model.save_pretrained(tmp_path / "dst", format=fmt)
+    with pytest.raises(FileExistsError, match="not empty"):
+        model.save_pretrained(tmp_path / "dst", format="colozoo")
     assert [p.name for p in (tmp_path / "dst").iterdir()] == ["keep.txt"] and not leftovers(tmp_path)
 
 

@@ -90,7 +90,7 @@ def test_hf_round_trip_tp4():
 def _load_and_save(path, out_colozoo, out_hf, tp):
     model = colozoo.from_pretrained(path, tp=tp)
     if out_colozoo is not None:
-        model.save_pretrained(out_colozoo)
+        model.save_pretrained(out_colozoo, format="colozoo")
     model.save_pretrained(out_hf, format="hf")
     return True
 

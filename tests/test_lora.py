@@ -85,7 +85,7 @@ def _save_adapters(directory: str):
                 params[name].add_(torch.randn(params[name].shape, generator=torch.Generator().manual_seed(3)))
         model.save_pretrained(f"{directory}/{family}-adapter", format="peft")
         model.save_pretrained(f"{directory}/{family}-merged", format="hf", merge_lora=True)
-        model.save_pretrained(f"{directory}/{family}-colozoo")  # the colozoo format keeps the adapters too
+        model.save_pretrained(f"{directory}/{family}-colozoo", format="colozoo")  # it keeps the adapters too
         logits[family] = model(**inputs, return_logits=True).logits.detach()
     return logits
 

@@ -3,7 +3,7 @@
     convert("hf_dir", "ckpt", tp=2, pp=2)        # HF -> colozoo at a mesh
     convert("ckpt", "ckpt4", tp=4)               # colozoo -> colozoo at another mesh, no HF original needed
     convert("ckpt4", "hf_out", to_hf=True)       # colozoo (or HF) -> HF directory
-    model.save_pretrained(path[, format="hf"])   # every rank of a job writes its own shard
+    model.save_pretrained(path[, format=...])    # a live model: colozoo.checkpoint.save
 
 One process converts tensor by tensor: each global tensor is read once (plain reads, no memory map), cut into
 the pieces of every target rank and appended to their files, reads, hashing and writes overlapped in threads
@@ -12,7 +12,6 @@ into a temp dir beside the destination and renamed at the end.
 """
 from __future__ import annotations
 
-import dataclasses
 import resource
 import shutil
 import time
@@ -20,24 +19,20 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import transformers
 from tqdm import tqdm
 
-from colozoo.checkpoint.atomic import atomic_directory, check_destination, publish
-from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, file_name, is_colozoo_checkpoint, make_index,
-                                       plan_mesh, rank_pieces, tensor_entry, write_index)
+from colozoo.checkpoint.atomic import atomic_directory, check_destination
+from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, is_colozoo_checkpoint, make_index, plan_mesh,
+                                       tensor_entry, write_index)
 from colozoo.checkpoint.layout import ModelLayout, check_mesh
-from colozoo.core.dtypes import dtype_name, parse_dtype
+from colozoo.core.dtypes import parse_dtype
 from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
 from colozoo.checkpoint.load import HFTensors
 from colozoo.checkpoint.readers import index_files
 from colozoo.core.errors import CheckpointError
-from colozoo.checkpoint.collective import collective as _collective, world as _world
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
-from colozoo.checkpoint.peft import save_peft
-from colozoo.runtime.lora import lora_modules, lora_settings, merged_lora
-from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
+from colozoo.checkpoint.safetensors_io import SafetensorsReader
 from colozoo.checkpoint.streaming import nbytes, stream_pieces
 from colozoo.models import text_config, text_model
 
@@ -163,179 +158,25 @@ def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int 
 
 def convert(src, dst, tp: int = 1, pp: int = 1, ep: int = 1, dtype=None, to_hf: bool = False,
             allow_bin: bool = False, verify: bool = True, progress: bool = False,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, replace: bool = False) -> dict:
     """Convert an HF or colozoo checkpoint into a colozoo checkpoint at (tp, pp, ep), or with to_hf=True into an
-    HF directory. One process, streaming; tokenizer and generation files come along. Returns a summary (tensors, bytes, seconds, peak RSS)."""
+    HF directory. One process, streaming; tokenizer and generation files come along. `replace` (HF only): an existing
+    model directory is replaced as transformers' save_pretrained replaces it. Returns a summary (tensors, bytes,
+    seconds, peak RSS)."""
     start = time.perf_counter()
     dst = Path(dst)
-    check_destination(dst)
+    if not (replace and to_hf):
+        check_destination(dst)
     dtype = parse_dtype(dtype)
     source = open_checkpoint(src, allow_bin=allow_bin, verify=verify)
     config = source.config
     if to_hf:
         layout = ModelLayout(config)
         summary = export_hf(global_tensors(source, layout), layout, dst, dtype, max_shard_bytes, progress,
-                            side_files(src))
+                            side_files(src), replace=replace)
     else:
         layout = check_mesh(config, tp, pp, ep)  # one meta model per stage, at the target degrees
         summary = write_colozoo(global_tensors(source, layout), layout, dst, tp, pp, ep, dtype, progress,
                                 side_files(src))
     summary.update(seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
     return summary
-
-
-# --- collective save of a live model -----------------------------------------------------------------------
-
-def _prepare(dst: Path, tmp: Path, rank: int):
-    check_destination(dst)
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-
-
-@torch.no_grad()
-def _write_own_shard(model, layout: ModelLayout, tmp: Path):
-    """This rank's file: the pieces it owns (one owner per replicated tensor). Returns (file, info, pieces).
-
-    Under FSDP every data rank gathers each parameter in turn (a collective) and the owner writes it before the next
-    is gathered, so no rank ever holds more than one whole parameter. A failed write stops the writing, not the
-    gathering: the other ranks would wait in the next all-gather otherwise."""
-    from torch.distributed.tensor import DTensor  # a second of imports that an offline conversion does not need
-
-    pc = model.pc
-    ep, dp_cp_rank = pc.size("ep"), pc.rank("dp_cp")
-    coords = {"tp": (pc.rank("tp"), pc.size("tp")), "ep": (dp_cp_rank % ep, ep)}  # experts fold over dp x cp
-    file = file_name(pc.rank("pp"), coords["tp"][0], coords["ep"][0])
-    params = []  # (parameter, the pieces this rank writes of it), in the order every data rank gathers them
-    for name, param in model.named_parameters():
-        if name in layout.aliases:  # a tied copy: the owner of the weight saves it
-            continue
-        info = layout.tensors[name]
-        if info.stage != pc.rank("pp"):  # a tied copy on a later stage
-            continue
-        expert = any(s.mesh_dim == "ep" for s in info.spec)
-        owner = (dp_cp_rank // ep if expert else dp_cp_rank) == 0
-        params.append((param, rank_pieces(name, info, coords, file) if owner else []))
-    owned = [(piece, param.dtype) for param, pieces in params for piece in pieces]
-    writer = SafetensorsWriter(tmp / file, [(p.key, dtype, p.shape) for p, dtype in owned]) if owned else None
-    failure = None
-    for param, pieces in params:
-        if isinstance(param, DTensor):  # FSDP's shards over the data ranks: all of them gather
-            param = param.full_tensor()
-        if pieces and failure is None:
-            try:
-                for piece in pieces:
-                    writer.write(piece.key, param.detach()[piece.local].cpu())
-            except Exception as e:  # re-raised below, once the gathers are done
-                failure = e
-            except BaseException:
-                writer.abort()
-                raise
-    if failure is not None:
-        writer.abort()
-        raise failure
-    if writer is None:
-        return None
-    return file, writer.close(), [(p.name, p.to_json(), dtype_name(dtype)) for p, dtype in owned]
-
-
-def _write_index(model, layout: ModelLayout, tmp: Path, shards: list):
-    files, pieces, dtypes = {}, {}, {}
-    for shard in filter(None, shards):
-        file, info, owned = shard
-        files[file] = info
-        for name, piece, dtype in owned:
-            pieces.setdefault(name, []).append(piece)
-            dtypes[name] = getattr(torch, dtype)
-    missing = [n for n in layout.tensors if n not in pieces]
-    if missing:
-        raise CheckpointError(f"no rank saved {missing[:8]}")
-    pc = model.pc
-    mesh = {d: pc.size(d) for d in ("tp", "pp", "dp", "cp", "ep")}
-    tensors = {n: tensor_entry(info, dtypes[n], pieces[n]) for n, info in layout.tensors.items()}
-    write_index(tmp, make_index(layout, mesh, tensors, files))
-
-
-def _stage_layers(model) -> list[list[int]] | None:
-    """Every pp rank's global layer indices (collective over pp): the model may be split other than by default."""
-    pp = model.pc.config.pp
-    if pp == 1:
-        return None
-    every_rank = [None] * pp
-    dist.all_gather_object(every_rank, list(model.layer_ids), group=model.pc.group("pp"))
-    return every_rank
-
-
-def lora_of_every_stage(model):
-    """The LoRA settings of the whole model (collective over pp): each stage knows only its own adapted modules."""
-    settings = lora_settings(model)
-    if model.pc.config.pp == 1:
-        return settings
-    every_stage = [None] * model.pc.config.pp
-    dist.all_gather_object(every_stage, settings, group=model.pc.group("pp"))
-    found = [s for s in every_stage if s is not None]
-    if not found:
-        return None
-    return dataclasses.replace(found[0], targets=tuple(sorted({t for s in found for t in s.targets})),
-                               modules_to_save=tuple(sorted({m for s in found for m in s.modules_to_save})))
-
-
-def _save_colozoo(model, dst: Path):
-    rank, _ = _world()
-    tmp = dst.parent / f".{dst.name}.tmp-colozoo"
-    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), lora=lora_of_every_stage(model))
-    _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank))
-    def write_index_and_publish(shards):
-        if rank == 0:
-            _write_index(model, layout, tmp, shards)
-            publish(tmp, dst)
-
-    try:
-        shards = _collective(f"saving shards of {dst}", lambda: _write_own_shard(model, layout, tmp))
-        _collective(f"publishing {dst}", lambda: write_index_and_publish(shards))
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def save_pretrained(model, path, format: str = "colozoo", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                    merge_lora: bool = False):
-    """Save a live sharded model: every rank writes its own shard of a colozoo checkpoint (atomic as a whole);
-    with format="hf", rank 0 then exports that into an HF directory (a LoRA model only with merge_lora=True: the
-    adapters folded into the weights); with format="peft", the LoRA adapters as PEFT writes them."""
-    dst = Path(path)
-    if format not in ("colozoo", "hf", "peft"):
-        raise ValueError(f"format must be 'colozoo', 'hf' or 'peft', got {format!r}")
-    if format == "peft":
-        return save_peft(model, dst)
-    if merge_lora:
-        if format != "hf":
-            raise ValueError("merge_lora=True goes with format='hf' (the merged model as transformers loads it)")
-        with merged_lora(model):
-            return save_pretrained(model, dst, format="hf", max_shard_bytes=max_shard_bytes)
-    if lora_modules(model) and format == "hf":
-        raise ValueError("this model has LoRA adapters: save them with format='peft', or export merged weights "
-                         "with format='hf', merge_lora=True")
-    if format == "colozoo":
-        return _save_colozoo(model, dst)
-    rank, _ = _world()
-    staging = dst.parent / f".{dst.name}.staging-colozoo"
-
-    def prepare():
-        check_destination(dst)
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def export():
-        if rank == 0:
-            convert(staging, dst, to_hf=True, max_shard_bytes=max_shard_bytes)
-
-    _collective(f"preparing {dst}", prepare)
-    try:
-        _save_colozoo(model, staging)
-        _collective(f"exporting {dst}", export)
-    finally:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)

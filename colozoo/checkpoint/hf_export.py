@@ -84,9 +84,11 @@ def write_hf_config(config, directory: Path, dtype: torch.dtype | None):
 
 
 def export_hf(tensors, layout: ModelLayout, dst, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False, extra_files=()) -> dict:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False, extra_files=(),
+              replace: bool = False) -> dict:
     """Write the HF directory `dst` from `tensors[name]` (lazy global tensors: shape, dtype, read()), with copies of
-    `extra_files` (tokenizer files...)."""
+    `extra_files` (tokenizer files...). `replace`: an existing directory is replaced as transformers' save_pretrained
+    replaces it (colozoo.checkpoint.atomic)."""
     dtypes = {name: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
               for name, t in tensors.items()}
     plan = hf_plan(layout, dtypes)
@@ -96,7 +98,7 @@ def export_hf(tensors, layout: ModelLayout, dst, dtype: torch.dtype | None = Non
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     shard_of = {part.name: i for i, shard in enumerate(shards) for part in shard}
     total = sum(p.nbytes for p in parts)
-    with atomic_directory(dst) as tmp, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+    with atomic_directory(dst, replace=replace) as tmp, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                                             desc="export") as bar:
         writers: dict[int, SafetensorsWriter] = {}
         try:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from colozoo.checkpoint.collective import world
-from colozoo.checkpoint.convert import lora_of_every_stage
+from colozoo.checkpoint.save import lora_of_every_stage
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
 from colozoo.core.errors import CheckpointError

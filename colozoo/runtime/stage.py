@@ -86,14 +86,14 @@ class Stage(nn.Module):
         stage's. `logits`: what the last stage returns of them; `cp_mode`: context parallelism's attention ("ring"
         or "all_to_all"); `step`: a training step's scales (the last stage then returns the scaled loss); `cache`:
         the KV cache of incremental decoding; `token_rows`: the token embedding's rows of x, known already (greedy
-        decoding under tensor parallelism)."""
+        decoding under tensor parallelism; a forward's inputs_embeds)."""
         model = self.model
         autocast = self.autocast_dtype is not None
         with torch.autocast(x.device.type, dtype=self.autocast_dtype) if autocast else contextlib.nullcontext():
             if step is not None or cache is not None:  # hidden states are outputs of a plain forward only
                 inputs["output_hidden_states"] = False
             ctx = model.context(token_ids, attention_mask, **inputs)
-            ctx.cache, ctx.token_rows = cache, token_rows
+            ctx.cache = cache
             ctx.data_group = step.data_group if step is not None else None
             if router_stats is not None:
                 ctx.router_stats_in = router_stats
@@ -101,6 +101,8 @@ class Stage(nn.Module):
                 sp_tp = model.pc.tp_size if model.sequence_parallel else 1
                 ctx = ctx.shard_sequence(model.pc.group("cp"), cp_mode, sp_tp)
                 x = ctx.cp.shard(x) if self.is_first else x
+                token_rows = ctx.cp.shard(token_rows) if token_rows is not None and self.is_first else None
+            ctx.token_rows = token_rows
             hidden = model.embed(x, ctx) if self.is_first else x
             hidden = model.forward_layers(hidden, ctx, self.layers)
             if not self.is_last:
