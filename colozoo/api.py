@@ -71,7 +71,8 @@ def find_in_cache(repo: str) -> tuple[Path | None, list[Path]]:
 
 
 def resolve(name_or_path: str | os.PathLike, allow_bin: bool = False, verify: bool = True):
-    """The checkpoint to load: a local directory (HF or colozoo), else a registry name found in the HF cache."""
+    """The checkpoint to load: a local directory (HF or colozoo), else a registry name or a Hugging Face repo id
+    ("HuggingFaceTB/SmolLM2-135M-Instruct") found in the local HF cache."""
     path = Path(name_or_path)
     if path.exists():
         return open_checkpoint(path, allow_bin=allow_bin, verify=verify)
@@ -80,6 +81,13 @@ def resolve(name_or_path: str | os.PathLike, allow_bin: bool = False, verify: bo
         text = str(name_or_path)
         if text.startswith((".", "/", "~")) or text.count("/") > 1:
             raise FileNotFoundError(f"no checkpoint at {path} (no such directory)")
+        if text.count("/") == 1:  # a repo id the registry does not name: whatever the cache holds of it
+            snapshot, looked = find_in_cache(text)
+            if snapshot is not None:
+                return HFCheckpoint(snapshot, allow_bin=allow_bin)
+            raise FileNotFoundError(f"{text!r} is neither a local directory nor in the local Hugging Face cache "
+                                    f"(looked in {', '.join(str(p) for p in looked)}; HF_HUB_CACHE and HF_HOME are "
+                                    f"honoured); fetch it with `huggingface-cli download {text}`")
         get_entry(str(name_or_path))  # raises the unknown-name error with suggestions
     name, entry = found
     snapshot, looked = find_in_cache(entry["repo"])

@@ -391,6 +391,16 @@ def test_registry_name_resolves_from_hf_cache(tmp_path, monkeypatch):
         _logits_vs_transformers(name, snapshot, tp=1)
 
 
+def test_any_repo_id_in_the_hf_cache_resolves(tmp_path, monkeypatch):
+    """Not only registered names: any repo id the local cache holds, as transformers' from_pretrained finds it."""
+    snapshot = tmp_path / "hub" / "models--SomeOrg--tiny-gpt2" / "snapshots" / "abc123"
+    make_hf(snapshot, "gpt2")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _logits_vs_transformers("SomeOrg/tiny-gpt2", snapshot, tp=1)
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download SomeOrg/other"):
+        colozoo.from_pretrained("SomeOrg/other")
+
+
 def test_registry_name_missing_from_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
