@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q tests
 
-# switch features off one at a time; the tests named for each must fail (tests/mutations.py)
+# switch features off one at a time; the tests named for each must fail (tests/helpers/mutations.py)
 mutations: setup
-	$(PY) tests/mutations.py
+	$(PY) tests/helpers/mutations.py
 
 demo: setup
 	$(PY) -m colozoo.demo_finetune

@@ -22,7 +22,7 @@ from colozoo.checkpoint.load import load_global_tensors
 from colozoo.checkpoint.peft import load_peft
 from colozoo.core.dtypes import parse_dtype
 from colozoo.core.mesh import init_parallel
-from colozoo.models import build_model as build_layers
+from colozoo.models import build_shard
 from colozoo.registry import config_from_dict, get_entry, lookup
 from colozoo.runtime.compile import compile_layers
 from colozoo.runtime.run import Run
@@ -31,10 +31,10 @@ from colozoo.runtime.run import Run
 def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
                 layers_per_stage: list[int] | None = None, balance: str | None = None, plan=None,
                 compile: bool = False):
-    """This rank's shard of a model of `config` (see colozoo.models.build_model) with its Run attached, so it
+    """This rank's shard of a model of `config` (see colozoo.models.build_shard) with its Run attached, so it
     runs on its mesh: pipeline stages, cp sharding, forward_backward, generate, save_pretrained. `compile=True` compiles
     each layer with torch.compile (colozoo.runtime.compile)."""
-    model = build_layers(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
+    model = build_shard(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
                          layers_per_stage=layers_per_stage, balance=balance)
     if model.can_generate():
         model.generation_config = transformers.GenerationConfig.from_model_config(config)

@@ -114,11 +114,11 @@ def local_config(path: Path):
 
 def count_parameters(config) -> int | None:
     """Parameters of the model as colozoo builds it (tied weights once); None if the family is not available."""
-    from colozoo.models import build_model
+    from colozoo.models import build_shard
     from colozoo.core.mesh import ParallelContext
 
     try:
-        model = build_model(config, pc=ParallelContext.virtual(), device="meta")
+        model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
     except (ImportError, ValueError):
         return None
     return sum(p.numel() for p in model.parameters())

@@ -19,10 +19,10 @@ def model_class(model_type: str):
     return family_of(model_type).model
 
 
-def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
+def build_shard(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
                 layers_per_stage: list[int] | None = None, balance: str | None = None):
-    """This rank's part of a model of `config`, without a run (colozoo.build_model attaches one). `task` picks the
-    head of families that have several (bert: base / masked_lm / sequence_classification, vit: base /
+    """This rank's shard of a model of `config`, without a run (colozoo.build_model builds one with its run). `task`
+    picks the head of families that have several (bert: base / masked_lm / sequence_classification, vit: base /
     image_classification); by default the one `config.architectures` names. Under pipeline parallelism the rank's
     layers are `layer_ids`, else `layers_per_stage[pp rank]` layers, else a partition balanced by `balance`
     ("params", the default; "flops"; "layers": equal counts), see colozoo.models.partition."""
@@ -43,4 +43,4 @@ def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: 
     return cls(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype)
 
 
-__all__ = ["Family", "build_model", "families", "family_of", "model_class", "text_config", "text_model"]
+__all__ = ["Family", "build_shard", "families", "family_of", "model_class", "text_config", "text_model"]

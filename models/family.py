@@ -2,7 +2,7 @@
 
     FAMILIES = (Family("llama", ("llama",), LlamaForCausalLM, converter="llama", gated_mlp=True),)
 
-and read by everything that must tell families apart: building a model (colozoo.models.build_model), its converter
+and read by everything that must tell families apart: building a model (colozoo.models.build_shard), its converter
 (colozoo.converters.family_module), pipeline partitioning (gated MLPs and position tables weigh on a stage),
 generation (a position table bounds prompt + new tokens) and the registry (model_configs/<name>.json). Adding a
 family touches its model file, its converter and its registry file; tests/test_families.py lists what each must

@@ -8,8 +8,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if not torch.cuda.is_available():
     # triton fixes interpreted vs compiled when a kernel module is imported, which any test may do first
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))  # tests import each other
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))  # and the helpers: parity, distributed, ...
 
 import mutations  # noqa: E402
 
-mutations.apply_from_environment()  # COLOZOO_MUTATION: tests/mutations.py switches a feature off
+mutations.apply_from_environment()  # COLOZOO_MUTATION: tests/helpers/mutations.py switches a feature off

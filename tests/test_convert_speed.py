@@ -31,13 +31,13 @@ def config_of(family: str):
 def test_conversion_builds_each_stage_once(tmp_path, monkeypatch):
     hf = make_hf(tmp_path / "hf", "gpt2")
     built = []
-    original = colozoo.models.build_model
+    original = colozoo.models.build_shard
 
     def counting(config, pc=None, **kwargs):
         built.append((pc.config.tp, pc.rank("pp")))
         return original(config, pc=pc, **kwargs)
 
-    monkeypatch.setattr(colozoo.models, "build_model", counting)
+    monkeypatch.setattr(colozoo.models, "build_shard", counting)
     convert(hf, tmp_path / "out", tp=2, pp=2)
     assert sorted(built) == [(2, 0), (2, 1)]  # at the target tp: the mesh is checked by the same builds
 

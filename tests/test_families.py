@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from colozoo.models import build_model, families, family_of
+from colozoo.models import build_shard, families, family_of
 from colozoo.models.base import ParallelModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +51,6 @@ def test_traits_are_read_from_the_table():
 def test_a_model_type_builds_its_familys_class_and_names_it():
     config = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    model = build_model(config, device="meta")
+    model = build_shard(config, device="meta")
     assert type(model).__name__ == "MistralForCausalLM" and model.family == "mistral"
     assert "family" not in vars(model)  # a class attribute, never overwritten on an instance

@@ -168,11 +168,11 @@ def test_layer_cost_equals_the_built_model(name):
     the profiler's traced layer against its head."""
     from colozoo.core.mesh import ParallelContext
     from colozoo.cost.profiler import profile_for
-    from colozoo.models import build_model as build_layers
+    from colozoo.models import build_shard
     from colozoo.registry import get_config
 
     config = get_config(name)
-    stages = [build_layers(config, pc=ParallelContext.virtual(pp=2, pp_rank=r), device="meta") for r in range(2)]
+    stages = [build_shard(config, pc=ParallelContext.virtual(pp=2, pp_rank=r), device="meta") for r in range(2)]
 
     def count(model, in_layers: bool):
         return sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") == in_layers)

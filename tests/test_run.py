@@ -10,7 +10,7 @@ from colozoo.api import build_model
 from colozoo.checkpoint.load import load_hf_weights
 from colozoo.checkpoint.readers import StateDictReader
 from colozoo.core.mesh import init_parallel, single_process
-from colozoo.models import build_model as build_layers
+from colozoo.models import build_shard
 from colozoo.runtime.run import Run
 from colozoo.runtime.training import TrainingError, build_optimizer, parallelize
 
@@ -45,7 +45,7 @@ def test_build_model_attaches_a_run_and_parallelize_fills_it():
 
 def test_a_model_without_a_run_refuses_what_needs_one():
     config, hf = hf_causal_lm("gpt2", CONFIG)
-    model = build_layers(config, device="meta")
+    model = build_shard(config, device="meta")
     assert model.run is None
     with pytest.raises(RuntimeError, match="has no Run"):
         model.forward_backward(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
@@ -85,7 +85,7 @@ def _pipeline_needs_a_run():
     pc = init_parallel(pp=2)
     config, _ = hf_causal_lm("gpt2", CONFIG)
     with pytest.raises(RuntimeError, match="has no Run"):
-        build_layers(config, pc=pc, device="meta")(torch.zeros(1, 4, dtype=torch.long))
+        build_shard(config, pc=pc, device="meta")(torch.zeros(1, 4, dtype=torch.long))
     return True
 
 

@@ -51,9 +51,9 @@ def attention_windows(config) -> list[int | None]:
     attention module hands the KV cache (Gemma's alternating layers, Qwen2's layer_types, Mistral's and Phi-3's one
     window for all)."""
     from colozoo.core.mesh import ParallelContext
-    from colozoo.models import build_model
+    from colozoo.models import build_shard
 
-    model = build_model(config, pc=ParallelContext.virtual(), device="meta")
+    model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
     return [next((m.window for m in model.layers[str(i)].modules() if getattr(m, "window", None) is not None), None)
             for i in range(config.num_hidden_layers)]
 

@@ -20,7 +20,7 @@ def _targets(lora: LoraSettings):
 def adapter_params_per_layer(config, tp: int, lora: LoraSettings) -> dict[str, int]:
     """{global layer index (as a string): adapter parameters on one tp rank of that layer's stage}."""
     from colozoo.layers.shard import local_shape
-    from colozoo.models import build_model
+    from colozoo.models import build_shard
     from colozoo.runtime.lora import apply_lora, lora_modules
 
     if config is None:
@@ -28,7 +28,7 @@ def adapter_params_per_layer(config, tp: int, lora: LoraSettings) -> dict[str, i
     targets = _targets(lora)
     key = (id(config), tp, lora.r, targets)
     if key not in _CACHE:
-        model = build_model(config, pc=ParallelContext.virtual(), device="meta")
+        model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
         try:
             apply_lora(model, r=lora.r, targets=targets)
         except ValueError as e:
@@ -47,14 +47,14 @@ def adapter_params_per_layer(config, tp: int, lora: LoraSettings) -> dict[str, i
 def saved_params_per_unit(config, task: str | None, lora: LoraSettings) -> dict[str, int]:
     """{unit: parameters trained whole beside the adapters}: units are global layer indices (as strings), "embed"
     (before the layers) and "head" (after them). `lora.modules_to_save` None: the task's default, as apply_lora."""
-    from colozoo.models import build_model
+    from colozoo.models import build_shard
     from colozoo.runtime.lora import apply_lora
 
     targets = _targets(lora)
     saved = lora.modules_to_save if lora.modules_to_save is None else tuple(lora.modules_to_save)
     key = ("saved", id(config), task, targets, saved)
     if key not in _CACHE:
-        model = build_model(config, pc=ParallelContext.virtual(), device="meta", task=task)
+        model = build_shard(config, pc=ParallelContext.virtual(), device="meta", task=task)
         try:
             apply_lora(model, r=1, targets=targets, modules_to_save=saved)
         except ValueError as e:

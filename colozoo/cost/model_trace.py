@@ -65,12 +65,12 @@ def _build_parallel_model(config, pc: ParallelConfig, dtype):
     """Our model of `config` on meta with fake tp/ep groups of the mesh's sizes (pp and cp are modelled), with the
     run that drives its forward."""
     from colozoo.core.mesh import ParallelContext
-    from colozoo.models import build_model
+    from colozoo.models import build_shard
     from colozoo.runtime.run import Run
 
     trace_config = ParallelConfig(tp=pc.tp, dp=pc.ep, ep=pc.ep, sequence_parallel=pc.sequence_parallel)
     context = ParallelContext(trace_config, device=torch.device("cpu"))
-    model = build_model(config, pc=context, device="meta", dtype=dtype)
+    model = build_shard(config, pc=context, device="meta", dtype=dtype)
     Run(model)
     return model, context
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from colozoo.demo_finetune import make_tiny_causal_lm, texts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "data" / "chat.jsonl"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}{{ eos_token }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|> {% endif %}")

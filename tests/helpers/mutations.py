@@ -3,12 +3,12 @@
 A test named for a feature that still passes with the feature off proves nothing. Each mutation below patches the
 running code through a module attribute (no file is edited) and names the tests that must then fail:
 
-    python tests/mutations.py                    # every mutation; exit 1 if a named test still passes
-    python tests/mutations.py ring_window_off_by_one checkpoint_recomputes_nothing
+    python tests/helpers/mutations.py                    # every mutation; exit 1 if a named test still passes
+    python tests/helpers/mutations.py ring_window_off_by_one checkpoint_recomputes_nothing
     make mutations
 
 `COLOZOO_MUTATION=<name>` applies a mutation in the pytest process (tests/conftest.py) and in every distributed
-worker (tests/distributed.py), so the multi-rank tests see it too.
+worker (tests/helpers/distributed.py), so the multi-rank tests see it too.
 """
 from __future__ import annotations
 
@@ -106,13 +106,13 @@ def _ring_blocks_in_bf16():
 
 
 def _packing_ignored():
-    from colozoo.models.base import BatchContext
+    from colozoo.layers.batch import BatchContext
 
     BatchContext.documents = property(lambda self: None)
 
 
 def _cp_drops_documents():
-    _replace("colozoo.runtime.context_parallel", "ContextParallel",
+    _replace("colozoo.layers.batch", "ContextParallel",
              lambda original: lambda *args, documents=None, **kwargs: original(*args, **kwargs))
 
 
@@ -205,7 +205,7 @@ def apply_from_environment():
 
 
 def run(names) -> int:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     survivors = []
     for name in names:
         mutation = MUTATIONS[name]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from colozoo.finetune.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def clean_env() -> dict:
