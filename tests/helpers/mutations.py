@@ -137,6 +137,38 @@ def _compile_nothing():  # every layer still gets the compile wrapper (is_compil
     _replace("colozoo.runtime.compile", "_compiled_forward", lambda original: lambda cls, *options: cls.forward)
 
 
+def _kv_cache_off():  # every decoding step encodes the whole sequence again (the tokens stay right)
+    def make(original):
+        def steps(*args, use_cache=True, **kwargs):
+            return original(*args, use_cache=False, **kwargs)
+        return steps
+
+    _replace("colozoo.runtime.decode_steps", "DecodeSteps", make)
+
+
+def _left_padding_ignored():  # positions as if no prompt were padded
+    import torch
+
+    def make(original):
+        return lambda mask: torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+
+    _replace("colozoo.runtime.decode_steps", "generation_positions", make)
+
+
+def _adapter_alpha_ignored():  # a PEFT adapter loads with scaling 1.0 instead of alpha / r
+    import dataclasses
+
+    def make(original):
+        return lambda path: dataclasses.replace(original(path), alpha=original(path).r)
+
+    _replace("colozoo.checkpoint.peft", "read_adapter_config", make)
+
+
+def _chat_template_dropped():
+    _replace("colozoo.checkpoint.convert", "SIDE_FILES",
+             lambda files: tuple(f for f in files if f != "chat_template.jinja"))
+
+
 MUTATIONS = {
     "sequence_parallel_dropped": Mutation(
         "init_parallel ignores sequence_parallel=True", _drop_sequence_parallel,
@@ -189,6 +221,24 @@ MUTATIONS = {
         ("tests/test_compile.py::test_compile_gpt2_tp1",
          "tests/test_compile.py::test_compile_tp2_sequence_parallel[llama-config0]",
          "tests/test_compile.py::test_finetune_compile_trains_like_eager")),
+    "kv_cache_off": Mutation(
+        "every decoding step encodes the whole sequence again instead of extending the KV cache", _kv_cache_off,
+        ("tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_per_sequence[greedy]",
+         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_per_sequence[sampled]",
+         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_per_sequence[beams]",
+         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_on_a_mesh[2-1]",
+         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_on_a_mesh[1-2]")),
+    "left_padding_ignored": Mutation(
+        "generation positions computed as if no prompt were padded", _left_padding_ignored,
+        ("tests/test_blind_spots.py::test_left_padding_moves_the_positions_as_in_transformers",
+         "tests/test_generate_surface.py::test_greedy_scores_logits_eos_lists_and_lengths_equal_transformers[gpt2]",
+         "tests/test_generate_surface.py::test_beam_search_equals_transformers[opt]")),  # rotary: shift-blind
+    "adapter_alpha_ignored": Mutation(
+        "a PEFT adapter's lora_alpha ignored on load (scaling 1.0 instead of alpha / r)", _adapter_alpha_ignored,
+        ("tests/test_blind_spots.py::test_an_adapters_alpha_scales_its_logits_as_in_peft",)),
+    "chat_template_dropped": Mutation(
+        "convert does not carry chat_template.jinja", _chat_template_dropped,
+        ("tests/test_blind_spots.py::test_a_chat_template_survives_hf_to_colozoo_to_hf",)),
     "ring_blocks_in_bf16": Mutation(
         "ring attention computes its blocks in bf16 instead of fp32", _ring_blocks_in_bf16,
         ("tests/test_context_parallel.py::test_ring_attention_bf16",)),
