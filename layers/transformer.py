@@ -22,7 +22,7 @@ from .comm import group_size
 from .dropout import dropout
 from .kv_cache import keys_values_mask
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .norm import LayerNorm, RMSNorm
+from .norm import LayerNorm, ProjectionRMSNorm, RMSNorm
 from .rope import apply_rope
 
 
@@ -48,7 +48,7 @@ class SelfAttention(nn.Module):
     exceeds the kv heads), `causal`, the biases, the score `scale` (default head_dim ** -0.5) or `scale_query` (q
     scaled after its projection, attention at scale 1, as OPT: the same order gives the same rounding), GPT-2's
     `upcast` order, the sliding `window`, the score `softcap`, `qk_norm` (RMSNorm options of a per-head norm of q and
-    k before the rotation), `rotary` ("global" or "local": which of the batch's angles rotate q and k) and the
+    k before the rotation; with "over": "projection" one norm over all heads of q and of k, as OLMo 2), `rotary` ("global" or "local": which of the batch's angles rotate q and k) and the
     names of its two projections (`names`, as the family's checkpoints call them)."""
 
     def __init__(self, hidden_size: int, num_heads: int, kv_heads: int | None = None, head_dim: int | None = None, *,
@@ -72,7 +72,12 @@ class SelfAttention(nn.Module):
         self.add_module(names[0], qkv)
         self.add_module(names[1], RowParallelLinear(width, hidden_size, bias=out_bias, **kw))
         self.q_norm = self.k_norm = None
-        if qk_norm is not None:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
+        qk_norm = dict(qk_norm) if qk_norm is not None else None
+        if qk_norm is not None and qk_norm.pop("over", "head") == "projection":  # split by heads like q and k
+            norm = dict(group=group, device=device, dtype=dtype, **qk_norm)
+            self.q_norm = ProjectionRMSNorm(num_heads, self.head_dim, **norm)
+            self.k_norm = ProjectionRMSNorm(kv_heads, self.head_dim, replica_group=replica_group, **norm)
+        elif qk_norm is not None:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
             norm = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype, **qk_norm)
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, **norm), RMSNorm(self.head_dim, **norm)
 
