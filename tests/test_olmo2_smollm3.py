@@ -20,9 +20,12 @@ BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_lay
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)
 CONFIGS = {
     "olmo2": {**BASE, "rms_norm_eps": 1e-6},
+    # 4 layers: layer 3 is NoPE and (use_sliding_window) slides over 5 positions of 12
+    "smollm3": {**BASE, "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 5},
 }
 VARIANTS = {  # a second configuration of each: tied head and attention biases; NoPE layers 1 and 3 without a window
     "olmo2": dict(tie_word_embeddings=True, attention_bias=True),
+    "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=False, tie_word_embeddings=False, mlp_bias=True),
 }
 ARCHITECTURES = {"olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 FAMILIES = sorted(CONFIGS)
@@ -78,6 +81,7 @@ def test_convert_reshard_export(tmp_path, family):
 
 GENERATE = {family: {**config, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4}
             for family, config in CONFIGS.items()}
+GENERATE["smollm3"]["sliding_window"] = 4  # 9 prompt + 6 new positions: the NoPE layer's ring cache wraps
 
 
 def test_greedy_generate_one_process():
@@ -91,7 +95,7 @@ def test_greedy_generate_parallel(tp, pp):
     assert all(r == results[0] for r in results)
 
 
-LORA = {"olmo2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")}
+LORA = {"olmo2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"), "smollm3": "all-linear"}
 
 
 def lora(family, **mesh):
@@ -108,7 +112,8 @@ def test_lora_matches_peft(family):
     assert all(n > 0 for n in run_distributed(lora, 2, family=family, tp=2, timeout=TIMEOUT))
 
 
-PUBLISHED = {"OLMo-2-1124-7B": 7_298_617_344, "OLMo-2-1124-13B": 13_716_198_400, "OLMo-2-0325-32B": 32_234_279_936}
+PUBLISHED = {"OLMo-2-1124-7B": 7_298_617_344, "OLMo-2-1124-13B": 13_716_198_400, "OLMo-2-0325-32B": 32_234_279_936,
+             "SmolLM3-3B": 3_075_098_624}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
