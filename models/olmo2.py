@@ -17,7 +17,8 @@ from colozoo.models.family import Family
 
 
 class Olmo2DecoderLayer(nn.Module):
-    """x + post_attention_layernorm(self_attn(x)), then + post_feedforward_layernorm(mlp(...)): no norm before a block."""
+    """x + post_attention_layernorm(self_attn(x)), then + post_feedforward_layernorm(mlp(...)): no norm before a
+    block."""
 
     attention_block = "self_attn"
 

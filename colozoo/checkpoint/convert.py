@@ -35,6 +35,7 @@ from colozoo.checkpoint.sources import index_files
 from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.collective import collective as _collective, world as _world
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+from colozoo.checkpoint.mxfp4 import MXFP4Reader, dequantized_config, is_mxfp4
 from colozoo.checkpoint.peft import save_peft
 from colozoo.runtime.lora import lora_modules, lora_settings, merged_lora
 from colozoo.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
@@ -93,6 +94,8 @@ class HFCheckpoint(HFTensors):
             reader = BinReader(self.path)
         else:
             raise CheckpointError(f"{self.path} has a config.json but no weights (looked for {', '.join(HF_WEIGHT_FILES)})")
+        if is_mxfp4(config):  # gpt-oss as published: read dequantised, exported and resharded as bf16
+            reader, config = MXFP4Reader(reader), dequantized_config(config)
         super().__init__(reader, config)
 
 
