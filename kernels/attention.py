@@ -34,21 +34,24 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     to tokens of its own document. The flash kernel compares the ids; the torch path folds them into a dense mask.
 
     `sinks` (heads,): gpt-oss's attention sinks, one learned logit per head that joins every row's softmax and takes
-    its share of the weight without adding a value (a row may so attend to nothing), on the torch path."""
+    its share of the weight without adding a value (a row may so attend to nothing). The torch path appends it to
+    the scores; the flash kernel attends without it and rescales each row by sigmoid(lse - sink) (`with_sinks`);
+    the decoding kernel merges it as one more chunk of the cache."""
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
-    kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256 and sinks is None
+    kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
     if decoding and kernel and softcap is None and use_triton(q, k, v):
         key_mask = mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
-        return decode_attention(q, k, v, k.shape[2], key_mask, scale)
+        return decode_attention(q, k, v, k.shape[2], key_mask, scale, sinks=sinks)
     # torch's fused CUDA attention (flash, cuDNN, memory-efficient) trains about twice as fast as the Triton kernel;
     # 'auto' takes the kernel where torch has none: capped scores and packed documents. A padded batch keeps the
     # capped scores on torch, since transformers' eager attention spreads a row that sees no key over all keys.
-    only_kernel = documents is not None or (softcap is not None and mask is None)
+    only_kernel = documents is not None or sinks is not None or (softcap is not None and mask is None)
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v, auto=only_kernel):
         from .attention_triton import flash_attention_triton
 
-        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap,
-                                      documents=documents)
+        out = flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap,
+                                     documents=documents, return_lse=sinks is not None)
+        return out if sinks is None else with_sinks(*out, sinks)
     if documents is not None:
         mask = with_documents(mask, documents, causal)
     grouped = k.shape[1] != q.shape[1]
@@ -118,6 +121,14 @@ def _softcap_attention(q, k, v, mask, *, causal: bool, scale: float | None, drop
         with get_rng_tracker().fork(device_type=q.device.type):
             weights = F.dropout(weights, dropout_p)
     return torch.matmul(weights, v)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention without sinks -> with them: a sink adds exp(sink) to each row's normaliser exp(lse), so the row is
+    scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink) (1 where the row sees no key: lse = +inf,
+    and the output is zero there anyway)."""
+    weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
+    return (out.float() * weight[..., None]).to(out.dtype)
 
 
 def _sink_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,
