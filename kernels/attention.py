@@ -1,7 +1,7 @@
 """Attention over the heads this rank owns and the tokens it holds, (batch, heads_local, seq, head_dim) inputs:
 
     local_attention(q, k, v, mask=None, *, causal, scale=None, dropout_p=0.0, upcast=False, softcap=None,
-                    documents=None)
+                    documents=None, sinks=None)
 
 The op runs torch's scaled_dot_product_attention, GPT-2's upcast order or Gemma 2's capped scores (the torch path),
 or on the Triton path the flash-attention kernel (`attention_triton`) or, for one query token against a KV cache,
@@ -23,7 +23,7 @@ from .dispatch import use_triton
 
 def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
                     upcast: bool = False, softcap: float | None = None,
-                    documents: torch.Tensor | None = None) -> torch.Tensor:
+                    documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q). One query token against
     a KV cache with a key mask (batch, 1, 1, keys) takes the flash-decoding kernel on the Triton path.
 
@@ -31,25 +31,31 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     torch path then computes the scores explicitly; the flash-attention kernel caps (decoding takes it too).
 
     `documents` (batch, seq) (self-attention of packed sequences, colozoo.layers.documents): a token attends only
-    to tokens of its own document. The flash kernel compares the ids; the torch path folds them into a dense mask."""
+    to tokens of its own document. The flash kernel compares the ids; the torch path folds them into a dense mask.
+
+    `sinks` (heads,): gpt-oss's attention sinks, one learned logit per head that joins every row's softmax and takes
+    its share of the weight without adding a value (a row may so attend to nothing). The torch path appends it to
+    the scores; the flash kernel attends without it and rescales each row by sigmoid(lse - sink) (`with_sinks`);
+    the decoding kernel merges it as one more chunk of the cache."""
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
     kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
     if decoding and kernel and softcap is None and use_triton(q, k, v):
         key_mask = mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
-        return decode_attention(q, k, v, k.shape[2], key_mask, scale)
+        return decode_attention(q, k, v, k.shape[2], key_mask, scale, sinks=sinks)
     # torch's fused CUDA attention (flash, cuDNN, memory-efficient) trains about twice as fast as the Triton kernel;
     # 'auto' takes the kernel where torch has none: capped scores and packed documents. A padded batch keeps the
     # capped scores on torch, since transformers' eager attention spreads a row that sees no key over all keys.
-    only_kernel = documents is not None or (softcap is not None and mask is None)
+    only_kernel = documents is not None or sinks is not None or (softcap is not None and mask is None)
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v, auto=only_kernel):
         from .attention_triton import flash_attention_triton
 
-        return flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap,
-                                      documents=documents)
+        out = flash_attention_triton(q, k, v, mask, causal=causal and mask is None, scale=scale, softcap=softcap,
+                                     documents=documents, return_lse=sinks is not None)
+        return out if sinks is None else with_sinks(*out, sinks)
     if documents is not None:
         mask = with_documents(mask, documents, causal)
     grouped = k.shape[1] != q.shape[1]
-    if grouped and not upcast and softcap is None and not torch.is_grad_enabled():
+    if grouped and not upcast and softcap is None and sinks is None and not torch.is_grad_enabled():
         # inference (the KV cache): SDPA shares each kv head with its query group, no copy of the whole cache
         # (bit-identical to the repeat; training keeps the repeat, whose backward the parity tests check)
         with _dropout_rng(q, dropout_p):
@@ -59,6 +65,8 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)
+    if sinks is not None:
+        return _sink_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks)
     if softcap is not None:
         return _softcap_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, softcap=softcap)
     if upcast:
@@ -109,6 +117,32 @@ def _softcap_attention(q, k, v, mask, *, causal: bool, scale: float | None, drop
             mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, torch.finfo(scores.dtype).min)
         scores = scores + mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if dropout_p > 0.0:
+        with get_rng_tracker().fork(device_type=q.device.type):
+            weights = F.dropout(weights, dropout_p)
+    return torch.matmul(weights, v)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention without sinks -> with them: a sink adds exp(sink) to each row's normaliser exp(lse), so the row is
+    scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink) (1 where the row sees no key: lse = +inf,
+    and the output is zero there anyway)."""
+    weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
+    return (out.float() * weight[..., None]).to(out.dtype)
+
+
+def _sink_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """Scores, masked, each row joined by its head's sink logit, softmax in fp32 with the sink's column dropped
+    after it (transformers' eager order for gpt-oss), cast to v's dtype before v."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if causal and mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(v.dtype)
     if dropout_p > 0.0:
         with get_rng_tracker().fork(device_type=q.device.type):
             weights = F.dropout(weights, dropout_p)

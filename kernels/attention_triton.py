@@ -245,9 +245,14 @@ def _documents(documents, b: int, sq: int, sk: int):
 
 
 class _FlashAttention(torch.autograd.Function):
+    """(out, lse): the attention and each row's natural log-sum-exp of its visible scores (+inf where it sees none),
+    both differentiable: a gradient on lse enters backward through delta (d lse / d score = probability), which is
+    how the attention op adds gpt-oss's sinks on top."""
+
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, softcap, documents):
         _check(q, k, v)
+        ctx.set_materialize_grads(False)
         b, h, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
         mask_t, mask_s = _mask_strides(mask, (b, h, sq, sk))
@@ -268,15 +273,20 @@ class _FlashAttention(torch.autograd.Function):
         ctx.causal, ctx.scale, ctx.has_mask, ctx.mask_strides = causal, scale, mask is not None, mask_s
         ctx.has_docs, ctx.docs_strides = docs is not None, docs_s
         ctx.softcap = softcap
-        return out
+        natural_lse = lse / LOG2E
+        return out, natural_lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, mask_t, docs, out, lse = ctx.saved_tensors
         b, h, sq, d = q.shape
         hk, sk = k.shape[1], k.shape[2]
         group = h // hk
+        if dout is None:
+            dout = torch.zeros_like(out)
         delta = (dout.float() * out.float()).sum(-1)
+        if dlse is not None:  # d lse / d score_j = p_j: the scores' gradient p_j (dp_j - delta + dlse)
+            delta = delta - torch.where(torch.isinf(lse), 0.0, dlse.float())
         dq = torch.empty(b, h, sq, d, device=q.device, dtype=q.dtype)
         kv_dtype = torch.float32 if group > 1 else k.dtype
         dk = torch.empty(b, h, sk, d, device=q.device, dtype=kv_dtype)
@@ -302,10 +312,13 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def flash_attention_triton(q, k, v, mask=None, *, causal: bool = False, scale: float | None = None,
-                           softcap: float | None = None, documents: torch.Tensor | None = None):
+                           softcap: float | None = None, documents: torch.Tensor | None = None,
+                           return_lse: bool = False):
     """softmax(q k^T * scale, masked) v for (batch, heads, seq, head_dim) inputs; `mask` is a boolean keep-mask;
     `softcap` caps the scaled scores to softcap * tanh(scores / softcap) first; `documents` (batch, seq) ids keep
-    each query to keys of its own document (self-attention only)."""
+    each query to keys of its own document (self-attention only). `return_lse`: also each row's log-sum-exp
+    (batch, heads, seq), +inf where a row sees no key, differentiable."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _FlashAttention.apply(q, k, v, mask, causal, float(scale), None if softcap is None else float(softcap),
-                                 documents)
+    out, lse = _FlashAttention.apply(q, k, v, mask, causal, float(scale),
+                                     None if softcap is None else float(softcap), documents)
+    return (out, lse) if return_lse else out

@@ -1,11 +1,12 @@
 """Decode attention: one new query token per sequence against a preallocated KV cache.
 
-    decode_attention(q, k_cache, v_cache, length, key_mask=None, scale=None, window=None)
+    decode_attention(q, k_cache, v_cache, length, key_mask=None, scale=None, window=None, sinks=None)
 
 q is (batch, heads_q, 1, head_dim); k_cache and v_cache are (batch, heads_kv, max_len, head_dim) of which the
 first `length` positions are valid (one length for the batch: batches are left-padded, and the optional
 (batch, length) boolean key mask marks the padding False). heads_kv divides heads_q (GQA), and an optional
-sliding `window` keeps only the last `window` positions. A sequence that sees no key at all gets zeros.
+sliding `window` keeps only the last `window` positions. A sequence that sees no key at all gets zeros. `sinks`
+(heads_q,): gpt-oss's per-head logit that joins every softmax without a value.
 
 The op runs the flash-decoding kernel (`decode_triton`) where `dispatch.use_triton` says so, otherwise
 `decode_attention_reference`. (`kernels.attention.local_attention` calls this op for a decode step on the Triton
@@ -19,14 +20,14 @@ from .dispatch import use_triton
 
 
 def decode_attention(q, k_cache, v_cache, length: int, key_mask=None, scale: float | None = None,
-                     window: int | None = None):
+                     window: int | None = None, sinks=None):
     """softmax(q k^T * scale) v over the caches' first `length` positions (masked, windowed)."""
     if use_triton(q, k_cache, v_cache):
         from .decode_triton import decode_attention_triton
 
         check_decode_inputs(q, k_cache, v_cache, length, key_mask, window)
-        return decode_attention_triton(q, k_cache, v_cache, length, key_mask, scale, window)
-    return decode_attention_reference(q, k_cache, v_cache, length, key_mask, scale, window)
+        return decode_attention_triton(q, k_cache, v_cache, length, key_mask, scale, window, sinks)
+    return decode_attention_reference(q, k_cache, v_cache, length, key_mask, scale, window, sinks)
 
 
 def check_decode_inputs(q, k_cache, v_cache, length, key_mask, window):
@@ -55,7 +56,7 @@ def check_decode_inputs(q, k_cache, v_cache, length, key_mask, window):
 
 
 def decode_attention_reference(q, k_cache, v_cache, length: int, key_mask=None, scale: float | None = None,
-                               window: int | None = None):
+                               window: int | None = None, sinks=None):
     """The same in plain torch: repeat the kv heads, masked softmax in fp32, matmul; zeros where nothing is seen."""
     check_decode_inputs(q, k_cache, v_cache, length, key_mask, window)
     group = q.shape[1] // k_cache.shape[1]
@@ -69,5 +70,9 @@ def decode_attention_reference(q, k_cache, v_cache, length: int, key_mask=None, 
     if key_mask is not None:
         keep = keep & key_mask
     scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return (probs @ v).to(q.dtype)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (probs @ v).to(q.dtype)

@@ -69,13 +69,17 @@ def _decode_chunk(Q, K, V, Mask, O, LSE, qk_scale,
 
 
 @triton.jit
-def _combine_chunks(O_PART, LSE, O, NUM_CHUNKS, D, H, sob, soh, sod, BLOCK_D: tl.constexpr):
+def _combine_chunks(O_PART, LSE, O, SINKS, NUM_CHUNKS, D, H, sob, soh, sod, HAS_SINKS: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # one (batch, q head)
     offs_d = tl.arange(0, BLOCK_D)
     O_PART += row * NUM_CHUNKS * D
     LSE += row * NUM_CHUNKS
     m_i = float("-inf")
     l_i = 0.0
+    if HAS_SINKS:  # the head's sink: one more chunk, of log-sum-exp `sink` and a zero output
+        m_i = tl.load(SINKS + row % H).to(tl.float32) * 1.4426950408889634
+        l_i = 1.0
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for c in range(0, NUM_CHUNKS):
         lse = tl.load(LSE + c)
@@ -92,9 +96,10 @@ def _combine_chunks(O_PART, LSE, O, NUM_CHUNKS, D, H, sob, soh, sod, BLOCK_D: tl
 
 
 def decode_attention_triton(q, k_cache, v_cache, length: int, key_mask=None, scale: float | None = None,
-                            window: int | None = None, *, chunk_size: int = CHUNK_SIZE):
+                            window: int | None = None, sinks=None, *, chunk_size: int = CHUNK_SIZE):
     """softmax(q k^T * scale) v over the cache's first `length` positions (masked, windowed) by flash-decoding; the
-    op (`decode.decode_attention`) has checked that the inputs fit together."""
+    op (`decode.decode_attention`) has checked that the inputs fit together. `sinks` (heads_q,): a logit per head
+    that joins each softmax without a value (merged as one more chunk)."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"decode attention runs in fp32, fp16 or bf16, got {q.dtype}")
     b, hq, _, d = q.shape
@@ -123,6 +128,7 @@ def decode_attention_triton(q, k_cache, v_cache, length: int, key_mask=None, sca
         *k_cache.stride(), *v_cache.stride(), *mask_strides, hk, group, start, length, chunk_size, num_chunks, d,
         HAS_MASK=key_mask is not None, PRECISION=precision, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4)
-    _combine_chunks[(b * hq,)](parts, lse, out, num_chunks, d, hq, out.stride(0), out.stride(1), out.stride(3),
-                               BLOCK_D=block_d, num_warps=1)
+    sinks_arg = lse if sinks is None else sinks.contiguous()  # a dummy pointer when there are none
+    _combine_chunks[(b * hq,)](parts, lse, out, sinks_arg, num_chunks, d, hq, out.stride(0), out.stride(1),
+                               out.stride(3), HAS_SINKS=sinks is not None, BLOCK_D=block_d, num_warps=1)
     return out

@@ -41,3 +41,15 @@ def get_gated_activation(name: str):
 
     gated.__name__ = f"gated_{name}"
     return gated
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's gated activation: (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at `limit` and up to
+    [-limit, limit] first."""
+
+    def gated(gate, up):
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    gated.__name__ = f"clamped_swiglu_{alpha}_{limit}"
+    return gated

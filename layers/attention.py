@@ -34,7 +34,7 @@ def dense_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, caus
 
 def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
               upcast: bool = False, cp=None, window: int | None = None, softcap: float | None = None,
-              documents: torch.Tensor | None = None) -> torch.Tensor:
+              documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q).
 
     With `cp` (a layers.context_parallel.ContextParallel, i.e. `ctx.cp`) q/k/v hold the rank's zigzag share of
@@ -43,9 +43,10 @@ def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, d
     `softcap` caps the scores to softcap * tanh(scores / softcap) before masking (Gemma 2), on every path.
     `documents` (batch, seq): the packed documents of a self-attention (`ctx.documents`, see layers.documents); a
     token attends only within its own. Under cp the ids come from cp.documents (the whole sequence's) instead.
+    `sinks` (heads,): a learned logit per head joining every row's softmax (gpt-oss; under cp all-to-all only).
     """
     if cp is not None and cp.size > 1:
         return context_parallel_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p,
-                                          upcast=upcast, window=window, softcap=softcap)
+                                          upcast=upcast, window=window, softcap=softcap, sinks=sinks)
     return local_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast,
-                           softcap=softcap, documents=documents)
+                           softcap=softcap, documents=documents, sinks=sinks)

@@ -334,7 +334,8 @@ def all_to_all(x, group, scatter_dim: int, gather_dim: int):
 
 
 def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None, dropout_p: float = 0.0,
-                      upcast: bool = False, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      upcast: bool = False, window: int | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     if q.shape[1] % cp.size:
         raise ValueError(f"cp_mode='all_to_all' needs the local attention heads ({q.shape[1]}) divisible by cp={cp.size}")
     if k.shape[1] % cp.size:  # too few kv heads to split: give every q head its own copy
@@ -347,6 +348,8 @@ def ulysses_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None,
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     options = dict(scale=scale, dropout_p=dropout_p, upcast=upcast, softcap=softcap)
+    if sinks is not None:  # the heads this rank attends over after the all-to-all
+        options["sinks"] = sinks.chunk(cp.size)[group_rank(cp.group)]
     padding, documents = cp.attention_mask, cp.documents
     window = window if window is not None and window < cp.seq_len else None  # a window as long masks nothing
     if padding is None and window is None and documents is None:
@@ -390,10 +393,12 @@ def full_mask(attention_mask, seq_len: int, causal: bool, window: int | None, de
 
 def context_parallel_attention(q, k, v, cp: ContextParallel, *, causal: bool, scale=None, dropout_p: float = 0.0,
                                upcast: bool = False, window: int | None = None,
-                               softcap: float | None = None) -> torch.Tensor:
+                               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     if cp.mode == "all_to_all":
         return ulysses_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast,
-                                 window=window, softcap=softcap)
+                                 window=window, softcap=softcap, sinks=sinks)
+    if sinks is not None:
+        raise ValueError("attention sinks are not supported with cp_mode='ring'; use cp_mode='all_to_all'")
     if dropout_p > 0.0:
         raise ValueError("attention dropout is not supported with cp_mode='ring'; use cp_mode='all_to_all'")
     # no `upcast` to pass: the ring computes scores, softmax and their product with v in fp32 whatever the dtype

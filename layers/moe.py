@@ -33,21 +33,23 @@ from .shard import Split, shard
 
 
 class TopKRouter(nn.Module):
-    """Mixtral / Qwen-MoE routing: softmax over experts (fp32), top-k, optionally renormalised to sum to 1."""
+    """Mixtral / Qwen-MoE routing: softmax over experts (fp32), top-k, optionally renormalised to sum to 1 (which is
+    gpt-oss's softmax over the top-k logits); `bias`: the router's logits have one (gpt-oss)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool = True, device=None,
-                 dtype=None):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool = True, bias: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor):
         """x (tokens, hidden) -> router logits (tokens, experts), weights (tokens, k) fp32, experts (tokens, k)."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -84,10 +86,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
 
 
 class GroupedExperts(nn.Module):
-    """This rank's experts (global range [first, first + local)); SwiGLU-style act(gate) * up -> down."""
+    """This rank's experts (global range [first, first + local)); SwiGLU-style act(gate) * up -> down.
 
-    def __init__(self, num_experts: int, hidden_size: int, inner_size: int, activation: str = "silu", *,
-                 ep_group=None, tp_group=None, device=None, dtype=None):
+    `activation`: a config name, or a (gate, up) -> hidden function. gpt-oss's layout (`gpt_oss_layout`): weights
+    stored (experts, in, out), gate and up interleaved in gate_up_proj's columns (so a tp rank's contiguous columns
+    hold whole (gate, up) pairs), and biases `gate_up_proj_bias` (split like the columns) and `down_proj_bias` (added
+    once the tp partial sums are reduced)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inner_size: int, activation="silu", *,
+                 gpt_oss_layout: bool = False, ep_group=None, tp_group=None, device=None, dtype=None):
         super().__init__()
         ep, tp = group_size(ep_group), group_size(tp_group)
         if num_experts % ep:
@@ -96,25 +103,47 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"tp={tp} must divide the expert width (intermediate size {inner_size})")
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.first = group_rank(ep_group) * self.num_local
-        self.tp_group = tp_group
-        self.gated_act = get_gated_activation(activation)
-        local_inner = inner_size // tp
-        self.gate_up_proj = shard(nn.Parameter(torch.empty(self.num_local, 2 * local_inner, hidden_size, device=device,
-                                                           dtype=dtype)),
-                                  Split("ep", 0), Split("tp", 1, chunks=(inner_size, inner_size)))
-        self.down_proj = shard(nn.Parameter(torch.empty(self.num_local, hidden_size, local_inner, device=device,
-                                                        dtype=dtype)),
-                               Split("ep", 0), Split("tp", 2))
+        self.tp_group, self.gpt_oss_layout = tp_group, gpt_oss_layout
+        self.gated_act = get_gated_activation(activation) if isinstance(activation, str) else activation
+        local_inner, kw = inner_size // tp, dict(device=device, dtype=dtype)
+
+        def param(*shape, splits):
+            return shard(nn.Parameter(torch.empty(self.num_local, *shape, **kw)), Split("ep", 0), *splits)
+
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if gpt_oss_layout:
+            self.gate_up_proj = param(hidden_size, 2 * local_inner, splits=(Split("tp", 2),))
+            self.gate_up_proj_bias = param(2 * local_inner, splits=(Split("tp", 1),))
+            self.down_proj = param(local_inner, hidden_size, splits=(Split("tp", 1),))
+            self.down_proj_bias = param(hidden_size, splits=())
+        else:
+            self.gate_up_proj = param(2 * local_inner, hidden_size, splits=(Split("tp", 1, chunks=(inner_size,) * 2),))
+            self.down_proj = param(hidden_size, local_inner, splits=(Split("tp", 2),))
         if self.gate_up_proj.device.type != "meta":
-            nn.init.normal_(self.gate_up_proj, std=0.02)
-            nn.init.normal_(self.down_proj, std=0.02)
+            for p in self.parameters():
+                nn.init.normal_(p, std=0.02)
+
+    def _weights(self):
+        """(gate_up, down) as (experts, out, in)."""
+        if self.gpt_oss_layout:
+            return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        return self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (rows, hidden) grouped by local expert, counts[e] rows for local expert e."""
         x = copy_to_parallel(x, self.tp_group)
-        gate, up = grouped_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)
-        out = grouped_linear(self.gated_act(gate, up), self.down_proj, counts)
-        return reduce_from_parallel(out, self.tp_group)
+        gate_up_weight, down_weight = self._weights()
+        gate_up = grouped_linear(x, gate_up_weight, counts)
+        if self.gpt_oss_layout:
+            repeats = torch.tensor(counts, device=x.device)
+            gate_up = gate_up + self.gate_up_proj_bias.repeat_interleave(repeats, dim=0, output_size=x.shape[0])
+            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        out = reduce_from_parallel(grouped_linear(self.gated_act(gate, up), down_weight, counts), self.tp_group)
+        if self.gpt_oss_layout:
+            out = out + self.down_proj_bias.repeat_interleave(repeats, dim=0, output_size=x.shape[0])
+        return out
 
     def extra_repr(self):
         return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts}"
@@ -147,16 +176,17 @@ class MoE(nn.Module):
 
     def __init__(self, hidden_size: int, inner_size: int, num_experts: int, top_k: int, *, activation="silu",
                  normalize_top_k: bool = True, capacity_factor: float | None = None,
-                 shared_expert_size: int | None = None, ep_group=None, tp_group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 shared_expert_size: int | None = None, router_bias: bool = False, gpt_oss_layout: bool = False,
+                 ep_group=None, tp_group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.ep_group, self.tp_group, self.sequence_parallel = ep_group, tp_group, sequence_parallel
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_top_k, device=device, dtype=dtype)
-        self.experts = GroupedExperts(num_experts, hidden_size, inner_size, activation, ep_group=ep_group,
-                                      tp_group=tp_group, device=device, dtype=dtype)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_top_k, router_bias, device=device,
+                               dtype=dtype)
+        self.experts = GroupedExperts(num_experts, hidden_size, inner_size, activation, gpt_oss_layout=gpt_oss_layout,
+                                      ep_group=ep_group, tp_group=tp_group, device=device, dtype=dtype)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_size, activation, group=tp_group,

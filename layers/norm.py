@@ -11,7 +11,8 @@ from torch import nn
 
 from colozoo.kernels.norms import layer_norm, rms_norm
 
-from .comm import copy_to_parallel
+from .comm import copy_to_parallel, group_size, reduce_from_parallel, sum_replica_grads
+from .shard import Split, local_pieces, shard
 
 
 class _SequenceParallelAware(nn.Module):
@@ -58,3 +59,34 @@ class RMSNorm(_SequenceParallelAware):
     def extra_repr(self):
         offset = ", offset" if self.offset else ""
         return f"{self.dim}, eps={self.eps}{offset}, sequence_parallel={self.sequence_parallel}"
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole projection, every head at once (OLMo 2's q and k norms), for heads split over tp: input
+    (batch, local heads, seq, head_dim). Each rank holds its heads' share of the weight; the sum of squares of a token
+    is summed over the group (in backward too: every rank's share of the statistic feeds every rank's output).
+    When tp exceeds `heads` each head is held by tp / heads consecutive ranks (`replica_group`), whose sums count it
+    once and whose partial weight gradients are summed. y = (weight * x / rms(x)) in fp32, cast back to x's dtype."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float = 1e-6, *, group=None, replica_group=None, device=None,
+                 dtype=None):
+        super().__init__()
+        tp = group_size(group)
+        self.width, self.head_dim, self.eps, self.group = heads * head_dim, head_dim, eps, group
+        self.replicas, self.replica_group = max(tp // heads, 1), replica_group
+        split = Split("tp", 0, chunks=(self.width,), parts=(heads,))
+        local = local_pieces(split, self.width, 0, tp)[1]
+        self.weight = shard(nn.Parameter(torch.ones(local, device=device, dtype=dtype)), split)
+        self.replicated_rows = [(0, local)] if self.replicas > 1 else []
+
+    def forward(self, x):
+        dtype, x = x.dtype, x.float()
+        squares = x.pow(2).sum(dim=(1, 3), keepdim=True)
+        if group_size(self.group) > 1:
+            squares = reduce_from_parallel(copy_to_parallel(squares, self.group), self.group) / self.replicas
+        x = x * torch.rsqrt(squares / self.width + self.eps)
+        weight = sum_replica_grads(self.weight, self.replicated_rows, self.replica_group)
+        return (weight.view(-1, 1, self.head_dim) * x).to(dtype)
+
+    def extra_repr(self):
+        return f"{self.width} (local {self.weight.shape[0]}), eps={self.eps}"

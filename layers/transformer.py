@@ -22,8 +22,9 @@ from .comm import group_size
 from .dropout import dropout
 from .kv_cache import keys_values_mask
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .norm import LayerNorm, RMSNorm
+from .norm import LayerNorm, ProjectionRMSNorm, RMSNorm
 from .rope import apply_rope
+from .shard import Split, shard
 
 
 def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
@@ -48,15 +49,17 @@ class SelfAttention(nn.Module):
     exceeds the kv heads), `causal`, the biases, the score `scale` (default head_dim ** -0.5) or `scale_query` (q
     scaled after its projection, attention at scale 1, as OPT: the same order gives the same rounding), GPT-2's
     `upcast` order, the sliding `window`, the score `softcap`, `qk_norm` (RMSNorm options of a per-head norm of q and
-    k before the rotation), `rotary` ("global" or "local": which of the batch's angles rotate q and k) and the
+    k before the rotation; with "over": "projection" one norm over all heads of q and of k, as OLMo 2), `sinks` (a
+    learned logit per head in every row's softmax, gpt-oss: `sinks`, split by heads), `rotary` ("global" or "local":
+    which of the batch's angles rotate q and k) and the
     names of its two projections (`names`, as the family's checkpoints call them)."""
 
     def __init__(self, hidden_size: int, num_heads: int, kv_heads: int | None = None, head_dim: int | None = None, *,
                  layer_idx: int, causal: bool = True, qkv_bias: bool = True, out_bias: bool = True,
                  dropout: float = 0.0, scale: float | None = None, scale_query: bool = False, upcast: bool = False,
                  window: int | None = None, softcap: float | None = None, qk_norm: dict | None = None,
-                 rotary: str | None = None, names: tuple[str, str] = ("qkv", "out_proj"), group=None,
-                 replica_group=None, sequence_parallel: bool = False, device=None, dtype=None):
+                 rotary: str | None = None, sinks: bool = False, names: tuple[str, str] = ("qkv", "out_proj"),
+                 group=None, replica_group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         tp, kv_heads = group_size(group), kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
@@ -71,8 +74,15 @@ class SelfAttention(nn.Module):
                                    parts=(num_heads, kv_heads, kv_heads), replica_group=replica_group, **kw)
         self.add_module(names[0], qkv)
         self.add_module(names[1], RowParallelLinear(width, hidden_size, bias=out_bias, **kw))
-        self.q_norm = self.k_norm = None
-        if qk_norm is not None:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
+        self.q_norm = self.k_norm = self.sinks = None
+        if sinks:
+            self.sinks = shard(nn.Parameter(torch.zeros(self.local_heads, device=device, dtype=dtype)), Split("tp", 0))
+        qk_norm = dict(qk_norm) if qk_norm is not None else None
+        if qk_norm is not None and qk_norm.pop("over", "head") == "projection":  # split by heads like q and k
+            norm = dict(group=group, device=device, dtype=dtype, **qk_norm)
+            self.q_norm = ProjectionRMSNorm(num_heads, self.head_dim, **norm)
+            self.k_norm = ProjectionRMSNorm(kv_heads, self.head_dim, replica_group=replica_group, **norm)
+        elif qk_norm is not None:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
             norm = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype, **qk_norm)
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, **norm), RMSNorm(self.head_dim, **norm)
 
@@ -90,7 +100,7 @@ class SelfAttention(nn.Module):
         k, v, mask, causal = keys_values_mask(ctx, self.layer_idx, k, v, causal=self.causal, window=self.window)
         out = attention(q, k, v, mask, causal=causal, scale=scale, cp=ctx.cp, window=self.window,
                         dropout_p=self.dropout_p if self.training else 0.0, upcast=self.upcast, softcap=self.softcap,
-                        documents=ctx.documents)
+                        documents=ctx.documents, sinks=self.sinks)
         return out_proj(merge_heads(out))
 
 

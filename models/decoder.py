@@ -156,9 +156,10 @@ class MoEDecoderModel(DecoderModel):
         self.num_experts, self.top_k = experts, config.num_experts_per_tok
 
     def moe(self, config, pc, inner_size: int, device=None, dtype=None, **options) -> MoE:
+        options = {"activation": config.hidden_act, **options}
         return MoE(config.hidden_size, inner_size, self.num_experts_of(config), config.num_experts_per_tok,
-                   activation=config.hidden_act, ep_group=pc.group("ep"), tp_group=pc.tp_group,
-                   sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype, **options)
+                   ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                   device=device, dtype=dtype, **options)
 
     def num_experts_of(self, config) -> int:
         return getattr(config, self.num_experts_key)

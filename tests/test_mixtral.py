@@ -27,7 +27,7 @@ class RecordingReader:
     """A SafetensorsReader that remembers which tensors had data read."""
 
     def __init__(self, inner):
-        self.inner, self.read_names = inner, set()
+        self.inner, self.read_names, self.reads = inner, set(), []
 
     def names(self):
         return self.inner.names()
@@ -43,7 +43,23 @@ class RecordingReader:
 
     def read(self, name, index=None):
         self.read_names.add(name)
+        self.reads.append((name, index))
         return self.inner.read(name, index)
+
+    def experts_read(self) -> set[int]:
+        """The experts whose weights had data read: one tensor per expert (`.experts.{e}.`), or slices of a stacked
+        tensor (gpt-oss's `.experts.gate_up_proj`: the expert index first)."""
+        experts = set()
+        for name, index in self.reads:
+            if ".experts." not in name:
+                continue
+            tail = name.split(".experts.")[1].split(".")[0]
+            if tail.isdigit():
+                experts.add(int(tail))
+            else:
+                first = index[0] if index else slice(None)
+                experts |= set(range(*first.indices(self.shape(name)[0])))
+        return experts
 
 
 def load_saved(hf, config, pc):
@@ -88,7 +104,7 @@ def mixtral_parity(tp=1, ep=1, cp=1, sequence_parallel=False, cp_mode="ring", co
 
     model, reader = load_saved(hf, config, pc)
     owned = range(pc.rank("ep") * model.num_experts // ep, (pc.rank("ep") + 1) * model.num_experts // ep)
-    read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reader.read_names if ".experts." in n}
+    read_experts = reader.experts_read()
     assert read_experts == set(owned), f"ep rank {pc.rank('ep')} read experts {sorted(read_experts)}"
 
     model.eval()

@@ -32,6 +32,7 @@ from colozoo.checkpoint.load import HFTensors
 from colozoo.checkpoint.readers import index_files
 from colozoo.core.errors import CheckpointError
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+from colozoo.checkpoint.mxfp4 import MXFP4Reader, dequantized_config, is_mxfp4
 from colozoo.checkpoint.safetensors_io import SafetensorsReader
 from colozoo.checkpoint.streaming import nbytes, stream_pieces
 from colozoo.models import text_config, text_model
@@ -88,6 +89,8 @@ class HFCheckpoint(HFTensors):
             reader = BinReader(self.path)
         else:
             raise CheckpointError(f"{self.path} has a config.json but no weights (looked for {', '.join(HF_WEIGHT_FILES)})")
+        if is_mxfp4(config):  # gpt-oss as published: read dequantised, exported and resharded as bf16
+            reader, config = MXFP4Reader(reader), dequantized_config(config)
         super().__init__(reader, config)
 
 

@@ -99,11 +99,14 @@ def check_recomputation(counts, model, mode: str | None, microbatches: int):
 
 def hf_causal_lm(model_type: str, config_kwargs: dict, seed: int = 0, attn_implementation: str = "sdpa"):
     config = transformers.AutoConfig.for_model(model_type, **config_kwargs)
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    if attn_implementation == "sdpa" and not model_class._supports_sdpa:
+        attn_implementation = "eager"  # gpt-oss: transformers has no SDPA path for its sinks
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
     with torch.no_grad():  # random non-trivial norm weights and biases, so a misplaced one shows
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or name.endswith("_bias"):  # gpt-oss's stacked expert biases
                 p.add_(torch.randn_like(p) * 0.1)
     return config, model
 
@@ -174,7 +177,8 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
 def hf_model(architecture: str, config, seed: int = 0):
     """A transformers model of class `architecture` on random weights with perturbed norms and biases."""
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)._from_config(config, attn_implementation="sdpa").eval()
+    cls = getattr(transformers, architecture)
+    model = cls._from_config(config, attn_implementation="sdpa" if cls._supports_sdpa else "eager").eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:

@@ -1,0 +1,214 @@
+"""gpt-oss matches transformers (eager attention: transformers has no SDPA path for sinks): logits, loss with the
+load-balancing loss, hidden states and every gradient at tp 1/2/4 (sequence parallelism on and off), ep 2, tp2 x ep2,
+pp 2 and tp2 x pp2, cp 2 (all-to-all: the ring has no sink), a clipped AdamW step under FSDP, HF -> colozoo
+(tp2 x pp2 x ep2) -> tp4 -> HF bit for bit, greedy generation token for token (tp 1/2, tp2 x pp2), LoRA against
+PEFT, loading the published MXFP4 layout (dequantised on read, against transformers' own dequantisation) and the
+registry's sizes. Sinks, YaRN, biases on attention, router and experts, the clamped SwiGLU and the alternation of
+sliding and full layers are in every case; the tiny config's YaRN scales 16 original positions by 4."""
+import json
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from parity import batch, causal_lm_parity, pipeline_parity
+from test_generate import greedy_matches_transformers
+from test_mixtral import mixtral_parity
+
+TIMEOUT = 300
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+GPT_OSS = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+               max_position_embeddings=64, sliding_window=5, rope_parameters=YARN, output_router_logits=True,
+               router_aux_loss_coef=0.05, pad_token_id=0)
+WIDE = dict(num_attention_heads=8, num_key_value_heads=4)
+
+
+def test_single_process():
+    causal_lm_parity("gpt_oss", GPT_OSS)
+    causal_lm_parity("gpt_oss", {**GPT_OSS, "tie_word_embeddings": True, "swiglu_limit": 0.05,
+                                 "output_router_logits": False})  # a limit that clamps
+
+
+@pytest.mark.parametrize("tp,sp,wide", [(2, False, False), (2, True, False), (4, True, False), (4, False, True)])
+def test_tensor_parallel(tp, sp, wide):
+    run_distributed(causal_lm_parity, tp, model_type="gpt_oss", config_kwargs={**GPT_OSS, **(WIDE if wide else {})},
+                    tp=tp, sequence_parallel=sp, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 2, True)])
+def test_expert_parallel(tp, ep, sp):
+    run_distributed(mixtral_parity, tp * ep, tp=tp, ep=ep, cp=1, sequence_parallel=sp, config_overrides=GPT_OSS,
+                    family="gpt_oss", timeout=TIMEOUT)
+
+
+def test_context_parallel_all_to_all():
+    """cp2 x tp2 (Ulysses; ep2 folded over cp): each cp rank attends over half of its tp rank's heads, with their
+    sinks."""
+    run_distributed(mixtral_parity, 4, tp=2, ep=2, cp=2, sequence_parallel=False, cp_mode="all_to_all",
+                    config_overrides=GPT_OSS, family="gpt_oss", timeout=TIMEOUT)
+
+
+def test_ring_context_parallel_refuses_sinks():
+    from colozoo.layers.context_parallel import context_parallel_attention
+
+    class Ring:
+        mode, size = "ring", 2
+
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="sinks are not supported with cp_mode='ring'"):
+        context_parallel_attention(q, q, q, Ring(), causal=True, sinks=torch.zeros(2))
+
+
+@pytest.mark.parametrize("pp,tp,ep", [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_pipeline_parallel(pp, tp, ep):
+    from test_mixtral import _pipeline_parity
+
+    config = {**GPT_OSS, "num_hidden_layers": 4}
+    if ep == 1:
+        ids, mask, labels = batch(GPT_OSS["vocab_size"], 12)
+        run_distributed(pipeline_parity, pp * tp, architecture="GptOssForCausalLM",
+                        config_kwargs={**config, "output_router_logits": False},
+                        ids=ids, mask=mask, labels=labels, pp=pp, tp=tp, sequence_parallel=tp > 1, timeout=TIMEOUT)
+    names = run_distributed(_pipeline_parity, pp * tp * ep, family="gpt_oss", pp=pp, tp=tp, ep=ep,
+                            config_kwargs=config, timeout=TIMEOUT)
+    assert {n.split(".")[1] for ranks in names for n in ranks if n.startswith("layers.")} == {"0", "1", "2", "3"}
+
+
+def test_fsdp_training_step():
+    from test_qwen import training_step
+
+    run_distributed(training_step, 4, family="gpt_oss", config=GPT_OSS, dp=2, tp=2, microbatches=2,
+                    options=dict(data_parallel="fsdp"), timeout=TIMEOUT)
+
+
+def test_convert_reshard_export(tmp_path):
+    from test_qwen import convert_round_trip
+
+    convert_round_trip(tmp_path, "gpt_oss", {**GPT_OSS, **WIDE}, dict(tp=2, pp=2, ep=2), attn_implementation="eager")
+
+
+GENERATE = {"gpt_oss": {**GPT_OSS, "hidden_size": 32, "num_hidden_layers": 4, "sliding_window": 4,
+                        "output_router_logits": False}}
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
+def test_greedy_generate(tp, pp):
+    if tp * pp == 1:
+        greedy_matches_transformers(["gpt_oss"], configs=GENERATE, attention={"gpt_oss": "eager"})
+        return
+    results = run_distributed(greedy_matches_transformers, tp * pp, families=["gpt_oss"], tp=tp, pp=pp,
+                              configs=GENERATE, attention={"gpt_oss": "eager"}, timeout=TIMEOUT)
+    assert all(r == results[0] for r in results)
+
+
+def lora(**mesh):
+    """tests/lora_parity.py on this file's config (registered on each rank, where the check runs): attention
+    projections (the experts are refused, as for every MoE family)."""
+    import lora_parity
+
+    lora_parity.CASES["gpt_oss"] = ("gpt_oss", GPT_OSS, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    return lora_parity.lora_parity("gpt_oss", **mesh)
+
+
+def test_lora_matches_peft():
+    assert lora() > 0
+    assert all(n > 0 for n in run_distributed(lora, 2, tp=2, timeout=TIMEOUT))
+
+
+def published_layout(directory, hf, config, seed: int = 3) -> dict:
+    """transformers' checkpoint of `hf` rewritten as gpt-oss is published: every expert weight replaced by random MXFP4
+    codes and exponents (`_blocks` (experts, out, in / 32, 16), `_scales` (experts, out, in / 32)) and the config
+    marked quant_method mxfp4. Returns the weights transformers' own dequantisation makes of them."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf.save_pretrained(directory)
+    tensors, g, expected = load_file(directory / "model.safetensors"), torch.Generator().manual_seed(seed), {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = tensors.pop(name).shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 128, (experts, outputs, inputs // 32), dtype=torch.uint8, generator=g)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((directory / "config.json").read_text())
+    saved["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(saved))
+    return expected
+
+
+def test_mxfp4_checkpoint_loads_dequantised(tmp_path):
+    """The published layout reads as transformers dequantises it, bit for bit (whole tensors and an ep x tp slice);
+    the model loaded from it gives the logits of transformers' model holding those weights; converted to HF it is a
+    bf16 checkpoint without quantization_config that transformers loads."""
+    import transformers
+
+    import colozoo
+    from colozoo.checkpoint.convert import HFCheckpoint, convert
+    from parity import close, hf_causal_lm
+
+    config, hf = hf_causal_lm("gpt_oss", GPT_OSS)
+    expected = published_layout(tmp_path / "mxfp4", hf, config)
+    assert len(expected) == 2 * config.num_hidden_layers
+    checkpoint = HFCheckpoint(tmp_path / "mxfp4")
+    assert not hasattr(checkpoint.config, "quantization_config")
+    for name, weight in expected.items():
+        ours = checkpoint.tensor(name.removeprefix("model."))
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours.read(), weight), name
+        index = (slice(1, 3), slice(None), slice(weight.shape[2] // 2, None))  # experts 1-2, the second tp half
+        assert torch.equal(ours.read(index), weight[index]), name
+
+    with torch.no_grad():
+        for name, weight in expected.items():
+            hf.get_parameter(name).copy_(weight.float())
+    model = colozoo.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32).eval()
+    ids, mask, labels = batch(config.vocab_size, 12)
+    with torch.no_grad():
+        ours, ref = model(ids, attention_mask=mask, labels=labels), hf(ids, attention_mask=mask, labels=labels)
+    close(ours.logits[mask.bool()], ref.logits[mask.bool()], 1e-5, "logits from the MXFP4 checkpoint")
+    close(ours.loss, ref.loss, 1e-5, "loss from the MXFP4 checkpoint")
+
+    convert(tmp_path / "mxfp4", tmp_path / "hf", to_hf=True)
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    for name, weight in expected.items():
+        assert torch.equal(exported.get_parameter(name), weight), name
+
+
+PUBLISHED = {"gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_registered_sizes_match_transformers(name):
+    import transformers
+
+    from colozoo.registry import count_parameters, get_config, get_entry
+
+    config = get_config(name)
+    with torch.device("meta"):
+        hf = getattr(transformers, config.architectures[0])(config)
+    expected = sum(p.numel() for p in hf.parameters())
+    assert count_parameters(config) == expected == get_entry(name)[1]["params"] == PUBLISHED[name]
+
+
+def test_generation_plan_120b_on_8_gpus():
+    """`colozoo plan gpt-oss-120b --gpus 8 --generate` (bf16 weights, batch 1 x 2048 tokens on H100-80GB): 2 GPUs
+    hold no 116.8B parameters in bf16, tp 4 does; its per-rank weights and cache, counted by hand: everything split
+    by 4 but the norms, the router, o_proj's and the experts' down_proj bias; 2 of the 8 kv heads a rank, a full
+    cache in the 18 full layers and 128 positions in the 18 sliding ones."""
+    from colozoo.cost.inference import plan_generation
+
+    found = plan_generation("gpt-oss-120b", gpus=8)
+    assert found.mesh == "tp=4,pp=1" and found.fits
+    h, heads, kv, hd, experts, inner, vocab, layers, tp = 2880, 64, 8, 64, 128, 2880, 201088, 36, 4
+    attention = (heads * hd * h + heads * hd) + 2 * (kv * hd * h + kv * hd) + heads * hd * h + heads  # + sinks
+    expert_weights = experts * (h * 2 * inner + 2 * inner + inner * h)  # gate_up (+ bias), down
+    replicated = h + experts * h + experts * h + experts + 2 * h  # o bias, down biases, router, two norms
+    per_rank = layers * ((attention + expert_weights) // tp + replicated) + 2 * vocab * h // tp + h
+    assert found.weights_bytes == 2 * per_rank
+    per_position = 2 * (kv // tp) * hd * 2  # k and v of this rank's kv heads, bf16
+    assert found.kv_cache_bytes == per_position * (18 * 2048 + 18 * 128)
+    assert found.weights_bytes + found.kv_cache_bytes < 80e9
