@@ -132,10 +132,10 @@ def test_registered_sizes_match_transformers(name):
 def test_profile_olmo2_32b_tp8():
     """The profiler builds OLMo-2-32B at tp 8: the q/k norms split by heads like q and k (one kv head a rank), and
     their statistic summed over tp (two fp32 values per token forward, two backward) beside the blocks' reduces."""
-    from colozoo.cost.profiler import profile
+    from colozoo.cost.profiler import profile_for
 
     b, s, h, hd, inner = 1, 128, 5120, 128, 27648
-    report = profile("OLMo-2-0325-32B", batch_size=b, seq_len=s, mesh="tp=8")
+    report = profile_for("OLMo-2-0325-32B", batch_size=b, seq_len=s, mesh="tp=8")
     layer = next(u for u in report.units if u["name"].startswith("layer"))
     split = (40 + 2 * 8) * hd * h + 40 * hd * h + 3 * h * inner + (40 + 8) * hd  # q/k/v, o, MLP, q/k norms
     assert layer["param_bytes"] == 2 * (split // 8 + 2 * h)  # and the two replicated post-norms
