@@ -24,6 +24,8 @@ LEVELS = {
     "colozoo.api": 7,
     "colozoo.finetune": 8,
     "colozoo.generate_cli": 8,
+    "colozoo.generate_stream": 8,
+    "colozoo.convert_cli": 8,
     "colozoo.cli": 9,
     "colozoo.demo": 9,
     "colozoo.demo_finetune": 9,
