@@ -303,8 +303,12 @@ def test_a_checkpoint_is_json_and_safetensors_only(tiny, tmp_path):
     out = tmp_path / "run"
     finetune(small_run(tiny, out, steps=2))
     ckpt = state.latest_checkpoint(out / "checkpoints")
-    assert sorted(p.name for p in ckpt.iterdir()) == ["colozoo_index.json", "meta.json", "rng-rank-00000.json",
-                                                      "state-rank-00000.safetensors", "training_index.json"]
+    from colozoo.checkpoint.convert import side_files
+
+    carried = sorted(f.name for f in side_files(tiny))  # the tokenizer and generation files travel along
+    assert carried and sorted(p.name for p in ckpt.iterdir()) == sorted(
+        ["colozoo_index.json", "meta.json", "rng-rank-00000.json", "state-rank-00000.safetensors",
+         "training_index.json", *carried])
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["optimizer"]["scalars"]["wte.weight"]["step"] == [2.0, "float32"]
     tensors = json.loads((ckpt / "training_index.json").read_text())["tensors"]
@@ -575,7 +579,8 @@ def test_ctrl_c_saves_exits_cleanly_and_the_same_command_resumes(tiny, tmp_path)
     code, log = interrupted(_command(tiny, out), "step 1/", lambda proc: proc.send_signal(signal.SIGINT), timeout=120)
     assert code == 0, log
     assert "running on CPU" in log
-    assert re.search(r"^step 1/100000  loss \d+\.\d{4}  lr \S+  [\d,]+ tok/s  MFU \d+\.\d%  ETA \d+:\d\d:\d\d$",
+    assert re.search(r"^step 1/100000  loss \d+\.\d{4}  lr \S+  [\d,]+ tok/s \([\d,]+ trained\)  MFU \d+\.\d%  "
+                     r"ETA \d+:\d\d:\d\d$",
                      log, re.M), log
     stopped = json.loads((out / "summary.json").read_text())
     assert stopped["stopped"] and stopped["step"] >= 1
