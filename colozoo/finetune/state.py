@@ -279,13 +279,13 @@ def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=No
     A loss `scaler` is restored when the checkpoint has one."""
     path = Path(path)
     meta = read_meta(path)
-    check_started_from(path, meta, started_from)
     check_data_position(path, meta, data)
     try:
         checkpoint = TrainingCheckpoint(path, ModelLayout(model.config, lora=lora_of_every_stage(model)))
     except CheckpointError as e:
         raise ResumeError(f"cannot resume from {path}: {e}") from None
     check_same_model(path, model, checkpoint)
+    check_started_from(path, meta, started_from)  # the same model, config and tensors: from the same weights?
     try:
         for name, param in model.named_parameters():
             checkpoint.read_into(model, name, param)
