@@ -215,13 +215,12 @@ def run(args) -> int:
         return 130
 
 
-def end_token_ids(model, tokenizer) -> set[int]:
-    """The tokens that end a sequence: the tokenizer's EOS and the generation config's (a chat model's turn end)."""
-    found = {tokenizer.eos_token_id}
-    for config in (model.generation_config, model.config):
-        ids = getattr(config, "eos_token_id", None) if config is not None else None
-        found |= set(ids) if isinstance(ids, (list, tuple)) else {ids}
-    return found - {None}
+def end_token_ids(model, width: int, options: dict) -> tuple[int, ...]:
+    """The tokens that end a sequence in this generate call, as it resolves them (the options, else the model's
+    generation_config.json, else its config): the streamer stops printing a sequence where generation ends it."""
+    from colozoo.runtime.generation_config import resolve
+
+    return resolve(model, width, **options).eos_token_id or ()
 
 
 def generate(args, prepared: Prepared) -> int:
@@ -231,16 +230,17 @@ def generate(args, prepared: Prepared) -> int:
     tokenizer, batch = prepared.tokenizer, prepared.batch
     model = from_pretrained(args.model, tp=args.tp, pp=args.pp, dtype=args.dtype, adapter=args.adapter)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    options = dict(decoding_options(args), pad_token_id=tokenizer.pad_token_id)
     streamer = None
     if rank0:
         prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
         echo = None if args.chat or args.reply_only else prepared.prompts
-        streamer = OrderedStreamer(tokenizer, prompt_ids, echo, args.stop, end_token_ids(model, tokenizer))
-    options = decoding_options(args)
+        ends = end_token_ids(model, batch["input_ids"].shape[1], options)
+        streamer = OrderedStreamer(tokenizer, prompt_ids, echo, args.stop, ends)
     if stops_early(tokenizer, args.stop):
         options.update(stop_strings=list(args.stop), tokenizer=tokenizer)
-    out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], pad_token_id=tokenizer.pad_token_id,
-                         streamer=streamer, return_dict_in_generate=True, **options)
+    out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], streamer=streamer,
+                         return_dict_in_generate=True, **options)
     if rank0:
         stats = out.timings
         prompt_tokens = int(batch["attention_mask"].sum())
