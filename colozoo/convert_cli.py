@@ -75,8 +75,8 @@ def add_parser(subparsers):
                    help="convert floating tensors (default: keep their dtype)")
     p.add_argument("--to-hf", action="store_true", help="write a Hugging Face directory instead")
     p.add_argument("--merge-lora", action="store_true",
-                   help="with --to-hf: fold the LoRA adapters SRC holds (a LoRA run's checkpoint), or --adapter's, into "
-                        "the weights (loads the model in this process)")
+                   help="with --to-hf: fold the LoRA adapters SRC holds (a LoRA run's checkpoint), or --adapter's, "
+                        "into the weights (loads the model in this process)")
     p.add_argument("--adapter", help="with --merge-lora: a PEFT adapter directory (e.g. a LoRA run's OUTPUT/adapter) "
                                      "to merge into SRC")
     p.add_argument("--allow-bin", action="store_true", help="read PyTorch .bin weights (torch.load weights_only)")

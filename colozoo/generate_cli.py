@@ -22,7 +22,7 @@ from colozoo.finetune.config import HelpFormatter, check_at_least
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
-        "generate", help="generate text from a model on any mesh (--nproc-per-node, or torchrun, for several processes)",
+        "generate", help="generate text from a model on any mesh (--nproc-per-node or torchrun: several processes)",
         description="Generate text: greedy by default, sampled with --temperature > 0, --top-k or --top-p. Prompts of "
                     "different lengths are left-padded into one batch. Rank 0 prints each prompt's text in order as "
                     "it is produced, then prefill and decode tokens/s.",
@@ -39,7 +39,7 @@ def add_parser(subparsers):
                                                              "(always so with --chat)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="end a reply at this text, which is not printed; "
                                                                    "repeat for several")
-    p.add_argument("--adapter", help="a PEFT LoRA adapter directory to attach (from colozoo finetune --lora-r, or peft)")
+    p.add_argument("--adapter", help="a PEFT LoRA adapter directory to attach (colozoo finetune --lora-r's, or peft's)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most")
     p.add_argument("--temperature", type=float, help="sample at this temperature (0: greedy; default: greedy unless "
                                                      "--top-k or --top-p, which sample at 1)")

@@ -37,7 +37,8 @@ def models(tmp_path_factory):
 
     shutil.copytree(chat, root / "other")
     weights = load_file(root / "other" / "model.safetensors")
-    save_file({k: v * 1.01 for k, v in weights.items()}, root / "other" / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v * 1.01 for k, v in weights.items()}, root / "other" / "model.safetensors",
+              metadata={"format": "pt"})
     bare = root / "no-tokenizer"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -125,7 +126,8 @@ CASES = {
     "lora alpha without lora": (lambda m, w: finetune(m, w, "--lora-alpha", "8"), r"--lora-alpha needs LoRA"),
     "merge without lora": (lambda m, w: finetune(m, w, "--merge"), r"--merge needs LoRA: pass --lora-r"),
     "chat for a classifier": (lambda m, w: finetune(m, w, "--chat", "--task", "seqcls"), r"--chat trains causal LMs"),
-    "truncate without chat": (lambda m, w: finetune(m, w, "--truncate", "tokens"), r"--truncate tokens goes with --chat"),
+    "truncate without chat": (lambda m, w: finetune(m, w, "--truncate", "tokens"),
+                              r"--truncate tokens goes with --chat"),
     "eval fraction 1": (lambda m, w: finetune(m, w, "--eval-fraction", "1"), r"--eval-fraction must be in \[0, 1\)"),
     "plan auto with tp": (lambda m, w: finetune(m, w, "--plan", "auto", "--tp", "2"), r"drop --tp"),
     "model missing": (lambda m, w: finetune(m, w, model=w / "no" / "such"),
@@ -172,7 +174,8 @@ CASES = {
         r"tp=3 must divide the attention heads"),
     "generate world and degrees": (lambda m, w: generate(m, w, "--prompt", "a", "--nproc-per-node", "2"),
                                    r"world size 2 != pp\*dp\*cp\*tp = 1\*1\*1\*1 = 1"),
-    "system without chat": (lambda m, w: generate(m, w, "--prompt", "a", "--system", "s"), r"--system goes with --chat"),
+    "system without chat": (lambda m, w: generate(m, w, "--prompt", "a", "--system", "s"),
+                            r"--system goes with --chat"),
     "chat without a template ": (lambda m, w: generate(m, w, "--prompt", "a", "--chat"),
                                  r"--chat needs a tokenizer with a chat template"),
     "adapter not one": (lambda m, w: generate(m, w, "--prompt", "a", "--adapter", str(w)),
@@ -189,7 +192,8 @@ CASES = {
     "convert source not a checkpoint": (lambda m, w: ["convert", str(w), str(w / "dst")], r"is not a checkpoint"),
     "convert destination not empty": (lambda m, w: ["convert", str(m["gpt2"]), str(write(w / "dst", "x").parent)],
                                       r"already exists and is not empty"),
-    "convert tp 0": (lambda m, w: ["convert", str(m["gpt2"]), str(w / "dst"), "--tp", "0"], r"--tp must be >= 1, got 0"),
+    "convert tp 0": (lambda m, w: ["convert", str(m["gpt2"]), str(w / "dst"), "--tp", "0"],
+                     r"--tp must be >= 1, got 0"),
     "convert heads over tp": (lambda m, w: ["convert", str(m["gpt2"]), str(w / "dst"), "--tp", "3"],
                               r"tp=3 must divide the attention heads"),
     "convert LoRA run to HF": (lambda m, w: ["convert", lora_checkpoint(m), str(w / "dst"), "--to-hf"],  # issue 29

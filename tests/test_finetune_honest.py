@@ -122,7 +122,8 @@ def test_chat_keeps_whole_turns_and_counts_what_it_drops(chat, tok, tmp_path):
     tight = sft.sft_dataset(CHAT, tok, seq_len=40, truncate="turns")
     assert tight.stats["dropped"] > 0 and tight.stats["whole"] + tight.stats["shortened"] + tight.stats["dropped"] == 12
     notes = check_inputs(chat_run(chat, tmp_path / "run", seq_len=48)).notes
-    assert [n for n in notes if f"of 12 samples in {CHAT}, {short.stats['shortened']} shortened to the whole turns" in n]
+    shortened = f"of 12 samples in {CHAT}, {short.stats['shortened']} shortened to the whole turns"
+    assert [n for n in notes if shortened in n], notes
 
 
 # ------------------------------------------------------------------------------------------- throughput

@@ -47,7 +47,7 @@ class FinetuneConfig:
     seq_len: int = 128
     pack: bool = True                   # concatenate documents into full sequences (LM)
     chat: bool = False                  # messages / prompt-completion records, loss on the answers only
-    truncate: str = "turns"             # --chat: a sample past --seq-len keeps whole turns ("turns") or is cut ("tokens")
+    truncate: str = "turns"             # --chat, past --seq-len: keep whole turns ("turns") or cut ("tokens")
     lora_r: int | None = None           # LoRA rank; None: full fine-tuning
     lora_alpha: float | None = None     # default: lora_r
     lora_dropout: float = 0.0
@@ -211,7 +211,8 @@ _HELP = {
     "seed": "seed of data order, dropout and new heads", "log_interval": "log every this many steps",
     "eval_interval": "evaluate every this many steps (0: only at the end)",
     "eval_batches": "an evaluation reads this many --micro-batch-size batches of held-out samples (over all dp ranks; "
-                    "all of them when there are fewer) and reports the mean loss over their tokens", "keep_last": "checkpoints kept in OUTPUT/checkpoints",
+                    "all of them when there are fewer) and reports the mean loss over their tokens",
+    "keep_last": "checkpoints kept in OUTPUT/checkpoints",
     "save_interval": "save a resumable checkpoint every this many steps (0: only at the end)",
     "progress": "progress bar", "plot": "write OUTPUT/loss.png at the end",
 }

@@ -44,9 +44,9 @@ class TensorData:
     def split(self, fraction: float) -> tuple["TensorData", "TensorData"]:
         """(head, tail) with the tail holding `fraction` of the samples (at least one when fraction > 0)."""
         cut = holdout_cut(len(self), fraction)
-        head = TensorData({k: v[:cut] for k, v in self.tensors.items()}, self.tokens[:cut], self.label_names, self.stats)
-        tail = TensorData({k: v[cut:] for k, v in self.tensors.items()}, self.tokens[cut:], self.label_names, self.stats)
-        return head, tail
+        head, tail = ({k: v[:cut] for k, v in self.tensors.items()}, {k: v[cut:] for k, v in self.tensors.items()})
+        return (TensorData(head, self.tokens[:cut], self.label_names, self.stats),
+                TensorData(tail, self.tokens[cut:], self.label_names, self.stats))
 
 
 def holdout_cut(samples: int, fraction: float) -> int:

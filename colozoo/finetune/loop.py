@@ -21,9 +21,9 @@ from colozoo.core.rng import model_parallel_seed
 from colozoo.finetune import data as D
 from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
-from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
 from colozoo.finetune.evaluation import Evaluator
 from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
+from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
 from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
                                       truncate_metrics)
 from colozoo.finetune.saver import CheckpointSaver

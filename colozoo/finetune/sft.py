@@ -134,8 +134,8 @@ def fit_note(stats: dict | None, path, seq_len: int) -> str | None:
     """A line on what fitting the samples of `path` into --seq-len did, when it did anything."""
     if not stats or not any(stats.get(k) for k in FITS[1:]):
         return None
-    what = {"dropped": "dropped (not even the first answer fits)",
-            "shortened": "shortened to the whole turns that fit", "cut": f"cut at {seq_len} tokens (their end left out)"}
+    what = {"dropped": "dropped (not even the first answer fits)", "shortened": "shortened to the whole turns that fit",
+            "cut": f"cut at {seq_len} tokens (their end left out)"}
     done = ", ".join(f"{stats[k]} {text}" for k, text in what.items() if stats.get(k))
     return f"--seq-len {seq_len}: of {stats['samples']} samples in {path}, {done}; a longer --seq-len keeps them"
 
