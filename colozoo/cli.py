@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+    except (ValueError, OSError, NotImplementedError) as e:  # OSError: a missing file, a full disk, no permission
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: one line, not one per rank
             print(f"colozoo {args.command}: error: {e}", file=sys.stderr)
         return 1

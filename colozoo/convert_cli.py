@@ -16,6 +16,20 @@ def _check_options(args):
         raise ValueError("--adapter goes with --to-hf --merge-lora (the adapter merged into SRC's weights)")
     if not Path(args.src).exists():
         raise FileNotFoundError(f"no checkpoint at {args.src} (no such directory)")
+    _check_writable(Path(args.dst))
+
+
+def _check_writable(dst: Path):
+    """The destination can be made: else one line, not an OSError naming the temp directory beside it."""
+    import os
+
+    existing = dst.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"cannot write to the destination directory {dst}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write to the destination directory {dst}: {existing} is not writable")
 
 
 def _run_convert(args) -> int:

@@ -192,6 +192,9 @@ CASES = {
     "convert source not a checkpoint": (lambda m, w: ["convert", str(w), str(w / "dst")], r"is not a checkpoint"),
     "convert destination not empty": (lambda m, w: ["convert", str(m["gpt2"]), str(write(w / "dst", "x").parent)],
                                       r"already exists and is not empty"),
+    "convert destination under a file": (  # issue 29: an OSError naming the temp directory beside it, a traceback
+        lambda m, w: ["convert", str(m["gpt2"]), str(write(w / "f", "x") / "dst")],
+        r"cannot write to the destination directory .*/f/dst: .*/f is not a directory"),
     "convert tp 0": (lambda m, w: ["convert", str(m["gpt2"]), str(w / "dst"), "--tp", "0"],
                      r"--tp must be >= 1, got 0"),
     "convert heads over tp": (lambda m, w: ["convert", str(m["gpt2"]), str(w / "dst"), "--tp", "3"],
@@ -242,7 +245,7 @@ ISSUE_ROWS = [  # what issue 29 found wrong, each a row above
     "fewer samples than a global batch", "chat answers past --seq-len", "tp 0", "heads over tp, before launching",
     "seq-len past positions, before launching", "resume onto another base", "empty prompt",
     "prompt record without prompt", "generate heads over tp, before launching", "convert LoRA run to HF",
-    "profile path missing", "profile seq-len past positions"]
+    "profile path missing", "profile seq-len past positions", "convert destination under a file"]
 
 
 def test_the_table_has_every_row_of_the_issue_and_the_cases_that_already_passed():
