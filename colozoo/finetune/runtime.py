@@ -3,6 +3,8 @@ optimizer, clipping, saving; each is the library's own entry point (colozoo.api,
 colozoo.checkpoint.convert) with the fine-tuning defaults."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -58,12 +60,17 @@ def prepare_training(model, cfg) -> dict | None:
     from colozoo.runtime.compile import compile_layers
     from colozoo.runtime.training import apply_plan, parallelize
 
-    if model.run.plan is not None:
-        step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
-    else:
-        step = None
-        parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
-                    activation_checkpointing="full" if cfg.activation_checkpointing else None, offload=cfg.offload)
+    with warnings.catch_warnings():
+        # parallelize slices the flattened dp x cp dimension off the root mesh, which torch 2.11 deprecates (one
+        # warning per rank); the lasting fix is core.mesh keeping the flattened mesh for parallelize to use
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        if model.run.plan is not None:
+            step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
+        else:
+            step = None
+            parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
+                        activation_checkpointing="full" if cfg.activation_checkpointing else None,
+                        offload=cfg.offload)
     if cfg.compile:
         compile_layers(model)
     return step
@@ -145,10 +152,12 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return float(clip_grad_norm_(model, max_norm))
 
 
-def parameter_count(model) -> int:
-    """Parameters of the whole model (every stage, unsharded), counted from the local shards."""
+def parameter_count(model, trainable: bool = False) -> int:
+    """Parameters of the whole model (every stage, unsharded), counted from the local shards (collective);
+    `trainable`: only those that train (LoRA: the adapters, and a classifier's head)."""
     pc = model.pc
-    local = sum(p.numel() if spec_of(p) else p.numel() / pc.size("tp") for p in model.parameters())
+    local = sum(p.numel() if spec_of(p) else p.numel() / pc.size("tp") for p in model.parameters()
+                if p.requires_grad or not trainable)
     total = torch.tensor(float(local), dtype=torch.float64, device=pc.device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
