@@ -3,7 +3,6 @@ optimizer, clipping, saving; each is the library's own entry point (colozoo.api,
 colozoo.checkpoint.convert) with the fine-tuning defaults."""
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -60,17 +59,13 @@ def prepare_training(model, cfg) -> dict | None:
     from colozoo.runtime.compile import compile_layers
     from colozoo.runtime.training import apply_plan, parallelize
 
-    with warnings.catch_warnings():
-        # parallelize slices the flattened dp x cp dimension off the root mesh, which torch 2.11 deprecates (one
-        # warning per rank); the lasting fix is core.mesh keeping the flattened mesh for parallelize to use
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
-        if model.run.plan is not None:
-            step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
-        else:
-            step = None
-            parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
-                        activation_checkpointing="full" if cfg.activation_checkpointing else None,
-                        offload=cfg.offload)
+    if model.run.plan is not None:
+        step = apply_plan(model, mixed_precision=MIXED_PRECISION[cfg.dtype])
+    else:
+        step = None
+        parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
+                    activation_checkpointing="full" if cfg.activation_checkpointing else None,
+                    offload=cfg.offload)
     if cfg.compile:
         compile_layers(model)
     return step
