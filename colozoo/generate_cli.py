@@ -10,14 +10,14 @@ against the model's heads, the prompts' length against its positions) is checked
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
 from colozoo.core.names import FLOAT_CHOICES
-from colozoo.finetune.config import HelpFormatter, check_at_least
+from colozoo.core.names import HelpFormatter
+from colozoo.finetune.config import check_at_least
 
 
 def add_parser(subparsers):

@@ -11,7 +11,8 @@ import sys
 
 from dataclasses import fields
 
-from colozoo.finetune.config import FinetuneConfig, HelpFormatter, add_arguments, config_from_args
+from colozoo.core.names import HelpFormatter
+from colozoo.finetune.config import FinetuneConfig, add_arguments, config_from_args
 
 __all__ = ["FinetuneConfig", "finetune", "add_parser", "main"]
 

@@ -218,16 +218,6 @@ _HELP = {
 }
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default, except where the help already says it, there is none, or the option is a
-    plain flag."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or "") or isinstance(action, argparse._StoreTrueAction):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
     """Add one option per FinetuneConfig field; `task` fixes the task (scripts/) instead of offering --task."""
     for f in fields(FinetuneConfig):
