@@ -45,7 +45,7 @@ def add_parser(subparsers):
                     "rank and communication per collective.", formatter_class=HelpFormatter)
     p.add_argument("name", help="registered model name (see `colozoo models`) or a local HF or colozoo "
                                 "checkpoint directory")
-    p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp'")
+    p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp' (default: every degree 1)")
     add_setup_arguments(p)
     p.add_argument("--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing")
     p.add_argument("--zero", type=int, default=0, choices=ZERO_LEVELS, help="0 DDP, 1/2 ZeRO (priced, not run), 3 FSDP")
