@@ -259,9 +259,20 @@ def check_started_from(path: Path, meta: dict, started_from: dict | None):
                           f"--output or --no-resume")
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ResumeError(f"cannot resume from {path.parent}: {path.name} is unreadable ({e}); start over with "
+                          f"--no-resume or remove that checkpoint") from None
+    if not isinstance(value, dict):
+        raise ResumeError(f"cannot resume from {path.parent}: {path.name} is not a JSON object")
+    return value
+
+
 def read_meta(path) -> dict:
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read_json(path / "meta.json")
     if meta.get("format") == PICKLED_FORMAT:
         raise ResumeError(f"{path} was written by an older colozoo as pickles, which resume never loads "
                           f"(unpickling can run code); start over with --no-resume")
@@ -298,7 +309,7 @@ def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=No
     same_mesh = meta["world_size"] == _world() and meta["mesh"] == mesh
     rng_file = path / f"rng-rank-{_rank():05d}.json"
     if same_mesh and rng_file.exists():
-        set_rng_state(json.loads(rng_file.read_text()))
+        set_rng_state(_read_json(rng_file))
     return {**meta, "rng_restored": same_mesh}
 
 
