@@ -178,22 +178,6 @@ def test_mxfp4_checkpoint_loads_dequantised(tmp_path):
         assert torch.equal(exported.get_parameter(name), weight), name
 
 
-PUBLISHED = {"gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672}
-
-
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_registered_sizes_match_transformers(name):
-    import transformers
-
-    from colozoo.registry import count_parameters, get_config, get_entry
-
-    config = get_config(name)
-    with torch.device("meta"):
-        hf = getattr(transformers, config.architectures[0])(config)
-    expected = sum(p.numel() for p in hf.parameters())
-    assert count_parameters(config) == expected == get_entry(name)[1]["params"] == PUBLISHED[name]
-
-
 def test_generation_plan_120b_on_8_gpus():
     """`colozoo plan gpt-oss-120b --gpus 8 --generate` (bf16 weights, batch 1 x 2048 tokens on H100-80GB): 2 GPUs
     hold no 116.8B parameters in bf16, 3 pipeline stages of 12 layers do (the fewest GPUs win); the fullest rank's

@@ -8,7 +8,6 @@ OLMo 2: norms after attention and the MLP, q/k norms over the whole projection (
 statistic is summed over the ranks). SmolLM3: no rotary in every fourth layer (NoPE); with use_sliding_window
 transformers makes exactly the NoPE layers sliding."""
 import pytest
-import torch
 
 from distributed import run_distributed
 from parity import batch, causal_lm_parity, pipeline_parity
@@ -110,23 +109,6 @@ def lora(family, **mesh):
 def test_lora_matches_peft(family):
     assert lora(family) > 0
     assert all(n > 0 for n in run_distributed(lora, 2, family=family, tp=2, timeout=TIMEOUT))
-
-
-PUBLISHED = {"OLMo-2-1124-7B": 7_298_617_344, "OLMo-2-1124-13B": 13_716_198_400, "OLMo-2-0325-32B": 32_234_279_936,
-             "SmolLM3-3B": 3_075_098_624}
-
-
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_registered_sizes_match_transformers(name):
-    import transformers
-
-    from colozoo.registry import count_parameters, get_config, get_entry
-
-    config = get_config(name)
-    with torch.device("meta"):
-        hf = getattr(transformers, config.architectures[0])(config)
-    expected = sum(p.numel() for p in hf.parameters())
-    assert count_parameters(config) == expected == get_entry(name)[1]["params"] == PUBLISHED[name]
 
 
 def test_profile_olmo2_32b_tp8():
