@@ -14,3 +14,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))  # and th
 import mutations  # noqa: E402
 
 mutations.apply_from_environment()  # COLOZOO_MUTATION: tests/helpers/mutations.py switches a feature off
+
+import pytest  # noqa: E402
+from interrupt import launched_model, straight_tp2  # noqa: E402,F401 (fixtures: one straight run for every launcher test)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Runs compared bit for bit share one thread: a busy CI machine can change how a multi-threaded BLAS splits a
+    reduction, which moves a loss by one ulp between two otherwise identical runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

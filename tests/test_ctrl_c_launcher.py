@@ -8,9 +8,8 @@ import signal
 import subprocess
 import sys
 
-from interrupt import REPO, clean_env, interrupted, losses
+from interrupt import REPO, clean_env, finetune_argv, interrupted, losses
 from parity import close
-from test_finetune import STORIES, tiny  # noqa: F401 (tiny is a fixture)
 
 from colozoo.finetune import state
 
@@ -18,22 +17,18 @@ LINE = re.compile(r"^interrupted at step (\d+)/8, saved to (\S+); rerun the same
 
 
 def _launch(model, output, *extra):
-    return [sys.executable, "-m", "colozoo.cli", "finetune", "--nproc-per-node", "2", "--model", str(model),
-            "--data", str(STORIES), "--output", str(output), "--seq-len", "16", "--steps", "8", "--lr", "1e-2",
-            "--tp", "2", "--save-interval", "0", "--eval-fraction", "0", "--no-export-hf", "--no-plot", *extra]
+    return [sys.executable, "-m", "colozoo.cli", "finetune", "--nproc-per-node", "2",
+            *finetune_argv(model, output, *extra)]
 
 
 def _ctrl_c(proc):
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
 
 
-def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(tiny, tmp_path):  # noqa: F811
-    straight = subprocess.run(_launch(tiny, tmp_path / "straight"), cwd=REPO, env=clean_env(), capture_output=True,
-                              text=True, timeout=400)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-
+def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(launched_model, straight_tp2,
+                                                                            tmp_path):
     out = tmp_path / "run"
-    code, log = interrupted(_launch(tiny, out), "step 2/", _ctrl_c, group=True)
+    code, log = interrupted(_launch(launched_model, out), "step 2/", _ctrl_c, group=True)
     assert code == 0, log[-3000:]
     assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
     found = LINE.findall(log)
@@ -43,17 +38,17 @@ def test_ctrl_c_under_the_launcher_saves_exits_0_with_one_line_and_resumes(tiny,
     assert state.latest_checkpoint(out / "checkpoints") == state.latest_checkpoint(checkpoint.rsplit("/", 1)[0]) \
         and checkpoint.endswith(f"step-{step:08d}"), log[-3000:]
 
-    again = subprocess.run(_launch(tiny, out), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=400)
+    again = subprocess.run(_launch(launched_model, out), cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr and "Traceback" not in again.stderr
-    ours, theirs = losses(out), losses(tmp_path / "straight")
+    ours, theirs = losses(out), losses(straight_tp2)
     assert [s for s, _ in ours] == [s for s, _ in theirs] == list(range(1, 9))
     close([loss for _, loss in ours], [loss for _, loss in theirs], 1e-6, "loss curve after the resume")
 
 
-def test_sigterm_to_the_launcher_alone_is_passed_on_to_the_workers(tiny, tmp_path):  # noqa: F811
+def test_sigterm_to_the_launcher_alone_is_passed_on_to_the_workers(launched_model, tmp_path):
     """A scheduler may signal the launcher only: it passes SIGTERM on, the workers save and the job exits 0."""
     out = tmp_path / "run"
-    code, log = interrupted(_launch(tiny, out), "step 2/", lambda proc: proc.send_signal(signal.SIGTERM), group=True)
+    code, log = interrupted(_launch(launched_model, out), "step 2/", lambda proc: proc.send_signal(signal.SIGTERM), group=True)
     assert code == 0 and "Traceback" not in log and len(LINE.findall(log)) == 1, log[-3000:]
     assert json.loads((out / "summary.json").read_text())["stopped"]

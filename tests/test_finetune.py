@@ -26,6 +26,9 @@ STORIES = REPO / "data" / "stories.jsonl"
 SENTIMENT = REPO / "data" / "sentiment.jsonl"
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: resumes are compared bit for bit
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 2-layer GPT-2 (dropout on, so resuming must restore the RNG) saved by transformers, with its tokenizer."""
@@ -248,6 +251,7 @@ def test_a_process_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, st
     crashed = tmp_path / "crashed"
     config = json.dumps(dataclasses.asdict(small_run(tiny, crashed)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     killed = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, config], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr

@@ -20,6 +20,8 @@ from colozoo.finetune.config import FinetuneConfig, config_from_args  # noqa: E4
 from colozoo.finetune.loop import finetune  # noqa: E402
 from colozoo.finetune.metrics import read_metrics  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: resumes are compared bit for bit
+
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):

@@ -352,8 +352,8 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(remember_input)
     # storages held only by reference cycles die whenever the cyclic collector runs: keep it out of the
-    # trace so lifetimes (and the temporaries) are deterministic, counting such storages as still alive
-    gc.collect()
+    # trace so lifetimes (and the temporaries) are deterministic, counting such storages as still alive (a full
+    # collection first would not change what the trace sees, and costs a second in a big process)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
