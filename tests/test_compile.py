@@ -1,7 +1,7 @@
-"""compile=True: every transformer layer runs torch.compile'd (inductor + the C++ compiler on CPU) and gives the
-logits, loss and gradients of the same model run eagerly, at tp 1 and tp 2 with sequence parallelism, with activation
-checkpointing and with FSDP2 over dp 2; `colozoo finetune --compile` trains. Compiling is slow on two cores: the
-configs are tiny and inductor's cache lives in the temp dir, so a second run reuses the compiled kernels."""
+"""compile=True: every transformer layer runs torch.compile'd and gives the logits, loss and gradients of the same
+model run eagerly, at tp 1 and tp 2 with sequence parallelism, with activation checkpointing, with FSDP2 over dp 2 and
+pp 2; `colozoo finetune --compile` trains. Compiling is slow on two cores: the configs are tiny, inductor's cache lives
+in the temp dir (a second run reuses the compiled kernels) and inductor runs only where it is what is tested."""
 import os
 import sys
 import tempfile
@@ -102,26 +102,28 @@ def compiled_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_
     return graphs
 
 
+# Inductor (and the C++ compiler behind it on CPU) runs where it is the part under test: one layer at tp 1 with
+# activation checkpointing, one at tp 2 with sequence parallelism (its collectives lowered), and `finetune --compile`
+# below, about two minutes on two cores with a cold cache. The other meshes check what they add, that dynamo captures
+# the layer whole around their collectives and AOT autograd gives eager's numbers, without inductor (aot_eager).
 def test_compile_llama_tp1_activation_checkpointing():
     compiled_parity("llama", LLAMA, checkpointing="full")
 
 
-def test_compile_gpt2_tp1():
-    compiled_parity("gpt2", GPT2)
-
-
-@pytest.mark.parametrize("model_type,config", [("llama", LLAMA), ("gpt2", GPT2)])
-def test_compile_tp2_sequence_parallel(model_type, config):
+@pytest.mark.parametrize("model_type,config,backend", [("llama", LLAMA, "aot_eager"), ("gpt2", GPT2, "inductor")])
+def test_compile_tp2_sequence_parallel(model_type, config, backend):
     run_distributed(compiled_parity, 2, model_type=model_type, config_kwargs=config, tp=2, sequence_parallel=True,
-                    timeout=TIMEOUT)
+                    backend=backend, timeout=TIMEOUT)
 
 
 def test_compile_gpt2_fsdp_dp2():
-    run_distributed(compiled_parity, 2, model_type="gpt2", config_kwargs=GPT2, dp=2, timeout=TIMEOUT)
+    run_distributed(compiled_parity, 2, model_type="gpt2", config_kwargs=GPT2, dp=2, backend="aot_eager",
+                    timeout=TIMEOUT)
 
 
 def test_compile_llama_pipeline_pp2():
-    run_distributed(compiled_parity, 2, model_type="llama", config_kwargs=LLAMA, pp=2, timeout=TIMEOUT)
+    run_distributed(compiled_parity, 2, model_type="llama", config_kwargs=LLAMA, pp=2, backend="aot_eager",
+                    timeout=TIMEOUT)
 
 
 def test_compile_mixtral_moe():

@@ -231,8 +231,8 @@ MUTATIONS = {
         ("tests/test_lora.py::test_lora_matches_peft_single_process[bert]", "tests/test_lora.py::test_peft_round_trip")),
     "compile_compiles_nothing": Mutation(
         "compile=True wraps every layer but runs it eagerly", _compile_nothing,
-        ("tests/test_compile.py::test_compile_gpt2_tp1",
-         "tests/test_compile.py::test_compile_tp2_sequence_parallel[llama-config0]",
+        ("tests/test_compile.py::test_compile_llama_tp1_activation_checkpointing",
+         "tests/test_compile.py::test_compile_tp2_sequence_parallel[llama-config0-aot_eager]",
          "tests/test_compile.py::test_finetune_compile_trains_like_eager")),
     "kv_cache_off": Mutation(
         "every decoding step encodes the whole sequence again instead of extending the KV cache", _kv_cache_off,
