@@ -1,6 +1,9 @@
 """DeepSeek-V3 / R1 (and Kimi-K2, the same architecture, registered under this family) on the shared decoder
 (colozoo.models.decoder): multi-head latent attention (layers.mla) in every layer, a dense SwiGLU MLP in the first
-`first_k_dense_replace` layers and DeepSeekMoE in the others.
+`first_k_dense_replace` layers and DeepSeekMoE in the others: a shared expert every token goes through (ungated) beside
+n_routed_experts routed ones, chosen by sigmoid scores plus a bias correction within the best topk_group of n_group
+groups, weighted by the uncorrected scores (normalised) times routed_scaling_factor (layers.moe.GroupLimitedRouter).
+transformers adds no load-balancing loss for it, and neither does colozoo.
 
     embed_tokens -> [input_layernorm -> self_attn (MLA: q_a_proj -> q_a_layernorm -> q_b_proj, kv_a_proj_with_mqa ->
                      kv_a_layernorm -> kv_b_proj, decoupled rotary key, o_proj) -> + post_attention_layernorm -> mlp
@@ -17,6 +20,7 @@ import math
 from torch import nn
 
 from colozoo.layers.mla import LatentAttention
+from colozoo.layers.moe import GroupLimitedRouter
 from colozoo.layers.rope import rope_parameters
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, UnsupportedConfig
@@ -67,8 +71,11 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
     def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         if not is_sparse(config, layer_idx):
             return dense_mlp(config, pc, **kw)
-        raise UnsupportedConfig("DeepSeekMoE layers are not supported yet: set first_k_dense_replace to "
-                                "num_hidden_layers")
+        router = GroupLimitedRouter(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                                    groups=config.n_group, topk_group=config.topk_group,
+                                    normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor, **kw)
+        return self.moe(config, pc, config.moe_intermediate_size, router=router, shared_expert_gate=False,
+                        shared_expert_size=config.moe_intermediate_size * config.n_shared_experts or None, **kw)
 
     def router_stats_width(self) -> int:
         return 0  # no router losses to carry between pipeline stages (see head)
@@ -79,5 +86,4 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
         return DecoderModel.head(self, hidden, ctx, labels=labels, logits=logits)
 
 
-FAMILIES = (Family("deepseek_v3", ("deepseek_v3",), DeepseekV3ForCausalLM, converter="deepseek_v3", gated_mlp=True,
-                   registered=False),)
+FAMILIES = (Family("deepseek_v3", ("deepseek_v3",), DeepseekV3ForCausalLM, converter="deepseek_v3", gated_mlp=True),)
