@@ -18,7 +18,9 @@ gathered (kv_lora_rank + q_lora_rank + qk_rope_head_dim features a token, instea
 weights' gradients are then summed over tp.
 
 The KV cache (layers.kv_cache) holds what every head shares: the normalised latent and the rotated k_rot, as a
-"key" and a "value" of one head each; keys and values of this rank's heads are expanded from them at every step.
+"key" and a "value" of one head each (kv_lora_rank + qk_rope_head_dim numbers a position, on every tp rank, against
+2 x heads x head_dim for a full cache). The prefill expands this rank's heads' keys and values from them, as
+transformers does at every step; a decoding step attends over the latent itself (`_attend_latent`).
 With `interleaved_rope` (DeepSeek's checkpoints, transformers' rope_interleave) the rotary features come in pairs
 (x0, x1), (x2, x3), ...: they are reordered to (x0, x2, ... | x1, x3, ...) and rotated as every other family's,
 which is transformers' order too.
@@ -95,9 +97,24 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, self._rotate(q_rot, cos, sin)), dim=-1)
         k_rot = self._rotate(k_rot.unsqueeze(1), cos, sin)
         latent, k_rot, mask, causal = keys_values_mask(ctx, self.layer_idx, latent.unsqueeze(1), k_rot)
+        if ctx.cache is not None and q.shape[2] < latent.shape[2] and self.kv_b_proj.lora is None:
+            return self.o_proj(merge_heads(self._attend_latent(q, latent, k_rot, mask)))
         k_nope, v = self._heads(self.kv_b_proj(latent.squeeze(1)), self.nope_dim + self.v_dim).split(
             (self.nope_dim, self.v_dim), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.local_heads, -1, -1)), dim=-1)
         out = attention(q, k, v, mask, causal=causal, scale=self.scale, cp=ctx.cp,
                         dropout_p=self.dropout_p if self.training else 0.0, documents=ctx.documents)
         return self.o_proj(merge_heads(out))
+
+    def _attend_latent(self, q, latent, k_rot, mask):
+        """Decoding over the cache without expanding it (the up-projections absorbed): each head's q_nope goes into
+        the latent space through its rows of kv_b_proj that make k_nope (q_nope . W_uk c = (W_uk^T q_nope) . c), the
+        heads attend as one multi-query group over [latent | k_rot] with the latent as values, and each head's result
+        leaves the latent space through its rows that make v. A step reads the cache once, never every head's keys
+        and values; the prefill, with as many queries as keys, expands them as transformers does."""
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.local_heads, self.nope_dim + self.v_dim, -1).split(
+            (self.nope_dim, self.v_dim), dim=1)
+        q_nope, q_rot = q.split((self.nope_dim, self.rope_dim), dim=-1)
+        q = torch.cat((torch.matmul(q_nope, w_uk), q_rot), dim=-1)
+        out = attention(q, torch.cat((latent, k_rot), dim=-1), latent, mask, causal=False, scale=self.scale)
+        return torch.matmul(out, w_uv.transpose(1, 2))

@@ -277,3 +277,64 @@ def test_registered_sizes_match_transformers(name):
         hf = getattr(transformers, config.architectures[0])(config)
     expected = sum(p.numel() for p in hf.parameters())
     assert count_parameters(config) == expected == get_entry(name)[1]["params"] == PUBLISHED[name]
+
+
+# --- generation -------------------------------------------------------------------------------------------------
+
+GENERATE = {"deepseek_v3": {**MOE, "num_hidden_layers": 4}}
+
+
+def test_greedy_generate_one_process():
+    from test_generate import greedy_matches_transformers
+
+    greedy_matches_transformers(["deepseek_v3"], configs=GENERATE)
+
+
+def latent_cache_decoding(tp=1):
+    """Greedy decoding against transformers' with every step's logits; the cache holds kv_lora_rank +
+    qk_rope_head_dim numbers a position and layer on every rank (what transformers' cache holds too), a fraction of
+    the 2 x heads/tp x head widths of full keys and values; kv_b_proj expands keys and values in the prefill only
+    (decoding steps attend over the latent). Returns the cache's share of a full one."""
+    from colozoo.core.mesh import init_parallel, single_process
+    from parity import close
+    from test_generate import NEW, ours_and_hf, prompts
+
+    pc = init_parallel(tp=tp) if tp > 1 else single_process()
+    config, hf, model = ours_and_hf("deepseek_v3", pc, GENERATE["deepseek_v3"])
+    ids, mask = prompts(config.vocab_size)
+    options = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
+                   return_dict_in_generate=True, output_logits=True)
+    expansions = []
+    hooks = [layer.self_attn.kv_b_proj.register_forward_pre_hook(lambda m, args: expansions.append(args[0].shape[1]))
+             for layer in model.layers.values()]
+    out, ref = model.generate(ids, attention_mask=mask, **options), hf.generate(ids, attention_mask=mask, **options)
+    for hook in hooks:
+        hook.remove()
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert len({tuple(row) for row in out.sequences[:, ids.shape[1]:].tolist()}) == ids.shape[0]  # rows differ
+    for step, (ours, theirs) in enumerate(zip(out.logits, ref.logits, strict=True)):
+        close(ours, theirs, 1e-5, f"logits of step {step}")
+    layers = config.num_hidden_layers
+    assert expansions == [ids.shape[1]] * layers  # the prefill, once per layer; no step expands the cache
+    positions = ids.shape[0] * (ids.shape[1] + NEW)
+    assert out.cache_elements == layers * positions * (config.kv_lora_rank + config.qk_rope_head_dim)
+    full = layers * positions * config.num_attention_heads // tp * (config.qk_nope_head_dim + config.qk_rope_head_dim
+                                                                     + config.v_head_dim)
+    return out.cache_elements / full
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_latent_cache(tp):
+    share = latent_cache_decoding() if tp == 1 else run_distributed(latent_cache_decoding, 2, tp=2, timeout=TIMEOUT)[0]
+    assert share == (16 + 8) / (4 // tp * (12 + 8 + 10))
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (2, 2, 1), (1, 1, 2)])
+def test_greedy_generate_parallel(tp, pp, ep):
+    """Left-padded prompts of different lengths, token for token (the experts split over tp or, on dp2, over ep; the
+    cache of each stage's layers on its ranks)."""
+    from test_generate import greedy_matches_transformers
+
+    results = run_distributed(greedy_matches_transformers, tp * pp * ep, families=["deepseek_v3"], tp=tp, pp=pp,
+                              dp=ep, ep=ep, configs=GENERATE, timeout=TIMEOUT)
+    assert all(r == results[0] for r in results)
