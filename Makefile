@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo parity-demo bench clean mutations
+.PHONY: setup test demo parity-demo bench clean mutations mutations-ci
 
 setup: $(STAMP)
 
@@ -25,6 +25,12 @@ test: setup
 # switch features off one at a time; the tests named for each must fail (tests/helpers/mutations.py)
 mutations: setup
 	$(PY) tests/helpers/mutations.py
+
+# CI's form (.ci/run, after `make test`): mutations whose patch or named tests changed since the last whole audit
+# run whole, the others by their fastest test within MUTATION_BUDGET seconds
+MUTATION_BUDGET ?= 300
+mutations-ci: setup
+	$(PY) tests/helpers/mutations.py --ci $(MUTATION_BUDGET)
 
 demo: setup
 	$(PY) -m colozoo.demo_finetune

@@ -86,10 +86,25 @@ def config_from_dict(config: dict, architecture: str | None = None):
 COLOZOO_INDEX = "colozoo_index.json"  # a colozoo checkpoint's index (colozoo.checkpoint.format), holding its config
 
 
+def check_positions(config, tokens: int, what: str):
+    """One wording for every command whose sequences would run past the model's position table: `what` names the
+    length (e.g. "--seq-len 4096")."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and tokens > positions:
+        raise ValueError(f"{what} is longer than the model's maximum positions ({positions})")
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A name no registry entry or HF repo id has: it starts with '.', '/' or '~', or has more than one '/'."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def get_config(name: str):
     """The transformers config object of a registered model, or of a local HF or colozoo directory (no network)."""
-    if Path(name).is_dir():
+    if Path(name).exists():
         return local_config(Path(name))
+    if looks_like_a_path(name) and lookup(name) is None:
+        raise FileNotFoundError(f"no checkpoint at {name} (no such directory)")  # colozoo.api.resolve's words
     _, entry = get_entry(name)
     return config_from_dict(entry["config"], entry["architecture"])
 

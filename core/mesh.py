@@ -111,7 +111,7 @@ class ParallelContext:
     def __init__(self, config: ParallelConfig, device: torch.device | None = None):
         self.config = config
         self.device = device or default_device()
-        self.mesh = None
+        self.mesh = self.dp_cp_mesh = None
         self.groups: dict[str, dist.ProcessGroup | None] = {d: None for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
         self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -130,7 +130,7 @@ class ParallelContext:
         for name in MESH_DIMS:
             self.groups[name] = self.mesh.get_group(name)
             self.ranks[name] = self.mesh.get_local_rank(name)
-        dp_cp = self.mesh["dp", "cp"]._flatten("dp_cp")
+        dp_cp = self.dp_cp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")  # kept: slicing it off again is deprecated
         self.groups["dp_cp"] = dp_cp.get_group()
         self.ranks["dp_cp"] = dp_cp.get_local_rank()
         self.groups["ep"], self.ranks["ep"] = self._expert_group()
@@ -168,7 +168,7 @@ class ParallelContext:
         if not 0 <= pp_rank < pp:
             raise ParallelConfigError(f"pp_rank {pp_rank} is not a stage of pp={pp}")
         self.device = torch.device(device or "cpu")
-        self.mesh = None
+        self.mesh = self.dp_cp_mesh = None
         self.groups = {d: None for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
         self.ranks = {d: 0 for d in (*MESH_DIMS, "ep", "edp", "dp_cp")}
         self.ranks["pp"] = pp_rank

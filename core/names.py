@@ -2,6 +2,8 @@
 with these before anything heavy is imported)."""
 from __future__ import annotations
 
+import argparse
+
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}  # what users write -> torch's name
 FLOAT_CHOICES = ("float32", "bfloat16", "float16")   # what CLIs offer
@@ -22,3 +24,13 @@ def human_count(n: int | None) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(n)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every command's --help: each option's default, except where the help already says it, there is none, or the
+    option is a plain flag."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or "") or isinstance(action, argparse._StoreTrueAction):
+            return action.help
+        return super()._get_help_string(action)

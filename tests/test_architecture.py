@@ -24,6 +24,8 @@ LEVELS = {
     "colozoo.api": 7,
     "colozoo.finetune": 8,
     "colozoo.generate_cli": 8,
+    "colozoo.generate_stream": 8,
+    "colozoo.convert_cli": 8,
     "colozoo.cli": 9,
     "colozoo.demo": 9,
     "colozoo.demo_finetune": 9,
@@ -243,3 +245,13 @@ def test_op_modules_import_no_triton():
         if triton:
             wrong[m] = triton
     assert not wrong, f"op modules importing triton at module level: {wrong}"
+
+
+def test_tests_stay_short_and_their_helpers_sit_apart():
+    """Test files hold tests (test_*.py, conftest.py); what they share lives in tests/helpers; every file of either
+    keeps to the 450 lines of the code it tests."""
+    tests = ROOT / "tests"
+    stray = [p.name for p in tests.glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py"]
+    assert not stray, f"helpers among the test files (move them to tests/helpers): {stray}"
+    long = {str(p.relative_to(ROOT)): n for p in tests.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"test files over {MAX_LINES} lines: {long}"

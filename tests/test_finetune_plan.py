@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from distributed import run_distributed
-from test_finetune import losses, small_run, tiny, tiny_bert  # noqa: F401 (fixtures)
+from test_finetune import losses, small_run, tiny  # noqa: F401 (fixtures)
+from test_finetune_end_to_end import tiny_bert  # noqa: F401 (a fixture)
 
 from colozoo.finetune import main, state
 from colozoo.finetune.config import FinetuneConfig

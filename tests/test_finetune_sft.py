@@ -93,7 +93,7 @@ def test_packing_restarts_positions_and_masks_boundaries(tok):
     for (sample_ids, trained), (_, lab) in zip(samples, real):
         assert lab == [-100] + [t if flag else -100 for t, flag in zip(sample_ids[1:], trained[1:])]
     assert all(set(lab) == {-100} for i, lab in found if (i, lab) not in real)
-    short = sft.sft_dataset(CHAT, tok, seq_len=40)  # longer samples are truncated: their end is dropped
+    short = sft.sft_dataset(CHAT, tok, seq_len=40, truncate="tokens")  # longer samples are cut: their end is dropped
     first = samples[0][0]
     assert short.tensors["input_ids"][0].tolist() == first[:40] and len(first) > 40
 

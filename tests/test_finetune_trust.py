@@ -8,7 +8,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_finetune import STORIES, small_run, tiny, tiny_bert  # noqa: E402,F401  (fixtures)
+from test_finetune import STORIES, small_run, tiny  # noqa: E402,F401  (fixtures)
+from test_finetune_end_to_end import tiny_bert  # noqa: E402,F401 (a fixture)
 
 import colozoo  # noqa: E402
 from colozoo import cli  # noqa: E402

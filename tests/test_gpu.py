@@ -112,3 +112,17 @@ def test_adamw_steps_follow_transformers(tmp_path):
         curves.append(torch.tensor(losses))
     assert curves[1][-1] < curves[1][0]
     torch.testing.assert_close(curves[1], curves[0], rtol=2e-2, atol=2e-2)
+
+
+def test_auto_takes_the_triton_kernels_on_cuda(monkeypatch):
+    """'auto' is the default: on CUDA a training step's norms, rotary, SwiGLU and loss run the Triton kernels (this
+    fails if the policy never picks them); a decode step's small elementwise ops stay on torch, by design."""
+    from test_kernels_in_models import count_kernel_calls
+
+    calls = count_kernel_calls(monkeypatch)
+    config, hf = hf_causal_lm("llama", DENSE["llama"])
+    model = colozoo.build_model(config, device="cuda")
+    ids = torch.randint(0, config.vocab_size, (2, 16), device="cuda")
+    with dispatch.use_kernels("auto"):
+        model.train()(ids, labels=ids).loss.backward()
+    assert {"rms_norm_triton", "apply_rotary_triton", "swiglu_triton"} <= set(calls), calls

@@ -8,7 +8,6 @@ OLMo 2: norms after attention and the MLP, q/k norms over the whole projection (
 statistic is summed over the ranks). SmolLM3: no rotary in every fourth layer (NoPE); with use_sliding_window
 transformers makes exactly the NoPE layers sliding."""
 import pytest
-import torch
 
 from distributed import run_distributed
 from parity import batch, causal_lm_parity, pipeline_parity
@@ -112,30 +111,13 @@ def test_lora_matches_peft(family):
     assert all(n > 0 for n in run_distributed(lora, 2, family=family, tp=2, timeout=TIMEOUT))
 
 
-PUBLISHED = {"OLMo-2-1124-7B": 7_298_617_344, "OLMo-2-1124-13B": 13_716_198_400, "OLMo-2-0325-32B": 32_234_279_936,
-             "SmolLM3-3B": 3_075_098_624}
-
-
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_registered_sizes_match_transformers(name):
-    import transformers
-
-    from colozoo.registry import count_parameters, get_config, get_entry
-
-    config = get_config(name)
-    with torch.device("meta"):
-        hf = getattr(transformers, config.architectures[0])(config)
-    expected = sum(p.numel() for p in hf.parameters())
-    assert count_parameters(config) == expected == get_entry(name)[1]["params"] == PUBLISHED[name]
-
-
 def test_profile_olmo2_32b_tp8():
     """The profiler builds OLMo-2-32B at tp 8: the q/k norms split by heads like q and k (one kv head a rank), and
     their statistic summed over tp (two fp32 values per token forward, two backward) beside the blocks' reduces."""
-    from colozoo.cost.profiler import profile
+    from colozoo.cost.profiler import profile_for
 
     b, s, h, hd, inner = 1, 128, 5120, 128, 27648
-    report = profile("OLMo-2-0325-32B", batch_size=b, seq_len=s, mesh="tp=8")
+    report = profile_for("OLMo-2-0325-32B", batch_size=b, seq_len=s, mesh="tp=8")
     layer = next(u for u in report.units if u["name"].startswith("layer"))
     split = (40 + 2 * 8) * hd * h + 40 * hd * h + 3 * h * inner + (40 + 8) * hd  # q/k/v, o, MLP, q/k norms
     assert layer["param_bytes"] == 2 * (split // 8 + 2 * h)  # and the two replicated post-norms

@@ -324,10 +324,11 @@ def test_attention_mask_or_cache_turns_packing_off():
 def _kernels():
     pytest.importorskip("triton")
     import test_kernels  # sets TRITON_INTERPRET=1 on CPU before any kernel module is (re)loaded
+    from test_kernels_in_models import KERNEL_MODULES
 
     if test_kernels.CUDA:
         pytest.skip("the HF harness runs on CPU")
-    for name in test_kernels.KERNEL_MODULES:
+    for name in KERNEL_MODULES:
         test_kernels.kernel_module(name)
     return test_kernels
 

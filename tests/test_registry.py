@@ -41,14 +41,21 @@ def test_parameter_counts_match_the_published_models(name, params):
     assert registry.count_parameters(registry.get_config(name)) == params
 
 
-@pytest.mark.parametrize("name,params", [("Qwen1.5-MoE-A2.7B", 14_315_784_192), ("Qwen2-57B-A14B", 57_408_658_944),
-                                         ("vit-large", 304_326_632), ("vit-huge", 632_404_480)])
-def test_parameter_counts_match_transformers(name, params):
-    """Our model on meta has the parameters transformers builds from the same config (and the published total)."""
+PUBLISHED = {"Qwen1.5-MoE-A2.7B": 14_315_784_192, "Qwen2-57B-A14B": 57_408_658_944, "vit-large": 304_326_632,
+             "vit-huge": 632_404_480, "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672,
+             "OLMo-2-1124-7B": 7_298_617_344, "OLMo-2-1124-13B": 13_716_198_400, "OLMo-2-0325-32B": 32_234_279_936,
+             "SmolLM3-3B": 3_075_098_624}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_transformers(name):
+    """Our model on meta has the parameters transformers builds from the same config, the published total, and
+    the count the registry shows (`colozoo list`)."""
     config = registry.get_config(name)
     with torch.device("meta"):
         hf = getattr(transformers, config.architectures[0])(config)
-    assert registry.count_parameters(config) == sum(p.numel() for p in hf.parameters()) == params
+    shown = registry.get_entry(name)[1].get("params", PUBLISHED[name])
+    assert registry.count_parameters(config) == sum(p.numel() for p in hf.parameters()) == shown == PUBLISHED[name]
 
 
 @pytest.mark.parametrize("alias,name,expected", [

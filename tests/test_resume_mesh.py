@@ -185,3 +185,24 @@ def test_async_save_lets_training_go_on_and_resumes_exactly(tiny, tmp_path, monk
     shutil.rmtree(out / "checkpoints" / "step-00000006")
     assert finetune(small_run(tiny, out, async_save=True))["step"] == 6  # from the asynchronously written step 4
     assert losses(out) == straight
+
+
+@pytest.mark.parametrize("damage", ["state tensor", "meta", "rng"])
+def test_a_corrupted_training_state_is_refused_in_one_line(damage, tiny, tmp_path):
+    out = tmp_path / "run"
+    finetune(small_run(tiny, out, steps=4, stop_after=2))
+    ckpt = state.latest_checkpoint(out / "checkpoints")
+    if damage == "state tensor":
+        index = json.loads((ckpt / "training_index.json").read_text())
+        target = ckpt / sorted(index["files"])[0]
+        data = bytearray(target.read_bytes())
+        data[-3] ^= 0xFF  # a bit rot in the last optimizer state's bytes: the header still parses
+        target.write_bytes(bytes(data))
+        expected = "checksum mismatch"
+    else:
+        target = ckpt / ("meta.json" if damage == "meta" else "rng-rank-00000.json")
+        target.write_text(target.read_text()[: len(target.read_text()) // 2])
+        expected = f"{target.name} is unreadable"
+    with pytest.raises(state.ResumeError, match=expected) as refused:
+        finetune(small_run(tiny, out, steps=4))
+    assert "\n" not in str(refused.value) and str(ckpt) in str(refused.value)

@@ -2,14 +2,13 @@
 needs no torch; the planner is imported when the command runs."""
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import fields
 
-from colozoo.core.names import DTYPE_NAMES as DTYPES
+from colozoo.core.names import DTYPE_NAMES as DTYPES, HelpFormatter
 from colozoo.cost.hardware import PRESETS, Hardware, HardwareError
 from colozoo.cost.priced import OPTIMIZER_BYTES
-from colozoo.cost.profile_cli import workload_from_args
+from colozoo.cost.profile_cli import check_seq_len, workload_from_args
 
 
 def add_parser(subparsers):
@@ -19,18 +18,18 @@ def add_parser(subparsers):
         description="Search parallel layouts jointly with activation checkpointing, ZeRO/FSDP and CPU offload "
                     "for the fastest predicted training step that fits in GPU memory, and print the ranked "
                     "plans with predicted memory per GPU, step time and why each was chosen.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("name", help="registered model name (see `colozoo models`) or a local HF or colozoo "
                                 "checkpoint directory")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB or 40GiB (default: the preset's)")
     p.add_argument("--hardware", default="H100-80GB", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs a node holds (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(2048, max positions))")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step "
                                                                   "(default: about 1M tokens)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="parameter and activation dtype")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES), help="whose states are kept")
     p.add_argument("--no-offload", action="store_true", help="never offload to CPU memory")
     p.add_argument("--lora-r", type=int, default=0, help="plan LoRA fine-tuning with adapters of this rank (0: full)")
     p.add_argument("--lora-targets", default="all-linear", help="comma-separated HF module names, or all-linear")
@@ -72,6 +71,7 @@ def _main(args) -> int:
     from colozoo.cost.planner import SearchSpace, plan
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    check_seq_len(args)
     if args.generate:
         found = plan_generation(args.name, gpus=args.gpus, batch_size=args.batch_size, seq_len=args.seq_len or 2048,
                                 dtype=args.dtype, hardware=args.hardware)

@@ -6,7 +6,7 @@ import argparse
 import json
 import warnings
 
-from colozoo.core.names import DTYPE_NAMES as DTYPES
+from colozoo.core.names import DTYPE_NAMES as DTYPES, HelpFormatter
 from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES
 from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, ZERO_LEVELS
 
@@ -14,8 +14,8 @@ from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, ZERO_LEVELS
 def add_setup_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, max positions))")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="parameter and activation dtype")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES), help="whose states are kept")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA fine-tuning with adapters of this rank (base "
                                                                  "frozen; 0: full fine-tuning)")
     parser.add_argument("--lora-targets", default="all-linear", help="comma-separated HF module names the adapters "
@@ -42,16 +42,16 @@ def add_parser(subparsers):
         "profile", help="FLOPs, memory and communication of a training step, on meta tensors",
         description="Profile one training step of a model on a mesh without running it: per layer and per op "
                     "FLOPs, parameter/gradient/optimizer bytes, activations saved for backward, peak memory per "
-                    "rank and communication per collective.")
+                    "rank and communication per collective.", formatter_class=HelpFormatter)
     p.add_argument("name", help="registered model name (see `colozoo models`) or a local HF or colozoo "
                                 "checkpoint directory")
-    p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp'")
+    p.add_argument("--mesh", default="", help="degrees, e.g. 'tp=8,pp=4,dp=2,cp=1,ep=1,sp' (default: every degree 1)")
     add_setup_arguments(p)
-    p.add_argument("--checkpointing", default="none", choices=CHECKPOINTING)
+    p.add_argument("--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing")
     p.add_argument("--zero", type=int, default=0, choices=ZERO_LEVELS, help="0 DDP, 1/2 ZeRO (priced, not run), 3 FSDP")
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--schedule", default="1f1b", choices=PRICED_SCHEDULES)
-    p.add_argument("--offload", default="none", choices=OFFLOAD)
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--schedule", default="1f1b", choices=PRICED_SCHEDULES, help="pipeline schedule")
+    p.add_argument("--offload", default="none", choices=OFFLOAD, help="what lives in CPU memory")
     p.add_argument("--generate", action="store_true",
                    help="profile generation instead: weights and KV cache per rank, bytes read per decode step and "
                         "the memory-bandwidth bound on tokens/s (--batch-size sequences of --seq-len tokens)")
@@ -60,12 +60,21 @@ def add_parser(subparsers):
     p.set_defaults(func=_main)
 
 
+def check_seq_len(args):
+    """A --seq-len past the model's position table is refused in the words every command uses."""
+    if args.seq_len is not None:
+        from colozoo.registry import check_positions, get_config
+
+        check_positions(get_config(args.name), args.seq_len, f"--seq-len {args.seq_len}")
+
+
 def _main(args) -> int:
     from colozoo.cost.inference import profile_generation
     from colozoo.cost.profiler import profile
     from colozoo.cost.setup import plan_of
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    check_seq_len(args)
     if args.generate:
         found = profile_generation(args.name, batch_size=args.batch_size, seq_len=args.seq_len or 2048,
                                    mesh=args.mesh or None, dtype=args.dtype, hardware=args.hardware)

@@ -11,7 +11,8 @@ import sys
 
 from dataclasses import fields
 
-from colozoo.finetune.config import FinetuneConfig, HelpFormatter, add_arguments, config_from_args
+from colozoo.core.names import HelpFormatter
+from colozoo.finetune.config import FinetuneConfig, add_arguments, config_from_args
 
 __all__ = ["FinetuneConfig", "finetune", "add_parser", "main"]
 
@@ -25,10 +26,16 @@ def finetune(config: FinetuneConfig) -> dict:
 
 def _command(args) -> int:
     from colozoo.finetune import launch
+    from colozoo.finetune.config import check_at_least
 
-    if args.nproc_per_node and not launch.under_torchrun():
+    config = config_from_args(args)
+    if args.nproc_per_node is not None and not launch.under_torchrun():
+        check_at_least("nproc_per_node", args.nproc_per_node)
+        from colozoo.finetune.inputs import check_model_and_mesh
+
+        check_model_and_mesh(config, world=args.nproc_per_node)  # before any process starts
         return launch.launch(args.nproc_per_node, worker_arguments(args))
-    summary = finetune(config_from_args(args))
+    summary = finetune(config)
     return 0 if summary.get("step") else 1
 
 

@@ -9,7 +9,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATA_PARALLEL = ("fsdp", "ddp")
 OFFLOAD = ("none", "optimizer", "params")
 PLANS = ("auto",)
+TRUNCATION = ("turns", "tokens")
 PLANNED = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel", "data_parallel", "activation_checkpointing", "offload")
+
+
+def check_at_least(name: str, value, minimum: int = 1):
+    """One wording for every command: `--flag must be >= minimum, got value` (None: not given, nothing to check)."""
+    if value is not None and value < minimum:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
 
 
 @dataclass
@@ -40,6 +47,7 @@ class FinetuneConfig:
     seq_len: int = 128
     pack: bool = True                   # concatenate documents into full sequences (LM)
     chat: bool = False                  # messages / prompt-completion records, loss on the answers only
+    truncate: str = "turns"             # --chat, past --seq-len: keep whole turns ("turns") or cut ("tokens")
     lora_r: int | None = None           # LoRA rank; None: full fine-tuning
     lora_alpha: float | None = None     # default: lora_r
     lora_dropout: float = 0.0
@@ -88,9 +96,9 @@ class FinetuneConfig:
             raise ValueError(f"offload must be one of {OFFLOAD}, got {self.offload!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("micro_batch_size", "seq_len", "log_interval", "eval_batches", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "seq_len", "log_interval", "eval_batches", "keep_last", "tp", "pp", "dp", "cp",
+                     "ep"):
+            check_at_least(name, getattr(self, name))
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.steps is None and self.epochs <= 0:
@@ -102,6 +110,10 @@ class FinetuneConfig:
             if lora or self.lora_dropout:
                 flag = "--" + (lora or ["lora_dropout"])[0].replace("_", "-")
                 raise ValueError(f"{flag} needs LoRA: pass --lora-r (the adapters' rank)")
+        if self.truncate not in TRUNCATION:
+            raise ValueError(f"truncate must be one of {TRUNCATION}, got {self.truncate!r}")
+        if self.truncate != "turns" and not self.chat:
+            raise ValueError(f"--truncate {self.truncate} goes with --chat (plain text is packed, never truncated)")
         if self.chat and self.task != "lm":
             raise ValueError(f"--chat trains causal LMs (--task lm), not --task {self.task}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -155,7 +167,10 @@ _HELP = {
             "--no-pack pads each document / sample instead",
     "chat": "supervised fine-tuning: records with 'messages' (a list of {role, content}, rendered with the tokenizer's "
             "chat template; loss on the assistant turns only), 'prompt' + 'completion' (loss on the completion and "
-            "EOS) or plain text (loss on all of it); a sample longer than --seq-len is truncated (its end dropped)",
+            "EOS) or plain text (loss on all of it); see --truncate for samples longer than --seq-len",
+    "truncate": "--chat: a sample longer than --seq-len keeps the whole turns that fit ('turns': every answer trained "
+                "on ends with its end-of-turn token; one whose first answer does not fit is dropped, a plain text is "
+                "cut) or is cut at --seq-len ('tokens'); the run counts both at start",
     "lora_r": "train LoRA adapters of this rank instead of all weights (the optimizer holds the adapters only); "
               "the adapters are exported in PEFT format to OUTPUT/adapter and with every checkpoint "
               "(OUTPUT/checkpoints/step-N/adapter)",
@@ -195,19 +210,12 @@ _HELP = {
     "text_field": "JSON field holding the text", "label_field": "JSON field holding the label",
     "seed": "seed of data order, dropout and new heads", "log_interval": "log every this many steps",
     "eval_interval": "evaluate every this many steps (0: only at the end)",
-    "eval_batches": "batches per evaluation", "keep_last": "checkpoints kept in OUTPUT/checkpoints",
+    "eval_batches": "an evaluation reads this many --micro-batch-size batches of held-out samples (over all dp ranks; "
+                    "all of them when there are fewer) and reports the mean loss over their tokens",
+    "keep_last": "checkpoints kept in OUTPUT/checkpoints",
     "save_interval": "save a resumable checkpoint every this many steps (0: only at the end)",
     "progress": "progress bar", "plot": "write OUTPUT/loss.png at the end",
 }
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default, except where the help already says it or there is none."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
@@ -227,7 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
             choices = {"task": TASKS, "dtype": DTYPES, "data_parallel": DATA_PARALLEL, "plan": PLANS,
-                       "offload": OFFLOAD}.get(f.name)
+                       "offload": OFFLOAD, "truncate": TRUNCATION}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, **kwargs)
     return parser
 

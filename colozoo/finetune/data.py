@@ -27,10 +27,12 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 @dataclass
 class TensorData:
     """Equal-length tensors indexed together; `tokens` counts the trained-on tokens of each sample (0 for images);
-    `label_names`: class id -> name where the data names its classes (string labels, class folders)."""
+    `label_names`: class id -> name where the data names its classes (string labels, class folders); `stats`: what
+    fitting the samples into the sequence length did (--chat)."""
     tensors: dict[str, torch.Tensor]
     tokens: torch.Tensor
     label_names: dict[int, str] | None = None
+    stats: dict | None = None
 
     def __len__(self):
         return len(self.tokens)
@@ -42,9 +44,9 @@ class TensorData:
     def split(self, fraction: float) -> tuple["TensorData", "TensorData"]:
         """(head, tail) with the tail holding `fraction` of the samples (at least one when fraction > 0)."""
         cut = holdout_cut(len(self), fraction)
-        head = TensorData({k: v[:cut] for k, v in self.tensors.items()}, self.tokens[:cut], self.label_names)
-        tail = TensorData({k: v[cut:] for k, v in self.tensors.items()}, self.tokens[cut:], self.label_names)
-        return head, tail
+        head, tail = ({k: v[:cut] for k, v in self.tensors.items()}, {k: v[cut:] for k, v in self.tensors.items()})
+        return (TensorData(head, self.tokens[:cut], self.label_names, self.stats),
+                TensorData(tail, self.tokens[cut:], self.label_names, self.stats))
 
 
 def holdout_cut(samples: int, fraction: float) -> int:
@@ -137,9 +139,10 @@ def special_token_ids(config) -> dict:
     return {name: getattr(config, name, None) for name in SPECIAL_TOKENS}
 
 
-def check_seq_len(seq_len: int, max_positions: int | None):
-    if max_positions is not None and seq_len > max_positions:
-        raise DataError(f"--seq-len {seq_len} is longer than the model's maximum positions ({max_positions})")
+def check_seq_len(seq_len: int, config):
+    from colozoo.registry import check_positions
+
+    check_positions(config, seq_len, f"--seq-len {seq_len}")
 
 
 # ----------------------------------------------------------------------------------------------- language

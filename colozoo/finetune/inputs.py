@@ -3,12 +3,15 @@ and the output directory, so bad input costs seconds and leaves nothing behind."
 from __future__ import annotations
 
 import os
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from colozoo.checkpoint import layout
 from colozoo.core.mesh import ParallelConfig
 from colozoo.finetune import data as D
-from colozoo.finetune import runtime, token_cache
+from colozoo.finetune import runtime, sft, token_cache
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import tensorboard_writer_class
 from colozoo.runtime.plan import DEGREES, Plan
@@ -25,19 +28,16 @@ class Inputs:
     plan: Plan | None                    # --plan auto's plan
     mesh: ParallelConfig
     global_batch: int
+    model_dir: Path | None = None        # the model's directory: its tokenizer and generation files
 
 
 def check_inputs(cfg: FinetuneConfig) -> Inputs:
-    """Check the degrees, read the model's config and the data, plan under --plan auto (collective), and check that
+    """Check the degrees and the model's config, read the data, plan under --plan auto (collective), and check that
     the data fills a global batch and the output can be written."""
-    if cfg.plan is None:  # bad degrees or batch sizes fail before anything is read
-        mesh = check_mesh(cfg)
-        cfg.num_microbatches(mesh.dp)
-    config, directory = model_source(cfg.model)
-    if cfg.num_labels is not None:
-        config.num_labels = cfg.num_labels
+    mesh, config, directory = check_model_and_mesh(cfg)
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
     notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
+    notes += data_notes(cfg, train, evaluation)
     if cfg.plan is None:
         plan, global_batch = None, cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
     else:
@@ -46,7 +46,37 @@ def check_inputs(cfg: FinetuneConfig) -> Inputs:
     check_writable(Path(cfg.output))
     if cfg.tensorboard:
         tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
-    return Inputs(config, train, evaluation, tokenizer, notes, plan, mesh, global_batch)
+    return Inputs(config, train, evaluation, tokenizer, notes, plan, mesh, global_batch,
+                  Path(directory) if directory is not None else None)
+
+
+def check_model_and_mesh(cfg: FinetuneConfig, world: int | None = None) -> tuple[ParallelConfig | None, object, object]:
+    """What needs neither ranks nor data (`colozoo finetune --nproc-per-node` checks it before it starts any):
+    the degrees against the world size and the model's heads and layers, the global batch against micro batch x dp,
+    --seq-len against the model's positions. Returns (the mesh, or None under --plan auto; the model's config with
+    --num-labels applied; the directory holding the tokenizer, or None)."""
+    mesh = None
+    if cfg.plan is None:
+        mesh = check_mesh(cfg, world=world)
+        cfg.num_microbatches(mesh.dp)
+    config, directory = model_source(cfg.model)
+    if cfg.num_labels is not None:
+        config.num_labels = cfg.num_labels
+    if cfg.plan is None:
+        layout.check_mesh(config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)  # heads over tp, layers over pp, experts over ep
+    if cfg.task != "imgcls":
+        D.check_seq_len(cfg.seq_len, config)
+    return mesh, config, directory
+
+
+def data_notes(cfg: FinetuneConfig, train, evaluation) -> list[str]:
+    """What --chat had to drop or shorten to fit --seq-len, per dataset file (counted when it was tokenized)."""
+    found = []
+    for path, data in ((cfg.data, train), (cfg.eval_data, evaluation)):
+        note = sft.fit_note(getattr(data, "stats", None), path, cfg.seq_len) if path else None
+        if note:
+            found.append(note)
+    return found
 
 
 def model_source(name_or_path: str):
@@ -61,10 +91,11 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_mesh(cfg: FinetuneConfig, plan: Plan | None = None) -> ParallelConfig:
-    """The mesh of the config's degrees, or of the plan's under --plan auto."""
+def check_mesh(cfg: FinetuneConfig, plan: Plan | None = None, world: int | None = None) -> ParallelConfig:
+    """The mesh of the config's degrees, or of the plan's under --plan auto, for `world` processes (default:
+    torchrun's WORLD_SIZE)."""
     degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
-    return ParallelConfig.for_world(world_size(), **degrees)
+    return ParallelConfig.for_world(world or world_size(), **degrees)
 
 
 def plan_run(cfg: FinetuneConfig, config) -> tuple[Plan, ParallelConfig, int]:
@@ -84,7 +115,6 @@ def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData
     if cfg.task == "imgcls":
         read = lambda path, role: D.image_dataset(path, config, directory)  # noqa: E731
     else:
-        D.check_seq_len(cfg.seq_len, getattr(config, "max_position_embeddings", None))
         tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
         if cfg.chat or cfg.task == "lm":
             read = lambda path, role: token_cache.lm_rows(cfg, tokenizer, path, role)  # noqa: E731
@@ -110,3 +140,27 @@ def check_writable(output: Path):
         probe.unlink()
     except OSError as e:
         raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
+
+
+@contextmanager
+def nothing_left_if_refused(output):
+    """A run refused (or stopped) before it trains leaves nothing behind: the output directory and its parents when
+    it made them, else the token caches it made in it. The first process of each machine removes them."""
+    output = Path(output).absolute()
+    created = output
+    while not created.parent.exists():
+        created = created.parent
+    existed, cache = output.exists(), output / "data-cache"
+    cached = set(cache.iterdir()) if cache.is_dir() else None
+    try:
+        yield
+    except BaseException:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            if not existed:
+                shutil.rmtree(created, ignore_errors=True)
+            elif cached is None:
+                shutil.rmtree(cache, ignore_errors=True)
+            elif cache.is_dir():
+                for entry in set(cache.iterdir()) - cached:
+                    shutil.rmtree(entry, ignore_errors=True)
+        raise

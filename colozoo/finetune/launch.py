@@ -54,15 +54,17 @@ class PassOn:
                 pass
 
 
-def launch(nproc_per_node: int, worker_args: list[str]) -> int:
-    """`python -m colozoo.finetune WORKER_ARGS` on `nproc_per_node` processes of this machine; the exit code."""
+def launch(nproc_per_node: int, worker_args: list[str], module: str = "colozoo.finetune",
+           command: str = "finetune") -> int:
+    """`python -m MODULE WORKER_ARGS` on `nproc_per_node` processes of this machine; the exit code. `command`: the
+    colozoo command it runs, as messages name it."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its warning banner
     # torchelastic handles the rest (TORCHELASTIC_SIGNALS_TO_HANDLE); SIGINT and SIGTERM are PassOn's
     args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), "--signals-to-handle",
-                                "SIGHUP,SIGQUIT", "-m", "colozoo.finetune", *worker_args])
+                                "SIGHUP,SIGQUIT", "-m", module, *worker_args])
     handler = PassOn()
     previous = {sig: signal.signal(sig, handler) for sig in PASSED_ON}
     try:
@@ -74,13 +76,37 @@ def launch(nproc_per_node: int, worker_args: list[str]) -> int:
                   "checkpoint", file=sys.stderr)
             return 130
         failures = sorted(e.failures.items())
-        print(f"colozoo finetune: {len(failures)} of {nproc_per_node} processes failed "
+        print(f"colozoo {command}: {len(failures)} of {nproc_per_node} processes failed "
               f"(first: local rank {failures[0][1].local_rank}, exit code {failures[0][1].exitcode}); "
               f"their errors are above", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted before training started; nothing was saved", file=sys.stderr)
+        print("interrupted before training started; nothing was saved" if command == "finetune" else "interrupted",
+              file=sys.stderr)
         return 130
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def command_line(parser, args, leave_out=("nproc_per_node",)) -> list[str]:
+    """The arguments `parser` parsed into `args`, as a command line that parses back to them (what the workers of
+    `--nproc-per-node` get), less the options named in `leave_out`."""
+    import argparse
+
+    argv = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in leave_out or isinstance(action, argparse._HelpAction) or value is None:
+            continue
+        if not action.option_strings:
+            argv.append(str(value))
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0] if value else action.option_strings[1])
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            argv += [f"{action.option_strings[0]}={item}" for item in value]  # '=': a value may start with '-'
+        else:
+            argv.append(f"{action.option_strings[0]}={value}")
+    return argv

@@ -16,12 +16,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colozoo.checkpoint.convert import side_files
 from colozoo.core.rng import model_parallel_seed
 from colozoo.finetune import data as D
-from colozoo.finetune import runtime, samples, state
+from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
-from colozoo.finetune.inputs import Inputs, check_inputs
-from colozoo.finetune.metrics import Reporter, device_notice, peak_flops, perplexity, plot_loss, truncate_metrics
+from colozoo.finetune.evaluation import Evaluator
+from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
+from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
+from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
+                                      truncate_metrics)
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.runtime.amp import DynamicLossScaler
@@ -31,14 +35,16 @@ from colozoo.runtime.offload import OffloadedAdamW
 
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says (every rank of the job calls it); returns the summary, also OUTPUT/summary.json."""
-    inputs = check_inputs(cfg)
-    trainer = load(cfg, inputs)
-    checkpoints = Checkpoints(cfg, inputs, trainer)
-    resumed = checkpoints.resume()
+    with nothing_left_if_refused(cfg.output):
+        inputs = check_inputs(cfg)
+        trainer = load(cfg, inputs)
+        checkpoints = Checkpoints(cfg, inputs, trainer)
+        resumed = checkpoints.resume()
     start = resumed.meta["step"] if resumed else 0
     prepare_output(cfg, inputs, start, checkpoints.root)
     reporter = open_reporter(cfg, inputs, trainer, checkpoints.mesh, start, resumed)
-    evaluate_at = Evaluator(cfg, inputs, trainer.model, reporter)
+    evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
+                            _is_rank0())
     if start == 0 and inputs.evaluation is not None and cfg.eval_interval:
         evaluate_at(0)  # the baseline the fine-tuning improves on
     try:
@@ -130,8 +136,13 @@ class Checkpoints:
         self.cfg, self.trainer = cfg, trainer
         self.root = Path(cfg.output) / "checkpoints"
         self.mesh = {k: getattr(inputs.mesh, k) for k in ("tp", "pp", "dp", "cp", "ep")}
-        self.data_position = {"global_batch": inputs.global_batch, "seed": cfg.seed, "samples": len(inputs.train)}
+        self.data_position = {"global_batch": inputs.global_batch, "seed": cfg.seed, "samples": len(inputs.train),
+                              "rows": data_fingerprint(inputs.train)}
+        lora = cfg.lora_settings()
+        self.started_from = {"model": cfg.model, "base": weights_fingerprint(cfg.model),
+                             "adapters": json.loads(json.dumps(lora.to_json())) if lora else None}
         self.saver = CheckpointSaver(asynchronous=cfg.async_save)
+        self.side_files = side_files(inputs.model_dir) if inputs.model_dir is not None else []
 
     def path(self, step: int) -> Path:
         return self.root / f"{state.PREFIX}{step:08d}"
@@ -143,13 +154,14 @@ class Checkpoints:
             return None
         t = self.trainer
         return Resumed(latest, state.load_training_state(latest, t.model, t.optimizer, t.scheduler, self.mesh,
-                                                         t.scaler, self.data_position))
+                                                         t.scaler, self.data_position, self.started_from))
 
     def save(self, step: int, final: bool) -> Path:
         t = self.trainer
         path = self.saver.save(self.root, step, t.model, t.optimizer, t.scheduler, self.mesh, final=final,
-                               extra={"total_steps": t.total_steps, "data": self.data_position},
-                               keep_last=self.cfg.keep_last, scaler=t.scaler)
+                               extra={"total_steps": t.total_steps, "data": self.data_position,
+                                      "started_from": self.started_from},
+                               keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=self.side_files)
         if t.lora:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
             self.saver.wait()
             runtime.export_adapter(t.model, path / "adapter")
@@ -180,12 +192,13 @@ def open_reporter(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, mesh: d
     """Rank 0's progress bar and metrics, opened with a word on what the run does (collective: it counts the
     parameters over every rank)."""
     model = trainer.model
-    n_params = runtime.parameter_count(model)
-    reporter = Reporter(Path(cfg.output), trainer.total_steps, start, flops_per_token=6 * n_params,
+    n_params, trainable = runtime.parameter_count(model), runtime.parameter_count(model, trainable=True)
+    reporter = Reporter(Path(cfg.output), trainer.total_steps, start,
+                        flops_per_token=training_flops_per_token(n_params, trainable),
                         peak=peak_flops(model.pc.device, cfg.dtype, cfg.peak_tflops),
                         world_size=inputs.mesh.world_size, enabled=_is_rank0(), progress=cfg.progress,
                         tensorboard=cfg.tensorboard)
-    reporter.print(f"{device_notice(model.pc.device)}; {n_params:,} parameters on mesh "
+    reporter.print(f"{device_notice(model.pc.device)}; {n_params:,} parameters ({trainable:,} trained) on mesh "
                    f"{' x '.join(f'{k}={v}' for k, v in mesh.items() if v > 1) or 'of one process'}; "
                    f"{len(inputs.train)} training samples, {trainer.total_steps} steps of {inputs.global_batch} "
                    f"({trainer.step_options['num_microbatches']} micro-batches of {trainer.micro_batch_size} per dp "
@@ -201,55 +214,6 @@ def open_reporter(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, mesh: d
     if trainer.fresh:
         reporter.print(f"new task head, initialised fresh: {', '.join(trainer.fresh)}")
     return reporter
-
-
-class Evaluator:
-    """`evaluate_at(step)`: the held-out loss (and perplexity or accuracy), logged, with a causal LM's greedy
-    continuations of a few held-out prompts."""
-
-    def __init__(self, cfg: FinetuneConfig, inputs: Inputs, model, reporter: Reporter):
-        self.cfg, self.model, self.reporter = cfg, model, reporter
-        self.data, self.tokenizer = inputs.evaluation, inputs.tokenizer
-        self.prompts = samples.held_out_prompts(inputs.evaluation, cfg.samples, cfg.seq_len // 2,
-                                                until_answer=cfg.chat) if cfg.task == "lm" else None
-        if self.prompts is not None and samples.why_no_samples(model):
-            reporter.print(f"no samples: {samples.why_no_samples(model)}")
-            self.prompts = None
-
-    def __call__(self, step: int) -> dict:
-        results = evaluate(self.model, self.data, self.cfg)
-        self.reporter.evaluation(step, results)
-        if self.prompts is not None:
-            samples.write_samples(self.model, self.prompts, self.tokenizer, step, Path(self.cfg.output),
-                                  self.cfg.sample_tokens, self.reporter, _is_rank0())
-        return results
-
-
-@torch.no_grad()
-def evaluate(model, data: D.TensorData, cfg: FinetuneConfig) -> dict:
-    """Mean loss over up to `eval_batches` batches of the held-out set (perplexity for LM, accuracy otherwise)."""
-    pc = model.pc
-    dp, rank, micro = pc.size("dp"), pc.rank("dp"), cfg.micro_batch_size
-    batches = min(cfg.eval_batches, len(data) // (micro * dp))
-    if batches == 0:
-        return {}
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=pc.device)  # loss sum, correct, samples
-    for i in range(batches):
-        start = (i * dp + rank) * micro
-        batch = _to(data.take(range(start, start + micro)), pc.device)
-        out = model(**batch, return_logits=cfg.task != "lm")
-        totals[0] += out.loss.double()
-        if cfg.task != "lm":
-            totals[1] += (out.logits.argmax(-1) == batch["labels"]).sum()
-            totals[2] += len(batch["labels"])
-    if dp > 1:
-        dist.all_reduce(totals, group=pc.group("dp"))
-    model.train()
-    loss = totals[0].item() / (batches * dp)
-    if cfg.task == "lm":
-        return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
-    return {"eval_loss": loss, "eval_acc": totals[1].item() / totals[2].item()}
 
 
 # --- the step loop ----------------------------------------------------------------------------------------------
@@ -271,13 +235,15 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
         while step < total:
             tick = time.perf_counter()
             indices = trainer.sampler.global_indices(step)
-            result = trainer.step(inputs.train.take(indices), step + 1)
+            batch = inputs.train.take(indices)
+            result = trainer.step(batch, step + 1)
             step += 1
             if step % cfg.log_interval == 0 or step == total:
                 amp = {"loss_scale": result.loss_scale, "skipped": result.overflow,
                        "skipped_steps": trainer.scaler.skipped_steps} if trainer.scaler.enabled else {}
-                reporter.step(step, result.loss, result.lr, int(inputs.train.tokens[indices].sum()),
-                              time.perf_counter() - tick, result.grad_norm, inputs.global_batch, **amp)
+                computed = batch["input_ids"].numel() if "input_ids" in batch else 0  # padding included
+                reporter.step(step, result.loss, result.lr, computed, time.perf_counter() - tick, result.grad_norm,
+                              inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()), **amp)
             if inputs.evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
                 evaluate_at(step)
             interrupted = interrupt.agreed(trainer.model.pc.device)
@@ -367,15 +333,17 @@ def export_results(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, report
         reporter.print(f"exported the LoRA adapters (PEFT format) to {exported['adapter']}")
     if cfg.export_hf and (cfg.merge or not trainer.lora):
         exported["export"] = str(export(model, cfg, output, inputs.evaluation or inputs.train, inputs.tokenizer,
-                                        merge_lora=trainer.lora is not None))
+                                        merge_lora=trainer.lora is not None, model_dir=inputs.model_dir))
         reporter.print(f"exported a transformers model{' (adapters merged)' if trainer.lora else ''} to "
                        f"{exported['export']}")
     return exported
 
 
-def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokenizer, merge_lora: bool = False) -> Path:
-    """HF export (LoRA adapters merged in), plus the colozoo model's logits on one batch (probe.pt) so anyone can
-    check the export."""
+def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokenizer, merge_lora: bool = False,
+           model_dir: Path | None = None) -> Path:
+    """HF export (LoRA adapters merged in) with the tokenizer and the model directory's other side files (chat
+    template, generation config), plus the colozoo model's logits on one batch (probe.pt) so anyone can check the
+    export."""
     path = output / "hf"
     if _is_rank0() and path.exists():  # a resumed run exports again
         shutil.rmtree(path)
@@ -390,6 +358,9 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
     if _is_rank0():
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
+        for file in side_files(model_dir) if model_dir is not None else []:
+            if not (path / file.name).exists():
+                shutil.copy2(file, path / file.name)
         torch.save({"inputs": runtime.model_inputs(batch), "logits": logits.float().cpu()}, output / "probe.pt")
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -26,6 +26,14 @@ def peak_flops(device: torch.device, dtype: str, override_tflops: float | None =
     return CPU_TFLOPS_PER_THREAD * 1e12 * torch.get_num_threads()
 
 
+def training_flops_per_token(parameters: int, trainable: int) -> int:
+    """The matmul FLOPs a training step spends per token: the forward's 2 per parameter, the backward's 2 for the
+    activation gradients through every layer, and 2 more for weight gradients only where weights train (6N in full
+    fine-tuning, about 4N under LoRA, whose frozen base gets no weight gradients). Attention's score matmuls are left
+    out, as in the usual 6N."""
+    return 4 * parameters + 2 * trainable
+
+
 def device_notice(device: torch.device) -> str:
     if device.type == "cpu":
         return "running on CPU (no GPU found): fine for tiny models and demos, slow for anything else"
@@ -87,19 +95,20 @@ class Reporter:
             self.tensorboard.flush()
 
     def step(self, step: int, loss: float, lr: float, tokens: int, seconds: float, grad_norm: float | None,
-             samples: int, **extra):
-        """`extra`: further fields of the step's record (fp16: loss_scale, skipped, skipped_steps)."""
-        tokens_per_s = tokens / seconds if seconds > 0 else 0.0
-        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size) if tokens else None
+             samples: int, trained_tokens: int = 0, **extra):
+        """`tokens`: the positions the step computed (padding included), `trained_tokens`: those with a label;
+        `extra`: further fields of the step's record (fp16: loss_scale, skipped, skipped_steps)."""
+        per_s = (lambda n: n / seconds) if seconds > 0 else (lambda n: 0.0)
+        mfu = self.flops_per_token * per_s(tokens) / (self.peak * self.world_size) if tokens else None
         self.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                  "samples": samples, "tokens_per_s": tokens_per_s, "mfu": mfu, **extra, "time": time.time()})
+                  "trained_tokens": trained_tokens, "samples": samples, "tokens_per_s": per_s(tokens),
+                  "trained_tokens_per_s": per_s(trained_tokens), "mfu": mfu, **extra, "time": time.time()})
+        speed = f"{per_s(tokens):,.0f} tok/s ({per_s(trained_tokens):,.0f} trained)" if tokens else \
+            f"{per_s(samples):,.1f} samples/s"
+        mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "-"
         if self.progress is not None:
-            speed = f"{tokens_per_s:,.0f} tok/s" if tokens else f"{samples / seconds:,.1f} samples/s"
-            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=speed,
-                                 mfu=f"{100 * mfu:.1f}%" if mfu is not None else "-")
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=speed, mfu=mfu_text)
         elif self.plain_lines:
-            speed = f"{tokens_per_s:,.0f} tok/s" if tokens else f"{samples / seconds:,.1f} samples/s"
-            mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "-"
             skipped = f"  skipped: fp16 gradients overflowed at loss scale {extra['loss_scale']:g}" \
                 if extra.get("skipped") else ""
             self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {speed}  MFU {mfu_text}"
@@ -114,7 +123,7 @@ class Reporter:
         return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
     def evaluation(self, step: int, results: dict):
-        if not results:  # a held-out set smaller than one batch
+        if not results:  # no held-out token has a label
             return
         self.log({"step": step, **results})
         if self.enabled:

@@ -3,6 +3,7 @@ optimizer, clipping, saving; each is the library's own entry point (colozoo.api,
 colozoo.checkpoint.convert) with the fine-tuning defaults."""
 from __future__ import annotations
 
+
 import torch
 import torch.distributed as dist
 
@@ -63,7 +64,8 @@ def prepare_training(model, cfg) -> dict | None:
     else:
         step = None
         parallelize(model, data_parallel=cfg.data_parallel or "fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype],
-                    activation_checkpointing="full" if cfg.activation_checkpointing else None, offload=cfg.offload)
+                    activation_checkpointing="full" if cfg.activation_checkpointing else None,
+                    offload=cfg.offload)
     if cfg.compile:
         compile_layers(model)
     return step
@@ -145,10 +147,12 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return float(clip_grad_norm_(model, max_norm))
 
 
-def parameter_count(model) -> int:
-    """Parameters of the whole model (every stage, unsharded), counted from the local shards."""
+def parameter_count(model, trainable: bool = False) -> int:
+    """Parameters of the whole model (every stage, unsharded), counted from the local shards (collective);
+    `trainable`: only those that train (LoRA: the adapters, and a classifier's head)."""
     pc = model.pc
-    local = sum(p.numel() if spec_of(p) else p.numel() / pc.size("tp") for p in model.parameters())
+    local = sum(p.numel() if spec_of(p) else p.numel() / pc.size("tp") for p in model.parameters()
+                if p.requires_grad or not trainable)
     total = torch.tensor(float(local), dtype=torch.float64, device=pc.device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)

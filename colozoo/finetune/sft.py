@@ -81,20 +81,63 @@ def chat_segments(messages: list[dict], tokenizer, where: str = "") -> list[tupl
     return [(text, trained) for text, trained in segments if text]
 
 
-def tokenize_sample(record: dict, tokenizer, where: str = "", text_field: str = "text") -> tuple[list, list]:
-    """(token ids, whether each is trained on) of one record."""
+def tokenize_segments(record: dict, tokenizer, where: str = "", text_field: str = "text") -> list[tuple[list, bool]]:
+    """One record's (token ids, trained) segments: a conversation's prompts and assistant turns in order, a prompt
+    and its completion, or one text."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if "messages" in record:
-        segments = [(tokenizer(text, add_special_tokens=False)["input_ids"], trained)
-                    for text, trained in chat_segments(record["messages"], tokenizer, where)]
-    elif "prompt" in record:  # the prompt as the tokenizer encodes an inference prompt (with BOS where it adds one)
-        segments = [(tokenizer(record["prompt"])["input_ids"], False),
-                    (tokenizer(record["completion"], add_special_tokens=False)["input_ids"] + eos, True)]
-    else:
-        segments = [(tokenizer(record[text_field], add_special_tokens=False)["input_ids"] + eos, True)]
-    ids = [t for seg, _ in segments for t in seg]
-    trained = [flag for seg, flag in segments for _ in seg]
-    return ids, trained
+        return [(tokenizer(text, add_special_tokens=False)["input_ids"], trained)
+                for text, trained in chat_segments(record["messages"], tokenizer, where)]
+    if "prompt" in record:  # the prompt as the tokenizer encodes an inference prompt (with BOS where it adds one)
+        return [(tokenizer(record["prompt"])["input_ids"], False),
+                (tokenizer(record["completion"], add_special_tokens=False)["input_ids"] + eos, True)]
+    return [(tokenizer(record[text_field], add_special_tokens=False)["input_ids"] + eos, True)]
+
+
+def tokenize_sample(record: dict, tokenizer, where: str = "", text_field: str = "text") -> tuple[list, list]:
+    """(token ids, whether each is trained on) of one record."""
+    return _flatten(tokenize_segments(record, tokenizer, where, text_field))
+
+
+def _flatten(segments) -> tuple[list, list]:
+    return [t for seg, _ in segments for t in seg], [flag for seg, flag in segments for _ in seg]
+
+
+TRUNCATION = ("turns", "tokens")
+FITS = ("whole", "shortened", "cut", "dropped")  # what fit_sample did to a sample
+
+
+def fit_sample(segments, seq_len: int, truncate: str = "turns") -> tuple[list, list, str]:
+    """(ids, trained, how) of a sample within `seq_len` tokens. A longer sample keeps, under "turns", the whole
+    segments up to the last answer that ends within seq_len ("shortened"; "dropped" when not even the first one
+    does), so every answer it trains on ends with its end-of-turn token; a sample with no prompt (a plain text) is
+    cut at seq_len ("cut"). Under "tokens" every longer sample is cut at seq_len ("cut"; "dropped" when no trained
+    token is left)."""
+    ids, trained = _flatten(segments)
+    if len(ids) <= seq_len:
+        return ids, trained, "whole"
+    if truncate == "turns" and not all(flag for _, flag in segments):
+        kept, used = 0, 0
+        for i, (seg, flag) in enumerate(segments):
+            used += len(seg)
+            if used > seq_len:
+                break
+            kept = i + 1 if flag else kept
+        if kept == 0:
+            return [], [], "dropped"
+        return (*_flatten(segments[:kept]), "shortened")
+    ids, trained = ids[:seq_len], trained[:seq_len]
+    return ids, trained, "cut" if any(trained[1:]) else "dropped"
+
+
+def fit_note(stats: dict | None, path, seq_len: int) -> str | None:
+    """A line on what fitting the samples of `path` into --seq-len did, when it did anything."""
+    if not stats or not any(stats.get(k) for k in FITS[1:]):
+        return None
+    what = {"dropped": "dropped (not even the first answer fits)", "shortened": "shortened to the whole turns that fit",
+            "cut": f"cut at {seq_len} tokens (their end left out)"}
+    done = ", ".join(f"{stats[k]} {text}" for k, text in what.items() if stats.get(k))
+    return f"--seq-len {seq_len}: of {stats['samples']} samples in {path}, {done}; a longer --seq-len keeps them"
 
 
 def sample_labels(ids: list, trained: list) -> np.ndarray:
@@ -141,26 +184,33 @@ def pack_rows(rows: list[list], seq_len: int, pad: int) -> dict[str, torch.Tenso
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 
 
-def sft_dataset(path, tokenizer, seq_len: int, pack_samples: bool = True, text_field: str = "text") -> TensorData:
-    """Chat / prompt-completion / text records as training rows. A sample longer than `seq_len` is truncated (its
-    end dropped: the continuation of a cut conversation would lack its prompt); one left with no trained token is
-    skipped."""
-    return collect(sft_blocks(path, tokenizer, seq_len, pack_samples, text_field))
+def sft_dataset(path, tokenizer, seq_len: int, pack_samples: bool = True, text_field: str = "text",
+                truncate: str = "turns") -> TensorData:
+    """Chat / prompt-completion / text records as training rows, each sample fitted into `seq_len` (fit_sample);
+    `stats` counts the samples and what fitting did to them."""
+    stats = {}
+    data = collect(sft_blocks(path, tokenizer, seq_len, pack_samples, text_field, truncate, stats))
+    data.stats = stats
+    return data
 
 
-def sft_blocks(path, tokenizer, seq_len: int, pack_samples: bool = True, text_field: str = "text"
-               ) -> Iterator[dict[str, torch.Tensor]]:
-    """sft_dataset's rows, CHUNK_RECORDS rows at a time (memory stays bounded by the chunk, not the dataset)."""
-    skipped = [0]
+def sft_blocks(path, tokenizer, seq_len: int, pack_samples: bool = True, text_field: str = "text",
+               truncate: str = "turns", stats: dict | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """sft_dataset's rows, CHUNK_RECORDS rows at a time (memory stays bounded by the chunk, not the dataset);
+    `stats`, once they are all read: {"samples": records read, and how many fit_sample left whole, shortened, cut
+    or dropped}."""
+    stats = stats if stats is not None else {}
+    stats.update({"samples": 0, **{k: 0 for k in FITS}})
 
     def samples():
         for where, record in located_records(path, lambda record, where: check_sft_record(record, where, text_field)):
-            ids, trained = tokenize_sample(record, tokenizer, where, text_field)
-            ids, trained = ids[:seq_len], trained[:seq_len]
-            labels = sample_labels(ids, trained)
-            if (labels == IGNORE_INDEX).all():
-                skipped[0] += 1
+            ids, trained, how = fit_sample(tokenize_segments(record, tokenizer, where, text_field), seq_len, truncate)
+            stats["samples"] += 1
+            labels = sample_labels(ids, trained) if how != "dropped" else None
+            if labels is None or (labels == IGNORE_INDEX).all():
+                stats["dropped"] += 1
                 continue
+            stats[how] += 1
             yield np.asarray(ids, dtype=np.int64), labels
 
     pad = pad_id(tokenizer)
@@ -170,5 +220,5 @@ def sft_blocks(path, tokenizer, seq_len: int, pack_samples: bool = True, text_fi
         empty = False
         yield pack_rows(chunk, seq_len, pad) if pack_samples else pad_rows(chunk, seq_len, pad)
     if empty:
-        raise DataError(f"dataset {path}: no sample keeps a trained token within --seq-len {seq_len} "
-                        f"({skipped[0]} skipped)")
+        raise DataError(f"dataset {path}: none of its {stats['samples']} samples keeps a trained token within "
+                        f"--seq-len {seq_len} (not even the first answer fits); raise --seq-len")

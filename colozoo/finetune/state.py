@@ -141,12 +141,15 @@ class Snapshot:
     rng: dict
     meta: dict
     keep_last: int
+    side_files: tuple = ()               # the model's tokenizer, chat template and generation config, copied along
 
 
 def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
-                            keep_last: int = 2, scaler=None, copy: bool = False) -> Snapshot:
+                            keep_last: int = 2, scaler=None, copy: bool = False, side_files=()) -> Snapshot:
     """Collective over pp. `copy`: the tensors are copied to CPU memory, so training may go on while they are
-    written (an asynchronous save); otherwise they are views of the live state."""
+    written (an asynchronous save); otherwise they are views of the live state. `side_files`: files the checkpoint
+    carries beside the model (colozoo.checkpoint.convert.SIDE_FILES of the model directory), so that it loads and
+    generates on its own."""
     layout = ModelLayout(model.config, model.pc.size("pp"), _stage_layers(model), lora=lora_of_every_stage(model))
     states, hyper = optimizer_tensors(model, optimizer, layout.canonical)
     pieces = own_pieces(model, layout, states)
@@ -155,7 +158,8 @@ def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: 
     meta = {"format": FORMAT, "step": step, "world_size": _world(), "mesh": mesh, "time": time.time(),
             "optimizer": hyper, "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None and scaler.enabled else None, **(extra or {})}
-    return Snapshot(Path(root), step, layout, pieces, rng_state(), json.loads(json.dumps(meta)), keep_last)
+    return Snapshot(Path(root), step, layout, pieces, rng_state(), json.loads(json.dumps(meta)), keep_last,
+                    tuple(side_files))
 
 
 def write_snapshot(snapshot: Snapshot, group=None) -> Path:
@@ -176,6 +180,8 @@ def write_snapshot(snapshot: Snapshot, group=None) -> Path:
     _barrier(group)
     if _rank() == 0:
         write_indexes(tmp, snapshot.layout, snapshot.meta["mesh"], [s for s, _ in shards])
+        for file in snapshot.side_files:
+            shutil.copy2(file, tmp / Path(file).name)
         meta = snapshot.meta
         meta["optimizer"]["scalars"] = {name: value for _, scalars in shards for name, value in scalars.items()}
         _write_json(tmp / "meta.json", meta)
@@ -189,12 +195,12 @@ def write_snapshot(snapshot: Snapshot, group=None) -> Path:
 
 
 def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
-                        keep_last: int = 2, scaler=None) -> Path:
+                        keep_last: int = 2, scaler=None, side_files=()) -> Path:
     """Collective: save the whole training state at `step` under `root` and return its directory. `scaler`: an
     fp16 loss scaler (colozoo.runtime.amp), kept when enabled. `extra` goes into meta.json (the data position,
     total steps)."""
     return write_snapshot(snapshot_training_state(root, step, model, optimizer, scheduler, mesh, extra, keep_last,
-                                                  scaler))
+                                                  scaler, side_files=side_files))
 
 
 def _before_commit(tmp: Path):
@@ -227,18 +233,46 @@ def check_same_model(path: Path, model, checkpoint: TrainingCheckpoint):
 
 
 def check_data_position(path: Path, meta: dict, data: dict | None):
-    """The step is a data position only for the same data, global batch and shuffling seed."""
+    """The step is a data position only for the same data rows, global batch and shuffling seed."""
     saved = meta.get("data") or {}
-    differs = [f"{k} {saved[k]} in the checkpoint, {v} here" for k, v in (data or {}).items()
-               if k in saved and saved[k] != v]
+    differs = [k for k, v in (data or {}).items() if k in saved and saved[k] != v]
     if differs:
-        raise ResumeError(f"{path} cannot continue this run's data: {'; '.join(differs)}; resume with the same "
-                          f"data, --global-batch-size and --seed (or pass --no-resume)")
+        what = "; ".join("its rows (tokens) differ" if k == "rows" else f"{k} {saved[k]} in the checkpoint, "
+                         f"{data[k]} here" for k in differs)
+        raise ResumeError(f"{path} cannot continue this run's data: {what}; resume with the same data, --seq-len, "
+                          f"--global-batch-size and --seed (or pass --no-resume)")
+
+
+def check_started_from(path: Path, meta: dict, started_from: dict | None):
+    """The run continues only from the base weights and with the LoRA settings it started with (checked where the
+    checkpoint records them)."""
+    saved, mine = meta.get("started_from") or {}, started_from or {}
+    if "base" in saved and "base" in mine and saved["base"] != mine["base"]:
+        raise ResumeError(f"{path} continues a run that started from other weights (from {saved.get('model')!r}, "
+                          f"weights fingerprint {saved['base']}; --model {mine.get('model')!r} has {mine['base']}): "
+                          f"resume with the model it started from, or pass another --output or --no-resume")
+    if "adapters" in saved and "adapters" in mine and saved["adapters"] != mine["adapters"]:
+        def shown(settings):
+            return "none" if not settings else ", ".join(f"{k}={v}" for k, v in settings.items())
+        raise ResumeError(f"{path} trains other LoRA adapters ({shown(saved['adapters'])}) than this run "
+                          f"({shown(mine['adapters'])}): resume with the same --lora-* options, or pass another "
+                          f"--output or --no-resume")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ResumeError(f"cannot resume from {path.parent}: {path.name} is unreadable ({e}); start over with "
+                          f"--no-resume or remove that checkpoint") from None
+    if not isinstance(value, dict):
+        raise ResumeError(f"cannot resume from {path.parent}: {path.name} is not a JSON object")
+    return value
 
 
 def read_meta(path) -> dict:
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read_json(path / "meta.json")
     if meta.get("format") == PICKLED_FORMAT:
         raise ResumeError(f"{path} was written by an older colozoo as pickles, which resume never loads "
                           f"(unpickling can run code); start over with --no-resume")
@@ -247,10 +281,12 @@ def read_meta(path) -> dict:
     return meta
 
 
-def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=None, data: dict | None = None) -> dict:
+def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=None, data: dict | None = None,
+                        started_from: dict | None = None) -> dict:
     """Restore the training state from a complete checkpoint saved on any mesh; returns its meta (with the step,
     and "rng_restored": RNG states come back only on the mesh that saved them, elsewhere the run's seed stands).
-    `data`: this run's data position keys (global_batch, seed, samples) the checkpoint must agree with.
+    `data`: this run's data position keys (global_batch, seed, samples, rows) the checkpoint must agree with;
+    `started_from`: its base weights' fingerprint and LoRA settings (and the model's name, for messages), likewise.
     A loss `scaler` is restored when the checkpoint has one."""
     path = Path(path)
     meta = read_meta(path)
@@ -260,6 +296,7 @@ def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=No
     except CheckpointError as e:
         raise ResumeError(f"cannot resume from {path}: {e}") from None
     check_same_model(path, model, checkpoint)
+    check_started_from(path, meta, started_from)  # the same model, config and tensors: from the same weights?
     try:
         for name, param in model.named_parameters():
             checkpoint.read_into(model, name, param)
@@ -272,7 +309,7 @@ def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=No
     same_mesh = meta["world_size"] == _world() and meta["mesh"] == mesh
     rng_file = path / f"rng-rank-{_rank():05d}.json"
     if same_mesh and rng_file.exists():
-        set_rng_state(json.loads(rng_file.read_text()))
+        set_rng_state(_read_json(rng_file))
     return {**meta, "rng_restored": same_mesh}
 
 

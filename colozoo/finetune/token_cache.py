@@ -25,7 +25,7 @@ from colozoo.finetune import sft
 from colozoo.finetune.data import IGNORE_INDEX, holdout_cut, lm_blocks, trained_tokens
 from colozoo.finetune.records import DataError, dataset_files, existing
 
-FORMAT = 1
+FORMAT = 2  # 2: counts of what --chat fitting did, and a digest of the rows
 STORED = {"input_ids": np.uint32, "attention_mask": np.uint8, "position_ids": np.uint32, "trained": np.uint8}
 
 
@@ -56,6 +56,8 @@ class TokenCache:
         self.rows = rows if rows is not None else range(meta["rows"])
         self.tokens = RowValues(np.memmap(self.directory / "tokens.bin", dtype=np.int32, mode="r"), self.rows)
         self.label_names = None
+        self.stats = meta.get("stats") or {}
+        self.sha256 = meta.get("sha256")  # of every stored row, in order: what the rows are, not where they came from
 
     def __len__(self):
         return len(self.rows)
@@ -103,23 +105,30 @@ def lm_rows(cfg, tokenizer, path, role: str) -> TokenCache:
     from colozoo.core.mesh import init_distributed
 
     init_distributed()  # collective from here: one rank per machine tokenizes, the others wait for it
-    rows = sft.sft_blocks if cfg.chat else lm_blocks
-    data, _ = cached_rows(Path(cfg.output) / "data-cache", role, path, tokenizer,
-                          lambda: rows(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field),
-                          seq_len=cfg.seq_len, pack=cfg.pack, chat=cfg.chat, text_field=cfg.text_field)
+    stats = {}  # --chat: what fitting the samples into --seq-len did, kept with the rows
+    if cfg.chat:
+        blocks = lambda: sft.sft_blocks(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field,  # noqa: E731
+                                        cfg.truncate, stats)
+        options = dict(truncate=cfg.truncate)
+    else:
+        blocks, options = lambda: lm_blocks(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field), {}  # noqa: E731
+    data, _ = cached_rows(Path(cfg.output) / "data-cache", role, path, tokenizer, blocks, stats=stats,
+                          seq_len=cfg.seq_len, pack=cfg.pack, chat=cfg.chat, text_field=cfg.text_field, **options)
     return data
 
 
-def cached_rows(root, role: str, path, tokenizer, blocks, **options) -> tuple[TokenCache, bool]:
+def cached_rows(root, role: str, path, tokenizer, blocks, stats: dict | None = None, **options
+                ) -> tuple[TokenCache, bool]:
     """(the cached rows of `path`, whether this call tokenized them). `blocks()` yields the rows (dicts of
-    tensors, a chunk at a time); `options` are what else the rows depend on. Collective under torch.distributed:
+    tensors, a chunk at a time) and fills `stats` (counts kept with them, TokenCache.stats) once exhausted;
+    `options` are what else the rows depend on. Collective under torch.distributed:
     the first rank of each machine builds while the others wait, then every rank maps the files."""
     root = Path(root)
     target = root / f"{role}-{cache_key(path, tokenizer, **options)}"
     built, error = False, None
     if _local_rank() == 0 and not (target / "meta.json").exists():
         try:
-            _build(root, target, blocks())
+            _build(root, target, blocks(), stats)
             built = True
         except DataError as e:
             error = str(e)
@@ -139,14 +148,14 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
-def _build(root: Path, target: Path, blocks):
+def _build(root: Path, target: Path, blocks, stats: dict | None = None):
     created = [p for p in (root.parent, root) if not p.exists()]
     tmp = root / f".{target.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        rows, fields, seq_len = _write(tmp, blocks)
+        rows, fields, seq_len, digest = _write(tmp, blocks)
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "rows": rows, "seq_len": seq_len,
-                                                   "fields": fields}))
+                                                   "fields": fields, "stats": stats or {}, "sha256": digest}))
         for stale in root.glob(f"{target.name.split('-')[0]}-*"):  # an earlier dataset's rows for this role
             shutil.rmtree(stale, ignore_errors=True)
         try:
@@ -161,8 +170,9 @@ def _build(root: Path, target: Path, blocks):
         raise
 
 
-def _write(directory: Path, blocks) -> tuple[int, list[str], int]:
-    files, rows, fields, seq_len = {}, 0, None, None
+def _write(directory: Path, blocks) -> tuple[int, list[str], int, str]:
+    """Writes the rows' files; returns (rows, fields, seq_len, the sha256 of everything written, in order)."""
+    files, rows, fields, seq_len, digest = {}, 0, None, None, hashlib.sha256()
     try:
         for block in blocks:
             ids, labels = block["input_ids"], block["labels"]
@@ -176,11 +186,15 @@ def _write(directory: Path, blocks) -> tuple[int, list[str], int]:
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 2 ** 32):
                 raise DataError(f"token ids outside 0 .. 2**32 - 1 ({int(ids.min())} .. {int(ids.max())})")
             for name in fields:
-                block[name].numpy().astype(STORED[name]).tofile(files[name])
-            trained.numpy().astype(np.uint8).tofile(files["trained"])
+                stored = block[name].numpy().astype(STORED[name])
+                stored.tofile(files[name])
+                digest.update(stored.tobytes())
+            mask = trained.numpy().astype(np.uint8)
+            mask.tofile(files["trained"])
+            digest.update(mask.tobytes())
             trained_tokens(labels).numpy().astype(np.int32).tofile(files["tokens"])
             rows += len(ids)
     finally:
         for f in files.values():
             f.close()
-    return rows, fields, seq_len
+    return rows, fields, seq_len, digest.hexdigest()

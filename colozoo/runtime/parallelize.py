@@ -106,7 +106,7 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
             kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward,
                       offload_policy=fsdp2_offload_policy(offload))
-            mesh = pc.mesh["dp_cp"]
+            mesh = pc.dp_cp_mesh
             expert_mesh = DeviceMesh.from_group(pc.group("edp"), pc.device.type) if experts else None
             for layer in stage.layers.values():
                 for module in _expert_modules(layer, experts):  # nested first: the layer's FSDP leaves them out

@@ -5,15 +5,23 @@ running code through a module attribute (no file is edited) and names the tests 
 
     python tests/helpers/mutations.py                    # every mutation; exit 1 if a named test still passes
     python tests/helpers/mutations.py ring_window_off_by_one checkpoint_recomputes_nothing
-    make mutations
+    make mutations                                       # the whole audit, recorded in mutations_audit.json
+    make mutations-ci                                    # what CI runs after `make test` (see ci_plan)
+
+A patch that no longer applies (a renamed attribute) is reported as such before any test runs: its tests would fail
+for the wrong reason.
 
 `COLOZOO_MUTATION=<name>` applies a mutation in the pytest process (tests/conftest.py) and in every distributed
 worker (tests/helpers/distributed.py), so the multi-rank tests see it too.
 """
 from __future__ import annotations
 
+import argparse
 import functools
+import hashlib
 import importlib
+import inspect
+import json
 import os
 import subprocess
 import sys
@@ -169,6 +177,11 @@ def _chat_template_dropped():
              lambda files: tuple(f for f in files if f != "chat_template.jinja"))
 
 
+def _training_state_unverified():  # resume reads the rank files without checking their sha256
+    _replace("colozoo.checkpoint.training_state", "ColozooCheckpoint",
+             lambda original: functools.partial(original, verify=False))
+
+
 MUTATIONS = {
     "sequence_parallel_dropped": Mutation(
         "init_parallel ignores sequence_parallel=True", _drop_sequence_parallel,
@@ -228,6 +241,9 @@ MUTATIONS = {
          "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_per_sequence[beams]",
          "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_on_a_mesh[2-1]",
          "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_on_a_mesh[1-2]")),
+    "training_state_unverified": Mutation(
+        "resume reads a training checkpoint's files without checking their checksums", _training_state_unverified,
+        ("tests/test_resume_mesh.py::test_a_corrupted_training_state_is_refused_in_one_line[state tensor]",)),
     "left_padding_ignored": Mutation(
         "generation positions computed as if no prompt were padded", _left_padding_ignored,
         ("tests/test_blind_spots.py::test_left_padding_moves_the_positions_as_in_transformers",
@@ -254,29 +270,111 @@ def apply_from_environment():
         MUTATIONS[name].patch()
 
 
-def run(names) -> int:
-    root = Path(__file__).resolve().parents[2]
-    survivors = []
-    for name in names:
-        mutation = MUTATIONS[name]
-        start = time.perf_counter()
-        failed = []
-        for test in mutation.tests:
-            result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
-                                    cwd=root, env={**os.environ, ENV: name}, capture_output=True, text=True)
-            (failed if result.returncode != 0 else survivors).append(test)
-        caught = len(failed) == len(mutation.tests)
-        print(f"{'caught ' if caught else 'MISSED '} {name}: {mutation.what}: {len(failed)}/{len(mutation.tests)} "
-              f"named tests fail ({time.perf_counter() - start:.0f}s)", flush=True)
+ROOT = Path(__file__).resolve().parents[2]
+AUDIT = Path(__file__).with_name("mutations_audit.json")  # the last whole audit: fingerprints and seconds per test
+
+
+def fingerprint(name: str) -> str:
+    """What a mutation's verdict depends on besides the code it switches off: its patch and its named test files."""
+    mutation = MUTATIONS[name]
+    digest = hashlib.sha256(f"{name}\n{mutation.what}\n{mutation.tests}\n".encode())
+    digest.update(inspect.getsource(mutation.patch).encode())
+    for file in sorted({test.split("::")[0] for test in mutation.tests}):
+        digest.update((ROOT / file).read_bytes())
+    return digest.hexdigest()
+
+
+def patches_apply() -> list[str]:
+    """Every mutation's patch applied in one fresh process; the ones that raise (a renamed attribute would make
+    their named tests fail for the wrong reason and pass the audit)."""
+    script = ("import sys, traceback; sys.path.insert(0, 'tests/helpers'); import mutations\n"
+              "for name, m in mutations.MUTATIONS.items():\n"
+              "    try: m.patch()\n"
+              "    except Exception: print(name, traceback.format_exc(limit=1).splitlines()[-1])\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"applying the patches failed:\n{result.stderr}")
+    return result.stdout.splitlines()
+
+
+def run_test(name: str, test: str) -> tuple[bool, float]:
+    """(whether `test` fails under mutation `name`, its seconds)."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+                            cwd=ROOT, env={**os.environ, ENV: name}, capture_output=True, text=True)
+    return result.returncode != 0, time.perf_counter() - start
+
+
+def run(plan: dict[str, tuple]) -> tuple[list[str], dict]:
+    """Run each mutation's tests in `plan` ({name: tests}); (the tests that passed, {name: {test: seconds}})."""
+    survivors, seconds = [], {}
+    for name, tests in plan.items():
+        mutation, start, failed = MUTATIONS[name], time.perf_counter(), 0
+        for test in tests:
+            caught, took = run_test(name, test)
+            seconds.setdefault(name, {})[test] = round(took, 1)
+            failed += caught
+            if not caught:
+                survivors.append(test)
+        whole = "" if len(tests) == len(mutation.tests) else f" (fast: {len(tests)} of {len(mutation.tests)})"
+        print(f"{'caught ' if failed == len(tests) else 'MISSED '} {name}: {mutation.what}: {failed}/{len(tests)} "
+              f"named tests fail{whole} ({time.perf_counter() - start:.0f}s)", flush=True)
+    return survivors, seconds
+
+
+def ci_plan(budget: float) -> dict[str, tuple]:
+    """The whole audit for every mutation whose patch or named test files changed since mutations_audit.json (or
+    is not in it); for the others, each one's fastest test while `budget` seconds last, starting at a place that
+    moves with the commit so that successive changes cover them all."""
+    audited = json.loads(AUDIT.read_text())["mutations"] if AUDIT.exists() else {}
+    changed = [n for n in MUTATIONS if audited.get(n, {}).get("fingerprint") != fingerprint(n)]
+    plan = {n: MUTATIONS[n].tests for n in changed}
+    steady = [n for n in MUTATIONS if n not in changed]
+    if steady:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        first = int(head or "0", 16) % len(steady)
+        for name in steady[first:] + steady[:first]:
+            test, took = min(audited[name]["seconds"].items(), key=lambda item: item[1])
+            if took > budget:
+                break
+            plan[name], budget = (test,), budget - took
+    skipped = len(MUTATIONS) - len(plan)
+    print(f"mutations: {len(changed)} changed since the last whole audit run whole, {len(plan) - len(changed)} by "
+          f"their fastest test, {skipped} left for later runs (budget)", flush=True)
+    return plan
+
+
+def record(seconds: dict):
+    """After a whole audit that caught everything: its fingerprints and timings, for ci_plan and the README."""
+    mutations = {n: {"fingerprint": fingerprint(n), "seconds": seconds[n], "total": round(sum(seconds[n].values()))}
+                 for n in MUTATIONS}
+    AUDIT.write_text(json.dumps({"total_seconds": sum(m["total"] for m in mutations.values()),
+                                 "mutations": mutations}, indent=1) + "\n")
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description="Switch features off one at a time; the tests named for each "
+                                                 "must fail.")
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all, recorded in mutations_audit.json)")
+    parser.add_argument("--ci", type=float, metavar="SECONDS", help="the CI form: mutations changed since the last "
+                        "whole audit run whole, the others by their fastest test within SECONDS")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in MUTATIONS]
+    if unknown:
+        raise SystemExit(f"unknown mutation(s) {unknown}; known: {sorted(MUTATIONS)}")
+    broken = patches_apply()
+    if broken:
+        print("patches that no longer apply (a renamed attribute?):\n  " + "\n  ".join(broken))
+        return 1
+    plan = ci_plan(args.ci) if args.ci is not None else {n: MUTATIONS[n].tests for n in args.names or MUTATIONS}
+    survivors, seconds = run(plan)
     if survivors:
         print("tests that pass with their feature switched off:\n  " + "\n  ".join(survivors))
         return 1
+    if args.ci is None and not args.names:
+        record(seconds)
     return 0
 
 
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or list(MUTATIONS)
-    unknown = [n for n in wanted if n not in MUTATIONS]
-    if unknown:
-        raise SystemExit(f"unknown mutation(s) {unknown}; known: {sorted(MUTATIONS)}")
-    sys.exit(run(wanted))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,83 @@
+"""Evaluation during fine-tuning: the held-out loss (and perplexity or accuracy) and, for a causal LM, greedy
+continuations of a few held-out prompts.
+
+The loss is the mean over every held-out token that has a label (every sample, for classifiers), whichever mesh
+evaluates it: each micro-batch's mean loss is weighted by the tokens it averages, and the rows evaluated are the first
+`--eval-batches` x `--micro-batch-size` of the held-out set (all of them when it is smaller), whatever the dp degree.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from colozoo.finetune import samples
+from colozoo.finetune.config import FinetuneConfig
+from colozoo.finetune.metrics import Reporter, perplexity
+
+
+class Evaluator:
+    """`evaluator(step)`: the held-out loss (and perplexity or accuracy), logged, with a causal LM's greedy
+    continuations of a few held-out prompts."""
+
+    def __init__(self, cfg: FinetuneConfig, data, tokenizer, model, micro_batch_size: int, reporter: Reporter,
+                 rank0: bool):
+        self.cfg, self.model, self.reporter, self.rank0 = cfg, model, reporter, rank0
+        self.data, self.tokenizer, self.micro_batch_size = data, tokenizer, micro_batch_size
+        self.prompts = samples.held_out_prompts(data, cfg.samples, cfg.seq_len // 2, until_answer=cfg.chat) \
+            if cfg.task == "lm" else None
+        if self.prompts is not None and samples.why_no_samples(model):
+            reporter.print(f"no samples: {samples.why_no_samples(model)}")
+            self.prompts = None
+
+    def __call__(self, step: int) -> dict:
+        results = evaluate(self.model, self.data, self.cfg, self.micro_batch_size)
+        self.reporter.evaluation(step, results)
+        if self.prompts is not None:
+            samples.write_samples(self.model, self.prompts, self.tokenizer, step, Path(self.cfg.output),
+                                  self.cfg.sample_tokens, self.reporter, self.rank0)
+        return results
+
+
+def held_out_rows(data, cfg: FinetuneConfig) -> int:
+    """How many held-out rows an evaluation reads: --eval-batches of --micro-batch-size, or all there are."""
+    return min(len(data), cfg.eval_batches * cfg.micro_batch_size)
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = None) -> dict:
+    """The token-weighted mean loss over the first held_out_rows(data, cfg) rows (perplexity for a causal LM,
+    accuracy for a classifier), the same on every rank and every mesh. Micro-batches of `micro_batch_size` (default:
+    --micro-batch-size) go round the dp ranks; a rank left without one in the last round runs the first again
+    without counting it, since a sharded (FSDP) forward is collective over the dp ranks."""
+    pc = model.pc
+    dp, rank = pc.size("dp"), pc.rank("dp")
+    micro = micro_batch_size or cfg.micro_batch_size
+    rows = held_out_rows(data, cfg)
+    batches = [range(start, min(start + micro, rows)) for start in range(0, rows, micro)]
+    lm = cfg.task == "lm"
+    totals = torch.zeros(3, dtype=torch.float64, device=pc.device)  # weighted loss sum, weight, correct predictions
+    model.eval()
+    for turn in range(math.ceil(len(batches) / dp)):
+        index = turn * dp + rank
+        counted = index < len(batches)
+        rows_of = batches[index] if counted else batches[0]
+        batch = {k: v.to(pc.device, non_blocking=True) for k, v in data.take(list(rows_of)).items()}
+        out = model(**batch, return_logits=not lm)
+        weight = int(data.tokens[list(rows_of)].sum()) if lm else len(rows_of)  # what the batch's mean loss averages
+        if counted and weight:
+            totals[0] += out.loss.double() * weight
+            totals[1] += weight
+            if not lm:
+                totals[2] += (out.logits.argmax(-1) == batch["labels"]).sum()
+    if dp > 1:
+        dist.all_reduce(totals, group=pc.group("dp"))
+    model.train()
+    if totals[1] == 0:
+        return {}
+    loss = totals[0].item() / totals[1].item()
+    if lm:
+        return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
+    return {"eval_loss": loss, "eval_acc": totals[2].item() / totals[1].item()}
