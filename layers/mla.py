@@ -75,6 +75,11 @@ class LatentAttention(nn.Module):
                                               **kw)
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias=bias, **kw)
 
+    def cache_width(self, tp: int = 1) -> int:
+        """Numbers a position of one sequence this layer's cache holds on every rank, whatever `tp`: the normalised
+        latent and the rotary key all heads share (layers.transformer.SelfAttention.cache_width's counterpart)."""
+        return self.kv_lora_rank + self.rope_dim
+
     def _heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """(batch, seq, local heads * dim) -> (batch, local heads, seq, dim)."""
         return x.view(*x.shape[:2], self.local_heads, dim).transpose(1, 2)

@@ -293,9 +293,11 @@ def test_greedy_generate_one_process():
 def latent_cache_decoding(tp=1):
     """Greedy decoding against transformers' with every step's logits; the cache holds kv_lora_rank +
     qk_rope_head_dim numbers a position and layer on every rank (what transformers' cache holds too), a fraction of
-    the 2 x heads/tp x head widths of full keys and values; kv_b_proj expands keys and values in the prefill only
-    (decoding steps attend over the latent). Returns the cache's share of a full one."""
+    the 2 x heads/tp x head widths of full keys and values, as the planner counts it (cost.inference.kv_cache_bytes);
+    kv_b_proj expands keys and values in the prefill only (decoding steps attend over the latent). Returns the cache's
+    share of a full one."""
     from colozoo.core.mesh import init_parallel, single_process
+    from colozoo.cost.inference import kv_cache_bytes
     from parity import close
     from test_generate import NEW, ours_and_hf, prompts
 
@@ -318,6 +320,7 @@ def latent_cache_decoding(tp=1):
     assert expansions == [ids.shape[1]] * layers  # the prefill, once per layer; no step expands the cache
     positions = ids.shape[0] * (ids.shape[1] + NEW)
     assert out.cache_elements == layers * positions * (config.kv_lora_rank + config.qk_rope_head_dim)
+    assert out.cache_elements == kv_cache_bytes(config, layers, tp, ids.shape[0], ids.shape[1] + NEW, 1)
     full = layers * positions * config.num_attention_heads // tp * (config.qk_nope_head_dim + config.qk_rope_head_dim
                                                                      + config.v_head_dim)
     return out.cache_elements / full
