@@ -20,6 +20,9 @@ from .qwen2_moe import experts as stacked_experts
 from .source import Source
 
 HF_PREFIX = "model."
+# PEFT (0.21, on transformers 5) turns LoRA targets named so into targets on the stacked routed experts (transformers'
+# qwen2_moe conversion), the dense MLPs' and the shared expert's too: colozoo.runtime.lora refuses them
+PEFT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 IGNORED_HF = (r"^model\.layers\.61\.", r"\.rotary_emb\.inv_freq$")  # transformers' _keys_to_ignore_on_load_unexpected
 
 
