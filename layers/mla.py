@@ -20,7 +20,9 @@ weights' gradients are then summed over tp.
 The KV cache (layers.kv_cache) holds what every head shares: the normalised latent and the rotated k_rot, as a
 "key" and a "value" of one head each (kv_lora_rank + qk_rope_head_dim numbers a position, on every tp rank, against
 2 x heads x head_dim for a full cache). The prefill expands this rank's heads' keys and values from them, as
-transformers does at every step; a decoding step attends over the latent itself (`_attend_latent`).
+transformers does at every step; a decoding step attends over the latent itself (`_attend_latent`), unless kv_b_proj
+carries a LoRA adapter: absorbing its weight would leave the adapter out, so such a step expands the cached latent
+through kv_b_proj (and its adapter) as the prefill does.
 With `interleaved_rope` (DeepSeek's checkpoints, transformers' rope_interleave) the rotary features come in pairs
 (x0, x1), (x2, x3), ...: they are reordered to (x0, x2, ... | x1, x3, ...) and rotated as every other family's,
 which is transformers' order too.
