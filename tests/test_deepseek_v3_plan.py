@@ -129,3 +129,18 @@ def test_generation_plan_holds_the_latent_cache():
     full = layers * positions * HEADS // tp * (NOPE + ROPE + V) * 2
     assert found.kv_cache_bytes / full == (KV_LORA + ROPE) / (HEADS // tp * (NOPE + ROPE + V)) < 0.06
     assert found.weights_bytes + found.kv_cache_bytes < 80e9
+
+
+def test_lora_cost_counts_the_compressions_adapters_whole():
+    """LoRA on every MLA projection at tp 8: the replicated compressions' adapters (A and B) whole on every rank,
+    q_b_proj's and kv_b_proj's B split by heads (A whole), o_proj's A split (B whole)."""
+    from colozoo.cost.lora import adapter_params_per_layer
+    from colozoo.cost.setup import get_config
+    from colozoo.runtime.lora import LoraSettings
+
+    r, tp = 16, 8
+    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    counts = adapter_params_per_layer(get_config("deepseek-v3"), tp, LoraSettings(r=r, targets=targets))
+    compressions = r * (H + Q_LORA) + r * (H + KV_LORA + ROPE)
+    heads = r * (Q_LORA + HEADS * (NOPE + ROPE) // tp) + r * (KV_LORA + HEADS * (NOPE + V) // tp)
+    assert counts["0"] == counts["60"] == compressions + heads + r * (HEADS * V // tp + H)
