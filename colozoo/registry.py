@@ -128,7 +128,8 @@ def local_config(path: Path):
 
 
 def count_parameters(config) -> int | None:
-    """Parameters of the model as colozoo builds it (tied weights once); None if the family is not available."""
+    """Parameters of the model as colozoo builds it, counted as transformers counts them (ParallelModel.num_parameters:
+    tied weights once, transformers' buffers not); None if the family is not available."""
     from colozoo.models import build_shard
     from colozoo.core.mesh import ParallelContext
 
@@ -136,7 +137,7 @@ def count_parameters(config) -> int | None:
         model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
     except (ImportError, ValueError):
         return None
-    return sum(p.numel() for p in model.parameters())
+    return model.num_parameters()
 
 
 def stored_param_counts(path: Path) -> dict[str, tuple]:

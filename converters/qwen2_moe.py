@@ -43,12 +43,13 @@ def module_sources(config) -> dict[str, Source]:
     return {**_common(config), **experts(config, in_memory=True)}
 
 
-def experts(config, in_memory: bool = False) -> dict[str, Source]:
-    """The stacked experts of every sparse layer: from one tensor per expert (checkpoint files) or, `in_memory`,
-    from transformers' stacked parameters of the same names as ours (Qwen3-MoE shares this layout)."""
-    out, n = {}, config.num_experts
-    for i in range(config.num_hidden_layers):
-        if not is_sparse(config, i):
+def experts(config, in_memory: bool = False, layers=None, count: int | None = None) -> dict[str, Source]:
+    """The stacked experts of every sparse layer (`layers`, default Qwen's, of `count` experts, default
+    config.num_experts): from one tensor per expert (checkpoint files) or, `in_memory`, from transformers' stacked
+    parameters of the same names as ours (Qwen3-MoE and DeepSeek-V3 share this layout)."""
+    out, n = {}, config.num_experts if count is None else count
+    for i in range(config.num_hidden_layers) if layers is None else layers:
+        if layers is None and not is_sparse(config, i):
             continue
         hf, ours = f"{HF_PREFIX}layers.{i}.mlp.experts.", f"layers.{i}.mlp.experts."
         if in_memory:

@@ -38,7 +38,8 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     the scores; the flash kernel attends without it and rescales each row by sigmoid(lse - sink) (`with_sinks`);
     the decoding kernel merges it as one more chunk of the cache."""
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
-    kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256
+    # the kernels take values as wide as queries and keys; MLA's narrower values (v_head_dim) go to SDPA
+    kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]
     if decoding and kernel and softcap is None and use_triton(q, k, v):
         key_mask = mask[:, 0, 0, :].expand(q.shape[0], k.shape[2])
         return decode_attention(q, k, v, k.shape[2], key_mask, scale, sinks=sinks)

@@ -4,6 +4,7 @@ head_dim)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from colozoo.kernels.attention import local_attention
 
@@ -35,7 +36,8 @@ def dense_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, caus
 def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
               upcast: bool = False, cp=None, window: int | None = None, softcap: float | None = None,
               documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q).
+    """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q); v may be narrower than
+    q and k (MLA's v_head_dim).
 
     With `cp` (a layers.context_parallel.ContextParallel, i.e. `ctx.cp`) q/k/v hold the rank's zigzag share of
     the sequence and attention runs across the cp ranks (ring or all-to-all); `mask` is then ignored: masks
@@ -45,6 +47,12 @@ def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, d
     token attends only within its own. Under cp the ids come from cp.documents (the whole sequence's) instead.
     `sinks` (heads,): a learned logit per head joining every row's softmax (gpt-oss; under cp all-to-all only).
     """
+    if cp is not None and cp.size > 1 and cp.mode == "ring" and v.shape[-1] < q.shape[-1]:
+        # the ring carries keys and values stacked: values narrower than the keys (MLA) travel zero-padded
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        padded = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+        return attention(q, k, padded, mask, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast, cp=cp,
+                         window=window, softcap=softcap, documents=documents, sinks=sinks)[..., :v.shape[-1]]
     if cp is not None and cp.size > 1:
         return context_parallel_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p,
                                           upcast=upcast, window=window, softcap=softcap, sinks=sinks)

@@ -8,6 +8,9 @@ An attention module with `ctx.cache` set writes its new keys/values and attends 
 
     k, v, mask = ctx.cache.update(layer_idx, k, v, window=self.window)   # mask: (batch, 1, new, cached + new)
 
+Keys and values may differ in heads and width: multi-head latent attention (layers.mla) stores its compressed latent
+as the "keys" and its rotary key as the "values", one head each, instead of every head's keys and values.
+
 After a forward in which every layer wrote, the caller (colozoo.runtime.generate) calls `cache.advance(new)`; to encode
 the whole sequence again, `cache.restart()`.
 """
@@ -55,7 +58,7 @@ class KVCache:
         self.length = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
-        """Store k/v (batch, kv heads, new, head_dim) at positions length.. and return the keys and values the new
+        """Store k/v (batch, kv heads, new, width) at positions length.. and return the keys and values the new
         queries attend over with their boolean mask (batch, 1, new, keys). A sliding-window layer keeps only its
         last `window` positions, in a ring of `window` slots."""
         new = k.shape[2]
@@ -64,9 +67,8 @@ class KVCache:
             raise ValueError(f"the KV cache holds {self.max_len} positions; {end} were asked for")
         ring = window is not None and window < self.max_len
         if layer not in self.buffers:
-            batch = self.key_keep.shape[0]
-            shape = (batch, k.shape[1], window if ring else self.max_len, k.shape[3])
-            self.buffers[layer] = (k.new_empty(shape), v.new_empty(shape))
+            batch, length = self.key_keep.shape[0], window if ring else self.max_len
+            self.buffers[layer] = tuple(t.new_empty(batch, t.shape[1], length, t.shape[3]) for t in (k, v))
         keys, values = (b[self.rows] for b in self.buffers[layer])
         if not ring:
             keys[:, :, self.length:end] = k

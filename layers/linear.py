@@ -167,3 +167,35 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self):
         return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer whose weight every tp rank holds whole, applied to the tokens the rank holds: MLA's shared
+    compressions (DeepSeek-V3's q_a_proj, kv_a_proj_with_mqa), which run before the heads split. Without sequence
+    parallelism every rank computes the same output from the same tokens, and the caller enters the tensor-parallel
+    region after it (so the gradients arriving here are already summed and equal on every rank). Under sequence
+    parallelism each rank compresses only its share of the sequence: its weight gradient is partial, and
+    `copy_to_parallel` sums it over tp in backward, as the sequence-parallel norms do."""
+
+    replicated = True  # LoRA: the adapter is replicated too (layers.lora)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+        self.lora = None  # a layers.lora.LoRA adapter, once colozoo.runtime.lora.apply_lora attached one
+
+    def _param(self, p):
+        return copy_to_parallel(p, self.group) if p is not None and self.sequence_parallel else p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self._param(self.weight), self._param(self.bias))
+        return y if self.lora is None else self.lora(x, y)
+
+    def extra_repr(self):
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, replicated, "
+                f"sequence_parallel={self.sequence_parallel}")

@@ -8,6 +8,9 @@
     key/value chunks replicated over tp (tp > kv heads): B's rows of such a chunk carry the same `parts`, so a rank
         holds the B rows of its whole kv head, and their gradient is summed over the head's replica group as the
         weight's is (each replica computes it from its own query heads).
+    replicated base (layers.linear.ReplicatedLinear, MLA's compressions), weight (out, in) whole: A (r, in) and
+        B (out, r) whole on every rank; their gradients are whole and equal on every rank as the weight's are, or,
+        under sequence parallelism (each rank its share of the tokens), partial and summed over tp.
 
 The replicated factor sees only this rank's share of the output (column) or of the input (row), so its gradient is
 partial: `copy_to_parallel` sums it over tp in backward (a parameter-sized all-reduce, as the sequence-parallel norms
@@ -29,7 +32,7 @@ from .shard import Split, local_pieces, replicated_pieces, shard, shard_tensor
 
 
 class LoRA(nn.Module):
-    """The adapter of one Column/RowParallelLinear (`base`), attached to it as `base.lora`.
+    """The adapter of one Column/RowParallelLinear or ReplicatedLinear (`base`), attached to it as `base.lora`.
 
     `groups`: the base's fused chunks each HF module covers (OPT's q/k/v: one chunk each; GPT-2's c_attn: one
     module over all three; unfused: one module, one chunk); `adapted`: the groups that get an (A, B) pair;
@@ -49,7 +52,8 @@ class LoRA(nn.Module):
         self.groups = tuple(groups) if groups is not None else (tuple(range(len(self.chunks))),)
         if sorted(c for g in self.groups for c in g) != list(range(len(self.chunks))):
             raise ValueError(f"module groups {self.groups} do not cover the base's chunks {self.chunks} once")
-        adapted = (0,) if row else tuple(adapted)
+        self.replicated = getattr(base, "replicated", False)
+        adapted = (0,) if row or self.replicated else tuple(adapted)
         if not adapted or sorted(set(adapted)) != list(adapted) or not 0 <= adapted[0] <= adapted[-1] < len(self.groups):
             raise ValueError(f"adapted groups {adapted} do not fit the base's module groups {self.groups}")
         self.r, self.alpha, self.p, self.row, self.adapted = r, alpha, dropout, row, tuple(adapted)
@@ -57,7 +61,7 @@ class LoRA(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.hf_modules = tuple(hf_modules)
         self.regroup = regroup
-        self.group = base.group
+        self.group, self.sequence_parallel = base.group, getattr(base, "sequence_parallel", False)
         self.in_features, self.out_features = base.in_features, base.out_features
         tp = group_size(self.group)
         self.coords = {"tp": (group_rank(self.group), tp)}
@@ -66,6 +70,9 @@ class LoRA(nn.Module):
         if row:
             self.a_spec, self.b_spec = (Split("tp", 1),), ()
             a_shape, b_shape = (r, self.in_features // tp), (self.out_features, r)
+        elif self.replicated:
+            self.a_spec, self.b_spec = (), ()
+            a_shape, b_shape = (r, self.in_features), (self.out_features, r)
         else:
             adapted_chunks = [c for g in self.adapted for c in self.groups[g]]
             sizes = tuple(self.chunks[c] for c in adapted_chunks)
@@ -81,7 +88,7 @@ class LoRA(nn.Module):
     @property
     def pair_sizes(self) -> list[int]:
         """The output length of each adapted pair's B (global)."""
-        if self.row:
+        if self.row or self.replicated:
             return [self.out_features]
         return [sum(self.chunks[c] for c in self.groups[g]) for g in self.adapted]
 
@@ -112,6 +119,11 @@ class LoRA(nn.Module):
             sharded = group_size(self.group) > 1
             h = F.linear(dropout(x, self.p, self.training, sharded=sharded).to(dtype), self.A)
             return y + (F.linear(h, self._replicated(self.B)) * self.scaling).to(y.dtype)
+        if self.replicated:
+            sp = self.sequence_parallel
+            a, b = (copy_to_parallel(p, self.group) if sp else p for p in (self.A, self.B))
+            h = F.linear(dropout(x, self.p, self.training, sharded=sp).to(dtype), a)
+            return y + (F.linear(h, b) * self.scaling).to(y.dtype)
         a = self._replicated(self.A)
         local = self._local_chunks()
         b = sum_replica_grads(self.B, self.replicated_rows, self.replica_group)
@@ -135,7 +147,7 @@ class LoRA(nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A laid out like this rank's base weight (for merging)."""
-        if self.row:
+        if self.row or self.replicated:
             return (self.B @ self.A) * self.scaling
         local = self._local_chunks()
         starts = [sum(local[:c]) for c in range(len(local))]
@@ -148,5 +160,5 @@ class LoRA(nn.Module):
         return out
 
     def extra_repr(self):
-        kind = "row" if self.row else "column"
+        kind = "row" if self.row else "replicated" if self.replicated else "column"
         return f"r={self.r}, alpha={self.alpha}, {kind}, {', '.join(self.hf_modules) or 'adapted'}"

@@ -1,8 +1,9 @@
 """Mixture-of-experts: top-k router, stacked experts, expert parallelism by all-to-all token dispatch.
 
-    x -> router (softmax, top-k, optional renormalisation) -> sort the (token, expert) assignments by expert
+    x -> router (softmax, top-k, optional renormalisation; or DeepSeek-V3's sigmoid scores, bias-corrected choice
+      within the best groups, routed scaling) -> sort the (token, expert) assignments by expert
       -> [ep > 1: all-to-all to the experts' owners] -> grouped SwiGLU experts -> [all-to-all back]
-      -> weighted sum over each token's k experts
+      -> weighted sum over each token's k experts (+ a shared expert, gated or not)
 
 Expert weights are stacked with a *global* expert dimension: `gate_up_proj` (experts, 2 * inner, hidden) and
 `down_proj` (experts, hidden, inner), split over the ep group along dim 0 (rank r owns a contiguous range of
@@ -57,6 +58,48 @@ class TopKRouter(nn.Module):
         return logits, weights, experts
 
 
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's routing: sigmoid scores in fp32; experts are chosen by their scores plus a bias correction
+    (`e_score_correction_bias`, which DeepSeek's training moves outside gradient descent to balance the load: a
+    frozen parameter here, loaded and saved like any other), top-k among the experts of the `topk_group` groups (of
+    `groups` equal groups) whose two best corrected scores sum highest. The weights are the chosen experts' scores
+    without the correction, normalised to sum to 1 (`normalize`), times `scaling` (routed_scaling_factor)."""
+
+    hf_buffers = ("e_score_correction_bias",)  # a buffer in transformers: not counted as a parameter
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, groups: int = 1, topk_group: int = 1,
+                 normalize: bool = True, scaling: float = 1.0, device=None, dtype=None):
+        super().__init__()
+        if num_experts % groups or not 1 <= topk_group <= groups:
+            raise ValueError(f"{num_experts} experts in {groups} groups with {topk_group} chosen: the groups must "
+                             f"divide the experts and topk_group lie in [1, groups]")
+        if not 1 <= top_k <= num_experts // groups * topk_group:
+            raise ValueError(f"top_k={top_k} must be between 1 and the experts of the {topk_group} chosen groups")
+        self.num_experts, self.top_k, self.groups, self.topk_group = num_experts, top_k, groups, topk_group
+        self.normalize, self.scaling = normalize, scaling
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype),
+                                                    requires_grad=False)
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor):
+        """x (tokens, hidden) -> router logits (tokens, experts), weights (tokens, k) fp32, experts (tokens, k)."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.topk_group < self.groups:
+            per_group = choice.view(-1, self.groups, self.num_experts // self.groups)
+            best = per_group.topk(2, dim=-1).values.sum(dim=-1).topk(self.topk_group, dim=-1, sorted=False).indices
+            kept = torch.zeros_like(per_group[..., 0], dtype=torch.bool).scatter(1, best, True)
+            choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.groups, dim=1), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * self.scaling, experts
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient (torch._grouped_mm rejects expanded ones)."""
 
@@ -82,7 +125,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), weight.transpose(-1, -2), offs=offsets))
     outs = [F.linear(rows, w) for rows, w in zip(x.split(counts), weight) if rows.shape[0]]
-    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+    # no rows at all (an ep rank whose experts were routed nothing): an empty product that keeps x in the graph, so
+    # that backward reaches the all-to-all x came from on this rank as on its peers
+    return torch.cat(outs) if outs else F.linear(x, weight[0])
 
 
 class GroupedExperts(nn.Module):
@@ -172,26 +217,30 @@ class MoE(nn.Module):
     """Router + experts for input (batch, seq, hidden); returns (output, router logits (tokens, experts)).
 
     `shared_expert_size` adds Qwen-MoE's shared expert (a GatedMLP every token goes through, tensor parallel like
-    the experts), scaled per token by sigmoid(shared_expert_gate(x))."""
+    the experts), scaled per token by sigmoid(shared_expert_gate(x)); without `shared_expert_gate` it is added as it is
+    (DeepSeek-V3's shared_experts). `router`: a router module to use instead of the softmax top-k one (DeepSeek-V3's
+    GroupLimitedRouter), called as TopKRouter is."""
 
     def __init__(self, hidden_size: int, inner_size: int, num_experts: int, top_k: int, *, activation="silu",
                  normalize_top_k: bool = True, capacity_factor: float | None = None,
-                 shared_expert_size: int | None = None, router_bias: bool = False, gpt_oss_layout: bool = False,
+                 shared_expert_size: int | None = None, shared_expert_gate: bool = True, router: nn.Module | None = None,
+                 router_bias: bool = False, gpt_oss_layout: bool = False,
                  ep_group=None, tp_group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.ep_group, self.tp_group, self.sequence_parallel = ep_group, tp_group, sequence_parallel
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_top_k, router_bias, device=device,
-                               dtype=dtype)
+        self.gate = router if router is not None else TopKRouter(hidden_size, num_experts, top_k, normalize_top_k,
+                                                                 router_bias, device=device, dtype=dtype)
         self.experts = GroupedExperts(num_experts, hidden_size, inner_size, activation, gpt_oss_layout=gpt_oss_layout,
                                       ep_group=ep_group, tp_group=tp_group, device=device, dtype=dtype)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_size, activation, group=tp_group,
                                           device=device, dtype=dtype)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+            if shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor):
         if self.sequence_parallel:  # route every token the tp group holds; each rank keeps its share at the end
@@ -218,7 +267,10 @@ class MoE(nn.Module):
     def _finish(self, combined, tokens, shape):
         """Add the shared expert, restore (batch, seq, hidden) and, under sequence parallelism, the rank's share."""
         if self.shared_expert is not None:
-            combined = combined + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            combined = combined + shared
         combined = combined.view(shape)
         if self.sequence_parallel:
             combined = split_to_parallel(combined, self.tp_group, dim=1)

@@ -86,6 +86,12 @@ class SelfAttention(nn.Module):
             norm = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype, **qk_norm)
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, **norm), RMSNorm(self.head_dim, **norm)
 
+    def cache_width(self, tp: int = 1) -> int:
+        """Numbers a position of one sequence this layer's KV cache holds on a rank when its heads are split over `tp`
+        more ranks (the cost model asks a module built whole): keys and values of the rank's kv heads, one replicated
+        kv head a rank when tp is a multiple of them."""
+        return 2 * max(self.local_kv_heads // tp, 1) * self.head_dim
+
     def forward(self, x, ctx):
         qkv_proj, out_proj = (self._modules[name] for name in self.names)
         q, k, v = split_heads(qkv_proj(x), self.local_heads, self.local_kv_heads, self.head_dim)

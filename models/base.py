@@ -229,12 +229,14 @@ class ParallelModel(nn.Module):
         return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """Parameters on this rank, as transformers counts them (a tied weight once). On a mesh each rank counts its
-        own shards: tensor, expert and pipeline parallelism split the count, data parallelism (FSDP) too."""
+        """Parameters on this rank, as transformers counts them (a tied weight once; a frozen parameter that
+        transformers holds as a buffer, a module's `hf_buffers`, not at all). On a mesh each rank counts its own
+        shards: tensor, expert and pipeline parallelism split the count, data parallelism (FSDP) too."""
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding | VocabParallelEmbedding)}
+        buffers = {id(getattr(m, name)) for m in self.modules() for name in getattr(m, "hf_buffers", ())}
         unique = {id(p): p for p in self.parameters()}  # named_parameters() would count a tied copy once too
-        return sum(p.numel() for key, p in unique.items()
-                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and key in embeddings))
+        return sum(p.numel() for key, p in unique.items() if key not in buffers
+                   and (p.requires_grad or not only_trainable) and not (exclude_embeddings and key in embeddings))
 
     def get_input_embeddings(self) -> nn.Module | None:
         """The token embedding (its vocab shard under tp), on the first pipeline stage; None on the others."""

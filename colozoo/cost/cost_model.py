@@ -70,21 +70,25 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
         parts = [p for p in parts if p is not None]
         param_bytes = sum(p.param_bytes for p in parts) + (tied if s == len(stages) - 1 else 0)
         n_params = param_bytes // itemsize
+        trained = param_bytes - sum(p.frozen_param_bytes for p in parts)  # frozen: no gradient, master or state
         weights = float(param_bytes)
-        grads = float(param_bytes)
-        master = 4.0 * n_params if workload.torch_dtype != torch.float32 else 0.0
-        optim = float(OPTIMIZER_BYTES[workload.optimizer] * n_params)
+        grads = float(trained)
+        master = 4.0 * (trained // itemsize) if workload.torch_dtype != torch.float32 else 0.0
+        optim = float(OPTIMIZER_BYTES[workload.optimizer] * (trained // itemsize))
         # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the
-        # same experts (the "edp" group), everything else over all dp*cp
+        # same experts (the "edp" group), everything else (frozen parameters too) over all dp*cp
         expert = sum(p.expert_param_bytes for p in parts)
         edp = max(1, shard // plan.ep)
-        kept = ((param_bytes - expert) / shard + expert / edp) / param_bytes if param_bytes else 1.0
+
+        def kept(nbytes):  # the share of nbytes (all experts among them) a rank keeps when ZeRO shards them
+            return ((nbytes - expert) / shard + expert / edp) / nbytes if nbytes else 1.0
+
         if plan.zero >= 1:
-            master, optim = master * kept, optim * kept
+            master, optim = master * kept(trained), optim * kept(trained)
         if plan.zero >= 2:
-            grads *= kept
+            grads *= kept(trained)
         if plan.zero >= 3:
-            weights *= kept
+            weights *= kept(param_bytes)
         cpu = 0.0
         n_lora = 0
         if workload.lora:  # the base is frozen: gradients, master weights and optimizer states for adapters only
@@ -126,9 +130,9 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
         stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
                                      master, optim, fsdp, activations, transient, peak, cpu, inflight, int(fwd),
                                      int(bwd), *_stage_comm(parts, keys, plan, param_bytes, s, len(stages),
-                                                                4.0 * n_lora if workload.lora else None)))
-        if workload.lora:
-            stage_costs[-1].trainable = n_lora
+                                                                4.0 * n_lora if workload.lora else trained)))
+        if workload.lora or trained < param_bytes:
+            stage_costs[-1].trainable = n_lora if workload.lora else trained // itemsize
         comm_by_stage.append(stage_costs[-1].comm)
     busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
     total, name = mt.total_params, mt.name

@@ -46,37 +46,50 @@ class GenerationProfile:
                 f"  fits                  {'yes' if self.fits else 'no'}")
 
 
-def attention_windows(config) -> list[int | None]:
-    """Every layer's sliding window (None: full attention), read off the model built on meta: the window each
-    attention module hands the KV cache (Gemma's alternating layers, Qwen2's layer_types, Mistral's and Phi-3's one
-    window for all)."""
+def whole_model(config):
+    """`config`'s model built whole on meta (global shapes, no process groups)."""
     from colozoo.core.mesh import ParallelContext
     from colozoo.models import build_shard
 
-    model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
-    return [next((m.window for m in model.layers[str(i)].modules() if getattr(m, "window", None) is not None), None)
-            for i in range(config.num_hidden_layers)]
+    return build_shard(config, pc=ParallelContext.virtual(), device="meta")
+
+
+def attention_caches(config, model=None) -> list[tuple[int | None, object]]:
+    """Every layer's sliding window (None: full attention) and its attention module's `cache_width` (tp -> numbers a
+    position of one sequence the layer caches on a rank), read off the model built on meta: the window each attention
+    module hands the KV cache (Gemma's alternating layers, Qwen2's layer_types, Mistral's and Phi-3's one window for
+    all), the keys and values of its kv heads, or MLA's latent and rotary key (DeepSeek-V3: on every tp rank).
+    `model`: that model, whole, when the caller has built it."""
+    model = whole_model(config) if model is None else model
+    caches = []
+    for i in range(config.num_hidden_layers):
+        attention = next(m for m in model.layers[str(i)].modules() if hasattr(m, "cache_width"))
+        caches.append((getattr(attention, "window", None), attention.cache_width))
+    return caches
 
 
 def kv_cache_bytes(config, layers, tp: int, batch_size: int, seq_len: int, element_bytes: int,
-                   windows: list | None = None) -> int:
-    """2 (keys, values) x kv heads / tp x head_dim x batch x positions kept, summed over `layers` (global layer
-    indices, or a count from layer 0), as colozoo's cache holds them: seq_len positions, a sliding-window layer only
-    its window (a ring) when that is shorter; one replicated kv head per rank when tp is a multiple of the kv heads.
-    `windows`: every layer's window, attention_windows(config) when not given."""
+                   caches: list | None = None) -> int:
+    """Numbers a position each layer caches on one of tp ranks (keys and values: 2 x kv heads / tp x head_dim, one
+    replicated kv head per rank when tp is a multiple of the kv heads; MLA: kv_lora_rank + qk_rope_head_dim on every
+    rank) x batch x positions kept, summed over `layers` (global layer indices, or a count from layer 0), as
+    colozoo's cache holds them: seq_len positions, a sliding-window layer only its window (a ring) when that is
+    shorter. `caches`: every layer's window and width, attention_caches(config) when not given."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if kv_heads % tp and tp % kv_heads:
         raise ProfilerError(f"tp={tp} must divide the key/value heads ({kv_heads}) or be a multiple of them")
-    windows = attention_windows(config) if windows is None else windows
+    caches = attention_caches(config) if caches is None else caches
     layers = range(layers) if isinstance(layers, int) else layers
-    positions = sum(seq_len if windows[i] is None else min(windows[i], seq_len) for i in layers)
-    return 2 * max(kv_heads // tp, 1) * head_dim * positions * batch_size * element_bytes
+    numbers = 0
+    for i in layers:
+        window, width = caches[i]
+        numbers += width(tp) * (seq_len if window is None else min(window, seq_len))
+    return numbers * batch_size * element_bytes
 
 
 def profile_generation(name, batch_size: int = 1, seq_len: int = 2048, mesh=None, dtype: str = "bfloat16",
-                       hardware="H100-80GB", windows: list | None = None) -> GenerationProfile:
+                       hardware="H100-80GB", caches: list | None = None) -> GenerationProfile:
     degrees = parse_mesh(mesh)
     if degrees.cp > 1 or degrees.dp > 1:
         raise ProfilerError("generation profiles a model replica: give tp and pp (cp and dp are 1)")
@@ -84,11 +97,11 @@ def profile_generation(name, batch_size: int = 1, seq_len: int = 2048, mesh=None
     config = get_config(name) if isinstance(name, str) else name
     element = DTYPES[dtype].itemsize
     report = profile(name, plan_of(degrees), Workload(seq_len=min(seq_len, 128), dtype=dtype, optimizer="none"))
-    windows = attention_windows(config) if windows is None else windows
+    caches = attention_caches(config) if caches is None else caches
     stages = []
     for stage in report.stages:
         weights = stage["params"] * element
-        cache = kv_cache_bytes(config, stage["layers"], degrees.tp, batch_size, seq_len, element, windows)
+        cache = kv_cache_bytes(config, stage["layers"], degrees.tp, batch_size, seq_len, element, caches)
         stages.append((weights, cache))
     weights, cache = max(stages, key=sum)
     step_bytes = sum(w + c for w, c in stages)
@@ -108,14 +121,18 @@ def plan_generation(name, gpus: int = 8, batch_size: int = 1, seq_len: int = 204
     """The smallest tp x pp (fewest GPUs, then the fastest bound) whose ranks hold the weights and the cache."""
     config = get_config(name) if isinstance(name, str) else name
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    windows = attention_windows(config)  # the same on every mesh
+    model = whole_model(config)
+    caches = attention_caches(config, model)  # the same on every mesh
+    weights, limit = model.num_parameters() * DTYPES[dtype].itemsize, get_hardware(hardware).memory_limit
     candidates = []
     for size in range(1, gpus + 1):
+        if weights > size * limit:  # the ranks of a mesh hold every weight at least once between them
+            continue
         for tp in (d for d in range(1, size + 1) if size % d == 0):
             pp = size // tp
             if (kv_heads % tp and tp % kv_heads) or config.num_attention_heads % tp or pp > config.num_hidden_layers:
                 continue
-            found = profile_generation(name, batch_size, seq_len, f"tp={tp},pp={pp}", dtype, hardware, windows)
+            found = profile_generation(name, batch_size, seq_len, f"tp={tp},pp={pp}", dtype, hardware, caches)
             if found.fits:
                 candidates.append(found)
         if candidates:

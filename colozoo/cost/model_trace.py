@@ -224,7 +224,8 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
         warnings.simplefilter("ignore", FutureWarning)  # c10d's deprecation notes on every traced collective
         if generic is not None:
             model, group_names = generic, {}
-            params = {n: _meta_like(p, torch_dtype) for n, p in model.named_parameters()}
+            params = {n: _meta_like(p, torch_dtype).requires_grad_(p.requires_grad and p.is_floating_point())
+                      for n, p in model.named_parameters()}
         else:
             model, context = _build_parallel_model(config, pc, torch_dtype)
             params = dict(model.named_parameters())
@@ -402,6 +403,8 @@ def _assign_params(units, params, prefix, kinds, module_unit, root: str):
             owner = module_unit.get(f"{root}.{name.rsplit('.', 1)[0]}", fallback)
             unit = units.get(owner, units[fallback])
         unit.param_bytes += nbytes
+        if not p.requires_grad:
+            unit.frozen_param_bytes += nbytes
         if any(split.mesh_dim == "ep" for split in spec_of(p)):
             unit.expert_param_bytes += nbytes
 

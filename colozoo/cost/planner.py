@@ -201,6 +201,10 @@ class SearchSpace:
     context_parallel: bool | None = None  # None: for sequences of 8192 tokens and more
     allow_offload: bool = True
     partial_checkpointing: bool = True   # recompute the fewest layers per stage that fit (False: all of them)
+    degrees: dict | None = None          # mesh degrees held fixed, e.g. {"tp": 1, "ep": 8}; the others are searched
+
+    def allows(self, **degrees) -> bool:
+        return all((self.degrees or {}).get(k, v) == v for k, v in degrees.items())
 
 
 def _traces(model, workload: Workload, tp, cp, ep, batch_sizes, cache) -> dict | str:
@@ -233,24 +237,25 @@ def plan(model, hardware: Hardware, workload: Workload, search: SearchSpace = Se
         global_batch = max(gpus, 2 ** 20 // seq_len)
     heads = getattr(config, "num_attention_heads", 1)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    use_cp = search.context_parallel if search.context_parallel is not None else seq_len >= 8192
+    use_cp = search.context_parallel if search.context_parallel is not None else \
+        seq_len >= 8192 or (search.degrees or {}).get("cp", 1) > 1
     cache, plans, rejected, searched = {}, [], {}, 0
 
     def reject(reason):
         rejected[reason] = rejected.get(reason, 0) + 1
 
     for tp in divisors(gpus):
-        if tp > hw.gpus_per_node:
+        if tp > hw.gpus_per_node or not search.allows(tp=tp):
             continue
         if heads % tp:
             reject(f"tp={tp} does not divide {heads} heads")
             continue
         for cp in (divisors(gpus // tp) if use_cp else [1]):
-            if seq_len % (2 * cp if cp > 1 else 1):
+            if seq_len % (2 * cp if cp > 1 else 1) or not search.allows(cp=cp):
                 continue
             pp_dp = gpus // (tp * cp)
             for ep in (divisors(pp_dp) if experts else [1]):
-                if experts and experts % ep:
+                if (experts and experts % ep) or not search.allows(ep=ep):
                     continue
                 traces = _traces(model, workload, tp, cp, ep, search.micro_batch_sizes, cache)
                 if isinstance(traces, str):
@@ -259,7 +264,7 @@ def plan(model, hardware: Hardware, workload: Workload, search: SearchSpace = Se
                 mt = next(iter(traces.values()))
                 for pp in divisors(pp_dp):
                     dp = pp_dp // pp
-                    if pp > len(mt.layers) or (experts and (dp * cp) % ep):
+                    if pp > len(mt.layers) or (experts and (dp * cp) % ep) or not search.allows(pp=pp, dp=dp):
                         continue
                     for mbs in search.micro_batch_sizes:
                         if global_batch % (dp * mbs):
@@ -285,7 +290,7 @@ def plan_for(model, gpus: int = 8, gpu_memory=None, hardware="H100-80GB", *, gpu
     """plan() with the hardware, the workload and the search space given field by field: `hardware` a preset name
     (or a Hardware) with `gpus` in all, `gpu_memory` ('80GB') and `gpus_per_node`, and `settings` any field of the
     Workload (seq_len, dtype, optimizer, target, lora, task), of the SearchSpace (micro_batch_sizes, schedules,
-    zero_levels, context_parallel, allow_offload, partial_checkpointing) or of the Hardware (overrides)."""
+    zero_levels, context_parallel, allow_offload, partial_checkpointing, degrees) or of the Hardware (overrides)."""
     workload_fields, search_fields = _fields_of(Workload, settings), _fields_of(SearchSpace, settings)
     overrides = {k: v for k, v in settings.items() if k not in workload_fields and k not in search_fields}
     hw = get_hardware(hardware, gpus=gpus, gpu_memory=gpu_memory, gpus_per_node=gpus_per_node, **overrides)

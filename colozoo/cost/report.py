@@ -16,6 +16,7 @@ class UnitCost:
     layers: list = field(default_factory=list)
     param_bytes: int = 0
     expert_param_bytes: int = 0          # of param_bytes, the experts split over ep (sharded over dp*cp/ep)
+    frozen_param_bytes: int = 0          # of param_bytes, without gradients (DeepSeek-V3's routing bias)
     fwd_flops: int = 0
     bwd_flops: int = 0
     saved_bytes: int = 0
@@ -48,7 +49,8 @@ class StageCost:
     bwd_flops: int               # including recomputation
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per step
     comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per step (what latency costs)
-    trainable: int = -1          # local trainable parameter count (-1: all of `params`; with LoRA: the adapters)
+    trainable: int = -1          # local trainable parameter count (-1: all of `params`; with LoRA: the adapters;
+                                 # fewer when some are frozen, e.g. DeepSeek-V3's routing bias)
 
 
 @dataclass

@@ -206,6 +206,14 @@ class _SdpaKernel(TorchFunctionMode):
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernels take an additive float mask
             attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+        if v.shape[-1] != q.shape[-1]:
+            # values narrower than the keys (MLA): the flash kernels want one head dim; CUDA runs the memory-efficient
+            # kernel (the same saved set: q, k, v, the output and the log-sum-exp), CPU the math path
+            if self.target == "cpu":
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                      is_causal=is_causal, scale=scale)
+            return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, q.requires_grad, dropout_p,
+                                                                is_causal, scale=scale)[0]
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask,
                                                                 scale=scale)[0]
 

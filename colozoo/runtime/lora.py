@@ -21,7 +21,7 @@ import torch
 
 from colozoo.converters import family_module
 from colozoo.converters.source import Source
-from colozoo.layers.linear import ColumnParallelLinear, RowParallelLinear
+from colozoo.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from colozoo.layers.lora import LoRA
 from colozoo.layers.shard import spec_of
 
@@ -143,8 +143,18 @@ def _selector(targets):
     return lambda name: any(matches(name, t) for t in targets)
 
 
-def check_targets(targets, hf_names, experts=()) -> None:
-    """Every target names some HF module of the model (on any stage) other than an MoE expert, or a clear error."""
+def peft_expert_aliases(config, hf_names) -> list[str]:
+    """The HF linear modules of `hf_names` that PEFT takes for the stacked experts: on transformers 5 it turns targets
+    named as the family's converter lists in PEFT_EXPERT_NAMES (DeepSeek-V3: gate_proj, up_proj, down_proj) into
+    targets on the routed experts, whatever module path precedes the name, so adapters on the dense MLPs or the shared
+    expert would not load in peft."""
+    names = getattr(family_module(config.model_type), "PEFT_EXPERT_NAMES", ())
+    return [n for n in hf_names if n.rsplit(".", 1)[-1] in names]
+
+
+def check_targets(targets, hf_names, experts=(), aliases=()) -> None:
+    """Every target names some HF module of the model (on any stage) other than an MoE expert or a module PEFT takes
+    for one (`aliases`, see peft_expert_aliases), or a clear error."""
     if targets == ALL_LINEAR and experts:
         raise ValueError("LoRA targets 'all-linear' on an MoE model are not supported: PEFT's all-linear adapts the "
                          "MoE expert linears and routers too, which colozoo does not; name the attention (and "
@@ -156,6 +166,11 @@ def check_targets(targets, hf_names, experts=()) -> None:
         raise ValueError(f"LoRA targets {targets!r} select MoE expert linears ({[n for n in experts if select(n)][:2]}"
                          f"...), which are not supported: transformers holds the experts as stacked parameters, not "
                          f"linear modules PEFT can target; adapt the attention (and shared-expert) linears")
+    if any(select(n) for n in aliases):
+        raise ValueError(f"LoRA targets {targets!r} select {[n for n in aliases if select(n)][:2]}...: PEFT (on "
+                         f"transformers 5) takes modules named {sorted({n.rsplit('.', 1)[-1] for n in aliases})} in "
+                         f"this model for its routed experts, so the adapter would not load in peft; adapt the "
+                         f"attention projections")
     if isinstance(targets, str):
         if not any(_selector(targets)(n) for n in hf_names):
             raise ValueError(f"LoRA target pattern {targets!r} matches no module of the model")
@@ -192,7 +207,8 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
     saved = _saved_parameters(model, tuple(modules_to_save))
     sources = hf_linear_sources(model.config)
     linears = {name: tuple(n.removesuffix(".weight") for n in s.names) for name, s in sources.items()}
-    check_targets(targets, [n for names in linears.values() for n in names], expert_modules(model.config))
+    hf_names = [n for names in linears.values() for n in names]
+    check_targets(targets, hf_names, expert_modules(model.config), peft_expert_aliases(model.config, hf_names))
     select = _selector(targets)
     for name, module in model.named_modules():
         hf_names = linears.get(name)
@@ -201,7 +217,7 @@ def apply_lora(model, r: int = 8, alpha: float = 8, dropout: float = 0.0, target
         adapted = tuple(i for i, n in enumerate(hf_names) if select(n))
         if not adapted:
             continue
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             if targets != ALL_LINEAR:
                 warnings.warn(f"LoRA target {hf_names[0]} ({type(module).__name__}) is not a tensor-parallel "
                               f"linear: left without an adapter", stacklevel=2)

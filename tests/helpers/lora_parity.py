@@ -167,10 +167,12 @@ def load_base(model, hf, pc):
 
 
 def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_parallel: str | None = None,
-                use_rslora: bool = False, cp: int = 1, ep: int = 1, overrides: dict | None = None) -> int:
+                use_rslora: bool = False, cp: int = 1, ep: int = 1, overrides: dict | None = None,
+                sequence_parallel: bool = False) -> int:
     """Loss (and logits where the model gives them), every adapter and its gradient against PEFT; base weights
     without gradient, the optimizer holding adapters only. Returns how many HF modules this rank checked."""
-    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep) if tp * pp * dp * cp > 1 else single_process()
+    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel) \
+        if tp * pp * dp * cp > 1 else single_process()
     config, hf, inputs, labels = hf_and_batch(family, overrides)
     model = load_base(build_model(config, pc=pc, device="meta"), hf, pc)
     if ep > 1:  # each rank holds its share of the experts

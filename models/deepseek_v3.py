@@ -1,0 +1,89 @@
+"""DeepSeek-V3 / R1 (and Kimi-K2, the same architecture, registered under this family) on the shared decoder
+(colozoo.models.decoder): multi-head latent attention (layers.mla) in every layer, a dense SwiGLU MLP in the first
+`first_k_dense_replace` layers and DeepSeekMoE in the others: a shared expert every token goes through (ungated) beside
+n_routed_experts routed ones, chosen by sigmoid scores plus a bias correction within the best topk_group of n_group
+groups, weighted by the uncorrected scores (normalised) times routed_scaling_factor (layers.moe.GroupLimitedRouter).
+transformers adds no load-balancing loss for it, and neither does colozoo.
+
+    embed_tokens -> [input_layernorm -> self_attn (MLA: q_a_proj -> q_a_layernorm -> q_b_proj, kv_a_proj_with_mqa ->
+                     kv_a_layernorm -> kv_b_proj, decoupled rotary key, o_proj) -> + post_attention_layernorm -> mlp
+                     -> +] x n -> norm -> lm_head
+
+The softmax scale is qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under YaRN: transformers applies
+that factor for any rope type but "default" whose parameters name an mscale_all_dim (a quirk followed here), while
+cos/sin carry YaRN's attention factor mscale / mscale_all_dim as for every family (layers.rope).
+"""
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from colozoo.layers.mla import LatentAttention
+from colozoo.layers.moe import GroupLimitedRouter
+from colozoo.layers.rope import rope_parameters
+from colozoo.layers.vocab import LogitsRequest
+from colozoo.models.base import ModelOutput, UnsupportedConfig
+from colozoo.models.decoder import DecoderModel, MoEDecoderModel, dense_mlp
+from colozoo.models.family import Family
+
+
+def softmax_scale(config) -> float:
+    """transformers' DeepseekV3Attention.scaling: qk_head_dim ** -0.5, times mscale ** 2 where the rope parameters
+    (of any type but "default") give an mscale_all_dim."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if params["rope_type"] != "default" and mscale_all_dim and params["factor"] > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(params["factor"]) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+def is_sparse(config, layer_idx: int) -> bool:
+    """transformers' rule: the first first_k_dense_replace layers are dense, every later one a MoE."""
+    return layer_idx >= config.first_k_dense_replace
+
+
+class DeepseekV3ForCausalLM(MoEDecoderModel):
+    family = "deepseek_v3"
+    num_experts_key = "n_routed_experts"
+
+    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+        if config.num_key_value_heads != config.num_attention_heads:
+            raise UnsupportedConfig(f"DeepSeek-V3 expands every head's key and value from the latent: "
+                                    f"num_key_value_heads ({config.num_key_value_heads}) must equal "
+                                    f"num_attention_heads ({config.num_attention_heads})")
+        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+
+    def attention_window(self, config):
+        return None
+
+    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        return LatentAttention(config.hidden_size, config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+                               kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+                               qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                               layer_idx=layer_idx, scale=softmax_scale(config), norm_eps=config.rms_norm_eps,
+                               bias=config.attention_bias, interleaved_rope=config.rope_interleave,
+                               dropout=config.attention_dropout, group=pc.tp_group,
+                               sequence_parallel=pc.sequence_parallel, **kw)
+
+    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+        if not is_sparse(config, layer_idx):
+            return dense_mlp(config, pc, **kw)
+        router = GroupLimitedRouter(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                                    groups=config.n_group, topk_group=config.topk_group,
+                                    normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor, **kw)
+        return self.moe(config, pc, config.moe_intermediate_size, router=router, shared_expert_gate=False,
+                        shared_expert_size=config.moe_intermediate_size * config.n_shared_experts or None, **kw)
+
+    def router_stats_width(self) -> int:
+        return 0  # no router losses to carry between pipeline stages (see head)
+
+    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        """transformers' DeepSeek-V3 adds no load-balancing loss, output_router_logits or not (its experts are
+        balanced by the routing bias instead)."""
+        return DecoderModel.head(self, hidden, ctx, labels=labels, logits=logits)
+
+
+FAMILIES = (Family("deepseek_v3", ("deepseek_v3",), DeepseekV3ForCausalLM, converter="deepseek_v3", gated_mlp=True),)
