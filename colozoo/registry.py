@@ -111,8 +111,6 @@ def get_config(name: str):
 
 def local_config(path: Path):
     """The config of a model directory: a colozoo checkpoint's index or an HF config.json."""
-    import transformers
-
     index = path / COLOZOO_INDEX
     try:
         if index.is_file():
@@ -121,10 +119,26 @@ def local_config(path: Path):
         if (path / "config.json").is_file():
             from colozoo.models import text_config
 
-            return text_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
+            return text_config(hf_config(path))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read the model config in {path}: {e}") from None
     raise ValueError(f"{path} is not a model directory (no config.json or {COLOZOO_INDEX})")
+
+
+def hf_config(path: Path):
+    """transformers' config of an HF directory. A model type transformers does not know, written for remote code
+    (Kimi-K2's kimi_k2, whose architecture is DeepseekV3ForCausalLM), reads as its architecture's when transformers
+    has that class: the remote code is never run, nor asked about."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    data = json.loads((Path(path) / "config.json").read_text())
+    architecture = (data.get("architectures") or [""])[0]
+    model_class = getattr(transformers, architecture, None) if architecture.endswith("ForCausalLM") else None
+    if data.get("model_type") not in CONFIG_MAPPING and model_class is not None:
+        data.pop("auto_map", None)
+        return config_from_dict({**data, "model_type": model_class.config_class.model_type}, architecture)
+    return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
 def count_parameters(config) -> int | None:

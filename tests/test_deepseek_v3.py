@@ -341,3 +341,29 @@ def test_greedy_generate_parallel(tp, pp, ep):
     results = run_distributed(greedy_matches_transformers, tp * pp * ep, families=["deepseek_v3"], tp=tp, pp=pp,
                               dp=ep, ep=ep, configs=GENERATE, timeout=TIMEOUT)
     assert all(r == results[0] for r in results)
+
+
+def test_a_kimi_k2_directory_loads_without_its_remote_code(tmp_path):
+    """Kimi-K2's config.json says model_type kimi_k2 (which transformers does not know) and points auto_map at remote
+    code; its architecture is DeepseekV3ForCausalLM, which colozoo builds, never running that code: from_pretrained and
+    convert read the directory, with transformers' logits."""
+    import json
+
+    import torch
+
+    import colozoo
+    from colozoo.checkpoint.convert import convert
+
+    _, hf = hf_moe(MOE)
+    hf.save_pretrained(tmp_path / "kimi")
+    config = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(config))
+    ids = batch(hf.config.vocab_size, 12)[0]
+    with torch.no_grad():
+        expected = hf(ids).logits
+        model = colozoo.from_pretrained(str(tmp_path / "kimi"))
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    convert(str(tmp_path / "kimi"), str(tmp_path / "kimi-tp1"), tp=1, pp=1)
+    assert colozoo.registry.get_config(str(tmp_path / "kimi-tp1")).model_type == "deepseek_v3"

@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import transformers
 from tqdm import tqdm
 
 from colozoo.checkpoint.atomic import atomic_directory, check_destination
@@ -28,6 +27,7 @@ from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, is_colozoo
 from colozoo.checkpoint.layout import ModelLayout, check_mesh
 from colozoo.core.dtypes import parse_dtype
 from colozoo.checkpoint.readers import GlobalTensor, StateDictReader
+from colozoo.registry import hf_config
 from colozoo.checkpoint.load import HFTensors
 from colozoo.checkpoint.readers import index_files
 from colozoo.core.errors import CheckpointError
@@ -74,7 +74,7 @@ class HFCheckpoint(HFTensors):
 
     def __init__(self, path, config=None, allow_bin: bool = False):
         self.path = Path(path)
-        config = config or transformers.AutoConfig.from_pretrained(self.path)
+        config = config or hf_config(self.path)
         if text_model(config.model_type) is not None:
             warnings.warn(f"{self.path} holds a {config.architectures[0]}: loading its text model, "
                           f"{text_model(config.model_type)[1]} ignored", stacklevel=2)
