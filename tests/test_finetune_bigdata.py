@@ -63,7 +63,7 @@ MEASURE = textwrap.dedent("""
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="measures the resident set from /proc")
 def test_dataset_larger_than_the_memory_it_may_use_trains(tiny, tmp_path):  # noqa: F811
-    data = big_parquet(tmp_path / "big.parquet", tokens=3_000_000)
+    data = big_parquet(tmp_path / "big.parquet", tokens=5_000_000)
     output = tmp_path / "run"
     warm_up = big_parquet(tmp_path / "small.parquet", tokens=10_000)
     done = subprocess.run([sys.executable, "-c", MEASURE, str(tiny), str(warm_up), str(data), str(output), "16"],
@@ -71,8 +71,8 @@ def test_dataset_larger_than_the_memory_it_may_use_trains(tiny, tmp_path):  # no
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     in_memory = measured["rows"] * measured["seq_len"] * IN_MEMORY_BYTES
-    assert in_memory > 80e6, measured  # what the in-memory dataset would hold
-    assert measured["grown_kib"] * 1024 < 30e6, measured  # the data path's peak, building and reading batches
+    assert in_memory > 130e6, measured  # what the in-memory dataset would hold
+    assert measured["grown_kib"] * 1024 < 60e6, measured  # the data path's peak, building and reading batches
     # the run reuses that cache (same dataset, tokenizer and options) and trains on it
     summary = finetune(small_run(tiny, output, data=str(data), steps=3, eval_interval=0, eval_fraction=0.01,
                                  save_interval=0))
