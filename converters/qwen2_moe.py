@@ -48,9 +48,9 @@ def experts(config, in_memory: bool = False, layers=None, count: int | None = No
     config.num_experts): from one tensor per expert (checkpoint files) or, `in_memory`, from transformers' stacked
     parameters of the same names as ours (Qwen3-MoE and DeepSeek-V3 share this layout)."""
     out, n = {}, config.num_experts if count is None else count
-    for i in range(config.num_hidden_layers) if layers is None else layers:
-        if layers is None and not is_sparse(config, i):
-            continue
+    if layers is None:
+        layers = [i for i in range(config.num_hidden_layers) if is_sparse(config, i)]
+    for i in layers:
         hf, ours = f"{HF_PREFIX}layers.{i}.mlp.experts.", f"layers.{i}.mlp.experts."
         if in_memory:
             out.update({f"{ours}{w}": Source.of(f"{hf}{w}") for w in ("gate_up_proj", "down_proj")})
