@@ -1,8 +1,11 @@
 """The hot paths' kernels, one op per module; layers call only the ops.
 
-    norms                 layer_norm, rms_norm (optionally fused with the residual add; Gemma's 1 + weight)
-    rope                  apply_rotary: rotary position embeddings, partial rotary passing the rest through
-    activations           swiglu, bias_gelu, the GeLU variants by config name, linear_gelu (the bias into the GeLU)
+    norms                 layer_norm, rms_norm (optionally fused with the residual add; Gemma's 1 + weight),
+                          rms_norm_linear (fused with the projection after it: the normed tensor is not kept)
+    rope                  apply_rotary: rotary position embeddings, partial rotary passing the rest through;
+                          rotary_qkv (q and k rotated inside the fused qkv projection)
+    activations           swiglu, bias_gelu, the GeLU variants by config name, linear_gelu (the bias into the GeLU),
+                          swiglu_linear (fused with down_proj: the product is not kept)
     attention             local_attention: SDPA, GPT-2's upcast order, capped scores, packed documents, dropout
     decode                decode_attention: one new token per sequence against a KV cache
     cross_entropy         vocab_parallel_cross_entropy

@@ -1,13 +1,17 @@
 """Activations with a Triton kernel: SwiGLU, bias + GeLU, and the GeLU variants of transformers' config names.
 
     swiglu(gate, up)                          silu(gate) * up
+    swiglu_linear(gate_up, weight, bias, linear)  linear(swiglu(*gate_up.chunk(2, -1)), weight, bias)
     bias_gelu(x, bias, approximate)           gelu(x + bias), "none" (erf) or "tanh"
     gelu, gelu_tanh, gelu_new, gelu_fast      GELUS[config name]
     linear_gelu(linear, x, weight, bias, name)  a GeLU of linear(x, weight, bias), the bias fused into the kernel
 
 Each op runs the Triton kernel (`activations_triton`) where `dispatch.use_triton` says so (SwiGLU as an elementwise
 op: a decode step's inputs stay on torch), otherwise its torch reference, the `*_reference` function here (F.gelu
-for the exact GeLU). Every GeLU variant takes the one bias-GeLU kernel, exact or tanh-approximated.
+for the exact GeLU). Every GeLU variant takes the one bias-GeLU kernel, exact or tanh-approximated. `swiglu_linear`
+fuses where that saves memory, a training forward (grad enabled, no autocast) on the Triton path: one function that
+keeps gate | up and computes the product again in backward, where the linear after it would keep the product too;
+elsewhere it is `swiglu` and then `linear` (F.linear or the caller's, e.g. `colozoo.layers.matmul.linear`).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from .dispatch import autocasting, use_triton
 
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 
@@ -27,6 +31,17 @@ def swiglu(gate, up):
 
         return swiglu_triton(gate, up)
     return swiglu_reference(gate, up)
+
+
+def swiglu_linear(gate_up, weight, bias=None, linear=F.linear):
+    """linear(silu(gate) * up, weight, bias) for gate, up = gate_up.chunk(2, dim=-1) (a fused gate | up
+    projection's output)."""
+    same_dtype = weight.dtype == gate_up.dtype and (bias is None or bias.dtype == gate_up.dtype)
+    if torch.is_grad_enabled() and not autocasting(gate_up) and same_dtype and use_triton(gate_up, elementwise=True):
+        from .activations_triton import swiglu_linear_triton
+
+        return swiglu_linear_triton(gate_up, weight, bias)
+    return linear(swiglu(*gate_up.chunk(2, dim=-1)), weight, bias)
 
 
 def bias_gelu(x, bias=None, approximate: str = "none"):

@@ -1,10 +1,13 @@
 """The Triton kernels of `colozoo.kernels.activations`: SwiGLU (silu(gate) * up) and bias + GeLU (exact erf or tanh
-approximation), elementwise with fp32 math."""
+approximation), elementwise with fp32 math. SwiGLU reads gate and up where they lie, the two halves of one gate | up
+projection (no copies), and `swiglu_linear_triton` fuses it with the linear layer after it, keeping gate | up alone
+for backward."""
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -18,24 +21,29 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _swiglu_forward(G, U, Y, n, BLOCK: tl.constexpr):
+def _swiglu_forward(G, U, Y, n, N, stride_in, stride_out, BLOCK: tl.constexpr):
+    """Y = silu(G) * U over n elements of rows of N: G and U rows `stride_in` apart (the halves of one gate | up
+    tensor: 2N), Y rows `stride_out` apart."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
-    g = tl.load(G + offs, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=inside, other=0.0).to(tl.float32)
-    tl.store(Y + offs, (g * _sigmoid(g) * u).to(Y.dtype.element_ty), mask=inside)
+    at = offs // N * stride_in + offs % N
+    g = tl.load(G + at, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(U + at, mask=inside, other=0.0).to(tl.float32)
+    tl.store(Y + offs // N * stride_out + offs % N, (g * _sigmoid(g) * u).to(Y.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _swiglu_backward(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
+def _swiglu_backward(G, U, DY, DG, DU, n, N, stride_in, stride_dy, stride_grad, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
-    g = tl.load(G + offs, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=inside, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=inside, other=0.0).to(tl.float32)
+    row, col = offs // N, offs % N
+    g = tl.load(G + row * stride_in + col, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_in + col, mask=inside, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy + col, mask=inside, other=0.0).to(tl.float32)
     sig = _sigmoid(g)
-    tl.store(DG + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=inside)
-    tl.store(DU + offs, (dy * g * sig).to(DU.dtype.element_ty), mask=inside)
+    at = row * stride_grad + col
+    tl.store(DG + at, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=inside)
+    tl.store(DU + at, (dy * g * sig).to(DU.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -73,26 +81,79 @@ def _grid(n):
     return (triton.cdiv(n, BLOCK),)
 
 
+def _swiglu_rows(gate, up):
+    """gate and up as (rows, N) with one row stride and unit column stride: views where they already are (the two
+    halves of a gate | up projection), contiguous copies otherwise."""
+    n = gate.shape[-1]
+    gate, up = gate.reshape(-1, n), up.reshape(-1, n)
+    if gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0):
+        gate, up = gate.contiguous(), up.contiguous()
+    return gate, up
+
+
+def _swiglu_into(gate, up, y):
+    if y.numel():
+        _swiglu_forward[_grid(y.numel())](gate, up, y, y.numel(), y.shape[-1], max(gate.stride(0), 1),
+                                          y.stride(0), BLOCK=BLOCK)
+    return y
+
+
+def _swiglu_grad_into(gate, up, dy, dgate, dup):
+    if dy.numel():
+        _swiglu_backward[_grid(dy.numel())](gate, up, dy, dgate, dup, dy.numel(), dy.shape[-1],
+                                            max(gate.stride(0), 1), dy.stride(0), dgate.stride(0), BLOCK=BLOCK)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         if gate.shape != up.shape or gate.dtype != up.dtype:
             raise ValueError(f"swiglu gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        if y.numel():
-            _swiglu_forward[_grid(y.numel())](gate, up, y, y.numel(), BLOCK=BLOCK)
+        ctx.shape = gate.shape
+        gate, up = _swiglu_rows(gate, up)
         ctx.save_for_backward(gate, up)
-        return y
+        return _swiglu_into(gate, up, torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)).view(ctx.shape)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dy = dy.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        if dy.numel():
-            _swiglu_backward[_grid(dy.numel())](gate, up, dy, dgate, dup, dy.numel(), BLOCK=BLOCK)
-        return dgate, dup
+        dy = dy.reshape(gate.shape).contiguous()
+        dgate, dup = torch.empty_like(dy), torch.empty_like(dy)
+        _swiglu_grad_into(gate, up, dy, dgate, dup)
+        return dgate.view(ctx.shape), dup.view(ctx.shape)
+
+
+class _SwiGLULinear(torch.autograd.Function):
+    """linear(silu(gate) * up, weight, bias) of one gate | up tensor: keeps gate_up, not the product the linear
+    multiplies (which backward computes again, the same kernel on the same inputs: the same bits)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, weight, bias):
+        n = gate_up.shape[-1] // 2
+        rows = gate_up.reshape(-1, 2 * n).contiguous()
+        product = torch.empty(*gate_up.shape[:-1], n, device=rows.device, dtype=rows.dtype)
+        _swiglu_into(rows[:, :n], rows[:, n:], product.view(-1, n))
+        ctx.save_for_backward(rows, weight)
+        ctx.shape, ctx.has_bias = gate_up.shape, bias is not None
+        return F.linear(product, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        rows, weight = ctx.saved_tensors
+        n = rows.shape[1] // 2
+        gate, up = rows[:, :n], rows[:, n:]
+        dout = dout.reshape(-1, dout.shape[-1])
+        dweight = dbias = None
+        if ctx.needs_input_grad[1]:
+            product = _swiglu_into(gate, up, torch.empty(rows.shape[0], n, device=rows.device, dtype=rows.dtype))
+            dweight = dout.t().mm(product)
+            del product
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = dout.sum(0)
+        dproduct = dout.mm(weight)
+        dgate_up = torch.empty_like(rows)
+        _swiglu_grad_into(gate, up, dproduct, dgate_up[:, :n], dgate_up[:, n:])
+        return dgate_up.view(ctx.shape), dweight, dbias
 
 
 class _BiasGelu(torch.autograd.Function):
@@ -129,6 +190,11 @@ def _approximate(approximate: str) -> bool:
 
 def swiglu_triton(gate, up):
     return _SwiGLU.apply(gate, up)
+
+
+def swiglu_linear_triton(gate_up, weight, bias=None):
+    """F.linear(silu(gate) * up, weight, bias) for gate, up = gate_up.chunk(2, dim=-1)."""
+    return _SwiGLULinear.apply(gate_up, weight, bias)
 
 
 def bias_gelu_triton(x, bias=None, approximate: str = "none"):

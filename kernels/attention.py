@@ -56,9 +56,11 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     if documents is not None:
         mask = with_documents(mask, documents, causal)
     grouped = k.shape[1] != q.shape[1]
-    if grouped and not upcast and softcap is None and sinks is None and not torch.is_grad_enabled():
+    if grouped and not upcast and softcap is None and sinks is None and (not torch.is_grad_enabled()
+                                                                        or _flash_takes_groups(q, mask)):
         # inference (the KV cache): SDPA shares each kv head with its query group, no copy of the whole cache
-        # (bit-identical to the repeat; training keeps the repeat, whose backward the parity tests check)
+        # (bit-identical to the repeat; training on the CPU keeps the repeat, whose backward the parity tests check).
+        # Training on CUDA too where the flash kernel takes the groups: it then keeps k and v, not their repeats
         with _dropout_rng(q, dropout_p):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                   is_causal=causal and mask is None, scale=scale, enable_gqa=True)
@@ -77,6 +79,13 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                              scale=scale)
     return out
+
+
+def _flash_takes_groups(q, mask) -> bool:
+    """Whether SDPA runs grouped-query attention in its flash kernel (CUDA, sm80 or later, fp16 / bf16, no mask):
+    elsewhere a grouped SDPA falls back to its math kernel, slower than the repeat."""
+    return (q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_properties(q.device).major >= 8)  # constant to torch.compile
 
 
 def _dropout_rng(q, dropout_p: float):

@@ -8,7 +8,8 @@ soft-capping, softcap * tanh(scores / softcap) before the mask (backward: times 
 packed sequences: with (batch, seq) document ids a query sees only keys of its own document (compared in the
 kernel, like causality, so no (seq, seq) mask is ever built).
 
-The softmax runs online in base 2 with fp32 statistics; the forward pass saves only the row log-sum-exp.
+The softmax runs online in base 2 with fp32 statistics; the forward pass saves only the row log-sum-exp. The output
+lies in memory as (batch, seq, heads, head_dim), returned as a (batch, heads, seq, head_dim) view.
 Rows with no visible key give zeros (and zero gradients) instead of NaN. The backward pass is two kernels,
 one per key block (dK, dV) and one per query block (dQ), so nothing needs atomics; for GQA the per-q-head
 dK/dV are summed over the group afterwards.
@@ -259,7 +260,9 @@ class _FlashAttention(torch.autograd.Function):
         mask_arg = q if mask_t is None else mask_t
         docs, docs_s = _documents(documents, b, sq, sk)
         docs_arg = mask_arg if docs is None else docs
-        out = torch.empty(b, h, sq, d, device=q.device, dtype=q.dtype)
+        # (batch, seq, heads, head_dim) in memory: merging the heads for the output projection is then a view, and
+        # that projection keeps the very tensor kept here
+        out = torch.empty(b, sq, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
         lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
         block_m, block_n, block_d = _blocks(sq, sk, d)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"

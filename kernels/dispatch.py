@@ -75,6 +75,12 @@ def kernels_interpreted(like: torch.Tensor) -> bool:
     return not like.is_cuda and interpreting() and use_triton(like)
 
 
+def autocasting(x: torch.Tensor) -> bool:
+    """True under autocast on x's device: the fused ops that hold a matmul leave it to torch's autocast there."""
+    device = x.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
 # Up to this many elements without autograd (a decode step's activations) an elementwise op costs the CPU its
 # launches, not the GPU its bytes, and one Triton launch costs several aten ones: 'auto' keeps torch there.
 LAUNCH_BOUND_ELEMENTS = 1 << 20

@@ -3,17 +3,22 @@ that hold the weights are `colozoo.layers.norm`.
 
     layer_norm(x, weight, bias, eps, residual=None)           y, or (y, x + residual) given a residual
     rms_norm(x, weight, eps, residual=None, offset=False)     the same; offset=True (Gemma) scales by (1 + weight)
+    rms_norm_linear(x, norm_weight, eps, weight, bias, residual=None, offset=False, linear=F.linear)
+                                                              linear(rms_norm(...), weight, bias), (and x + residual)
 
 Each op runs the Triton kernel (`norms_triton`) where `dispatch.use_triton` says so for an elementwise op and the
 residual and parameters share x's dtype (the kernel returns x's dtype, where torch would promote a mixed-dtype sum);
-otherwise its torch reference, the `*_reference` function here.
+otherwise its torch reference, the `*_reference` function here. `rms_norm_linear` fuses only where that saves
+memory, a training forward (grad enabled, no autocast) on the Triton path: one function that keeps x and the fp32
+statistic and normalises again in backward, where the linear after the norm would keep the normed tensor too.
+Elsewhere it is `rms_norm` and then `linear` (F.linear or the caller's, e.g. `colozoo.layers.matmul.linear`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from .dispatch import autocasting, use_triton
 
 
 def _kernel_fits(x, residual, *params) -> bool:
@@ -44,6 +49,22 @@ def rms_norm(x, weight=None, eps: float = 1e-6, residual=None, *, offset: bool =
         summed = x + residual
         return rms_norm(summed, weight, eps, offset=offset), summed
     return rms_norm_reference(x, weight, eps, offset=offset)
+
+
+def rms_norm_linear(x, norm_weight, eps: float, weight, bias=None, residual=None, *, offset: bool = False,
+                    linear=F.linear):
+    """linear(rms_norm(x, norm_weight, eps), weight, bias); given `residual`, of x + residual, returning
+    (that, x + residual)."""
+    fused = torch.is_grad_enabled() and not autocasting(x)
+    if fused and _kernel_fits(x, residual, weight, bias, *(() if offset else (norm_weight,))):
+        from .norms_triton import rms_norm_linear_triton
+
+        return rms_norm_linear_triton(x, 1 + norm_weight.float() if offset else norm_weight, eps, weight, bias,
+                                      residual)
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps, offset=offset), weight, bias)
+    normed, summed = rms_norm(x, norm_weight, eps, residual, offset=offset)
+    return linear(normed, weight, bias), summed
 
 
 def layer_norm_reference(x, weight=None, bias=None, eps: float = 1e-5, residual=None):

@@ -1,12 +1,15 @@
 """Rotary position embeddings of (batch, heads, seq, head_dim) tensors.
 
     apply_rotary(x, cos, sin)
+    rotary_qkv(qkv, cos, sin, heads, kv_heads, head_dim)    a fused projection -> q, k, v heads, q and k rotated
 
 `cos` and `sin` are what the models compute from their position ids: (batch, seq, rotary_dim) or (seq, rotary_dim),
 fp32, their two halves equal, since feature i rotates with feature i + rotary_dim/2 (LLaMA / NeoX "rotate half").
 Features past `rotary_dim` pass through (partial rotary, as in GPT-NeoX). The op runs the Triton kernel
 (`rope_triton`, which takes one angle per rotated pair) where `dispatch.use_triton` says so for an elementwise op,
-otherwise `apply_rotary_reference`.
+otherwise `apply_rotary_reference`. `rotary_qkv` on the Triton path rotates q and k in place inside the projection
+(`rope_triton.rotate_qk_in_place_triton`: what the backward keeps is then the projection alone, q, k and v being
+views of it, and the angles); otherwise it splits the heads and applies `apply_rotary` to q and k.
 """
 from __future__ import annotations
 
@@ -22,6 +25,26 @@ def apply_rotary(x, cos, sin):
         half = cos.shape[-1] // 2
         return apply_rotary_triton(x, cos[..., :half], sin[..., :half])
     return apply_rotary_reference(x, cos, sin)
+
+
+def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+    """A fused (batch, seq, (heads + 2 kv_heads) * head_dim) projection -> q (batch, heads, seq, head_dim), k, v
+    (batch, kv_heads, seq, head_dim): views, no copy."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    return tuple(t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+
+
+def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
+    """q, k, v (as `split_heads`) of a fused projection, q and k rotated by cos/sin (as `apply_rotary`)."""
+    if use_triton(qkv, elementwise=True) and qkv.is_contiguous():
+        from .rope_triton import rotate_qk_in_place_triton
+
+        half = cos.shape[-1] // 2
+        qkv = rotate_qk_in_place_triton(qkv, cos[..., :half], sin[..., :half], heads, kv_heads)
+        return split_heads(qkv, heads, kv_heads, head_dim)
+    q, k, v = split_heads(qkv, heads, kv_heads, head_dim)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 def rotate_half(x):

@@ -1,9 +1,13 @@
 """The Triton kernel of `colozoo.kernels.rope`: rotary embeddings of (batch, heads, seq, head_dim) tensors of any
-strides.
+strides, into a new tensor or in place.
 
 `cos` and `sin` hold one angle per rotated pair: shape (seq, rotary_dim // 2) or (batch, seq, rotary_dim // 2)
 (the first halves of what the models compute). Feature i pairs with i + rotary_dim/2 (LLaMA / NeoX "rotate half");
 the features past `rotary_dim` pass through (partial rotary). The backward pass is the same rotation by -angle.
+
+`rotate_qk_in_place_triton` rotates the q and k heads of a fused qkv projection where they lie: the attention then
+keeps q, k and v as views of that one tensor, and the rotation's backward keeps only the angles (rotating into new
+tensors keeps the projection for v and the rotated q and k besides).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(X, COS, SIN, Y, sxb, sxh, sxs, sxd, scb, scs, scd, H, S, HALF, D,
+def _rotate(X, COS, SIN, Y, sxb, sxh, sxs, sxd, syb, syh, sys, syd, scb, scs, scd, H, S, HALF, D,
             CONJUGATE: tl.constexpr, BLOCK_S: tl.constexpr,
             BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     bh = tl.program_id(1)
@@ -24,7 +28,7 @@ def _rotate(X, COS, SIN, Y, sxb, sxh, sxs, sxd, scb, scs, scd, H, S, HALF, D,
     inside = (rows[:, None] < S) & (pairs[None, :] < HALF)
     first, second = pairs, pairs + HALF
     X += b * sxb + h * sxh + rows[:, None] * sxs
-    Y += bh.to(tl.int64) * S * D + rows[:, None] * D
+    Y += b * syb + h * syh + rows[:, None] * sys
     angle = b * scb + rows[:, None] * scs + pairs[None, :] * scd
     cos = tl.load(COS + angle, mask=inside, other=0.0).to(tl.float32)
     sin = tl.load(SIN + angle, mask=inside, other=0.0).to(tl.float32)
@@ -32,12 +36,12 @@ def _rotate(X, COS, SIN, Y, sxb, sxh, sxs, sxd, scb, scs, scd, H, S, HALF, D,
         sin = -sin
     x1 = tl.load(X + first[None, :] * sxd, mask=inside, other=0.0).to(tl.float32)
     x2 = tl.load(X + second[None, :] * sxd, mask=inside, other=0.0).to(tl.float32)
-    tl.store(Y + first[None, :], (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=inside)
-    tl.store(Y + second[None, :], (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=inside)
+    tl.store(Y + first[None, :] * syd, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=inside)
+    tl.store(Y + second[None, :] * syd, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=inside)
     if BLOCK_REST > 0:
         rest = 2 * HALF + tl.arange(0, BLOCK_REST)
         keep = (rows[:, None] < S) & (rest[None, :] < D)
-        tl.store(Y + rest[None, :], tl.load(X + rest[None, :] * sxd, mask=keep, other=0.0), mask=keep)
+        tl.store(Y + rest[None, :] * syd, tl.load(X + rest[None, :] * sxd, mask=keep, other=0.0), mask=keep)
 
 
 def _angles(t: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -49,28 +53,36 @@ def _angles(t: torch.Tensor, b: int, s: int) -> torch.Tensor:
     return t.expand(b, s, t.shape[2])
 
 
-def _launch(x, cos, sin, conjugate: bool):
+def _checked_angles(x, cos, sin):
+    if x.dim() != 4:
+        raise ValueError(f"rotary embedding takes (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
+    b, _, s, d = x.shape
+    cos, sin = _angles(cos, b, s), _angles(sin, b, s)
+    if cos.shape != sin.shape or 2 * cos.shape[-1] > d:
+        raise ValueError(f"rotary cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit head_dim {d}")
+    return cos, sin
+
+
+def _launch(x, cos, sin, conjugate: bool, out=None):
+    """x rotated into `out` (a new contiguous tensor by default; `out` may be x itself: each element is read before
+    it is written, by the same program)."""
     b, h, s, d = x.shape
     half = cos.shape[-1]
-    y = torch.empty(b, h, s, d, device=x.device, dtype=x.dtype)
+    y = torch.empty(b, h, s, d, device=x.device, dtype=x.dtype) if out is None else out
     block_s = min(64, triton.next_power_of_2(max(s, 1)))
     rest = d - 2 * half
     if y.numel():
         _rotate[(triton.cdiv(s, block_s), b * h)](
-            x, cos, sin, y, *x.stride(), *cos.stride(), h, s, half, d, CONJUGATE=conjugate, BLOCK_S=block_s,
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_REST=triton.next_power_of_2(rest) if rest else 0)
+            x, cos, sin, y, *x.stride(), *y.stride(), *cos.stride(), h, s, half, d, CONJUGATE=conjugate,
+            BLOCK_S=block_s, BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_REST=triton.next_power_of_2(rest) if rest else 0)
     return y
 
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
-        if x.dim() != 4:
-            raise ValueError(f"rotary embedding takes (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
-        b, _, s, d = x.shape
-        cos, sin = _angles(cos, b, s), _angles(sin, b, s)
-        if cos.shape != sin.shape or 2 * cos.shape[-1] > d:
-            raise ValueError(f"rotary cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit head_dim {d}")
+        cos, sin = _checked_angles(x, cos, sin)
         ctx.save_for_backward(cos, sin)
         return _launch(x, cos, sin, False)
 
@@ -80,5 +92,41 @@ class _Rotary(torch.autograd.Function):
         return _launch(grad, cos, sin, True), None, None
 
 
+def _qk_heads(qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """The q and k heads of a contiguous (batch, seq, (heads + 2 kv_heads) * head_dim) projection, as a
+    (batch, heads + kv_heads, seq, head_dim) view."""
+    b, s, width = qkv.shape
+    return qkv.view(b, s, heads + 2 * kv_heads, width // (heads + 2 * kv_heads))[:, :, :heads + kv_heads].transpose(1, 2)
+
+
+class _RotaryQKInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads, kv_heads):
+        if qkv.dim() != 3 or not qkv.is_contiguous() or qkv.shape[-1] % (heads + 2 * kv_heads):
+            raise ValueError(f"a fused qkv projection of {heads} + 2 x {kv_heads} heads must be a contiguous (batch, "
+                             f"seq, heads * head_dim) tensor, got shape {tuple(qkv.shape)}")
+        qk = _qk_heads(qkv, heads, kv_heads)
+        cos, sin = _checked_angles(qk, cos, sin)
+        _launch(qk, cos, sin, False, out=qk)
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads, ctx.kv_heads = heads, kv_heads
+        return qkv
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        dqkv = grad.clone(memory_format=torch.contiguous_format)  # the values' part as it is; autograd owns `grad`
+        dqk = _qk_heads(dqkv, ctx.heads, ctx.kv_heads)
+        _launch(dqk, cos, sin, True, out=dqk)
+        return dqkv, None, None, None, None
+
+
 def apply_rotary_triton(x, cos, sin):
     return _Rotary.apply(x, cos, sin)
+
+
+def rotate_qk_in_place_triton(qkv, cos, sin, heads: int, kv_heads: int):
+    """The first `heads + kv_heads` heads (q, then k) of a contiguous (batch, seq, (heads + 2 kv_heads) * head_dim)
+    projection rotated in place (the tensor returned is qkv); the values' heads are untouched."""
+    return _RotaryQKInPlace.apply(qkv, cos, sin, heads, kv_heads)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.kernels.activations import GELU_APPROXIMATION, linear_gelu
+from colozoo.kernels.activations import GELU_APPROXIMATION, linear_gelu, swiglu, swiglu_linear
 
 from .activations import get_activation
 from .comm import (SEQ_DIM, all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
@@ -66,6 +66,13 @@ class _ColumnParallel(torch.autograd.Function):
         return grad_x() if grad_x is not None else None, grad_weight, grad_bias, None, None
 
 
+def _watched(module: nn.Module) -> bool:
+    """Whether forward hooks watch `module` (its own or global ones): they see its output, so it runs on its own."""
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
+                or hooks._global_forward_pre_hooks)
+
+
 def enter_parallel(x, group, sequence_parallel: bool):
     """x entering the tensor-parallel region: copied (its gradient summed), or gathered along the sequence."""
     return gather_from_sequence(x, group) if sequence_parallel else copy_to_parallel(x, group)
@@ -112,7 +119,14 @@ class ColumnParallelLinear(nn.Module):
         _init_linear(self.weight, self.bias, in_features)
         self.lora = None  # a layers.lora.LoRA adapter, once colozoo.runtime.lora.apply_lora attached one
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm=None, residual=None):
+        """`norm`: the norm before this projection (an RMSNorm), applied to x here, or to x + residual given one, which
+        then returns (projection, x + residual). At tp 1, without an adapter and with no forward hook watching the
+        norm, the two may fuse (RMSNorm.then_linear: nothing then keeps the normed tensor)."""
+        if norm is not None:
+            return self._normed_forward(x, norm, residual)
+        if residual is not None:
+            raise ValueError("ColumnParallelLinear: a residual is added only before the norm given with it (norm=)")
         weight = sum_replica_grads(self.weight, self.replicated_rows, self.replica_group)
         bias = sum_replica_grads(self.bias, self.replicated_rows, self.replica_group) if self.bias is not None else None
         if self.activation in GELU_APPROXIMATION and bias is not None:
@@ -122,6 +136,15 @@ class ColumnParallelLinear(nn.Module):
             if self.act is not None:
                 y = self.act(y)
         return gather_from_parallel(y, self.group) if self.gather_output else y
+
+    def _normed_forward(self, x, norm, residual):
+        plain = group_size(self.group) == 1 and self.lora is None and self.act is None and not self.gather_output
+        if plain and hasattr(norm, "then_linear") and not _watched(norm):
+            return norm.then_linear(x, self.weight, self.bias, residual)
+        if residual is None:
+            return self.forward(norm(x))  # forward, not __call__: this module's hooks ran once already
+        normed, summed = norm(x, residual)
+        return self.forward(normed), summed
 
     def _linear(self, x, weight, bias):
         if self.lora is None:
@@ -157,6 +180,19 @@ class RowParallelLinear(nn.Module):
         y = linear(x, self.weight)
         if self.lora is not None:  # the low-rank path's partial output joins the partial sum before the reduce
             y = self.lora(x, y)
+        return self._reduce(y)
+
+    def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate, up = gate_up.chunk(2, dim=-1): without an adapter the product and this
+        projection fuse (kernels.activations.swiglu_linear: nothing then keeps the product)."""
+        if self.lora is not None:
+            return self(swiglu(*gate_up.chunk(2, dim=-1)))
+        if group_size(self.group) == 1:
+            return swiglu_linear(gate_up, self.weight, self.bias, linear=linear)
+        return self._reduce(swiglu_linear(gate_up, self.weight, linear=linear))
+
+    def _reduce(self, y):
+        """The partial products of the ranks summed (or reduce-scattered along the sequence), plus the bias."""
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
             bias = copy_to_parallel(self.bias, self.group) if self.bias is not None else None

@@ -89,7 +89,10 @@ class LatentAttention(nn.Module):
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         return apply_rope(deinterleave(x) if self.interleaved_rope else x, cos, sin)
 
-    def forward(self, x, ctx):
+    def forward(self, x, ctx, norm=None):
+        """`norm`: the norm before the block, applied to x first."""
+        if norm is not None:
+            x = norm(x)
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:

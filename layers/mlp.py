@@ -1,10 +1,14 @@
 """The gated MLP of LLaMA-style decoders (SwiGLU with silu): down_proj(act(gate) * up), gate and up fused into one
-column-parallel projection (chunks gate | up, so each rank gets its share of both), down_proj row-parallel."""
+column-parallel projection (chunks gate | up, so each rank gets its share of both), down_proj row-parallel.
+
+The norm before the MLP may be handed in (`norm`, with the residual it adds first): the gate | up projection then fuses
+it where it can, and SwiGLU fuses with down_proj (RowParallelLinear.swiglu_forward): a training layer on the Triton
+path keeps the residual sum and gate | up for backward, neither the normed input nor the product."""
 from __future__ import annotations
 
 from torch import nn
 
-from .activations import get_gated_activation
+from .activations import get_gated_activation, swiglu
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -17,6 +21,15 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inner_size, hidden_size, **kw)
         self.gated_act = get_gated_activation(activation)
 
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.gated_act(gate, up))
+    def forward(self, x, norm=None, residual=None):
+        """down_proj(act(gate) * up) of x, or of norm(x) given the `norm` before the MLP, or of norm(x + residual)
+        given a residual too, then returning (output, x + residual)."""
+        if residual is not None:
+            gate_up, summed = self.gate_up(x, norm=norm, residual=residual)
+            return self._down(gate_up), summed
+        return self._down(self.gate_up(x, norm=norm))
+
+    def _down(self, gate_up):
+        if self.gated_act is swiglu:
+            return self.down_proj.swiglu_forward(gate_up)
+        return self.down_proj(self.gated_act(*gate_up.chunk(2, dim=-1)))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colozoo.kernels.norms import layer_norm, rms_norm
+from colozoo.kernels.norms import layer_norm, rms_norm, rms_norm_linear
 
 from .comm import copy_to_parallel, group_size, reduce_from_parallel, sum_replica_grads
+from .matmul import linear
 from .shard import Split, local_pieces, shard
 
 
@@ -55,6 +56,14 @@ class RMSNorm(_SequenceParallelAware):
     def forward(self, x, residual=None):
         """Normalise x; given `residual`, normalise x + residual and return (normed, x + residual)."""
         return rms_norm(x, self._param(self.weight), self.eps, residual, offset=self.offset)
+
+    def then_linear(self, x, weight, bias=None, residual=None):
+        """F.linear(self(x), weight, bias) (given `residual`: of x + residual, returning (that, x + residual)), for
+        the projection after this norm on one rank: fused while training on the Triton path, where only x and the
+        fp32 statistic are kept (kernels.norms.rms_norm_linear). This module's forward hooks do not run: callers
+        leave hooked norms to their own forward."""
+        return rms_norm_linear(x, self._param(self.weight), self.eps, weight, bias, residual, offset=self.offset,
+                               linear=linear)
 
     def extra_repr(self):
         offset = ", offset" if self.offset else ""

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from colozoo.kernels.rope import rotary_qkv, split_heads
+
 from .attention import attention
 from .comm import group_size
 from .dropout import dropout
@@ -25,14 +27,6 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import LayerNorm, ProjectionRMSNorm, RMSNorm
 from .rope import apply_rope
 from .shard import Split, shard
-
-
-def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
-    """A fused (batch, seq, (heads + 2 kv_heads) * head_dim) projection -> q (batch, heads, seq, head_dim), k, v
-    (batch, kv_heads, seq, head_dim): views, no copy."""
-    b, s, _ = qkv.shape
-    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
-    return tuple(t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
@@ -92,14 +86,10 @@ class SelfAttention(nn.Module):
         kv head a rank when tp is a multiple of them."""
         return 2 * max(self.local_kv_heads // tp, 1) * self.head_dim
 
-    def forward(self, x, ctx):
+    def forward(self, x, ctx, norm=None):
+        """`norm`: the norm before the block, applied to x by the qkv projection (which may fuse it)."""
         qkv_proj, out_proj = (self._modules[name] for name in self.names)
-        q, k, v = split_heads(qkv_proj(x), self.local_heads, self.local_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            cos, sin = ctx.rope(local=self.rotary == "local")
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._heads(qkv_proj(x, norm=norm), ctx)
         scale = self.scale
         if self.scale_query:
             q, scale = q * self.scale, 1.0
@@ -108,6 +98,21 @@ class SelfAttention(nn.Module):
                         dropout_p=self.dropout_p if self.training else 0.0, upcast=self.upcast, softcap=self.softcap,
                         documents=ctx.documents, sinks=self.sinks)
         return out_proj(merge_heads(out))
+
+
+    def _heads(self, qkv, ctx):
+        """q, k, v of the projection, normalised and rotated as the options say (without a q/k norm, rotated in place
+        where the rotary op can: rope.rotary_qkv)."""
+        heads = (self.local_heads, self.local_kv_heads, self.head_dim)
+        if self.rotary is not None and self.q_norm is None:
+            return rotary_qkv(qkv, *ctx.rope(local=self.rotary == "local"), *heads)
+        q, k, v = split_heads(qkv, *heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            cos, sin = ctx.rope(local=self.rotary == "local")
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
 
 
 class TransformerLayer(nn.Module):

@@ -61,10 +61,12 @@ class DecoderLayer(nn.Module):
         return dropout(x, self.resid_dropout, self.training, sharded=self.sharded_resid) if self.resid_dropout else x
 
     def forward(self, x, ctx):
-        attn_out = self._dropout(self.self_attn(self.input_layernorm(x), ctx))
-        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
+        # each norm goes to the projection after it, which fuses it where it can (nothing keeps the normed tensor)
+        attn_out = self._dropout(self.self_attn(x, ctx, norm=self.input_layernorm))
         if not self.routed:
-            return x + self._dropout(self.mlp(mlp_in))
+            out, x = self.mlp(attn_out, norm=self.post_attention_layernorm, residual=x)  # x + attn_out
+            return x + self._dropout(out)
+        mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
         out, router_logits = self.mlp(mlp_in)
         ctx.router_logits.append(router_logits)
         return x + self._dropout(out)

@@ -40,9 +40,10 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
 
     def forward(self, x, ctx):
-        attn_out = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
-        mlp_in, x = self.pre_feedforward_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
-        return x + self.post_feedforward_layernorm(self.mlp(mlp_in))
+        # the norms before attention and the MLP go to the projections after them, which fuse them where they can
+        attn_out = self.post_attention_layernorm(self.self_attn(x, ctx, norm=self.input_layernorm))
+        out, x = self.mlp(attn_out, norm=self.pre_feedforward_layernorm, residual=x)  # x + attn_out
+        return x + self.post_feedforward_layernorm(out)
 
 
 class Gemma2ForCausalLM(DecoderModel):

@@ -103,7 +103,7 @@ def count_fused_norm_calls(monkeypatch) -> collections.Counter:
     computing)."""
     kernels = kernel_module("norms_triton")
     calls = collections.Counter()
-    for name in ("layer_norm_triton", "rms_norm_triton"):
+    for name in ("layer_norm_triton", "rms_norm_triton", "rms_norm_linear_triton"):
         original = getattr(kernels, name)
 
         def counted(*args, _f=original, _n=name, _signature=inspect.signature(original), **kwargs):
@@ -123,7 +123,7 @@ OPT_POST_LN = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, ffn_dim=
 @CPU_PARITY
 @pytest.mark.parametrize("family,config,kernel,fused_calls", [
     ("gpt2", GPT2, "layer_norm_triton", 2),         # ln_2 of each of 2 layers
-    ("llama", LLAMA, "rms_norm_triton", 2),         # post_attention_layernorm of each layer
+    ("llama", LLAMA, "rms_norm_linear_triton", 2),  # post_attention_layernorm of each layer, with gate_up
     ("opt", OPT_POST_LN, "layer_norm_triton", 4),   # post-LN: both norms of each layer take their residual sums
 ])
 def test_models_fuse_the_residual_add_into_the_norm_kernel(monkeypatch, family, config, kernel, fused_calls):
@@ -194,9 +194,11 @@ def test_llama_on_triton_path_matches_transformers(monkeypatch):
     gradients within 1e-5 of HF; then a training step through the fused LM-head loss, also against HF."""
     calls = count_kernel_calls(monkeypatch)
     _parity_on_kernels("triton", "llama", LLAMA)
-    assert {"rms_norm_triton", "apply_rotary_triton", "flash_attention_triton", "swiglu_triton",
-            "cross_entropy_triton"} <= set(calls), calls
-    assert calls["apply_rotary_triton"] == 2 * LLAMA["num_hidden_layers"]  # q and k in every layer
+    assert {"rms_norm_triton", "rms_norm_linear_triton", "rotate_qk_in_place_triton", "flash_attention_triton",
+            "swiglu_linear_triton", "cross_entropy_triton"} <= set(calls), calls
+    layers = LLAMA["num_hidden_layers"]
+    assert calls["rms_norm_linear_triton"] == 2 * layers and calls["rms_norm_triton"] == 1, calls  # the final norm
+    assert calls["rotate_qk_in_place_triton"] == layers and "apply_rotary_triton" not in calls, calls
     assert "linear_cross_entropy_triton" not in calls  # logits were requested: no fused head
     calls.clear()
     _fused_loss_parity("llama", LLAMA)
@@ -215,7 +217,7 @@ def test_gemma2_on_triton_path_matches_transformers(monkeypatch):
     _parity_on_kernels("triton", "gemma2", GEMMA2, 1, False, False, 12, 1e-5, 1e-5, "eager")
     layers = GEMMA2["num_hidden_layers"]
     assert calls["flash_attention_triton"] == layers and calls["bias_gelu_triton"] == layers, calls
-    assert fused == {"rms_norm_triton": layers}, fused  # pre_feedforward_layernorm takes the residual sum
+    assert fused == {"rms_norm_linear_triton": layers}, fused  # pre_feedforward_layernorm takes the residual sum
 
 
 @CPU_PARITY
@@ -292,8 +294,10 @@ def test_models_take_the_triton_path_only_when_asked(monkeypatch):
             loss = model(ids, labels=ids).loss
             loss.backward()
         assert_close(loss, expected, torch.float32, f"{model_type} loss")
-        wired = {"apply_rotary_triton", "swiglu_triton", "linear_cross_entropy_triton"}
-        if model_type == "mixtral":
-            wired |= {"moe_permute_triton", "moe_unpermute_triton"}
+        wired = {"rotate_qk_in_place_triton", "rms_norm_linear_triton", "linear_cross_entropy_triton"}
+        if model_type == "mixtral":  # the experts' SwiGLU, unfused
+            wired |= {"moe_permute_triton", "moe_unpermute_triton", "swiglu_triton"}
+        else:
+            wired |= {"swiglu_linear_triton"}
         assert wired <= set(calls), (model_type, calls)
         calls.clear()
