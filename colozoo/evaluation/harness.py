@@ -53,13 +53,15 @@ class ColozooLM(HFLM):
     """An lm-eval LM over a colozoo model. `pretrained`: the model (built by colozoo.from_pretrained on this rank's
     mesh), or a name or directory loaded here with `tp`, `pp`, `dtype`, `adapter` and `device`. `tokenizer`: a
     tokenizer or its directory (default: the model's directory). `batch_size`, `max_length`, `max_gen_toks`,
-    `add_bos_token`, `prefix_token_id`, `logits_cache`, `truncation`: as the HF backend's. Every rank of the job
-    constructs it alike."""
+    `add_bos_token`, `prefix_token_id`, `logits_cache`, `truncation`: as the HF backend's (`max_batch_size` is only
+    for its batch_size "auto", which this backend refuses). `progress`: progress bars on rank 0. Every rank of the
+    job constructs it alike."""
 
     def __init__(self, pretrained=None, tokenizer=None, batch_size: int | str = 1, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool | None = None, prefix_token_id: int | None = None,
                  logits_cache: bool = True, truncation: bool = False, tp: int = 1, pp: int = 1, dtype=None,
-                 adapter: str | None = None, device: str | None = None, max_batch_size: int | None = None):
+                 adapter: str | None = None, device: str | None = None, max_batch_size: int | None = None,
+                 progress: bool = True):
         TemplateLM.__init__(self)  # not HFLM's: it loads a transformers model; the attributes its methods read:
         model = _load(pretrained, tp=tp, pp=pp, dtype=dtype, adapter=adapter, device=device)
         check_model(model)
@@ -74,7 +76,7 @@ class ColozooLM(HFLM):
         self.chat_template_args, self.softmax_dtype, self.mixed_precision_dtype = {}, None, None
         self.vocab_size = self.tokenizer.vocab_size
         self.pretrained, self.peft, self.delta = getattr(model, "name_or_path", None), adapter, None
-        self.show_progress = global_rank() == 0
+        self.show_progress = progress and global_rank() == 0
         self.counts = {"tokens": 0, "model_s": 0.0}  # what the model read and wrote, and its time (stats only)
 
     # progress on rank 0 only (the harness sees every rank as its rank 0)
