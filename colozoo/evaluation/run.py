@@ -6,10 +6,12 @@ harness run on every rank, and its results with the time it took and the tokens 
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 SHIPPED_TASKS = Path(__file__).resolve().parent / "tasks"
 INSTALL = "pip install 'colozoo[eval]' (lm-evaluation-harness)"
@@ -78,19 +80,24 @@ def load_tasks(names: list[str], manager) -> list:
 
 
 def evaluate(lm, tasks: list, manager, num_fewshot: int | None = None, limit: float | None = None,
-             log_samples: bool = False, seed: int = 1234) -> dict | None:
+             log_samples: bool = False, seed: int = 1234, environment: bool = True) -> dict | None:
     """lm_eval.simple_evaluate of `lm` on `tasks` (load_tasks' from `manager`), on every rank of the job; the harness's
     results on rank 0 with a "colozoo" entry (seconds, tokens the model read and wrote, tokens per second of its time),
-    None on the other ranks."""
+    None on the other ranks. `environment=False` leaves out the harness's description of the machine (torch's
+    collect_env, which runs `pip list` and more: seconds at every call), for scores logged during training."""
     import lm_eval
+    import lm_eval.evaluator
 
     started = time.perf_counter()
     counts = getattr(lm, "counts", {"tokens": 0, "model_s": 0.0})
     before = dict(counts)
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                      batch_size=getattr(lm, "batch_size", None),
-                                      log_samples=log_samples, task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                                      torch_random_seed=seed, fewshot_random_seed=seed)
+    describe = contextlib.nullcontext() if environment else \
+        mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None)
+    with describe:
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                          batch_size=getattr(lm, "batch_size", None), log_samples=log_samples,
+                                          task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                                          torch_random_seed=seed, fewshot_random_seed=seed)
     if results is None:
         return None
     tokens, model_s = counts["tokens"] - before["tokens"], counts["model_s"] - before["model_s"]

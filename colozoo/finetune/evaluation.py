@@ -125,7 +125,8 @@ def task_scores(model, tokenizer, cfg: FinetuneConfig, manager, batch_size: int)
     from colozoo.evaluation.run import load_tasks, scores
 
     lm = ColozooLM(model, tokenizer=tokenizer, batch_size=batch_size, progress=False)
-    results = evaluate(lm, load_tasks(cfg.eval_task_names(), manager), manager, limit=_limit(cfg.eval_tasks_limit))
+    results = evaluate(lm, load_tasks(cfg.eval_task_names(), manager), manager, limit=_limit(cfg.eval_tasks_limit),
+                       environment=False)
     if results is None:
         return {}
     return {**scores(results), "eval_tasks_s": results["colozoo"]["seconds"]}
