@@ -107,7 +107,7 @@ class ColozooLM(HFLM):
         one-token answers) are scored by one row, as the backend's logits cache does."""
         collator = Collator(requests, sort_fn=_longest_first, group_fn=_all_but_last_token,
                             group_by="contexts" if self.logits_cache else None)
-        progress = tqdm(total=len(requests), disable=disable_tqdm,
+        progress = tqdm(total=len(requests), disable=disable_tqdm or not self.show_progress,
                         desc="Running loglikelihood requests")
         answers = []
         for chunk in collator.get_batched(n=self.batch_size):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import json
 import time
 from pathlib import Path
@@ -44,15 +45,24 @@ def task_manager(include_path=None, names: list[str] | None = None):
     given the `names` to find, it is skipped when the shipped and included folders hold them all."""
     from lm_eval.tasks import TaskManager
 
-    paths = [SHIPPED_TASKS, *_as_list(include_path)]
+    paths = [str(SHIPPED_TASKS), *map(str, _as_list(include_path))]
     for path in paths[1:]:
         if not Path(path).is_dir():
             raise ValueError(f"--include-path {path} is not a directory of lm-eval task YAML files")
     if names is not None:
-        local = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
+        local = TaskManager(include_path=paths, include_defaults=False)
         if all(_resolve(local, name) for name in names):
             return local
-    return TaskManager(include_path=[str(p) for p in paths])
+    return _with_the_harness_tasks(tuple(paths))
+
+
+@functools.lru_cache(maxsize=4)
+def _with_the_harness_tasks(paths: tuple[str, ...]):
+    """A TaskManager over `paths` and the harness's own tasks, indexed once per process (seconds: thousands of YAML
+    files); it builds new task objects at every load."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(paths))
 
 
 def load_tasks(names: list[str], manager) -> list:
