@@ -9,12 +9,12 @@ tokenizer, the tasks and their data) is checked before any rank starts.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from colozoo.core.names import FLOAT_CHOICES, HelpFormatter
+from colozoo.core.names import HelpFormatter
 from colozoo.finetune.config import check_at_least
+from colozoo.generate_cli import add_mesh_arguments, on_ranks
 
 
 def add_parser(subparsers):
@@ -39,11 +39,7 @@ def add_parser(subparsers):
     p.add_argument("--log-samples", action="store_true", help="with --output: every request, response and score")
     p.add_argument("--adapter", help="a PEFT LoRA adapter directory to attach")
     p.add_argument("--seed", type=int, default=1234, help="the harness's seeds (few-shot choice, sampling)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    p.add_argument("--dtype", choices=FLOAT_CHOICES, help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N processes on this machine (torchrun "
-                                                                   "--standalone, in this process); N = tp x pp")
+    add_mesh_arguments(p)
     p.set_defaults(func=run, command_parser=p)
     return p
 
@@ -84,17 +80,8 @@ class Prepared:
 
 
 def run(args) -> int:
-    from colozoo.core.mesh import ParallelConfig
-    from colozoo.finetune import launch
-
     check_options(args)
-    if args.nproc_per_node and not launch.under_torchrun():
-        ParallelConfig.for_world(args.nproc_per_node, tp=args.tp, pp=args.pp, dp=1)
-        Prepared(args)  # bad input is one line here, before any rank starts
-        return launch.launch(args.nproc_per_node, ["eval", *launch.command_line(args.command_parser, args)],
-                             module="colozoo.cli", command="eval")
-    ParallelConfig.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tp, pp=args.pp, dp=1)
-    return evaluate(args, Prepared(args))
+    return on_ranks(args, Prepared, evaluate)
 
 
 def evaluate(args, prepared: Prepared) -> int:
