@@ -19,6 +19,7 @@ COMMANDS = {
     "convert": "colozoo.convert_cli",
     "finetune": "colozoo.finetune",
     "generate": "colozoo.generate_cli",
+    "eval": "colozoo.eval_cli",
     "profile": "colozoo.cost.profile_cli",
     "plan": "colozoo.cost.plan_cli",
 }
@@ -27,7 +28,7 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="colozoo", description="Pre-parallelized transformers: list models, convert and reshard checkpoints, "
-                                    "fine-tune, generate, profile and plan a device mesh.")
+                                    "fine-tune, generate, evaluate, profile and plan a device mesh.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():
         try:

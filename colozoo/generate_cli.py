@@ -47,13 +47,18 @@ def add_parser(subparsers):
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability is >= p")
     p.add_argument("--repetition-penalty", type=float, help="divide the scores of tokens already present by this")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every rank samples the same tokens)")
+    add_mesh_arguments(p)
+    p.set_defaults(func=run, command_parser=p)
+    return p
+
+
+def add_mesh_arguments(p):
+    """--tp, --pp, --dtype and --nproc-per-node, as every command that runs a model on a tp x pp mesh offers them."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--dtype", choices=FLOAT_CHOICES, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N processes on this machine (torchrun "
                                                                    "--standalone, in this process); N = tp x pp")
-    p.set_defaults(func=run, command_parser=p)
-    return p
 
 
 # --- checks that need no model ------------------------------------------------------------------------------------
@@ -198,21 +203,28 @@ class Prepared:
 # --- running --------------------------------------------------------------------------------------------------------
 
 def run(args) -> int:
+    check_options(args)
+    try:
+        return on_ranks(args, Prepared, generate)
+    except KeyboardInterrupt:
+        return 130
+
+
+def on_ranks(args, prepare, work) -> int:
+    """`work(args, prepare(args))` on every rank of a tp x pp job. With --nproc-per-node (outside torchrun) this
+    process checks the mesh and `prepare`s first, so bad input is one line before any rank starts, then starts the
+    ranks, which run the same command."""
     from colozoo.core.mesh import ParallelConfig
     from colozoo.finetune import launch
 
-    check_options(args)
+    command = args.command
     if args.nproc_per_node and not launch.under_torchrun():
         ParallelConfig.for_world(args.nproc_per_node, tp=args.tp, pp=args.pp, dp=1)
-        Prepared(args)  # bad input is one line here, before any rank starts
-        return launch.launch(args.nproc_per_node, ["generate", *launch.command_line(args.command_parser, args)],
-                             module="colozoo.cli", command="generate")
+        prepare(args)
+        return launch.launch(args.nproc_per_node, [command, *launch.command_line(args.command_parser, args)],
+                             module="colozoo.cli", command=command)
     ParallelConfig.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tp, pp=args.pp, dp=1)
-    prepared = Prepared(args)
-    try:
-        return generate(args, prepared)
-    except KeyboardInterrupt:
-        return 130
+    return work(args, prepare(args))
 
 
 def end_token_ids(model, width: int, options: dict) -> tuple[int, ...]:

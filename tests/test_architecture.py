@@ -23,6 +23,8 @@ LEVELS = {
     "colozoo.cost": 6,
     "colozoo.api": 7,
     "colozoo.finetune": 8,
+    "colozoo.evaluation": 8,
+    "colozoo.eval_cli": 8,
     "colozoo.generate_cli": 8,
     "colozoo.generate_stream": 8,
     "colozoo.convert_cli": 8,

@@ -76,6 +76,23 @@ def resumable(m, w):
             "--no-progress", "--no-plot", "--no-export-hf"]
 
 
+def eval_task(w, data) -> Path:
+    """A folder with an lm-eval task `mine` whose data file is `data`."""
+    (w / "tasks").mkdir()
+    return write(w / "tasks" / "mine.yaml", f"task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                           f"    test: {data}\noutput_type: loglikelihood_rolling\ntest_split: test\n"
+                                           f"doc_to_text: ''\ndoc_to_target: '{{{{text}}}}'\n").parent
+
+
+def tiny_bert(w) -> Path:
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16)
+    transformers.BertForMaskedLM(config).save_pretrained(str(w / "bert"))
+    return w / "bert"
+
+
 ONE_CONVERSATION = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
 # name -> (argv of (models, work dir), what stderr says); a setup writes its files into the work dir first
@@ -186,6 +203,22 @@ CASES = {
                                      r"no tokenizer found with"),
     "prompt past positions": (lambda m, w: generate(m, w, "--prompt", "a", "--max-new-tokens", "40"),
                               r"plus --max-new-tokens 40 is longer than the model's maximum positions \(32\)"),
+    # eval
+    "eval unknown task": (lambda m, w: ["eval", str(m["gpt2"]), "--tasks", "colozoo_mcq"],
+                          r"unknown task 'colozoo_mcq'; did you mean colozoo_mc"),
+    "eval task data missing": (lambda m, w: ["eval", str(m["gpt2"]), "--tasks", "mine", "--include-path",
+                                             str(eval_task(w, w / "gone.jsonl"))],
+                               r"task mine: its data did not load: .*gone\.jsonl"),
+    "eval a model without a causal LM head": (lambda m, w: ["eval", str(tiny_bert(w)), "--tasks", "colozoo_mc"],
+                                              r"bert is a BertForMaskedLM .* not a causal language model"),
+    "eval include path missing": (lambda m, w: ["eval", str(m["gpt2"]), "--tasks", "colozoo_mc", "--include-path",
+                                                str(w / "nope")], r"--include-path .*nope is not a directory"),
+    "eval limit 0": (lambda m, w: ["eval", str(m["gpt2"]), "--tasks", "colozoo_mc", "--limit", "0"],
+                     r"--limit must be a whole number of requests or a fraction"),
+    "eval heads over tp, before launching": (
+        lambda m, w: ["eval", str(m["gpt2"]), "--tasks", "colozoo_mc", "--nproc-per-node", "3", "--tp", "3"],
+        r"tp=3 must divide the attention heads"),
+    "eval tasks unknown in finetune": (lambda m, w: finetune(m, w, "--eval-tasks", "nope"), r"unknown task 'nope'"),
     # convert
     "convert source missing": (lambda m, w: ["convert", str(w / "no" / "such"), str(w / "dst")],
                                r"no checkpoint at .*no/such \(no such directory\)"),
@@ -263,7 +296,7 @@ def subcommand_parsers() -> dict:
     return found
 
 
-@pytest.mark.parametrize("command", ["models", "convert", "finetune", "generate", "profile", "plan"])
+@pytest.mark.parametrize("command", ["models", "convert", "finetune", "generate", "eval", "profile", "plan"])
 def test_help_shows_every_default_once(command):
     """Every option with a default says it in --help, exactly once (not "(default: greedy) (default: None)")."""
     import argparse

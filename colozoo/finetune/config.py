@@ -65,6 +65,9 @@ class FinetuneConfig:
     log_interval: int = 1
     eval_interval: int = 200            # 0: evaluate only at the end
     eval_batches: int = 8
+    eval_tasks: str | None = None       # lm-eval tasks scored at every evaluation, comma-separated
+    eval_tasks_limit: float | None = None  # requests per task at most (below 1: that fraction)
+    eval_include_path: str | None = None   # a folder of lm-eval task YAML files for --eval-tasks
     samples: int = 3                    # causal LM: greedy continuations of this many held-out prompts per eval
     sample_tokens: int = 24             # new tokens per sample
     save_interval: int = 200            # 0: only the final checkpoint
@@ -118,6 +121,25 @@ class FinetuneConfig:
             raise ValueError(f"--chat trains causal LMs (--task lm), not --task {self.task}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        self._check_eval_tasks()
+
+    def _check_eval_tasks(self):
+        if self.eval_tasks is None:
+            for flag in ("eval_tasks_limit", "eval_include_path"):
+                if getattr(self, flag) is not None:
+                    raise ValueError(f"--{flag.replace('_', '-')} goes with --eval-tasks")
+            return
+        if self.task != "lm":
+            raise ValueError(f"--eval-tasks scores causal LMs (--task lm), not --task {self.task}")
+        if self.cp > 1:
+            raise ValueError(f"--eval-tasks needs cp=1 (the harness's requests are scored whole), got --cp {self.cp}")
+        limit = self.eval_tasks_limit
+        if limit is not None and (limit <= 0 or limit >= 1 and limit != int(limit)):
+            raise ValueError(f"--eval-tasks-limit must be a whole number of requests or a fraction in (0, 1), got "
+                             f"{limit:g}")
+
+    def eval_task_names(self) -> list[str]:
+        return [name.strip() for name in (self.eval_tasks or "").split(",") if name.strip()]
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches per optimizer step on each data-parallel rank; the global batch must split evenly."""
@@ -212,6 +234,10 @@ _HELP = {
     "eval_interval": "evaluate every this many steps (0: only at the end)",
     "eval_batches": "an evaluation reads this many --micro-batch-size batches of held-out samples (over all dp ranks; "
                     "all of them when there are fewer) and reports the mean loss over their tokens",
+    "eval_tasks": "lm-evaluation-harness tasks (comma-separated; colozoo eval's) scored at every evaluation and at the "
+                  "end, written beside the eval loss in metrics.jsonl as TASK/METRIC (needs lm-eval: colozoo[eval])",
+    "eval_tasks_limit": "--eval-tasks: requests per task at most (below 1: that fraction of them)",
+    "eval_include_path": "--eval-tasks: a folder of lm-eval task YAML files of yours",
     "keep_last": "checkpoints kept in OUTPUT/checkpoints",
     "save_interval": "save a resumable checkpoint every this many steps (0: only at the end)",
     "progress": "progress bar", "plot": "write OUTPUT/loss.png at the end",

@@ -1,5 +1,6 @@
-"""Evaluation during fine-tuning: the held-out loss (and perplexity or accuracy) and, for a causal LM, greedy
-continuations of a few held-out prompts.
+"""Evaluation during fine-tuning: the held-out loss (and perplexity or accuracy), for a causal LM greedy
+continuations of a few held-out prompts, and with --eval-tasks the lm-evaluation-harness scores of the model as it is
+(colozoo.evaluation), logged beside the loss as TASK/METRIC.
 
 The loss is the mean over every held-out token that has a label (every sample, for classifiers), whichever mesh
 evaluates it: each micro-batch's mean loss is weighted by the tokens it averages, and the rows evaluated are the first
@@ -26,14 +27,26 @@ class Evaluator:
                  rank0: bool):
         self.cfg, self.model, self.reporter, self.rank0 = cfg, model, reporter, rank0
         self.data, self.tokenizer, self.micro_batch_size = data, tokenizer, micro_batch_size
+        self.manager = None
+        if cfg.eval_tasks:  # checked with the inputs (harness_tasks); the tasks load at each evaluation
+            from colozoo.evaluation.run import task_manager
+
+            self.manager = task_manager(cfg.eval_include_path, names=cfg.eval_task_names())
         self.prompts = samples.held_out_prompts(data, cfg.samples, cfg.seq_len // 2, until_answer=cfg.chat) \
             if cfg.task == "lm" else None
         if self.prompts is not None and samples.why_no_samples(model):
             reporter.print(f"no samples: {samples.why_no_samples(model)}")
             self.prompts = None
 
+    @property
+    def enabled(self) -> bool:
+        """Whether there is anything to evaluate: held-out data or --eval-tasks."""
+        return self.data is not None or self.manager is not None
+
     def __call__(self, step: int) -> dict:
-        results = evaluate(self.model, self.data, self.cfg, self.micro_batch_size)
+        results = evaluate(self.model, self.data, self.cfg, self.micro_batch_size) if self.data is not None else {}
+        if self.manager is not None:
+            results.update(task_scores(self.model, self.tokenizer, self.cfg, self.manager, self.micro_batch_size))
         self.reporter.evaluation(step, results)
         if self.prompts is not None:
             samples.write_samples(self.model, self.prompts, self.tokenizer, step, Path(self.cfg.output),
@@ -81,3 +94,43 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
     if lm:
         return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
     return {"eval_loss": loss, "eval_acc": totals[2].item() / totals[1].item()}
+
+
+def harness_tasks(cfg: FinetuneConfig) -> tuple:
+    """(lm-eval's task manager, the --eval-tasks loaded): lm-eval installed, the names known, their data readable,
+    and no generation task under sequence parallelism (generate runs one token at a time). Checked before the model
+    loads; each evaluation loads the tasks afresh (the harness keeps its requests on them)."""
+    from colozoo.evaluation import require_lm_eval
+    from colozoo.evaluation.run import load_tasks, task_manager
+
+    require_lm_eval("--eval-tasks")
+    manager = task_manager(cfg.eval_include_path, names=cfg.eval_task_names())
+    tasks = load_tasks(cfg.eval_task_names(), manager)
+    generating = [t.config.task for t in leaf_tasks(tasks) if t.OUTPUT_TYPE == "generate_until"]
+    if generating and cfg.sequence_parallel:
+        raise ValueError(f"--eval-tasks {generating[0]} generates text, which runs without --sequence-parallel")
+    return manager, tasks
+
+
+def leaf_tasks(tasks: list) -> list:
+    from lm_eval.api.group import Group
+
+    return [leaf for t in tasks for leaf in (t.get_all_tasks() if isinstance(t, Group) else [t])]
+
+
+def task_scores(model, tokenizer, cfg: FinetuneConfig, manager, batch_size: int) -> dict:
+    """The harness's scores of the model as it is, flat (TASK/METRIC), on rank 0 ({} elsewhere), with the seconds
+    they took (collective: every rank runs every request)."""
+    from colozoo.evaluation import ColozooLM, evaluate
+    from colozoo.evaluation.run import load_tasks, scores
+
+    lm = ColozooLM(model, tokenizer=tokenizer, batch_size=batch_size, progress=False)
+    results = evaluate(lm, load_tasks(cfg.eval_task_names(), manager), manager, limit=_limit(cfg.eval_tasks_limit),
+                       environment=False)
+    if results is None:
+        return {}
+    return {**scores(results), "eval_tasks_s": results["colozoo"]["seconds"]}
+
+
+def _limit(limit: float | None):
+    return int(limit) if limit is not None and limit >= 1 else limit

@@ -66,6 +66,10 @@ def check_model_and_mesh(cfg: FinetuneConfig, world: int | None = None) -> tuple
         layout.check_mesh(config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)  # heads over tp, layers over pp, experts over ep
     if cfg.task != "imgcls":
         D.check_seq_len(cfg.seq_len, config)
+    if cfg.eval_tasks:
+        from colozoo.finetune.evaluation import harness_tasks
+
+        harness_tasks(cfg)  # lm-eval installed, the tasks known, their data readable
     return mesh, config, directory
 
 

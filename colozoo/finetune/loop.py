@@ -45,7 +45,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
     reporter = open_reporter(cfg, inputs, trainer, checkpoints.mesh, start, resumed)
     evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
                             _is_rank0())
-    if start == 0 and inputs.evaluation is not None and cfg.eval_interval:
+    if start == 0 and evaluate_at.enabled and cfg.eval_interval:
         evaluate_at(0)  # the baseline the fine-tuning improves on
     try:
         outcome = train(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, start)
@@ -244,7 +244,7 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
                 computed = batch["input_ids"].numel() if "input_ids" in batch else 0  # padding included
                 reporter.step(step, result.loss, result.lr, computed, time.perf_counter() - tick, result.grad_norm,
                               inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()), **amp)
-            if inputs.evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
+            if evaluate_at.enabled and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
                 evaluate_at(step)
             interrupted = interrupt.agreed(trainer.model.pc.device)
             stopped = interrupted or step == cfg.stop_after
@@ -313,7 +313,7 @@ def finish(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: C
         reporter.print(f"{'interrupted' if outcome.interrupted else 'stopped'} at step {step}/{trainer.total_steps}, "
                        f"saved to {summary['checkpoint']}; rerun the same command to resume")
     else:
-        if inputs.evaluation is not None:
+        if evaluate_at.enabled:
             summary.update(evaluate_at(step))
         summary.update(export_results(cfg, inputs, trainer, reporter))
     if _is_rank0():

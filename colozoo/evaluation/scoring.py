@@ -1,0 +1,69 @@
+"""The log-likelihood of continuations, from each tensor-parallel rank's slice of the vocabulary.
+
+    score_spans(model, input_ids, [Span(row=0, end=12, tokens=(318, 257))]) -> [(-7.25, False)]
+
+One forward of a right-padded batch through the pipeline stages keeps the logits at the positions that predict a
+continuation token only, each rank its vocabulary slice (nothing gathers the whole vocabulary); the vocab-parallel
+cross entropy gives each token's log-probability and `vocab_parallel_argmax` whether greedy decoding would choose it.
+The last stage sends the sums to every pipeline rank, so every rank returns the same answers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy
+from colozoo.layers.vocab import LogitsRequest, vocab_parallel_argmax
+from colozoo.runtime.decode_steps import from_last_stage
+from colozoo.runtime.pipeline import through_stages
+
+
+@dataclass(frozen=True)
+class Span:
+    """Continuation `tokens` of batch row `row`, predicted at positions end - len(tokens) .. end - 1 (the logits at
+    position p predict the token after it)."""
+    row: int
+    end: int
+    tokens: tuple[int, ...]
+
+
+@torch.no_grad()
+def score_spans(model, input_ids: torch.Tensor, spans: list[Span]) -> list[tuple[float, bool]]:
+    """(log-probability of each span's tokens, whether each is the greedy choice at its position) for the
+    right-padded batch `input_ids` (batch, length), on every rank. Collective: every rank calls it alike."""
+    pc = model.pc
+    rows, positions, targets, owner = [], [], [], []
+    for i, span in enumerate(spans):
+        n = len(span.tokens)
+        rows += [span.row] * n
+        positions += range(span.end - n, span.end)
+        targets += span.tokens
+        owner += [i] * n
+    kept, index = torch.unique(torch.tensor(positions), return_inverse=True)
+    input_ids = _padded_for_sequence_parallel(input_ids.to(pc.device), pc)
+    extra = {"output_router_logits": False} if model.router_stats_width() else {}
+    out = through_stages(model, input_ids, token_ids=input_ids, logits=LogitsRequest("vocab_slice", kept.to(pc.device)),
+                         **extra)
+    sums = None
+    if out is not None:  # the last stage's ranks
+        picked = out.logits[torch.tensor(rows, device=pc.device), index.to(pc.device)]  # (tokens, vocab slice)
+        target = torch.tensor(targets, device=pc.device)
+        vocab = model.config.vocab_size
+        log_probs = -vocab_parallel_cross_entropy(picked[None], target[None], vocab, pc.tp_group)[0].double()
+        greedy, _ = vocab_parallel_argmax(picked, vocab, pc.tp_group)
+        who = torch.tensor(owner, device=pc.device)
+        sums = torch.zeros(2, len(spans), dtype=torch.float64, device=pc.device)
+        sums[0].index_add_(0, who, log_probs)
+        sums[1].index_add_(0, who, (greedy != target).double())  # tokens greedy decoding would not choose
+    sums = from_last_stage(model, sums, (2, len(spans)), dtype=torch.float64)
+    return [(log_prob, misses == 0) for log_prob, misses in sums.T.tolist()]
+
+
+def _padded_for_sequence_parallel(input_ids: torch.Tensor, pc) -> torch.Tensor:
+    """Sequence parallelism splits the sequence over the tp ranks: right padding to a multiple of tp changes no
+    logit before it (the model is causal)."""
+    if not pc.sequence_parallel or input_ids.shape[1] % pc.tp_size == 0:
+        return input_ids
+    return F.pad(input_ids, (0, -input_ids.shape[1] % pc.tp_size))
