@@ -1,0 +1,178 @@
+"""`--method dpo` inside the fine-tuning loop: the reference log-probs, the training step and the evaluation.
+
+The reference is, as TRL's DPOTrainer has it: under LoRA the model itself with its adapters switched off for one
+forward (colozoo.runtime.lora.adapters_disabled); in full fine-tuning a frozen copy of the starting weights, sharded
+on the same mesh (FSDP over the data-parallel ranks); or, with --precompute-ref-logps, the starting model's
+log-probs of every pair computed in one pass before the first step and kept in OUTPUT/reference_logps.safetensors,
+which every checkpoint carries, so a resumed run reads exactly the values it started with. --reference-free and
+SimPO need none. The model trains with dropout off, as DPOTrainer's disable_dropout.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from colozoo.finetune import preference
+from colozoo.finetune.preference_data import pair_rows, trim_to_longest
+from colozoo.runtime.lora import adapters_disabled, lora_modules
+from colozoo.runtime.logprobs import forward_backward_logps, forward_logps
+
+REFERENCE_FILE = "reference_logps.safetensors"
+
+
+def summed_logps(logps, labels, rows):
+    """forward_logps' objective for reference log-probs: each row's log-prob summed over its labelled tokens."""
+    return logps.sum() * 0.0, {"logps": logps.sum(1)}
+
+
+def load_reference(cfg, plan=None):
+    """A frozen copy of the starting weights on the run's mesh, sharded over the data-parallel ranks (FSDP), in the
+    run's mixed precision, for full fine-tuning without --precompute-ref-logps."""
+    from colozoo.api import from_pretrained
+    from colozoo.finetune.runtime import MIXED_PRECISION
+    from colozoo.runtime.plan import DEGREES
+    from colozoo.runtime.training import parallelize
+
+    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    reference = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
+    reference.requires_grad_(False)
+    parallelize(reference, data_parallel="fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype])
+    return reference.eval()
+
+
+class PreferenceTraining:
+    """The step and the evaluation of --method dpo (and its relatives) for one run."""
+
+    def __init__(self, cfg, model, reference_model=None):
+        self.cfg, self.loss, self.reference_model = cfg, cfg.preference_loss(), reference_model
+        self.lora = bool(lora_modules(model))
+        self.precomputed: dict[str, torch.Tensor] | None = None  # "train" / "eval": (pairs, 2)
+        pc = model.pc
+        self.multiple = math.lcm(8, 2 * pc.size("cp") * (pc.tp_size if model.sequence_parallel else 1))
+
+    # --- reference log-probs ------------------------------------------------------------------------------------
+    def reference_logps(self, model, rows: dict, num_microbatches: int = 1) -> torch.Tensor | None:
+        """The reference's summed log-prob of each row (None when reference-free), from the frozen copy or the
+        model with its adapters switched off."""
+        if not self.cfg.needs_reference():
+            return None
+        args = (rows["input_ids"], rows["labels"], summed_logps)
+        kwargs = dict(attention_mask=rows["attention_mask"], num_microbatches=num_microbatches)
+        if self.reference_model is not None:
+            return forward_logps(self.reference_model, *args, **kwargs)["logps"]
+        with adapters_disabled(model):
+            return forward_logps(model, *args, **kwargs)["logps"]
+
+    def precompute(self, model, data, pairs_per_pass: int, reporter=None, role: str = "train") -> torch.Tensor:
+        """The reference log-probs of every pair of `data`, (pairs, 2), in passes of `pairs_per_pass` pairs (the last
+        filled up with the first pairs, whose values are dropped): every rank gets all of them."""
+        if reporter is not None:
+            reporter.print(f"computing the reference log-probs of the {len(data)} {role} pairs (--precompute-ref-logps)")
+        out = []
+        for start in range(0, len(data), pairs_per_pass):
+            index = [i % len(data) for i in range(start, start + pairs_per_pass)]
+            rows = self.rows(data.take(index), model.pc.device)
+            out.append(self.reference_logps(model, rows).view(-1, 2)[: len(data) - start].float().cpu())
+        return torch.cat(out)
+
+    def rows(self, batch: dict, device) -> dict:
+        return {k: v.to(device) for k, v in trim_to_longest(pair_rows(batch), self.multiple).items()}
+
+    # --- training and evaluation --------------------------------------------------------------------------------
+    def step(self, model, batch: dict, indices, grad_scale: float, step_options: dict):
+        """One forward and backward of the global batch of pairs: (its loss, TRL's metrics of it)."""
+        rows = self.rows(batch, model.pc.device)
+        m = step_options.get("num_microbatches", 1)
+        reference = self._reference(model, rows, indices, "train", m)
+        objective = self.loss.objective(global_pairs=rows["input_ids"].shape[0] // 2)
+        loss, values = forward_backward_logps(model, rows["input_ids"], rows["labels"], objective,
+                                              attention_mask=rows["attention_mask"], rows=reference,
+                                              grad_scale=grad_scale, **step_options)
+        return loss, preference.metrics(values)
+
+    def _reference(self, model, rows, indices, role: str, num_microbatches: int = 1) -> dict | None:
+        if self.precomputed is not None and self.cfg.needs_reference():
+            logps = self.precomputed[role][torch.as_tensor(indices)].flatten()
+        else:
+            logps = self.reference_logps(model, rows, num_microbatches)
+        return None if logps is None else {"ref_logps": logps.to(model.pc.device)}
+
+    @torch.no_grad()
+    def evaluate(self, model, data, rows: int, micro_batch_size: int) -> dict[str, float]:
+        """TRL's metrics over the first `rows` held-out pairs, eval_-prefixed, the same on every mesh: passes of
+        micro batch x dp pairs, the last filled up with the first pairs, whose values are dropped."""
+        per_pass = micro_batch_size * model.pc.size("dp")
+        values: dict[str, list] = {}
+        for start in range(0, rows, per_pass):
+            index = [i % rows for i in range(start, start + per_pass)]
+            batch = self.rows(data.take(index), model.pc.device)
+            reference = self._reference(model, batch, index, "eval")
+            objective = self.loss.objective(global_pairs=per_pass)
+            out = forward_logps(model, batch["input_ids"], batch["labels"], objective,
+                                attention_mask=batch["attention_mask"], rows=reference)
+            kept = 2 * min(per_pass, rows - start)
+            for k in ("logps", "rewards", "pair_loss"):
+                values.setdefault(k, []).append(out[k][:kept])
+        return preference.metrics({k: torch.cat(v) for k, v in values.items()}, prefix="eval_")
+
+
+# --- the precomputed reference log-probs on disk ---------------------------------------------------------------
+
+def save_reference(path: Path, logps: dict[str, torch.Tensor], digest: str):
+    """Rank 0 writes the precomputed reference log-probs (atomically: a temp file renamed into place)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".partial")
+    save_file({k: v.contiguous() for k, v in logps.items()}, str(tmp), metadata={"data": digest})
+    os.replace(tmp, path)
+
+
+def read_reference(path: Path, digest: str, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The precomputed reference log-probs a checkpoint carries, checked against the run's data."""
+    from safetensors import safe_open
+
+    from colozoo.finetune.state import ResumeError
+
+    with safe_open(str(path), "pt") as f:
+        saved = f.metadata().get("data")
+        logps = {k: f.get_tensor(k) for k in f.keys()}
+    wrong = saved != digest or {k: len(v) for k, v in logps.items()} != sizes
+    if wrong:
+        raise ResumeError(f"{path} holds the reference log-probs of other data; resume with the same data, or "
+                          f"pass --no-resume")
+    return logps
+
+
+def prepare_reference(cfg, inputs, trainer, resumed, reporter, rank0: bool) -> Path:
+    """--precompute-ref-logps: the reference log-probs of the training (and held-out) pairs, read from the checkpoint
+    a run resumes from, else computed now, before the first step, from the starting model (its adapters switched
+    off); written to OUTPUT/reference_logps.safetensors, which is returned (every checkpoint carries a copy)."""
+    import torch.distributed as dist
+
+    from colozoo.finetune.fingerprint import data_fingerprint
+    from colozoo.finetune.state import ResumeError
+
+    sets = {"train": inputs.train, **({"eval": inputs.evaluation} if inputs.evaluation is not None else {})}
+    digest = "-".join(data_fingerprint(data) for data in sets.values())
+    sizes = {role: len(data) for role, data in sets.items()}
+    saved = resumed.path / REFERENCE_FILE if resumed is not None else None
+    if saved is not None and saved.exists():
+        logps = read_reference(saved, digest, sizes)
+    elif saved is not None and not trainer.lora:
+        raise ResumeError(f"{resumed.path} was saved without --precompute-ref-logps, and its full fine-tuning has "
+                          f"moved the weights the reference log-probs come from: resume without "
+                          f"--precompute-ref-logps (a frozen copy of --model is the reference), or pass --no-resume")
+    else:
+        per_pass = trainer.micro_batch_size * trainer.model.pc.size("dp")
+        logps = {role: trainer.preference.precompute(trainer.model, data, per_pass, reporter, role)
+                 for role, data in sets.items()}
+    path = Path(cfg.output) / REFERENCE_FILE
+    if rank0:
+        save_reference(path, logps, digest)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    trainer.preference.precomputed = logps
+    return path
