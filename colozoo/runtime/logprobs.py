@@ -28,8 +28,8 @@ from colozoo.runtime.step import check_batch, dp_rows, global_loss, run_step
 
 class ObjectiveStep(StepScales):
     """The scales of a step whose last stage hands the per-token log-probs of the labels to `objective` (see the
-    module), with this data-parallel rank's `rows`; it keeps each micro-batch's reported values until the step
-    returns them."""
+    module), with the global batch's `rows` at the micro-batch's row indices; it keeps each micro-batch's reported
+    values until the step returns them."""
 
     def __init__(self, objective, rows: dict, replicas: int, grad_scale: float = 1.0, data_group=None,
                  data_ranks: int = 1):
@@ -55,9 +55,9 @@ def forward_backward_logps(model, input_ids, labels, objective, attention_mask=N
     (see the module): each dp rank trains on its rows, in `num_microbatches` micro-batches (the pipeline schedule at
     pp > 1). Gradients accumulate on the local shards. Returns (the global loss, the objective's per-row values for
     every row of the global batch), the same on every rank; `grad_scale` as in forward_backward."""
-    step, local_rows = _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale)
+    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale)
     local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,
-                         {"row_ids": local_rows})
+                         {"row_ids": row_ids})  # split over dp and micro-batches with the rows
     if local_sum is not None and grad_scale != 1.0:
         local_sum = local_sum / grad_scale
     return global_loss(model, local_sum), gather_reported(model, step)
@@ -74,9 +74,10 @@ def forward_logps(model, input_ids, labels, objective=token_logps_objective, att
     """The objective's per-row values of the global batch without gradients (and its loss as "loss"): each dp rank
     runs its rows, micro-batch by micro-batch, through its stages; the default objective reports the per-token
     log-probs of the labels as "logps" (n, L). Every dp rank must call it (a sharded forward is collective)."""
-    step, local_rows = _step(model, input_ids, labels, objective, rows, num_microbatches)
-    local = [t[dp_rows(model, input_ids.shape[0])] if t is not None else None
-             for t in (input_ids, labels, attention_mask, position_ids)]
+    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches)
+    mine = dp_rows(model, input_ids.shape[0])
+    local_rows = row_ids[mine]
+    local = [t[mine] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
     carry = model.carries_router_stats()
     local_sum = None
     for i, row_ids in enumerate(local_rows.tensor_split(num_microbatches)):
@@ -94,15 +95,13 @@ def forward_logps(model, input_ids, labels, objective=token_logps_objective, att
 
 
 def _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale=1.0):
-    """The ObjectiveStep of this dp rank's rows, and the indices of those rows (which travel with the micro-batches)."""
+    """The ObjectiveStep of the global batch's `rows`, and the indices of all its rows (which travel with the rows
+    through the split over dp ranks and micro-batches)."""
     pc = model.pc
-    rows = rows or {}
+    rows = {k: v.to(pc.device) for k, v in (rows or {}).items()}
     check_batch(model, input_ids, labels, num_microbatches, rows)
-    mine = dp_rows(model, input_ids.shape[0])
-    local = {k: v[mine].to(pc.device) for k, v in rows.items()}
-    count = mine.stop - mine.start
-    step = ObjectiveStep(objective, local, pc.size("dp_cp"), grad_scale, pc.group("dp_cp"), pc.size("dp"))
-    return step, torch.arange(count, device=pc.device)
+    step = ObjectiveStep(objective, rows, pc.size("dp_cp"), grad_scale, pc.group("dp_cp"), pc.size("dp"))
+    return step, torch.arange(input_ids.shape[0], device=pc.device)
 
 
 def gather_reported(model, step: ObjectiveStep) -> dict[str, torch.Tensor]:
