@@ -69,9 +69,11 @@ def moved_copy(model_dir: Path, dst: Path, std: float = 0.02, seed: int = 5) -> 
     return dst
 
 
-def trl_dpo(model_dir: Path, policy_dir: Path, data: Path, adapter_dir: Path | None = None) -> dict:
-    """{loss name: (loss, metrics, {HF parameter: gradient})} of TRL's DPOTrainer on the first batch (all pairs);
-    with `adapter_dir` the policy is LoRA on the base (B random), whose adapters are written there in PEFT format."""
+def trl_dpo(model_dir: Path, policy_dir: Path, data: Path, adapter_dir: Path | None = None, losses=tuple(LOSSES)
+            ) -> dict:
+    """{loss name: (loss, metrics, {HF parameter: gradient})} of TRL's DPOTrainer on the first batch (all pairs), for
+    the `losses` of LOSSES; with `adapter_dir` the policy is LoRA on the base (B random), whose adapters are written
+    there in PEFT format."""
     import peft
     import transformers
     from datasets import Dataset
@@ -98,7 +100,8 @@ def trl_dpo(model_dir: Path, policy_dir: Path, data: Path, adapter_dir: Path | N
         model.save_pretrained(str(adapter_dir))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(PAIRS)])
     results = {}
-    for name, (_, attributes) in LOSSES.items():
+    for name in losses:
+        attributes = LOSSES[name][1]
         for key, value in {"loss_weights": [1.0] * len(attributes["loss_types"]), "beta": 0.1,
                            "label_smoothing": 0.0, **attributes}.items():
             setattr(trainer, key, value)
