@@ -184,7 +184,8 @@ class PreferenceLoss:
             summed = logps.sum(1)
             loss, rewards = self.pair_losses(summed, tokens, rows.get("ref_logps"))
             shown = summed / tokens if self.simpo else summed  # CPOTrainer logs the mean log-probs it trains on
-            return loss.sum() / global_pairs, {"logps": shown, "rewards": rewards, "pair_loss": loss.repeat_interleave(2)}
+            reported = {"logps": shown, "rewards": rewards, "pair_loss": loss.repeat_interleave(2)}
+            return loss.sum() / global_pairs, reported
         return preference_objective
 
 

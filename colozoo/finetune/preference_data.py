@@ -4,10 +4,11 @@ conversations (lists of {role, content} messages rendered with the tokenizer's c
 
 Tokenized as DPOTrainer does: a string completion gets the EOS text appended (unless it ends with it), the prompt
 and prompt + completion are tokenized whole (a conversation with the chat template, the prompt with the generation
-prompt), and the completion starts where the tokenized prompt and prompt + completion first differ. `--max-prompt-length`
-keeps the end of a longer prompt; `--max-length` then cuts prompt + completion at that many tokens (TRL's
-truncation_mode "keep_start"); both are counted. A pair is two rows, chosen then rejected, right-padded to
-`--max-length`; the labels are the completion's tokens (-100 over the prompt and the padding).
+prompt), and the completion starts where the tokenized prompt and prompt + completion first differ.
+`--max-prompt-length` keeps the end of a longer prompt; `--max-length` then cuts prompt + completion at that many
+tokens (TRL's truncation_mode "keep_start"); both are counted. A pair is two rows, chosen then rejected, right-padded
+to `--max-length`; the labels are the completion's tokens (-100 over the prompt and the padding). A prompt that
+leaves no completion token within --max-length is refused (DPOTrainer drops such pairs silently).
 """
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def fit_pair(prompt: list, chosen: list, rejected: list, max_length: int, max_pr
     if max_prompt_length is not None and len(prompt) > max_prompt_length:
         prompt, done = prompt[len(prompt) - max_prompt_length:], {"prompt_cut"}
     if not prompt:
-        raise DataError(f"{where}: the prompt is empty once tokenized, so nothing predicts the completion's first token")
+        raise DataError(f"{where}: the prompt is empty once tokenized, so nothing predicts the completion's first "
+                        f"token")
     if len(prompt) >= max_length:
         raise DataError(f"{where}: the prompt is {len(prompt)} tokens, not shorter than --max-length {max_length}, "
                         f"so no completion token is left (raise --max-length or pass --max-prompt-length)")

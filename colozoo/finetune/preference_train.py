@@ -70,7 +70,8 @@ class PreferenceTraining:
         """The reference log-probs of every pair of `data`, (pairs, 2), in passes of `pairs_per_pass` pairs (the last
         filled up with the first pairs, whose values are dropped): every rank gets all of them."""
         if reporter is not None:
-            reporter.print(f"computing the reference log-probs of the {len(data)} {role} pairs (--precompute-ref-logps)")
+            reporter.print(f"computing the reference log-probs of the {len(data)} {role} pairs "
+                           f"(--precompute-ref-logps)")
         out = []
         for start in range(0, len(data), pairs_per_pass):
             index = [i % len(data) for i in range(start, start + pairs_per_pass)]
