@@ -119,6 +119,8 @@ MESHES = {  # name: (world size, degrees, data parallelism, micro-batches)
     "dp2 ddp": (2, dict(dp=2), "ddp", 1),
     "dp2 fsdp": (2, dict(dp=2), "fsdp", 2),
     "tp2xpp2": (4, dict(tp=2, pp=2), "fsdp", 2),
+    "cp2": (2, dict(cp=2), "fsdp", 1),
+    "tp2 sequence parallel": (2, dict(tp=2, sequence_parallel=True), "fsdp", 1),
 }
 
 
