@@ -92,3 +92,26 @@ def test_stopped_run_resumes_exactly_with_precomputed_reference(chat_model, tmp_
     (tmp_path / "stopped" / "checkpoints" / "step-00000002" / "reference_logps.safetensors").unlink()  # without them
     with pytest.raises(ValueError, match="saved without --precompute-ref-logps"):
         finetune(dpo_run(chat_model, tmp_path / "stopped", **options))
+
+
+def test_truncation_is_counted_and_reported_and_an_implicit_prompt_is_extracted(chat_model, tmp_path):
+    from colozoo.finetune.data import load_tokenizer
+    from colozoo.finetune.preference_data import fit_note, preference_dataset
+
+    tokenizer = load_tokenizer(chat_model, 10_000)
+    records = [{"prompt": "the fox ate some berries on Monday", "chosen": " the cat ate some apples on Friday",
+                "rejected": " no"},
+               {"chosen": "the dog ate some cheese", "rejected": "the dog ate some honey"}]  # prompt implicit
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = preference_dataset(path, tokenizer, max_length=8, max_prompt_length=4)
+    assert data.stats == {"pairs": 2, "prompt_cut": 1, "chosen_cut": 1, "rejected_cut": 0}
+    ids, labels = data.tensors["input_ids"], data.tensors["labels"]
+    words = lambda text: tokenizer(text=text)["input_ids"]  # noqa: E731
+    assert ids[0, 0].tolist() == words("some berries on Monday the cat ate some")  # the prompt's end, the start
+    assert labels[0, 1].tolist() == [-100] * 4 + words(" no") + [tokenizer.eos_token_id] + [-100] * 2
+    assert ids[1, 1, :6].tolist() == words("the dog ate some honey") + [tokenizer.eos_token_id]
+    assert labels[1, 1, :6].tolist() == [-100] * 4 + words(" honey") + [tokenizer.eos_token_id]
+    note = fit_note(data.stats, path, 8, 4)
+    assert note == (f"of 2 pairs in {path}: 1 prompts cut to their last --max-prompt-length 4 tokens, 1 chosen "
+                    f"completions cut at --max-length 8")

@@ -24,10 +24,10 @@ from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.evaluation import Evaluator
 from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
 from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
-from colozoo.finetune.preference_data import pair_rows
-from colozoo.finetune.preference_train import PreferenceTraining, load_reference, prepare_reference
 from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
                                       truncate_metrics)
+from colozoo.finetune.preference_data import pair_rows
+from colozoo.finetune.preference_train import PreferenceTraining, prepare_reference, preference_training
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.runtime.amp import DynamicLossScaler
@@ -121,11 +121,7 @@ def load(cfg: FinetuneConfig, inputs: Inputs) -> Trainer:
     planned_step = runtime.prepare_training(model, cfg)
     step_options = planned_step if plan else {"num_microbatches": cfg.num_microbatches(inputs.mesh.dp)}
     model.train(cfg.method != "dpo")  # preference tuning trains with dropout off, as TRL's DPOTrainer
-    preference = None
-    if cfg.method == "dpo":
-        reference = load_reference(cfg, plan) if cfg.needs_reference() and not (cfg.lora_r or
-                                                                                cfg.precompute_ref_logps) else None
-        preference = PreferenceTraining(cfg, model, reference)
+    preference = preference_training(cfg, model, plan) if cfg.method == "dpo" else None
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
     # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
     scheduled = optimizer.optimizer if isinstance(optimizer, OffloadedAdamW) else optimizer

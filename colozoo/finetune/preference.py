@@ -58,6 +58,14 @@ class PreferenceOptions:
             if value:
                 raise ValueError(f"--{flag} is for --method sft: preference records are read as they are "
                                  f"(strings, or conversations rendered with the chat template)")
+        if self.plan is not None:
+            raise ValueError("--plan auto plans supervised steps; --method dpo (two rows per pair, and the reference's "
+                             "forward) is not planned yet: give the mesh (--tp, --pp, --dp, ...)")
+        split = sequence_multiple(self.cp, self.tp if self.sequence_parallel else 1)
+        if self.sequence_length() % split:
+            raise ValueError(f"--max-length {self.sequence_length()} must be a multiple of {split} (2 x cp under "
+                             f"context parallelism, x tp under sequence parallelism): every rank takes equal chunks "
+                             f"of each sequence")
         if self.lora_dropout:
             raise ValueError("--lora-dropout: --method dpo trains with dropout off, as TRL's DPOTrainer "
                              "(disable_dropout)")
@@ -110,6 +118,12 @@ class PreferenceOptions:
     def preference_loss(self) -> "PreferenceLoss":
         return PreferenceLoss(self.loss_types(), self.weights(), self.beta, self.label_smoothing, self.simpo_gamma,
                               self.reference_free)
+
+
+def sequence_multiple(cp: int, sequence_parallel_tp: int = 1) -> int:
+    """What a sequence's length must be a multiple of: 2 x cp under context parallelism (two chunks per rank), times
+    tp under sequence parallelism."""
+    return (2 * cp if cp > 1 else 1) * sequence_parallel_tp
 
 
 PREFERENCE_HELP = {

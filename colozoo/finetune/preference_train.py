@@ -17,7 +17,7 @@ import torch
 
 from colozoo.finetune import preference
 from colozoo.finetune.preference_data import pair_rows, trim_to_longest
-from colozoo.runtime.lora import adapters_disabled, lora_modules
+from colozoo.runtime.lora import adapters_disabled
 from colozoo.runtime.logprobs import forward_backward_logps, forward_logps
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -43,15 +43,22 @@ def load_reference(cfg, plan=None):
     return reference.eval()
 
 
+def preference_training(cfg, model, plan=None) -> "PreferenceTraining":
+    """The run's PreferenceTraining, with a frozen reference copy where the reference needs one (full fine-tuning
+    without --precompute-ref-logps)."""
+    frozen = cfg.needs_reference() and not cfg.lora_r and not cfg.precompute_ref_logps
+    return PreferenceTraining(cfg, model, load_reference(cfg, plan) if frozen else None)
+
+
 class PreferenceTraining:
     """The step and the evaluation of --method dpo (and its relatives) for one run."""
 
     def __init__(self, cfg, model, reference_model=None):
         self.cfg, self.loss, self.reference_model = cfg, cfg.preference_loss(), reference_model
-        self.lora = bool(lora_modules(model))
         self.precomputed: dict[str, torch.Tensor] | None = None  # "train" / "eval": (pairs, 2)
         pc = model.pc
-        self.multiple = math.lcm(8, 2 * pc.size("cp") * (pc.tp_size if model.sequence_parallel else 1))
+        self.multiple = math.lcm(8, preference.sequence_multiple(pc.size("cp"), pc.tp_size if model.sequence_parallel
+                                                                 else 1))
 
     # --- reference log-probs ------------------------------------------------------------------------------------
     def reference_logps(self, model, rows: dict, num_microbatches: int = 1) -> torch.Tensor | None:
