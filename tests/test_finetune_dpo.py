@@ -76,17 +76,19 @@ def test_first_logged_step_equals_trl_with_lora_and_exports(chat_model, tmp_path
 
 def test_stopped_run_resumes_exactly_with_precomputed_reference(chat_model, tmp_path):
     """--stop-after (what Ctrl-C does at the end of a step) saves; the resumed run reads the reference log-probs the
-    checkpoint carries (the weights they came from are trained away) and logs what an uninterrupted run logs."""
-    options = dict(steps=4, precompute_ref_logps=True, save_interval=2)
+    checkpoint carries (the weights they came from are trained away) and logs what an uninterrupted run logs, its
+    evaluations (TRL's metrics with eval_ in front) included."""
+    options = dict(steps=4, precompute_ref_logps=True, save_interval=2, eval_fraction=0.1, eval_interval=2)
     finetune(dpo_run(chat_model, tmp_path / "straight", **options))
     finetune(dpo_run(chat_model, tmp_path / "stopped", stop_after=2, **options))
     assert (tmp_path / "stopped" / "checkpoints" / "step-00000002" / "reference_logps.safetensors").exists()
     (tmp_path / "stopped" / "reference_logps.safetensors").unlink()  # the checkpoint's copy is what resumes
     finetune(dpo_run(chat_model, tmp_path / "stopped", **options))
     straight, resumed = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("straight", "stopped"))
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 2, 3, 4, 4]  # evaluations at 0, 2 and 4
     for a, b in zip(straight, resumed):
-        for key in ("loss", *METRICS):
+        keys = [f"eval_{k}" for k in ("loss", *METRICS)] if "eval_loss" in a else ["loss", *METRICS]
+        for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
     shutil.rmtree(tmp_path / "stopped" / "checkpoints" / "step-00000004")  # resume from step 2 again, but
     (tmp_path / "stopped" / "checkpoints" / "step-00000002" / "reference_logps.safetensors").unlink()  # without them
@@ -115,3 +117,27 @@ def test_truncation_is_counted_and_reported_and_an_implicit_prompt_is_extracted(
     note = fit_note(data.stats, path, 8, 4)
     assert note == (f"of 2 pairs in {path}: 1 prompts cut to their last --max-prompt-length 4 tokens, 1 chosen "
                     f"completions cut at --max-length 8")
+
+
+def test_adapters_disabled_for_one_forward_leaves_nothing_behind(chat_model):
+    """The LoRA reference: inside adapters_disabled the model is its base; after it (an exception included) every
+    adapter is back."""
+    import torch
+
+    from colozoo.api import from_pretrained
+    from colozoo.runtime.lora import adapters_disabled, apply_lora, lora_modules
+
+    base = from_pretrained(str(chat_model), dtype=torch.float32)
+    model = apply_lora(from_pretrained(str(chat_model), dtype=torch.float32), r=4, targets="all-linear")
+    with torch.no_grad():
+        for lora in lora_modules(model).values():
+            lora.B.normal_(std=0.1)
+    ids = torch.arange(3, 13)[None]
+    adapted = model(ids).logits
+    with adapters_disabled(model):
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="inside"):
+        with adapters_disabled(model):
+            raise RuntimeError("inside")
+    assert (model(ids).logits - base(ids).logits).abs().max() > 1e-3
+    torch.testing.assert_close(model(ids).logits, adapted, rtol=0, atol=0)
