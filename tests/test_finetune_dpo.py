@@ -96,7 +96,7 @@ def test_stopped_run_resumes_exactly_with_precomputed_reference(chat_model, tmp_
         finetune(dpo_run(chat_model, tmp_path / "stopped", **options))
 
 
-def test_truncation_is_counted_and_reported_and_an_implicit_prompt_is_extracted(chat_model, tmp_path):
+def test_truncation_is_counted_and_an_implicit_prompt_extracted_from_jsonl_and_parquet(chat_model, tmp_path):
     from colozoo.finetune.data import load_tokenizer
     from colozoo.finetune.preference_data import fit_note, preference_dataset
 
@@ -114,6 +114,12 @@ def test_truncation_is_counted_and_reported_and_an_implicit_prompt_is_extracted(
     assert labels[0, 1].tolist() == [-100] * 4 + words(" no") + [tokenizer.eos_token_id] + [-100] * 2
     assert ids[1, 1, :6].tolist() == words("the dog ate some honey") + [tokenizer.eos_token_id]
     assert labels[1, 1, :6].tolist() == [-100] * 4 + words(" honey") + [tokenizer.eos_token_id]
+    import pyarrow as pa
+    import pyarrow.parquet
+
+    pa.parquet.write_table(pa.Table.from_pylist(records), tmp_path / "pairs.parquet")  # the missing prompt: null
+    same = preference_dataset(tmp_path / "pairs.parquet", tokenizer, max_length=8, max_prompt_length=4)
+    assert all((same.tensors[k] == data.tensors[k]).all() for k in data.tensors)
     note = fit_note(data.stats, path, 8, 4)
     assert note == (f"of 2 pairs in {path}: 1 prompts cut to their last --max-prompt-length 4 tokens, 1 chosen "
                     f"completions cut at --max-length 8")

@@ -40,6 +40,8 @@ def check_preference_record(record, where: str):
                             f"'prompt', unless the conversations share it); the record's fields are {list(record)}")
         if not isinstance(record[name], (str, list)):
             raise DataError(f"{where}: field {name!r} is {record[name]!r}, not a string or a list of messages")
+    if not isinstance(record.get("prompt", ""), (str, list, type(None))):
+        raise DataError(f"{where}: field 'prompt' is {record['prompt']!r}, not a string or a list of messages")
     prompt, chosen, rejected = split_prompt(record)
     for name, completion in (("chosen", chosen), ("rejected", rejected)):
         if not completion or isinstance(completion, str) and not completion.strip():
@@ -73,8 +75,9 @@ def split_prompt(record: dict):
     """(prompt, chosen, rejected): the record's prompt when it is of the completions' kind, else the completions'
     common beginning (TRL's maybe_extract_prompt / extract_prompt)."""
     chosen, rejected = record["chosen"], record["rejected"]
-    if "prompt" in record and is_conversation(record["prompt"]) == is_conversation(chosen):
-        return record["prompt"], chosen, rejected
+    prompt = record.get("prompt")  # None: absent (a Parquet / Arrow column fills a missing field with null)
+    if prompt is not None and is_conversation(prompt) == is_conversation(chosen):
+        return prompt, chosen, rejected
     idx = 0
     for idx in range(min(len(chosen), len(rejected))):
         if chosen[idx] != rejected[idx]:
