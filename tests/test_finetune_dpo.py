@@ -98,7 +98,7 @@ def test_stopped_run_resumes_exactly_with_precomputed_reference(chat_model, tmp_
 
 def test_truncation_is_counted_and_an_implicit_prompt_extracted_from_jsonl_and_parquet(chat_model, tmp_path):
     from colozoo.finetune.data import load_tokenizer
-    from colozoo.finetune.preference_data import fit_note, preference_dataset
+    from colozoo.finetune.preference_data import fit_note, pack_pairs, preference_dataset
 
     tokenizer = load_tokenizer(chat_model, 10_000)
     records = [{"prompt": "the fox ate some berries on Monday", "chosen": " the cat ate some apples on Friday",
@@ -120,6 +120,13 @@ def test_truncation_is_counted_and_an_implicit_prompt_extracted_from_jsonl_and_p
     pa.parquet.write_table(pa.Table.from_pylist(records), tmp_path / "pairs.parquet")  # the missing prompt: null
     same = preference_dataset(tmp_path / "pairs.parquet", tokenizer, max_length=8, max_prompt_length=4)
     assert all((same.tensors[k] == data.tensors[k]).all() for k in data.tensors)
+    packed = pack_pairs(data.take([0, 1]))  # a pair in one row: chosen, then rejected from position 0 again
+    lengths = data.tensors["attention_mask"][:2].sum(-1)
+    assert packed["split"].tolist() == lengths[:, 0].tolist() and "attention_mask" not in packed
+    row, split = packed["input_ids"][1], int(packed["split"][1])
+    assert row[:split].tolist() == ids[1, 0, :split].tolist()
+    assert row[split:split + int(lengths[1, 1])].tolist() == ids[1, 1, :int(lengths[1, 1])].tolist()
+    assert packed["position_ids"][1, split] == 0 and packed["labels"][1, split] == -100
     note = fit_note(data.stats, path, 8, 4)
     assert note == (f"of 2 pairs in {path}: 1 prompts cut to their last --max-prompt-length 4 tokens, 1 chosen "
                     f"completions cut at --max-length 8")

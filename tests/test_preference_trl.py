@@ -66,13 +66,15 @@ def check_adapter_gradients(model, grads: dict, what: str):
             close(b, grads[f"{hf_module}.lora_B.default.weight"], ATOL, f"{what}: gradient of {hf_module}'s B")
 
 
-@pytest.mark.parametrize("fmt,lora", [("strings", False), ("conversations", False), ("strings", True),
-                                      ("conversations", True)])
-def test_first_step_equals_trl_for_every_loss(setup, fmt, lora, tmp_path):
+@pytest.mark.parametrize("fmt,lora,pack", [("strings", False, True), ("conversations", False, True),
+                                           ("strings", True, True), ("conversations", True, True),
+                                           ("strings", False, False)])
+def test_first_step_equals_trl_for_every_loss(setup, fmt, lora, pack, tmp_path):
+    """Each pair packed in one row (the default), or two rows (--no-pack)."""
     results, adapter = trl_results(setup["root"], fmt, lora)
     for name, (options, _) in LOSSES.items():
-        what = f"{fmt}, {'LoRA' if lora else 'full'}, {name}"
-        cfg = our_config(setup["base"], setup[fmt], tmp_path, lora_r=4 if lora else None, **options)
+        what = f"{fmt}, {'LoRA' if lora else 'full'}, {'packed' if pack else 'two rows'}, {name}"
+        cfg = our_config(setup["base"], setup[fmt], tmp_path, lora_r=4 if lora else None, pack=pack, **options)
         loss, metrics, model = our_step(cfg, setup["base"] if lora else setup["policy"], adapter)
         expected_loss, expected_metrics, grads = results[name]
         close(loss, expected_loss, ATOL, f"{what}: loss")
@@ -113,9 +115,9 @@ def test_reference_free_is_dpo_against_log_prob_zero(setup, tmp_path):
 
 # --- the same first step on every mesh --------------------------------------------------------------------------
 
-MESHES = {  # name: (world size, degrees, data parallelism, micro-batches)
+MESHES = {  # name: (world size, degrees, data parallelism, micro-batches); pairs packed in one row, but "pp2"
     "tp2": (2, dict(tp=2), "fsdp", 1),
-    "pp2": (2, dict(pp=2), "fsdp", 2),
+    "pp2": (2, dict(pp=2), "fsdp", 2),  # two rows per pair: micro-batches must keep them together
     "dp2 ddp": (2, dict(dp=2), "ddp", 1),
     "dp2 fsdp": (2, dict(dp=2), "fsdp", 2),
     "tp2xpp2": (4, dict(tp=2, pp=2), "fsdp", 2),
@@ -124,8 +126,8 @@ MESHES = {  # name: (world size, degrees, data parallelism, micro-batches)
 }
 
 
-def mesh_step(base, policy, data, output, adapter, degrees, data_parallel, micro):
-    cfg = our_config(base, data, output, lora_r=4 if adapter else None)
+def mesh_step(base, policy, data, output, adapter, degrees, data_parallel, micro, pack=True):
+    cfg = our_config(base, data, output, lora_r=4 if adapter else None, pack=pack)
     loss, metrics, model = our_step(cfg, base if adapter else policy, adapter, data_parallel, micro, **degrees)
     return loss, metrics, float(global_grad_norm(model))
 
@@ -137,7 +139,7 @@ def test_first_step_is_the_same_on_every_mesh(setup, mesh, tmp_path):
     adapter = trl_results(setup["root"], "strings", True)[1] if lora else None
     args = (setup["base"], setup["policy"], setup["strings"], tmp_path, adapter)
     expected = mesh_step(*args, {}, "fsdp", 1)
-    got = run_distributed(mesh_step, world, *args, degrees, data_parallel, micro, timeout=120)
+    got = run_distributed(mesh_step, world, *args, degrees, data_parallel, micro, pack=mesh != "pp2", timeout=120)
     for loss, metrics, norm in got:
         close(loss, expected[0], ATOL, f"{mesh}: loss")
         check_metrics(metrics, expected[1], mesh)

@@ -166,7 +166,8 @@ _HELP = {
                          "with --plan auto: micro batch x world size)",
     "steps": "optimizer steps (default: --epochs passes over the data)",
     "pack": "text: concatenate documents into full --seq-len sequences joined by EOS; --chat: put several whole samples "
-            "in each sequence, position_ids restarting at 0 at each (the model attends within each sample). "
+            "in each sequence, position_ids restarting at 0 at each (the model attends within each sample); "
+            "--method dpo: each pair's chosen and rejected in one row (where the model's positions hold both). "
             "--no-pack pads each document / sample instead",
     "chat": "supervised fine-tuning: records with 'messages' (a list of {role, content}, rendered with the tokenizer's "
             "chat template; loss on the assistant turns only), 'prompt' + 'completion' (loss on the completion and "

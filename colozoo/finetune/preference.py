@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from colozoo.finetune.preference_data import sequence_sums
+
 METHODS = ("sft", "dpo")
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "simpo")
 SMOOTHED = ("robust", "simpo")  # the losses --label-smoothing applies to
@@ -191,26 +193,29 @@ class PreferenceLoss:
         return loss, self.beta * mean_logps
 
     def objective(self, global_pairs: int):
-        """The objective of colozoo.runtime.logprobs for a global batch of `global_pairs` pairs (rows: "ref_logps",
-        the reference's summed log-prob of each row, unless reference-free)."""
+        """The objective of colozoo.runtime.logprobs for a global batch of `global_pairs` pairs. Per-row values:
+        "ref_logps", the reference's summed log-prob of the row's sequence(s) (unless reference-free), and "split"
+        where a row packs a pair (preference_data.sequence_sums). It reports, per row, each sequence's log-prob (SimPO:
+        per token), reward and pair loss."""
         def preference_objective(logps, labels, rows):
-            tokens = (labels != -100).sum(1).to(logps.dtype)
-            summed = logps.sum(1)
-            loss, rewards = self.pair_losses(summed, tokens, rows.get("ref_logps"))
+            tokens = sequence_sums((labels != -100).to(logps.dtype), rows)
+            summed = sequence_sums(logps, rows)
+            ref = rows.get("ref_logps")
+            loss, rewards = self.pair_losses(summed, tokens, None if ref is None else ref.reshape(-1))
             shown = summed / tokens if self.simpo else summed  # CPOTrainer logs the mean log-probs it trains on
             reported = {"logps": shown, "rewards": rewards, "pair_loss": loss.repeat_interleave(2)}
-            return loss.sum() / global_pairs, reported
+            return loss.sum() / global_pairs, {k: v.view(labels.shape[0], -1) for k, v in reported.items()}
         return preference_objective
 
 
 def metrics(values: dict, prefix: str = "") -> dict[str, float]:
     """TRL's metrics of a batch from the objective's per-row values (chosen rows even, rejected odd): means over
     pairs. `prefix`: "eval_" for evaluation (with the loss), "" in training (the step's loss is logged apart)."""
-    rewards, logps = values["rewards"].double(), values["logps"].double()
+    rewards, logps = values["rewards"].double().flatten(), values["logps"].double().flatten()
     chosen, rejected = rewards[0::2], rewards[1::2]
     out = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
            "rewards/accuracies": (chosen > rejected).double().mean(), "rewards/margins": (chosen - rejected).mean(),
            "logps/chosen": logps[0::2].mean(), "logps/rejected": logps[1::2].mean()}
     if prefix:
-        out = {"loss": values["pair_loss"][0::2].double().mean(), **out}
+        out = {"loss": values["pair_loss"].flatten()[0::2].double().mean(), **out}
     return {prefix + k: float(v) for k, v in out.items()}

@@ -6,9 +6,10 @@ Tokenized as DPOTrainer does: a string completion gets the EOS text appended (un
 and prompt + completion are tokenized whole (a conversation with the chat template, the prompt with the generation
 prompt), and the completion starts where the tokenized prompt and prompt + completion first differ.
 `--max-prompt-length` keeps the end of a longer prompt; `--max-length` then cuts prompt + completion at that many
-tokens (TRL's truncation_mode "keep_start"); both are counted. A pair is two rows, chosen then rejected, right-padded
-to `--max-length`; the labels are the completion's tokens (-100 over the prompt and the padding). A prompt that
-leaves no completion token within --max-length is refused (DPOTrainer drops such pairs silently).
+tokens (TRL's truncation_mode "keep_start"); both are counted. A prompt that leaves no completion token within
+--max-length is refused (DPOTrainer drops such pairs silently). A pair is stored as two rows, chosen then rejected,
+right-padded to `--max-length`; the labels are the completion's tokens (-100 over the prompt and the padding). A step
+packs each pair into one row (pack_pairs) or lays its two rows side by side (pair_rows).
 """
 from __future__ import annotations
 
@@ -197,3 +198,35 @@ def trim_to_longest(rows: dict, multiple: int = 8) -> dict:
     longest = int(rows["attention_mask"].sum(1).max())
     keep = min(width, -(-longest // multiple) * multiple)
     return {k: v[:, :keep] if v.dim() == 2 and v.shape[1] == width else v for k, v in rows.items()}
+
+
+def pack_pairs(batch: dict, multiple: int = 8) -> dict:
+    """A batch of pairs (pairs, 2, L) packed one pair per row without padding between them: prompt + chosen, then
+    prompt + rejected, `position_ids` restarting at 0 at each (so neither attends to the other, transformers'
+    packed-sequence convention), then padding (a document of its own, unlabelled) up to the longest pair rounded up to
+    `multiple`; `split` is where each row's rejected sequence starts. Per-row values of the pairs ((pairs, 2): the
+    reference log-probs) stay as they are."""
+    lengths = batch["attention_mask"].sum(-1)  # (pairs, 2)
+    longest = int(lengths.sum(1).max())
+    width = min(2 * batch["input_ids"].shape[-1], -(-longest // multiple) * multiple)
+    pairs = lengths.shape[0]
+    input_ids = torch.zeros((pairs, width), dtype=torch.long, device=lengths.device)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    positions = torch.zeros_like(input_ids)
+    for i, (chosen, rejected) in enumerate(lengths.tolist()):
+        for j, (start, n) in enumerate(((0, chosen), (chosen, rejected))):
+            input_ids[i, start:start + n] = batch["input_ids"][i, j, :n]
+            labels[i, start:start + n] = batch["labels"][i, j, :n]
+            positions[i, start:start + n] = torch.arange(n)
+        positions[i, chosen + rejected:] = torch.arange(width - chosen - rejected)
+    packed = {"input_ids": input_ids, "position_ids": positions, "labels": labels, "split": lengths[:, 0]}
+    return {**packed, **{k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "labels")}}
+
+
+def sequence_sums(values: torch.Tensor, rows: dict) -> torch.Tensor:
+    """Per-token `values` (rows, L) summed over each sequence, in pair order (chosen, rejected, chosen, ...): a row's
+    sum where each row is one sequence, its two parts either side of `split` where a row packs a pair."""
+    if "split" not in rows:
+        return values.sum(1)
+    chosen = torch.arange(values.shape[1], device=values.device) < rows["split"][:, None]
+    return torch.stack([(values * chosen).sum(1), (values * ~chosen).sum(1)], 1).flatten()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from colozoo.finetune import preference
-from colozoo.finetune.preference_data import pair_rows, trim_to_longest
+from colozoo.finetune.preference_data import pack_pairs, pair_rows, sequence_sums, trim_to_longest
 from colozoo.runtime.lora import adapters_disabled
 from colozoo.runtime.logprobs import forward_backward_logps, forward_logps
 
@@ -24,8 +24,8 @@ REFERENCE_FILE = "reference_logps.safetensors"
 
 
 def summed_logps(logps, labels, rows):
-    """forward_logps' objective for reference log-probs: each row's log-prob summed over its labelled tokens."""
-    return logps.sum() * 0.0, {"logps": logps.sum(1)}
+    """forward_logps' objective for reference log-probs: each sequence's log-prob summed over its labelled tokens."""
+    return logps.sum() * 0.0, {"logps": sequence_sums(logps, rows).view(logps.shape[0], -1)}
 
 
 def load_reference(cfg, plan=None):
@@ -51,27 +51,43 @@ def preference_training(cfg, model, plan=None) -> "PreferenceTraining":
 
 
 class PreferenceTraining:
-    """The step and the evaluation of --method dpo (and its relatives) for one run."""
+    """The step and the evaluation of --method dpo (and its relatives) for one run. A pair is one row, chosen then
+    rejected packed without padding between them (preference_data.pack_pairs), where --pack (the default) asks for
+    it and the model's learned positions, if any, hold both; else two rows."""
 
     def __init__(self, cfg, model, reference_model=None):
         self.cfg, self.loss, self.reference_model = cfg, cfg.preference_loss(), reference_model
         self.precomputed: dict[str, torch.Tensor] | None = None  # "train" / "eval": (pairs, 2)
-        pc = model.pc
+        pc, limit = model.pc, model.position_limit()
         self.multiple = math.lcm(8, preference.sequence_multiple(pc.size("cp"), pc.tp_size if model.sequence_parallel
                                                                  else 1))
+        self.pack = cfg.pack and (limit is None or 2 * cfg.sequence_length() <= limit)
+
+    def rows(self, batch: dict, device) -> dict:
+        """A batch of pairs as the model's rows (`split` where each packed row's rejected sequence starts)."""
+        rows = pack_pairs(batch, self.multiple) if self.pack else trim_to_longest(pair_rows(batch), self.multiple)
+        return {k: v.to(device) for k, v in rows.items()}
+
+    @staticmethod
+    def _inputs(rows: dict, reference: torch.Tensor | None = None) -> dict:
+        """forward(_backward)_logps' keywords for `rows`, with the per-row values that travel with them."""
+        per_row = {"split": rows["split"]} if "split" in rows else {}
+        if reference is not None:
+            per_row["ref_logps"] = reference.reshape(rows["input_ids"].shape[0], -1)
+        return dict(attention_mask=rows.get("attention_mask"), position_ids=rows.get("position_ids"), rows=per_row)
 
     # --- reference log-probs ------------------------------------------------------------------------------------
     def reference_logps(self, model, rows: dict, num_microbatches: int = 1) -> torch.Tensor | None:
-        """The reference's summed log-prob of each row (None when reference-free), from the frozen copy or the
-        model with its adapters switched off."""
+        """The reference's summed log-prob of each sequence in pair order (None when reference-free), from the frozen
+        copy or the model with its adapters switched off."""
         if not self.cfg.needs_reference():
             return None
         args = (rows["input_ids"], rows["labels"], summed_logps)
-        kwargs = dict(attention_mask=rows["attention_mask"], num_microbatches=num_microbatches)
+        kwargs = dict(num_microbatches=num_microbatches, **self._inputs(rows))
         if self.reference_model is not None:
-            return forward_logps(self.reference_model, *args, **kwargs)["logps"]
+            return forward_logps(self.reference_model, *args, **kwargs)["logps"].reshape(-1)
         with adapters_disabled(model):
-            return forward_logps(model, *args, **kwargs)["logps"]
+            return forward_logps(model, *args, **kwargs)["logps"].reshape(-1)
 
     def precompute(self, model, data, pairs_per_pass: int, reporter=None, role: str = "train") -> torch.Tensor:
         """The reference log-probs of every pair of `data`, (pairs, 2), in passes of `pairs_per_pass` pairs (the last
@@ -86,27 +102,20 @@ class PreferenceTraining:
             out.append(self.reference_logps(model, rows).view(-1, 2)[: len(data) - start].float().cpu())
         return torch.cat(out)
 
-    def rows(self, batch: dict, device) -> dict:
-        return {k: v.to(device) for k, v in trim_to_longest(pair_rows(batch), self.multiple).items()}
+    def _reference(self, model, rows, indices, role: str, num_microbatches: int = 1) -> torch.Tensor | None:
+        if self.precomputed is not None and self.cfg.needs_reference():
+            return self.precomputed[role][torch.as_tensor(indices)].flatten().to(model.pc.device)
+        return self.reference_logps(model, rows, num_microbatches)
 
     # --- training and evaluation --------------------------------------------------------------------------------
     def step(self, model, batch: dict, indices, grad_scale: float, step_options: dict):
         """One forward and backward of the global batch of pairs: (its loss, TRL's metrics of it)."""
         rows = self.rows(batch, model.pc.device)
-        m = step_options.get("num_microbatches", 1)
-        reference = self._reference(model, rows, indices, "train", m)
-        objective = self.loss.objective(global_pairs=rows["input_ids"].shape[0] // 2)
+        reference = self._reference(model, rows, indices, "train", step_options.get("num_microbatches", 1))
+        objective = self.loss.objective(global_pairs=len(indices))
         loss, values = forward_backward_logps(model, rows["input_ids"], rows["labels"], objective,
-                                              attention_mask=rows["attention_mask"], rows=reference,
-                                              grad_scale=grad_scale, **step_options)
+                                              grad_scale=grad_scale, **self._inputs(rows, reference), **step_options)
         return loss, preference.metrics(values)
-
-    def _reference(self, model, rows, indices, role: str, num_microbatches: int = 1) -> dict | None:
-        if self.precomputed is not None and self.cfg.needs_reference():
-            logps = self.precomputed[role][torch.as_tensor(indices)].flatten()
-        else:
-            logps = self.reference_logps(model, rows, num_microbatches)
-        return None if logps is None else {"ref_logps": logps.to(model.pc.device)}
 
     @torch.no_grad()
     def evaluate(self, model, data, rows: int, micro_batch_size: int) -> dict[str, float]:
@@ -118,12 +127,11 @@ class PreferenceTraining:
             index = [i % rows for i in range(start, start + per_pass)]
             batch = self.rows(data.take(index), model.pc.device)
             reference = self._reference(model, batch, index, "eval")
-            objective = self.loss.objective(global_pairs=per_pass)
-            out = forward_logps(model, batch["input_ids"], batch["labels"], objective,
-                                attention_mask=batch["attention_mask"], rows=reference)
-            kept = 2 * min(per_pass, rows - start)
+            out = forward_logps(model, batch["input_ids"], batch["labels"], self.loss.objective(per_pass),
+                                **self._inputs(batch, reference))
+            kept = 2 * min(per_pass, rows - start)  # sequences
             for k in ("logps", "rewards", "pair_loss"):
-                values.setdefault(k, []).append(out[k][:kept])
+                values.setdefault(k, []).append(out[k].reshape(-1)[:kept])
         return preference.metrics({k: torch.cat(v) for k, v in values.items()}, prefix="eval_")
 
 
