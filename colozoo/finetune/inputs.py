@@ -64,6 +64,9 @@ def check_model_and_mesh(cfg: FinetuneConfig, world: int | None = None) -> tuple
         config.num_labels = cfg.num_labels
     if cfg.plan is None:
         layout.check_mesh(config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)  # heads over tp, layers over pp, experts over ep
+    if cfg.method == "dpo" and getattr(config, "output_router_logits", False):
+        raise ValueError(f"--method dpo does not add MoE router losses to the preference loss yet, and {cfg.model}'s "
+                         f"config sets output_router_logits: set it to false to train without them")
     if cfg.task != "imgcls":
         dpo_length = cfg.method == "dpo" and cfg.max_length is not None
         D.check_seq_len(cfg.sequence_length(), config, "--max-length" if dpo_length else "--seq-len")
