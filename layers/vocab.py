@@ -208,6 +208,20 @@ class VocabParallelLMHead(nn.Module):
                                                  label_smoothing)
         return self._mean(per_token.sum(), targets, ignore_index, cp)
 
+    def label_log_probs(self, logits_local, labels, ignore_index=-100, cp=None) -> torch.Tensor:
+        """Per-token log-probabilities of `labels` (batch, seq) from this rank's vocab slice of the logits, never
+        gathering the vocabulary: minus the vocab-parallel cross entropy. Laid out like `labels`: position t holds
+        log p(labels[t] | tokens before t), 0 where labels is ignore_index and at t = 0. With `cp` the logits are
+        this rank's zigzag share of the sequence; the result is the whole sequence on every cp rank (its backward
+        keeps this rank's share)."""
+        targets = self._next_tokens(labels, ignore_index, cp)
+        logps = -vocab_parallel_cross_entropy(logits_local, targets, self.vocab_size, self.group, ignore_index)
+        if cp is not None:
+            from .context_parallel import gather_sequence
+
+            logps = gather_sequence(logps, cp.group)
+        return F.pad(logps[..., :-1], (1, 0))
+
     @staticmethod
     def _next_tokens(labels, ignore_index, cp):
         """The label each position predicts (this cp rank's share of them)."""

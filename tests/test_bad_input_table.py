@@ -93,6 +93,9 @@ def tiny_bert(w) -> Path:
     return w / "bert"
 
 
+PAIR = {"prompt": "the cat", "chosen": " sat on the mat", "rejected": " ran"}
+LONG_PROMPT = {**PAIR, "prompt": "the cat sat on the mat"}
+
 ONE_CONVERSATION = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
 # name -> (argv of (models, work dir), what stderr says); a setup writes its files into the work dir first
@@ -125,6 +128,20 @@ CASES = {
         w / "d.jsonl", [{"prompt": "hi"}])), r"field 'completion' is None, not a string"),
     "chat without a template": (lambda m, w: finetune(m, w, "--chat", data=jsonl(w / "d.jsonl", [ONE_CONVERSATION])),
                                 r"needs a tokenizer with a chat template"),
+    "preference record without rejected": (lambda m, w: finetune(m, w, "--method", "dpo", data=jsonl(
+        w / "d.jsonl", [{"prompt": "the cat", "chosen": " sat"}])), r"d\.jsonl:1: no field 'rejected'"),
+    "preference completion empty": (lambda m, w: finetune(m, w, "--method", "dpo", data=jsonl(
+        w / "d.jsonl", [PAIR, {**PAIR, "rejected": ""}])), r"d\.jsonl:2: the rejected completion is empty"),
+    "preference prompt past --max-length": (lambda m, w: finetune(m, w, "--method", "dpo", "--max-length", "4",
+                                                                  data=jsonl(w / "d.jsonl", [LONG_PROMPT])),
+        r"d\.jsonl:1: the prompt is 6 tokens, not shorter than --max-length 4"),
+    "preference roles not alternating": (lambda m, w: finetune(m, w, "--method", "dpo", model="chat", data=jsonl(
+        w / "d.jsonl", [{"prompt": [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}],
+                         "chosen": [{"role": "assistant", "content": "hello"}],
+                         "rejected": [{"role": "assistant", "content": "no"}]}])),
+        r"d\.jsonl:1: 'chosen': the roles do not alternate: messages 0 and 1 are both 'user' turns"),
+    "preference beta 0": (lambda m, w: finetune(m, w, "--method", "dpo", "--beta", "0"), r"--beta must be > 0, got 0"),
+    "preference option without dpo": (lambda m, w: finetune(m, w, "--beta", "0.2"), r"--beta goes with --method dpo"),
     "chat answers past --seq-len": (  # issue 29: dropped without a count
         lambda m, w: finetune(m, w, "--chat", "--seq-len", "8", model="chat", data=CHAT),
         r"none of its 12 samples keeps a trained token within --seq-len 8"),

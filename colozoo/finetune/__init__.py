@@ -61,8 +61,9 @@ def add_parser(subparsers):
     parser = subparsers.add_parser(
         "finetune", help="fine-tune a model (launch with torchrun for more than one process)",
         description="Fine-tune a causal LM (GPT-2, OPT, LLaMA; on text, or on chat and prompt/completion records "
-                    "with --chat), a sequence classifier (BERT) or an image classifier (ViT) on any mesh, all weights "
-                    "or LoRA adapters (--lora-r). Every rank of a torchrun job runs this command.",
+                    "with --chat; or on preference pairs with --method dpo), a sequence classifier (BERT) or an "
+                    "image classifier (ViT) on any mesh, all weights or LoRA adapters (--lora-r). Every rank of a "
+                    "torchrun job runs this command.",
         formatter_class=HelpFormatter)
     add_arguments(parser)
     add_launch_argument(parser)

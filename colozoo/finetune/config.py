@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from colozoo.finetune.preference import PREFERENCE_CHOICES, PREFERENCE_HELP, PreferenceOptions
+
 TASKS = ("lm", "seqcls", "imgcls")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_PARALLEL = ("fsdp", "ddp")
@@ -20,7 +22,7 @@ def check_at_least(name: str, value, minimum: int = 1):
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared with the method
     model: str                          # registry name, HF directory or colozoo checkpoint
     data: str                           # jsonl / txt (language), npz / folder of images (ViT)
     output: str = "runs/finetune"
@@ -121,6 +123,7 @@ class FinetuneConfig:
             raise ValueError(f"--chat trains causal LMs (--task lm), not --task {self.task}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        self.check_preference_options()
         self._check_eval_tasks()
 
     def _check_eval_tasks(self):
@@ -185,7 +188,8 @@ _HELP = {
                          "with --plan auto: micro batch x world size)",
     "steps": "optimizer steps (default: --epochs passes over the data)",
     "pack": "text: concatenate documents into full --seq-len sequences joined by EOS; --chat: put several whole samples "
-            "in each sequence, position_ids restarting at 0 at each (the model attends within each sample). "
+            "in each sequence, position_ids restarting at 0 at each (the model attends within each sample); "
+            "--method dpo: each pair's chosen and rejected in one row (where the model's positions hold both). "
             "--no-pack pads each document / sample instead",
     "chat": "supervised fine-tuning: records with 'messages' (a list of {role, content}, rendered with the tokenizer's "
             "chat template; loss on the assistant turns only), 'prompt' + 'completion' (loss on the completion and "
@@ -241,12 +245,14 @@ _HELP = {
     "keep_last": "checkpoints kept in OUTPUT/checkpoints",
     "save_interval": "save a resumable checkpoint every this many steps (0: only at the end)",
     "progress": "progress bar", "plot": "write OUTPUT/loss.png at the end",
+    **PREFERENCE_HELP,
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
     """Add one option per FinetuneConfig field; `task` fixes the task (scripts/) instead of offering --task."""
-    for f in fields(FinetuneConfig):
+    preference = {f.name for f in fields(PreferenceOptions)}
+    for f in sorted(fields(FinetuneConfig), key=lambda f: f.name in preference):  # the method's options last
         if f.name == "task" and task is not None:
             parser.set_defaults(task=task)
             continue
@@ -261,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
             choices = {"task": TASKS, "dtype": DTYPES, "data_parallel": DATA_PARALLEL, "plan": PLANS,
-                       "offload": OFFLOAD, "truncate": TRUNCATION}.get(f.name)
+                       "offload": OFFLOAD, "truncate": TRUNCATION, **PREFERENCE_CHOICES}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, **kwargs)
     return parser
 

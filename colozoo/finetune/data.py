@@ -139,10 +139,10 @@ def special_token_ids(config) -> dict:
     return {name: getattr(config, name, None) for name in SPECIAL_TOKENS}
 
 
-def check_seq_len(seq_len: int, config):
+def check_seq_len(seq_len: int, config, flag: str = "--seq-len"):
     from colozoo.registry import check_positions
 
-    check_positions(config, seq_len, f"--seq-len {seq_len}")
+    check_positions(config, seq_len, f"{flag} {seq_len}")
 
 
 # ----------------------------------------------------------------------------------------------- language

@@ -24,16 +24,19 @@ class Evaluator:
     continuations of a few held-out prompts."""
 
     def __init__(self, cfg: FinetuneConfig, data, tokenizer, model, micro_batch_size: int, reporter: Reporter,
-                 rank0: bool):
+                 rank0: bool, preference=None):
         self.cfg, self.model, self.reporter, self.rank0 = cfg, model, reporter, rank0
         self.data, self.tokenizer, self.micro_batch_size = data, tokenizer, micro_batch_size
+        self.preference = preference  # --method dpo: its evaluation (colozoo.finetune.preference_train)
         self.manager = None
         if cfg.eval_tasks:  # checked with the inputs (harness_tasks); the tasks load at each evaluation
             from colozoo.evaluation.run import task_manager
 
             self.manager = task_manager(cfg.eval_include_path, names=cfg.eval_task_names())
-        self.prompts = samples.held_out_prompts(data, cfg.samples, cfg.seq_len // 2, until_answer=cfg.chat) \
-            if cfg.task == "lm" else None
+        prompted = preference is not None  # the prompts of the held-out pairs' chosen rows
+        rows = chosen_rows(data) if prompted and data is not None else data
+        self.prompts = samples.held_out_prompts(rows, cfg.samples, cfg.sequence_length() // 2,
+                                                until_answer=cfg.chat or prompted) if cfg.task == "lm" else None
         if self.prompts is not None and samples.why_no_samples(model):
             reporter.print(f"no samples: {samples.why_no_samples(model)}")
             self.prompts = None
@@ -44,7 +47,13 @@ class Evaluator:
         return self.data is not None or self.manager is not None
 
     def __call__(self, step: int) -> dict:
-        results = evaluate(self.model, self.data, self.cfg, self.micro_batch_size) if self.data is not None else {}
+        if self.data is None:
+            results = {}
+        elif self.preference is not None:
+            results = self.preference.evaluate(self.model, self.data, held_out_rows(self.data, self.cfg),
+                                               self.micro_batch_size or self.cfg.micro_batch_size)
+        else:
+            results = evaluate(self.model, self.data, self.cfg, self.micro_batch_size)
         if self.manager is not None:
             results.update(task_scores(self.model, self.tokenizer, self.cfg, self.manager, self.micro_batch_size))
         self.reporter.evaluation(step, results)
@@ -52,6 +61,13 @@ class Evaluator:
             samples.write_samples(self.model, self.prompts, self.tokenizer, step, Path(self.cfg.output),
                                   self.cfg.sample_tokens, self.reporter, self.rank0)
         return results
+
+
+def chosen_rows(data):
+    """Preference pairs (pairs, 2, L) as the rows of their chosen sequences."""
+    from colozoo.finetune.data import TensorData
+
+    return TensorData({k: v[:, 0] for k, v in data.tensors.items()}, data.tokens)
 
 
 def held_out_rows(data, cfg: FinetuneConfig) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 from colozoo.checkpoint import layout
 from colozoo.core.mesh import ParallelConfig
 from colozoo.finetune import data as D
-from colozoo.finetune import runtime, sft, token_cache
+from colozoo.finetune import preference_data, runtime, sft, token_cache
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import tensorboard_writer_class
 from colozoo.runtime.plan import DEGREES, Plan
@@ -64,8 +64,12 @@ def check_model_and_mesh(cfg: FinetuneConfig, world: int | None = None) -> tuple
         config.num_labels = cfg.num_labels
     if cfg.plan is None:
         layout.check_mesh(config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)  # heads over tp, layers over pp, experts over ep
+    if cfg.method == "dpo" and getattr(config, "output_router_logits", False):
+        raise ValueError(f"--method dpo does not add MoE router losses to the preference loss yet, and {cfg.model}'s "
+                         f"config sets output_router_logits: set it to false to train without them")
     if cfg.task != "imgcls":
-        D.check_seq_len(cfg.seq_len, config)
+        dpo_length = cfg.method == "dpo" and cfg.max_length is not None
+        D.check_seq_len(cfg.sequence_length(), config, "--max-length" if dpo_length else "--seq-len")
     if cfg.eval_tasks:
         from colozoo.finetune.evaluation import harness_tasks
 
@@ -77,7 +81,11 @@ def data_notes(cfg: FinetuneConfig, train, evaluation) -> list[str]:
     """What --chat had to drop or shorten to fit --seq-len, per dataset file (counted when it was tokenized)."""
     found = []
     for path, data in ((cfg.data, train), (cfg.eval_data, evaluation)):
-        note = sft.fit_note(getattr(data, "stats", None), path, cfg.seq_len) if path else None
+        stats = getattr(data, "stats", None)
+        if cfg.method == "dpo":
+            note = preference_data.fit_note(stats, path, cfg.sequence_length(), cfg.max_prompt_length) if path else None
+        else:
+            note = sft.fit_note(stats, path, cfg.seq_len) if path else None
         if note:
             found.append(note)
     return found
@@ -120,7 +128,10 @@ def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData
         read = lambda path, role: D.image_dataset(path, config, directory)  # noqa: E731
     else:
         tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
-        if cfg.chat or cfg.task == "lm":
+        if cfg.method == "dpo":
+            read = lambda path, role: preference_data.preference_dataset(  # noqa: E731
+                path, tokenizer, cfg.sequence_length(), cfg.max_prompt_length)
+        elif cfg.chat or cfg.task == "lm":
             read = lambda path, role: token_cache.lm_rows(cfg, tokenizer, path, role)  # noqa: E731
         else:
             read = lambda path, role: D.classification_dataset(path, tokenizer, cfg.seq_len, config,  # noqa: E731

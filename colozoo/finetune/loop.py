@@ -26,6 +26,8 @@ from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
 from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
 from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
                                       truncate_metrics)
+from colozoo.finetune.preference_data import pair_rows
+from colozoo.finetune.preference_train import PreferenceTraining, prepare_reference, preference_training
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.runtime.amp import DynamicLossScaler
@@ -43,8 +45,10 @@ def finetune(cfg: FinetuneConfig) -> dict:
     start = resumed.meta["step"] if resumed else 0
     prepare_output(cfg, inputs, start, checkpoints.root)
     reporter = open_reporter(cfg, inputs, trainer, checkpoints.mesh, start, resumed)
+    if trainer.preference is not None and cfg.precompute_ref_logps:
+        checkpoints.side_files.append(prepare_reference(cfg, inputs, trainer, resumed, reporter, _is_rank0()))
     evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
-                            _is_rank0())
+                            _is_rank0(), preference=trainer.preference)
     if start == 0 and evaluate_at.enabled and cfg.eval_interval:
         evaluate_at(0)  # the baseline the fine-tuning improves on
     try:
@@ -72,13 +76,18 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: object
     scaler: DynamicLossScaler
+    preference: PreferenceTraining | None = None  # --method dpo's step, reference and evaluation
 
-    def step(self, batch: dict, number: int) -> "StepResult":
-        """One optimizer step on this rank's rows of the global batch (`number`: the step it completes)."""
+    def step(self, batch: dict, number: int, indices=None) -> "StepResult":
+        """One optimizer step on this rank's rows of the global batch (`number`: the step it completes; `indices`:
+        the samples it takes)."""
         batch = _to(batch, self.model.pc.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss_scale = self.scaler.scale
-        loss = runtime.forward_backward(self.model, batch, grad_scale=loss_scale, **self.step_options)
+        if self.preference is not None:
+            loss, metrics = self.preference.step(self.model, batch, indices, loss_scale, self.step_options)
+        else:
+            loss, metrics = runtime.forward_backward(self.model, batch, grad_scale=loss_scale, **self.step_options), {}
         overflow = self.scaler.unscale_(self.model)  # every rank agrees; clipping then sees the true gradients
         grad_norm = None if overflow else runtime.clip_grad_norm(self.model, self.cfg.grad_clip)
         if not self.scaler.enabled:  # fp16 skips such steps; in fp32/bf16 they would poison the weights
@@ -88,7 +97,7 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
         self.scaler.update(overflow)
-        return StepResult(float(loss.detach()), lr, grad_norm, overflow, loss_scale)
+        return StepResult(float(loss.detach()), lr, grad_norm, overflow, loss_scale, metrics)
 
 
 @dataclass
@@ -98,6 +107,7 @@ class StepResult:
     grad_norm: float | None              # None: the step was skipped (fp16 overflow)
     overflow: bool
     loss_scale: float
+    metrics: dict                        # further metrics of the step (--method dpo: TRL's)
 
 
 def load(cfg: FinetuneConfig, inputs: Inputs) -> Trainer:
@@ -110,14 +120,15 @@ def load(cfg: FinetuneConfig, inputs: Inputs) -> Trainer:
     model_parallel_seed(cfg.seed, pc)
     planned_step = runtime.prepare_training(model, cfg)
     step_options = planned_step if plan else {"num_microbatches": cfg.num_microbatches(inputs.mesh.dp)}
-    model.train()
+    model.train(cfg.method != "dpo")  # preference tuning trains with dropout off, as TRL's DPOTrainer
+    preference = preference_training(cfg, model, plan) if cfg.method == "dpo" else None
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
     # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
     scheduled = optimizer.optimizer if isinstance(optimizer, OffloadedAdamW) else optimizer
     scheduler = build_scheduler(scheduled, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
     scaler = DynamicLossScaler(enabled=cfg.dtype == "float16")  # fp16 gradients underflow without loss scaling
     return Trainer(cfg, model, fresh, cfg.lora_settings(), sampler, total_steps, step_options,
-                   plan.micro_batch_size if plan else cfg.micro_batch_size, optimizer, scheduler, scaler)
+                   plan.micro_batch_size if plan else cfg.micro_batch_size, optimizer, scheduler, scaler, preference)
 
 
 # --- checkpoints and resuming -----------------------------------------------------------------------------------
@@ -236,14 +247,15 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
             tick = time.perf_counter()
             indices = trainer.sampler.global_indices(step)
             batch = inputs.train.take(indices)
-            result = trainer.step(batch, step + 1)
+            result = trainer.step(batch, step + 1, indices)
             step += 1
             if step % cfg.log_interval == 0 or step == total:
                 amp = {"loss_scale": result.loss_scale, "skipped": result.overflow,
                        "skipped_steps": trainer.scaler.skipped_steps} if trainer.scaler.enabled else {}
                 computed = batch["input_ids"].numel() if "input_ids" in batch else 0  # padding included
                 reporter.step(step, result.loss, result.lr, computed, time.perf_counter() - tick, result.grad_norm,
-                              inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()), **amp)
+                              inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()),
+                              metrics=result.metrics, **amp)
             if evaluate_at.enabled and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
                 evaluate_at(step)
             interrupted = interrupt.agreed(trainer.model.pc.device)
@@ -350,11 +362,13 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     runtime.export_hf(model, path, merge_lora=merge_lora)
+    was_training = model.training
     model.eval()
     with torch.no_grad():
         batch = data.take(range(min(cfg.micro_batch_size, len(data))))
+        batch = pair_rows(batch) if batch["input_ids"].dim() == 3 else batch  # preference pairs: their rows
         logits = model(**_to(runtime.model_inputs(batch), model.pc.device), return_logits=True).logits
-    model.train()
+    model.train(was_training)
     if _is_rank0():
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))

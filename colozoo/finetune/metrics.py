@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 # Dense bf16 peak TFLOP/s per device (fp32 runs count half: TF32 tensor cores); the first match wins.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40": 181.0, "A10": 125.0, "L4": 121.0,
                "V100": 125.0, "T4": 65.0}
+SHOWN = ("rewards/accuracies", "rewards/margins")  # a method's metrics on the progress line, beside the loss
 CPU_TFLOPS_PER_THREAD = 0.05  # a nominal fp32 figure: CPU MFU is a rough guide only
 
 
@@ -95,24 +96,27 @@ class Reporter:
             self.tensorboard.flush()
 
     def step(self, step: int, loss: float, lr: float, tokens: int, seconds: float, grad_norm: float | None,
-             samples: int, trained_tokens: int = 0, **extra):
+             samples: int, trained_tokens: int = 0, metrics: dict | None = None, **extra):
         """`tokens`: the positions the step computed (padding included), `trained_tokens`: those with a label;
+        `metrics`: the method's further metrics (--method dpo: TRL's), logged and shown on the progress line;
         `extra`: further fields of the step's record (fp16: loss_scale, skipped, skipped_steps)."""
+        metrics = metrics or {}
         per_s = (lambda n: n / seconds) if seconds > 0 else (lambda n: 0.0)
         mfu = self.flops_per_token * per_s(tokens) / (self.peak * self.world_size) if tokens else None
         self.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                   "trained_tokens": trained_tokens, "samples": samples, "tokens_per_s": per_s(tokens),
-                  "trained_tokens_per_s": per_s(trained_tokens), "mfu": mfu, **extra, "time": time.time()})
+                  "trained_tokens_per_s": per_s(trained_tokens), "mfu": mfu, **metrics, **extra, "time": time.time()})
         speed = f"{per_s(tokens):,.0f} tok/s ({per_s(trained_tokens):,.0f} trained)" if tokens else \
             f"{per_s(samples):,.1f} samples/s"
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "-"
+        shown = "".join(f"  {k} {metrics[k]:.4f}" for k in SHOWN if k in metrics)
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=speed, mfu=mfu_text)
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}{shown}", speed=speed, mfu=mfu_text)
         elif self.plain_lines:
             skipped = f"  skipped: fp16 gradients overflowed at loss scale {extra['loss_scale']:g}" \
                 if extra.get("skipped") else ""
-            self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {speed}  MFU {mfu_text}"
-                               f"  ETA {self.eta(step)}{skipped}", highlight=False, soft_wrap=True)
+            self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}{shown}  lr {lr:.2e}  {speed}  "
+                               f"MFU {mfu_text}  ETA {self.eta(step)}{skipped}", highlight=False, soft_wrap=True)
 
     def eta(self, step: int) -> str:
         """Time left at this run's mean pace so far, as h:mm:ss."""

@@ -273,3 +273,18 @@ def merged_lora(model):
                 base = model.get_submodule(name)
                 base.weight.copy_(saved[name])
                 base.lora = lora
+
+
+@contextmanager
+def adapters_disabled(model):
+    """Inside: every LoRA adapter detached from its base layer, so the model computes as its base weights alone (the
+    reference model of preference tuning under LoRA, as peft's `disable_adapter()`); on exit every adapter is
+    attached again, whatever happened inside. Nothing else changes, and nothing stays changed."""
+    adapters = lora_modules(model)
+    for name in adapters:
+        model.get_submodule(name).lora = None
+    try:
+        yield model
+    finally:
+        for name, lora in adapters.items():
+            model.get_submodule(name).lora = lora

@@ -36,6 +36,8 @@ class StepScales:
         self.data_group = data_group                # where MoE router statistics are summed (every data rank's rows)
         self.data_ranks = data_ranks                # dp: the ranks whose losses the step sums
 
+    objective = None  # a step on per-token log-probabilities (colozoo.runtime.logprobs.ObjectiveStep) sets one
+
     def scaled_loss(self, out, token_count) -> torch.Tensor:
         """The loss a micro-batch's backward starts from. Router losses are statistics of the whole micro-batch over
         every data rank, not token means: each data rank's backward weighs them by router_loss_scale, and its value
@@ -79,14 +81,15 @@ class Stage(nn.Module):
 
     def forward(self, x, router_stats=None, *, token_ids, labels=None, attention_mask=None,
                 logits: LogitsRequest = LogitsRequest(), cp_mode: str = "ring", step: StepScales | None = None,
-                cache=None, token_rows=None, **inputs):
+                cache=None, token_rows=None, row_ids=None, **inputs):
         """x: the input_ids (pixel_values) on the first stage, else the previous stage's hidden states; token_ids:
         the input_ids (every stage rebuilds the batch context from them and the other model `inputs`, e.g.
         position_ids). `router_stats`: the MoE router statistics of earlier stages, handed on summed with this
         stage's. `logits`: what the last stage returns of them; `cp_mode`: context parallelism's attention ("ring"
         or "all_to_all"); `step`: a training step's scales (the last stage then returns the scaled loss); `cache`:
         the KV cache of incremental decoding; `token_rows`: the token embedding's rows of x, known already (greedy
-        decoding under tensor parallelism; a forward's inputs_embeds)."""
+        decoding under tensor parallelism; a forward's inputs_embeds); `row_ids`: the micro-batch's rows of the step's
+        per-row values (a step with an objective on per-token log-probabilities, whose loss the last stage returns)."""
         model = self.model
         autocast = self.autocast_dtype is not None
         with torch.autocast(x.device.type, dtype=self.autocast_dtype) if autocast else contextlib.nullcontext():
@@ -110,9 +113,16 @@ class Stage(nn.Module):
                 if model.carries_router_stats(ctx.output_router_logits):
                     return hidden, model.router_statistics(ctx, hidden.device)
                 return hidden
-            out = model.head(hidden, ctx, labels=labels, logits=logits if step is None else LogitsRequest("none"))
+            on_logps = step is not None and step.objective is not None
+            if on_logps:  # the loss is the step's, from the log-probs of the labels on this rank's vocab slice
+                out = model.head(hidden, ctx, logits=LogitsRequest("vocab_slice"))
+            else:
+                out = model.head(hidden, ctx, labels=labels, logits=logits if step is None else LogitsRequest("none"))
         if step is None:
             return out
+        if on_logps:
+            logps = model.get_output_embeddings().label_log_probs(out.logits, labels, cp=ctx.cp)
+            return step.objective_loss(logps, labels, row_ids)
         return step.scaled_loss(out, model.loss_token_count(labels))
 
 

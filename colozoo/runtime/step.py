@@ -27,7 +27,23 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     router losses' included, come out scaled by it; the returned loss is not.
     `inputs`: further model inputs (e.g. BERT's token_type_ids); tensors, like input_ids, hold one row per
     sample and are split over dp ranks and micro-batches."""
-    setup = training_setup(model)
+    pc = model.pc
+    check_batch(model, input_ids, labels, num_microbatches, inputs)
+    total_tokens = int(model.loss_token_count(labels))
+    # each micro-batch mean is weighted by its tokens / global tokens; * dp*cp undoes FSDP/DDP's dp*cp average
+    replicas = pc.size("dp_cp")
+    step = StepScales(loss_scale=replicas / max(total_tokens, 1), router_loss_scale=replicas / num_microbatches,
+                      grad_scale=grad_scale, data_group=pc.group("dp_cp"), data_ranks=pc.size("dp"))
+    local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,
+                         inputs)
+    if local_sum is not None and grad_scale != 1.0:
+        local_sum = local_sum / grad_scale  # exact for a power-of-two scale
+    return global_loss(model, local_sum)
+
+
+def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
+    """One clear error for a batch the mesh cannot split: rows over dp x micro-batches, the sequence over cp, labels
+    and other inputs of another batch size."""
     pc = model.pc
     dp, m = pc.size("dp"), num_microbatches
     if not isinstance(m, int) or m < 1:
@@ -43,32 +59,38 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     if labels is None or labels.shape[:1] != input_ids.shape[:1]:
         raise TrainingError(f"labels must have the batch size of the inputs ({batch}), got "
                             f"{None if labels is None else tuple(labels.shape)}")
-    total_tokens = int(model.loss_token_count(labels))
-    # each micro-batch mean is weighted by its tokens / global tokens; * dp*cp undoes FSDP/DDP's dp*cp average
-    replicas = pc.size("dp_cp")
-    loss_scale = replicas / max(total_tokens, 1)
     for name, t in inputs.items():
         if isinstance(t, torch.Tensor) and t.shape[:1] != input_ids.shape[:1]:
             raise TrainingError(f"{name} must have the batch size of the inputs ({batch}), got {tuple(t.shape)}")
+
+
+def dp_rows(model, batch: int) -> slice:
+    """The rows of a global batch of `batch` rows this data-parallel rank trains on."""
+    dp, rank = model.pc.size("dp"), model.pc.rank("dp")
+    return slice(rank * batch // dp, (rank + 1) * batch // dp)
+
+
+def run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches: int, schedule: str,
+             step: StepScales, inputs: dict) -> torch.Tensor | None:
+    """This dp rank's rows of the global batch forward and backward through the stages (the pipeline schedule at
+    pp > 1), every stage's forward given `step`; gradients accumulate on the local shards, tied embedding copies and
+    experts reduced. Returns the sum of the micro-batches' scaled losses on the last stage, None elsewhere."""
+    setup = training_setup(model)
+    pc = model.pc
     inputs.setdefault("cp_mode", model.run.cp_mode)
-    rows = slice(pc.rank("dp") * batch // dp, (pc.rank("dp") + 1) * batch // dp)
+    rows = dp_rows(model, input_ids.shape[0])
     local = [t[rows] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
     inputs = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if v is not None}
-
     tied_grad = _stash_tied_grad(model, setup)
     expert_grads = _stash_expert_grads(model, setup)
-    step = StepScales(loss_scale=loss_scale, router_loss_scale=replicas / m, grad_scale=grad_scale,
-                      data_group=pc.group("dp_cp"), data_ranks=dp)
     if pc.config.pp > 1:
         local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
-                                 num_microbatches=m, schedule=schedule, step=step, **inputs)
+                                 num_microbatches=num_microbatches, schedule=schedule, step=step, **inputs)
     else:
-        local_sum = _single_stage(model, *local, m, step, inputs)
+        local_sum = _single_stage(model, *local, num_microbatches, step, inputs)
     _sum_tied_grad(model, setup, tied_grad)
     _reduce_expert_grads(model, setup, expert_grads)
-    if local_sum is not None and grad_scale != 1.0:
-        local_sum = local_sum / grad_scale  # exact for a power-of-two scale
-    return _global_loss(model, local_sum)
+    return local_sum
 
 
 def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, step, inputs):
@@ -148,7 +170,7 @@ def _reduce_expert_grads(model, setup, stash):
             p.grad += stash[name]
 
 
-def _global_loss(model, local_sum) -> torch.Tensor:
+def global_loss(model, local_sum) -> torch.Tensor:
     """Sum of the weighted micro-batch losses over dp, undoing the * dp*cp (cp ranks hold the same value; router
     losses count 1/dp on each data rank, see StepScales.scaled_loss), then sent from the last stage to all."""
     pc = model.pc

@@ -1,0 +1,128 @@
+"""Steps whose loss is a function of per-token log-probabilities (preference tuning, policy gradients), on any mesh.
+
+    def objective(logps, labels, rows):          # logps (n, L): log p(labels[t] | tokens before t), 0 where unlabelled
+        share = ...                              # this micro-batch's share of the global batch's loss
+        return share, {"name": per_row_tensor}   # per-row values to report (detached by the step)
+
+    loss, stats = forward_backward_logps(model, input_ids, labels, objective, rows={"ref_logps": ref})
+    stats = forward_logps(model, input_ids, labels)["logps"]      # no gradients: the per-token log-probs alone
+
+The log-probabilities come from each tensor-parallel rank's vocabulary slice of the logits through the
+vocab-parallel cross entropy (the vocabulary is never gathered). `rows` are per-row tensors of the global batch
+(reference log-probs, advantages, old log-probs) that travel with their rows: each micro-batch's objective sees
+exactly its rows' values. They stay in the step object and only the rows' indices travel through the stages and
+the pipeline schedule (an integer tensor, which mixed precision never casts), so the objective reads them in full
+precision. The objective runs on the last pipeline stage; its per-row values come back from every rank in the
+global batch's row order. Rows of one micro-batch stay together: a pair of sequences in one row (or any group of
+rows whose objective needs them together) never straddles two micro-batches or two data-parallel ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from colozoo.runtime.pipeline import through_stages
+from colozoo.runtime.stage import StepScales
+from colozoo.runtime.step import check_batch, dp_rows, global_loss, run_step
+
+
+class ObjectiveStep(StepScales):
+    """The scales of a step whose last stage hands the per-token log-probs of the labels to `objective` (see the
+    module), with the global batch's `rows` at the micro-batch's row indices; it keeps each micro-batch's reported
+    values until the step returns them."""
+
+    def __init__(self, objective, rows: dict, replicas: int, grad_scale: float = 1.0, data_group=None,
+                 data_ranks: int = 1):
+        super().__init__(loss_scale=replicas, grad_scale=grad_scale, data_group=data_group, data_ranks=data_ranks)
+        self.objective, self.rows = objective, rows
+        self.reported: list[tuple[torch.Tensor, dict]] = []
+
+    def objective_loss(self, logps, labels, row_ids) -> torch.Tensor:
+        """The micro-batch's loss for the backward: its share of the global loss times dp*cp (undoing the data-parallel
+        gradient average) and the fp16 loss scale."""
+        rows = {k: v[row_ids] for k, v in self.rows.items()}
+        with torch.autocast(logps.device.type, enabled=False):
+            share, values = self.objective(logps.float(), labels, rows)
+        self.reported.append((row_ids, {k: v.detach() for k, v in values.items()}))
+        loss = share.float() * self.loss_scale
+        return loss * self.grad_scale if self.grad_scale != 1.0 else loss
+
+
+def forward_backward_logps(model, input_ids, labels, objective, attention_mask=None, position_ids=None,
+                           rows: dict | None = None, num_microbatches: int = 1, schedule: str = "1f1b",
+                           grad_scale: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward and backward of the global batch over the whole mesh with the loss `objective(logps, labels, rows)`
+    (see the module): each dp rank trains on its rows, in `num_microbatches` micro-batches (the pipeline schedule at
+    pp > 1). Gradients accumulate on the local shards. Returns (the global loss, the objective's per-row values for
+    every row of the global batch), the same on every rank; `grad_scale` as in forward_backward."""
+    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale)
+    local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,
+                         {"row_ids": row_ids})  # split over dp and micro-batches with the rows
+    if local_sum is not None and grad_scale != 1.0:
+        local_sum = local_sum / grad_scale
+    return global_loss(model, local_sum), gather_reported(model, step)
+
+
+def token_logps_objective(logps, labels, rows):
+    """The objective of forward_logps' default: no loss, the per-token log-probs reported as "logps"."""
+    return logps.sum() * 0.0, {"logps": logps}
+
+
+@torch.no_grad()
+def forward_logps(model, input_ids, labels, objective=token_logps_objective, attention_mask=None, position_ids=None,
+                  rows: dict | None = None, num_microbatches: int = 1) -> dict[str, torch.Tensor]:
+    """The objective's per-row values of the global batch without gradients (and its loss as "loss"): each dp rank
+    runs its rows, micro-batch by micro-batch, through its stages; the default objective reports the per-token
+    log-probs of the labels as "logps" (n, L). Every dp rank must call it (a sharded forward is collective)."""
+    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches)
+    mine = dp_rows(model, input_ids.shape[0])
+    local_rows = row_ids[mine]
+    local = [t[mine] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
+    carry = model.carries_router_stats()
+    local_sum = None
+    for i, row_ids in enumerate(local_rows.tensor_split(num_microbatches)):
+        ids, lab, mask, pos = (t.tensor_split(num_microbatches)[i] if t is not None else None for t in local)
+        kwargs = dict(token_ids=ids, labels=lab, step=step, row_ids=row_ids, cp_mode=model.run.cp_mode,
+                      **{k: v for k, v in (("attention_mask", mask), ("position_ids", pos)) if v is not None})
+        if model.pc.config.pp == 1:
+            stage, = model.run.stages
+            out = stage(ids, **kwargs)
+        else:
+            out = through_stages(model, ids, carry=carry, **kwargs)
+        if out is not None:
+            local_sum = out if local_sum is None else local_sum + out
+    return {**gather_reported(model, step), "loss": global_loss(model, local_sum)}
+
+
+def _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale=1.0):
+    """The ObjectiveStep of the global batch's `rows`, and the indices of all its rows (which travel with the rows
+    through the split over dp ranks and micro-batches)."""
+    pc = model.pc
+    rows = {k: v.to(pc.device) for k, v in (rows or {}).items()}
+    check_batch(model, input_ids, labels, num_microbatches, rows)
+    step = ObjectiveStep(objective, rows, pc.size("dp_cp"), grad_scale, pc.group("dp_cp"), pc.size("dp"))
+    return step, torch.arange(input_ids.shape[0], device=pc.device)
+
+
+def gather_reported(model, step: ObjectiveStep) -> dict[str, torch.Tensor]:
+    """The per-row values the objective reported, for every row of the global batch in order, on every rank:
+    gathered over dp from the last stage's micro-batches, then sent to the other pipeline stages."""
+    pc = model.pc
+    values = None
+    if step.reported:
+        order = torch.cat([row_ids for row_ids, _ in step.reported]).argsort()
+        values = {k: torch.cat([v[k] for _, v in step.reported])[order] for k in step.reported[0][1]}
+        if pc.size("dp") > 1:
+            values = {k: _all_gather(v, pc.group("dp"), pc.size("dp")) for k, v in values.items()}
+    if pc.config.pp > 1:
+        box = [None if values is None else {k: v.cpu() for k, v in values.items()}]
+        group = pc.group("pp")
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, pc.config.pp - 1), group=group)
+        values = {k: v.to(pc.device) for k, v in box[0].items()}
+    return values or {}
+
+
+def _all_gather(t: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts)
