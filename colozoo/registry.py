@@ -99,12 +99,22 @@ def looks_like_a_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
+def check_model_name(name: str):
+    """Refuses, without torch, a name that can name nothing: a path that does not exist (colozoo.api.resolve's words),
+    or a bare name the registry does not know (an owner/name repo id may still be in the local Hugging Face cache)."""
+    if Path(name).exists() or lookup(name) is not None:
+        return
+    if looks_like_a_path(name):
+        raise FileNotFoundError(f"no checkpoint at {name} (no such directory)")
+    if "/" not in name:
+        get_entry(name)  # the unknown-name error, with suggestions
+
+
 def get_config(name: str):
     """The transformers config object of a registered model, or of a local HF or colozoo directory (no network)."""
     if Path(name).exists():
         return local_config(Path(name))
-    if looks_like_a_path(name) and lookup(name) is None:
-        raise FileNotFoundError(f"no checkpoint at {name} (no such directory)")  # colozoo.api.resolve's words
+    check_model_name(name)
     _, entry = get_entry(name)
     return config_from_dict(entry["config"], entry["architecture"])
 

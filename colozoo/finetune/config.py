@@ -101,6 +101,7 @@ class FinetuneConfig:
             check_at_least(name, getattr(self, name))
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        self.check_numbers()
         if self.steps is None and self.epochs <= 0:
             raise ValueError(f"--epochs must be > 0, got {self.epochs}")
         if self.lora_r is not None and self.lora_r < 1:
@@ -118,6 +119,37 @@ class FinetuneConfig:
             raise ValueError(f"--chat trains causal LMs (--task lm), not --task {self.task}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+
+    def check_numbers(self):
+        """The learning rate, schedule and other numbers within their range (NaN is never within it)."""
+        for name in ("lr", "peak_tflops", "lora_alpha"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"--grad-clip must be > 0 (the gradient norm is clipped to it; inf: no clipping), "
+                             f"got {self.grad_clip}")
+        ranges = {"min_lr_ratio": (0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
+                  "lora_dropout": (0.0 <= self.lora_dropout < 1.0, "in [0, 1)"),
+                  "weight_decay": (self.weight_decay >= 0.0, ">= 0")}
+        for name, (within, bound) in ranges.items():
+            if not within:
+                raise ValueError(f"--{name.replace('_', '-')} must be {bound}, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval", "save_interval", "samples"):
+            check_at_least(name, getattr(self, name), 0)
+        for name in ("sample_tokens", "num_labels", "global_batch_size", "stop_after"):
+            check_at_least(name, getattr(self, name))
+
+    def check_paths(self):
+        """What the files say without a tokenizer or a model (no torch imported): --data and --eval-data exist and are
+        not empty, --model names a directory that exists or a registered model."""
+        from colozoo.finetune.records import check_data_path
+        from colozoo.registry import check_model_name
+
+        check_model_name(self.model)
+        for path in (self.data, self.eval_data):
+            if path is not None:
+                check_data_path(path, records=self.task != "imgcls")
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches per optimizer step on each data-parallel rank; the global batch must split evenly."""

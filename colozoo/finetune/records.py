@@ -23,6 +23,22 @@ def existing(path) -> Path:
     return path
 
 
+HEAD_BYTES = 1 << 16  # what check_data_path reads of a text file to tell an empty one
+
+
+def check_data_path(path, records: bool = True):
+    """What needs no tokenizer and no model: `path` exists and, for a text file, holds more than whitespace (judged on
+    its first HEAD_BYTES); `records`: a directory must be a datasets directory (else a folder of images)."""
+    path = existing(path)
+    if path.is_dir():
+        if records:
+            dataset_files(path)
+        return
+    size = path.stat().st_size
+    if size == 0 or size <= HEAD_BYTES and path.suffix not in ARROW_SUFFIXES and not path.read_bytes().strip():
+        raise DataError(f"dataset {path} is empty")
+
+
 def iter_records(path, check) -> Iterator[dict]:
     """Every record of `path`, each passed to `check(record, where)` first."""
     return (record for _, record in located_records(path, check))
