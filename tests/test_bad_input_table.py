@@ -86,6 +86,8 @@ CASES = {
     "data not JSON": (lambda m, w: finetune(m, w, data=write(w / "d.jsonl", "{oops\n")), r"d\.jsonl:1: not valid JSON"),
     "data binary": (lambda m, w: finetune(m, w, data=write(w / "d.jsonl", b'{"text": "a"}\n\x89PNG\x00\xff\n')),
                     r"d\.jsonl:2: binary data"),
+    "data Latin-1": (lambda m, w: finetune(m, w, data=write(w / "d.jsonl", '{"text": "a"}\n{"text": "café"}\n'.encode(
+        "latin-1"))), r"d\.jsonl:2: not UTF-8 \(byte 0xE9 at line 2, column 14\)"),
     "data field missing": (lambda m, w: finetune(m, w, data=jsonl(w / "d.jsonl", [{"body": "x"}])),
                            r"d\.jsonl:1: no field 'text'"),
     "data text a number": (lambda m, w: finetune(m, w, data=jsonl(w / "d.jsonl", [{"text": 3}])),
@@ -167,6 +169,8 @@ CASES = {
     "prompt record without prompt": (  # issue 29: KeyError: 'prompt'
         lambda m, w: generate(m, w, "--prompt-file", str(jsonl(w / "p.jsonl", [{"prompt": "a"}, {"text": "b"}]))),
         r"p\.jsonl:2: no field 'prompt' \(the record is \['text'\]\)"),
+    "prompt file Latin-1": (lambda m, w: generate(m, w, "--prompt-file", str(write(w / "p.txt", "olé".encode(
+        "latin-1")))), r"p\.txt:1: not UTF-8 \(byte 0xE9 at line 1, column 3\)"),
     "prompt record not JSON": (lambda m, w: generate(m, w, "--prompt-file", str(write(w / "p.jsonl", "{x\n"))),
                                r"p\.jsonl:1: not valid JSON"),
     "prompt record a number": (lambda m, w: generate(m, w, "--prompt-file", str(jsonl(w / "p.jsonl", [{"prompt": 3}]))),
