@@ -68,7 +68,10 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     _reduce_expert_grads(model, setup, expert_grads)
     if local_sum is not None and grad_scale != 1.0:
         local_sum = local_sum / grad_scale  # exact for a power-of-two scale
-    return _global_loss(model, local_sum)
+    loss = _global_loss(model, local_sum)
+    # no labelled token in the whole batch: the mean over none is NaN, as the forward's (and transformers') loss;
+    # the gradients it leaves are 0 (router losses' aside)
+    return loss if total_tokens else torch.full_like(loss, torch.nan)
 
 
 def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, step, inputs):
