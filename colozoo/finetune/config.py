@@ -191,12 +191,14 @@ _HELP = {
             "checkpointing for --global-batch-size x --seq-len (excludes --tp/--pp/--dp/--cp/--ep etc.)",
     "dp": "data-parallel degree (default: world size / (tp*pp*cp))",
     "data_parallel": "fsdp (sharded, the default) or ddp (replicated) over the dp ranks",
-    "global_batch_size": "samples per optimizer step over all dp ranks (default: micro batch x dp; "
-                         "with --plan auto: micro batch x world size)",
+    "global_batch_size": "rows per optimizer step over all dp ranks, counted as --micro-batch-size counts them "
+                         "(default: micro batch x dp; with --plan auto: micro batch x world size)",
     "steps": "optimizer steps (default: --epochs passes over the data)",
     "pack": "text: concatenate documents into full --seq-len sequences joined by EOS; --chat: put several whole samples "
             "in each sequence, position_ids restarting at 0 at each (the model attends within each sample). "
-            "--no-pack pads each document / sample instead",
+            "--no-pack puts one sample, or one piece of at most --seq-len tokens of a document, in each row, and "
+            "pads each batch to its longest row rounded up to a multiple of 8 (and of 2 x cp, and of tp under "
+            "--sequence-parallel), not to --seq-len: fewer tokens computed, the same loss",
     "chat": "supervised fine-tuning: records with 'messages' (a list of {role, content}, rendered with the tokenizer's "
             "chat template; loss on the assistant turns only), 'prompt' + 'completion' (loss on the completion and "
             "EOS) or plain text (loss on all of it); see --truncate for samples longer than --seq-len",
@@ -234,10 +236,13 @@ _HELP = {
     "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree", "cp": "context-parallel degree",
     "ep": "expert-parallel degree (folded over dp x cp)",
     "sequence_parallel": "shard activations outside attention and MLP over the tp ranks",
-    "micro_batch_size": "samples per micro-batch on each dp rank", "lr": "peak learning rate (AdamW)",
+    "micro_batch_size": "rows per micro-batch on each dp rank: a packed row (--pack, on unless --no-pack) is "
+                        "--seq-len tokens of several documents or samples; with --no-pack a row is one of them",
+    "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "the cosine schedule ends at lr x this", "warmup_steps": "linear warmup steps",
     "weight_decay": "AdamW weight decay", "grad_clip": "clip the global gradient norm to this",
-    "epochs": "passes over the data when --steps is not given", "seq_len": "tokens per sample",
+    "epochs": "passes over the data when --steps is not given",
+    "seq_len": "tokens per row: a packed row's length, the most an unpacked row holds",
     "num_labels": "classification: classes of a new head (default: the model config's)",
     "text_field": "JSON field holding the text", "label_field": "JSON field holding the label",
     "seed": "seed of data order, dropout and new heads", "log_interval": "log every this many steps",
