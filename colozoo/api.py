@@ -115,10 +115,11 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     compiles each layer with torch.compile (one graph serves every layer; colozoo.runtime.compile). `torch_dtype`:
     transformers' name for `dtype`. The model's `generation_config` is the directory's generation_config.json when it
     has one, as in transformers."""
+    dtype = parse_dtype(dtype)  # transformers' names only: "bf16" is refused, as transformers refuses it
     if torch_dtype is not None:
-        if dtype is not None and parse_dtype(dtype) != parse_dtype(torch_dtype):
-            raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; give one of them")
-        dtype = torch_dtype
+        if dtype is not None and dtype != parse_dtype(torch_dtype, "torch_dtype"):
+            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype!r} disagree; give one of them")
+        dtype = parse_dtype(torch_dtype, "torch_dtype")
     device = torch.device(device) if device is not None else None
     source = resolve(name_or_path, allow_bin=allow_bin, verify=verify)
     config = source.config
@@ -136,7 +137,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     layout = ModelLayout(config, lora=lora)
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
-    dtype = parse_dtype(dtype) or source.tensor(next(iter(layout.tensors))).dtype
+    dtype = dtype or source.tensor(next(iter(layout.tensors))).dtype
     model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
                         plan=chosen)
     if lora is not None:

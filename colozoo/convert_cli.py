@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from colozoo.core.names import FLOAT_CHOICES
+
 
 def _check_options(args):
     for flag in ("tp", "pp", "ep"):
@@ -85,7 +87,7 @@ def add_parser(subparsers):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the output (default: 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of the output (default: 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the output (default: 1)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
+    p.add_argument("--dtype", choices=FLOAT_CHOICES, default=None,
                    help="convert floating tensors (default: keep their dtype)")
     p.add_argument("--to-hf", action="store_true", help="write a Hugging Face directory instead")
     p.add_argument("--merge-lora", action="store_true",

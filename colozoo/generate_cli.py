@@ -18,6 +18,7 @@ from pathlib import Path
 from colozoo.core.names import FLOAT_CHOICES
 from colozoo.core.names import HelpFormatter
 from colozoo.finetune.config import check_at_least
+from colozoo.finetune.records import utf8_text
 
 
 def add_parser(subparsers):
@@ -122,10 +123,7 @@ def prompt_file_records(path: Path) -> list[tuple[str, str]]:
     """(where, prompt) for every non-blank line of a text file, or every record of a .jsonl file."""
     if not path.is_file():
         raise ValueError(f"--prompt-file {path} does not exist")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: binary data, not UTF-8 text") from None
+    lines = utf8_text(path.read_bytes(), path).splitlines()
     found = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

@@ -99,12 +99,22 @@ def looks_like_a_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
+def check_model_name(name: str):
+    """Refuses, without torch, a name that can name nothing: a path that does not exist (colozoo.api.resolve's words),
+    or a bare name the registry does not know (an owner/name repo id may still be in the local Hugging Face cache)."""
+    if Path(name).exists() or lookup(name) is not None:
+        return
+    if looks_like_a_path(name):
+        raise FileNotFoundError(f"no checkpoint at {name} (no such directory)")
+    if "/" not in name:
+        get_entry(name)  # the unknown-name error, with suggestions
+
+
 def get_config(name: str):
     """The transformers config object of a registered model, or of a local HF or colozoo directory (no network)."""
     if Path(name).exists():
         return local_config(Path(name))
-    if looks_like_a_path(name) and lookup(name) is None:
-        raise FileNotFoundError(f"no checkpoint at {name} (no such directory)")  # colozoo.api.resolve's words
+    check_model_name(name)
     _, entry = get_entry(name)
     return config_from_dict(entry["config"], entry["architecture"])
 
@@ -144,57 +154,139 @@ def hf_config(path: Path):
 def count_parameters(config) -> int | None:
     """Parameters of the model as colozoo builds it, counted as transformers counts them (ParallelModel.num_parameters:
     tied weights once, transformers' buffers not); None if the family is not available."""
+    model = _meta_model(config)
+    return model.num_parameters() if model is not None else None
+
+
+def _meta_model(config, layer_ids=None, **degrees):
+    """The whole model (or `layer_ids` of it) built on meta at these degrees; None if the family is not available.
+    Building checks the degrees: ValueError when the model cannot be split so."""
     from colozoo.models import build_shard
     from colozoo.core.mesh import ParallelContext
 
     try:
-        model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
-    except (ImportError, ValueError):
+        return build_shard(config, pc=ParallelContext.virtual(**degrees), layer_ids=layer_ids, device="meta")
+    except ImportError:
         return None
-    return model.num_parameters()
 
 
-def stored_param_counts(path: Path) -> dict[str, tuple]:
-    """{name: (stored "params" or "missing", count of the meta-built model)} for every model of one registry file."""
-    return {name: (entry.get("params", "missing"),
-                   count_parameters(config_from_dict(entry["config"], entry["architecture"])))
-            for name, entry in json.loads(Path(path).read_text()).items()}
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def update_param_counts(path: Path) -> list[str]:
-    """Store every model's parameter count in its registry file (after "architecture"); the names changed."""
+def built_facts(config) -> dict:
+    """What `colozoo models` shows without torch, read off the model colozoo builds of `config` on meta: "params"
+    (None if the family is not available), "tp" (the tp degrees it builds at: divisors of the attention heads that
+    also suit the key/value heads, the MLP and expert widths) and for MoE models "ep" (the divisors of the experts
+    it builds at). Each degree is checked by building one layer of each kind at it."""
+    try:
+        model = _meta_model(config)
+    except ValueError:
+        model = None
+    if model is None:
+        return {"params": None}
+    kinds = {}  # a layer kind: its parameters' names and shapes (dense or MoE, MLA, ...); one of each is built
+    for index, layer in model.layers.items():
+        kinds.setdefault(tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()), int(index))
+    layers = sorted(kinds.values())
+
+    def builds(**degrees) -> bool:
+        try:
+            return _meta_model(config, layers, **degrees) is not None
+        except ValueError:
+            return False
+
+    facts = {"params": model.num_parameters(), "tp": [t for t in divisors(config.num_attention_heads) if builds(tp=t)]}
+    experts = getattr(model, "num_experts", None)
+    if experts:
+        facts["ep"] = [e for e in divisors(experts) if builds(dp=e, ep=e)]
+    return facts
+
+
+STORED = ("params", "tp", "ep")  # what a registry entry stores of built_facts, after "architecture"
+
+
+def stored_facts(path: Path) -> dict[str, tuple[dict, dict]]:
+    """{name: (what the entry stores of built_facts, "missing" where it stores nothing; built_facts)} for every
+    model of one registry file."""
+    found = {}
+    for name, entry in json.loads(Path(path).read_text()).items():
+        built = built_facts(config_from_dict(entry["config"], entry["architecture"]))
+        found[name] = ({k: entry.get(k, "missing") for k in built}, built)
+    return found
+
+
+def update_stored_facts(path: Path) -> list[str]:
+    """Store every model's built_facts in its registry file (after "architecture"); the names changed."""
     path = Path(path)
     text = path.read_text()
-    counts = stored_param_counts(path)
-    changed = [name for name, (stored, actual) in counts.items() if stored != actual]
+    facts = stored_facts(path)
+    changed = [name for name, (stored, built) in facts.items() if stored != built]
     if changed:
         models = {}
         for name, entry in json.loads(text).items():
-            entry = {k: v for k, v in entry.items() if k != "params"}
+            entry = {k: v for k, v in entry.items() if k not in STORED}
             keys = list(entry)
             at = keys.index("architecture") + 1 if "architecture" in keys else len(keys)
             items = list(entry.items())
-            models[name] = dict(items[:at] + [("params", counts[name][1])] + items[at:])
+            models[name] = dict(items[:at] + list(facts[name][1].items()) + items[at:])
         path.write_text(json.dumps(models, indent=1) + ("\n" if text.endswith("\n") else ""))
     return changed
 
 
-def print_models(file=None):
+def degrees_text(degrees: list[int] | None, width: int = 14) -> str:
+    """Allowed degrees in at most about `width` characters: all of them, else "1,2,4,…,128" for the powers of two up
+    to 128, or "divisors of 72"."""
+    if not degrees:
+        return "-"
+    text, top = ",".join(map(str, degrees)), degrees[-1]
+    if len(text) > width and degrees == [2 ** i for i in range(len(degrees))]:
+        return f"1,2,4,…,{top}"
+    if len(text) > width and degrees == divisors(top):
+        return f"divisors of {top}"
+    return text
+
+
+def _row(name: str, entry: dict | None, config=None) -> tuple[str, ...]:
+    """A table row: a registered model (its stored facts, built where a file lacks them) or a model directory."""
+    if entry is not None:
+        facts = {k: entry[k] for k in STORED if k in entry}
+        if "params" not in facts or "tp" not in facts:  # a file not yet updated by scripts/update_param_counts.py
+            facts = built_facts(config_from_dict(entry["config"], entry["architecture"]))
+        shown = f"{name} ({', '.join(entry['aliases'])})" if entry.get("aliases") else name
+        family, repo = entry["family"], entry["repo"]
+    else:
+        facts, shown, family, repo = built_facts(config), name, config.model_type, "(local directory)"
+    return (shown, family, human_count(facts["params"]), degrees_text(facts.get("tp")), degrees_text(facts.get("ep")),
+            repo)
+
+
+def print_models(names: list[str] | None = None, file=None):
+    """The registry as a table (or the models `names`: registry names or model directories)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="colozoo models")
-    for column in ("name", "family", "params", "repo"):
-        table.add_column(column, justify="right" if column == "params" else "left")
-    for name, entry in registry().items():
-        params = entry.get("params")
-        if params is None:  # a file not yet updated by scripts/update_param_counts.py: count (imports torch)
-            params = count_parameters(config_from_dict(entry["config"], entry["architecture"]))
-        shown = f"{name} ({', '.join(entry['aliases'])})" if entry.get("aliases") else name
-        table.add_row(shown, entry["family"], human_count(params), entry["repo"])
-    Console(file=file, width=120).print(table)
+    table = Table(title="colozoo models (tp, ep: the degrees each splits by; `colozoo models --help` says why)",
+                  box=box.SIMPLE_HEAD)
+    for column in ("name", "family", "params", "tp", "ep", "repo"):
+        table.add_column(column, justify="right" if column == "params" else "left", no_wrap=True)
+    for name in names or registry():
+        found = None if Path(name).exists() else lookup(name)
+        table.add_row(*(_row(found[0], found[1]) if found else _row(name, None, get_config(name))))
+    Console(file=file, width=140).print(table)  # the longest names and repo ids whole, on one line
+
+
+MODELS_HELP = ("Each model's parameters, and the degrees it can be split by: tp must divide the attention heads, "
+               "divide the key/value heads or be a multiple of them (each kv head then replicated), and divide the "
+               "MLP (and expert) widths; the vocabulary is padded, so it never constrains tp. ep (MoE models) must "
+               "divide the experts. pp splits whole layers. Give registry names or model directories to list only "
+               "those.")
 
 
 def add_parser(subparsers):
-    parser = subparsers.add_parser("models", help="list the named models of the registry")
-    parser.set_defaults(func=lambda args: print_models())
+    parser = subparsers.add_parser("models", help="list the registry's models with the tp (and ep) degrees each allows",
+                                   description=MODELS_HELP)
+    parser.add_argument("names", nargs="*", metavar="MODEL", help="registry names or model directories (default: "
+                                                                   "the whole registry)")
+    parser.set_defaults(func=lambda args: print_models(args.names))

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import argparse
 
-DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-               "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}  # what users write -> torch's name
-FLOAT_CHOICES = ("float32", "bfloat16", "float16")   # what CLIs offer
+# the dtype names transformers accepts (torch's: `getattr(torch, name)`) for the floating dtypes colozoo computes in
+DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "half": "float16"}
+FLOAT_CHOICES = ("float32", "bfloat16", "float16")   # what every command's --dtype offers
+SHORT_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # refused, with the name to write
+
+
+def check_dtype_name(name: str, what: str = "dtype") -> str:
+    """torch's name of a dtype name transformers accepts ('auto': returned as it is); anything else is refused in
+    one line listing what is accepted."""
+    if name == "auto" or name in DTYPE_NAMES:
+        return DTYPE_NAMES.get(name, name)
+    hint = f"; for {name!r} write {SHORT_DTYPE_NAMES[name]!r}" if name in SHORT_DTYPE_NAMES else ""
+    raise ValueError(f"{what}={name!r} is not a dtype transformers accepts: give a torch.dtype, 'auto' (the "
+                     f"checkpoint's) or one of {', '.join(repr(n) for n in DTYPE_NAMES)}{hint}")
 
 
 def human_bytes(nbytes: float) -> str:

@@ -34,6 +34,13 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
 
+def token_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A loss summed over `count` labelled tokens as their mean; NaN when there is none, as transformers' loss (a
+    mean over nothing, with or without num_items_in_batch), so an all-masked batch never passes as a perfect one. The
+    gradient is 0 then, as transformers' is."""
+    return torch.where(count > 0, total / count.clamp(min=1), torch.nan)
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
@@ -232,8 +239,8 @@ class VocabParallelLMHead(nn.Module):
     def _mean(total, targets, ignore_index, cp):
         count = (targets != ignore_index).sum()
         if cp is not None:
-            return reduce_from_parallel(total, cp.group) / reduce_from_parallel(count, cp.group).clamp(min=1)
-        return total / count.clamp(min=1)
+            total, count = reduce_from_parallel(total, cp.group), reduce_from_parallel(count, cp.group)
+        return token_mean(total, count)
 
     def full_logits(self, logits_local: torch.Tensor, cp=None) -> torch.Tensor:
         """All-gather the vocab slices and strip the padding (and with `cp`, gather the sequence too)."""

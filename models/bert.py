@@ -21,7 +21,7 @@ from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLaye
                             VocabParallelLMHead, scatter_to_sequence, vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
 from colozoo.layers.batch import BatchContext
-from colozoo.layers.vocab import LogitsRequest, keep_positions
+from colozoo.layers.vocab import LogitsRequest, keep_positions, token_mean
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout, require
 from colozoo.models.family import Family
 
@@ -218,7 +218,7 @@ class BertForMaskedLM(BertModel):
         loss = None
         if labels is not None:
             per_token = vocab_parallel_cross_entropy(logits_local, labels, self.config.vocab_size, self.tp_group)
-            loss = per_token.sum() / (labels != -100).sum().clamp(min=1)
+            loss = token_mean(per_token.sum(), (labels != -100).sum())
         out = None
         if logits.gather != "none":
             out = logits_local if logits.gather == "vocab_slice" else self.lm_head.full_logits(logits_local)

@@ -106,6 +106,8 @@ CASES = {
     "data not JSON": (lambda m, w: finetune(m, w, data=write(w / "d.jsonl", "{oops\n")), r"d\.jsonl:1: not valid JSON"),
     "data binary": (lambda m, w: finetune(m, w, data=write(w / "d.jsonl", b'{"text": "a"}\n\x89PNG\x00\xff\n')),
                     r"d\.jsonl:2: binary data"),
+    "data Latin-1": (lambda m, w: finetune(m, w, data=write(w / "d.jsonl", '{"text": "a"}\n{"text": "café"}\n'.encode(
+        "latin-1"))), r"d\.jsonl:2: not UTF-8 \(byte 0xE9 at line 2, column 14\)"),
     "data field missing": (lambda m, w: finetune(m, w, data=jsonl(w / "d.jsonl", [{"body": "x"}])),
                            r"d\.jsonl:1: no field 'text'"),
     "data text a number": (lambda m, w: finetune(m, w, data=jsonl(w / "d.jsonl", [{"text": 3}])),
@@ -154,6 +156,17 @@ CASES = {
     "micro batch 0": (lambda m, w: finetune(m, w, "--micro-batch-size", "0"), r"--micro-batch-size must be >= 1"),
     "steps 0": (lambda m, w: finetune(m, w, "--steps", "0"), r"--steps must be >= 1, got 0"),
     "epochs 0": (lambda m, w: finetune(m, w, "--epochs", "0", steps=()), r"--epochs must be > 0, got 0"),
+    "lr negative": (lambda m, w: finetune(m, w, "--lr=-1e-4"), r"--lr must be > 0, got -0\.0001"),
+    "lr 0": (lambda m, w: finetune(m, w, "--lr", "0"), r"--lr must be > 0, got 0\.0"),
+    "lr nan": (lambda m, w: finetune(m, w, "--lr", "nan"), r"--lr must be > 0, got nan"),
+    "grad clip 0": (lambda m, w: finetune(m, w, "--grad-clip", "0"), r"--grad-clip must be > 0 .*inf: no clipping"),
+    "warmup negative": (lambda m, w: finetune(m, w, "--warmup-steps=-1"), r"--warmup-steps must be >= 0, got -1"),
+    "min lr ratio past 1": (lambda m, w: finetune(m, w, "--min-lr-ratio", "2"), r"--min-lr-ratio must be in \[0, 1\]"),
+    "weight decay negative": (lambda m, w: finetune(m, w, "--weight-decay=-0.1"), r"--weight-decay must be >= 0"),
+    "lora dropout 1": (lambda m, w: finetune(m, w, "--lora-r", "4", "--lora-dropout", "1"),
+                       r"--lora-dropout must be in \[0, 1\)"),
+    "eval interval negative": (lambda m, w: finetune(m, w, "--eval-interval=-1"), r"--eval-interval must be >= 0"),
+    "sample tokens 0": (lambda m, w: finetune(m, w, "--sample-tokens", "0"), r"--sample-tokens must be >= 1, got 0"),
     "global batch not divisible": (lambda m, w: finetune(m, w, "--micro-batch-size", "3", "--global-batch-size", "8"),
                                    r"global batch 8 is not divisible by micro batch x dp = 3 x 1"),
     "lora-r 0": (lambda m, w: finetune(m, w, "--lora-r", "0"), r"--lora-r must be >= 1, got 0"),
@@ -190,6 +203,8 @@ CASES = {
     "prompt record without prompt": (  # issue 29: KeyError: 'prompt'
         lambda m, w: generate(m, w, "--prompt-file", str(jsonl(w / "p.jsonl", [{"prompt": "a"}, {"text": "b"}]))),
         r"p\.jsonl:2: no field 'prompt' \(the record is \['text'\]\)"),
+    "prompt file Latin-1": (lambda m, w: generate(m, w, "--prompt-file", str(write(w / "p.txt", "olé".encode(
+        "latin-1")))), r"p\.txt:1: not UTF-8 \(byte 0xE9 at line 1, column 3\)"),
     "prompt record not JSON": (lambda m, w: generate(m, w, "--prompt-file", str(write(w / "p.jsonl", "{x\n"))),
                                r"p\.jsonl:1: not valid JSON"),
     "prompt record a number": (lambda m, w: generate(m, w, "--prompt-file", str(jsonl(w / "p.jsonl", [{"prompt": 3}]))),
@@ -292,6 +307,45 @@ def test_bad_input_is_one_line_exit_1_and_leaves_nothing(case, models, tmp_path,
     assert err.count("\n") == 0 and re.search(message, err), err
     assert err.startswith(f"colozoo {argv[0]}: error: ")
     assert snapshot(tmp_path) == before  # no output directory or cache left, half-written or whole
+
+
+# refused from the options and the files alone: before a tokenizer, a model config or a rank, without torch
+BEFORE_THE_MODEL = ["data missing", "data empty", "data a bad directory", "eval data missing", "model missing",
+                    "model unknown", "steps 0", "epochs 0", "lr negative", "lr 0", "lr nan", "grad clip 0",
+                    "warmup negative", "min lr ratio past 1", "weight decay negative", "lora dropout 1",
+                    "eval interval negative", "sample tokens 0", "micro batch 0", "tp 0"]
+
+
+def test_cheap_checks_refuse_before_the_model_is_read(models, tmp_path, capfd, monkeypatch):
+    from colozoo.finetune import data, inputs
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the model or its tokenizer was read before the cheap checks")
+
+    for name in ("check_model_and_mesh", "model_source"):
+        monkeypatch.setattr(inputs, name, too_late)
+    monkeypatch.setattr(data, "load_tokenizer", too_late)
+    for case in BEFORE_THE_MODEL:
+        make, message = CASES[case]
+        work = tmp_path / case.replace(" ", "-")
+        work.mkdir()
+        capfd.readouterr()
+        assert cli.main(make(models, work)) == 1, case
+        assert re.search(message, capfd.readouterr().err), case
+
+
+@pytest.mark.parametrize("case", ["data empty", "lr negative"])
+def test_cheap_checks_refuse_in_a_process_that_never_imports_torch(case, models, tmp_path):
+    import subprocess
+
+    argv = CASES[case][0](models, tmp_path)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "colozoo.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert proc.returncode == 1 and len(lines) == 1 and re.search(CASES[case][1], lines[0]), proc.stderr[-2000:]
+    assert "colozoo" in imported and not {"torch", "transformers"} & imported
 
 
 ISSUE_ROWS = [  # what issue 29 found wrong, each a row above

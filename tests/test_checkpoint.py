@@ -167,7 +167,7 @@ def test_checkpoint_stores_global_unpadded_fused_tensors(tmp_path):
 def test_dtype_conversion_and_sharded_hf(tmp_path):
     hf = make_hf(tmp_path / "hf", max_shard_size="100KB")  # sharded input with an index
     assert (hf / "model.safetensors.index.json").exists()
-    convert(hf, tmp_path / "bf16", tp=2, dtype="bf16")
+    convert(hf, tmp_path / "bf16", tp=2, dtype="bfloat16")
     convert(tmp_path / "bf16", tmp_path / "out", to_hf=True, max_shard_bytes=100_000)
     out = tmp_path / "out"
     assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
@@ -233,9 +233,26 @@ def test_from_pretrained_tp2_pp2(tmp_path):
 
 def test_from_pretrained_dtype(tmp_path):
     hf = make_hf(tmp_path / "hf", "gpt2")
-    model = colozoo.from_pretrained(hf, dtype="bf16")
+    model = colozoo.from_pretrained(hf, dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert torch.equal(model.wte.weight, hf_state(hf)["transformer.wte.weight"].to(torch.bfloat16))
+    assert colozoo.from_pretrained(hf, torch_dtype="auto").dtype == torch.float32  # the checkpoint's, as saved
+
+
+@pytest.mark.parametrize("name,write", [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"), ("int8", None),
+                                        ("bfloat", None)])
+def test_dtype_names_are_transformers_and_nothing_else_passes(name, write, tmp_path):
+    """The names transformers accepts are torch's; the others are refused in one line, before anything is read."""
+    from colozoo.core.dtypes import NAMES, parse_dtype
+
+    assert all(getattr(torch, n) is dtype for n, dtype in NAMES.items())  # what transformers' getattr(torch, n) gives
+    hint = rf"; for '{name}' write '{write}'$" if write else r"'half'$"
+    for argument in ("dtype", "torch_dtype"):
+        with pytest.raises(ValueError, match=rf"^{argument}='{name}' is not a dtype transformers accepts: give a "
+                                             rf"torch.dtype, 'auto' .*'float32', .*'bfloat16'.*{hint}"):
+            colozoo.from_pretrained(tmp_path / "never-read", **{argument: name})
+    with pytest.raises(ValueError, match="torch.int8 is not a floating-point dtype"):
+        parse_dtype(torch.int8)
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])

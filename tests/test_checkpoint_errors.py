@@ -201,7 +201,7 @@ def test_missing_tensor_in_colozoo_checkpoint(tmp_path):
 
 def test_cli_convert_and_models(tmp_path, capsys):
     hf = make_hf(tmp_path / "hf")
-    assert cli.main(["convert", str(hf), str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2", "--dtype", "bf16"]) == 0
+    assert cli.main(["convert", str(hf), str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr()
     assert "52 tensors" in out.out and "peak RSS" in out.out and "B/s" in out.err, out  # summary and byte progress bar
     assert cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf2"), "--to-hf", "--quiet"]) == 0

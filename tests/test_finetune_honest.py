@@ -144,6 +144,33 @@ def test_throughput_counts_tokens_computed_and_trained_and_mfu_what_lora_compute
     assert step["mfu"] == pytest.approx((4 * total + 2 * trained) * step["tokens_per_s"] / 1e12)
 
 
+def test_no_pack_pads_each_batch_to_its_longest_sample_and_trains_as_full_padding(chat, tmp_path, monkeypatch):
+    """--no-pack: each batch is padded to its longest sample rounded up to 8 (and to 2 x cp, and tp under sequence
+    parallelism), not to --seq-len: the loss, the eval loss and the tokens trained on are those of full-length
+    padding; the tokens computed are fewer."""
+    from types import SimpleNamespace
+
+    from colozoo.finetune import data as D
+
+    mesh = lambda cp=1, tp=1, sp=False: SimpleNamespace(size={"cp": cp}.get, tp_size=tp, sequence_parallel=sp)  # noqa
+    assert [D.padding_multiple(mesh(**m)) for m in ({}, {"cp": 2}, {"cp": 8}, {"tp": 3, "sp": True})] == [8, 8, 16, 24]
+    runs = {}
+    for name in ("full", "longest"):
+        with monkeypatch.context() as patch:
+            if name == "full":
+                patch.setattr(D, "trim_padding", lambda batch, multiple: batch)
+            finetune(chat_run(chat, tmp_path / name, pack=False, seq_len=128, eval_interval=0, save_interval=0,
+                              lora_r=None, lora_alpha=None))
+        runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")
+    full, longest = ([r for r in runs[name] if "lr" in r] for name in ("full", "longest"))
+    assert [r["trained_tokens"] for r in longest] == [r["trained_tokens"] for r in full]
+    assert all(r["tokens"] == 2 * 128 for r in full) and all(r["tokens"] < 2 * 128 for r in longest)
+    assert all(r["tokens"] % (2 * 8) == 0 for r in longest)
+    for what in ("loss", "eval_loss"):
+        torch.testing.assert_close(torch.tensor([r[what] for r in runs["longest"] if what in r]),
+                                   torch.tensor([r[what] for r in runs["full"] if what in r]), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- resume
 
 

@@ -62,6 +62,35 @@ def test_a_non_finite_loss_or_gradient_stops_the_run_naming_the_step(what, tiny,
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] == ["step-00000001"]
 
 
+def test_a_batch_without_a_labelled_token_is_counted_skipped_and_said_once(tiny, tmp_path, monkeypatch, capfd):
+    """A global batch whose labels are all -100 is not a perfect step: it trains nothing (no update, the schedule
+    waits), metrics.jsonl logs no loss for it and counts it (masked_batches, also in summary.json and the
+    checkpoint), and the run says so once, with the count."""
+    from colozoo.finetune import data as D
+    from colozoo.finetune import loop
+    from colozoo.finetune.metrics import read_metrics
+
+    check_inputs = loop.check_inputs
+
+    def second_batch_masked(cfg):
+        inputs = check_inputs(cfg)
+        rows = inputs.train.take(range(len(inputs.train)))
+        sampler = D.BatchSampler(len(inputs.train), inputs.global_batch, 0, 1, cfg.seed)
+        rows["labels"][sampler.global_indices(1)] = -100
+        inputs.train = D.TensorData(rows, D.trained_tokens(rows["labels"]))
+        return inputs
+
+    monkeypatch.setattr(loop, "check_inputs", second_batch_masked)
+    summary = loop.finetune(small_run(tiny, tmp_path / "run", steps=3, eval_fraction=0.0, save_interval=0))
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r]
+    assert [r["masked_batches"] for r in steps] == [0, 1, 1] and summary["masked_batches"] == 1
+    assert steps[1]["loss"] is None and steps[1]["trained_tokens"] == 0 and steps[1]["grad_norm"] is None
+    assert all(torch.isfinite(torch.tensor(steps[i]["loss"])) for i in (0, 2))
+    assert steps[1]["lr"] == steps[2]["lr"]  # no optimizer step, and the schedule waited
+    err = capfd.readouterr().err
+    assert err.count("1 of 3 steps had a batch with no labelled token") == 1, err
+
+
 def test_convert_carries_tokenizer_and_generation_files_both_ways(tiny, tmp_path):
     import transformers
 

@@ -116,6 +116,24 @@ def test_greedy_options_at_tp2_and_pp2():
     assert all(run_distributed(greedy_options_match_transformers, 2, family="opt", pp=2, timeout=TIMEOUT))
 
 
+def test_the_returned_dict_is_transformers_own_output_for_the_same_call():
+    """return_dict_in_generate returns what transformers returns for the same call: its GenerateDecoderOnlyOutput or
+    GenerateBeamDecoderOnlyOutput, with the same keys in the same order (key and index access, iteration, to_tuple,
+    `in`); colozoo's timings and cache size are attributes, not keys. transformers also returns its KV cache
+    (use_cache): colozoo's holds each rank's heads only and is not returned."""
+    config, hf, model = _varied("llama", single_process())
+    ids, mask = prompts(config.vocab_size)
+    common = dict(max_new_tokens=NEW, pad_token_id=0, do_sample=False, return_dict_in_generate=True)
+    for options in (dict(output_scores=True, output_logits=True, use_cache=False), dict(num_beams=2)):
+        ref = hf.generate(ids, attention_mask=mask, **common, **options)
+        got = model.generate(ids, attention_mask=mask, **common, **options)
+        keys = [k for k in ref.keys() if k != "cache"]
+        assert type(got) is type(ref) and list(got.keys()) == list(got) == keys, (options, list(got.keys()), keys)
+        assert len(got.to_tuple()) == len(keys) and all(k in got for k in keys) and "timings" not in got
+        assert torch.equal(got[0], ref[0]) and got["sequences"] is got.sequences is got.to_tuple()[0]
+        assert isinstance(got.timings, dict) and got.cache_elements > 0
+
+
 def test_sampling_several_sequences_per_prompt_is_seeded_and_shaped_like_transformers():
     config, hf, model = _varied("llama", single_process())
     ids, mask = prompts(config.vocab_size)

@@ -87,31 +87,31 @@ def test_unknown_name_suggests_close_ones():
 def test_registry_files_are_well_formed():
     for path in registry.CONFIG_DIR.glob("*.json"):
         for name, entry in json.loads(path.read_text()).items():
-            assert set(entry) - {"aliases", "params"} == {"repo", "architecture", "config"}, (path.name, name)
+            assert set(entry) - {"aliases", *registry.STORED} == {"repo", "architecture", "config"}, (path.name, name)
             assert entry["config"]["model_type"] == path.stem, (path.name, name)
             assert entry["config"]["model_type"] and entry["repo"].count("/") == 1, (path.name, name)
 
 
 @pytest.mark.parametrize("file", sorted(p.name for p in registry.CONFIG_DIR.glob("*.json")))
-def test_stored_parameter_counts(file):
-    """`colozoo models` prints the counts stored in the registry files (no torch): they are the built model's."""
-    stale = {name: f"stored {stored}, the model has {actual}"
-             for name, (stored, actual) in registry.stored_param_counts(registry.CONFIG_DIR / file).items()
-             if stored != actual}
-    assert not stale, (f"colozoo/model_configs/{file} has missing or stale parameter counts {stale}; run "
+def test_stored_facts(file):
+    """`colozoo models` prints the parameter counts and tp / ep degrees stored in the registry files (no torch): they
+    are the built model's."""
+    stale = {name: f"stored {stored}, the model has {built}"
+             for name, (stored, built) in registry.stored_facts(registry.CONFIG_DIR / file).items() if stored != built}
+    assert not stale, (f"colozoo/model_configs/{file} has missing or stale facts {stale}; run "
                        f"`python scripts/update_param_counts.py {file}`")
 
 
-def test_update_param_counts_rewrites_only_the_counts(tmp_path):
+def test_update_stored_facts_rewrites_only_the_facts(tmp_path):
     original = registry.CONFIG_DIR / "gpt2.json"
     path = tmp_path / "gpt2.json"
     models = json.loads(original.read_text())
     models["gpt2"]["params"] = 1
-    del models["gpt2-xl"]["params"]
+    del models["gpt2-xl"]["tp"]
     path.write_text(json.dumps(models, indent=1))
-    assert registry.update_param_counts(path) == ["gpt2", "gpt2-xl"]
+    assert registry.update_stored_facts(path) == ["gpt2", "gpt2-xl"]
     assert path.read_text() == original.read_text()
-    assert registry.update_param_counts(path) == []
+    assert registry.update_stored_facts(path) == []
 
 
 def test_models_command(capsys):
@@ -124,3 +124,30 @@ def test_models_command(capsys):
     registry.print_models(file=buffer)
     assert "openai-community/gpt2-xl" in buffer.getvalue()
     assert "vit-large-patch16-224 (vit-large)" in buffer.getvalue() and "Qwen/Qwen1.5-MoE-A2.7B" in buffer.getvalue()
+
+
+def row(table: str, name: str) -> list[str]:
+    line, = [line for line in table.splitlines() if line.split() and line.split()[0] == name]
+    return line.split()
+
+
+def test_models_says_the_tp_and_ep_degrees_each_model_allows(tmp_path, capsys):
+    """The table (from the registry files, no torch) and --help say which tp degrees a model allows (heads, kv heads
+    and widths divisible) and, for MoE models, which ep (experts divisible); a model directory is checked as given."""
+    assert cli.main(["models"]) == 0
+    table = capsys.readouterr().out
+    assert row(table, "gpt2-xl")[3:5] == ["1,5,25", "-"]  # 25 heads
+    assert row(table, "Qwen2.5-0.5B")[3:5] == ["1,2", "-"]  # 14 heads over 2 kv heads, MLP width 4864
+    assert row(table, "Mixtral-8x7B-v0.1")[3:5] == ["1,2,4,8,16,32", "1,2,4,8"]  # 8 experts
+    assert row(table, "DeepSeek-V3")[4:6] == ["1,2,4,…,128", "1,2,4,…,256"]  # 256 experts
+    assert row(table, "opt-66b")[3:6] == ["divisors", "of", "72"]
+    smollm2 = tmp_path / "SmolLM2-135M"  # 9 heads, 3 kv heads, MLP width 1536: tp=2 is impossible, tp=9 too
+    transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                             num_hidden_layers=2, vocab_size=64).save_pretrained(smollm2)
+    assert cli.main(["models", str(smollm2), "gpt2"]) == 0
+    table = capsys.readouterr().out
+    assert row(table, str(smollm2))[1:5] == ["llama", "7.2M", "1,3", "-"] and row(table, "gpt2")[3] == "1,2,3,4,6,12"
+    with pytest.raises(SystemExit):
+        cli.main(["models", "--help"])
+    assert "tp must divide the attention heads, divide the key/value heads or be a multiple" in \
+        " ".join(capsys.readouterr().out.split())

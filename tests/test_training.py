@@ -314,3 +314,26 @@ def checkpointing_keeps_dropout_masks(tp):
 def test_checkpointing_recomputes_the_same_dropout_masks():
     assert checkpointing_keeps_dropout_masks(1)
     assert all(run_distributed(checkpointing_keeps_dropout_masks, 2, tp=2, timeout=2 * TIMEOUT))
+
+
+def test_an_all_masked_batch_is_nan_as_in_transformers_and_weighs_nothing_within_a_step():
+    """Labels all -100: the forward's loss is NaN with zero gradients, as transformers' (with and without
+    num_items_in_batch), never a perfect 0.0; forward_backward of such a global batch returns NaN and leaves zero
+    gradients; a micro-batch without labels beside one with labels weighs nothing (the loss is transformers' mean
+    over the batch's labelled tokens, not NaN)."""
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    model = build(single_process(), config, hf)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    masked = torch.full_like(labels, -100)
+    theirs = [hf(ids, attention_mask=mask, labels=masked, **items).loss
+              for items in ({}, {"num_items_in_batch": torch.tensor(0)})]
+    ours = model(ids, attention_mask=mask, labels=masked).loss
+    ours.backward()
+    assert all(loss.isnan() for loss in [ours, *theirs])
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert model.forward_backward(ids, masked, attention_mask=mask, num_microbatches=2).isnan()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    half = labels.clone()
+    half[: BATCH // 2] = -100  # the first of two micro-batches has no label
+    loss = model.forward_backward(ids, half, attention_mask=mask, num_microbatches=2)
+    close(loss, hf(ids, attention_mask=mask, labels=half).loss, LOSS_ATOL, "half-masked batch")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import fields
 
-from colozoo.core.names import DTYPE_NAMES as DTYPES, HelpFormatter
+from colozoo.core.names import FLOAT_CHOICES, HelpFormatter
 from colozoo.cost.hardware import PRESETS, Hardware, HardwareError
 from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.profile_cli import check_seq_len, workload_from_args
@@ -28,7 +28,7 @@ def add_parser(subparsers):
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(2048, max positions))")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step "
                                                                   "(default: about 1M tokens)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="parameter and activation dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=FLOAT_CHOICES, help="parameter and activation dtype")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES), help="whose states are kept")
     p.add_argument("--no-offload", action="store_true", help="never offload to CPU memory")
     p.add_argument("--lora-r", type=int, default=0, help="plan LoRA fine-tuning with adapters of this rank (0: full)")

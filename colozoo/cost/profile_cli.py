@@ -6,7 +6,7 @@ import argparse
 import json
 import warnings
 
-from colozoo.core.names import DTYPE_NAMES as DTYPES, HelpFormatter
+from colozoo.core.names import FLOAT_CHOICES, HelpFormatter
 from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES
 from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, ZERO_LEVELS
 
@@ -14,7 +14,7 @@ from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, ZERO_LEVELS
 def add_setup_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(2048, max positions))")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="parameter and activation dtype")
+    parser.add_argument("--dtype", default="bfloat16", choices=FLOAT_CHOICES, help="parameter and activation dtype")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES), help="whose states are kept")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA fine-tuning with adapters of this rank (base "
                                                                  "frozen; 0: full fine-tuning)")

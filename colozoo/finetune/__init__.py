@@ -29,6 +29,7 @@ def _command(args) -> int:
     from colozoo.finetune.config import check_at_least
 
     config = config_from_args(args)
+    config.check_paths()  # in the first second: before torch is imported, any process started or the model read
     if args.nproc_per_node is not None and not launch.under_torchrun():
         check_at_least("nproc_per_node", args.nproc_per_node)
         from colozoo.finetune.inputs import check_model_and_mesh

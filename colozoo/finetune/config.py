@@ -106,6 +106,7 @@ class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared 
             check_at_least(name, getattr(self, name))
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        self.check_numbers()
         if self.steps is None and self.epochs <= 0:
             raise ValueError(f"--epochs must be > 0, got {self.epochs}")
         if self.lora_r is not None and self.lora_r < 1:
@@ -143,6 +144,37 @@ class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared 
 
     def eval_task_names(self) -> list[str]:
         return [name.strip() for name in (self.eval_tasks or "").split(",") if name.strip()]
+
+    def check_numbers(self):
+        """The learning rate, schedule and other numbers within their range (NaN is never within it)."""
+        for name in ("lr", "peak_tflops", "lora_alpha"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"--grad-clip must be > 0 (the gradient norm is clipped to it; inf: no clipping), "
+                             f"got {self.grad_clip}")
+        ranges = {"min_lr_ratio": (0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
+                  "lora_dropout": (0.0 <= self.lora_dropout < 1.0, "in [0, 1)"),
+                  "weight_decay": (self.weight_decay >= 0.0, ">= 0")}
+        for name, (within, bound) in ranges.items():
+            if not within:
+                raise ValueError(f"--{name.replace('_', '-')} must be {bound}, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval", "save_interval", "samples"):
+            check_at_least(name, getattr(self, name), 0)
+        for name in ("sample_tokens", "num_labels", "global_batch_size", "stop_after"):
+            check_at_least(name, getattr(self, name))
+
+    def check_paths(self):
+        """What the files say without a tokenizer or a model (no torch imported): --data and --eval-data exist and are
+        not empty, --model names a directory that exists or a registered model."""
+        from colozoo.finetune.records import check_data_path
+        from colozoo.registry import check_model_name
+
+        check_model_name(self.model)
+        for path in (self.data, self.eval_data):
+            if path is not None:
+                check_data_path(path, records=self.task != "imgcls")
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches per optimizer step on each data-parallel rank; the global batch must split evenly."""
@@ -184,13 +216,15 @@ _HELP = {
             "checkpointing for --global-batch-size x --seq-len (excludes --tp/--pp/--dp/--cp/--ep etc.)",
     "dp": "data-parallel degree (default: world size / (tp*pp*cp))",
     "data_parallel": "fsdp (sharded, the default) or ddp (replicated) over the dp ranks",
-    "global_batch_size": "samples per optimizer step over all dp ranks (default: micro batch x dp; "
-                         "with --plan auto: micro batch x world size)",
+    "global_batch_size": "rows per optimizer step over all dp ranks, counted as --micro-batch-size counts them "
+                         "(default: micro batch x dp; with --plan auto: micro batch x world size)",
     "steps": "optimizer steps (default: --epochs passes over the data)",
     "pack": "text: concatenate documents into full --seq-len sequences joined by EOS; --chat: put several whole samples "
             "in each sequence, position_ids restarting at 0 at each (the model attends within each sample); "
             "--method dpo: each pair's chosen and rejected in one row (where the model's positions hold both). "
-            "--no-pack pads each document / sample instead",
+            "--no-pack puts one sample, or one piece of at most --seq-len tokens of a document, in each row, and "
+            "pads each batch to its longest row rounded up to a multiple of 8 (and of 2 x cp, and of tp under "
+            "--sequence-parallel), not to --seq-len: fewer tokens computed, the same loss",
     "chat": "supervised fine-tuning: records with 'messages' (a list of {role, content}, rendered with the tokenizer's "
             "chat template; loss on the assistant turns only), 'prompt' + 'completion' (loss on the completion and "
             "EOS) or plain text (loss on all of it); see --truncate for samples longer than --seq-len",
@@ -228,10 +262,13 @@ _HELP = {
     "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree", "cp": "context-parallel degree",
     "ep": "expert-parallel degree (folded over dp x cp)",
     "sequence_parallel": "shard activations outside attention and MLP over the tp ranks",
-    "micro_batch_size": "samples per micro-batch on each dp rank", "lr": "peak learning rate (AdamW)",
+    "micro_batch_size": "rows per micro-batch on each dp rank: a packed row (--pack, on unless --no-pack) is "
+                        "--seq-len tokens of several documents or samples; with --no-pack a row is one of them",
+    "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "the cosine schedule ends at lr x this", "warmup_steps": "linear warmup steps",
     "weight_decay": "AdamW weight decay", "grad_clip": "clip the global gradient norm to this",
-    "epochs": "passes over the data when --steps is not given", "seq_len": "tokens per sample",
+    "epochs": "passes over the data when --steps is not given",
+    "seq_len": "tokens per row: a packed row's length, the most an unpacked row holds",
     "num_labels": "classification: classes of a new head (default: the model config's)",
     "text_field": "JSON field holding the text", "label_field": "JSON field holding the label",
     "seed": "seed of data order, dropout and new heads", "log_interval": "log every this many steps",

@@ -193,6 +193,31 @@ def pad_rows(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: in
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
+PAD_MULTIPLE = 8  # unpacked batches are cut to a multiple of this: few shapes to compile, tensor-core friendly
+
+
+def padding_multiple(pc) -> int:
+    """What an unpacked batch's width must be a multiple of on the mesh `pc`: PAD_MULTIPLE, 2 x cp (context
+    parallelism gives each cp rank two equal chunks) and tp under sequence parallelism."""
+    cp, tp = pc.size("cp"), pc.tp_size if pc.sequence_parallel else 1
+    return math.lcm(PAD_MULTIPLE, 2 * cp if cp > 1 else 1, tp)
+
+
+def trim_padding(batch: dict[str, torch.Tensor], multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
+    """An unpacked batch (rows right-padded to --seq-len, with an attention mask) cut to its longest row rounded up
+    to `multiple` (at most its width): the positions cut are padding, attended by no one and without a label, so
+    the loss and the tokens trained on stay, the tokens computed shrink. Every rank cuts the same global batch alike,
+    so dp ranks, pipeline micro-batches and cp chunks agree on the width."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return batch
+    width = mask.shape[1]
+    columns = mask.any(0).nonzero()
+    longest = int(columns.max()) + 1 if len(columns) else 1
+    keep = min(width, -(-longest // multiple) * multiple)
+    return {k: v[:, :keep] if v.dim() == 2 and v.shape[1] == width else v for k, v in batch.items()}
+
+
 def chunks(items, size: int) -> Iterator[list]:
     chunk = []
     for item in items:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colozoo.finetune import data as D
 from colozoo.finetune import samples
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import Reporter, perplexity
@@ -93,7 +94,10 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
         index = turn * dp + rank
         counted = index < len(batches)
         rows_of = batches[index] if counted else batches[0]
-        batch = {k: v.to(pc.device, non_blocking=True) for k, v in data.take(list(rows_of)).items()}
+        taken = data.take(list(rows_of))
+        if lm and not cfg.pack:  # padded to the longest sample: every rank of a (tp, pp, cp) group cuts them alike
+            taken = D.trim_padding(taken, D.padding_multiple(pc))
+        batch = {k: v.to(pc.device, non_blocking=True) for k, v in taken.items()}
         out = model(**batch, return_logits=not lm)
         weight = int(data.tokens[list(rows_of)].sum()) if lm else len(rows_of)  # what the batch's mean loss averages
         if counted and weight:

@@ -34,6 +34,7 @@ class Inputs:
 def check_inputs(cfg: FinetuneConfig) -> Inputs:
     """Check the degrees and the model's config, read the data, plan under --plan auto (collective), and check that
     the data fills a global batch and the output can be written."""
+    cfg.check_paths()
     mesh, config, directory = check_model_and_mesh(cfg)
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
     notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []

@@ -77,10 +77,15 @@ class Trainer:
     scheduler: object
     scaler: DynamicLossScaler
     preference: PreferenceTraining | None = None  # --method dpo's step, reference and evaluation
+    masked_batches: int = 0              # global batches with no labelled token (every label -100): not trained on
 
     def step(self, batch: dict, number: int, indices=None) -> "StepResult":
         """One optimizer step on this rank's rows of the global batch (`number`: the step it completes; `indices`:
-        the samples it takes)."""
+        the samples it takes). A global batch without a labelled token is counted and trains nothing (no update, the
+        schedule waits): its loss, a mean over no token, would be NaN (transformers') and stop the run."""
+        if not int(self.model.loss_token_count(batch["labels"])):  # the same global batch, so the same on every rank
+            self.masked_batches += 1
+            return StepResult(None, self.optimizer.param_groups[0]["lr"], None, False, self.scaler.scale)
         batch = _to(batch, self.model.pc.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss_scale = self.scaler.scale
@@ -102,7 +107,7 @@ class Trainer:
 
 @dataclass
 class StepResult:
-    loss: float
+    loss: float | None                   # None: no labelled token in the batch, nothing trained
     lr: float
     grad_norm: float | None              # None: the step was skipped (fp16 overflow)
     overflow: bool
@@ -164,14 +169,16 @@ class Checkpoints:
         if latest is None:
             return None
         t = self.trainer
-        return Resumed(latest, state.load_training_state(latest, t.model, t.optimizer, t.scheduler, self.mesh,
-                                                         t.scaler, self.data_position, self.started_from))
+        resumed = Resumed(latest, state.load_training_state(latest, t.model, t.optimizer, t.scheduler, self.mesh,
+                                                            t.scaler, self.data_position, self.started_from))
+        t.masked_batches = resumed.meta.get("masked_batches", 0)
+        return resumed
 
     def save(self, step: int, final: bool) -> Path:
         t = self.trainer
         path = self.saver.save(self.root, step, t.model, t.optimizer, t.scheduler, self.mesh, final=final,
                                extra={"total_steps": t.total_steps, "data": self.data_position,
-                                      "started_from": self.started_from},
+                                      "started_from": self.started_from, "masked_batches": t.masked_batches},
                                keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=self.side_files)
         if t.lora:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
             self.saver.wait()
@@ -246,7 +253,7 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
         while step < total:
             tick = time.perf_counter()
             indices = trainer.sampler.global_indices(step)
-            batch = inputs.train.take(indices)
+            batch = unpacked_width(cfg, trainer.model, inputs.train.take(indices))
             result = trainer.step(batch, step + 1, indices)
             step += 1
             if step % cfg.log_interval == 0 or step == total:
@@ -255,7 +262,7 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
                 computed = batch["input_ids"].numel() if "input_ids" in batch else 0  # padding included
                 reporter.step(step, result.loss, result.lr, computed, time.perf_counter() - tick, result.grad_norm,
                               inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()),
-                              metrics=result.metrics, **amp)
+                              metrics=result.metrics, masked_batches=trainer.masked_batches, **amp)
             if evaluate_at.enabled and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
                 evaluate_at(step)
             interrupted = interrupt.agreed(trainer.model.pc.device)
@@ -267,6 +274,12 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
                 break
     checkpoints.saver.wait()
     return Outcome(step, stopped, interrupted, saved_at)
+
+
+def unpacked_width(cfg: FinetuneConfig, model, batch: dict) -> dict:
+    """--no-pack (a causal LM): the batch padded to its longest sample (rounded up), not to --seq-len."""
+    unpacked = cfg.task == "lm" and cfg.method == "sft" and not cfg.pack  # dpo's pairs come trimmed already
+    return D.trim_padding(batch, D.padding_multiple(model.pc)) if unpacked else batch
 
 
 class Interrupt:
@@ -320,7 +333,11 @@ def finish(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: C
     the exports first."""
     step, output = outcome.step, Path(cfg.output)
     summary = {"step": step, "total_steps": trainer.total_steps, "stopped": outcome.stopped,
-               "checkpoint": str(checkpoints.path(step)) if outcome.saved_at == step else None}
+               "checkpoint": str(checkpoints.path(step)) if outcome.saved_at == step else None,
+               "masked_batches": trainer.masked_batches}
+    if trainer.masked_batches:
+        reporter.print(f"warning: {trainer.masked_batches} of {step} steps had a batch with no labelled token (every "
+                       f"label -100): nothing to learn from, so no update (masked_batches in metrics.jsonl)")
     if outcome.stopped:
         reporter.print(f"{'interrupted' if outcome.interrupted else 'stopped'} at step {step}/{trainer.total_steps}, "
                        f"saved to {summary['checkpoint']}; rerun the same command to resume")

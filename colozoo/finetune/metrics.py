@@ -95,11 +95,12 @@ class Reporter:
                     self.tensorboard.add_scalar(key, value, record["step"])
             self.tensorboard.flush()
 
-    def step(self, step: int, loss: float, lr: float, tokens: int, seconds: float, grad_norm: float | None,
+    def step(self, step: int, loss: float | None, lr: float, tokens: int, seconds: float, grad_norm: float | None,
              samples: int, trained_tokens: int = 0, metrics: dict | None = None, **extra):
-        """`tokens`: the positions the step computed (padding included), `trained_tokens`: those with a label;
-        `metrics`: the method's further metrics (--method dpo: TRL's), logged and shown on the progress line;
-        `extra`: further fields of the step's record (fp16: loss_scale, skipped, skipped_steps)."""
+        """`tokens`: the positions the step computed (padding included), `trained_tokens`: those with a label (no
+        loss when there is none); `metrics`: the method's further metrics (--method dpo: TRL's), logged and shown on
+        the progress line; `extra`: further fields of the step's record (masked_batches: the batches without a
+        labelled token so far; fp16: loss_scale, skipped, skipped_steps)."""
         metrics = metrics or {}
         per_s = (lambda n: n / seconds) if seconds > 0 else (lambda n: 0.0)
         mfu = self.flops_per_token * per_s(tokens) / (self.peak * self.world_size) if tokens else None
@@ -110,13 +111,14 @@ class Reporter:
             f"{per_s(samples):,.1f} samples/s"
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "-"
         shown = "".join(f"  {k} {metrics[k]:.4f}" for k in SHOWN if k in metrics)
+        loss_text = f"{loss:.4f}{shown}" if loss is not None else "- (no labelled token)"
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}{shown}", speed=speed, mfu=mfu_text)
+            self.progress.update(self.task, completed=step, loss=loss_text, speed=speed, mfu=mfu_text)
         elif self.plain_lines:
             skipped = f"  skipped: fp16 gradients overflowed at loss scale {extra['loss_scale']:g}" \
                 if extra.get("skipped") else ""
-            self.console.print(f"step {step}/{self.total_steps}  loss {loss:.4f}{shown}  lr {lr:.2e}  {speed}  "
-                               f"MFU {mfu_text}  ETA {self.eta(step)}{skipped}", highlight=False, soft_wrap=True)
+            self.console.print(f"step {step}/{self.total_steps}  loss {loss_text}  lr {lr:.2e}  {speed}  MFU {mfu_text}"
+                               f"  ETA {self.eta(step)}{skipped}", highlight=False, soft_wrap=True)
 
     def eta(self, step: int) -> str:
         """Time left at this run's mean pace so far, as h:mm:ss."""
@@ -159,7 +161,7 @@ def tensorboard_writer_class():
 def plot_loss(metrics_path, png_path) -> Path | None:
     """The training (and eval) loss against the step, as a PNG; None when there is nothing to plot."""
     records = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     if not train:
         return None

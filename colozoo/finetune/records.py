@@ -23,6 +23,22 @@ def existing(path) -> Path:
     return path
 
 
+HEAD_BYTES = 1 << 16  # what check_data_path reads of a text file to tell an empty one
+
+
+def check_data_path(path, records: bool = True):
+    """What needs no tokenizer and no model: `path` exists and, for a text file, holds more than whitespace (judged on
+    its first HEAD_BYTES); `records`: a directory must be a datasets directory (else a folder of images)."""
+    path = existing(path)
+    if path.is_dir():
+        if records:
+            dataset_files(path)
+        return
+    size = path.stat().st_size
+    if size == 0 or size <= HEAD_BYTES and path.suffix not in ARROW_SUFFIXES and not path.read_bytes().strip():
+        raise DataError(f"dataset {path} is empty")
+
+
 def iter_records(path, check) -> Iterator[dict]:
     """Every record of `path`, each passed to `check(record, where)` first."""
     return (record for _, record in located_records(path, check))
@@ -44,13 +60,22 @@ def located_records(path, check) -> Iterator[tuple[str, dict]]:
         raise DataError(f"dataset {path} is empty")
 
 
-def _text_records(path: Path):
-    raw = path.read_bytes()
+def utf8_text(raw: bytes, path) -> str:
+    """The text of a file's bytes, or one line naming the file, the line and the first byte that is not UTF-8 (a
+    Latin-1 file's é is 0xE9); a line holding NUL bytes is called binary data."""
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        line_start, line_end = raw.rfind(b"\n", 0, e.start) + 1, raw.find(b"\n", e.start)
         line = raw[:e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: binary data, not UTF-8 text (byte {e.start})") from None
+        if b"\x00" in raw[line_start:line_end if line_end >= 0 else len(raw)]:
+            raise DataError(f"{path}:{line}: binary data, not UTF-8 text") from None
+        raise DataError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02X} at line {line}, column "
+                        f"{e.start - line_start + 1}): save the file as UTF-8") from None
+
+
+def _text_records(path: Path):
+    text = utf8_text(path.read_bytes(), path)
     if "\x00" in text:
         line = text[:text.index("\x00")].count("\n") + 1
         raise DataError(f"{path}:{line}: binary data (a NUL byte), not text")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from colozoo.layers.vocab import LogitsRequest
-from colozoo.runtime.decode_steps import DecodeSteps, GenerateOutput, from_last_stage, steps_from_last_stage
+from colozoo.runtime.decode_steps import DecodeSteps, from_last_stage, generate_output, steps_from_last_stage
 from colozoo.runtime.generation_config import Decoding
 from colozoo.runtime.sampling import process
 
@@ -154,8 +154,8 @@ def beam_search(model, input_ids, mask, decoding: Decoding, stop, num_microbatch
     sequences_scores = from_last_stage(model, found[1] if found else None, (n,), dtype=torch.float32)
     origins = from_last_stage(model, found[2].long() if found else None, (n, int(shape[1]) - input_ids.shape[1]))
     vocab = model.config.vocab_size
-    return GenerateOutput(sequences=out, sequences_scores=sequences_scores if keep_scores else None,
-                          beam_indices=origins,
-                          scores=steps_from_last_stage(model, scores, keep_scores, input_ids.shape[0], vocab),
-                          logits=steps_from_last_stage(model, raw_logits, keep_logits, input_ids.shape[0], vocab),
-                          cache_elements=steps.cache.numel())
+    return generate_output(True, sequences=out, sequences_scores=sequences_scores if keep_scores else None,
+                           beam_indices=origins,
+                           scores=steps_from_last_stage(model, scores, keep_scores, input_ids.shape[0], vocab),
+                           logits=steps_from_last_stage(model, raw_logits, keep_logits, input_ids.shape[0], vocab),
+                           cache_elements=steps.cache.numel())

@@ -10,8 +10,6 @@ LongRoPE switches to its long factors, as transformers' Phi-3 does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
@@ -20,19 +18,19 @@ from colozoo.layers.vocab import LogitsRequest, VocabParallelEmbedding
 from colozoo.runtime.pipeline import through_stages
 
 
-@dataclass
-class GenerateOutput:
-    """What `generate(..., return_dict_in_generate=True)` returns: transformers' fields (`scores`: each step's
-    processed scores, with output_scores; `logits`: each step's raw logits, with output_logits; beam search adds
-    `sequences_scores` and `beam_indices`) and how it went (the seconds of the prefill and of the decode steps, the
-    elements this rank's KV cache held)."""
-    sequences: torch.Tensor
-    scores: tuple | None = None
-    logits: tuple | None = None
-    sequences_scores: torch.Tensor | None = None
-    beam_indices: torch.Tensor | None = None
-    timings: dict = field(default_factory=dict)
-    cache_elements: int = 0
+def generate_output(beam_search: bool = False, timings: dict | None = None, cache_elements: int = 0, **fields):
+    """What `generate(..., return_dict_in_generate=True)` returns: transformers' own GenerateDecoderOnlyOutput
+    (GenerateBeamDecoderOnlyOutput under beam search) of `fields` (`scores`: each step's processed scores, with
+    output_scores; `logits`: each step's raw logits, with output_logits; beam search adds `sequences_scores` and
+    `beam_indices`), so it is what transformers' is: a ModelOutput whose keys are the fields that are set (`out[0]`,
+    `out["scores"]`, `keys()`, `to_tuple()`, `in`). How it went is in two attributes that are no fields, so no keys:
+    `timings` (the seconds of the prefill and of the decode steps) and `cache_elements` (what this rank's KV cache
+    held). The cache itself is not returned: each rank's holds its own heads only."""
+    from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
+
+    out = (GenerateBeamDecoderOnlyOutput if beam_search else GenerateDecoderOnlyOutput)(**fields)
+    out.timings, out.cache_elements = dict(timings or {}), cache_elements
+    return out
 
 
 def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:

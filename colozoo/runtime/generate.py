@@ -18,7 +18,7 @@ import torch
 from colozoo.layers.vocab import LogitsRequest, vocab_parallel_argmax
 from colozoo.models import family_of
 from colozoo.runtime.beam_search import beam_search
-from colozoo.runtime.decode_steps import (DecodeSteps, GenerateOutput, from_last_stage, shared_seed,
+from colozoo.runtime.decode_steps import (DecodeSteps, from_last_stage, generate_output, shared_seed,
                                          steps_from_last_stage, token_embedding)
 from colozoo.runtime.generation_config import Decoding, resolve
 from colozoo.runtime.sampling import choose, finish, process
@@ -66,10 +66,11 @@ def stop_string_criteria(decoding: Decoding, tokenizer):
 
 @torch.no_grad()
 def generate(model, input_ids, attention_mask=None, generation_config=None, streamer=None, tokenizer=None,
-             num_microbatches: int | None = None, **options) -> torch.Tensor | GenerateOutput:
-    """(batch * num_return_sequences, prompt + new tokens) on every rank, or a GenerateOutput with
-    return_dict_in_generate; sequences that finished early are padded with pad_token_id. `options`: transformers'
-    GenerationConfig fields, and `seed` (sampling draws from a generator seeded with it, the same on every rank)."""
+             num_microbatches: int | None = None, **options):
+    """(batch * num_return_sequences, prompt + new tokens) on every rank, or with return_dict_in_generate
+    transformers' GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput (decode_steps.generate_output); sequences
+    that finished early are padded with pad_token_id. `options`: transformers' GenerationConfig fields, and `seed`
+    (sampling draws from a generator seeded with it, the same on every rank)."""
     decoding = resolve(model, input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0, generation_config,
                        **options)
     check_inputs(model, input_ids, attention_mask, decoding)
@@ -88,7 +89,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     return _sample(model, input_ids, mask, decoding, stop, streamer, num_microbatches)
 
 
-def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_microbatches) -> torch.Tensor | GenerateOutput:
+def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_microbatches):
     """Greedy or sampled decoding, one token per step, until every sequence ended or max_length."""
     pc = model.pc
     batch, prompt = input_ids.shape
@@ -141,7 +142,8 @@ def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_micr
     if not decoding.return_dict_in_generate:
         return sequences
     vocab = model.config.vocab_size
-    return GenerateOutput(sequences=sequences, scores=steps_from_last_stage(model, scores, keep_scores, batch, vocab),
-                          logits=steps_from_last_stage(model, raw_logits, keep_logits, batch, vocab),
-                          timings=dict(timings, batch=batch, prompt_tokens=prompt, new_tokens=sequences.shape[1] - prompt),
-                          cache_elements=steps.cache.numel())
+    return generate_output(sequences=sequences, scores=steps_from_last_stage(model, scores, keep_scores, batch, vocab),
+                           logits=steps_from_last_stage(model, raw_logits, keep_logits, batch, vocab),
+                           timings=dict(timings, batch=batch, prompt_tokens=prompt,
+                                        new_tokens=sequences.shape[1] - prompt),
+                           cache_elements=steps.cache.numel())

@@ -42,11 +42,12 @@ class StepScales:
         """The loss a micro-batch's backward starts from. Router losses are statistics of the whole micro-batch over
         every data rank, not token means: each data rank's backward weighs them by router_loss_scale, and its value
         counts 1 / data_ranks of that, so the sum of the ranks' values holds them once."""
-        loss = out.loss.float() * token_count * self.loss_scale
-        if out.router_loss is not None and self.router_loss_scale is not None:
-            router = out.router_loss.float()
-            token_part = out.loss.float() - router
-            loss = token_part * token_count * self.loss_scale
+        with_router = out.router_loss is not None and self.router_loss_scale is not None
+        router = out.router_loss.float() if with_router else None
+        token_part = out.loss.float() - router if with_router else out.loss.float()
+        # a micro-batch without a labelled token (its mean is NaN) weighs 0, not NaN x 0; its gradient is 0
+        loss = torch.where(token_count > 0, token_part, 0.0) * token_count * self.loss_scale
+        if with_router:
             weighted = router * self.router_loss_scale
             loss = loss + weighted + (weighted / self.data_ranks - weighted).detach()
         return loss * self.grad_scale if self.grad_scale != 1.0 else loss

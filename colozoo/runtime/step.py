@@ -38,7 +38,10 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
                          inputs)
     if local_sum is not None and grad_scale != 1.0:
         local_sum = local_sum / grad_scale  # exact for a power-of-two scale
-    return global_loss(model, local_sum)
+    loss = global_loss(model, local_sum)
+    # no labelled token in the whole batch: the mean over none is NaN, as the forward's (and transformers') loss;
+    # the gradients it leaves are 0 (router losses' aside)
+    return loss if total_tokens else torch.full_like(loss, torch.nan)
 
 
 def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
