@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from colozoo.finetune.preference import PREFERENCE_CHOICES, PREFERENCE_HELP, PreferenceOptions
+from colozoo.finetune.preference_options import PREFERENCE_CHOICES, PREFERENCE_HELP, PreferenceOptions
 
 TASKS = ("lm", "seqcls", "imgcls")
 DTYPES = ("float32", "bfloat16", "float16")

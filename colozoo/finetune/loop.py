@@ -85,7 +85,7 @@ class Trainer:
         schedule waits): its loss, a mean over no token, would be NaN (transformers') and stop the run."""
         if not int(self.model.loss_token_count(batch["labels"])):  # the same global batch, so the same on every rank
             self.masked_batches += 1
-            return StepResult(None, self.optimizer.param_groups[0]["lr"], None, False, self.scaler.scale)
+            return StepResult(None, self.optimizer.param_groups[0]["lr"], None, False, self.scaler.scale, {})
         batch = _to(batch, self.model.pc.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss_scale = self.scaler.scale

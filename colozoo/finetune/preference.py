@@ -1,9 +1,10 @@
-"""Preference tuning (`--method dpo`): the options, the losses as TRL computes them, and the metrics under TRL's names.
+"""Preference tuning (`--method dpo`): the losses as TRL computes them, and the metrics under TRL's names.
 
 DPO's losses are DPOTrainer's (TRL 1.16) on the log-ratios of the policy to the reference, summed over each
 completion's tokens: `sigmoid` (DPO), `hinge`, `ipo` (per-token means), `robust` (with --label-smoothing), `apo_zero`,
 several at once weighted by --loss-weights (MPO); `simpo` is CPOTrainer's SimPO (reference-free, length-normalised
-log-probs, margin --simpo-gamma, cpo_alpha 0). `--reference-free` compares with a reference of log-prob 0.
+log-probs, margin --simpo-gamma, cpo_alpha 0). `--reference-free` compares with a reference of log-prob 0. The options are in
+colozoo.finetune.preference_options.
 
 Rows come in pairs, the chosen sequence then the rejected one (colozoo.finetune.preference_data.pair_rows); the
 objective handed to colozoo.runtime.logprobs returns each micro-batch's share of the global batch's mean loss over
@@ -12,140 +13,12 @@ pairs and reports, per row, the sequence's log-prob, its reward and its pair's l
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from colozoo.finetune.preference_data import sequence_sums
-
-METHODS = ("sft", "dpo")
-LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "simpo")
-SMOOTHED = ("robust", "simpo")  # the losses --label-smoothing applies to
-
-
-@dataclass(kw_only=True)
-class PreferenceOptions:
-    """The options of `--method dpo` (FinetuneConfig inherits them)."""
-    method: str = "sft"                 # sft (supervised) or dpo (preference tuning and its relatives)
-    beta: float = 0.1
-    loss_type: str = "sigmoid"          # comma-separated for several at once (MPO), e.g. "sigmoid,ipo"
-    loss_weights: str | None = None     # comma-separated, one per loss type (default: 1 each)
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    reference_free: bool = False
-    precompute_ref_logps: bool = False
-    max_length: int | None = None       # tokens of prompt + completion (default: --seq-len)
-    max_prompt_length: int | None = None
-
-    def check_preference_options(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if isinstance(self.loss_type, (list, tuple)):  # TRL's list form, from Python
-            self.loss_type = ",".join(self.loss_type)
-        if isinstance(self.loss_weights, (list, tuple)):
-            self.loss_weights = ",".join(str(w) for w in self.loss_weights)
-        if self.method != "dpo":
-            changed = [f.name for f in fields(PreferenceOptions) if f.name != "method" and
-                       getattr(self, f.name) != f.default]
-            if changed:
-                raise ValueError(f"--{changed[0].replace('_', '-')} goes with --method dpo")
-            return
-        self._check_dpo()
-
-    def _check_dpo(self):
-        if self.task != "lm":
-            raise ValueError(f"--method dpo trains causal LMs (--task lm), not --task {self.task}")
-        for flag, value in (("chat", self.chat), ("truncate", self.truncate != "turns")):
-            if value:
-                raise ValueError(f"--{flag} is for --method sft: preference records are read as they are "
-                                 f"(strings, or conversations rendered with the chat template)")
-        if self.plan is not None:
-            raise ValueError("--plan auto plans supervised steps; --method dpo (two rows per pair, and the reference's "
-                             "forward) is not planned yet: give the mesh (--tp, --pp, --dp, ...)")
-        split = sequence_multiple(self.cp, self.tp if self.sequence_parallel else 1)
-        if self.sequence_length() % split:
-            raise ValueError(f"--max-length {self.sequence_length()} must be a multiple of {split} (2 x cp under "
-                             f"context parallelism, x tp under sequence parallelism): every rank takes equal chunks "
-                             f"of each sequence")
-        if self.lora_dropout:
-            raise ValueError("--lora-dropout: --method dpo trains with dropout off, as TRL's DPOTrainer "
-                             "(disable_dropout)")
-        if not self.beta > 0:
-            raise ValueError(f"--beta must be > 0, got {self.beta:g}")
-        losses = self.loss_types()
-        unknown = [t for t in losses if t not in LOSS_TYPES]
-        if unknown or not losses:
-            raise ValueError(f"--loss-type {unknown[0] if unknown else self.loss_type!r} is not one of "
-                             f"{', '.join(LOSS_TYPES)}")
-        if "simpo" in losses and len(losses) > 1:
-            raise ValueError("--loss-type simpo (reference-free, length-normalised) does not combine with DPO losses")
-        if len(self.weights()) != len(losses):
-            raise ValueError(f"--loss-weights {self.loss_weights} gives {len(self.weights())} weights for "
-                             f"{len(losses)} loss types ({self.loss_type})")
-        if self.label_smoothing and not set(losses) & set(SMOOTHED):
-            raise ValueError(f"--label-smoothing applies to --loss-type {' or '.join(SMOOTHED)}, not {self.loss_type}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing:g}")
-        if self.simpo_gamma != 0.5 and "simpo" not in losses:
-            raise ValueError("--simpo-gamma goes with --loss-type simpo")
-        if self.precompute_ref_logps and not self.needs_reference():
-            raise ValueError(f"--precompute-ref-logps: {'--reference-free' if self.reference_free else 'simpo'} "
-                             f"has no reference model to precompute")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"--max-length must be >= 2, got {self.max_length}")
-        length = self.sequence_length()
-        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < length:
-            raise ValueError(f"--max-prompt-length must be >= 1 and < --max-length {length}, got "
-                             f"{self.max_prompt_length}")
-
-    def loss_types(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in str(self.loss_type).split(",") if t.strip())
-
-    def weights(self) -> tuple[float, ...]:
-        if self.loss_weights is None:
-            return (1.0,) * len(self.loss_types())
-        try:
-            return tuple(float(w) for w in str(self.loss_weights).split(",") if w.strip())
-        except ValueError:
-            raise ValueError(f"--loss-weights must be comma-separated numbers, got {self.loss_weights!r}") from None
-
-    def needs_reference(self) -> bool:
-        return self.method == "dpo" and not self.reference_free and "simpo" not in self.loss_types()
-
-    def sequence_length(self) -> int:
-        """The longest row: --max-length under --method dpo (default --seq-len), else --seq-len."""
-        return self.max_length if self.method == "dpo" and self.max_length is not None else self.seq_len
-
-    def preference_loss(self) -> "PreferenceLoss":
-        return PreferenceLoss(self.loss_types(), self.weights(), self.beta, self.label_smoothing, self.simpo_gamma,
-                              self.reference_free)
-
-
-def sequence_multiple(cp: int, sequence_parallel_tp: int = 1) -> int:
-    """What a sequence's length must be a multiple of: 2 x cp under context parallelism (two chunks per rank), times
-    tp under sequence parallelism."""
-    return (2 * cp if cp > 1 else 1) * sequence_parallel_tp
-
-
-PREFERENCE_HELP = {
-    "method": "sft: supervised fine-tuning (text, or --chat records); dpo: preference tuning on records with 'prompt', "
-              "'chosen' and 'rejected' (strings or conversations), with the losses of --loss-type",
-    "beta": "--method dpo: how far the policy may move from the reference (TRL's beta; IPO's tau)",
-    "loss_type": "--method dpo: sigmoid (DPO), hinge, ipo, robust, apo_zero, or simpo (CPOTrainer's SimPO, "
-                 "reference-free); several comma-separated are summed with --loss-weights (MPO)",
-    "loss_weights": "--method dpo: comma-separated weights of the --loss-type losses (default: 1 each)",
-    "label_smoothing": "--method dpo: the probability that a preference is flipped (robust, simpo)",
-    "simpo_gamma": "--loss-type simpo: the target reward margin gamma",
-    "reference_free": "--method dpo: no reference model (its log-probs taken as 0)",
-    "precompute_ref_logps": "--method dpo: compute the reference log-probs of every pair in one pass before training "
-                            "(kept with the checkpoints), instead of a frozen copy of the model (full fine-tuning) or "
-                            "the model with its adapters switched off (LoRA) at every step",
-    "max_length": "--method dpo: tokens of prompt + completion; longer ones keep their start, cut and counted "
-                  "(default: --seq-len)",
-    "max_prompt_length": "--method dpo: a longer prompt keeps its last this many tokens, counted (default: whole)",
-}
-PREFERENCE_CHOICES = {"method": METHODS}
 
 
 @dataclass(frozen=True)
