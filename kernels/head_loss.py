@@ -134,24 +134,22 @@ def _head_pass(hidden, weight, bias, target, chunk_loss, rows: int, needs):
     """(summed loss, [grad hidden, grad weight, grad bias] for those `needs` asks, else None), unscaled."""
     (x, w, b), no_autocast = _matmul_operands(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
     target = target.reshape(-1)
-    # the gradients as autograd expects them back (the inputs' dtypes); the weight's summed over the chunks in
-    # place when it multiplies in its own dtype (Liger's zeros_like(weight)), else through one product per chunk
+    # the gradients as autograd expects them back (the inputs' dtypes), written by the first chunk, summed over the
+    # next ones in place (Liger's zeros_like(weight), without the zeros)
+    tokens = x.shape[0]
     grad_hidden = torch.empty(x.shape, dtype=hidden.dtype, device=x.device) if needs[0] else None
-    grad_weight = torch.zeros_like(weight) if needs[1] else None
+    grad_weight = (torch.empty_like if tokens else torch.zeros_like)(weight) if needs[1] else None
     grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if needs[2] else None
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     with no_autocast:
-        for lo in range(0, x.shape[0], rows):
+        for lo in range(0, tokens, rows):
             chunk = x[lo:lo + rows]
             loss, dlogits = chunk_loss(F.linear(chunk, w, b), target[lo:lo + rows], any(needs))
             total += loss.sum()
             if grad_hidden is not None:
-                _matmul_into(grad_hidden[lo:lo + rows], dlogits, w)
+                _add_product(grad_hidden[lo:lo + rows], dlogits, w, first=True)
             if grad_weight is not None:
-                if grad_weight.dtype == dlogits.dtype:
-                    torch.addmm(grad_weight, dlogits.t(), chunk, out=grad_weight)
-                else:
-                    grad_weight += dlogits.t() @ chunk
+                _add_product(grad_weight, dlogits.t(), chunk, first=lo == 0)
             if grad_bias is not None:
                 grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
             del loss, dlogits  # before the next chunk's logits exist
@@ -162,8 +160,12 @@ def _head_pass(hidden, weight, bias, target, chunk_loss, rows: int, needs):
     return total, [grad_hidden, grad_weight, grad_bias]
 
 
-def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool):
+    """out = a @ b (`first`: out's values are ignored, it may be uninitialised), else out += a @ b; in place where out
+    has the product's dtype, through one product otherwise."""
     if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    else:
+        torch.addmm(out, a, b, beta=0 if first else 1, out=out)
+    elif first:
         out.copy_(a @ b)
+    else:
+        out += a @ b
