@@ -85,11 +85,29 @@ def test_fused_head_all_ignored():
 class _Matmuls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count, self.dtypes = 0, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += 1
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
         return func(*args, **(kwargs or {}))
+
+
+def test_autocast_multiplies_in_its_dtype():
+    """fp32 weights under bf16 autocast: every matmul of the head in bf16, as F.linear's would be; the gradients come
+    back in fp32, as the unfused path's."""
+    hidden, weight, b, target = _inputs(torch.float32, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, ref_grads = _loss_and_grads(lambda h, w, b: unfused(h, w, b, target, 0.1), (hidden, weight, b))
+        with _Matmuls() as matmuls:
+            loss, grads = _loss_and_grads(lambda h, w, b: linear_cross_entropy_reference(
+                h, w, target, 101, b, label_smoothing=0.1, chunk_size=8), (hidden, weight, b))
+    assert matmuls.dtypes == {torch.bfloat16}, matmuls.dtypes
+    close(loss, expected, 1e-2, "summed loss")
+    for mine, ref in zip(grads, ref_grads):  # fp32 gradients of bf16 products: bf16's tolerance
+        assert mine.dtype == torch.float32
+        torch.testing.assert_close(mine, ref, rtol=1.6e-2, atol=1e-2)
 
 
 def test_gradients_only_where_wanted():
