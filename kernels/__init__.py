@@ -9,7 +9,8 @@
     attention             local_attention: SDPA, GPT-2's upcast order, capped scores, packed documents, dropout
     decode                decode_attention: one new token per sequence against a KV cache
     cross_entropy         vocab_parallel_cross_entropy
-    linear_cross_entropy  linear_cross_entropy: the LM head fused with its summed loss
+    linear_cross_entropy  linear_cross_entropy: the LM head fused with its summed loss, gradients taken in the forward
+    head_loss             shared by both cross entropies: softmax statistics of vocab slices, the chunked head
     moe                   permute / unpermute: MoE tokens grouped by expert and combined back
 
 Each op module exports the op, which picks the Triton kernel or its torch reference with `dispatch`'s policy

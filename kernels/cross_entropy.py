@@ -6,15 +6,17 @@
 The vocabulary is padded to a multiple of the group size and split into equal slices (`core.groups.vocab_range`);
 padded columns never count. The op runs the Triton kernels (`cross_entropy_triton`) where `dispatch.use_triton`
 says so, otherwise the torch reference below: the loss in fp32 from one all-gather of each rank's max, sum of exps
-and target logit (log-softmax alone when one rank holds the whole vocabulary).
+and target logit (`head_loss.slice_stats`, `combine_stats`; log-softmax alone when one rank holds the whole
+vocabulary).
 """
 from __future__ import annotations
 
 import torch
 
-from colozoo.core.groups import all_gather, group_rank, group_size, vocab_range
+from colozoo.core.groups import group_size, vocab_range
 
 from .dispatch import use_triton
+from .head_loss import combine_stats, slice_stats
 
 
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab_size: int, group=None,
@@ -56,27 +58,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid < logits.shape[-1]:
             logits = logits.clone()
             logits[..., valid:] = float("-inf")
-        # one collective, not three: each rank's max, sum of exps relative to it and target logit (and logit sum, for
-        # label smoothing) are gathered. A rank holding only padding has max -inf: clamped, so its exps are 0, not nan
-        local_max = logits.max(dim=-1, keepdim=True).values.clamp(min=torch.finfo(logits.dtype).min)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0)
-        stats = [local_max.squeeze(-1), target_logit]
-        if label_smoothing > 0:
-            stats.append(logits[..., :valid].sum(dim=-1))
-        exp = (logits - local_max).exp_()
-        stats = all_gather(torch.stack([exp.sum(dim=-1), *stats])[None], 0, group)  # (tp, stat, ...)
-        sums, maxes = stats[:, 0], stats[:, 1]
-        global_max = maxes.max(dim=0).values
-        rescale = (maxes - global_max).exp()  # each rank's exps relative to the global max
-        sum_exp = (sums * rescale).sum(dim=0)
-        log_sum_exp = sum_exp.log() + global_max
-        loss = log_sum_exp - stats[:, 2].sum(dim=0)
-        if label_smoothing > 0:
-            mean_log_prob = stats[:, 3].sum(dim=0) / vocab_size - log_sum_exp
-            loss = (1 - label_smoothing) * loss - label_smoothing * mean_log_prob
+        stats, exps = slice_stats(logits, local_target, outside, valid, label_smoothing)
+        loss, log_sum_exp = combine_stats(stats, group, vocab_size, label_smoothing)
         loss = loss.masked_fill(ignored, 0.0)
-
-        softmax = exp.mul_((rescale[group_rank(group)] / sum_exp).unsqueeze(-1))
+        softmax = exps.mul_((stats[1] - log_sum_exp).exp().unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside, ignored)
         return loss
 

@@ -1,101 +1,93 @@
-"""The LM head fused with its summed cross entropy, so that no logits tensor is kept.
+"""The LM head fused with its summed cross entropy: the gradients are taken in the forward, chunk by chunk, so that
+no logits tensor is kept and none is made twice.
 
     linear_cross_entropy(hidden, weight, target, vocab_size, bias=None, group=None, ignore_index=-100,
-                         label_smoothing=0.0, *, enter_parallel=None)     summed loss, or None: not fused here
+                         label_smoothing=0.0, softcap=None, *, enter_parallel=None, chunk_size=None)   summed loss
 
-On the Triton path (`cross_entropy_triton.linear_cross_entropy_triton`) the tokens go through the head in chunks and
-the backward recomputes each chunk's logits; 'auto' fuses there only once the logits would pass
-FUSED_HEAD_ABOVE_BYTES. The torch path fuses when one rank holds the whole vocabulary: `linear_cross_entropy_sum`.
+As Liger-Kernel's fused linear cross entropy does, the tokens go through the head in chunks
+(`head_loss.chunked_linear_loss`, sized by `head_loss.chunk_rows`: a chunk's logits about as large as the hidden
+states). Each chunk's logits become their own gradient at once (softmax - one-hot, label smoothing and Gemma's
+final soft-cap included; rows of ignored targets zero), which is multiplied straight into the gradients of the hidden
+states, of the weight and of the bias; the backward only scales them by the loss's gradient. The step keeps at most
+one chunk of logits besides those gradients, at every size, which is what made 'auto' fuse only past 4 GiB of logits
+when the backward recomputed them. With a vocabulary split over tensor-parallel ranks each chunk's softmax
+statistics (max, sum of exps, target logit, sum of logits) are all-gathered once (`head_loss.combine_stats`).
 
-That torch reference knows the logits' gradient in the forward: softmax - one-hot, times the gradient of the summed
-loss, one number. So the forward turns the logits into that gradient in place (max, exp, sum, divide; no
-log-softmax tensor of its own) and keeps it; the backward is the linear's two matmuls, scaled. Against the log-softmax
-path this saves one (tokens, vocab) tensor and two passes over it. Blocks of rows would keep the softmax in cache,
-but they cost the matmul more than that saves (it streams the weight once per block).
+The Triton path (`cross_entropy_triton.linear_cross_entropy_triton`) reads each chunk's logits in the matmul dtype
+and writes their gradient over them; the torch path (`linear_cross_entropy_reference`, the CPU path) takes them in
+fp32. With no gradient wanted (evaluation under torch.no_grad) both compute the loss alone.
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import functools
 
-from colozoo.core.groups import group_size
+import torch
+
+from colozoo.core.groups import vocab_range
 
 from .dispatch import use_triton
-
-# On CUDA the chunked fused head + loss keeps only a chunk of logits but recomputes them in the backward: on an H100
-# (bench/kernels.py) a plain head + the Triton loss was 1.6x faster at 8k tokens x 128k vocab for 0.4 GiB more. So
-# 'auto' fuses only past this many bytes of logits, where their memory starts to matter.
-FUSED_HEAD_ABOVE_BYTES = 4 * 2**30
+from .head_loss import chunked_linear_loss, combine_stats, slice_stats
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int,
                          bias: torch.Tensor | None = None, group=None, ignore_index: int = -100,
-                         label_smoothing: float = 0.0, *, enter_parallel=None) -> torch.Tensor | None:
+                         label_smoothing: float = 0.0, softcap: float | None = None, *, enter_parallel=None,
+                         chunk_size: int | None = None) -> torch.Tensor:
     """The sum over tokens of the cross entropy of `hidden @ weight.T + bias` (weight: this rank's vocab slice of the
-    LM head) against `target` (ignored targets add 0), or None where the head and the loss run apart faster or the
-    torch path has no fused form (a vocabulary split over ranks): then take the logits and
-    `kernels.cross_entropy.vocab_parallel_cross_entropy`. `enter_parallel(hidden)` brings the hidden states into the
-    tensor-parallel region (copied, or gathered along the sequence) as the head's matmul would."""
-    large = target.numel() * weight.shape[0] * hidden.element_size() > FUSED_HEAD_ABOVE_BYTES
-    if use_triton(hidden, weight, auto=large):
+    LM head; logits capped to softcap * tanh(logits / softcap) with `softcap`) against `target` (ignored targets add
+    0). `enter_parallel(hidden)` brings the hidden states into the tensor-parallel region (copied, or gathered along
+    the sequence) as the head's matmul would, so their gradient is summed (reduce-scattered) back the same way.
+    `chunk_size`: rows per chunk (default `head_loss.chunk_rows`)."""
+    if enter_parallel is not None:
+        hidden = enter_parallel(hidden)
+    if use_triton(hidden, weight):
         from .cross_entropy_triton import linear_cross_entropy_triton
 
-        if enter_parallel is not None:
-            hidden = enter_parallel(hidden)
         return linear_cross_entropy_triton(hidden, weight, target, vocab_size, bias, group, ignore_index,
-                                           label_smoothing).sum()
-    if group_size(group) == 1 and not use_triton(hidden, weight):
-        return linear_cross_entropy_sum(hidden, weight, target, bias, ignore_index, label_smoothing)
-    return None
+                                           label_smoothing, softcap, chunk_size)
+    return linear_cross_entropy_reference(hidden, weight, target, vocab_size, bias, group, ignore_index,
+                                          label_smoothing, softcap, chunk_size)
 
 
-class _LinearCrossEntropySum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, label_smoothing):
-        logits = F.linear(hidden, weight, bias)
-        ctx.matmul_dtype = logits.dtype  # under autocast, lower than the inputs': the backward's matmuls take it too
-        logits = logits.float()  # the loss is taken in fp32, as on the log-softmax path
-        vocab, eps = logits.shape[-1], label_smoothing
-        ignored = target == ignore_index
-        target = target.masked_fill(ignored, 0).unsqueeze(-1)
-        shift = logits.amax(dim=-1, keepdim=True)
-        logits.sub_(shift)
-        loss = -logits.gather(-1, target).squeeze(-1)
-        if eps > 0:
-            mean_logit = logits.mean(dim=-1)
-        grad = logits.exp_()
-        sum_exp = grad.sum(dim=-1, keepdim=True)
-        log_sum_exp = sum_exp.squeeze(-1).log()
-        loss += log_sum_exp
-        if eps > 0:
-            loss = (1 - eps) * loss + eps * (log_sum_exp - mean_logit)
-        grad.div_(sum_exp).scatter_add_(-1, target, grad.new_full(target.shape, -(1 - eps)))
-        if eps > 0:
-            grad.sub_(eps / vocab)
-        ctx.save_for_backward(hidden, weight, grad, ignored)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return loss.masked_fill(ignored, 0.0).sum()
-
-    @staticmethod
-    def backward(ctx, grad_sum):
-        hidden, weight, grad, ignored = ctx.saved_tensors
-        dtype = ctx.matmul_dtype
-        grad, x, w = grad.to(dtype), hidden.to(dtype), weight.to(dtype)
-        # the rows of ignored tokens are dropped from the small operands, not zeroed in the (tokens, vocab) one
-        row_scale = (~ignored).to(dtype) * grad_sum.to(dtype)
-        grad_hidden = ((grad @ w) * row_scale.unsqueeze(-1)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad.t() @ (x * row_scale.unsqueeze(-1))).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_bias = (row_scale @ grad).to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+def linear_cross_entropy_reference(hidden, weight, target, vocab_size: int, bias=None, group=None,
+                                   ignore_index: int = -100, label_smoothing: float = 0.0,
+                                   softcap: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """The torch path of `linear_cross_entropy` (hidden already in the tensor-parallel region)."""
+    start, stop, per = vocab_range(vocab_size, group)
+    if weight.shape[0] != per:
+        raise ValueError(f"LM head weight of {weight.shape[0]} rows does not match vocab_size={vocab_size} split "
+                         f"as this rank's {per}")
+    chunk_loss = functools.partial(_chunk_loss, vocab_start=start, valid=stop - start, vocab_size=vocab_size,
+                                   group=group, ignore_index=ignore_index, smoothing=float(label_smoothing),
+                                   softcap=softcap)
+    return chunked_linear_loss(hidden, weight, bias, target, chunk_loss, chunk_size)
 
 
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                             bias: torch.Tensor | None = None, ignore_index: int = -100,
-                             label_smoothing: float = 0.0) -> torch.Tensor:
-    """The sum over tokens of cross_entropy(hidden @ weight.T + bias, target) (ignored targets add 0), one scalar;
-    `weight` holds the whole vocabulary (no padding rows)."""
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, target.reshape(-1), ignore_index,
-                                        float(label_smoothing))
+def _chunk_loss(logits, target, grad: bool, *, vocab_start, valid, vocab_size, group, ignore_index, smoothing,
+                softcap):
+    """(per-row loss, its gradient with respect to `logits` or None) of one chunk of this rank's logits, in fp32;
+    the fp32 copy of the logits (the logits themselves when fp32) becomes the gradient in place."""
+    z = logits.float()
+    slope = None
+    if softcap is not None:
+        t = z.div_(softcap).tanh_()
+        slope = t.square().neg_().add_(1) if grad else None  # d(capped) / d(logit), one chunk more
+        z = t.mul_(softcap)
+    z[:, valid:] = float("-inf")
+    ignored = target == ignore_index
+    local_target = target - vocab_start
+    outside = (local_target < 0) | (local_target >= valid) | ignored
+    local_target = local_target.masked_fill(outside, 0)
+    stats, exps = slice_stats(z, local_target, outside, valid, smoothing, out=z)
+    loss, log_sum_exp = combine_stats(stats, group, vocab_size, smoothing)
+    loss = loss.masked_fill(ignored, 0.0)
+    if not grad:
+        return loss, None
+    kept = (~ignored).float()
+    dlogits = exps.mul_(((stats[1] - log_sum_exp).exp() * kept).unsqueeze(-1))  # softmax, 0 on ignored rows
+    dlogits.scatter_add_(-1, local_target.unsqueeze(-1), (-(1 - smoothing) * (~outside).float()).unsqueeze(-1))
+    if smoothing > 0:
+        dlogits[:, :valid] -= (smoothing / vocab_size) * kept.unsqueeze(-1)
+    if slope is not None:
+        dlogits.mul_(slope)
+    return loss, dlogits.to(logits.dtype)

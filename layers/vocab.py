@@ -167,15 +167,15 @@ class VocabParallelLMHead(nn.Module):
         return self._tied[0].weight if self.tied else self.weight
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100,
-                label_smoothing: float = 0.0) -> torch.Tensor | None:
-        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded. With `targets` (no softcap): the
-        summed loss of the head fused with the loss instead (kernels.linear_cross_entropy), or None where they do not
-        fuse; computed here so that module hooks (the symbolic profiler's) see the head's weight and FLOPs as the
-        head's."""
+                label_smoothing: float = 0.0) -> torch.Tensor:
+        """Local-vocab logits (batch, seq, vocab/tp); hidden may be sequence-sharded. With `targets`: the summed loss
+        of the head fused with the loss instead (kernels.linear_cross_entropy: the gradients taken chunk by chunk in
+        the forward, no logits kept); computed here so that module hooks (the symbolic profiler's) see the head's
+        weight and FLOPs as the head's."""
         if targets is not None:
             enter = functools.partial(enter_parallel, group=self.group, sequence_parallel=self.sequence_parallel)
             return linear_cross_entropy(hidden, self.head_weight(), targets, self.vocab_size, self.bias, self.group,
-                                        ignore_index, label_smoothing, enter_parallel=enter)
+                                        ignore_index, label_smoothing, self.softcap, enter_parallel=enter)
         logits = column_parallel_linear(hidden, self.head_weight(), self.bias, self.group, self.sequence_parallel)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -184,15 +184,13 @@ class VocabParallelLMHead(nn.Module):
     def loss_and_logits(self, hidden, labels=None, logits: "LogitsRequest" = None, cp=None, ignore_index=-100,
                         label_smoothing=0.0):
         """(loss or None, logits or None) from the final hidden states, the logits as `logits` asks. When only the loss
-        is wanted (and no softcap applies) the head matmul is fused into the loss where kernels.linear_cross_entropy
-        fuses it (on CUDA in chunks with no logits tensor once the logits would be large; on the torch path with the
-        whole vocabulary on this rank, the logits become their gradient in the forward)."""
+        is wanted the head matmul is fused into the loss (kernels.linear_cross_entropy: chunk by chunk, each chunk's
+        logits turned into their gradient in the forward, on every path and at every tp)."""
         logits = logits if logits is not None else LogitsRequest()
-        if labels is not None and logits.gather == "none" and self.softcap is None:
+        if labels is not None and logits.gather == "none":
             targets = self._next_tokens(labels, ignore_index, cp)
             total = self(hidden, targets, ignore_index, label_smoothing)
-            if total is not None:
-                return self._mean(total, targets, ignore_index, cp), None
+            return self._mean(total, targets, ignore_index, cp), None
         if labels is None and logits.gather == "none":
             return None, None
         kept_early = labels is None and not self.sequence_parallel and cp is None  # fewer positions to project

@@ -321,18 +321,26 @@ def test_cross_entropy(small_vocab_blocks, smoothing, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_linear_cross_entropy(small_vocab_blocks, smoothing, dtype):
+@pytest.mark.parametrize("smoothing,softcap", [(0.0, None), (0.1, None), (0.1, 2.0)])
+def test_linear_cross_entropy(small_vocab_blocks, smoothing, softcap, dtype):
+    """The summed loss with its gradients taken in the forward, 3 chunks the last one short (the tensor-parallel and
+    sequence-parallel cases: tests/test_linear_cross_entropy.py)."""
     ce = small_vocab_blocks
     target = _targets(11, 37)
     tensors = [randn(11, 24, seed=1), randn(37, 24, seed=2, scale=0.3), randn(37, seed=3, scale=0.1)]
+
+    def reference(h, w, b):
+        logits = torch.nn.functional.linear(h, w, b)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return torch_cross_entropy(logits, target, 37, label_smoothing=smoothing).sum()
+
     check(lambda h, w, b: ce.linear_cross_entropy_triton(h, w, target, 37, bias=b, label_smoothing=smoothing,
-                                                         chunk_size=4),  # 3 chunks, the last one short
-          lambda h, w, b: torch_cross_entropy(torch.nn.functional.linear(h, w, b), target, 37, label_smoothing=smoothing),
-          dtype, tensors, "linear cross entropy", out_dtype=torch.float32)
+                                                         softcap=softcap, chunk_size=4),
+          reference, dtype, tensors, "linear cross entropy", out_dtype=torch.float32)
 
 
-def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
+def _vocab_parallel_cross_entropy_task(smoothing: float):
     """On each tp rank: the kernel on the rank's vocab slice equals the full-vocab reference."""
     import torch.distributed as dist
 
@@ -348,12 +356,7 @@ def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
     local_weight = torch.zeros(per, 24)
     local_weight[: stop - start] = weight[start:stop]
     hidden, weight, local_weight = (t.to(DEVICE).requires_grad_() for t in (hidden, weight, local_weight))
-    if fused:
-        loss = ce.linear_cross_entropy_triton(hidden, local_weight, target, vocab, group=group,
-                                              label_smoothing=smoothing, chunk_size=4)
-    else:
-        loss = ce.cross_entropy_triton(hidden @ local_weight.t(), target, vocab, group=group,
-                                       label_smoothing=smoothing)
+    loss = ce.cross_entropy_triton(hidden @ local_weight.t(), target, vocab, group=group, label_smoothing=smoothing)
     ref = torch_cross_entropy(hidden @ weight.t(), target, vocab, label_smoothing=smoothing)
     grad = torch.linspace(0.5, 1.5, 11, device=DEVICE)
     dh, dw = torch.autograd.grad(loss, (hidden, local_weight), grad)
@@ -366,10 +369,9 @@ def _vocab_parallel_cross_entropy_task(fused: bool, smoothing: float):
     return True
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_lm_head"])
-def test_vocab_parallel_cross_entropy_tp2(fused):
-    assert run_distributed(_vocab_parallel_cross_entropy_task, 2, fused=fused, smoothing=0.1,
-                           timeout=120) == [True, True]
+def test_vocab_parallel_cross_entropy_tp2():
+    """The fused LM head at tp 2 (and sequence parallel): tests/test_linear_cross_entropy.py."""
+    assert run_distributed(_vocab_parallel_cross_entropy_task, 2, smoothing=0.1, timeout=120) == [True, True]
 
 
 # ----------------------------------------------------------------------------------------------- MoE

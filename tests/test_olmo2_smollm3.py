@@ -64,11 +64,14 @@ def test_context_parallel(family, tp, mode):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp_training_step(family):
-    """dp2 x tp2 under FSDP, 2 micro-batches: loss, clipped gradients and parameters after one AdamW step."""
+    """dp2 x tp2 under FSDP, 2 micro-batches: loss, clipped gradients and parameters after one AdamW step. With Adam's
+    eps of 1e-6 a gradient of 1e-7 has its rounding amplified ~800x: OLMo-2's o_proj holds one whose 2.6e-9 of fp32
+    rounding (summed in another order by the fused LM head) moves its parameter by 2.1e-6 (the gradients themselves
+    are held to the default tolerances first)."""
     from test_qwen import training_step
 
     run_distributed(training_step, 4, family=family, config=CONFIGS[family], dp=2, tp=2, microbatches=2,
-                    timeout=TIMEOUT)
+                    param_atol=4e-6 if family == "olmo2" else 2e-6, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -146,7 +146,7 @@ def _rename_layers(trace: Trace, layer_prefix: str, renamed: dict):
         saved.module = fix(saved.module)
     for c in trace.collectives:
         c.module = fix(c.module)
-    trace.params_saved_by = {k: {fix(m) for m in v} for k, v in trace.params_saved_by.items()}
+    trace.params_used_by = {k: {fix(m) for m in v} for k, v in trace.params_used_by.items()}
     trace.module_inputs = {fix(k): v for k, v in trace.module_inputs.items()}
 
 
@@ -413,7 +413,7 @@ def _tied_head_bytes(trace: Trace, params, prefix, module_unit, root) -> int:
     """Bytes of parameters owned before the layers but also used after them (tied embeddings): with
     pipeline parallelism the last stage holds its own copy."""
     total = 0
-    for name, modules in trace.params_saved_by.items():
+    for name, modules in trace.params_used_by.items():
         if prefix and name.startswith(prefix + "."):
             continue
         owner = module_unit.get(f"{root}.{name.rsplit('.', 1)[0]}")

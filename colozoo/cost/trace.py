@@ -120,7 +120,7 @@ class Trace:
     storages: dict = field(default_factory=dict)       # record id -> StorageLife
     saved: dict = field(default_factory=dict)          # record id -> SavedTensor
     collectives: list = field(default_factory=list)
-    params_saved_by: dict = field(default_factory=lambda: defaultdict(set))  # param name -> modules that saved it
+    params_used_by: dict = field(default_factory=lambda: defaultdict(set))  # param name -> modules that used it
     module_inputs: dict = field(default_factory=dict)  # module name -> bytes of its first tensor input
     grad_keys: set = field(default_factory=set)
     static_ids: set = field(default_factory=set)      # parameters and buffers (and their views)
@@ -224,6 +224,7 @@ class _Recorder(TorchDispatchMode):
         self.trace, self.tracker, self.group_names = trace, tracker, group_names
         self.phase = "forward"
         self.live: dict = {}  # storage key -> (StorageWeakRef, record id) of storages not yet freed
+        self.param_keys: dict = {}  # storage key -> parameter name
 
     def record_id(self, t: torch.Tensor, step: int):
         """The lifetime record of t's storage, opened now if unseen. Storage keys are addresses that a freed
@@ -254,6 +255,8 @@ class _Recorder(TorchDispatchMode):
         if packet in FLOP_REGISTRY:
             flops = FLOP_REGISTRY[packet](*args, **kwargs, out_val=out)
         self.trace.steps.append((module, self.phase, packet.__name__.lstrip("_"), flops))
+        if self.phase == "forward":
+            self._params_used(args, module)
         if func.namespace == "c10d":
             self._collective(func, args, step, module)
         self._sweep(step)
@@ -261,6 +264,13 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.record_id(t, step)
         return out
+
+    def _params_used(self, args, module: str):
+        """Note the parameters an op takes (a head tied to the embedding uses its weight without saving it, as the
+        fused LM head and loss does)."""
+        for a in args:
+            if isinstance(a, torch.Tensor) and (name := self.param_keys.get(storage_key(a))) is not None:
+                self.trace.params_used_by[name].add(module)
 
     def _sweep(self, step: int):
         dead = [key for key, (ref, _) in self.live.items() if ref.expired()]
@@ -337,6 +347,7 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
     buffer_keys = {storage_key(b) for b in module.buffers()}
     tracker = named_tracker(module, wrappers)
     recorder = _Recorder(trace, tracker, group_names or {})
+    recorder.param_keys = param_keys
     for t in (*module.parameters(), *module.buffers()):
         trace.static_ids.add(recorder.record_id(t, 0))
 
@@ -345,7 +356,7 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
         if key is None or key in buffer_keys:
             return t
         if key in param_keys:
-            trace.params_saved_by[param_keys[key]].add(recorder.module())
+            trace.params_used_by[param_keys[key]].add(recorder.module())
         elif (rid := recorder.record_id(t, len(trace.steps))) not in trace.saved:
             storage = t.untyped_storage()
             trace.saved[rid] = SavedTensor(recorder.module(), len(trace.steps), storage.nbytes(), tuple(t.shape),
