@@ -20,6 +20,7 @@ from test_checkpoint import (FAMILIES, LOGITS_ATOL, TIMEOUT, _logits_vs_transfor
 
 import colozoo
 from colozoo import cli
+from colozoo.checkpoint.checksums import write_checksums
 from colozoo.checkpoint.convert import convert
 from colozoo.checkpoint.format import INDEX_NAME
 from colozoo.core.errors import CheckpointError
@@ -191,6 +192,9 @@ def test_missing_tensor_in_colozoo_checkpoint(tmp_path):
     index = json.loads(index_path.read_text())
     del index["tensors"]["layers.2.ln_2.bias"]
     index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in \S*{INDEX_NAME}"):  # a hand edit
+        colozoo.from_pretrained(tmp_path / "ckpt")
+    write_checksums(tmp_path / "ckpt")  # as a tool that rewrites indexes would: the index itself must say it
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint.*layers\.2\.ln_2\.bias"):
         convert(tmp_path / "ckpt", tmp_path / "out", tp=2)
     with pytest.raises(CheckpointError, match=r"layers\.2\.ln_2\.bias"):
@@ -250,11 +254,15 @@ def edit_bytes(edit):
     return apply
 
 
-def edit_json(edit):
+def edit_json(edit, reseal: bool = True):
+    """Edit a JSON file; `reseal`: and its checksum, as a tool rewriting it would (else only checksums.json can
+    tell)."""
     def apply(path: Path):
         index = json.loads(path.read_text())
         edit(index)
         path.write_text(json.dumps(index))
+        if reseal:
+            write_checksums(path.parent)
     return apply
 
 
@@ -279,6 +287,13 @@ def _extra_tensor(index):
     index["tensors"]["layers.9.mlp.extra"] = index["tensors"]["ln_f.bias"]
 
 
+def _pieces_swapped(index):
+    """Two pieces of one tensor trade places: still a consistent index, the weights silently wrong."""
+    first, second = next(e["pieces"][:2] for e in index["tensors"].values()
+                         if len(e["pieces"]) > 1 and e["pieces"][0]["shape"] == e["pieces"][1]["shape"])
+    first["offsets"], second["offsets"] = second["offsets"], first["offsets"]
+
+
 CORRUPTIONS = {  # name -> (source kind, file damaged, how, the error it must give)
     "hf_header_length": ("hf", "model.safetensors", edit_bytes(_garbage_header_length),
                          r"model\.safetensors is not a valid safetensors file.*header length"),
@@ -298,6 +313,11 @@ CORRUPTIONS = {  # name -> (source kind, file damaged, how, the error it must gi
                             rf"{INDEX_NAME} is corrupted: a piece of tensor 'wte\.weight' .*outside"),
     "colozoo_index_extra": ("colozoo", INDEX_NAME, edit_json(_extra_tensor),
                             r"unexpected tensors in the checkpoint .*layers\.9\.mlp\.extra"),
+    "colozoo_index_swapped": ("colozoo", INDEX_NAME, edit_json(_pieces_swapped, reseal=False),
+                              rf"checksum mismatch in \S*{INDEX_NAME}"),
+    "colozoo_side_file": ("colozoo", "generation_config.json", edit_json(lambda c: c.update(max_length=7),
+                                                                         reseal=False),
+                          r"checksum mismatch in \S*generation_config\.json"),
 }
 
 

@@ -16,11 +16,13 @@ import resource
 import shutil
 import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from colozoo.checkpoint.checksums import write_checksums
 from colozoo.checkpoint.atomic import atomic_directory, check_destination
 from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, is_colozoo_checkpoint, make_index, plan_mesh,
                                        tensor_entry, write_index)
@@ -156,6 +158,7 @@ def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int 
         write_index(tmp, index)
         for file in extra_files:
             shutil.copy2(file, tmp / file.name)
+        write_checksums(tmp)
     return {"tensors": len(plan), "bytes": total, "files": len(entries), "largest_tensor_bytes": largest}
 
 
