@@ -361,3 +361,40 @@ def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
         (parent / name / "model-pp00-tp00-ep00.safetensors").write_bytes(b"half written")
     convert(hf, parent / "out")
     assert sorted(p.name for p in parent.iterdir()) == sorted(["out", *(names[k] for k in names if k != "dead")])
+
+
+# --- what colozoo never does: run remote code, or answer a legacy pickle with torch's mmap message -------------
+
+def test_an_unknown_model_type_with_remote_code_is_one_line_that_never_suggests_running_it(tmp_path, capsys):
+    model = tmp_path / "custom"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "my_model", "architectures": ["MyModelForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"}}))
+    (model / "configuration_my.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(UnknownModelError) as refused:
+        colozoo.from_pretrained(model)
+    message = str(refused.value)
+    assert re.fullmatch(r"\S+config\.json: model type 'my_model' \(MyModelForCausalLM\) is not one colozoo builds "
+                        r"\(its config\.json points at custom code in auto_map: colozoo never runs code from a model "
+                        r"directory\); colozoo builds .*\bllama\b.*", message), message
+    assert "trust_remote_code" not in message
+    assert cli.main(["convert", str(model), str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "never runs code" in err and "trust_remote_code" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_legacy_pickle_loads_under_allow_bin(tmp_path):
+    """torch's pre-1.6 format (not a zip) cannot be memory-mapped: it is read whole, still weights_only."""
+    make_hf(tmp_path / "hf")
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save(hf_state(tmp_path / "hf"), legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    (legacy / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    model = colozoo.from_pretrained(legacy, allow_bin=True)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids, mask = batch(reference.config.vocab_size)
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask, return_logits=True).logits
+        theirs = reference(ids, attention_mask=mask).logits
+    close(ours[mask.bool()], theirs[mask.bool()], LOGITS_ATOL, "logits from a legacy pickle")

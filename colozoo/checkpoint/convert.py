@@ -55,7 +55,8 @@ def side_files(path) -> list[Path]:
 # --- sources: an HF directory or a colozoo checkpoint, both giving lazy global tensors by our names ----------
 
 class BinReader(StateDictReader):
-    """PyTorch pickles, loaded only on request and only with `weights_only=True` (memory-mapped)."""
+    """PyTorch pickles, loaded only on request and only with `weights_only=True`: memory-mapped, but for files in
+    torch's legacy (pre-1.6, not zip) format, which torch maps no memory of: those are read whole."""
 
     def __init__(self, path: Path):
         if (path / "pytorch_model.bin.index.json").exists():
@@ -65,7 +66,8 @@ class BinReader(StateDictReader):
         state = {}
         for file in files:
             try:
-                state.update(torch.load(path / file, map_location="cpu", weights_only=True, mmap=True))
+                mappable = zipfile.is_zipfile(path / file)
+                state.update(torch.load(path / file, map_location="cpu", weights_only=True, mmap=mappable))
             except Exception as e:
                 raise CheckpointError(f"cannot read {path / file}: {e}") from None
         super().__init__(state)
