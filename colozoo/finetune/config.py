@@ -71,7 +71,7 @@ class FinetuneConfig:
     keep_last: int = 2
     async_save: bool = False            # write interval checkpoints in the background while training goes on
     resume: bool = True                 # pick up the newest complete checkpoint in output/checkpoints
-    collective_timeout: float | None = None  # seconds before a stuck rank is named; default COLOZOO_COLLECTIVE_TIMEOUT or 600
+    collective_timeout: float | None = None  # seconds until a stuck rank is named (COLOZOO_COLLECTIVE_TIMEOUT, 600)
     export_hf: bool = True
     peak_tflops: float | None = None    # per device, for the MFU estimate; default from a table of known devices
     stop_after: int | None = None       # stop (after saving) at this step, as if interrupted: for tests and demos

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -81,7 +81,8 @@ def _read(path: Path) -> tuple[Holder | None, float]:
     """(the holder, or None if unreadable; seconds since its last heartbeat)."""
     age = time.time() - path.stat().st_mtime
     try:
-        return Holder(**json.loads(path.read_text())), age
+        value = json.loads(path.read_text())
+        return Holder(**{f.name: value[f.name] for f in fields(Holder) if f.name in value}), age
     except (OSError, ValueError, TypeError):
         return None, age
 

@@ -121,9 +121,12 @@ def report_failure(error: BaseException, expected: bool, prefix: str = "") -> bo
     torchrun. `expected`: an error meant for the user (bad input, a corrupted file), shown as its message.
     Returns False for an unexpected error of this rank's own: the caller shows its traceback."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    line, failure = line_for(error, rank, job_store(), expected)
+    store = job_store()
+    if store is None and expected and os.environ.get("RANK", "0") != "0":
+        return True  # under torchrun before any process group: every rank fails alike, rank 0 says it
+    line, failure = line_for(error, rank, store, expected)
     follows = line is not None and not line.startswith("error:")
     write_error_file(failure, None if expected or follows else error)  # a traceback only where it tells something
     if line is not None and (expected or follows):
         print(f"{prefix}{line}", file=sys.stderr, flush=True)
-    return expected or follows or line is None
+    return expected or follows or line is None  # None: another rank's same failure, shown there
