@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
+from colozoo.checkpoint.atomic import pid_alive
 from colozoo.runtime.failures import forget_failures, job_store
 
 LOCK = "run.lock"
@@ -50,16 +51,6 @@ def process_start(pid: int) -> str | None:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def gone_because(holder: Holder | None, age_s: float) -> str | None:
