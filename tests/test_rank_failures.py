@@ -40,6 +40,19 @@ def test_the_first_failure_is_said_once_and_the_others_follow_it(store, tmp_path
     assert int(written["extraInfo"]["timestamp"]) >= int(first.time)  # torchrun's root cause stays rank 1's
 
 
+def test_torchrun_stopping_a_rank_after_another_failed_is_said_as_following_it(store):
+    import os
+    import signal
+
+    failures.claim_first(store, 1, "checksum mismatch in run/state-rank-00001.safetensors")
+    with pytest.raises(failures.Terminated) as stopped, failures.terminated_raises():
+        os.kill(os.getpid(), signal.SIGTERM)  # what torchrun sends the other ranks once one failed
+        signal.pause()
+    assert failures.line_for(stopped.value, 0, store, expected=True)[0] == \
+        "rank 0: stopped because rank 1 failed (see above)"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_alone_a_transport_error_is_its_own(store, monkeypatch):
     monkeypatch.setattr(failures, "PEER_WAIT_S", 0.2)
     closed = RuntimeError("Connection reset by peer")

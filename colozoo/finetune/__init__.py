@@ -35,7 +35,10 @@ def _command(args) -> int:
 
         check_model_and_mesh(config, world=args.nproc_per_node)  # before any process starts
         return launch.launch(args.nproc_per_node, worker_arguments(args))
-    summary = finetune(config)
+    from colozoo.runtime.failures import terminated_raises
+
+    with terminated_raises():  # torchrun stopping this rank because another failed: it says so (the loop saves)
+        summary = finetune(config)
     return 0 if summary.get("step") else 1
 
 

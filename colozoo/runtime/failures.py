@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
@@ -22,6 +24,23 @@ FIRST_FAILURE = "colozoo/first-failure"
 PEER_WAIT_S = 5.0  # a peer's record is written before it exits; this bounds the wait for a slow store
 TRANSPORT_WORDS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
                    "Broken pipe")
+
+
+class Terminated(Exception):
+    """SIGTERM where nothing else handles it: torchrun stopping the other ranks of a failed job, or a scheduler."""
+
+
+@contextmanager
+def terminated_raises():
+    """Within: SIGTERM raises Terminated in the main thread, so that the rank says why it stops."""
+    def handler(signum, frame):
+        raise Terminated(f"stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -55,8 +74,9 @@ def one_line(error: BaseException) -> str:
 
 
 def is_transport_error(error: BaseException) -> bool:
-    """A collective that failed because a peer went away or never came (not a fault of this rank's own)."""
-    if isinstance(error, getattr(dist, "DistError", ())):
+    """A collective that failed because a peer went away or never came (not a fault of this rank's own), or the
+    launcher stopping this rank."""
+    if isinstance(error, (Terminated, getattr(dist, "DistError", ()))):
         return True
     return isinstance(error, RuntimeError) and any(word in str(error) for word in TRANSPORT_WORDS)
 
@@ -121,7 +141,7 @@ def report_failure(error: BaseException, expected: bool, prefix: str = "") -> bo
     torchrun. `expected`: an error meant for the user (bad input, a corrupted file), shown as its message.
     Returns False for an unexpected error of this rank's own: the caller shows its traceback."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    store = job_store()
+    store, expected = job_store(), expected or isinstance(error, Terminated)
     if store is None and expected and os.environ.get("RANK", "0") != "0":
         return True  # under torchrun before any process group: every rank fails alike, rank 0 says it
     line, failure = line_for(error, rank, store, expected)
