@@ -64,6 +64,7 @@ def _finetune(cfg: FinetuneConfig, job: str, watchdog: Watchdog, before, checked
     evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
                             _is_rank0())
     if start == 0 and inputs.evaluation is not None and cfg.eval_interval:
+        watchdog.at(0, "evaluation")
         evaluate_at(0)  # the baseline the fine-tuning improves on
     try:
         outcome = train(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, start, watchdog)
