@@ -48,9 +48,22 @@ def main(argv=None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError, NotImplementedError) as e:  # OSError: a missing file, a full disk, no permission
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: one line, not one per rank
-            print(f"colozoo {args.command}: error: {e}", file=sys.stderr)
+        _report(e, f"colozoo {args.command}: ", expected=True)  # under torchrun: the first failing rank's line
         return 1
+    except Exception as e:  # noqa: BLE001 - a peer's failure seen in a collective: one line; a bug: its traceback
+        if _report(e, f"colozoo {args.command}: ", expected=False):
+            return 1
+        raise
+
+
+def _report(error: Exception, prefix: str, expected: bool) -> bool:
+    if "torch" not in sys.modules:  # failed before any process group could exist: no torch to import for it
+        if expected:
+            print(f"{prefix}error: {error}", file=sys.stderr)
+        return expected
+    from colozoo.runtime.failures import report_failure
+
+    return report_failure(error, expected=expected, prefix=prefix)
 
 
 def main_and_exit():

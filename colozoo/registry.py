@@ -130,6 +130,8 @@ def local_config(path: Path):
             from colozoo.models import text_config
 
             return text_config(hf_config(path))
+    except UnknownModelError:
+        raise
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read the model config in {path}: {e}") from None
     raise ValueError(f"{path} is not a model directory (no config.json or {COLOZOO_INDEX})")
@@ -148,7 +150,21 @@ def hf_config(path: Path):
     if data.get("model_type") not in CONFIG_MAPPING and model_class is not None:
         data.pop("auto_map", None)
         return config_from_dict({**data, "model_type": model_class.config_class.model_type}, architecture)
+    if data.get("model_type") not in CONFIG_MAPPING:  # transformers would suggest (or prompt for) remote code
+        raise UnknownModelError(unknown_model_type(path, data))
     return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def unknown_model_type(path, data: dict) -> str:
+    """One line on a config whose model type neither transformers nor colozoo builds (never: run remote code)."""
+    from colozoo.models.family import families
+
+    remote = " (its config.json points at custom code in auto_map: colozoo never runs code from a model directory)" \
+        if "auto_map" in data else ""
+    architecture = (data.get("architectures") or [None])[0]
+    return (f"{Path(path) / 'config.json'}: model type {data.get('model_type')!r}"
+            f"{f' ({architecture})' if architecture else ''} is not one colozoo builds{remote}; colozoo builds "
+            f"{', '.join(sorted(families()))}")
 
 
 def count_parameters(config) -> int | None:

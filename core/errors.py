@@ -12,3 +12,10 @@ class UnsupportedConfig(ValueError):
 def require(condition: bool, message: str):
     if not condition:
         raise UnsupportedConfig(message)
+
+
+def naming(error: OSError, path) -> OSError:
+    """`error` naming the file it concerns (the OSError of a write to an open file names none)."""
+    if error.filename is None:
+        return OSError(error.errno, error.strerror, str(path))
+    return error

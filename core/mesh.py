@@ -75,28 +75,29 @@ def default_device() -> torch.device:
 COLLECTIVE_TIMEOUT_S = 600.0  # a rank stuck this long in a collective ends the job (COLOZOO_COLLECTIVE_TIMEOUT)
 
 
-def collective_timeout() -> timedelta:
-    """How long a collective may wait for its peers: COLOZOO_COLLECTIVE_TIMEOUT seconds, else 10 minutes. A lost
-    rank (a dead node, which torchrun's local monitoring does not see) then makes every rank fail, not hang."""
-    value = os.environ.get("COLOZOO_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)
+def collective_timeout(seconds: float | None = None) -> timedelta:
+    """How long a collective may wait for its peers: `seconds`, else COLOZOO_COLLECTIVE_TIMEOUT seconds, else 10
+    minutes. A lost rank (a dead node, which torchrun's local monitoring does not see) then makes every rank fail,
+    not hang."""
+    value = os.environ.get("COLOZOO_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S) if seconds is None else seconds
     try:
         seconds = float(value)
     except ValueError:
         raise ParallelConfigError(f"COLOZOO_COLLECTIVE_TIMEOUT must be a number of seconds, got {value!r}") from None
     if seconds <= 0:
-        raise ParallelConfigError(f"COLOZOO_COLLECTIVE_TIMEOUT must be > 0 seconds, got {value!r}")
+        raise ParallelConfigError(f"the collective timeout must be > 0 seconds, got {value!r}")
     return timedelta(seconds=seconds)
 
 
-def init_distributed() -> int:
+def init_distributed(timeout_s: float | None = None) -> int:
     """Initialise torch.distributed from torchrun's environment; NCCL on CUDA, gloo on CPU, with an explicit
-    collective timeout (see `collective_timeout`). Returns the world size."""
+    collective timeout (`timeout_s`, else see `collective_timeout`). Returns the world size."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 1
-    timeout = collective_timeout()
+    timeout = collective_timeout(timeout_s)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()), timeout=timeout)

@@ -20,6 +20,7 @@ from test_checkpoint import (FAMILIES, LOGITS_ATOL, TIMEOUT, _logits_vs_transfor
 
 import colozoo
 from colozoo import cli
+from colozoo.checkpoint.checksums import write_checksums
 from colozoo.checkpoint.convert import convert
 from colozoo.checkpoint.format import INDEX_NAME
 from colozoo.core.errors import CheckpointError
@@ -191,6 +192,9 @@ def test_missing_tensor_in_colozoo_checkpoint(tmp_path):
     index = json.loads(index_path.read_text())
     del index["tensors"]["layers.2.ln_2.bias"]
     index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in \S*{INDEX_NAME}"):  # a hand edit
+        colozoo.from_pretrained(tmp_path / "ckpt")
+    write_checksums(tmp_path / "ckpt")  # as a tool that rewrites indexes would: the index itself must say it
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint.*layers\.2\.ln_2\.bias"):
         convert(tmp_path / "ckpt", tmp_path / "out", tp=2)
     with pytest.raises(CheckpointError, match=r"layers\.2\.ln_2\.bias"):
@@ -250,11 +254,15 @@ def edit_bytes(edit):
     return apply
 
 
-def edit_json(edit):
+def edit_json(edit, reseal: bool = True):
+    """Edit a JSON file; `reseal`: and its checksum, as a tool rewriting it would (else only checksums.json can
+    tell)."""
     def apply(path: Path):
         index = json.loads(path.read_text())
         edit(index)
         path.write_text(json.dumps(index))
+        if reseal:
+            write_checksums(path.parent)
     return apply
 
 
@@ -279,6 +287,13 @@ def _extra_tensor(index):
     index["tensors"]["layers.9.mlp.extra"] = index["tensors"]["ln_f.bias"]
 
 
+def _pieces_swapped(index):
+    """Two pieces of one tensor trade places: still a consistent index, the weights silently wrong."""
+    first, second = next(e["pieces"][:2] for e in index["tensors"].values()
+                         if len(e["pieces"]) > 1 and e["pieces"][0]["shape"] == e["pieces"][1]["shape"])
+    first["offsets"], second["offsets"] = second["offsets"], first["offsets"]
+
+
 CORRUPTIONS = {  # name -> (source kind, file damaged, how, the error it must give)
     "hf_header_length": ("hf", "model.safetensors", edit_bytes(_garbage_header_length),
                          r"model\.safetensors is not a valid safetensors file.*header length"),
@@ -298,6 +313,11 @@ CORRUPTIONS = {  # name -> (source kind, file damaged, how, the error it must gi
                             rf"{INDEX_NAME} is corrupted: a piece of tensor 'wte\.weight' .*outside"),
     "colozoo_index_extra": ("colozoo", INDEX_NAME, edit_json(_extra_tensor),
                             r"unexpected tensors in the checkpoint .*layers\.9\.mlp\.extra"),
+    "colozoo_index_swapped": ("colozoo", INDEX_NAME, edit_json(_pieces_swapped, reseal=False),
+                              rf"checksum mismatch in \S*{INDEX_NAME}"),
+    "colozoo_side_file": ("colozoo", "generation_config.json", edit_json(lambda c: c.update(max_length=7),
+                                                                         reseal=False),
+                          r"checksum mismatch in \S*generation_config\.json"),
 }
 
 
@@ -341,3 +361,40 @@ def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
         (parent / name / "model-pp00-tp00-ep00.safetensors").write_bytes(b"half written")
     convert(hf, parent / "out")
     assert sorted(p.name for p in parent.iterdir()) == sorted(["out", *(names[k] for k in names if k != "dead")])
+
+
+# --- what colozoo never does: run remote code, or answer a legacy pickle with torch's mmap message -------------
+
+def test_an_unknown_model_type_with_remote_code_is_one_line_that_never_suggests_running_it(tmp_path, capsys):
+    model = tmp_path / "custom"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "my_model", "architectures": ["MyModelForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"}}))
+    (model / "configuration_my.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(UnknownModelError) as refused:
+        colozoo.from_pretrained(model)
+    message = str(refused.value)
+    assert re.fullmatch(r"\S+config\.json: model type 'my_model' \(MyModelForCausalLM\) is not one colozoo builds "
+                        r"\(its config\.json points at custom code in auto_map: colozoo never runs code from a model "
+                        r"directory\); colozoo builds .*\bllama\b.*", message), message
+    assert "trust_remote_code" not in message
+    assert cli.main(["convert", str(model), str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "never runs code" in err and "trust_remote_code" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_legacy_pickle_loads_under_allow_bin(tmp_path):
+    """torch's pre-1.6 format (not a zip) cannot be memory-mapped: it is read whole, still weights_only."""
+    make_hf(tmp_path / "hf")
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save(hf_state(tmp_path / "hf"), legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    (legacy / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    model = colozoo.from_pretrained(legacy, allow_bin=True)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids, mask = batch(reference.config.vocab_size)
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask, return_logits=True).logits
+        theirs = reference(ids, attention_mask=mask).logits
+    close(ours[mask.bool()], theirs[mask.bool()], LOGITS_ATOL, "logits from a legacy pickle")

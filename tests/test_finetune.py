@@ -211,7 +211,14 @@ class Crash(RuntimeError):
     pass
 
 
-def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tmp_path, monkeypatch):
+def partial_save(checkpoints: Path, step: int) -> Path:
+    """The temp directory of a save of `step` that never committed (named by the job that wrote it)."""
+    found = list(checkpoints.glob(f".tmp-step-*{step:08d}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tmp_path, monkeypatch, capsys):
     crashed = tmp_path / "crashed"
 
     def crash(tmp):
@@ -223,8 +230,10 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, straight, tm
         finetune(small_run(tiny, crashed))
     monkeypatch.undo()
     assert state.latest_checkpoint(crashed / "checkpoints").name == "step-00000002"
-    assert (crashed / "checkpoints" / ".tmp-step-00000004").exists()  # the half-written save, never committed
+    partial = partial_save(crashed / "checkpoints", 4)  # the half-written save, never committed
+    capsys.readouterr()
     finetune(small_run(tiny, crashed))
+    assert f"dropped {partial}: a save of step 4 that never completed" in capsys.readouterr().err
     assert losses(crashed) == losses(straight)
     assert not list((crashed / "checkpoints").glob(".tmp-*"))
 
@@ -256,7 +265,7 @@ def test_a_process_killed_mid_save_resumes_from_the_previous_checkpoint(tiny, st
                             text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert state.latest_checkpoint(crashed / "checkpoints").name == "step-00000002"
-    assert any((crashed / "checkpoints" / ".tmp-step-00000004").iterdir())  # written, never committed
+    assert any(partial_save(crashed / "checkpoints", 4).iterdir())  # written, never committed
     finetune(small_run(tiny, crashed))
     assert losses(crashed) == losses(straight)
     assert not list((crashed / "checkpoints").glob(".tmp-*"))
@@ -284,7 +293,7 @@ def _killed_mid_save_on_two_ranks(model, root):
         state._before_commit = original
     dist.barrier()
     latest = state.latest_checkpoint(crashed / "checkpoints").name
-    partial = sorted(p.name for p in (crashed / "checkpoints" / ".tmp-step-00000004").iterdir())
+    partial = sorted(p.name for p in partial_save(crashed / "checkpoints", 4).iterdir())
     dist.barrier()
     resumed = finetune(small_run(model, crashed, **degrees))
     return latest, partial, resumed["step"], losses(Path(root) / "straight"), losses(crashed)
@@ -309,7 +318,7 @@ def test_a_checkpoint_is_json_and_safetensors_only(tiny, tmp_path):
 
     carried = sorted(f.name for f in side_files(tiny))  # the tokenizer and generation files travel along
     assert carried and sorted(p.name for p in ckpt.iterdir()) == sorted(
-        ["colozoo_index.json", "meta.json", "rng-rank-00000.json", "state-rank-00000.safetensors",
+        ["checksums.json", "colozoo_index.json", "meta.json", "rng-rank-00000.json", "state-rank-00000.safetensors",
          "training_index.json", *carried])
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["optimizer"]["scalars"]["wte.weight"]["step"] == [2.0, "float32"]

@@ -44,7 +44,7 @@ MEASURE = textwrap.dedent("""
 
     model, warm_up, data, output, seq_len = sys.argv[1:6]
     tok = D.load_tokenizer(model, 131)
-    cfg = SimpleNamespace(output=output, chat=False, pack=True, seq_len=int(seq_len), text_field="text")
+    cfg = SimpleNamespace(output=output, chat=False, pack=True, seq_len=int(seq_len), text_field="text", progress=False)
     T.lm_rows(cfg, tok, warm_up, "warm-up").take([0, 1])  # lazy imports, thread pools: memory that does not scale
     def status(field):
         return int(open("/proc/self/status").read().split(field + ":")[1].split()[0])

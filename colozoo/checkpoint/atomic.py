@@ -24,7 +24,8 @@ def check_destination(dst: Path):
         raise FileExistsError(f"destination {dst} already exists and is not empty; choose a new path or remove it")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -40,7 +41,7 @@ def remove_stale_temp_dirs(dst: Path):
     host = socket.gethostname()
     for sibling in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*"):
         owner, _, pid = sibling.name.removeprefix(f".{dst.name}.tmp-").rpartition("-")
-        if owner == host and pid.isdigit() and not _pid_alive(int(pid)):
+        if owner == host and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(sibling, ignore_errors=True)
 
 

@@ -16,11 +16,13 @@ import resource
 import shutil
 import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from colozoo.checkpoint.checksums import write_checksums
 from colozoo.checkpoint.atomic import atomic_directory, check_destination
 from colozoo.checkpoint.format import (INDEX_NAME, ColozooCheckpoint, is_colozoo_checkpoint, make_index, plan_mesh,
                                        tensor_entry, write_index)
@@ -53,7 +55,8 @@ def side_files(path) -> list[Path]:
 # --- sources: an HF directory or a colozoo checkpoint, both giving lazy global tensors by our names ----------
 
 class BinReader(StateDictReader):
-    """PyTorch pickles, loaded only on request and only with `weights_only=True` (memory-mapped)."""
+    """PyTorch pickles, loaded only on request and only with `weights_only=True`: memory-mapped, but for files in
+    torch's legacy (pre-1.6, not zip) format, which torch maps no memory of: those are read whole."""
 
     def __init__(self, path: Path):
         if (path / "pytorch_model.bin.index.json").exists():
@@ -63,7 +66,8 @@ class BinReader(StateDictReader):
         state = {}
         for file in files:
             try:
-                state.update(torch.load(path / file, map_location="cpu", weights_only=True, mmap=True))
+                mappable = zipfile.is_zipfile(path / file)
+                state.update(torch.load(path / file, map_location="cpu", weights_only=True, mmap=mappable))
             except Exception as e:
                 raise CheckpointError(f"cannot read {path / file}: {e}") from None
         super().__init__(state)
@@ -156,6 +160,7 @@ def write_colozoo(tensors: dict, layout: ModelLayout, dst, tp: int = 1, pp: int 
         write_index(tmp, index)
         for file in extra_files:
             shutil.copy2(file, tmp / file.name)
+        write_checksums(tmp)
     return {"tensors": len(plan), "bytes": total, "files": len(entries), "largest_tensor_bytes": largest}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from colozoo.core.dtypes import dtype_name
 from colozoo.core.errors import CheckpointError
 from colozoo.layers.shard import Split, stored_pieces
+from colozoo.checkpoint.checksums import verify_checksums
 from colozoo.checkpoint.layout import ModelLayout, TensorInfo
 from colozoo.checkpoint.safetensors_io import SafetensorsFile
 from colozoo.registry import COLOZOO_INDEX as INDEX_NAME
@@ -181,7 +183,8 @@ class ColozooTensor:
 
 
 class ColozooCheckpoint:
-    """A colozoo checkpoint directory opened for slice reads; files are checked (size, sha256) when first used."""
+    """A colozoo checkpoint directory opened for slice reads: with `verify`, its index and side files are checked
+    against checksums.json when opened, its tensor files (size, sha256) when first used."""
 
     def __init__(self, path, verify: bool = True, index_name: str = INDEX_NAME):
         """`index_name`: another index of the same schema (a training state's optimizer tensors)."""
@@ -219,6 +222,10 @@ class ColozooCheckpoint:
                 if piece["file"] not in self.index["files"]:
                     raise CheckpointError(f"{index_path}: a piece of {name!r} is in {piece['file']!r}, which the "
                                           f"index does not list")
+        if verify:  # the index, and every other file beside the tensors, as saved (checksums.json)
+            note = verify_checksums(self.path)
+            if note:
+                warnings.warn(note, stacklevel=2)
 
     @cached_property
     def config(self):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from colozoo.checkpoint.atomic import check_destination, publish
 from colozoo.checkpoint.collective import collective as _collective, world as _world
 from colozoo.checkpoint.convert import convert, side_files
+from colozoo.checkpoint.checksums import write_checksums
 from colozoo.checkpoint.format import file_name, is_colozoo_checkpoint, make_index, rank_pieces, tensor_entry, write_index
 from colozoo.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from colozoo.checkpoint.layout import ModelLayout
@@ -144,6 +145,7 @@ def _save_colozoo(model, dst: Path, extra_files=(), replace: bool = True):
                 shutil.copy2(file, tmp / Path(file).name)
             if model.can_generate() and model.generation_config is not None:
                 model.generation_config.save_pretrained(tmp)
+            write_checksums(tmp)
             publish(tmp, dst, replace=replace)
 
     try:

@@ -36,7 +36,10 @@ def _command(args) -> int:
 
         check_model_and_mesh(config, world=args.nproc_per_node)  # before any process starts
         return launch.launch(args.nproc_per_node, worker_arguments(args))
-    summary = finetune(config)
+    from colozoo.runtime.failures import terminated_raises
+
+    with terminated_raises():  # torchrun stopping this rank because another failed: it says so (the loop saves)
+        summary = finetune(config)
     return 0 if summary.get("step") else 1
 
 
@@ -73,20 +76,23 @@ def add_parser(subparsers):
 
 
 def main(argv=None, task: str | None = None) -> int:
-    """Entry point of the scripts: parse, train, and report bad input as one line on rank 0."""
-    import os
-
+    """Entry point of the scripts: parse, train, and report bad input as one line (the first failing rank's)."""
     parser = argparse.ArgumentParser(description=f"colozoo fine-tuning ({task or 'any task'}); launch with torchrun",
                                      formatter_class=HelpFormatter)
     add_arguments(parser, task=task)
     add_launch_argument(parser)
     args = parser.parse_args(argv)
+    from colozoo.runtime.failures import report_failure
+
     try:
         return _command(args)
     except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+        report_failure(e, expected=True)  # one line, from the first rank that failed
         return 1
+    except Exception as e:  # noqa: BLE001 - a peer's failure seen in a collective: one line; a bug: its traceback
+        if report_failure(e, expected=False):
+            return 1
+        raise
     finally:
         _shutdown_distributed()
 

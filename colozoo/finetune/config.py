@@ -76,6 +76,7 @@ class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared 
     keep_last: int = 2
     async_save: bool = False            # write interval checkpoints in the background while training goes on
     resume: bool = True                 # pick up the newest complete checkpoint in output/checkpoints
+    collective_timeout: float | None = None  # seconds until a stuck rank is named (COLOZOO_COLLECTIVE_TIMEOUT, 600)
     export_hf: bool = True
     peak_tflops: float | None = None    # per device, for the MFU estimate; default from a table of known devices
     stop_after: int | None = None       # stop (after saving) at this step, as if interrupted: for tests and demos
@@ -122,6 +123,8 @@ class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared 
             raise ValueError(f"--truncate {self.truncate} goes with --chat (plain text is packed, never truncated)")
         if self.chat and self.task != "lm":
             raise ValueError(f"--chat trains causal LMs (--task lm), not --task {self.task}")
+        if self.collective_timeout is not None and not self.collective_timeout > 0:
+            raise ValueError(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         self.check_preference_options()
@@ -249,6 +252,10 @@ _HELP = {
                "fit the GPUs",
     "resume": "resume from the newest complete checkpoint in OUTPUT/checkpoints (--no-resume starts over, "
               "replacing OUTPUT's checkpoints and metrics)",
+    "collective_timeout": "seconds a rank may wait in a collective for a peer that does not advance (stopped, hung "
+                          "or behind): the job then ends naming that rank, its last step and collective (default: "
+                          "COLOZOO_COLLECTIVE_TIMEOUT, else 600); must exceed the longest work one rank does while "
+                          "the others wait (tokenizing the data, a save)",
     "async_save": "write interval checkpoints in the background (the state is copied to CPU memory at the step, "
                   "then training goes on); still committed atomically, the last one written before exit",
     "export_hf": "write a transformers-loadable directory to OUTPUT/hf at the end (with LoRA: only with --merge)",

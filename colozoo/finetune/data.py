@@ -154,14 +154,18 @@ def lm_dataset(path, tokenizer, seq_len: int, pack: bool = True, text_field: str
     return collect(lm_blocks(path, tokenizer, seq_len, pack, text_field))
 
 
-def lm_blocks(path, tokenizer, seq_len: int, pack: bool = True, text_field: str = "text"
+def lm_blocks(path, tokenizer, seq_len: int, pack: bool = True, text_field: str = "text", stats: dict | None = None
               ) -> Iterator[dict[str, torch.Tensor]]:
-    """lm_dataset's rows, a few thousand records at a time (memory stays bounded by the chunk, not the dataset)."""
+    """lm_dataset's rows, a few thousand records at a time (memory stays bounded by the chunk, not the dataset);
+    `stats["samples"]` counts the records read so far."""
+    stats = stats if stats is not None else {}
+    stats["samples"] = 0
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     pad = pad_id(tokenizer)
     carry, rows = np.zeros(0, dtype=np.int64), 0
     for texts in chunks((r[text_field] for r in read_records(path, (text_field,))), CHUNK_RECORDS):
         docs = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        stats["samples"] += len(texts)
         if pack:
             stream = np.concatenate([carry] + [np.asarray(doc + eos, dtype=np.int64) for doc in docs])
             n = len(stream) // seq_len

@@ -31,11 +31,12 @@ class Inputs:
     model_dir: Path | None = None        # the model's directory: its tokenizer and generation files
 
 
-def check_inputs(cfg: FinetuneConfig) -> Inputs:
-    """Check the degrees and the model's config, read the data, plan under --plan auto (collective), and check that
-    the data fills a global batch and the output can be written."""
+def check_inputs(cfg: FinetuneConfig, checked: tuple | None = None) -> Inputs:
+    """Check the degrees and the model's config (unless `checked`: check_model_and_mesh's result), read the data,
+    plan under --plan auto (collective), and check that the data fills a global batch and the output can be
+    written."""
     cfg.check_paths()
-    mesh, config, directory = check_model_and_mesh(cfg)
+    mesh, config, directory = checked or check_model_and_mesh(cfg)
     train, evaluation, tokenizer = build_datasets(cfg, config, directory)
     notes = D.tokenizer_warnings(tokenizer, config, train) if tokenizer is not None else []
     notes += data_notes(cfg, train, evaluation)
@@ -158,25 +159,40 @@ def check_writable(output: Path):
         raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
 
 
-@contextmanager
-def nothing_left_if_refused(output):
-    """A run refused (or stopped) before it trains leaves nothing behind: the output directory and its parents when
-    it made them, else the token caches it made in it. The first process of each machine removes them."""
+@dataclass
+class OutputBefore:
+    """What the output directory held before a run wrote anything."""
+    created: Path                        # the outermost directory the run makes (the output itself if it exists)
+    existed: bool
+    cached: set | None                   # the token caches present, None without a data-cache directory
+
+
+def output_before(output) -> OutputBefore:
     output = Path(output).absolute()
     created = output
     while not created.parent.exists():
         created = created.parent
-    existed, cache = output.exists(), output / "data-cache"
-    cached = set(cache.iterdir()) if cache.is_dir() else None
+    cache = output / "data-cache"
+    return OutputBefore(created, output.exists(), set(cache.iterdir()) if cache.is_dir() else None)
+
+
+@contextmanager
+def nothing_left_if_refused(output, before: OutputBefore | None = None):
+    """A run refused (or stopped) before it trains leaves nothing behind: the output directory and its parents when
+    it made them (`before`: what existed, default now), else the token caches it made in it. The first process of
+    each machine removes them."""
+    output = Path(output).absolute()
+    before = before or output_before(output)
+    cache = output / "data-cache"
     try:
         yield
     except BaseException:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            if not existed:
-                shutil.rmtree(created, ignore_errors=True)
-            elif cached is None:
+            if not before.existed:
+                shutil.rmtree(before.created, ignore_errors=True)
+            elif before.cached is None:
                 shutil.rmtree(cache, ignore_errors=True)
             elif cache.is_dir():
-                for entry in set(cache.iterdir()) - cached:
+                for entry in set(cache.iterdir()) - before.cached:
                     shutil.rmtree(entry, ignore_errors=True)
         raise

@@ -75,10 +75,9 @@ def launch(nproc_per_node: int, worker_args: list[str], module: str = "colozoo.f
             print("stopped at once (a second Ctrl-C); rerun the same command to resume from the last complete "
                   "checkpoint", file=sys.stderr)
             return 130
-        failures = sorted(e.failures.items())
-        print(f"colozoo {command}: {len(failures)} of {nproc_per_node} processes failed "
-              f"(first: local rank {failures[0][1].local_rank}, exit code {failures[0][1].exitcode}); "
-              f"their errors are above", file=sys.stderr)
+        _, first = e.get_first_failure()  # by the time each worker's error file gives (colozoo.runtime.failures)
+        print(f"colozoo {command}: {len(e.failures)} of {nproc_per_node} processes failed (first exit code "
+              f"{first.exitcode}); the first error is above", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted before training started; nothing was saved" if command == "finetune" else "interrupted",

@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,30 +18,47 @@ import torch
 import torch.distributed as dist
 
 from colozoo.checkpoint.convert import side_files
+from colozoo.core.mesh import collective_timeout, init_distributed
 from colozoo.core.rng import model_parallel_seed
 from colozoo.finetune import data as D
 from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.evaluation import Evaluator
 from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
-from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
+from colozoo.finetune.inputs import (Inputs, check_inputs, check_model_and_mesh, nothing_left_if_refused,
+                                     output_before)
 from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
                                       truncate_metrics)
 from colozoo.finetune.preference_data import pair_rows
 from colozoo.finetune.preference_train import PreferenceTraining, prepare_reference, preference_training
+from colozoo.finetune.run_lock import run_directory
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
+from colozoo.finetune.watchdog import Watchdog, process_group_timeout
 from colozoo.runtime.amp import DynamicLossScaler
 from colozoo.runtime.lora import LoraSettings
 from colozoo.runtime.offload import OffloadedAdamW
 
 
 def finetune(cfg: FinetuneConfig) -> dict:
-    """Fine-tune as `cfg` says (every rank of the job calls it); returns the summary, also OUTPUT/summary.json."""
-    with nothing_left_if_refused(cfg.output):
-        inputs = check_inputs(cfg)
+    """Fine-tune as `cfg` says (every rank of the job calls it); returns the summary, also OUTPUT/summary.json.
+    The job owns OUTPUT while it runs (colozoo.finetune.run_lock), and a watchdog names a stuck rank."""
+    timeout = collective_timeout(cfg.collective_timeout).total_seconds()
+    before = output_before(cfg.output)
+    checked = check_model_and_mesh(cfg)  # the degrees against the world size, before any process group
+    init_distributed(process_group_timeout(timeout))  # the backstop where the watchdog cannot help
+    with run_directory(cfg.output) as job, Watchdog(timeout, job) as watchdog:
+        return _finetune(cfg, job, watchdog, before, checked)
+
+
+def _finetune(cfg: FinetuneConfig, job: str, watchdog: Watchdog, before, checked) -> dict:
+    with nothing_left_if_refused(cfg.output, before):
+        watchdog.at(0, "checking the inputs")
+        inputs = check_inputs(cfg, checked)
+        watchdog.at(0, "loading the model")
         trainer = load(cfg, inputs)
-        checkpoints = Checkpoints(cfg, inputs, trainer)
+        checkpoints = Checkpoints(cfg, inputs, trainer, job)
+        watchdog.at(0, "resuming")
         resumed = checkpoints.resume()
     start = resumed.meta["step"] if resumed else 0
     prepare_output(cfg, inputs, start, checkpoints.root)
@@ -50,12 +68,14 @@ def finetune(cfg: FinetuneConfig) -> dict:
     evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
                             _is_rank0(), preference=trainer.preference)
     if start == 0 and evaluate_at.enabled and cfg.eval_interval:
+        watchdog.at(0, "evaluation")
         evaluate_at(0)  # the baseline the fine-tuning improves on
     try:
-        outcome = train(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, start)
+        outcome = train(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, start, watchdog)
     finally:
         checkpoints.saver.wait(raise_error=False)  # a failed run still lets the save in flight finish (or fail) first
         reporter.close()
+    watchdog.at(outcome.step, "exporting")
     return finish(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, outcome)
 
 
@@ -148,8 +168,8 @@ class Checkpoints:
     """OUTPUT/checkpoints: resumable saves of the whole training state (written in the background under
     --async-save), with the LoRA adapters in PEFT format beside each."""
 
-    def __init__(self, cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer):
-        self.cfg, self.trainer = cfg, trainer
+    def __init__(self, cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, job: str = ""):
+        self.cfg, self.trainer, self.job = cfg, trainer, job
         self.root = Path(cfg.output) / "checkpoints"
         self.mesh = {k: getattr(inputs.mesh, k) for k in ("tp", "pp", "dp", "cp", "ep")}
         self.data_position = {"global_batch": inputs.global_batch, "seed": cfg.seed, "samples": len(inputs.train),
@@ -157,6 +177,7 @@ class Checkpoints:
         lora = cfg.lora_settings()
         self.started_from = {"model": cfg.model, "base": weights_fingerprint(cfg.model),
                              "adapters": json.loads(json.dumps(lora.to_json())) if lora else None}
+        self.settings = {name: getattr(cfg, name) for name in state.RESTORED_SETTINGS}
         self.saver = CheckpointSaver(asynchronous=cfg.async_save)
         self.side_files = side_files(inputs.model_dir) if inputs.model_dir is not None else []
 
@@ -165,12 +186,16 @@ class Checkpoints:
 
     def resume(self) -> Resumed | None:
         """The newest complete checkpoint, loaded into the trainer; None under --no-resume or before the first."""
+        if _is_rank0():
+            for line in state.drop_partial_saves(self.root):
+                print(line, file=sys.stderr, flush=True)
         latest = state.latest_checkpoint(self.root) if self.cfg.resume else None
         if latest is None:
             return None
         t = self.trainer
         resumed = Resumed(latest, state.load_training_state(latest, t.model, t.optimizer, t.scheduler, self.mesh,
-                                                            t.scaler, self.data_position, self.started_from))
+                                                            t.scaler, self.data_position, self.started_from,
+                                                            self.settings))
         t.masked_batches = resumed.meta.get("masked_batches", 0)
         return resumed
 
@@ -178,8 +203,9 @@ class Checkpoints:
         t = self.trainer
         path = self.saver.save(self.root, step, t.model, t.optimizer, t.scheduler, self.mesh, final=final,
                                extra={"total_steps": t.total_steps, "data": self.data_position,
-                                      "started_from": self.started_from, "masked_batches": t.masked_batches},
-                               keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=self.side_files)
+                                      "started_from": self.started_from, "masked_batches": t.masked_batches,
+                                      "settings": self.settings},
+                               keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=self.side_files, job=self.job)
         if t.lora:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
             self.saver.wait()
             runtime.export_adapter(t.model, path / "adapter")
@@ -227,6 +253,9 @@ def open_reporter(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, mesh: d
         reporter.print("plan auto: " + ", ".join(f"{k}={v}" for k, v in inputs.plan.to_dict().items()))
     if resumed is not None:
         reporter.print(f"resumed from {resumed.path} at step {start}")
+        if start >= trainer.total_steps:
+            reporter.print(f"{resumed.path.name} ends the run ({start} of {trainer.total_steps} steps): nothing left "
+                           f"to train (--no-resume starts over, a larger --steps goes on)")
         if not resumed.meta["rng_restored"]:
             reporter.print(f"resharded from mesh {resumed.meta['mesh']}: random states restart from --seed")
     if trainer.fresh:
@@ -245,12 +274,14 @@ class Outcome:
 
 
 def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Checkpoints, evaluate_at: Evaluator,
-          reporter: Reporter, start: int) -> Outcome:
+          reporter: Reporter, start: int, watchdog: Watchdog) -> Outcome:
     """Steps from `start` to the last, logging every --log-interval steps, evaluating every --eval-interval and
-    saving every --save-interval; Ctrl-C, SIGTERM and --stop-after save and stop at the end of a step."""
+    saving every --save-interval; Ctrl-C, SIGTERM and --stop-after save and stop at the end of a step. Each step and
+    phase is reported to the `watchdog`."""
     step, saved_at, stopped, interrupted, total = start, None, False, False, trainer.total_steps
     with Interrupt() as interrupt:
         while step < total:
+            watchdog.at(step + 1, "forward/backward and optimizer step")
             tick = time.perf_counter()
             indices = trainer.sampler.global_indices(step)
             batch = unpacked_width(cfg, trainer.model, inputs.train.take(indices))
@@ -264,10 +295,13 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
                               inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()),
                               metrics=result.metrics, masked_batches=trainer.masked_batches, **amp)
             if evaluate_at.enabled and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
+                watchdog.at(step, "evaluation")
                 evaluate_at(step)
+            watchdog.at(step, "agreeing whether to stop")
             interrupted = interrupt.agreed(trainer.model.pc.device)
             stopped = interrupted or step == cfg.stop_after
             if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total:
+                watchdog.at(step, "saving")
                 checkpoints.save(step, final=stopped or step == total)
                 saved_at = step
             if stopped:

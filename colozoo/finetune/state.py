@@ -6,8 +6,10 @@ the last complete one, and read without unpickling anything.
                                         state-rank-*.safetensors  each rank's pieces of both
                                         rng-rank-*.json        each rank's RNG states
                                         meta.json              step, mesh, data position, optimizer hyperparameters
-                                                               and steps, scheduler, loss scale; written last
-    OUTPUT/checkpoints/.tmp-step-.../   a save in progress; renamed into place only once every rank has written
+                                                               and steps, scheduler, loss scale
+                                        checksums.json         sha256 and size of every file above; written last
+    OUTPUT/checkpoints/.tmp-step-JOB-N/ a save in progress of job JOB; renamed into place only once every rank has
+                                        written
 
 Tensors are global (colozoo.checkpoint.training_state), so another tp / pp / dp, FSDP or DDP, with or without
 offload reads them; everything else is JSON. A directory named step-* is complete by construction (the rename is
@@ -28,11 +30,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from colozoo.checkpoint.checksums import CHECKSUMS, verify_checksums, write_checksums
 from colozoo.checkpoint.collective import world
 from colozoo.checkpoint.save import lora_of_every_stage
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
-from colozoo.core.errors import CheckpointError
+from colozoo.core.errors import CheckpointError, naming
 from colozoo.core.rng import get_rng_tracker
 from colozoo.finetune.optimizer_state import optimizer_tensors, restore_optimizer
 
@@ -40,6 +43,7 @@ FORMAT = "colozoo-finetune-state/2"
 PICKLED_FORMAT = "colozoo-finetune-state/1"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
 IGNORED_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+RESTORED_SETTINGS = ("lr", "weight_decay")  # options a resume takes from the checkpoint's optimizer, not the run
 
 
 class ResumeError(ValueError):
@@ -101,11 +105,14 @@ def set_rng_state(state: dict):
 def _fsync_write(path: Path, write):
     """Write via a temp file + fsync + rename, so `path` is either absent or whole."""
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise naming(e, path) from None
 
 
 def _write_json(path: Path, value):
@@ -142,14 +149,16 @@ class Snapshot:
     meta: dict
     keep_last: int
     side_files: tuple = ()               # the model's tokenizer, chat template and generation config, copied along
+    job: str = ""                        # the job writing it: its temp directory is its own
 
 
 def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
-                            keep_last: int = 2, scaler=None, copy: bool = False, side_files=()) -> Snapshot:
+                            keep_last: int = 2, scaler=None, copy: bool = False, side_files=(), job: str = ""
+                            ) -> Snapshot:
     """Collective over pp. `copy`: the tensors are copied to CPU memory, so training may go on while they are
     written (an asynchronous save); otherwise they are views of the live state. `side_files`: files the checkpoint
     carries beside the model (colozoo.checkpoint.convert.SIDE_FILES of the model directory), so that it loads and
-    generates on its own."""
+    generates on its own. `job`: the id of the job saving (its temp directory is named by it)."""
     layout = ModelLayout(model.config, model.pc.size("pp"), _stage_layers(model), lora=lora_of_every_stage(model))
     states, hyper = optimizer_tensors(model, optimizer, layout.canonical)
     pieces = own_pieces(model, layout, states)
@@ -159,48 +168,102 @@ def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: 
             "optimizer": hyper, "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None and scaler.enabled else None, **(extra or {})}
     return Snapshot(Path(root), step, layout, pieces, rng_state(), json.loads(json.dumps(meta)), keep_last,
-                    tuple(side_files))
+                    tuple(side_files), job)
+
+
+class SaveError(CheckpointError):
+    """A save that could not be written (a full disk, a lost mount): nothing of it is left."""
+
+
+def temp_dir(root: Path, step: int, job: str) -> Path:
+    return root / f"{TMP_PREFIX}{job + '-' if job else ''}{step:08d}"
 
 
 def write_snapshot(snapshot: Snapshot, group=None) -> Path:
-    """Collective over `group` (all ranks): every rank writes its files into a temp dir; rank 0 writes the indexes
-    and meta.json, commits by renaming, then prunes to the newest `keep_last`."""
+    """Collective over `group` (all ranks): every rank writes its files into the job's temp dir; rank 0 writes the
+    indexes, meta.json and checksums.json, commits by renaming, then prunes to the newest `keep_last`. A write that
+    fails on any rank (a full disk) makes every rank raise one SaveError, the partial save removed."""
     root, step = snapshot.root, snapshot.step
-    final, tmp = root / f"{PREFIX}{step:08d}", root / f"{TMP_PREFIX}{step:08d}"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(TMP_PREFIX + "*"):  # a save that a crash interrupted
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier(group)
-    shard = write_rank_file(tmp, f"state-rank-{_rank():05d}.safetensors", snapshot.pieces)
-    _write_json(tmp / f"rng-rank-{_rank():05d}.json", snapshot.rng)
-    shards = _all_gather((shard, snapshot.meta["optimizer"]["scalars"]), group)
+    final, tmp = root / f"{PREFIX}{step:08d}", temp_dir(snapshot.root, step, snapshot.job)
+
+    def start():
+        if _rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # this job's own earlier try at this step
+            tmp.mkdir()
+
+    def write_own_files():
+        name = f"state-rank-{_rank():05d}.safetensors"
+        try:
+            shard = write_rank_file(tmp, name, snapshot.pieces)
+        except OSError as e:
+            raise naming(e, tmp / name) from None
+        _write_json(tmp / f"rng-rank-{_rank():05d}.json", snapshot.rng)
+        return shard, snapshot.meta["optimizer"]["scalars"]
+
+    _agreed(snapshot, tmp, start, group)
+    shards = _agreed(snapshot, tmp, write_own_files, group)
     _before_commit(tmp)
     _barrier(group)
-    if _rank() == 0:
-        write_indexes(tmp, snapshot.layout, snapshot.meta["mesh"], [s for s, _ in shards])
-        for file in snapshot.side_files:
-            shutil.copy2(file, tmp / Path(file).name)
-        meta = snapshot.meta
-        meta["optimizer"]["scalars"] = {name: value for _, scalars in shards for name, value in scalars.items()}
-        _write_json(tmp / "meta.json", meta)
-        if final.exists():  # the same step saved before (e.g. an interrupted run re-saving): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in complete_checkpoints(root)[:-snapshot.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)
+    _agreed(snapshot, tmp, lambda: _commit(snapshot, tmp, final, shards) if _rank() == 0 else None, group)
     return final
 
 
+def _commit(snapshot: Snapshot, tmp: Path, final: Path, shards: list):
+    """Rank 0: the indexes, side files, meta.json and checksums.json (last), then the rename that commits."""
+    try:
+        write_indexes(tmp, snapshot.layout, snapshot.meta["mesh"], [s for s, _ in shards])
+        for file in snapshot.side_files:
+            shutil.copy2(file, tmp / Path(file).name)
+    except OSError as e:
+        raise naming(e, tmp) from None
+    meta = snapshot.meta
+    meta["optimizer"]["scalars"] = {name: value for _, scalars in shards for name, value in scalars.items()}
+    _write_json(tmp / "meta.json", meta)
+    try:
+        write_checksums(tmp)
+    except OSError as e:
+        raise naming(e, tmp / CHECKSUMS) from None
+    if final.exists():  # the same step saved before (e.g. an interrupted run re-saving): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in complete_checkpoints(snapshot.root)[:-snapshot.keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _agreed(snapshot: Snapshot, tmp: Path, part, group) -> list:
+    """Run this rank's `part` of a save (collective: every rank's results, in rank order). An OSError on any rank
+    makes every rank raise the same SaveError, once rank 0 has removed the partial save."""
+    try:
+        mine = (part(), None)
+    except OSError as e:
+        mine = (None, not_saved(snapshot.root, snapshot.step, e))
+    gathered = _all_gather(mine, group)
+    failed = next((error for _, error in gathered if error), None)
+    if failed:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(failed)
+    return [result for result, _ in gathered]
+
+
+def not_saved(root: Path, step: int, error: OSError) -> str:
+    """`step 20 not saved: no space left on device writing PATH; the last good checkpoint is ...step-00000010`."""
+    what = error.strerror or str(error)
+    where = f" writing {error.filename}" if error.filename else ""
+    on_rank = f" on rank {_rank()}" if _world() > 1 else ""
+    done = complete_checkpoints(root)
+    last = f"the last good checkpoint is {done[-1]}" if done else "no earlier checkpoint was saved"
+    return f"step {step} not saved: {what[:1].lower()}{what[1:]}{where}{on_rank}; {last}"
+
+
 def save_training_state(root, step: int, model, optimizer, scheduler, mesh: dict, extra: dict | None = None,
-                        keep_last: int = 2, scaler=None, side_files=()) -> Path:
+                        keep_last: int = 2, scaler=None, side_files=(), job: str = "") -> Path:
     """Collective: save the whole training state at `step` under `root` and return its directory. `scaler`: an
     fp16 loss scaler (colozoo.runtime.amp), kept when enabled. `extra` goes into meta.json (the data position,
     total steps)."""
     return write_snapshot(snapshot_training_state(root, step, model, optimizer, scheduler, mesh, extra, keep_last,
-                                                  scaler, side_files=side_files))
+                                                  scaler, side_files=side_files, job=job))
 
 
 def _before_commit(tmp: Path):
@@ -259,6 +322,30 @@ def check_started_from(path: Path, meta: dict, started_from: dict | None):
                           f"--output or --no-resume")
 
 
+def check_settings(path: Path, meta: dict, settings: dict | None):
+    """The options a resume would take from the checkpoint (the optimizer's learning rate and weight decay), not
+    from this run, must agree: else the run's would be silently ignored."""
+    saved = meta.get("settings") or {}
+    differs = [f"--{k.replace('_', '-')} {saved[k]} there, {v} here" for k, v in (settings or {}).items()
+               if k in saved and saved[k] != v]
+    if differs:
+        raise ResumeError(f"{path} was saved by a run with other settings ({'; '.join(differs)}): resume with the "
+                          f"same options, or pass --no-resume (start over) or another --output")
+
+
+def drop_partial_saves(root) -> list[str]:
+    """Remove the temp directories of saves that never committed (a job killed while saving; the run directory's
+    lock says no other job is writing) and say so, one line each."""
+    root = Path(root)
+    lines = []
+    for partial in sorted(root.glob(TMP_PREFIX + "*")) if root.is_dir() else []:
+        shutil.rmtree(partial, ignore_errors=True)
+        step = partial.name.rpartition("-")[2]
+        lines.append(f"dropped {partial}: a save of step {int(step) if step.isdigit() else step} that never "
+                     f"completed (its job was killed while saving)")
+    return lines
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
@@ -282,15 +369,24 @@ def read_meta(path) -> dict:
 
 
 def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=None, data: dict | None = None,
-                        started_from: dict | None = None) -> dict:
+                        started_from: dict | None = None, settings: dict | None = None) -> dict:
     """Restore the training state from a complete checkpoint saved on any mesh; returns its meta (with the step,
     and "rng_restored": RNG states come back only on the mesh that saved them, elsewhere the run's seed stands).
     `data`: this run's data position keys (global_batch, seed, samples, rows) the checkpoint must agree with;
-    `started_from`: its base weights' fingerprint and LoRA settings (and the model's name, for messages), likewise.
+    `started_from`: its base weights' fingerprint and LoRA settings (and the model's name, for messages), likewise;
+    `settings`: the options the optimizer's state would override (RESTORED_SETTINGS), likewise.
     A loss `scaler` is restored when the checkpoint has one."""
     path = Path(path)
     meta = read_meta(path)
+    same_mesh = meta["world_size"] == _world() and meta["mesh"] == mesh
+    rng_file = path / f"rng-rank-{_rank():05d}.json"
+    rng = _read_json(rng_file) if same_mesh and rng_file.exists() else None
+    try:
+        verify_checksums(path)  # meta.json, RNG states, indexes and side files as saved (a missing table: warned below)
+    except CheckpointError as e:
+        raise ResumeError(f"cannot resume from {path}: {e}") from None
     check_data_position(path, meta, data)
+    check_settings(path, meta, settings)
     try:
         checkpoint = TrainingCheckpoint(path, ModelLayout(model.config, lora=lora_of_every_stage(model)))
     except CheckpointError as e:
@@ -306,10 +402,8 @@ def load_training_state(path, model, optimizer, scheduler, mesh: dict, scaler=No
     scheduler.load_state_dict(meta["scheduler"])
     if scaler is not None and scaler.enabled and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
-    same_mesh = meta["world_size"] == _world() and meta["mesh"] == mesh
-    rng_file = path / f"rng-rank-{_rank():05d}.json"
-    if same_mesh and rng_file.exists():
-        set_rng_state(_read_json(rng_file))
+    if rng is not None:
+        set_rng_state(rng)
     return {**meta, "rng_restored": same_mesh}
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from colozoo.finetune import sft
 from colozoo.finetune.data import IGNORE_INDEX, holdout_cut, lm_blocks, trained_tokens
+from colozoo.finetune.data_progress import TokenizingProgress
 from colozoo.finetune.records import DataError, dataset_files, existing
 
 FORMAT = 2  # 2: counts of what --chat fitting did, and a digest of the rows
@@ -105,35 +106,41 @@ def lm_rows(cfg, tokenizer, path, role: str) -> TokenCache:
     from colozoo.core.mesh import init_distributed
 
     init_distributed()  # collective from here: one rank per machine tokenizes, the others wait for it
-    stats = {}  # --chat: what fitting the samples into --seq-len did, kept with the rows
+    stats = {}  # the records read; --chat: what fitting the samples into --seq-len did, kept with the rows
     if cfg.chat:
         blocks = lambda: sft.sft_blocks(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field,  # noqa: E731
                                         cfg.truncate, stats)
         options = dict(truncate=cfg.truncate)
     else:
-        blocks, options = lambda: lm_blocks(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field), {}  # noqa: E731
+        blocks = lambda: lm_blocks(path, tokenizer, cfg.seq_len, cfg.pack, cfg.text_field, stats)  # noqa: E731
+        options = {}
     data, _ = cached_rows(Path(cfg.output) / "data-cache", role, path, tokenizer, blocks, stats=stats,
-                          seq_len=cfg.seq_len, pack=cfg.pack, chat=cfg.chat, text_field=cfg.text_field, **options)
+                          progress=cfg.progress, seq_len=cfg.seq_len, pack=cfg.pack, chat=cfg.chat,
+                          text_field=cfg.text_field, **options)
     return data
 
 
-def cached_rows(root, role: str, path, tokenizer, blocks, stats: dict | None = None, **options
-                ) -> tuple[TokenCache, bool]:
+def cached_rows(root, role: str, path, tokenizer, blocks, stats: dict | None = None, progress: bool = False,
+                **options) -> tuple[TokenCache, bool]:
     """(the cached rows of `path`, whether this call tokenized them). `blocks()` yields the rows (dicts of
-    tensors, a chunk at a time) and fills `stats` (counts kept with them, TokenCache.stats) once exhausted;
-    `options` are what else the rows depend on. Collective under torch.distributed:
-    the first rank of each machine builds while the others wait, then every rank maps the files."""
-    root = Path(root)
+    tensors, a chunk at a time) and fills `stats` (counts kept with them, TokenCache.stats: "samples", the records
+    read so far, shown as `progress`); `options` are what else the rows depend on. Collective under
+    torch.distributed: the first rank of each machine builds while the others wait, then every rank maps the files."""
+    root, stats = Path(root), stats if stats is not None else {}
     target = root / f"{role}-{cache_key(path, tokenizer, **options)}"
     built, error = False, None
     if _local_rank() == 0 and not (target / "meta.json").exists():
+        shown = TokenizingProgress(path, progress)
         try:
-            _build(root, target, blocks(), stats)
+            rows, seq_len = _build(root, target, blocks(), stats, lambda: shown.update(stats.get("samples", 0)))
+            shown.close(stats.get("samples"), rows, seq_len)
             built = True
         except DataError as e:
             error = str(e)
         except OSError as e:  # the cache lives in the output directory
             error = f"cannot write to the output directory {root.parent}: {e.strerror or e}"
+        finally:
+            shown.close()
     if dist.is_available() and dist.is_initialized():
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # also the barrier the other ranks wait on
@@ -148,12 +155,13 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
-def _build(root: Path, target: Path, blocks, stats: dict | None = None):
+def _build(root: Path, target: Path, blocks, stats: dict | None = None, on_block=lambda: None) -> tuple[int, int]:
+    """Tokenize into `target` (through a temp directory); returns (rows, seq_len). `on_block()` after each block."""
     created = [p for p in (root.parent, root) if not p.exists()]
     tmp = root / f".{target.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        rows, fields, seq_len, digest = _write(tmp, blocks)
+        rows, fields, seq_len, digest = _write(tmp, blocks, on_block)
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "rows": rows, "seq_len": seq_len,
                                                    "fields": fields, "stats": stats or {}, "sha256": digest}))
         for stale in root.glob(f"{target.name.split('-')[0]}-*"):  # an earlier dataset's rows for this role
@@ -162,6 +170,7 @@ def _build(root: Path, target: Path, blocks, stats: dict | None = None):
             os.rename(tmp, target)
         except OSError:  # another machine's builder (shared output directory) got there first
             shutil.rmtree(tmp, ignore_errors=True)
+        return rows, seq_len
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for directory in reversed(created):  # bad data leaves nothing behind
@@ -170,7 +179,7 @@ def _build(root: Path, target: Path, blocks, stats: dict | None = None):
         raise
 
 
-def _write(directory: Path, blocks) -> tuple[int, list[str], int, str]:
+def _write(directory: Path, blocks, on_block=lambda: None) -> tuple[int, list[str], int, str]:
     """Writes the rows' files; returns (rows, fields, seq_len, the sha256 of everything written, in order)."""
     files, rows, fields, seq_len, digest = {}, 0, None, None, hashlib.sha256()
     try:
@@ -194,6 +203,7 @@ def _write(directory: Path, blocks) -> tuple[int, list[str], int, str]:
             digest.update(mask.tobytes())
             trained_tokens(labels).numpy().astype(np.int32).tofile(files["tokens"])
             rows += len(ids)
+            on_block()
     finally:
         for f in files.values():
             f.close()
