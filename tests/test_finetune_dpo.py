@@ -11,6 +11,7 @@ from chat_model import make_chat_llama
 from parity import close
 from preference_parity import METRICS, string_records, trl_dpo
 
+from colozoo.checkpoint.checksums import write_checksums
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.loop import finetune
 from colozoo.finetune.metrics import read_metrics
@@ -91,7 +92,11 @@ def test_stopped_run_resumes_exactly_with_precomputed_reference(chat_model, tmp_
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
     shutil.rmtree(tmp_path / "stopped" / "checkpoints" / "step-00000004")  # resume from step 2 again, but
-    (tmp_path / "stopped" / "checkpoints" / "step-00000002" / "reference_logps.safetensors").unlink()  # without them
+    step_2 = tmp_path / "stopped" / "checkpoints" / "step-00000002"
+    (step_2 / "reference_logps.safetensors").unlink()  # without them
+    with pytest.raises(ValueError, match="reference_logps.safetensors is listed in checksums.json but missing"):
+        finetune(dpo_run(chat_model, tmp_path / "stopped", **options))
+    write_checksums(step_2)  # as a checkpoint saved without the option says it
     with pytest.raises(ValueError, match="saved without --precompute-ref-logps"):
         finetune(dpo_run(chat_model, tmp_path / "stopped", **options))
 

@@ -72,8 +72,8 @@ def test_a_batch_without_a_labelled_token_is_counted_skipped_and_said_once(tiny,
 
     check_inputs = loop.check_inputs
 
-    def second_batch_masked(cfg):
-        inputs = check_inputs(cfg)
+    def second_batch_masked(cfg, checked=None):
+        inputs = check_inputs(cfg, checked)
         rows = inputs.train.take(range(len(inputs.train)))
         sampler = D.BatchSampler(len(inputs.train), inputs.global_batch, 0, 1, cfg.seed)
         rows["labels"][sampler.global_indices(1)] = -100
