@@ -25,7 +25,8 @@ class GenerateOutput:
     """What `generate(..., return_dict_in_generate=True)` returns: transformers' fields (`scores`: each step's
     processed scores, with output_scores; `logits`: each step's raw logits, with output_logits; beam search adds
     `sequences_scores` and `beam_indices`) and how it went (the seconds of the prefill and of the decode steps, the
-    elements this rank's KV cache held)."""
+    elements this rank's KV cache held, and the path the decoding took: "cuda_graph", "static" or "eager", see
+    colozoo.runtime.static_decode)."""
     sequences: torch.Tensor
     scores: tuple | None = None
     logits: tuple | None = None
@@ -33,6 +34,7 @@ class GenerateOutput:
     beam_indices: torch.Tensor | None = None
     timings: dict = field(default_factory=dict)
     cache_elements: int = 0
+    decode_path: str = "eager"
 
 
 def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
