@@ -114,6 +114,10 @@ class KVCache:
             keep = keep & (k_pos > q_pos - window)
         return keep[None, None] & self.key_keep[self.rows, None, None, :end]
 
+    def buffers_flat(self) -> list[torch.Tensor]:
+        """Every layer's keys and values buffers."""
+        return [t for pair in self.buffers.values() for t in pair]
+
     def numel(self) -> int:
         """Elements held for keys and values on this rank."""
         return sum(k.numel() + v.numel() for k, v in self.buffers.values())

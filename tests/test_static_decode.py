@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
 
 from distributed import run_distributed
 from test_deepseek_v3 import DENSE as DEEPSEEK
@@ -155,6 +156,11 @@ def test_which_calls_take_which_path():
         model.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=2, cache_implementation="static")
     with pytest.raises(ValueError, match="cache_implementation='offloaded' is not implemented"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="offloaded")
+    compile_config = transformers.CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    compiled = model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static",
+                              compile_config=compile_config, return_dict_in_generate=True, **GREEDY)
+    assert compiled.decode_path == "compiled"
+    assert torch.equal(compiled.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=3, **GREEDY))
     model.train()
     assert "training mode" in decode_path(model, decoding)[1]
     model.eval()

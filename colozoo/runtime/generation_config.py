@@ -10,8 +10,9 @@ anything but its neutral value, is refused by name rather than ignored.
 
 How it decodes (colozoo.runtime.static_decode): `cache_implementation` "static" (transformers' "hybrid" and
 "sliding_window" name the same preallocated cache) asks for the static decode step, "dynamic" for the growing cache;
-unset, CUDA takes the static step replayed from a CUDA graph where it applies. `disable_compile=True` keeps CUDA
-graphs off. Only the call's own options (and the generation config passed to it) choose: a model's
+unset, CUDA takes the static step replayed from a CUDA graph where it applies. `compile_config` (transformers'
+CompileConfig) runs that step torch.compile'd with its settings instead; `disable_compile=True` keeps CUDA graphs
+and compilation off. Only the call's own options (and the generation config passed to it) choose: a model's
 generation_config.json that names a cache for transformers (Gemma 2's "hybrid") changes nothing here.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ DEFAULTS = dict(max_length=20, min_length=0, do_sample=False, use_cache=True, ea
                 temperature=1.0, top_k=50, top_p=1.0, repetition_penalty=1.0, length_penalty=1.0,
                 num_return_sequences=1, output_scores=False, output_logits=False, return_dict_in_generate=False)
 IMPLEMENTED = {*DEFAULTS, "max_new_tokens", "min_new_tokens", "stop_strings", "pad_token_id", "eos_token_id",
-               "bos_token_id", "min_p", "cache_implementation", "disable_compile"}
+               "bos_token_id", "min_p", "cache_implementation", "disable_compile", "compile_config"}
 STATIC_CACHES = ("static", "hybrid", "sliding_window")  # transformers' preallocated caches: colozoo's static step
 CACHES = (*STATIC_CACHES, "dynamic")
 # options that change nothing at these values, or concern only how transformers itself caches or compiles
@@ -64,6 +65,7 @@ class Decoding:
     min_p: float | None = None
     cache_implementation: str | None = None  # "static" or "dynamic" as asked by the call, None: colozoo chooses
     disable_compile: bool = False
+    compile_config: object | None = None  # transformers.CompileConfig: the static step torch.compile'd with it
 
     @property
     def processes_scores(self) -> bool:
@@ -174,6 +176,9 @@ def _lengths_and_checks(model, config, input_length: int, max_length_is_default:
         raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
     if config.repetition_penalty is not None and not config.repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0, got {config.repetition_penalty!r}")
+    compiled = config.compile_config
+    if compiled is not None and not isinstance(compiled, transformers.CompileConfig):
+        raise ValueError(f"compile_config must be a transformers.CompileConfig, got {type(compiled).__name__}")
     stops = config.stop_strings
     stops = (stops,) if isinstance(stops, str) else tuple(stops) if stops else None
     return Decoding(max_length=max_length, min_length=min_length, do_sample=bool(config.do_sample),
@@ -185,4 +190,4 @@ def _lengths_and_checks(model, config, input_length: int, max_length_is_default:
                     return_dict_in_generate=bool(config.return_dict_in_generate),
                     output_scores=bool(config.output_scores), output_logits=bool(config.output_logits), seed=seed,
                     min_p=config.min_p, cache_implementation=_cache_choice(cache),
-                    disable_compile=bool(config.disable_compile))
+                    disable_compile=bool(config.disable_compile), compile_config=compiled)

@@ -1,7 +1,8 @@
 """Greedy and sampled decoding with a decode step of static shapes, replayed from a CUDA graph on CUDA.
 
-    generate(ids, max_new_tokens=128)                              # CUDA: captured once, replayed every token
+    generate(ids, max_new_tokens=128)                                   # CUDA: captured once, replayed every token
     generate(ids, max_new_tokens=128, cache_implementation="static")    # the same step anywhere (CPU: eagerly)
+    generate(ids, cache_implementation="static", compile_config=transformers.CompileConfig(...))  # torch.compile'd
 
 The step (`decode_step`) is one token per sequence through the whole model against a StaticKVCache
 (layers.kv_cache): the cache preallocated for max_length, the write position and the positions device tensors the
@@ -17,8 +18,10 @@ of shape changes, which is all a graph needs, so capturing it costs one step's P
 where compiling a model costs tens of seconds and again for every new batch or length; the Triton kernels and the
 tensor-parallel collectives (NCCL) are captured as they run; a replay is one launch with no guards to check.
 torch.compile stays the check that the step has no graph break, no host sync and no recompilation
-(tests/test_static_decode.py compiles it with fullgraph=True, dynamic=False). The graph lives for the call: nothing
-is kept on the model between calls, and its cache memory goes when the call returns.
+(tests/test_static_decode.py compiles it with fullgraph=True, dynamic=False), and what a call asks for with
+transformers' `compile_config` (fused kernels, for the price of compiling; its mode="reduce-overhead" then replays
+CUDA graphs of its own). The graph lives for the call: nothing is kept on the model between calls, and its cache
+memory goes when the call returns.
 
 Where it applies: pp = 1 (stages pass micro-batches by the host), no beam search (it reorders its cache by the
 host's choice), use_cache, no mixture-of-experts layer (their experts' token counts are read on the host), fixed
@@ -65,9 +68,10 @@ def static_refusal(model, decoding: Decoding) -> str | None:
 
 
 def decode_path(model, decoding: Decoding) -> tuple[str, str | None]:
-    """("cuda_graph" | "static" | "eager", why not the static step) for a greedy or sampled call: the static step
-    replayed from a CUDA graph on CUDA where it applies (the default), eagerly with cache_implementation="static"
-    elsewhere or with disable_compile; a named static cache it cannot take is refused."""
+    """("cuda_graph" | "compiled" | "static" | "eager", why not the static step) for a greedy or sampled call: the
+    static step replayed from a CUDA graph on CUDA where it applies (the default), eagerly with
+    cache_implementation="static" elsewhere or with disable_compile, torch.compile'd with a compile_config; a named
+    static cache it cannot take is refused."""
     if decoding.cache_implementation == "dynamic":
         return "eager", "cache_implementation='dynamic'"
     refusal = static_refusal(model, decoding)
@@ -78,7 +82,9 @@ def decode_path(model, decoding: Decoding) -> tuple[str, str | None]:
     cuda = model.pc.device.type == "cuda"
     if refusal is not None or not (asked or cuda) or (decoding.disable_compile and not asked):
         return "eager", refusal or ("disable_compile=True" if cuda else "not on CUDA")
-    return ("cuda_graph" if cuda and not decoding.disable_compile else "static"), None
+    if decoding.disable_compile:
+        return "static", None
+    return ("compiled" if decoding.compile_config is not None else "cuda_graph" if cuda else "static"), None
 
 
 class StaticStep:
@@ -102,6 +108,20 @@ class StaticStep:
 
     def forward(self) -> torch.Tensor:
         return decode_step(self.model, self.cache, self.tokens, self.positions, self.logits)
+
+    def compiled(self, config):
+        """forward torch.compile'd with a transformers CompileConfig's settings; the tensors a step writes in place
+        are marked static, so that mode="reduce-overhead" replays them from CUDA graphs (as transformers' static
+        cache does)."""
+        for tensor in (self.tokens, self.positions, self.cache.position, *self.cache.buffers_flat()):
+            torch._dynamo.mark_static_address(tensor)
+        step = torch.compile(decode_step, fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend,
+                             mode=config.mode, options=config.options)
+
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are not read again
+            return step(self.model, self.cache, self.tokens, self.positions, self.logits)
+        return run
 
 
 def decode_step(model, cache: StaticKVCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -156,7 +176,8 @@ def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, pa
     keep_logits = decoding.return_dict_in_generate and decoding.output_logits
     sharded_argmax = pc.tp_size > 1 and not decoding.processes_scores and not (keep_scores or keep_logits)
     step = StaticStep(model, mask, decoding.max_length, LogitsRequest("vocab_slice" if sharded_argmax else "full", 1))
-    run = CapturedStep(step.forward) if path == "cuda_graph" else step.forward
+    runners = {"cuda_graph": lambda: CapturedStep(step.forward), "compiled": lambda: step.compiled(
+        decoding.compile_config), "static": lambda: step.forward}
     generator = None
     if decoding.do_sample:
         generator = torch.Generator(device=device)
@@ -172,6 +193,7 @@ def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, pa
         streamer.put(input_ids.cpu())
     started = time.perf_counter()
     logits = step.prefill(input_ids, mask)
+    run = runners[path]()  # after the prefill, which allocates the cache
     steps = 0
     for length in range(prompt, decoding.max_length):
         if length > prompt:
