@@ -11,7 +11,6 @@ their own RoPE base (rope_parameters["sliding_attention"]).
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from colozoo.layers import GatedMLP, RMSNorm

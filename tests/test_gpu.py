@@ -171,10 +171,9 @@ def _syncs(model, ids, mask, new: int, **options) -> int:
 
 
 def test_graph_decode_waits_for_the_gpu_only_every_few_steps(tmp_path):
-    """32 more tokens cost no wait for the GPU without an end-of-sequence id, and one per CHECK_EVERY steps with one
-    (the host looks whether every row ended); the eager loop waits at every step."""
-    from colozoo.runtime.static_decode import CHECK_EVERY
-
+    """32 more tokens cost no wait for the GPU without an end-of-sequence id, greedy or sampled through every
+    processor, and one per 8 steps with one (the host looks whether every row ended); the eager loop waits at every
+    step."""
     config, hf = saved(tmp_path, "llama", DENSE["llama"])
     model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
     ids, mask = (t.cuda() for t in prompts(config.vocab_size))
@@ -182,7 +181,7 @@ def test_graph_decode_waits_for_the_gpu_only_every_few_steps(tmp_path):
     never = dict(eos_token_id=next(i for i in range(config.vocab_size) if i not in free))  # an id no row writes
     sampled = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=1,
                    eos_token_id=None)
-    for options, extra in ((dict(eos_token_id=None), 0), (sampled, 0), (never, 32 // CHECK_EVERY)):
+    for options, extra in ((dict(eos_token_id=None), 0), (sampled, 0), (never, 32 // 8)):
         counts = [_syncs(model, ids, mask, new, **options) for new in (8, 8, 40)]
         assert counts[2] - counts[1] <= extra, f"{options}: {counts} host waits for 8, 8 and 40 new tokens"
     eager = [_syncs(model, ids, mask, new, cache_implementation="dynamic", **never) for new in (8, 40)]

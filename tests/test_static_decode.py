@@ -12,6 +12,8 @@ import transformers
 
 from distributed import run_distributed
 from test_deepseek_v3 import DENSE as DEEPSEEK
+from test_gemma import CONFIGS as GEMMA
+from test_qwen import GENERATE as QWEN
 from test_generate import FAMILIES, ours_and_hf, prompts
 from test_generate_surface import greedy_options_match_transformers
 
@@ -21,30 +23,31 @@ TIMEOUT = 180
 STEPS = 64
 LLAMA = dict(FAMILIES["llama"], max_position_embeddings=128)
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+STATIC_FAMILIES = {**FAMILIES, **GEMMA, **QWEN, "deepseek_v3": dict(DEEPSEEK, first_k_dense_replace=2)}
 
 
-def compiled_steps(tp: int = 1):
-    """64 greedy steps of the step compiled by dynamo (backend "eager": the capture is what is tested, and the
-    cheapest backend that proves it) with a recompilation an error; (the tokens equal transformers' and the eager
-    loop's, dynamo's graph count, its graph breaks)."""
+def compiled_steps(tp: int = 1, family: str = "llama", config=LLAMA, steps: int = STEPS):
+    """Greedy steps of the step compiled by dynamo (backend "eager": the capture is what is tested, and the cheapest
+    backend that proves it) with a recompilation an error; (the tokens equal transformers' and the eager loop's,
+    dynamo's graph count, its graph breaks)."""
     from torch._dynamo.utils import counters
 
     from colozoo.layers.vocab import LogitsRequest
     from colozoo.runtime.static_decode import StaticStep, decode_step
 
     pc = init_parallel(tp=tp) if tp > 1 else single_process()
-    config, hf, model = ours_and_hf("llama", pc, LLAMA)
+    config, hf, model = ours_and_hf(family, pc, config, "eager" if family == "gemma2" else "sdpa")
     ids, mask = prompts(config.vocab_size)
-    options = dict(GREEDY, max_new_tokens=STEPS + 1)
+    options = dict(GREEDY, max_new_tokens=steps + 1)
     expected = hf.generate(ids, attention_mask=mask, **options)
     eager = model.generate(ids, attention_mask=mask, **options)
-    step = StaticStep(model, mask, ids.shape[1] + STEPS + 1, LogitsRequest("full", 1))
+    step = StaticStep(model, mask, ids.shape[1] + steps + 1, LogitsRequest("full", 1))
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, backend="eager")
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True, recompile_limit=1):
         logits, tokens = step.prefill(ids, mask), []
-        for _ in range(STEPS):
+        for _ in range(steps):
             tokens.append(logits.argmax(dim=-1))
             step.tokens.copy_(tokens[-1][:, None])
             logits = compiled(model, step.cache, step.tokens, step.positions, step.logits)
@@ -62,10 +65,17 @@ def test_the_step_compiles_whole_at_tp2():
     assert run_distributed(compiled_steps, 2, tp=2, timeout=TIMEOUT) == [(True, True, 1, 0)] * 2
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mistral", "gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "gemma2", "qwen3", "deepseek_v3"])
+def test_every_family_of_the_static_step_compiles_whole(family):
+    """What a CUDA graph needs of each (no host sync, no value-dependent branch), a few steps each: learned positions,
+    a window's ring, capped scores with windows, q/k norms, MLA's absorbed decoding."""
+    assert compiled_steps(family=family, config=STATIC_FAMILIES[family], steps=3) == (True, True, 1, 0)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_static_step_options_equal_transformers(family):
-    """Learned positions (gpt2), a sliding window's ring (mistral), capped scores and windows on every other layer
-    (gemma2), q/k norms (qwen3): tokens, every step's scores and logits, eos lists, lengths, repetition penalty."""
+    """A sliding window's ring (mistral), capped scores and windows on every other layer (gemma2): tokens, every
+    step's scores and logits, eos lists, lengths, repetition penalty."""
     assert greedy_options_match_transformers(family, cache_implementation="static")
 
 
@@ -161,9 +171,52 @@ def test_which_calls_take_which_path():
                               compile_config=compile_config, return_dict_in_generate=True, **GREEDY)
     assert compiled.decode_path == "compiled"
     assert torch.equal(compiled.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=3, **GREEDY))
+    assert "micro-batches" in decode_path(model, decoding, num_microbatches=2)[1]
     model.train()
     assert "training mode" in decode_path(model, decoding)[1]
     model.eval()
+    head = model.lm_head.weight
+    model.lm_head.weight = torch.nn.Parameter(head.to("meta"))  # a weight elsewhere (offloaded)
+    assert "offloaded" in decode_path(model, decoding)[1]
+    model.lm_head.weight = head
     mixtral = ours_and_hf("mixtral", single_process())[2]
     with pytest.raises(ValueError, match="mixture-of-experts layers read"):
         decode_path(mixtral, dataclasses.replace(decoding, cache_implementation="static"))
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's value back to the host (on CUDA, a wait for the device each)."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_static_loop_reads_nothing_back_per_token():
+    """16 more tokens read no value back to the host without an eos id (sampled through every processor), and one per
+    8 steps with one; the eager loop reads at every step (what tests/test_gpu.py counts, on a GPU, as waits for the
+    device with torch's sync debug mode)."""
+    config, hf, model = ours_and_hf("llama", single_process(), LLAMA)
+    ids, mask = prompts(config.vocab_size)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=20, **GREEDY)
+    never = dict(GREEDY, eos_token_id=next(i for i in range(config.vocab_size) if i not in free))
+    sampled = dict(GREEDY, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                   seed=1)
+
+    def more_reads(**options):
+        counts = []
+        for new in (4, 20):
+            with HostReads() as mode:
+                model.generate(ids, attention_mask=mask, max_new_tokens=new, **options)
+            counts.append(mode.count)
+        return counts[1] - counts[0]
+
+    assert more_reads(cache_implementation="static", **sampled) == 0
+    assert more_reads(cache_implementation="static", **never) <= 2
+    assert more_reads(**never) >= 16, "the eager loop reads at every step"

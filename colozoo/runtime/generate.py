@@ -3,18 +3,18 @@
     ids = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)            # (batch, prompt + new)
     out = model.generate(input_ids, num_beams=4, return_dict_in_generate=True, output_scores=True)
 
-One prefill of the (left-padded) prompts, then one token per step. Which path decodes (`decode_path`, also in the
-output's `decode_path`):
+One prefill of the (left-padded) prompts, then one token per step, on one of four paths (`decode_path`; the output of
+return_dict_in_generate says which ran):
 
-    greedy / sampled, on CUDA, where the static step applies      "cuda_graph": colozoo.runtime.static_decode's step,
-                                                                  captured once per call and replayed every token
-    cache_implementation="static" (anywhere), or on CUDA with     "static": the same step, run eagerly
-      cache_implementation="static", disable_compile=True
-    everything else: CPU by default, beam search, pp > 1, MoE,    "eager": colozoo.runtime.decode_steps, the cache
-      dynamic RoPE, FSDP / offloaded weights, training mode,      growing a slice a step (beam search in
-      disable_compile=True, cache_implementation="dynamic"        colozoo.runtime.beam_search)
+    "cuda_graph"  greedy / sampled on CUDA where the static step applies (colozoo.runtime.static_decode): the default
+    "static"      the same step run eagerly: cache_implementation="static" on the CPU, or with disable_compile=True
+    "compiled"    the same step torch.compile'd: a compile_config on a call that takes the static step
+    "eager"       the cache growing a slice a step (colozoo.runtime.decode_steps): beam search
+                  (colozoo.runtime.beam_search), pp > 1, MoE layers, dynamic / LongRoPE scaling, FSDP-sharded or
+                  offloaded weights, training mode; the CPU by default; cache_implementation="dynamic";
+                  disable_compile=True alone
 
-Every path returns the same tokens, scores and logits. Greedy and sampled decoding here, the options resolved as transformers resolves them
+Every path returns the same tokens, scores and logits. The options are resolved as transformers resolves them
 (colozoo.runtime.generation_config: the call's, the model's `generation_config`, transformers' defaults). Token choice
 (colozoo.runtime.sampling) runs on identical logits with the same seeded generator on every rank that chooses, so
 every rank returns the same result. Nothing of a call is kept: timings and the cache size come back in the output.
@@ -100,7 +100,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     if decoding.num_return_sequences > 1:  # sampling: each prompt's copies draw their own tokens
         input_ids = input_ids.repeat_interleave(decoding.num_return_sequences, dim=0)
         mask = mask.repeat_interleave(decoding.num_return_sequences, dim=0)
-    path, _ = decode_path(model, decoding)
+    path, _ = decode_path(model, decoding, num_microbatches)
     if path != "eager":
         return static_sample(model, input_ids, mask, decoding, stop, streamer, path)
     return _sample(model, input_ids, mask, decoding, stop, streamer, num_microbatches)

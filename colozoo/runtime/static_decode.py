@@ -45,11 +45,13 @@ from colozoo.runtime.sampling import choose, eos_ids, finish, process
 CHECK_EVERY = 8  # steps between the host's looks at whether every sequence ended (a wait for the device each)
 
 
-def static_refusal(model, decoding: Decoding) -> str | None:
+def static_refusal(model, decoding: Decoding, num_microbatches: int | None = None) -> str | None:
     """Why the static step cannot decode this call, or None."""
     pc = model.pc
     if pc.config.pp > 1:
         return f"pipeline parallelism (pp={pc.config.pp}) hands micro-batches between stages from the host"
+    if num_microbatches not in (None, 1):
+        return f"num_microbatches={num_microbatches} runs the batch as micro-batches one after another"
     if decoding.num_beams > 1:
         return "beam search reorders its cache by the host's choice of beams every step"
     if not decoding.use_cache:
@@ -62,19 +64,19 @@ def static_refusal(model, decoding: Decoding) -> str | None:
         return "its RoPE scaling (dynamic or LongRoPE) chooses the frequencies by the longest position"
     if model.reencode_length is not None and decoding.max_length >= model.reencode_length:
         return f"{model.family} encodes the whole sequence again at {model.reencode_length} tokens"
-    if any(type(p.data) is not torch.Tensor or p.device != pc.device for p in model.parameters()):
+    if any(type(p.data) is not torch.Tensor or p.device.type != pc.device.type for p in model.parameters()):
         return "its weights are sharded (FSDP) or offloaded: hooks around every forward gather them"
     return None
 
 
-def decode_path(model, decoding: Decoding) -> tuple[str, str | None]:
+def decode_path(model, decoding: Decoding, num_microbatches: int | None = None) -> tuple[str, str | None]:
     """("cuda_graph" | "compiled" | "static" | "eager", why not the static step) for a greedy or sampled call: the
     static step replayed from a CUDA graph on CUDA where it applies (the default), eagerly with
     cache_implementation="static" elsewhere or with disable_compile, torch.compile'd with a compile_config; a named
     static cache it cannot take is refused."""
     if decoding.cache_implementation == "dynamic":
         return "eager", "cache_implementation='dynamic'"
-    refusal = static_refusal(model, decoding)
+    refusal = static_refusal(model, decoding, num_microbatches)
     asked = decoding.cache_implementation is not None
     if refusal is not None and asked:
         raise ValueError(f"cache_implementation={decoding.cache_implementation!r} cannot decode this call: {refusal}; "
