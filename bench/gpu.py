@@ -80,7 +80,8 @@ class Clock:
     def refusal(self, kind: str) -> str | None:
         left = self.deadline - time.monotonic()
         if left < self.took[kind]:
-            return f"out of time: a {kind} case takes ~{self.took[kind]:.0f} s, {max(left, 0):.0f} s left of {self.budget:.0f}"
+            return (f"out of time: a {kind} case takes ~{self.took[kind]:.0f} s, {max(left, 0):.0f} s left of "
+                    f"{self.budget:.0f}")
         return None
 
     def record(self, kind: str, seconds: float):

@@ -147,7 +147,8 @@ def test_options_resolve_as_transformers_resolves_them():
     (dict(max_length=PROMPT), "max_length"), (dict(do_sample=True, temperature=0), "temperature"),
     (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
-    (dict(cache_implementation="offloaded"), "cache_implementation='offloaded' is not implemented"), (dict(num_return_sequences=2), "greedy decoding"),
+    (dict(cache_implementation="offloaded"), "cache_implementation='offloaded' is not implemented"),
+    (dict(num_return_sequences=2), "greedy decoding"),
     (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"), (dict(num_beams=2, do_sample=True), "beam")])
 def test_bad_options_get_one_clear_error(bad, match):
     with pytest.raises(ValueError, match=match):

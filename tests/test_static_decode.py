@@ -28,8 +28,8 @@ STATIC_FAMILIES = {**FAMILIES, **GEMMA, **QWEN, "deepseek_v3": dict(DEEPSEEK, fi
 
 def compiled_steps(tp: int = 1, family: str = "llama", config=LLAMA, steps: int = STEPS):
     """Greedy steps of the step compiled by dynamo (backend "eager": the capture is what is tested, and the cheapest
-    backend that proves it) with a recompilation an error; (the tokens equal transformers' and the eager loop's,
-    dynamo's graph count, its graph breaks)."""
+    backend that proves it) with a recompilation an error; (the tokens, and generate's on the static step, equal
+    transformers', the tokens equal the eager loop's, dynamo's graph count, its graph breaks)."""
     from torch._dynamo.utils import counters
 
     from colozoo.layers.vocab import LogitsRequest
@@ -53,8 +53,9 @@ def compiled_steps(tp: int = 1, family: str = "llama", config=LLAMA, steps: int 
             logits = compiled(model, step.cache, step.tokens, step.positions, step.logits)
         tokens.append(logits.argmax(dim=-1))
     got = torch.cat([ids, torch.stack(tokens, dim=1)], dim=1)
-    return (torch.equal(got, expected), torch.equal(got, eager), counters["stats"]["unique_graphs"],
-            sum(counters["graph_break"].values()))
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **options)  # tp: sharded argmax
+    return (torch.equal(got, expected) and torch.equal(static, expected), torch.equal(got, eager),
+            counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
 
 def test_the_step_compiles_whole_once_and_gives_transformers_tokens():

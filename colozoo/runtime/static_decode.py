@@ -23,11 +23,12 @@ transformers' `compile_config` (fused kernels, for the price of compiling; its m
 CUDA graphs of its own). The graph lives for the call: nothing is kept on the model between calls, and its cache
 memory goes when the call returns.
 
-Where it applies: pp = 1 (stages pass micro-batches by the host), no beam search (it reorders its cache by the
-host's choice), use_cache, no mixture-of-experts layer (their experts' token counts are read on the host), fixed
-RoPE frequencies (dynamic and LongRoPE scaling choose by the longest position), no re-encoding within max_length
-(Phi-3), plain weights on the device (not FSDP-sharded or offloaded), eval mode. `decode_path` says which path a
-call takes and why.
+Where it applies: pp = 1 (stages pass micro-batches by the host) and no num_microbatches, no beam search (it
+reorders its cache by the host's choice), use_cache, no mixture-of-experts layer (their experts' token counts are
+read on the host), fixed RoPE frequencies (dynamic and LongRoPE scaling choose by the longest position), no
+re-encoding within max_length (Phi-3), plain weights on the device (not FSDP-sharded or offloaded), eval mode.
+`decode_path` says which path a call takes and why. A step reads every slot of the cache (the masked ones too): up
+to twice the cache bytes of a growing slice over a call, small beside the weights until the cache outgrows them.
 """
 from __future__ import annotations
 
