@@ -25,8 +25,8 @@ class GenerateOutput:
     """What `generate(..., return_dict_in_generate=True)` returns: transformers' fields (`scores`: each step's
     processed scores, with output_scores; `logits`: each step's raw logits, with output_logits; beam search adds
     `sequences_scores` and `beam_indices`) and how it went (the seconds of the prefill and of the decode steps, the
-    elements this rank's KV cache held, and the path the decoding took: "cuda_graph", "static" or "eager", see
-    colozoo.runtime.static_decode)."""
+    elements this rank's KV cache held, and the path the decoding took: "cuda_graph", "compiled", "static" or
+    "eager", see colozoo.runtime.generate)."""
     sequences: torch.Tensor
     scores: tuple | None = None
     logits: tuple | None = None
