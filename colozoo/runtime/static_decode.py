@@ -32,6 +32,7 @@ to twice the cache bytes of a growing slice over a call, small beside the weight
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -143,26 +144,38 @@ def decode_step(model, cache: StaticKVCache, tokens: torch.Tensor, positions: to
 class CapturedStep:
     """`step()` replayed from a CUDA graph: the first call runs it eagerly on a side stream (what happens once —
     Triton's compilation, cuBLAS's workspace, lazy initialisation — happens outside the capture), the second
-    captures it, and every call from then on replays it. Returns the step's output, which each replay overwrites."""
+    captures it on that stream, and every call from then on replays it. Returns the step's output, which each replay
+    overwrites. (torch.cuda.CUDAGraph's own capture_begin/capture_end: the torch.cuda.graph context would also
+    synchronise, empty the allocator's cache and maybe collect garbage at every call of generate.)"""
 
     def __init__(self, step):
-        self.step, self.graph, self.output = step, None, None
+        self.step, self.graph, self.output, self.stream = step, None, None, torch.cuda.Stream()
 
     def __call__(self) -> torch.Tensor:
-        if self.graph is not None:
-            self.graph.replay()
-        elif self.output is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.output = self.step()
-            torch.cuda.current_stream().wait_stream(side)
-        else:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.output = self.step()
-            self.graph.replay()
+        if self.graph is None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                if self.output is None:  # the first call: eagerly
+                    self.output = self.step()
+                else:  # the second: captured (nothing runs), then replayed below
+                    self.graph, self.output = self._capture()
+            torch.cuda.current_stream().wait_stream(self.stream)
+            if self.graph is None:
+                return self.output
+        self.graph.replay()
         return self.output
+
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        try:
+            output = self.step()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the step's error, not the broken capture's
+                graph.capture_end()
+            raise
+        graph.capture_end()
+        return graph, output
 
 
 def _synchronize(device):
