@@ -7,10 +7,14 @@ runs on are shared: the best run is the one least disturbed). tp=2: two gloo pro
 colozoo's tensor parallelism against transformers' native one (a tp_plan="auto" DistributedConfig). The generated
 tokens must agree. One JSON line per figure: generate/tp1/prefill, generate/tp1/decode, generate/tp2/prefill,
 generate/tp2/decode (ratio = colozoo tokens/s over transformers'), generate/tp<N>/kv_cache (bytes per rank against
-2 x layers x kv heads/tp x head_dim x (prompt + new) x batch x 4).
+2 x layers x kv heads/tp x head_dim x (prompt + new) x batch x 4), and generate/tp1/compiled: colozoo's static decode
+step torch.compile'd by inductor (generate(cache_implementation="static", compile_config=...), fullgraph, static
+shapes; the compile timed apart) against colozoo's eager loop, with the static step run eagerly beside them (ratio =
+compiled decode tokens/s over the eager loop's; the tokens must agree).
 
     python bench/generate.py [--hidden 512] [--layers 4] [--batch 4] [--prompt 64] [--new 32] [--repeats 7]
-    python bench/generate.py --tp 1            # only the one-process case
+    python bench/generate.py --tp 1            # only the one-process cases
+    python bench/generate.py --skip-compiled   # without the compiled step (its compile takes a minute or two)
 """
 from __future__ import annotations
 
@@ -74,6 +78,32 @@ def measure(ours, hf, ids, mask, args, pc=None):
     return out
 
 
+def compiled_against_eager(ours, ids, mask, args):
+    """The static step compiled, and run eagerly, against the eager loop: one JSON line."""
+    options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode=None)
+    sides = {"compiled": dict(cache_implementation="static", compile_config=compile_config),
+             "static": dict(cache_implementation="static"), "eager": {}}
+    generate = {side: (lambda n, kw=kw: ours.generate(ids, attention_mask=mask, max_new_tokens=n, **options, **kw))
+                for side, kw in sides.items()}
+    start = time.perf_counter()
+    generate["compiled"](args.new)
+    compile_s = time.perf_counter() - start
+    runs, tokens = {side: [] for side in sides}, {}
+    for _ in range(args.repeats):
+        for side, fn in generate.items():
+            p, w, tokens[side] = timed(fn, args.new)
+            runs[side].append((p, w))
+    decode = {side: rates(min(r[0] for r in runs[side]), min(r[1] for r in runs[side]), args, int(mask.sum()))[
+        "decode_tokens_per_s"] for side in sides}
+    print(json.dumps({"bench": "generate/tp1/compiled", "config": dict(vars(args), tp=1, backend="inductor"),
+                      "metrics": {f"{side}_decode_tokens_per_s": rate for side, rate in decode.items()}
+                      | {"compile_s": compile_s,
+                         "same_tokens": all(torch.equal(t, tokens["eager"]) for t in tokens.values())},
+                      "peer": "colozoo's eager generate (the growing cache)",
+                      "ratio": decode["compiled"] / decode["eager"]}), flush=True)
+
+
 def cache_bytes(model, config, args, tp):
     head_dim = config.hidden_size // config.num_attention_heads
     formula = (2 * config.num_hidden_layers * (config.num_key_value_heads // tp) * head_dim
@@ -114,6 +144,9 @@ def one_process(args):
         metrics = measure(ours.eval(), hf, ids, mask, args)
     metrics["kv_cache_bytes"], metrics["kv_cache_bytes_formula"] = cache_bytes(ours, config, args, 1)
     report("tp1", dict(vars(args), tp=1), metrics, "transformers generate (LlamaForCausalLM, sdpa, DynamicCache)")
+    if not args.skip_compiled:
+        with torch.no_grad():
+            compiled_against_eager(ours, ids, mask, args)
 
 
 def _tp_rank(rank, world, path, args):
@@ -146,6 +179,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tp", type=int, choices=(1, 2), default=None, help="only this case (default: both)")
+    parser.add_argument("--skip-compiled", action="store_true", help="no generate/tp1/compiled line")
     args = parser.parse_args()
     if args.tp in (None, 1):
         one_process(args)

@@ -1,175 +1,320 @@
-"""A tp=1 training step and greedy decoding on one CUDA GPU in bf16: colozoo (kernels "auto") against transformers
-(sdpa), same weights, one process. Needs a GPU; on CPU it prints one skip line.
+"""colozoo against its peers on one CUDA GPU in bf16, at the Llama-3.2-1B, Qwen3-1.7B and Gemma-2-2B shapes (random
+weights, the configs of colozoo's registry; the same weights on both sides). One JSON line per case:
 
-step/<family>: zero_grad + forward with labels + backward, bf16 weights on both sides. MFU = FLOPs of one step
-(torch's FlopCounterMode, both sides must agree) / median step time / the bf16 FLOP/s of an 8192^3 matmul timed in the
-same run. Also the peak memory of a step above the weights (torch.cuda.max_memory_allocated). "ratio" = transformers'
-step time / ours.
+gpu/train/<model>/<batch>x<seq> (4x2048, 8x4096, 1x16384): zero_grad + forward with labels + backward, against
+transformers patched by Liger-Kernel (`liger_kernel.transformers.apply_liger_kernel_to_<family>`: RMSNorm, RoPE,
+SwiGLU / GeGLU, the fused linear cross entropy; sdpa attention, which leaves Gemma 2's score cap out). Median ms of
+--repeats steps; memory = the peak allocated during a step above what was allocated before it (the weights: the
+gradients are freed by zero_grad). ratio = colozoo's tokens/s over Liger's; memory_ratio = colozoo's step memory over
+Liger's (< 1: colozoo needs less).
 
-generate/llama: greedy decoding of --new tokens after a --prompt-token prompt, batch --decode-batch, KV cache on both
-sides; tokens must be identical; "ratio" = our decode tokens/s / transformers'.
+gpu/decode/<model>/b<batch> (1 and 16): greedy decoding of --new tokens after a --prompt-token prompt. colozoo's
+generate (on CUDA its decode step replayed from a CUDA graph) against transformers' generate (DynamicCache), and the
+roofline: batch / ((the weights' bytes + the KV cache's bytes at the mean length) / the bandwidth of a
+device-to-device copy measured in the same run, bytes read + written per second). Decode tokens/s = batch x (new - 1)
+/ (time of generate(new) - time of generate(1)), medians of --repeats runs alternating the sides. ratio = colozoo's
+decode tokens/s over transformers'.
 
-    python bench/gpu.py [--families llama,gpt2] [--hidden 2048] [--layers 8] [--batch 4] [--seq 2048]
+gpu/decode_compiled/<model>/b<batch>: transformers' static cache with torch.compile (generate with
+cache_implementation="static", which compiles its decoding forward on CUDA: the first call, not timed, compiles)
+against colozoo's generate; last, since compiling takes about a minute a case.
+
+Cases run in that order of importance within --budget seconds: a case that would not fit in what is left prints
+{"bench": ..., "skipped": "out of time: ..."} (so do cases whose peer cannot run: "skipped": why), a case that fails
+prints its "error". --dry-run runs every case on the CPU at tiny sizes in fp32 (Liger off; what
+tests/test_bench_gpu.py checks): none of its numbers is a GPU's.
+
+    python bench/gpu.py [--budget 270] [--models llama,qwen3,gemma2] [--repeats 5] [--dry-run]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import importlib
 import json
 import os
 import statistics
+import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from colozoo.api import build_model  # noqa: E402
-from colozoo.checkpoint.load import load_hf_weights  # noqa: E402
-from colozoo.checkpoint.readers import StateDictReader  # noqa: E402
-
-
-def hf_config(family: str, args):
-    h, heads = args.hidden, args.hidden // 128
-    if family == "llama":  # as many kv heads as heads: torch's FLOP counter refuses grouped-query SDPA
-        return transformers.LlamaConfig(hidden_size=h, intermediate_size=-(-8 * h // 3 // 256) * 256,
-                                        num_attention_heads=heads, num_key_value_heads=heads,
-                                        num_hidden_layers=args.layers, vocab_size=args.vocab,
-                                        max_position_embeddings=max(args.seq, 4096))
-    if family == "gpt2":
-        return transformers.GPT2Config(n_embd=h, n_head=heads, n_layer=args.layers, vocab_size=50257,
-                                       n_positions=max(args.seq, 1024), resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0)
-    raise SystemExit(f"unknown family {family!r}; choose llama or gpt2")
+MODELS = {"llama": "Llama-3.2-1B", "qwen3": "Qwen3-1.7B", "gemma2": "gemma-2-2b"}
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+TRAIN_SHAPES = ((4, 2048), (8, 4096), (1, 16384))
+DECODE_BATCHES = (1, 16)
+# seconds a case takes on an H100, first guesses (model build included); a finished case of a kind replaces them
+ESTIMATE_S = {"train": 20.0, "decode": 15.0, "decode_compiled": 90.0}
+DRY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=16, vocab_size=256, max_position_embeddings=512)
 
 
-def build_pair(config):
+def sizes(args) -> dict:
+    """Token shapes of the run: the real ones, or tiny ones for a dry run."""
+    if args.dry_run:
+        return dict(train=((2, 16), (1, 32)), batches=(1, 2), prompt=8, new=4)
+    return dict(train=TRAIN_SHAPES, batches=DECODE_BATCHES, prompt=args.prompt, new=args.new)
+
+
+def cases(args) -> list[tuple[str, str, tuple]]:
+    """(kind, family, shape) in order of importance: every model's decoding and smallest training step, then the
+    larger steps, then the compiled peer."""
+    shapes, families = sizes(args), args.models.split(",")
+    first = [case for f in families for case in [("decode", f, (b,)) for b in shapes["batches"]]
+             + [("train", f, shapes["train"][0])]]
+    larger = [("train", f, shape) for f in families for shape in shapes["train"][1:]]
+    return first + larger + [("decode_compiled", f, (b,)) for f in families for b in shapes["batches"]]
+
+
+class Clock:
+    """The run's budget: whether a case of a kind still fits (by what the last one of its kind took)."""
+
+    def __init__(self, budget: float):
+        self.budget, self.deadline, self.took = budget, time.monotonic() + budget, dict(ESTIMATE_S)
+
+    def refusal(self, kind: str) -> str | None:
+        left = self.deadline - time.monotonic()
+        if left < self.took[kind]:
+            return (f"out of time: a {kind} case takes ~{self.took[kind]:.0f} s, {max(left, 0):.0f} s left of "
+                    f"{self.budget:.0f}")
+        return None
+
+    def record(self, kind: str, seconds: float):
+        self.took[kind] = seconds
+
+
+def model_config(family: str, args):
+    from colozoo.registry import get_config
+
+    config = copy.deepcopy(get_config(MODELS[family]))
+    if args.dry_run:
+        for name, value in DRY.items():
+            setattr(config, name, value)
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:DRY["num_hidden_layers"]]
+    return config
+
+
+@contextlib.contextmanager
+def liger_patched(family: str):
+    """transformers' modeling module of `family` patched by Liger-Kernel while models are built, then restored (Liger
+    patches module globals and the LM class's forward: the decoding cases keep plain transformers)."""
+    import liger_kernel.transformers as liger
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    saved, lm = dict(vars(module)), getattr(module, CAUSAL_LM[family])
+    forward = lm.__dict__["forward"]
+    getattr(liger, f"apply_liger_kernel_to_{family}")()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if vars(module)[name] is not value:
+                setattr(module, name, value)
+        lm.forward = forward
+
+
+def attention(family: str, train: bool, device) -> str:
+    """transformers' attention: sdpa, but for Gemma 2, which refuses it (it cannot cap scores): flex attention to
+    train on CUDA (memory like a flash kernel's), eager to decode and on CPU."""
+    if family != "gemma2":
+        return "sdpa"
+    return "flex_attention" if train and device.type == "cuda" else "eager"
+
+
+def build_pair(family: str, args, device, dtype, liger: bool, train: bool):
+    """(colozoo's model, transformers' (Liger-patched) model) with the same random weights."""
+    from colozoo.api import build_model
+    from colozoo.checkpoint.load import load_hf_weights
+    from colozoo.checkpoint.readers import StateDictReader
+
+    config = model_config(family, args)
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                       dtype=torch.bfloat16).cuda()
-    ours = build_model(config, device="meta", dtype=torch.bfloat16)
-    load_hf_weights(ours, StateDictReader({k: v.detach() for k, v in hf.state_dict().items()}), device="cuda")
-    return {"colozoo": ours, "hf": hf}
+    with liger_patched(family) if liger else contextlib.nullcontext(), torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(family, train, device),
+                                                           dtype=dtype)
+    ours = build_model(config, device="meta", dtype=dtype)
+    load_hf_weights(ours, StateDictReader({k: v.detach() for k, v in hf.state_dict().items()}), device=device)
+    return ours, hf
 
 
-def cuda_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def matmul_peak(n: int = 8192) -> float:
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda",
-                                                                                dtype=torch.bfloat16)
+def seconds(fn, device):
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a device-to-device copy of 1 GiB (64 MiB on CPU)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
     for _ in range(3):
-        a @ b
-    return 2 * n ** 3 / (statistics.median(cuda_ms(lambda: a @ b) for _ in range(10)) * 1e-3)
+        dst.copy_(src)
+    return 2 * n / statistics.median(seconds(lambda: dst.copy_(src), device)[0] for _ in range(10))
 
 
-def bench_step(family, args, peak):
-    models = build_pair(hf_config(family, args))
-    ids = torch.randint(0, models["hf"].config.vocab_size, (args.batch, args.seq), device="cuda")
+def step_memory(step, model, device) -> int | None:
+    """Peak bytes allocated during a step above what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
-    def step(name):
-        model = models[name]
 
-        def run():
-            model.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            return loss.detach()
-        return run
+def train_case(family, shape, args, device, dtype) -> dict:
+    liger = device.type == "cuda"
+    ours, hf = build_pair(family, args, device, dtype, liger=liger, train=True)
+    batch, seq = shape
+    ids = torch.randint(0, ours.config.vocab_size, (batch, seq), device=device)
+    models, times, losses, memory = {"colozoo": ours.train(), "peer": hf.train()}, {"colozoo": [], "peer": []}, {}, {}
 
-    flops, losses, memory, times = {}, {}, {}, {name: [] for name in models}
-    for name in models:
-        with FlopCounterMode(display=False) as counter:
-            losses[name] = step(name)().item()
-        flops[name] = counter.get_total_flops()
-        step(name)()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step(name)()
-        memory[name] = torch.cuda.max_memory_allocated() - base
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    for name, model in models.items():
+        losses[name] = float(step(model))
+        memory[name] = step_memory(lambda: step(model), model, device)
     for _ in range(args.repeats):
-        for name in models:
-            times[name].append(cuda_ms(step(name)))
-    ms = {name: statistics.median(t) for name, t in times.items()}
-    mfu = {name: flops[name] / (ms[name] * 1e-3) / peak for name in models}
-    print(json.dumps({
-        "bench": f"gpu/step/{family}",
-        "config": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch, "seq": args.seq,
-                   "vocab": models["hf"].config.vocab_size, "dtype": "bfloat16", "device": torch.cuda.get_device_name(),
-                   "repeats": args.repeats},
-        "metrics": {"colozoo_ms": round(ms["colozoo"], 2), "hf_ms": round(ms["hf"], 2),
-                    "colozoo_mfu": round(mfu["colozoo"], 3), "hf_mfu": round(mfu["hf"], 3),
-                    "colozoo_step_memory_gb": round(memory["colozoo"] / 2**30, 2),
-                    "hf_step_memory_gb": round(memory["hf"] / 2**30, 2),
-                    "colozoo_gflop": round(flops["colozoo"] / 1e9), "hf_gflop": round(flops["hf"] / 1e9),
-                    "peak_tflops": round(peak / 1e12), "loss_diff": abs(losses["colozoo"] - losses["hf"])},
-        "peer": "transformers AutoModelForCausalLM, attn_implementation=sdpa, bf16",
-        "ratio": round(ms["hf"] / ms["colozoo"], 3)}), flush=True)
-    models.clear()
-    torch.cuda.empty_cache()
-
-
-def bench_generate(args):
-    models = build_pair(hf_config("llama", args))
-    ids = torch.randint(3, args.vocab, (args.decode_batch, args.prompt), device="cuda")
-    mask = torch.ones_like(ids)
-    options = dict(max_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    out, prefill, total = {}, {name: [] for name in models}, {name: [] for name in models}
-    with torch.no_grad():
         for name, model in models.items():
-            model.eval()
-            out[name] = model.generate(ids, attention_mask=mask, **options)  # warm
-        for _ in range(args.repeats):
-            for name, model in models.items():
-                prefill[name].append(cuda_ms(lambda: model.generate(ids, attention_mask=mask,
-                                                                    **{**options, "max_new_tokens": 1})))
-                total[name].append(cuda_ms(lambda: model.generate(ids, attention_mask=mask, **options)))
-    decode = {name: args.decode_batch * (args.new - 1) / ((statistics.median(total[name])
-                                                           - statistics.median(prefill[name])) * 1e-3)
-              for name in models}
-    print(json.dumps({
-        "bench": "gpu/generate/llama",
-        "config": {"hidden": args.hidden, "layers": args.layers, "batch": args.decode_batch, "prompt": args.prompt,
-                   "new": args.new, "dtype": "bfloat16", "device": torch.cuda.get_device_name()},
-        "metrics": {"colozoo_decode_tokens_per_s": round(decode["colozoo"]), "hf_decode_tokens_per_s":
-                    round(decode["hf"]), "colozoo_prefill_ms": round(statistics.median(prefill["colozoo"]), 2),
-                    "hf_prefill_ms": round(statistics.median(prefill["hf"]), 2),
-                    "same_tokens": bool(torch.equal(out["colozoo"], out["hf"]))},
-        "peer": "transformers generate (DynamicCache, sdpa), bf16",
-        "ratio": round(decode["colozoo"] / decode["hf"], 3)}), flush=True)
+            times[name].append(seconds(lambda: step(model), device)[0])
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    metrics = {"colozoo_ms": round(ms["colozoo"], 2), "peer_ms": round(ms["peer"], 2),
+               "colozoo_tokens_per_s": round(batch * seq / ms["colozoo"] * 1e3),
+               "peer_tokens_per_s": round(batch * seq / ms["peer"] * 1e3),
+               "loss_diff": abs(losses["colozoo"] - losses["peer"])}
+    if memory["colozoo"] is not None:
+        metrics.update(colozoo_step_memory_gb=round(memory["colozoo"] / 2**30, 2),
+                       peer_step_memory_gb=round(memory["peer"] / 2**30, 2),
+                       memory_ratio=round(memory["colozoo"] / memory["peer"], 3))
+    peer = (f"transformers + Liger-Kernel ({hf.config._attn_implementation})" if liger
+            else f"transformers ({hf.config._attn_implementation}; Liger-Kernel runs on CUDA only)")
+    return dict(metrics=metrics, peer=peer, ratio=round(ms["peer"] / ms["colozoo"], 3))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="llama,gpt2")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000, help="LLaMA's vocabulary (GPT-2 keeps its own)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--decode-batch", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--skip-generate", action="store_true")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print(json.dumps({"bench": "gpu", "skipped": "no CUDA device"}))
-        return
-    peak = matmul_peak()
-    for family in filter(None, args.families.split(",")):
-        bench_step(family, args, peak)
-    if not args.skip_generate:
-        bench_generate(args)
+def rounded(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def decode_rate(generate, args, device, batch: int) -> tuple[float | None, torch.Tensor]:
+    """(decode tokens/s, the tokens), generate(n) taking max_new_tokens; None when noise hid the decoding."""
+    tokens = generate(args.new)  # warm (and, for a compiled peer, compile)
+    prefill = statistics.median(seconds(lambda: generate(1), device)[0] for _ in range(args.repeats))
+    whole = statistics.median(seconds(lambda: generate(args.new), device)[0] for _ in range(args.repeats))
+    return (batch * (args.new - 1) / (whole - prefill) if whole > prefill else None), tokens
+
+
+def roofline(ours, batch: int, args, bandwidth: float) -> float:
+    """Decode tokens/s if a step only read the weights and the KV cache (at the mean length) at copy bandwidth."""
+    from colozoo.cost.inference import kv_cache_bytes
+
+    config = ours.config
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in ours.parameters()}.values())
+    length = args.prompt + args.new // 2
+    cache = kv_cache_bytes(config, config.num_hidden_layers, 1, batch, length, next(ours.parameters()).element_size())
+    return batch / ((weights + cache) / bandwidth)
+
+
+def decode_case(family, shape, args, device, dtype, bandwidth, compiled: bool = False) -> dict:
+    ours, hf = build_pair(family, args, device, dtype, liger=False, train=False)
+    batch, = shape
+    ids = torch.randint(3, ours.config.vocab_size, (batch, args.prompt), device=device)
+    options = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+    path = ours.eval().generate(ids, max_new_tokens=2, return_dict_in_generate=True, **options).decode_path
+    peer = dict(cache_implementation="static") if compiled else {}
+    rates, tokens = {}, {}
+    with torch.no_grad():
+        for name, generate in (("colozoo", lambda n: ours.generate(ids, max_new_tokens=n, **options)),
+                               ("peer", lambda n: hf.eval().generate(ids, max_new_tokens=n, **options, **peer))):
+            rates[name], tokens[name] = decode_rate(generate, args, device, batch)
+    bound = roofline(ours, batch, args, bandwidth)
+    metrics = {"colozoo_decode_tokens_per_s": rounded(rates["colozoo"]),
+               "peer_decode_tokens_per_s": rounded(rates["peer"]), "roofline_tokens_per_s": round(bound, 1),
+               "colozoo_of_roofline": rates["colozoo"] and round(rates["colozoo"] / bound, 3),
+               "copy_gb_per_s": round(bandwidth / 1e9),
+               "colozoo_decode_path": path, "same_tokens": bool(torch.equal(tokens["colozoo"], tokens["peer"]))}
+    what = "static cache + torch.compile" if compiled else "DynamicCache"
+    return dict(metrics=metrics, peer=f"transformers generate ({what}, {hf.config._attn_implementation})",
+                ratio=rates["colozoo"] and rates["peer"] and round(rates["colozoo"] / rates["peer"], 3))
+
+
+def run_case(kind, family, shape, args, device, dtype, bandwidth) -> dict:
+    if kind == "train":
+        return train_case(family, shape, args, device, dtype)
+    return decode_case(family, shape, args, device, dtype, bandwidth, compiled=kind == "decode_compiled")
+
+
+def liger_missing(device) -> str | None:
+    if device.type != "cuda":
+        return None
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as e:
+        return f"liger-kernel is not installed ({e}): pip install 'colozoo[bench]'"
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"of {sorted(MODELS)}")
+    parser.add_argument("--budget", type=float, default=270.0, help="seconds for every case together")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--dry-run", action="store_true", help="every case on the CPU at tiny sizes (no GPU figure)")
+    args = parser.parse_args(argv)
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {sorted(MODELS)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        print(json.dumps({"bench": "gpu", "skipped": "no CUDA device (--dry-run checks the script on the CPU)"}))
+        return 0
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    args.prompt, args.new = sizes(args)["prompt"], sizes(args)["new"]
+    args.repeats = 1 if args.dry_run else args.repeats
+    clock, bandwidth, no_liger = Clock(args.budget), copy_bandwidth(device), liger_missing(device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
+    for kind, family, shape in cases(args):
+        line = {"bench": f"gpu/{kind}/{MODELS[family].lower()}/" + ("x".join(map(str, shape)) if kind == "train"
+                                                                      else f"b{shape[0]}"),
+                "config": {"model": MODELS[family], "shape": list(shape), "dtype": str(dtype).split(".")[-1],
+                           "device": name, "repeats": args.repeats, "prompt": args.prompt, "new": args.new}}
+        skipped = clock.refusal(kind) or (no_liger if kind == "train" else None)
+        if skipped:
+            print(json.dumps({**line, "skipped": skipped}), flush=True)
+            continue
+        started = time.monotonic()
+        try:
+            line.update(run_case(kind, family, shape, args, device, dtype, bandwidth))
+        except Exception as e:  # one case's failure (a peer's version, memory) is its line, not the run's end
+            line["error"] = f"{type(e).__name__}: {e}"[:500]
+        clock.record(kind, time.monotonic() - started)
+        print(json.dumps(line), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

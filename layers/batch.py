@@ -52,7 +52,8 @@ class BatchContext:
     rope_scale: float = 1.0                        # YaRN / LongRoPE attention factor
     local_rope_inv_freq: torch.Tensor | None = None  # Gemma 3's sliding-window layers rotate with their own base
     output_router_logits: bool = False             # MoE: compute the router losses
-    router_logits: RouterLogits = field(default_factory=RouterLogits)
+    router_logits: RouterLogits = field(default_factory=lambda: RouterLogits())  # a class as the factory breaks
+    # torch.compile's graph (dynamo traces a call of the class, not the class as a factory): decode steps compile whole
     router_stats_in: torch.Tensor | None = None    # MoE under pp: the router statistics of earlier stages' layers
     # set by the run
     cp: ContextParallel | None = None        # context parallelism: tokens are this rank's zigzag share

@@ -140,8 +140,13 @@ def copy_to_parallel(x, group):
 
 
 def reduce_from_parallel(x, group, in_place: bool = False):
-    """`in_place`: sum into x itself, a temporary of the caller's (a layer's partial output), saving a copy."""
-    return _ReduceFromParallel.apply(x, group, in_place) if _active(group) else x
+    """`in_place`: sum into x itself, a temporary of the caller's (a layer's partial output), saving a copy. Without
+    gradients the plain all-reduce (torch.compile traces it into one graph: the Function's mark_dirty it cannot)."""
+    if not _active(group):
+        return x
+    if not torch.is_grad_enabled():
+        return all_reduce(x if in_place else x.clone(), group)
+    return _ReduceFromParallel.apply(x, group, in_place)
 
 
 def split_to_parallel(x, group, dim=-1):

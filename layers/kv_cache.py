@@ -13,6 +13,10 @@ as the "keys" and its rotary key as the "values", one head each, instead of ever
 
 After a forward in which every layer wrote, the caller (colozoo.runtime.generate) calls `cache.advance(new)`; to encode
 the whole sequence again, `cache.restart()`.
+
+StaticKVCache is the same cache with decode steps of static shapes (what CUDA graphs and torch.compile capture, see
+colozoo.runtime.static_decode): after the prefill (`start_decoding`) the write position is a device tensor; a step
+writes its one position there and attends over every slot under a mask built on the device from that position.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import torch
 
 
 class KVCache:
+    zeroed = False  # buffers start as zeros (a step that reads slots nobody wrote multiplies them by 0: no NaN)
+
     def __init__(self, key_keep: torch.Tensor, max_len: int):
         """`key_keep`: (batch, prompt) the prompt's attention mask (1 = token, 0 = left padding)."""
         batch, prompt = key_keep.shape
@@ -68,7 +74,8 @@ class KVCache:
         ring = window is not None and window < self.max_len
         if layer not in self.buffers:
             batch, length = self.key_keep.shape[0], window if ring else self.max_len
-            self.buffers[layer] = tuple(t.new_empty(batch, t.shape[1], length, t.shape[3]) for t in (k, v))
+            allocate = torch.Tensor.new_zeros if self.zeroed else torch.Tensor.new_empty
+            self.buffers[layer] = tuple(allocate(t, batch, t.shape[1], length, t.shape[3]) for t in (k, v))
         keys, values = (b[self.rows] for b in self.buffers[layer])
         if not ring:
             keys[:, :, self.length:end] = k
@@ -107,6 +114,10 @@ class KVCache:
             keep = keep & (k_pos > q_pos - window)
         return keep[None, None] & self.key_keep[self.rows, None, None, :end]
 
+    def buffers_flat(self) -> list[torch.Tensor]:
+        """Every layer's keys and values buffers."""
+        return [t for pair in self.buffers.values() for t in pair]
+
     def numel(self) -> int:
         """Elements held for keys and values on this rank."""
         return sum(k.numel() + v.numel() for k, v in self.buffers.values())
@@ -121,3 +132,47 @@ def keys_values_mask(ctx, layer: int, k: torch.Tensor, v: torch.Tensor, causal: 
         return k, v, ctx.mask_for(window), causal
     k, v, mask = ctx.cache.update(layer, k, v, window)
     return k, v, mask, False
+
+
+class StaticKVCache(KVCache):
+    """A KVCache whose decode steps have static shapes and read nothing back to the host: after `start_decoding`
+    every step writes one position at `position` (a 0-d device tensor; a sliding-window layer's ring at position
+    % window) and returns the whole buffers with the mask (batch, 1, 1, slots) of the slots that hold a real token
+    the query may see. The step moves `position` on itself (colozoo.runtime.static_decode)."""
+
+    position: torch.Tensor | None = None
+    zeroed = True  # a step attends over every slot: an unwritten one must hold no NaN, which a masked 0 keeps
+
+    def start_decoding(self):
+        """The prefill is cached (`advance` counted it): from now on one token a step, at a device position."""
+        device = self.key_keep.device
+        self.position = torch.full((), self.length, dtype=torch.long, device=device)
+        self.slots = torch.arange(self.max_len, device=device)
+        self.masks = {}
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
+        if self.position is None:  # the prefill: the growing cache's update
+            return super().update(layer, k, v, window)
+        if k.shape[2] != 1:
+            raise ValueError(f"a static cache's decode step takes one token per sequence, got {k.shape[2]}")
+        ring = window is not None and window < self.max_len
+        slot = (self.position % window if ring else self.position).view(1)
+        keys, values = (b[self.rows] for b in self.buffers[layer])
+        keys.index_copy_(2, slot, k)
+        values.index_copy_(2, slot, v)
+        return keys, values, self.step_mask(window if ring else None)
+
+    def step_mask(self, window: int | None) -> torch.Tensor:
+        """(batch, 1, 1, slots): the full cache's positions up to `position`, or the ring slots of a window layer
+        that hold a real token (what KVCache.ring_mask keeps), built once per step and window."""
+        key = ("step", window, self.rows.start, self.rows.stop)
+        if key not in self.masks:
+            keep_rows = self.key_keep[self.rows]
+            if window is None:
+                keep = keep_rows & (self.slots <= self.position)
+            else:
+                slot = self.slots[:window]
+                newest = self.position - (self.position - slot) % window  # the newest position each slot holds
+                keep = keep_rows.gather(1, newest.clamp(min=0).expand(keep_rows.shape[0], -1)) & (newest >= 0)
+            self.masks[key] = keep[:, None, None, :]
+        return self.masks[key]

@@ -11,7 +11,6 @@ their own RoPE base (rope_parameters["sliding_attention"]).
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from colozoo.layers import GatedMLP, RMSNorm
@@ -82,8 +81,9 @@ class Gemma2ForCausalLM(DecoderModel):
 
     def embed(self, input_ids, ctx):
         hidden = self.embed_tokens(input_ids, ctx.token_rows)
-        # transformers rounds the normaliser to the activation dtype first (sqrt(3072) in bf16 is 55.5, not 55.4)
-        return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
+        # transformers rounds the normaliser to the activation dtype first (sqrt(3072) in bf16 is 55.5, not 55.4);
+        # filled on the device, not copied from the host (a decode step replayed from a CUDA graph copies nothing)
+        return hidden * hidden.new_full((), self.config.hidden_size ** 0.5)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -85,8 +85,9 @@ def test_beam_search_at_tp2_and_pp2():
     assert all(run_distributed(beams_match_transformers, 2, families=["gpt2", "llama"], pp=2, timeout=TIMEOUT))
 
 
-def greedy_options_match_transformers(family, tp=1, pp=1):
-    """Scores and logits of every step, a list of eos ids, max_length and min_new_tokens, as transformers'."""
+def greedy_options_match_transformers(family, tp=1, pp=1, **ours):
+    """Scores and logits of every step, a list of eos ids, max_length and min_new_tokens, as transformers'. `ours`:
+    options for our generate only (test_static_decode: cache_implementation)."""
     pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
     config, hf, model = _varied(family, pc)
     ids, mask = prompts(config.vocab_size)
@@ -98,8 +99,8 @@ def greedy_options_match_transformers(family, tp=1, pp=1):
              dict(eos_token_id=None, repetition_penalty=1.3)]
     for options in cases:
         ref = hf.generate(ids, attention_mask=mask, **{**COMMON, **options})
-        got = model.generate(ids, attention_mask=mask, **{**COMMON, **options})
-        what = f"{family} tp={tp} pp={pp} {options}"
+        got = model.generate(ids, attention_mask=mask, **{**COMMON, **options, **ours})
+        what = f"{family} tp={tp} pp={pp} {options} {ours}"
         assert torch.equal(got.sequences, ref.sequences), f"{what}:\nours {got.sequences}\nhf   {ref.sequences}"
         _assert_steps_equal(got.scores, ref.scores, f"{what}: scores")
         _assert_steps_equal(got.logits, ref.logits, f"{what}: logits")
@@ -173,5 +174,8 @@ def test_the_models_generation_config_and_stop_strings(tmp_path, minilm):
     ours = model.generate(**ids, stop_strings=stops, tokenizer=tokenizer, eos_token_id=None)
     theirs = hf.generate(**ids, stop_strings=stops, tokenizer=tokenizer, eos_token_id=None)
     assert torch.equal(ours, theirs) and ours.shape[1] == free.shape[1] - 2
+    static = model.generate(**ids, stop_strings=stops, tokenizer=tokenizer, eos_token_id=None,
+                            cache_implementation="static")
+    assert torch.equal(static, theirs)
     with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
         model.generate(**ids, stop_strings=stops)

@@ -126,3 +126,72 @@ def test_auto_takes_the_triton_kernels_on_cuda(monkeypatch):
     with dispatch.use_kernels("auto"):
         model.train()(ids, labels=ids).loss.backward()
     assert {"rms_norm_triton", "apply_rotary_triton", "swiglu_triton"} <= set(calls), calls
+
+
+# --- the decode step replayed from a CUDA graph (colozoo.runtime.static_decode) -----------------------------------
+
+GRAPH_FAMILIES = ("llama", "gpt2", "mistral", "gemma2", "qwen3")  # GQA, learned positions, a ring, caps, q/k norms
+
+
+@pytest.mark.parametrize("family", GRAPH_FAMILIES)
+def test_graph_decode_equals_the_eager_loop(tmp_path, family):
+    """Greedy with rows that end early, and seeded sampling through every processor: the CUDA graph's tokens, scores
+    and logits are the eager loop's (the growing cache)."""
+    config, hf = saved(tmp_path, family, DENSE[family])
+    model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
+    ids, mask = (t.cuda() for t in prompts(config.vocab_size))
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)[:, ids.shape[1]:]
+    cases = [dict(do_sample=False, eos_token_id=[int(free[0, 2]), int(free[1, 5])]),
+             dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=1,
+                  eos_token_id=None)]
+    for case in cases:
+        options = dict(case, max_new_tokens=12, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+                       output_logits=True)
+        graph = model.generate(ids, attention_mask=mask, **options)
+        eager = model.generate(ids, attention_mask=mask, cache_implementation="dynamic", **options)
+        assert graph.decode_path == "cuda_graph" and eager.decode_path == "eager"
+        assert torch.equal(graph.sequences, eager.sequences), f"{family} {case}:\n{graph.sequences}\n{eager.sequences}"
+        for ours, theirs in zip(graph.scores + graph.logits, eager.scores + eager.logits, strict=True):
+            close(ours, theirs, FP32_ATOL, f"{family} {case}: scores and logits")
+
+
+def _syncs(model, ids, mask, new: int, **options) -> int:
+    """How many times a generate call made the host wait for the GPU (torch's sync debug mode counts them)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=0, **options)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_graph_decode_waits_for_the_gpu_only_every_few_steps(tmp_path):
+    """32 more tokens cost no wait for the GPU without an end-of-sequence id, greedy or sampled through every
+    processor, and one per 8 steps with one (the host looks whether every row ended); the eager loop waits at every
+    step."""
+    config, hf = saved(tmp_path, "llama", DENSE["llama"])
+    model = colozoo.from_pretrained(tmp_path, device="cuda").eval()
+    ids, mask = (t.cuda() for t in prompts(config.vocab_size))
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=0, eos_token_id=None)
+    never = dict(eos_token_id=next(i for i in range(config.vocab_size) if i not in free))  # an id no row writes
+    sampled = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=1,
+                   eos_token_id=None)
+    for options, extra in ((dict(eos_token_id=None), 0), (sampled, 0), (never, 32 // 8)):
+        counts = [_syncs(model, ids, mask, new, **options) for new in (8, 8, 40)]
+        assert counts[2] - counts[1] <= extra, f"{options}: {counts} host waits for 8, 8 and 40 new tokens"
+    eager = [_syncs(model, ids, mask, new, cache_implementation="dynamic", **never) for new in (8, 40)]
+    assert eager[1] - eager[0] >= 32, f"the eager loop should wait at every step: {eager}"
+
+
+def test_a_draw_is_torch_multinomials_on_cuda():
+    from colozoo.runtime.sampling import draw
+
+    probs = torch.randn(8, 1000, device="cuda").mul(3).softmax(-1)
+    ours, theirs = (torch.Generator(device="cuda").manual_seed(3) for _ in range(2))
+    for _ in range(5):
+        assert torch.equal(draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(1))

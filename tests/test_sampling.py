@@ -6,11 +6,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from transformers.generation.logits_process import (MinLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from colozoo.runtime.generation_config import resolve
-from colozoo.runtime.sampling import choose, finish, process
+from colozoo.runtime.sampling import choose, draw, finish, process
 
 VOCAB = 40
 PROMPT = 7
@@ -35,7 +36,7 @@ def scores_and_ids(seed=0):
     return scores, ids
 
 
-def transformers_scores(scores, ids, penalty=None, temperature=1.0, top_k=None, top_p=None):
+def transformers_scores(scores, ids, penalty=None, temperature=1.0, top_k=None, top_p=None, min_p=None):
     processors = []
     if penalty is not None:
         processors.append(RepetitionPenaltyLogitsProcessor(penalty))
@@ -45,20 +46,23 @@ def transformers_scores(scores, ids, penalty=None, temperature=1.0, top_k=None, 
         processors.append(TopKLogitsWarper(top_k))
     if top_p is not None:
         processors.append(TopPLogitsWarper(top_p))
+    if min_p is not None:
+        processors.append(MinPLogitsWarper(min_p))
     for p in processors:
         scores = p(ids, scores)
     return scores
 
 
-@pytest.mark.parametrize("penalty,temperature,top_k,top_p", [
-    (None, 1.0, None, None), (1.3, 1.0, None, None), (0.7, 1.0, None, None), (None, 0.7, None, None),
-    (None, 1.0, 5, None), (None, 1.0, VOCAB + 10, None), (None, 1.0, None, 0.8), (None, 1.0, None, 1.0),
-    (1.2, 0.8, 10, 0.9), (None, 1.5, 1, 0.5)])
-def test_processed_scores_equal_transformers(penalty, temperature, top_k, top_p):
+@pytest.mark.parametrize("penalty,temperature,top_k,top_p,min_p", [
+    (None, 1.0, None, None, None), (1.3, 1.0, None, None, None), (0.7, 1.0, None, None, None),
+    (None, 0.7, None, None, None), (None, 1.0, 5, None, None), (None, 1.0, VOCAB + 10, None, None),
+    (None, 1.0, None, 0.8, None), (None, 1.0, None, 1.0, None), (1.2, 0.8, 10, 0.9, None), (None, 1.5, 1, 0.5, None),
+    (None, 1.0, None, None, 0.1), (None, 1.0, None, None, 1.0), (None, 1.0, None, None, 0.0), (1.2, 0.8, 10, 0.9, 0.2)])
+def test_processed_scores_equal_transformers(penalty, temperature, top_k, top_p, min_p):
     scores, ids = scores_and_ids()
     decoding = options(do_sample=True, temperature=temperature, top_k=top_k or 0, top_p=top_p,
-                       repetition_penalty=penalty)
-    expected = transformers_scores(scores.clone(), ids, penalty, temperature, top_k, top_p)
+                       repetition_penalty=penalty, min_p=min_p)
+    expected = transformers_scores(scores.clone(), ids, penalty, temperature, top_k, top_p, min_p)
     torch.testing.assert_close(process(scores, ids, decoding), expected, rtol=0, atol=0)
 
 
@@ -100,6 +104,16 @@ def test_seeded_sampling_is_reproducible_and_samples_the_processed_distribution(
     assert all(kept[row, many[:, row]].all() for row in range(3)), "a filtered token was sampled"
 
 
+def test_a_draw_is_torch_multinomials_bit_for_bit():
+    """Its own algorithm for one sample, without the check that reads the probabilities back to the host."""
+    for seed in range(20):
+        probs = (torch.randn(4, 33, generator=torch.Generator().manual_seed(seed)) * 3).softmax(-1)
+        probs[:, 5] = 0  # a token never drawn
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert torch.equal(draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(1))
+        assert torch.equal(ours.get_state(), theirs.get_state()), "the generator must advance alike"
+
+
 def test_pad_after_eos_as_transformers():
     decoding = options(eos_token_id=[3, 4], pad_token_id=0)
     tokens, unfinished = finish(torch.tensor([3, 9, 4]), torch.tensor([True, True, False]), decoding)
@@ -120,13 +134,21 @@ def test_options_resolve_as_transformers_resolves_them():
     overridden = options(saved, model_config, do_sample=False, max_new_tokens=2)
     assert not overridden.do_sample and overridden.max_length == PROMPT + 2 and overridden.eos_token_id == (2, 30)
     assert options(stop_strings="stop").stop_strings == ("stop",)
+    # the call's cache choice, a generation config's passed to it; never the one a model's file names for transformers
+    hybrid = transformers.GenerationConfig(cache_implementation="hybrid")
+    assert options(hybrid).cache_implementation is None
+    model = SimpleNamespace(config=transformers.LlamaConfig(vocab_size=VOCAB), generation_config=None)
+    assert resolve(model, PROMPT, generation_config=hybrid).cache_implementation == "static"
+    assert options(cache_implementation="dynamic", disable_compile=True).disable_compile
 
 
 @pytest.mark.parametrize("bad,match", [
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=1.5), "max_new_tokens"),
     (dict(max_length=PROMPT), "max_length"), (dict(do_sample=True, temperature=0), "temperature"),
     (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(num_return_sequences=2), "greedy decoding"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(cache_implementation="offloaded"), "cache_implementation='offloaded' is not implemented"),
+    (dict(num_return_sequences=2), "greedy decoding"),
     (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"), (dict(num_beams=2, do_sample=True), "beam")])
 def test_bad_options_get_one_clear_error(bad, match):
     with pytest.raises(ValueError, match=match):

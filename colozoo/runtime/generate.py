@@ -3,8 +3,18 @@
     ids = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)            # (batch, prompt + new)
     out = model.generate(input_ids, num_beams=4, return_dict_in_generate=True, output_scores=True)
 
-One prefill of the (left-padded) prompts, then one token per step (colozoo.runtime.decode_steps); greedy and sampled
-decoding here, beam search in colozoo.runtime.beam_search, the options resolved as transformers resolves them
+One prefill of the (left-padded) prompts, then one token per step, on one of four paths (`decode_path`; the output of
+return_dict_in_generate says which ran):
+
+    "cuda_graph"  greedy / sampled on CUDA where the static step applies (colozoo.runtime.static_decode): the default
+    "static"      the same step run eagerly: cache_implementation="static" on the CPU, or with disable_compile=True
+    "compiled"    the same step torch.compile'd: a compile_config on a call that takes the static step
+    "eager"       the cache growing a slice a step (colozoo.runtime.decode_steps): beam search
+                  (colozoo.runtime.beam_search), pp > 1, MoE layers, dynamic / LongRoPE scaling, FSDP-sharded or
+                  offloaded weights, training mode; the CPU by default; cache_implementation="dynamic";
+                  disable_compile=True alone
+
+Every path returns the same tokens, scores and logits. The options are resolved as transformers resolves them
 (colozoo.runtime.generation_config: the call's, the model's `generation_config`, transformers' defaults). Token choice
 (colozoo.runtime.sampling) runs on identical logits with the same seeded generator on every rank that chooses, so
 every rank returns the same result. Nothing of a call is kept: timings and the cache size come back in the output.
@@ -21,7 +31,8 @@ from colozoo.runtime.beam_search import beam_search
 from colozoo.runtime.decode_steps import (DecodeSteps, from_last_stage, generate_output, shared_seed,
                                          steps_from_last_stage, token_embedding)
 from colozoo.runtime.generation_config import Decoding, resolve
-from colozoo.runtime.sampling import choose, finish, process
+from colozoo.runtime.sampling import choose, eos_ids, finish, process
+from colozoo.runtime.static_decode import decode_path, static_sample
 
 
 def check_inputs(model, input_ids, attention_mask, decoding: Decoding):
@@ -70,7 +81,9 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     """(batch * num_return_sequences, prompt + new tokens) on every rank, or with return_dict_in_generate
     transformers' GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput (decode_steps.generate_output); sequences
     that finished early are padded with pad_token_id. `options`: transformers' GenerationConfig fields, and `seed`
-    (sampling draws from a generator seeded with it, the same on every rank)."""
+    (sampling draws from a generator seeded with it, the same on every rank). On CUDA greedy and sampled decoding
+    replay a CUDA graph of the decode step where it applies (the module docstring says which calls take which path);
+    cache_implementation="static" takes that step anywhere, "dynamic" or disable_compile=True the eager loop."""
     decoding = resolve(model, input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0, generation_config,
                        **options)
     check_inputs(model, input_ids, attention_mask, decoding)
@@ -79,6 +92,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(pc.device)).long()
     stop = stop_string_criteria(decoding, tokenizer)
     if decoding.num_beams > 1:
+        decode_path(model, decoding)  # refuses a static cache asked for by name
         if streamer is not None:
             raise ValueError("a streamer shows one sequence as it grows; beam search changes its sequences, so it "
                              "cannot stream (as in transformers)")
@@ -86,6 +100,9 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     if decoding.num_return_sequences > 1:  # sampling: each prompt's copies draw their own tokens
         input_ids = input_ids.repeat_interleave(decoding.num_return_sequences, dim=0)
         mask = mask.repeat_interleave(decoding.num_return_sequences, dim=0)
+    path, _ = decode_path(model, decoding, num_microbatches)
+    if path != "eager":
+        return static_sample(model, input_ids, mask, decoding, stop, streamer, path)
     return _sample(model, input_ids, mask, decoding, stop, streamer, num_microbatches)
 
 
@@ -106,6 +123,7 @@ def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_micr
     embedding = token_embedding(model) if sharded_argmax else None
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
     padding = (mask != 0).int().argmax(dim=1)  # left padding, which the repetition penalty leaves out
+    eos = eos_ids(decoding, pc.device)
     rows = None  # the embedding rows of the newest tokens, gathered with them: the step's embedding needs no all-reduce
     scores, raw_logits = [], []
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
@@ -118,14 +136,14 @@ def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_micr
         if pc.is_last_stage and sharded_argmax:
             tokens, rows = vocab_parallel_argmax(logits, model.config.vocab_size, pc.tp_group, embedding)
         elif pc.is_last_stage:
-            processed = process(logits, sequences, decoding, padding)
+            processed = process(logits, sequences, decoding, padding, eos)
             tokens = choose(processed, decoding, generator)
             scores += [processed] if keep_scores else []
             raw_logits += [logits.float()] if keep_logits else []
         tokens = from_last_stage(model, tokens, (batch,))
         if rows is not None and decoding.eos_token_id is not None and not bool(unfinished.all()):
             rows = None  # a finished row continues with the pad token, not the token chosen for it
-        tokens, unfinished = finish(tokens, unfinished, decoding)
+        tokens, unfinished = finish(tokens, unfinished, decoding, eos)
         sequences = torch.cat([sequences, tokens[:, None]], dim=1)
         steps.extend()
         if stop is not None:

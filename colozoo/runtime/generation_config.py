@@ -3,10 +3,17 @@ passed in, else the model's `generation_config` (from generation_config.json), e
 then the lengths (max_new_tokens over max_length; by default 20 new tokens) and the checks.
 
 colozoo implements the decoding transformers' generate does for a causal LM with these options: greedy, sampling
-(temperature, top_k, top_p), beam search (num_beams, length_penalty, early_stopping), repetition_penalty,
+(temperature, top_k, top_p, min_p), beam search (num_beams, length_penalty, early_stopping), repetition_penalty,
 min_length / min_new_tokens, one or several eos_token_id, stop_strings (with the tokenizer), num_return_sequences,
 return_dict_in_generate with output_scores / output_logits, use_cache. An option it does not implement, set to
 anything but its neutral value, is refused by name rather than ignored.
+
+How it decodes (colozoo.runtime.static_decode): `cache_implementation` "static" (transformers' "hybrid" and
+"sliding_window" name the same preallocated cache) asks for the static decode step, "dynamic" for the growing cache;
+unset, CUDA takes the static step replayed from a CUDA graph where it applies. `compile_config` (transformers'
+CompileConfig) runs that step torch.compile'd with its settings instead; `disable_compile=True` keeps CUDA graphs
+and compilation off. Only the call's own options (and the generation config passed to it) choose: a model's
+generation_config.json that names a cache for transformers (Gemma 2's "hybrid") changes nothing here.
 """
 from __future__ import annotations
 
@@ -20,7 +27,9 @@ DEFAULTS = dict(max_length=20, min_length=0, do_sample=False, use_cache=True, ea
                 temperature=1.0, top_k=50, top_p=1.0, repetition_penalty=1.0, length_penalty=1.0,
                 num_return_sequences=1, output_scores=False, output_logits=False, return_dict_in_generate=False)
 IMPLEMENTED = {*DEFAULTS, "max_new_tokens", "min_new_tokens", "stop_strings", "pad_token_id", "eos_token_id",
-               "bos_token_id"}
+               "bos_token_id", "min_p", "cache_implementation", "disable_compile", "compile_config"}
+STATIC_CACHES = ("static", "hybrid", "sliding_window")  # transformers' preallocated caches: colozoo's static step
+CACHES = (*STATIC_CACHES, "dynamic")
 # options that change nothing at these values, or concern only how transformers itself caches or compiles
 NEUTRAL = dict(typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
                encoder_no_repeat_ngram_size=0, renormalize_logits=False, remove_invalid_values=False,
@@ -53,6 +62,10 @@ class Decoding:
     output_scores: bool
     output_logits: bool
     seed: int | None = None
+    min_p: float | None = None
+    cache_implementation: str | None = None  # "static" or "dynamic" as asked by the call, None: colozoo chooses
+    disable_compile: bool = False
+    compile_config: object | None = None  # transformers.CompileConfig: the static step torch.compile'd with it
 
     @property
     def processes_scores(self) -> bool:
@@ -68,6 +81,7 @@ def _unset(config, defaults: dict) -> set[str]:
 def resolve(model, input_length: int, generation_config=None, **options) -> Decoding:
     """The Decoding of a call with `options` on prompts of `input_length` tokens (padded)."""
     seed = options.pop("seed", None)
+    cache = options.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
     fresh = transformers.GenerationConfig().to_dict()
     config = copy.deepcopy(generation_config) if generation_config is not None else transformers.GenerationConfig()
     base = model.generation_config or transformers.GenerationConfig.from_model_config(model.config)
@@ -86,7 +100,7 @@ def resolve(model, input_length: int, generation_config=None, **options) -> Deco
     for name, value in options.items():
         setattr(config, name, value)
     _refuse_unimplemented(config, fresh)
-    return _lengths_and_checks(model, config, input_length, max_length_is_default, seed)
+    return _lengths_and_checks(model, config, input_length, max_length_is_default, seed, cache)
 
 
 def _refuse_unimplemented(config, fresh: dict):
@@ -108,7 +122,17 @@ def _token_ids(value) -> tuple[int, ...] | None:
     return ids or None
 
 
-def _lengths_and_checks(model, config, input_length: int, max_length_is_default: bool, seed) -> Decoding:
+def _cache_choice(cache) -> str | None:
+    """The call's cache_implementation as colozoo's path: "static", "dynamic" or None (colozoo chooses)."""
+    if cache is None:
+        return None
+    if cache not in CACHES:
+        raise ValueError(f"cache_implementation={cache!r} is not implemented; colozoo takes {CACHES} "
+                         f"({', '.join(STATIC_CACHES)}: its static decode step) or leaves it unset")
+    return "static" if cache in STATIC_CACHES else "dynamic"
+
+
+def _lengths_and_checks(model, config, input_length: int, max_length_is_default: bool, seed, cache) -> Decoding:
     if config.max_new_tokens is not None:
         if isinstance(config.max_new_tokens, bool) or not isinstance(config.max_new_tokens, int) \
                 or config.max_new_tokens < 1:
@@ -148,8 +172,13 @@ def _lengths_and_checks(model, config, input_length: int, max_length_is_default:
         raise ValueError(f"top_k must be an integer >= 0, got {config.top_k!r}")
     if config.top_p is not None and not 0 < config.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {config.top_p!r}")
+    if config.min_p is not None and not 0 <= config.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
     if config.repetition_penalty is not None and not config.repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0, got {config.repetition_penalty!r}")
+    compiled = config.compile_config
+    if compiled is not None and not isinstance(compiled, transformers.CompileConfig):
+        raise ValueError(f"compile_config must be a transformers.CompileConfig, got {type(compiled).__name__}")
     stops = config.stop_strings
     stops = (stops,) if isinstance(stops, str) else tuple(stops) if stops else None
     return Decoding(max_length=max_length, min_length=min_length, do_sample=bool(config.do_sample),
@@ -159,4 +188,6 @@ def _lengths_and_checks(model, config, input_length: int, max_length_is_default:
                     length_penalty=float(config.length_penalty), early_stopping=config.early_stopping,
                     stop_strings=stops, use_cache=bool(config.use_cache),
                     return_dict_in_generate=bool(config.return_dict_in_generate),
-                    output_scores=bool(config.output_scores), output_logits=bool(config.output_logits), seed=seed)
+                    output_scores=bool(config.output_scores), output_logits=bool(config.output_logits), seed=seed,
+                    min_p=config.min_p, cache_implementation=_cache_choice(cache),
+                    disable_compile=bool(config.disable_compile), compile_config=compiled)

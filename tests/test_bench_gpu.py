@@ -1,0 +1,56 @@
+"""bench/gpu.py checked on the CPU, so that a lent GPU's minutes go to measuring: its dry run prints one JSON line
+per case, every case of every kind run at tiny sizes with the same code the GPU runs; a case that would not fit in
+the budget says so; Liger-Kernel's patches of transformers are undone after the models it trains are built."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu  # noqa: E402
+
+
+def lines(capsys, *argv) -> list[dict]:
+    assert gpu.main(list(argv)) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_the_dry_run_runs_every_case_once(capsys):
+    """Gemma 2: transformers' eager attention (it refuses sdpa), its window and caps; decoding, training steps and the
+    compiled peer."""
+    args = gpu.argparse.Namespace(models="gemma2", dry_run=True, prompt=8, new=4)
+    expected = [f"gpu/{kind}/gemma-2-2b/" + ("x".join(map(str, shape)) if kind == "train" else f"b{shape[0]}")
+                for kind, _, shape in gpu.cases(args)]
+    printed = lines(capsys, "--dry-run", "--models", "gemma2")
+    assert [line["bench"] for line in printed] == expected
+    for line in printed:
+        assert "error" not in line and "skipped" not in line, line
+        assert line["config"]["device"] == "cpu (dry run)" and "ratio" in line
+    decode = printed[0]["metrics"]
+    assert decode["same_tokens"] and decode["roofline_tokens_per_s"] > 0
+    assert {"colozoo_ms", "peer_ms", "loss_diff"} <= set(printed[2]["metrics"])
+
+
+def test_cases_that_do_not_fit_the_budget_are_skipped_with_a_reason(capsys):
+    printed = lines(capsys, "--dry-run", "--models", "llama", "--budget", "0")
+    assert len(printed) == len(gpu.cases(gpu.argparse.Namespace(models="llama", dry_run=True, prompt=8, new=4)))
+    assert all(line["skipped"].startswith("out of time: a ") for line in printed)
+    with pytest.raises(SystemExit):
+        gpu.main(["--models", "llama,mistral"])
+
+
+@pytest.mark.parametrize("family", sorted(gpu.MODELS))
+def test_liger_patches_transformers_while_the_peer_is_built_only(family):
+    pytest.importorskip("liger_kernel", reason="liger-kernel (the bench extra) is not installed")
+    import torch
+
+    args = gpu.argparse.Namespace(models=family, dry_run=True)
+    config = gpu.model_config(family, args)
+    norms = lambda model: {type(m).__name__ for m in model.modules() if "RMSNorm" in type(m).__name__}  # noqa: E731
+    plain = norms(gpu.transformers.AutoModelForCausalLM.from_config(config))
+    with gpu.liger_patched(family):
+        patched = gpu.transformers.AutoModelForCausalLM.from_config(config)
+    assert all(name.startswith("Liger") for name in norms(patched)) and not any(n.startswith("Liger") for n in plain)
+    assert norms(gpu.transformers.AutoModelForCausalLM.from_config(config)) == plain, "Liger's patch outlived the peer"
+    assert torch.is_tensor(patched.lm_head.weight)
