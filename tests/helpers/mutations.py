@@ -241,13 +241,27 @@ def record(seconds: dict, controlled: dict, control_wall: float, wall: float):
         "control_seconds": control_seconds, "mutations": mutations}, indent=1) + "\n")
 
 
+def readme_table() -> str:
+    """The README's table of the recorded audit: each mutation, what it switches off, its tests and seconds."""
+    audit = json.loads(AUDIT.read_text())
+    rows = ["| mutation | switched off | named tests | whole (s) | fastest test (s) |", "|---|---|---|---|---|"]
+    for name, entry in audit["mutations"].items():
+        rows.append(f"| `{name}` | {MUTATIONS[name].what} | {len(entry['seconds'])} | {entry['total']} | "
+                    f"{_fastest(entry)[1]:.0f} |")
+    return "\n".join(rows)
+
+
 def main(argv) -> int:
     parser = argparse.ArgumentParser(description="Switch features off one at a time; the tests named for each "
                                                  "must fail.")
     parser.add_argument("names", nargs="*", help="mutations to run (default: all, recorded in mutations_audit.json)")
     parser.add_argument("--ci", type=float, metavar="SECONDS", help="the CI form: mutations changed since the last "
                         "whole audit run whole, a rotating slot of the others by their fastest test within SECONDS")
+    parser.add_argument("--table", action="store_true", help="print the README's table of the recorded audit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(readme_table())
+        return 0
     unknown = [n for n in args.names if n not in MUTATIONS]
     if unknown:
         raise SystemExit(f"unknown mutation(s) {unknown}; known: {sorted(MUTATIONS)}")

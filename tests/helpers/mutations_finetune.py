@@ -41,6 +41,16 @@ FINETUNE = {
         "a dp rank left without a micro-batch counts the one it runs again",
         Rewrite(EVALUATE, ("if counted and weight:", "if weight:")),
         (HONEST + "test_eval_loss_is_the_token_weighted_mean_on_every_mesh",)),
+    "chat_turns_cut_mid_answer": Mutation(
+        "--chat cuts a sample longer than --seq-len at seq_len instead of keeping its whole turns",
+        Rewrite("colozoo.finetune.sft:fit_sample",
+                ('if truncate == "turns" and not all(flag for _, flag in segments):', "if False:")),
+        (HONEST + "test_chat_keeps_whole_turns_and_counts_what_it_drops",)),
+    "throughput_counts_padding_as_trained": Mutation(
+        "throughput counts every computed position as a trained token",
+        Rewrite("colozoo.finetune.loop:train", ("trained_tokens=int(inputs.train.tokens[indices].sum())",
+                                                "trained_tokens=computed")),
+        (HONEST + "test_throughput_counts_tokens_computed_and_trained_and_mfu_what_lora_computes",)),
     "export_tokenizer_not_saved": Mutation(
         "the fine-tune's HF export copies the model directory's tokenizer files instead of tokenizer.save_pretrained",
         Rewrite("colozoo.finetune.loop:export", ("tokenizer.save_pretrained(str(path))", "pass")),

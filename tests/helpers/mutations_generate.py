@@ -67,7 +67,15 @@ GENERATE = {
         "sampling ignores top_p",
         Rewrite(PROCESS, ("if options.top_p is not None and options.top_p < 1.0:", "if False:")),
         (SAMPLING + "test_processed_scores_equal_transformers[None-1.0-None-0.8]",)),
+    "output_logits_processed": Mutation(
+        "output_logits returns the processed scores instead of the raw logits",
+        Rewrite("colozoo.runtime.generate:_sample", ("raw_logits += [logits.float()]", "raw_logits += [processed]")),
+        (GREEDY_OPTIONS + "[llama]",)),
     # beam search
+    "beam_returns_one_sequence": Mutation(
+        "beam search returns one sequence per prompt whatever num_return_sequences",
+        Rewrite("colozoo.runtime.beam_search:BeamState.result", ("n = self.decoding.num_return_sequences", "n = 1")),
+        (SURFACE + "test_beam_search_equals_transformers[llama]",)),
     "beam_early_stopping_never_as_true": Mutation(
         "beam search takes early_stopping='never' for True",
         Rewrite("colozoo.runtime.generation_config:_lengths_and_checks",

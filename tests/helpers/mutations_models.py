@@ -1,6 +1,6 @@
 """Switch-offs of model features (tests/helpers/mutations.py runs them): multi-head latent attention and its cache,
 DeepSeekMoE routing, attention sinks in each kernel, sliding windows, MXFP4 dequantisation, OLMo 2's post-norms,
-SmolLM3's NoPE layers, YaRN's truncate option and logits_to_keep."""
+SmolLM3's NoPE layers, YaRN's truncate option, the one forward path and logits_to_keep."""
 from __future__ import annotations
 
 from mutation_tools import Mutation, Rewrite, replace, switches
@@ -16,6 +16,24 @@ ROUTER = "colozoo.layers.moe:GroupLimitedRouter.forward"
 @switches("colozoo.layers.vocab:keep_positions")
 def _logits_to_keep_ignored():
     replace("colozoo.layers.vocab:keep_positions", lambda original: lambda x, keep: x)
+
+
+def _run_forward(*pairs):
+    """Run.forward compiled again with `pairs` changed (and __call__, which names the original)."""
+    Rewrite("colozoo.runtime.run:Run.forward", *pairs)()
+    from colozoo.runtime.run import Run
+
+    Run.__call__ = Run.forward
+
+
+@switches("colozoo.runtime.run:Run.forward")
+def _pipeline_training_forward_allowed():
+    _run_forward(("if labels is not None and torch.is_grad_enabled():", "if False:"))
+
+
+@switches("colozoo.runtime.run:Run.forward")
+def _training_forward_keeps_logits():
+    _run_forward(("return_logits = labels is None or not model.training", "return_logits = True"))
 
 
 MODELS = {
@@ -134,6 +152,15 @@ MODELS = {
         Rewrite("colozoo.layers.rope:_yarn_inv_freq", ('if params.get("truncate", True):', "if True:")),
         ("tests/test_rope_frequencies.py::test_gpt_oss_yarn_without_truncation_rotates_as_transformers",
          "tests/test_rope_frequencies.py::test_registered_frequencies_equal_transformers[gpt-oss-20b-None]")),
+    "pipeline_training_forward_allowed": Mutation(
+        "a forward with labels under gradients at pp > 1 is not refused (its loss cannot reach the other stages)",
+        _pipeline_training_forward_allowed,
+        ("tests/test_forward_path.py::test_a_pipeline_refuses_a_training_forward_and_evaluates",)),
+    "training_forward_keeps_logits": Mutation(
+        "a training forward with labels computes and returns the logits (the head is not fused with the loss)",
+        _training_forward_keeps_logits,
+        ("tests/test_forward_path.py::test_a_training_forward_after_any_call_gives_a_fresh_models_gradients"
+         "[generate-gpt2]",)),
     "logits_to_keep_ignored": Mutation(
         "logits_to_keep ignored: every position's logits returned", _logits_to_keep_ignored,
         ("tests/test_logits_to_keep.py::test_logits_to_keep_equals_transformers[1]",
