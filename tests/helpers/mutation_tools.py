@@ -102,7 +102,8 @@ class Rewrite:
     def __call__(self):
         original = current(self.target)
         function = original.fget if isinstance(original, property) else getattr(original, "__func__", original)
-        text = textwrap.dedent(inspect.getsource(function))
+        lines, first = inspect.getsourcelines(function)
+        text = textwrap.dedent("".join(lines))
         if "super()" in text:
             raise ValueError(f"{self.target}: a function calling super() cannot be compiled again outside its class")
         for old, new in self.pairs:
@@ -111,7 +112,9 @@ class Rewrite:
             text = text.replace(old, new)
         module = sys.modules[function.__module__]
         flags = __future__.annotations.compiler_flag  # annotations stay text, as under the modules' own future import
-        code = compile(text, inspect.getsourcefile(function), "exec", flags=flags, dont_inherit=True)
+        # at its own lines of its file, so that tracebacks point at the source
+        code = compile("\n" * (first - 1) + text, inspect.getsourcefile(function), "exec", flags=flags,
+                       dont_inherit=True)
         scope: dict = {}
         exec(code, module.__dict__, scope)  # noqa: S102 (the project's own source, one snippet changed)
         new_function = scope[function.__name__]  # decorators in the source (property, no_grad...) applied again

@@ -46,12 +46,12 @@ MODELS = {
         "MLA's absorbed decoding step drops the cached rotary key from its keys",
         Rewrite(MLA + "_attend_latent", ("torch.cat((latent, k_rot), dim=-1)",
                                          "torch.cat((latent, torch.zeros_like(k_rot)), dim=-1)")),
-        (DEEPSEEK + "test_latent_cache[1]", DEEPSEEK + "test_greedy_generate_one_process")),
+        (DEEPSEEK + "test_latent_cache[1]",)),
     "mla_rotary_key_cached_unrotated": Mutation(
         "MLA caches its rotary key unrotated and rotates the whole cache by each step's positions",
         Rewrite(MLA + "forward", ("k_rot = self._rotate(k_rot.unsqueeze(1), cos, sin)", "k_rot = k_rot.unsqueeze(1)"),
                 ("latent.unsqueeze(1), k_rot)\n", "latent.unsqueeze(1), k_rot)\n    k_rot = self._rotate(k_rot, cos, sin)\n")),
-        (DEEPSEEK + "test_latent_cache[1]", DEEPSEEK + "test_greedy_generate_one_process")),
+        (DEEPSEEK + "test_latent_cache[1]",)),
     "mla_cache_counted_full": Mutation(
         "MLA's cache width (what the planner counts) is every head's keys and values, not the latent",
         Rewrite(MLA + "cache_width", ("return self.kv_lora_rank + self.rope_dim",
