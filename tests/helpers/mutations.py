@@ -102,7 +102,8 @@ def patches_apply(names) -> list[str]:
               "        problem = mutations._check_patch(name)\n"
               "        print(f'{name}: {problem}' if problem else '', flush=True)\n"
               "        os._exit(0)\n"
-              "    os.waitpid(pid, 0)\n")
+              "    if os.waitpid(pid, 0)[1]:\n"
+              "        print(f'{name}: its check process died', flush=True)\n")
     result = subprocess.run([sys.executable, "-c", script, *names], cwd=ROOT, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"applying the patches failed:\n{result.stderr}")
