@@ -8,8 +8,8 @@ A target is "module:qualname" (an attribute of a module, or of a class in it: "c
 
 A replaced function or class, target in the module that defines it, is replaced too in every loaded module that
 imported it by name (`from m import f` binds its own copy of the name); targeted where it was imported, it is replaced
-there only. A target's source is part of the mutation's fingerprint, so a change to the code
-switched off makes CI run the mutation whole (tests/helpers/mutations.py).
+there only. A target's source is part of the mutation's fingerprint, so a change to the code switched off makes CI
+run the mutation whole (tests/helpers/mutations.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import importlib
 import inspect
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,11 @@ class Mutation:
     what: str               # the feature switched off, in words
     patch: callable         # applies it
     tests: tuple            # pytest ids, every one of which must fail
-    code: tuple = field(default=())  # targets whose source the verdict depends on (default: the patch's own)
 
     @property
     def targets(self) -> tuple:
-        return self.code or getattr(self.patch, "targets", ())
+        """The code switched off: a Rewrite's target, or what @switches names on a patch function."""
+        return getattr(self.patch, "targets", ())
 
     def patch_text(self) -> str:
         """The patch as text, for the fingerprint."""

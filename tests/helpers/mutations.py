@@ -79,7 +79,7 @@ def _check_patch(name: str) -> str | None:
     """Why mutation `name` does not apply (None: it does), in a process that has not applied any other."""
     mutation = MUTATIONS[name]
     if not mutation.targets:
-        return "names no code it switches off (Rewrite, @switches or code=)"
+        return "names no code it switches off (a Rewrite, or @switches on its patch function)"
     try:
         before = [current(t) for t in mutation.targets]
         mutation.patch()
