@@ -26,8 +26,9 @@ test: setup
 mutations: setup
 	$(PY) tests/helpers/mutations.py
 
-# CI's form (.ci/run, after `make test`): mutations whose patch or named tests changed since the last whole audit
-# run whole, the others by their fastest test within MUTATION_BUDGET seconds
+# CI's form (.ci/run, after `make test`): mutations whose fingerprint (patch, code switched off, named tests) changed
+# since the last whole audit run whole; the others in rotating slots of MUTATION_BUDGET seconds, each by its fastest
+# test, so that every one runs within a stated number of CI runs (MUTATION_ROTATION: a CI run counter, if any)
 MUTATION_BUDGET ?= 300
 mutations-ci: setup
 	$(PY) tests/helpers/mutations.py --ci $(MUTATION_BUDGET)

@@ -1,355 +1,255 @@
 """Switch features off, one at a time, and check that the tests named for them fail.
 
-A test named for a feature that still passes with the feature off proves nothing. Each mutation below patches the
-running code through a module attribute (no file is edited) and names the tests that must then fail:
+A test named for a feature that still passes with the feature off proves nothing. Each mutation (mutations_*.py)
+patches the running code (tests/helpers/mutation_tools.py: no file is edited) and names the tests that must then
+fail:
 
-    python tests/helpers/mutations.py                    # every mutation; exit 1 if a named test still passes
+    python tests/helpers/mutations.py                    # every mutation; exit 1 unless each named test fails
     python tests/helpers/mutations.py ring_window_off_by_one checkpoint_recomputes_nothing
     make mutations                                       # the whole audit, recorded in mutations_audit.json
     make mutations-ci                                    # what CI runs after `make test` (see ci_plan)
 
-A patch that no longer applies (a renamed attribute) is reported as such before any test runs: its tests would fail
-for the wrong reason.
+Before any test runs, every patch is applied in a fresh process and must change the code it names (a renamed
+attribute would make its tests fail for the wrong reason). Then a control run: the named tests, in one pytest
+without any mutation, must each be collected and pass. Each named test then runs in a pytest of its own under its
+mutation; it is caught only if pytest reports that test itself failed (tests/helpers/mutation_report.py): a test
+not collected, skipped, or failing in its setup is an error of the audit, not a catch.
 
-`COLOZOO_MUTATION=<name>` applies a mutation in the pytest process (tests/conftest.py) and in every distributed
-worker (tests/helpers/distributed.py), so the multi-rank tests see it too.
+`COLOZOO_MUTATION=<name>` applies a mutation in every python process of the run: the pytest process
+(tests/conftest.py), the distributed workers (tests/helpers/distributed.py), and, through
+tests/helpers/mutation_site/sitecustomize.py (first on PYTHONPATH), whatever else the tests start (launcher and
+torchrun children, CLI subprocesses), right after it imports colozoo.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
-import importlib
-import inspect
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from mutation_tools import current, source
+from mutations_finetune import FINETUNE
+from mutations_generate import GENERATE
+from mutations_models import MODELS
+from mutations_parallel import PARALLEL
+
 ENV = "COLOZOO_MUTATION"
-
-
-@dataclass(frozen=True)
-class Mutation:
-    what: str             # the feature switched off, in words
-    patch: callable       # applies it
-    tests: tuple          # pytest ids, every one of which must fail
-
-
-def _replace(module: str, name: str, make):
-    """Replace `module.name` by `make(original)`."""
-    mod = importlib.import_module(module)
-    setattr(mod, name, make(getattr(mod, name)))
-
-
-def _drop_sequence_parallel():
-    from colozoo.core.mesh import ParallelConfig
-
-    original = ParallelConfig.for_world.__func__
-
-    def for_world(cls, world_size, **degrees):
-        degrees["sequence_parallel"] = False
-        return original(cls, world_size, **degrees)
-
-    ParallelConfig.for_world = classmethod(for_world)
-
-
-def _ignore_mixed_precision():
-    _replace("colozoo.runtime.parallelize", "COMPUTE_DTYPES", lambda dtypes: {k: None for k in dtypes})
-
-
-def _checkpoint_nothing():
-    from torch.distributed._composable.contract import contract
-
-    @contract()
-    def checkpoint(module, **kwargs):  # marks the module checkpointed (is_checkpointed says yes), recomputes nothing
-        return module
-
-    _replace("colozoo.runtime.checkpointing", "checkpoint", lambda original: checkpoint)
-
-
-def _rank_worst_first():
-    def make(original):
-        @functools.wraps(original)
-        def plan(*args, **kwargs):
-            result = original(*args, **kwargs)
-            result.plans.reverse()
-            return result
-        return plan
-
-    _replace("colozoo.cost.planner", "plan", make)
-
-
-def _profile_ignores_seq_len():
-    import dataclasses
-
-    def make(original):
-        return lambda args: dataclasses.replace(original(args), seq_len=None)  # the model's default instead
-
-    _replace("colozoo.cost.profile_cli", "workload_from_args", make)
-
-
-def _window_off_by_one():
-    def make(original):
-        def block_mask(q_pos, k_pos, key_keep, causal, window, documents=None):
-            return original(q_pos, k_pos, key_keep, causal, None if window is None else window + 1, documents)
-        return block_mask
-
-    _replace("colozoo.layers.context_parallel", "_block_mask", make)
-
-
-def _ring_blocks_in_bf16():
-    import torch
-
-    def make(original):
-        def attend_block(q, k, v, mask, scale):
-            out, lse = original(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), mask, scale)
-            return out.float(), lse.float()
-        return attend_block
-
-    _replace("colozoo.layers.context_parallel", "_attend_block", make)
-
-
-def _packing_ignored():
-    from colozoo.layers.batch import BatchContext
-
-    BatchContext.documents = property(lambda self: None)
-
-
-def _cp_drops_documents():
-    _replace("colozoo.layers.batch", "ContextParallel",
-             lambda original: lambda *args, documents=None, **kwargs: original(*args, **kwargs))
-
-
-def _flash_ignores_documents():
-    import torch
-
-    if not torch.cuda.is_available():  # as tests/test_kernels.py: interpret, so its kernel_module keeps this module
-        os.environ["TRITON_INTERPRET"] = "1"
-    _replace("colozoo.kernels.attention_triton", "flash_attention_triton",
-             lambda original: lambda *args, documents=None, **kwargs: original(*args, **kwargs))
-
-
-def _lora_replicas_unsummed():
-    _replace("colozoo.layers.lora", "sum_replica_grads", lambda original: lambda weight, rows, group: weight)
-
-
-def _lora_head_frozen():
-    _replace("colozoo.runtime.lora", "TASK_MODULES_TO_SAVE", lambda original: {})
-
-
-def _compile_nothing():  # every layer still gets the compile wrapper (is_compiled says yes), which runs eagerly
-    _replace("colozoo.runtime.compile", "_compiled_forward", lambda original: lambda cls, *options: cls.forward)
-
-
-def _kv_cache_off():  # every decoding step encodes the whole sequence again (the tokens stay right)
-    def make(original):
-        def steps(*args, use_cache=True, **kwargs):
-            return original(*args, use_cache=False, **kwargs)
-        return steps
-
-    _replace("colozoo.runtime.decode_steps", "DecodeSteps", make)
-
-
-def _left_padding_ignored():  # positions as if no prompt were padded
-    import torch
-
-    def make(original):
-        return lambda mask: torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
-
-    _replace("colozoo.runtime.decode_steps", "generation_positions", make)
-
-
-def _adapter_alpha_ignored():  # a PEFT adapter loads with scaling 1.0 instead of alpha / r
-    import dataclasses
-
-    def make(original):
-        return lambda path: dataclasses.replace(original(path), alpha=original(path).r)
-
-    _replace("colozoo.checkpoint.peft", "read_adapter_config", make)
-
-
-def _chat_template_dropped():
-    _replace("colozoo.checkpoint.convert", "SIDE_FILES",
-             lambda files: tuple(f for f in files if f != "chat_template.jinja"))
-
-
-def _training_state_unverified():  # resume reads the rank files without checking their sha256
-    _replace("colozoo.checkpoint.training_state", "ColozooCheckpoint",
-             lambda original: functools.partial(original, verify=False))
-
-
-MUTATIONS = {
-    "sequence_parallel_dropped": Mutation(
-        "init_parallel ignores sequence_parallel=True", _drop_sequence_parallel,
-        ("tests/test_gpt2.py::test_gpt2_tensor_parallel[2-True]", "tests/test_llama.py::test_llama_tensor_parallel[4-True]",
-         "tests/test_layers.py::test_column_parallel_linear[True-2]", "tests/test_layers.py::test_row_parallel_linear[True-4]",
-         "tests/test_mixtral.py::test_mixtral_expert_and_tensor_parallel[2-1-True]",
-         "tests/test_training.py::test_loss_curve_pp2_tp2_sequence_parallel",
-         "tests/test_opt.py::test_opt_dropout_in_training_tp2")),
-    "mixed_precision_ignored": Mutation(
-        "parallelize(mixed_precision=bf16/fp16) computes in the parameters' fp32", _ignore_mixed_precision,
-        ("tests/test_training.py::test_bf16_mixed_precision[2-2-1]", "tests/test_training.py::test_bf16_mixed_precision[1-2-2]",
-         "tests/test_amp.py::test_overflow_on_one_rank_skips_the_step_on_every_rank[dp2_fsdp_offloaded_adamw]")),
-    "checkpoint_recomputes_nothing": Mutation(
-        "activation checkpointing wraps no module", _checkpoint_nothing,
-        ("tests/test_training.py::test_checkpointing_recomputes_the_same_dropout_masks",
-         "tests/test_training.py::test_activation_checkpointing_matches_single_process[full]",
-         "tests/test_training.py::test_activation_checkpointing_matches_single_process[selective]",
-         "tests/test_bert.py::test_selective_checkpointing_recomputes_bert_attention",
-         "tests/test_vit.py::test_selective_checkpointing_recomputes_vit_attention")),
-    "planner_ranks_worst_first": Mutation(
-        "colozoo.plan returns its plans slowest first", _rank_worst_first,
-        ("tests/test_planner.py::test_plan_ranks_fitting_plans_and_decides_checkpointing_with_layout",)),
-    "profile_cli_ignores_seq_len": Mutation(
-        "colozoo profile drops --seq-len", _profile_ignores_seq_len,
-        ("tests/test_profiler.py::test_cli_json",)),
-    "ring_window_off_by_one": Mutation(
-        "ring attention's sliding window lets one key too many through", _window_off_by_one,
-        ("tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-2]",
-         "tests/test_context_parallel.py::test_cp_attention_equals_full_attention[ring-4]")),
-    "packing_ignored": Mutation(
-        "position_ids that restart start no new document (attention crosses packed samples)", _packing_ignored,
-        ("tests/test_packing.py::test_packed_parity_tp1[llama]", "tests/test_packing.py::test_packed_parity_tp2[gpt2]",
-         "tests/test_packing.py::test_no_leakage_torch_path",
-         "tests/test_packing.py::test_changed_token_moves_only_its_document[opt]")),
-    "cp_drops_documents": Mutation(
-        "context parallelism loses the packed documents' ids", _cp_drops_documents,
-        ("tests/test_packing.py::test_no_leakage_cp2[ring]", "tests/test_packing.py::test_no_leakage_cp2[all_to_all]")),
-    "flash_ignores_documents": Mutation(
-        "the flash-attention kernel drops the document ids", _flash_ignores_documents,
-        ("tests/test_packing.py::test_flash_attention_documents[causal_multiblock_mqa]",
-         "tests/test_packing.py::test_no_leakage_flash_kernel")),
-    "lora_replicated_kv_grads_unsummed": Mutation(
-        "a LoRA B over a kv head replicated on several tp ranks keeps each replica's partial gradient",
-        _lora_replicas_unsummed, ("tests/test_lora_families.py::test_lora_replicated_kv_heads_match_peft_tp4",)),
-    "lora_classifier_frozen": Mutation(
-        "LoRA on a sequence classifier freezes its head (PEFT's SEQ_CLS trains it whole)", _lora_head_frozen,
-        ("tests/test_lora.py::test_lora_matches_peft_single_process[bert]", "tests/test_lora.py::test_peft_round_trip")),
-    "compile_compiles_nothing": Mutation(
-        "compile=True wraps every layer but runs it eagerly", _compile_nothing,
-        ("tests/test_compile.py::test_compile_llama_tp1_activation_checkpointing",
-         "tests/test_compile.py::test_compile_tp2_sequence_parallel[llama-config0-aot_eager]",
-         "tests/test_compile.py::test_finetune_compile_trains_like_eager")),
-    "kv_cache_off": Mutation(
-        "every decoding step encodes the whole sequence again instead of extending the KV cache", _kv_cache_off,
-        ("tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_per_sequence[greedy]",
-         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_per_sequence[sampled]",
-         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_per_sequence[beams]",
-         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_on_a_mesh[2-1]",
-         "tests/test_blind_spots.py::test_each_decoding_step_feeds_one_new_token_on_a_mesh[1-2]")),
-    "training_state_unverified": Mutation(
-        "resume reads a training checkpoint's files without checking their checksums", _training_state_unverified,
-        ("tests/test_resume_mesh.py::test_a_corrupted_training_state_is_refused_in_one_line[state tensor]",)),
-    "left_padding_ignored": Mutation(
-        "generation positions computed as if no prompt were padded", _left_padding_ignored,
-        ("tests/test_blind_spots.py::test_left_padding_moves_the_positions_as_in_transformers",
-         "tests/test_generate_surface.py::test_greedy_scores_logits_eos_lists_and_lengths_equal_transformers[gpt2]",
-         "tests/test_generate_surface.py::test_beam_search_equals_transformers[opt]")),  # rotary: shift-blind
-    "adapter_alpha_ignored": Mutation(
-        "a PEFT adapter's lora_alpha ignored on load (scaling 1.0 instead of alpha / r)", _adapter_alpha_ignored,
-        ("tests/test_blind_spots.py::test_an_adapters_alpha_scales_its_logits_as_in_peft",)),
-    "chat_template_dropped": Mutation(
-        "convert does not carry chat_template.jinja", _chat_template_dropped,
-        ("tests/test_blind_spots.py::test_a_chat_template_survives_hf_to_colozoo_to_hf",)),
-    "ring_blocks_in_bf16": Mutation(
-        "ring attention computes its blocks in bf16 instead of fp32", _ring_blocks_in_bf16,
-        ("tests/test_context_parallel.py::test_ring_attention_bf16",)),
-}
+MUTATIONS = {**PARALLEL, **MODELS, **GENERATE, **FINETUNE}
+HELPERS = Path(__file__).resolve().parent
+ROOT = HELPERS.parents[1]
+AUDIT = HELPERS / "mutations_audit.json"  # the last whole audit: fingerprints and seconds per test
+TEST_TIMEOUT = 900  # seconds of one pytest under a mutation (pytest-timeout ends a hung test sooner)
+_applied: list[str] = []
 
 
 def apply_from_environment():
-    """Apply the mutation named by COLOZOO_MUTATION, if any (called by conftest.py and the distributed workers)."""
+    """Apply the mutation named by COLOZOO_MUTATION, if any, once per process (conftest.py, the distributed workers
+    and mutation_site/sitecustomize.py each call it)."""
     name = os.environ.get(ENV)
-    if name:
+    if name and not _applied:
         if name not in MUTATIONS:
             raise SystemExit(f"{ENV}={name!r} is not a mutation; known: {sorted(MUTATIONS)}")
+        import torch
+
+        if not torch.cuda.is_available():  # as tests/conftest.py: a patch importing a kernel fixes triton's mode
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        _applied.append(name)  # first: the patch's own import of colozoo comes back here (sitecustomize)
         MUTATIONS[name].patch()
 
 
-ROOT = Path(__file__).resolve().parents[2]
-AUDIT = Path(__file__).with_name("mutations_audit.json")  # the last whole audit: fingerprints and seconds per test
-
-
 def fingerprint(name: str) -> str:
-    """What a mutation's verdict depends on besides the code it switches off: its patch and its named test files."""
+    """What a mutation's verdict depends on: its patch, the source of the code it switches off, and its named test
+    files."""
     mutation = MUTATIONS[name]
     digest = hashlib.sha256(f"{name}\n{mutation.what}\n{mutation.tests}\n".encode())
-    digest.update(inspect.getsource(mutation.patch).encode())
+    digest.update(mutation.patch_text().encode())
+    for target in mutation.targets:
+        digest.update(f"{target}\n{source(target)}".encode())
     for file in sorted({test.split("::")[0] for test in mutation.tests}):
         digest.update((ROOT / file).read_bytes())
     return digest.hexdigest()
 
 
-def patches_apply() -> list[str]:
-    """Every mutation's patch applied in one fresh process; the ones that raise (a renamed attribute would make
-    their named tests fail for the wrong reason and pass the audit)."""
-    script = ("import sys, traceback; sys.path.insert(0, 'tests/helpers'); import mutations\n"
-              "for name, m in mutations.MUTATIONS.items():\n"
-              "    try: m.patch()\n"
-              "    except Exception: print(name, traceback.format_exc(limit=1).splitlines()[-1])\n")
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+def _check_patch(name: str) -> str | None:
+    """Why mutation `name` does not apply (None: it does), in a process that has not applied any other."""
+    mutation = MUTATIONS[name]
+    if not mutation.targets:
+        return "names no code it switches off (a Rewrite, or @switches on its patch function)"
+    try:
+        before = [current(t) for t in mutation.targets]
+        mutation.patch()
+        if all(current(t) is b for t, b in zip(mutation.targets, before)):
+            return f"changes none of {list(mutation.targets)}"
+    except Exception as error:  # noqa: BLE001 (reported, with its message)
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def patches_apply(names) -> list[str]:
+    """Every mutation's patch applied in a process of its own (forked from one that imported colozoo), and
+    COLOZOO_MUTATION applied by sitecustomize in a child process; the problems found, one line each."""
+    script = ("import importlib, os, sys; sys.path.insert(0, 'tests/helpers'); import mutations\n"
+              "for module in {t.partition(':')[0] for m in mutations.MUTATIONS.values() for t in m.targets}:\n"
+              "    importlib.import_module(module)  # once, before the forks\n"
+              "for name in sys.argv[1:]:\n"
+              "    pid = os.fork()\n"
+              "    if pid == 0:\n"
+              "        problem = mutations._check_patch(name)\n"
+              "        print(f'{name}: {problem}' if problem else '', flush=True)\n"
+              "        os._exit(0)\n"
+              "    if os.waitpid(pid, 0)[1]:\n"
+              "        print(f'{name}: its check process died', flush=True)\n")
+    result = subprocess.run([sys.executable, "-c", script, *names], cwd=ROOT, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"applying the patches failed:\n{result.stderr}")
-    return result.stdout.splitlines()
+    problems = [line for line in result.stdout.splitlines() if line]
+    probe = subprocess.run([sys.executable, "-c", "import colozoo, mutations; print(mutations._applied)"], cwd=ROOT,
+                           env=_environment(names[0]), capture_output=True, text=True)
+    if probe.stdout.strip() != str([names[0]]):
+        problems.append(f"{ENV} is not applied in a child process by sitecustomize: {probe.stderr[-500:]}")
+    return problems
 
 
-def run_test(name: str, test: str) -> tuple[bool, float]:
-    """(whether `test` fails under mutation `name`, its seconds)."""
+def _environment(name: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(HELPERS / "mutation_site"), str(HELPERS), env.get("PYTHONPATH", "")])
+    return {**env, ENV: name} if name else env
+
+
+def run_pytest(tests, name: str | None) -> tuple[dict, float]:
+    """Run `tests` in one pytest under mutation `name` (None: none); ({test: outcome}, seconds). An outcome is
+    pytest's ("passed", "failed", "error", "skipped") with the test's own seconds, or "not collected"."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        start = time.perf_counter()
+        try:
+            result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                                     "mutation_report", *tests], cwd=ROOT, capture_output=True, text=True,
+                                    env={**_environment(name), "COLOZOO_MUTATION_REPORT": str(report)},
+                                    timeout=TEST_TIMEOUT * len(tests))
+            found = json.loads(report.read_text()) if report.exists() else {"collected": [], "outcomes": {}}
+            tail = result.stdout[-2000:] + result.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            found, tail = {"collected": [], "outcomes": {}}, f"pytest ran past {TEST_TIMEOUT * len(tests)} s"
+        seconds = time.perf_counter() - start
+    outcomes = {}
+    for test in tests:
+        entry = found["outcomes"].get(test) if test in found["collected"] else None
+        outcomes[test] = entry or {"outcome": "not collected", "seconds": 0.0, "output": tail}
+    return outcomes, seconds
+
+
+def control(tests) -> dict:
+    """The named tests without any mutation, in one pytest: {test: its outcome}; each must pass."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
-                            cwd=ROOT, env={**os.environ, ENV: name}, capture_output=True, text=True)
-    return result.returncode != 0, time.perf_counter() - start
+    outcomes, _ = run_pytest(sorted(set(tests)), None) if tests else ({}, 0)
+    bad = {t: o["outcome"] for t, o in outcomes.items() if o["outcome"] != "passed"}
+    print(f"control: {len(outcomes) - len(bad)}/{len(outcomes)} named tests pass without a mutation "
+          f"({time.perf_counter() - start:.0f}s)" + "".join(f"\n  {o}: {t}" for t, o in bad.items()), flush=True)
+    return outcomes
 
 
-def run(plan: dict[str, tuple]) -> tuple[list[str], dict]:
-    """Run each mutation's tests in `plan` ({name: tests}); (the tests that passed, {name: {test: seconds}})."""
-    survivors, seconds = [], {}
+def run(plan: dict[str, tuple], controlled: dict) -> tuple[list[str], dict]:
+    """Each mutation's tests in `plan` ({name: tests}), each in a pytest of its own; (the problems: tests that did not
+    fail or were not run as named, {name: {test: seconds of its pytest}})."""
+    problems, seconds = [], {}
     for name, tests in plan.items():
-        mutation, start, failed = MUTATIONS[name], time.perf_counter(), 0
+        mutation, start, caught = MUTATIONS[name], time.perf_counter(), 0
         for test in tests:
-            caught, took = run_test(name, test)
-            seconds.setdefault(name, {})[test] = round(took, 1)
-            failed += caught
-            if not caught:
-                survivors.append(test)
+            if controlled.get(test, {}).get("outcome") != "passed":
+                problems.append(f"{name}: {test}: not run, it does not pass without the mutation (control)")
+                continue
+            outcomes, wall = run_pytest([test], name)
+            seconds.setdefault(name, {})[test] = round(wall, 1)
+            outcome = outcomes[test]["outcome"]
+            caught += outcome == "failed"
+            if outcome != "failed":
+                problems.append(f"{name}: {test}: {outcome} under the mutation"
+                                + (f"\n{outcomes[test]['output']}" if outcome == "not collected" else ""))
         whole = "" if len(tests) == len(mutation.tests) else f" (fast: {len(tests)} of {len(mutation.tests)})"
-        print(f"{'caught ' if failed == len(tests) else 'MISSED '} {name}: {mutation.what}: {failed}/{len(tests)} "
+        print(f"{'caught ' if caught == len(tests) else 'MISSED '} {name}: {mutation.what}: {caught}/{len(tests)} "
               f"named tests fail{whole} ({time.perf_counter() - start:.0f}s)", flush=True)
-    return survivors, seconds
+    return problems, seconds
+
+
+def _fastest(entry: dict) -> tuple[str, float]:
+    return min(entry["seconds"].items(), key=lambda item: item[1])
+
+
+def rotation_slots(cost: dict[str, float], capacity: float) -> list[list[str]]:
+    """The mutations split into slots of at most `capacity` seconds each (first fit, the costliest first; one that
+    alone exceeds it has a slot of its own): the same slots for the same recorded audit."""
+    slots: list[tuple[float, list[str]]] = []
+    for name in sorted(cost, key=lambda n: (-cost[n], n)):
+        for i, (used, members) in enumerate(slots):
+            if used + cost[name] <= capacity:
+                slots[i] = (used + cost[name], members + [name])
+                break
+        else:
+            slots.append((cost[name], [name]))
+    return [members for _, members in slots]
+
+
+def rotation_index() -> int:
+    """Which slot this CI run takes: $MUTATION_ROTATION (a CI's run counter) if set, else the number of commits on
+    HEAD's first-parent line (one more at every commit of the main line)."""
+    if os.environ.get("MUTATION_ROTATION"):
+        return int(os.environ["MUTATION_ROTATION"])
+    count = subprocess.run(["git", "rev-list", "--count", "--first-parent", "HEAD"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return int(count or 0)
 
 
 def ci_plan(budget: float) -> dict[str, tuple]:
-    """The whole audit for every mutation whose patch or named test files changed since mutations_audit.json (or
-    is not in it); for the others, each one's fastest test while `budget` seconds last, starting at a place that
-    moves with the commit so that successive changes cover them all."""
-    audited = json.loads(AUDIT.read_text())["mutations"] if AUDIT.exists() else {}
-    changed = [n for n in MUTATIONS if audited.get(n, {}).get("fingerprint") != fingerprint(n)]
+    """Mutations that changed since mutations_audit.json (their fingerprint: patch, code switched off, test files) or
+    are not in it run whole. The recorded ones are split into slots that each fit `budget` seconds (a test's cost:
+    its pytest under the mutation plus its share of the control run); this run takes slot rotation_index() % slots,
+    each mutation by its fastest test, then packs what else fits, so every mutation runs within len(slots) runs."""
+    audit = json.loads(AUDIT.read_text()) if AUDIT.exists() else {"mutations": {}}
+    recorded = {n: e for n, e in audit["mutations"].items() if n in MUTATIONS}
+    changed = [n for n in MUTATIONS if recorded.get(n, {}).get("fingerprint") != fingerprint(n)]
     plan = {n: MUTATIONS[n].tests for n in changed}
-    steady = [n for n in MUTATIONS if n not in changed]
-    if steady:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        first = int(head or "0", 16) % len(steady)
-        for name in steady[first:] + steady[:first]:
-            test, took = min(audited[name]["seconds"].items(), key=lambda item: item[1])
-            if took > budget:
-                break
-            plan[name], budget = (test,), budget - took
-    skipped = len(MUTATIONS) - len(plan)
-    print(f"mutations: {len(changed)} changed since the last whole audit run whole, {len(plan) - len(changed)} by "
-          f"their fastest test, {skipped} left for later runs (budget)", flush=True)
+    control_seconds = audit.get("control_seconds", {})
+    fastest = {n: _fastest(e)[0] for n, e in recorded.items()}
+    cost = {n: recorded[n]["seconds"][t] + control_seconds.get(t, 0.0) for n, t in fastest.items()}
+    capacity = budget - audit.get("control_startup", 0.0)
+    slots = rotation_slots(cost, capacity) or [[]]
+    index = rotation_index() % len(slots)
+    left, packed = capacity, 0
+    for slot in slots[index:] + slots[:index]:
+        for name in slot:
+            if name not in plan and (slot is slots[index] or cost[name] <= left):
+                plan[name], left, packed = (fastest[name],), left - cost[name], packed + (slot is not slots[index])
+    print(f"mutations: {len(changed)} changed since the last whole audit run whole; slot {index + 1} of "
+          f"{len(slots)} (rotation {rotation_index()}) by their fastest test, {packed} more packed into the "
+          f"{budget:.0f} s budget; every mutation runs within {len(slots)} CI runs", flush=True)
     return plan
 
 
-def record(seconds: dict):
-    """After a whole audit that caught everything: its fingerprints and timings, for ci_plan and the README."""
+def record(seconds: dict, controlled: dict, control_wall: float, wall: float):
+    """After a whole audit that caught everything: fingerprints and timings, for ci_plan and the README."""
     mutations = {n: {"fingerprint": fingerprint(n), "seconds": seconds[n], "total": round(sum(seconds[n].values()))}
                  for n in MUTATIONS}
-    AUDIT.write_text(json.dumps({"total_seconds": sum(m["total"] for m in mutations.values()),
-                                 "mutations": mutations}, indent=1) + "\n")
+    control_seconds = {t: o["seconds"] for t, o in sorted(controlled.items())}
+    AUDIT.write_text(json.dumps({
+        "total_seconds": round(wall), "control_seconds_total": round(control_wall),
+        "control_startup": round(max(control_wall - sum(control_seconds.values()), 0.0), 1),
+        "control_seconds": control_seconds, "mutations": mutations}, indent=1) + "\n")
+
+
+def readme_table() -> str:
+    """The README's table of the recorded audit: each mutation, what it switches off, its tests and seconds."""
+    audit = json.loads(AUDIT.read_text())
+    rows = ["| mutation | switched off | named tests | whole (s) | fastest test (s) |", "|---|---|---|---|---|"]
+    for name, entry in audit["mutations"].items():
+        rows.append(f"| `{name}` | {MUTATIONS[name].what} | {len(entry['seconds'])} | {entry['total']} | "
+                    f"{_fastest(entry)[1]:.0f} |")
+    return "\n".join(rows)
 
 
 def main(argv) -> int:
@@ -357,22 +257,31 @@ def main(argv) -> int:
                                                  "must fail.")
     parser.add_argument("names", nargs="*", help="mutations to run (default: all, recorded in mutations_audit.json)")
     parser.add_argument("--ci", type=float, metavar="SECONDS", help="the CI form: mutations changed since the last "
-                        "whole audit run whole, the others by their fastest test within SECONDS")
+                        "whole audit run whole, a rotating slot of the others by their fastest test within SECONDS")
+    parser.add_argument("--table", action="store_true", help="print the README's table of the recorded audit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(readme_table())
+        return 0
     unknown = [n for n in args.names if n not in MUTATIONS]
     if unknown:
         raise SystemExit(f"unknown mutation(s) {unknown}; known: {sorted(MUTATIONS)}")
-    broken = patches_apply()
+    start = time.perf_counter()
+    broken = patches_apply(args.names or list(MUTATIONS))
     if broken:
-        print("patches that no longer apply (a renamed attribute?):\n  " + "\n  ".join(broken))
+        print("patches that do not apply:\n  " + "\n  ".join(broken))
         return 1
     plan = ci_plan(args.ci) if args.ci is not None else {n: MUTATIONS[n].tests for n in args.names or MUTATIONS}
-    survivors, seconds = run(plan)
-    if survivors:
-        print("tests that pass with their feature switched off:\n  " + "\n  ".join(survivors))
+    control_start = time.perf_counter()
+    controlled = control([t for tests in plan.values() for t in tests])
+    control_wall = time.perf_counter() - control_start
+    problems, seconds = run(plan, controlled)
+    print(f"{len(plan)} mutations in {time.perf_counter() - start:.0f} s", flush=True)
+    if problems:
+        print("not caught as named:\n  " + "\n  ".join(problems))
         return 1
     if args.ci is None and not args.names:
-        record(seconds)
+        record(seconds, controlled, control_wall, time.perf_counter() - start)
     return 0
 
 

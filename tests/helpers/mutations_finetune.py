@@ -1,0 +1,58 @@
+"""Switch-offs of fine-tuning's honesty (tests/helpers/mutations.py runs them): what a resume checks it continues
+from, the token-weighted evaluation loss, and the tokenizer in the HF export."""
+from __future__ import annotations
+
+from mutation_tools import Mutation, Rewrite, replace, switches
+
+HONEST = "tests/test_finetune_honest.py::"
+RESUME = HONEST + "test_resume_checks_the_weights_adapters_and_data_it_started_from"
+EVALUATE = "colozoo.finetune.evaluation:evaluate"
+
+
+@switches("colozoo.finetune.fingerprint:weights_fingerprint")
+def _weights_fingerprint_constant():
+    replace("colozoo.finetune.fingerprint:weights_fingerprint", lambda original: lambda name_or_path: "0" * 16)
+
+
+@switches("colozoo.finetune.fingerprint:data_fingerprint")
+def _data_fingerprint_constant():
+    replace("colozoo.finetune.fingerprint:data_fingerprint", lambda original: lambda data: "0" * 16)
+
+
+FINETUNE = {
+    "resume_weights_unchecked": Mutation(
+        "a resume takes any base weights (their fingerprint is the same for all)", _weights_fingerprint_constant,
+        (RESUME,)),
+    "resume_data_unchecked": Mutation(
+        "a resume takes any training rows (their fingerprint is the same for all)", _data_fingerprint_constant,
+        (RESUME,)),
+    "resume_adapters_unchecked": Mutation(
+        "a resume takes other LoRA settings than the run started with",
+        Rewrite("colozoo.finetune.state:check_started_from",
+                ('if "adapters" in saved and "adapters" in mine and saved["adapters"] != mine["adapters"]:',
+                 "if False:")),
+        (RESUME,)),
+    "eval_loss_unweighted": Mutation(
+        "the evaluation loss is the mean of the micro-batches' means, not weighted by their tokens",
+        Rewrite(EVALUATE, ("weight = int(data.tokens[list(rows_of)].sum()) if lm else len(rows_of)",
+                           "weight = 1")),
+        (HONEST + "test_eval_loss_is_the_token_weighted_mean_on_every_mesh",)),
+    "eval_counts_the_rerun_batch": Mutation(
+        "a dp rank left without a micro-batch counts the one it runs again",
+        Rewrite(EVALUATE, ("if counted and weight:", "if weight:")),
+        (HONEST + "test_eval_loss_is_the_token_weighted_mean_on_every_mesh",)),
+    "chat_turns_cut_mid_answer": Mutation(
+        "--chat cuts a sample longer than --seq-len at seq_len instead of keeping its whole turns",
+        Rewrite("colozoo.finetune.sft:fit_sample",
+                ('if truncate == "turns" and not all(flag for _, flag in segments):', "if False:")),
+        (HONEST + "test_chat_keeps_whole_turns_and_counts_what_it_drops",)),
+    "throughput_counts_padding_as_trained": Mutation(
+        "throughput counts every computed position as a trained token",
+        Rewrite("colozoo.finetune.loop:train", ("trained_tokens=int(inputs.train.tokens[indices].sum())",
+                                                "trained_tokens=computed")),
+        (HONEST + "test_throughput_counts_tokens_computed_and_trained_and_mfu_what_lora_computes",)),
+    "export_tokenizer_not_saved": Mutation(
+        "the fine-tune's HF export copies the model directory's tokenizer files instead of tokenizer.save_pretrained",
+        Rewrite("colozoo.finetune.loop:export", ("tokenizer.save_pretrained(str(path))", "pass")),
+        ("tests/test_finetune_export_tokenizer.py::test_the_export_holds_the_tokenizer_as_save_pretrained_writes_it",)),
+}
