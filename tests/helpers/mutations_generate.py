@@ -15,7 +15,7 @@ GENERATE = {
     # end-of-sequence tokens
     "eos_list_first_only": Mutation(
         "greedy decoding ends a sequence only at the first of several eos_token_id",
-        Rewrite("colozoo.runtime.sampling:finish",
+        Rewrite("colozoo.runtime.sampling:eos_ids",
                 ("torch.tensor(options.eos_token_id, device", "torch.tensor(options.eos_token_id[:1], device")),
         (GREEDY_OPTIONS + "[gpt2]", GREEDY_OPTIONS + "[llama]")),
     "generation_config_ignored": Mutation(
