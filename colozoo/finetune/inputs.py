@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from colozoo.checkpoint import layout
 from colozoo.core.mesh import ParallelConfig
 from colozoo.finetune import data as D
-from colozoo.finetune import preference_data, runtime, sft, token_cache
+from colozoo.finetune import grpo_data, preference_data, runtime, sft, token_cache
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import tensorboard_writer_class
 from colozoo.runtime.plan import DEGREES, Plan
@@ -42,7 +41,7 @@ def check_inputs(cfg: FinetuneConfig) -> Inputs:
         plan, global_batch = None, cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
     else:
         plan, mesh, global_batch = plan_run(cfg, config)
-    D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
+    D.BatchSampler(len(train), cfg.samples_per_step(global_batch), 0, mesh.dp, cfg.seed)  # data for one step
     check_writable(Path(cfg.output))
     if cfg.tensorboard:
         tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
@@ -59,15 +58,20 @@ def check_model_and_mesh(cfg: FinetuneConfig, world: int | None = None) -> tuple
     if cfg.plan is None:
         mesh = check_mesh(cfg, world=world)
         cfg.num_microbatches(mesh.dp)
+        cfg.samples_per_step(cfg.global_batch_size or cfg.micro_batch_size * mesh.dp)
+    if cfg.method == "grpo":
+        from colozoo.finetune.rewards import RewardFunctions
+
+        RewardFunctions(cfg.reward_list(), cfg.weights_of_rewards())  # each imports, before anything loads
     config, directory = model_source(cfg.model)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
     if cfg.plan is None:
         layout.check_mesh(config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)  # heads over tp, layers over pp, experts over ep
-    if cfg.method == "dpo" and getattr(config, "output_router_logits", False):
-        raise ValueError(f"--method dpo does not add MoE router losses to the preference loss yet, and {cfg.model}'s "
+    if cfg.method in ("dpo", "grpo") and getattr(config, "output_router_logits", False):
+        raise ValueError(f"--method {cfg.method} does not add MoE router losses to its loss yet, and {cfg.model}'s "
                          f"config sets output_router_logits: set it to false to train without them")
-    if cfg.task != "imgcls":
+    if cfg.task != "imgcls" and cfg.method != "grpo":  # grpo: each prompt + --max-completion-length, when read
         dpo_length = cfg.method == "dpo" and cfg.max_length is not None
         D.check_seq_len(cfg.sequence_length(), config, "--max-length" if dpo_length else "--seq-len")
     return mesh, config, directory
@@ -78,7 +82,9 @@ def data_notes(cfg: FinetuneConfig, train, evaluation) -> list[str]:
     found = []
     for path, data in ((cfg.data, train), (cfg.eval_data, evaluation)):
         stats = getattr(data, "stats", None)
-        if cfg.method == "dpo":
+        if cfg.method == "grpo":
+            note = grpo_data.fit_note(stats, path, cfg.max_prompt_length) if path else None
+        elif cfg.method == "dpo":
             note = preference_data.fit_note(stats, path, cfg.sequence_length(), cfg.max_prompt_length) if path else None
         else:
             note = sft.fit_note(stats, path, cfg.seq_len) if path else None
@@ -124,7 +130,11 @@ def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData
         read = lambda path, role: D.image_dataset(path, config, directory)  # noqa: E731
     else:
         tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
-        if cfg.method == "dpo":
+        if cfg.method == "grpo":
+            read = lambda path, role: grpo_data.prompt_dataset(  # noqa: E731
+                path, tokenizer, cfg.max_completion_length, cfg.max_prompt_length,
+                getattr(config, "max_position_embeddings", None))
+        elif cfg.method == "dpo":
             read = lambda path, role: preference_data.preference_dataset(  # noqa: E731
                 path, tokenizer, cfg.sequence_length(), cfg.max_prompt_length)
         elif cfg.chat or cfg.task == "lm":
@@ -153,25 +163,34 @@ def check_writable(output: Path):
         raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
 
 
-@contextmanager
-def nothing_left_if_refused(output):
-    """A run refused (or stopped) before it trains leaves nothing behind: the output directory and its parents when
-    it made them, else the token caches it made in it. The first process of each machine removes them."""
-    output = Path(output).absolute()
-    created = output
-    while not created.parent.exists():
-        created = created.parent
-    existed, cache = output.exists(), output / "data-cache"
-    cached = set(cache.iterdir()) if cache.is_dir() else None
-    try:
-        yield
-    except BaseException:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            if not existed:
-                shutil.rmtree(created, ignore_errors=True)
-            elif cached is None:
-                shutil.rmtree(cache, ignore_errors=True)
-            elif cache.is_dir():
-                for entry in set(cache.iterdir()) - cached:
-                    shutil.rmtree(entry, ignore_errors=True)
-        raise
+class OutputGuard:
+    """A run refused (or stopped) before it trains leaves nothing behind: `with guard:` removes, on any exception,
+    the output directory and its parents when the run made them, else the token caches it made in it; a later refusal
+    (bad input found on the first step) calls remove_output. The first process of each machine removes them."""
+
+    def __init__(self, output):
+        output = Path(output).absolute()
+        self.created = output
+        while not self.created.parent.exists():
+            self.created = self.created.parent
+        self.existed, self.cache = output.exists(), output / "data-cache"
+        self.cached = set(self.cache.iterdir()) if self.cache.is_dir() else None
+        self.output = output
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if kind is not None:
+            self.remove_output()
+
+    def remove_output(self):
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        if not self.existed:
+            shutil.rmtree(self.created, ignore_errors=True)
+        elif self.cached is None:
+            shutil.rmtree(self.cache, ignore_errors=True)
+        elif self.cache.is_dir():
+            for entry in set(self.cache.iterdir()) - self.cached:
+                shutil.rmtree(entry, ignore_errors=True)

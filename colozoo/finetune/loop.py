@@ -23,11 +23,13 @@ from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.evaluation import Evaluator
 from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
-from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
+from colozoo.finetune.grpo_train import COMPLETIONS_FILE, GrpoTraining, grpo_training
+from colozoo.finetune.inputs import Inputs, OutputGuard, check_inputs
 from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
                                       truncate_metrics)
 from colozoo.finetune.preference_data import pair_rows
 from colozoo.finetune.preference_train import PreferenceTraining, prepare_reference, preference_training
+from colozoo.finetune.rewards import RewardError
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.runtime.amp import DynamicLossScaler
@@ -37,7 +39,8 @@ from colozoo.runtime.offload import OffloadedAdamW
 
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says (every rank of the job calls it); returns the summary, also OUTPUT/summary.json."""
-    with nothing_left_if_refused(cfg.output):
+    guard = OutputGuard(cfg.output)
+    with guard:
         inputs = check_inputs(cfg)
         trainer = load(cfg, inputs)
         checkpoints = Checkpoints(cfg, inputs, trainer)
@@ -47,12 +50,19 @@ def finetune(cfg: FinetuneConfig) -> dict:
     reporter = open_reporter(cfg, inputs, trainer, checkpoints.mesh, start, resumed)
     if trainer.preference is not None and cfg.precompute_ref_logps:
         checkpoints.side_files.append(prepare_reference(cfg, inputs, trainer, resumed, reporter, _is_rank0()))
+    if trainer.rl is not None and resumed is not None:
+        trainer.rl.resume(resumed.path, start)
     evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
-                            _is_rank0(), preference=trainer.preference)
+                            _is_rank0(), preference=trainer.preference or trainer.rl)
     if start == 0 and inputs.evaluation is not None and cfg.eval_interval:
         evaluate_at(0)  # the baseline the fine-tuning improves on
     try:
         outcome = train(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, start)
+    except RewardError:
+        if start == 0:  # refused on the first step's rollouts: bad input, which leaves nothing behind
+            checkpoints.saver.wait(raise_error=False)
+            guard.remove_output()
+        raise
     finally:
         checkpoints.saver.wait(raise_error=False)  # a failed run still lets the save in flight finish (or fail) first
         reporter.close()
@@ -77,6 +87,7 @@ class Trainer:
     scheduler: object
     scaler: DynamicLossScaler
     preference: PreferenceTraining | None = None  # --method dpo's step, reference and evaluation
+    rl: GrpoTraining | None = None                # --method grpo's rollouts, step and evaluation
 
     def step(self, batch: dict, number: int, indices=None) -> "StepResult":
         """One optimizer step on this rank's rows of the global batch (`number`: the step it completes; `indices`:
@@ -86,6 +97,8 @@ class Trainer:
         loss_scale = self.scaler.scale
         if self.preference is not None:
             loss, metrics = self.preference.step(self.model, batch, indices, loss_scale, self.step_options)
+        elif self.rl is not None:
+            loss, metrics = self.rl.step(self.model, number, loss_scale, self.step_options)
         else:
             loss, metrics = runtime.forward_backward(self.model, batch, grad_scale=loss_scale, **self.step_options), {}
         overflow = self.scaler.unscale_(self.model)  # every rank agrees; clipping then sees the true gradients
@@ -115,20 +128,23 @@ def load(cfg: FinetuneConfig, inputs: Inputs) -> Trainer:
     (data parallelism, mixed precision, checkpointing: collective), with its sampler, optimizer and schedule."""
     model, fresh = runtime.load_model(cfg, cfg.task, inputs.plan, labels=inputs.train.label_names)
     pc, plan = model.pc, inputs.plan
-    sampler = D.BatchSampler(len(inputs.train), inputs.global_batch, pc.rank("dp"), inputs.mesh.dp, cfg.seed)
-    total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
+    sampler = D.BatchSampler(len(inputs.train), cfg.samples_per_step(inputs.global_batch), pc.rank("dp"),
+                             inputs.mesh.dp, cfg.seed)
+    total_steps = cfg.steps or sampler.total_steps(cfg.epochs) * (cfg.num_iterations if cfg.method == "grpo" else 1)
     model_parallel_seed(cfg.seed, pc)
     planned_step = runtime.prepare_training(model, cfg)
     step_options = planned_step if plan else {"num_microbatches": cfg.num_microbatches(inputs.mesh.dp)}
-    model.train(cfg.method != "dpo")  # preference tuning trains with dropout off, as TRL's DPOTrainer
+    model.train(cfg.method == "sft")  # preference tuning and RL train with dropout off (TRL's disable_dropout)
     preference = preference_training(cfg, model, plan) if cfg.method == "dpo" else None
+    rl = grpo_training(cfg, model, inputs, sampler, total_steps) if cfg.method == "grpo" else None
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
     # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
     scheduled = optimizer.optimizer if isinstance(optimizer, OffloadedAdamW) else optimizer
     scheduler = build_scheduler(scheduled, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
     scaler = DynamicLossScaler(enabled=cfg.dtype == "float16")  # fp16 gradients underflow without loss scaling
     return Trainer(cfg, model, fresh, cfg.lora_settings(), sampler, total_steps, step_options,
-                   plan.micro_batch_size if plan else cfg.micro_batch_size, optimizer, scheduler, scaler, preference)
+                   plan.micro_batch_size if plan else cfg.micro_batch_size, optimizer, scheduler, scaler, preference,
+                   rl)
 
 
 # --- checkpoints and resuming -----------------------------------------------------------------------------------
@@ -169,10 +185,14 @@ class Checkpoints:
 
     def save(self, step: int, final: bool) -> Path:
         t = self.trainer
+        carried = []
+        if t.rl is not None:  # the rollouts later steps train on (after the save in flight copied the last ones)
+            self.saver.wait()
+            carried = t.rl.write_state(Path(self.cfg.output), _is_rank0())
         path = self.saver.save(self.root, step, t.model, t.optimizer, t.scheduler, self.mesh, final=final,
                                extra={"total_steps": t.total_steps, "data": self.data_position,
                                       "started_from": self.started_from},
-                               keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=self.side_files)
+                               keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=[*self.side_files, *carried])
         if t.lora:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
             self.saver.wait()
             runtime.export_adapter(t.model, path / "adapter")
@@ -187,10 +207,13 @@ def prepare_output(cfg: FinetuneConfig, inputs: Inputs, start: int, checkpoints:
         output.mkdir(parents=True, exist_ok=True)
         saved_config = {**cfg.to_json(), "planned": inputs.plan.to_dict()} if inputs.plan else cfg.to_json()
         (output / "config.json").write_text(json.dumps(saved_config, indent=1))
-        if start:
-            truncate_metrics(output / "metrics.jsonl", start)
-        else:  # a fresh start in this directory: an earlier run's metrics and checkpoints would only mislead
-            (output / "metrics.jsonl").unlink(missing_ok=True)
+        logs = (output / "metrics.jsonl", output / COMPLETIONS_FILE)
+        for log in logs:
+            if start and log.exists():
+                truncate_metrics(log, start)
+            elif not start:  # a fresh start in this directory: an earlier run's logs and checkpoints would mislead
+                log.unlink(missing_ok=True)
+        if not start:
             shutil.rmtree(checkpoints, ignore_errors=True)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -249,13 +272,17 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
             batch = inputs.train.take(indices)
             result = trainer.step(batch, step + 1, indices)
             step += 1
+            if trainer.rl is not None:
+                trainer.rl.log_completions(step, Path(cfg.output), _is_rank0())
             if step % cfg.log_interval == 0 or step == total:
                 amp = {"loss_scale": result.loss_scale, "skipped": result.overflow,
                        "skipped_steps": trainer.scaler.skipped_steps} if trainer.scaler.enabled else {}
                 computed = batch["input_ids"].numel() if "input_ids" in batch else 0  # padding included
+                trained = int(inputs.train.tokens[indices].sum())
+                if trainer.rl is not None:  # the rows of the rollouts the step trained on
+                    computed, trained = trainer.rl.tokens()
                 reporter.step(step, result.loss, result.lr, computed, time.perf_counter() - tick, result.grad_norm,
-                              inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()),
-                              metrics=result.metrics, **amp)
+                              inputs.global_batch, trained_tokens=trained, metrics=result.metrics, **amp)
             if inputs.evaluation is not None and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
                 evaluate_at(step)
             interrupted = interrupt.agreed(trainer.model.pc.device)

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 # Dense bf16 peak TFLOP/s per device (fp32 runs count half: TF32 tensor cores); the first match wins.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40": 181.0, "A10": 125.0, "L4": 121.0,
                "V100": 125.0, "T4": 65.0}
-SHOWN = ("rewards/accuracies", "rewards/margins")  # a method's metrics on the progress line, beside the loss
+SHOWN = ("rewards/accuracies", "rewards/margins", "reward")  # a method's metrics on the progress line
 CPU_TFLOPS_PER_THREAD = 0.05  # a nominal fp32 figure: CPU MFU is a rough guide only
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from colozoo.finetune.preference_data import sequence_sums
 
-METHODS = ("sft", "dpo")
+METHODS = ("sft", "dpo", "grpo")
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "simpo")
 SMOOTHED = ("robust", "simpo")  # the losses --label-smoothing applies to
 
@@ -27,9 +27,9 @@ SMOOTHED = ("robust", "simpo")  # the losses --label-smoothing applies to
 @dataclass(kw_only=True)
 class PreferenceOptions:
     """The options of `--method dpo` (FinetuneConfig inherits them)."""
-    method: str = "sft"                 # sft (supervised) or dpo (preference tuning and its relatives)
-    beta: float = 0.1
-    loss_type: str = "sigmoid"          # comma-separated for several at once (MPO), e.g. "sigmoid,ipo"
+    method: str = "sft"                 # sft (supervised), dpo (preference tuning and its relatives) or grpo
+    beta: float | None = None           # dpo: 0.1; grpo: 0 (TRL's defaults)
+    loss_type: str | None = None        # dpo: sigmoid, comma-separated for several at once (MPO); grpo: dapo
     loss_weights: str | None = None     # comma-separated, one per loss type (default: 1 each)
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
@@ -46,7 +46,8 @@ class PreferenceOptions:
         if isinstance(self.loss_weights, (list, tuple)):
             self.loss_weights = ",".join(str(w) for w in self.loss_weights)
         if self.method != "dpo":
-            changed = [f.name for f in fields(PreferenceOptions) if f.name != "method" and
+            shared = ("method", "beta", "loss_type", "max_prompt_length") if self.method == "grpo" else ("method",)
+            changed = [f.name for f in fields(PreferenceOptions) if f.name not in shared and
                        getattr(self, f.name) != f.default]
             if changed:
                 raise ValueError(f"--{changed[0].replace('_', '-')} goes with --method dpo")
@@ -71,6 +72,8 @@ class PreferenceOptions:
         if self.lora_dropout:
             raise ValueError("--lora-dropout: --method dpo trains with dropout off, as TRL's DPOTrainer "
                              "(disable_dropout)")
+        self.beta = 0.1 if self.beta is None else self.beta
+        self.loss_type = "sigmoid" if self.loss_type is None else self.loss_type
         if not self.beta > 0:
             raise ValueError(f"--beta must be > 0, got {self.beta:g}")
         losses = self.loss_types()
@@ -130,10 +133,14 @@ def sequence_multiple(cp: int, sequence_parallel_tp: int = 1) -> int:
 
 PREFERENCE_HELP = {
     "method": "sft: supervised fine-tuning (text, or --chat records); dpo: preference tuning on records with 'prompt', "
-              "'chosen' and 'rejected' (strings or conversations), with the losses of --loss-type",
-    "beta": "--method dpo: how far the policy may move from the reference (TRL's beta; IPO's tau)",
-    "loss_type": "--method dpo: sigmoid (DPO), hinge, ipo, robust, apo_zero, or simpo (CPOTrainer's SimPO, "
-                 "reference-free); several comma-separated are summed with --loss-weights (MPO)",
+              "'chosen' and 'rejected' (strings or conversations), with the losses of --loss-type; grpo: "
+              "reinforcement learning on records with a 'prompt', scored by --reward-funcs",
+    "beta": "--method dpo: how far the policy may move from the reference (TRL's beta; IPO's tau; default 0.1); "
+            "--method grpo: the weight of the KL term to the reference model (default 0: no reference model)",
+    "loss_type": "--method dpo: sigmoid (DPO, the default), hinge, ipo, robust, apo_zero, or simpo (CPOTrainer's "
+                 "SimPO, reference-free); several comma-separated are summed with --loss-weights (MPO). --method "
+                 "grpo: dapo (the default: token-level, normalised by the batch's completion tokens), grpo (per "
+                 "sequence), dr_grpo, bnpo or cispo",
     "loss_weights": "--method dpo: comma-separated weights of the --loss-type losses (default: 1 each)",
     "label_smoothing": "--method dpo: the probability that a preference is flipped (robust, simpo)",
     "simpo_gamma": "--loss-type simpo: the target reward margin gamma",
@@ -143,7 +150,8 @@ PREFERENCE_HELP = {
                             "the model with its adapters switched off (LoRA) at every step",
     "max_length": "--method dpo: tokens of prompt + completion; longer ones keep their start, cut and counted "
                   "(default: --seq-len)",
-    "max_prompt_length": "--method dpo: a longer prompt keeps its last this many tokens, counted (default: whole)",
+    "max_prompt_length": "--method dpo / grpo: a longer prompt keeps its last this many tokens, counted (default: "
+                         "whole)",
 }
 PREFERENCE_CHOICES = {"method": METHODS}
 
