@@ -103,3 +103,41 @@ def test_loss_at_another_temperature_equals_trl(setup, tmp_path):
     close(loss, expected_loss, ATOL, "loss at temperature 0.7")
     check_metrics(update, {k: v for k, v in expected.items() if k in LOSS_METRICS}, "temperature 0.7")
     check_metrics(metrics, expected_rollout, "temperature 0.7")
+
+
+# --- the same first step on every mesh --------------------------------------------------------------------------
+
+MESHES = {  # name: (degrees, data parallelism, micro-batches, options); "dp2" samples other completions (its own seeds)
+    "tp2": (dict(tp=2), "fsdp", 1, dict(beta=0.04)),  # LoRA: the reference is the base, adapters switched off
+    "pp2": (dict(pp=2), "fsdp", 2, dict(beta=0.04, num_iterations=2)),  # a frozen reference copy; old log-probs
+    "dp2": (dict(dp=2), "fsdp", 1, dict(loss_type="grpo")),
+}
+
+
+@pytest.fixture(scope="module")
+def adapter(setup):
+    from grpo_parity import random_adapter
+
+    return random_adapter(setup["base"], setup["root"] / "adapter")
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_first_step_is_the_same_on_every_mesh(setup, adapter, mesh, tmp_path):
+    """tp2 and pp2 sample the same completions as one process (the same seed, the same draws on every rank); dp2's
+    replicas sample their own, and one process trained on those gives the same step."""
+    from distributed import run_distributed
+    from grpo_parity import mesh_step
+
+    degrees, data_parallel, micro, options = MESHES[mesh]
+    lora = adapter if mesh == "tp2" else None
+    args = (setup["base"], setup["base"] if lora else setup["policy"], setup["strings"], tmp_path)
+    got = run_distributed(mesh_step, 2, *args, degrees, data_parallel, micro, lora, timeout=150, **options)
+    loss, metrics, completions, norm = got[0]
+    assert all(rank[2] == completions for rank in got), f"{mesh}: ranks sampled different completions"
+    given = completions if mesh == "dp2" else None
+    expected = mesh_step(*args, {}, "fsdp", micro, lora, completions=given, **options)
+    assert completions == expected[2], f"{mesh}: other completions than one process's"
+    for rank_loss, rank_metrics, _, rank_norm in got:
+        close(rank_loss, expected[0], ATOL, f"{mesh}: loss")
+        check_metrics(rank_metrics, expected[1], mesh)
+        close(rank_norm, expected[3], ATOL, f"{mesh}: gradient norm")

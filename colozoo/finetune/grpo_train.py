@@ -71,6 +71,7 @@ class GrpoTraining:
         self.loss = grpo.GrpoLoss(cfg.loss_type, cfg.beta, cfg.epsilon, cfg.epsilon_upper, cfg.max_completion_length)
         self.eos, self.pad = end_of_sequence_ids(tokenizer, model), pad_id(tokenizer)
         self.rollout: Rollout | None = None  # the batch the steps of this --num-iterations cycle train on
+        self.unlogged: dict = {}  # the metrics of a rollout sampled before its step
 
     # --- rollouts ---------------------------------------------------------------------------------------------
     def first_step_of_cycle(self, number: int) -> int:
@@ -120,9 +121,9 @@ class GrpoTraining:
     def step(self, model, number: int, grad_scale: float, step_options: dict):
         """Step `number`'s forward and backward: a new batch of rollouts on the first step of each --num-iterations
         cycle, the clipped policy-gradient loss on it. Returns (the loss, TRL's metrics of the step)."""
-        metrics = {}
         if self.rollout is None or self.rollout.step != self.first_step_of_cycle(number):
-            self.rollout, metrics = self.make_rollout(model, number, step_options)
+            self.rollout, self.unlogged = self.make_rollout(model, number, step_options)
+        metrics, self.unlogged = self.unlogged, {}
         r, device = self.rollout, model.pc.device
         mask = r.labels != -100
         objective = self.loss.objective(global_rows=len(r.labels), global_tokens=int(mask.sum()))
@@ -173,6 +174,15 @@ class GrpoTraining:
             save_file(self.rollout.tensors(), str(tmp), metadata={"step": str(self.rollout.step)})
             os.replace(tmp, path)
         return [path]
+
+    def begin(self, model, start: int, checkpoint: Path | None, step_options: dict):
+        """Before the run's first step (`start` steps done): the rollouts it trains on, read from the checkpoint
+        it resumes from (the middle of a --num-iterations cycle) or sampled and scored now, so that reward functions
+        that fail stop the run before it writes anything."""
+        if checkpoint is not None:
+            self.resume(checkpoint, start)
+        if self.rollout is None and start < self.total_steps:
+            self.rollout, self.unlogged = self.make_rollout(model, start + 1, step_options)
 
     def resume(self, checkpoint: Path, start: int):
         """A run resumed after step `start` reads the batch its next step trains on, when it is not a new one."""

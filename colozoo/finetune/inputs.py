@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,34 +164,25 @@ def check_writable(output: Path):
         raise ValueError(f"cannot write to the output directory {output}: {e.strerror or e}") from None
 
 
-class OutputGuard:
-    """A run refused (or stopped) before it trains leaves nothing behind: `with guard:` removes, on any exception,
-    the output directory and its parents when the run made them, else the token caches it made in it; a later refusal
-    (bad input found on the first step) calls remove_output. The first process of each machine removes them."""
-
-    def __init__(self, output):
-        output = Path(output).absolute()
-        self.created = output
-        while not self.created.parent.exists():
-            self.created = self.created.parent
-        self.existed, self.cache = output.exists(), output / "data-cache"
-        self.cached = set(self.cache.iterdir()) if self.cache.is_dir() else None
-        self.output = output
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if kind is not None:
-            self.remove_output()
-
-    def remove_output(self):
-        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-            return
-        if not self.existed:
-            shutil.rmtree(self.created, ignore_errors=True)
-        elif self.cached is None:
-            shutil.rmtree(self.cache, ignore_errors=True)
-        elif self.cache.is_dir():
-            for entry in set(self.cache.iterdir()) - self.cached:
-                shutil.rmtree(entry, ignore_errors=True)
+@contextmanager
+def nothing_left_if_refused(output):
+    """A run refused (or stopped) before it trains leaves nothing behind: the output directory and its parents when
+    it made them, else the token caches it made in it. The first process of each machine removes them."""
+    output = Path(output).absolute()
+    created = output
+    while not created.parent.exists():
+        created = created.parent
+    existed, cache = output.exists(), output / "data-cache"
+    cached = set(cache.iterdir()) if cache.is_dir() else None
+    try:
+        yield
+    except BaseException:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            if not existed:
+                shutil.rmtree(created, ignore_errors=True)
+            elif cached is None:
+                shutil.rmtree(cache, ignore_errors=True)
+            elif cache.is_dir():
+                for entry in set(cache.iterdir()) - cached:
+                    shutil.rmtree(entry, ignore_errors=True)
+        raise

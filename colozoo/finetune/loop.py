@@ -24,12 +24,11 @@ from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.evaluation import Evaluator
 from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
 from colozoo.finetune.grpo_train import COMPLETIONS_FILE, GrpoTraining, grpo_training
-from colozoo.finetune.inputs import Inputs, OutputGuard, check_inputs
+from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
 from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
                                       truncate_metrics)
 from colozoo.finetune.preference_data import pair_rows
 from colozoo.finetune.preference_train import PreferenceTraining, prepare_reference, preference_training
-from colozoo.finetune.rewards import RewardError
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
 from colozoo.runtime.amp import DynamicLossScaler
@@ -39,30 +38,24 @@ from colozoo.runtime.offload import OffloadedAdamW
 
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says (every rank of the job calls it); returns the summary, also OUTPUT/summary.json."""
-    guard = OutputGuard(cfg.output)
-    with guard:
+    with nothing_left_if_refused(cfg.output):
         inputs = check_inputs(cfg)
         trainer = load(cfg, inputs)
         checkpoints = Checkpoints(cfg, inputs, trainer)
         resumed = checkpoints.resume()
-    start = resumed.meta["step"] if resumed else 0
+        start = resumed.meta["step"] if resumed else 0
+        if trainer.rl is not None:  # its first rollouts now: a reward function that fails leaves nothing behind
+            trainer.rl.begin(trainer.model, start, resumed.path if resumed else None, trainer.step_options)
     prepare_output(cfg, inputs, start, checkpoints.root)
     reporter = open_reporter(cfg, inputs, trainer, checkpoints.mesh, start, resumed)
     if trainer.preference is not None and cfg.precompute_ref_logps:
         checkpoints.side_files.append(prepare_reference(cfg, inputs, trainer, resumed, reporter, _is_rank0()))
-    if trainer.rl is not None and resumed is not None:
-        trainer.rl.resume(resumed.path, start)
     evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
                             _is_rank0(), preference=trainer.preference or trainer.rl)
     if start == 0 and inputs.evaluation is not None and cfg.eval_interval:
         evaluate_at(0)  # the baseline the fine-tuning improves on
     try:
         outcome = train(cfg, inputs, trainer, checkpoints, evaluate_at, reporter, start)
-    except RewardError:
-        if start == 0:  # refused on the first step's rollouts: bad input, which leaves nothing behind
-            checkpoints.saver.wait(raise_error=False)
-            guard.remove_output()
-        raise
     finally:
         checkpoints.saver.wait(raise_error=False)  # a failed run still lets the save in flight finish (or fail) first
         reporter.close()

@@ -11,12 +11,12 @@ number stops the run with one line naming it (RewardError).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
 import numbers
 import os
 import sys
 from pathlib import Path
+import types
 from types import SimpleNamespace
 
 import torch
@@ -73,11 +73,11 @@ def _import_file(path: str):
     name = f"colozoo_rewards_{abs(hash(str(file.resolve())))}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(name)
+    module.__file__ = str(file)
     sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
+    try:  # compiled here: no __pycache__ left beside the user's file
+        exec(compile(file.read_text(), str(file), "exec"), module.__dict__)
     except BaseException:
         del sys.modules[name]
         raise

@@ -171,3 +171,62 @@ def our_step(training, model, completions: list[list[int]], old=None, ref=None, 
     training.rollout = rollout
     loss, metrics = training.step(model, 1, 1.0, {"num_microbatches": micro})
     return float(loss), rollout_metrics, metrics
+
+
+def random_adapter(base: Path, path: Path, seed: int = 11) -> Path:
+    """A PEFT LoRA adapter (r 4, all linear layers) of `base` whose B is random, so that the policy differs from
+    the base its reference is."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(str(path))
+    return path
+
+
+def sampled_completions(rollout) -> list[list[int]]:
+    return [row[labels != -100].tolist() for row, labels in zip(rollout.input_ids, rollout.labels)]
+
+
+def mesh_step(base, policy, data, output, degrees: dict, data_parallel: str = "fsdp", micro: int = 1,
+              adapter=None, completions=None, **options):
+    """(loss, metrics, sampled completions, gradient norm) of the first step on the mesh of `degrees`: sampled
+    there, or on `completions`."""
+    from colozoo.runtime.clipping import global_grad_norm
+
+    cfg = our_config(base, data, output, micro_batch_size=ROWS // degrees.get("dp", 1) // micro,
+                     lora_r=4 if adapter else None, **options)
+    model, training = our_training(cfg, policy, data_parallel, adapter, **degrees)
+    if completions is None:
+        loss, metrics = training.step(model, 1, 1.0, {"num_microbatches": micro})
+        loss = float(loss)
+    else:
+        loss, rollout_metrics, update = our_step(training, model, completions, num_microbatches=micro)
+        metrics = {**rollout_metrics, **update}
+    return loss, metrics, sampled_completions(training.rollout), float(global_grad_norm(model))
+
+
+TINY_WORDS = "the cat dog ate sat ran fox bird on a mat".split()
+TINY_PROMPTS = ["the dog", "a bird", "the fox sat", "on a mat", "a dog ran", "the bird ate"]
+
+
+def make_tiny_llama(path: Path) -> Path:
+    """A 2-layer LLaMA (hidden 32) over a word-level vocabulary of 14 tokens, and its prompts (OUTPUT/prompts.jsonl)."""
+    from colozoo.demo_finetune import make_tiny_causal_lm
+
+    make_tiny_causal_lm(path, "llama", corpus=[" ".join(TINY_WORDS)], layers=2, hidden=32, heads=2, positions=32,
+                        num_key_value_heads=1)
+    write_prompts(path / "prompts.jsonl", [{"prompt": p, "wanted": "cat"} for p in TINY_PROMPTS])
+    return path
+
+
+def cat_share(completions, wanted, **kwargs):
+    """The toy reward: the share of the completion's words that are the record's wanted word."""
+    return [sum(w == target for w in text.split()) / max(len(text.split()), 1)
+            for text, target in zip(completions, wanted)]
