@@ -234,8 +234,8 @@ _HELP = {
 
 def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
     """Add one option per FinetuneConfig field; `task` fixes the task (scripts/) instead of offering --task."""
-    preference = {f.name for f in (*fields(PreferenceOptions), *fields(GrpoOptions))}
-    for f in sorted(fields(FinetuneConfig), key=lambda f: f.name in preference):  # the method's options last
+    methods = [{f.name for f in fields(GrpoOptions)}, {f.name for f in fields(PreferenceOptions)}]
+    for f in sorted(fields(FinetuneConfig), key=lambda f: [f.name in m for m in methods]):  # the methods' options last
         if f.name == "task" and task is not None:
             parser.set_defaults(task=task)
             continue

@@ -135,11 +135,12 @@ PREFERENCE_HELP = {
     "method": "sft: supervised fine-tuning (text, or --chat records); dpo: preference tuning on records with 'prompt', "
               "'chosen' and 'rejected' (strings or conversations), with the losses of --loss-type; grpo: "
               "reinforcement learning on records with a 'prompt', scored by --reward-funcs",
-    "beta": "--method dpo: how far the policy may move from the reference (TRL's beta; IPO's tau; default 0.1); "
-            "--method grpo: the weight of the KL term to the reference model (default 0: no reference model)",
-    "loss_type": "--method dpo: sigmoid (DPO, the default), hinge, ipo, robust, apo_zero, or simpo (CPOTrainer's "
+    "beta": "--method dpo: how far the policy may move from the reference (TRL's beta; IPO's tau), 0.1 unless "
+            "given; --method grpo: the weight of the KL term to the reference model, 0 (no reference model) unless "
+            "given",
+    "loss_type": "--method dpo: sigmoid (DPO, unless given), hinge, ipo, robust, apo_zero, or simpo (CPOTrainer's "
                  "SimPO, reference-free); several comma-separated are summed with --loss-weights (MPO). --method "
-                 "grpo: dapo (the default: token-level, normalised by the batch's completion tokens), grpo (per "
+                 "grpo: dapo (unless given: token-level, normalised by the batch's completion tokens), grpo (per "
                  "sequence), dr_grpo, bnpo or cispo",
     "loss_weights": "--method dpo: comma-separated weights of the --loss-type losses (default: 1 each)",
     "label_smoothing": "--method dpo: the probability that a preference is flipped (robust, simpo)",
