@@ -25,8 +25,8 @@ from colozoo.finetune.evaluation import Evaluator
 from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
 from colozoo.finetune.grpo_train import COMPLETIONS_FILE, GrpoTraining, grpo_training
 from colozoo.finetune.inputs import Inputs, check_inputs, nothing_left_if_refused
-from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
-                                      truncate_metrics)
+from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, plot_reward,
+                                      training_flops_per_token, truncate_metrics)
 from colozoo.finetune.preference_data import pair_rows
 from colozoo.finetune.preference_train import PreferenceTraining, prepare_reference, preference_training
 from colozoo.finetune.saver import CheckpointSaver
@@ -351,6 +351,8 @@ def finish(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: C
     if _is_rank0():
         if cfg.plot and plot_loss(output / "metrics.jsonl", output / "loss.png"):
             summary["plot"] = str(output / "loss.png")
+        if cfg.plot and cfg.method == "grpo" and plot_reward(output / "metrics.jsonl", output / "reward.png"):
+            summary["reward_plot"] = str(output / "reward.png")
         (output / "summary.json").write_text(json.dumps(summary, indent=1))
     reporter.finish()
     return summary

@@ -182,5 +182,34 @@ def plot_loss(metrics_path, png_path) -> Path | None:
     return Path(png_path)
 
 
+def plot_reward(metrics_path, png_path) -> Path | None:
+    """--method grpo: the mean reward of each step's completions (with its standard deviation as a band, and the
+    held-out reward where evaluated) against the step, as a PNG; None when there is nothing to plot."""
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["reward"], r.get("reward_std") or 0.0) for r in records if "reward" in r]
+    evals = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, mean, std = (list(column) for column in zip(*train))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    ax.plot(steps, mean, label="reward (mean of the step's completions)")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)
+
+
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
