@@ -59,15 +59,19 @@ def test_thirty_steps_raise_the_reward_logged_under_trl_names(tiny, tmp_path):
 
 
 def rewards_at_dp2(model, output):
-    finetune(grpo_run(model, output, steps=30, dp=2, micro_batch_size=4))
-    return read_metrics(Path(output) / "metrics.jsonl")
+    """30 steps of 4-token completions; then 2 steps of completions of up to 24 tokens, most of which end earlier,
+    at other steps on each replica (whose forwards must still match: FSDP gathers the weights in each)."""
+    finetune(grpo_run(model, Path(output) / "short", steps=30, dp=2, micro_batch_size=4))
+    finetune(grpo_run(model, Path(output) / "long", steps=2, dp=2, micro_batch_size=4, max_completion_length=24))
+    return read_metrics(Path(output) / "short" / "metrics.jsonl"), read_metrics(Path(output) / "long" / "metrics.jsonl")
 
 
 def test_thirty_steps_raise_the_reward_at_dp2(tiny, tmp_path):
     from distributed import run_distributed
 
-    records, _ = run_distributed(rewards_at_dp2, 2, tiny, tmp_path / "dp2", timeout=240)
+    (records, long), _ = run_distributed(rewards_at_dp2, 2, tiny, tmp_path, timeout=240)
     check_reward_rises(records)
+    assert all(r["completions/min_length"] < r["completions/max_length"] for r in long), long
 
 
 def test_stopped_run_resumes_exactly_between_two_uses_of_its_rollouts(tiny, tmp_path):
