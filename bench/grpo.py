@@ -19,7 +19,6 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,16 +28,13 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from colozoo.demo_finetune import build_tokenizer  # noqa: E402
+from _word_llama import clock, word_llama  # noqa: E402
+
 from colozoo.finetune import runtime  # noqa: E402
 from colozoo.finetune.config import FinetuneConfig  # noqa: E402
 from colozoo.finetune.data import BatchSampler, load_tokenizer  # noqa: E402
 from colozoo.finetune.grpo_data import prompt_dataset  # noqa: E402
 from colozoo.finetune.grpo_train import GrpoTraining  # noqa: E402
-
-
-def clock():
-    return time.process_time() if not torch.cuda.is_available() else (torch.cuda.synchronize(), time.perf_counter())[1]
 
 
 def length_reward(completions, **kwargs):
@@ -49,15 +45,7 @@ def length_reward(completions, **kwargs):
 def make_model(work: Path, args) -> tuple[Path, Path]:
     """A LLaMA-shaped model with a word-level tokenizer, and string prompts of its words."""
     rng = random.Random(0)
-    words = [f"w{i}" for i in range(args.vocab)]
-    build_tokenizer([" ".join(words)], work / "model")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(work / "model")
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                      intermediate_size=2 * args.hidden, num_attention_heads=max(1, args.hidden // 64),
-                                      num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=512,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(work / "model")
+    words = word_llama(work / "model", args)
     prompts = [{"prompt": " ".join(rng.choice(words) for _ in range(args.words))} for _ in range(args.prompts)]
     (work / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     return work / "model", work / "prompts.jsonl"

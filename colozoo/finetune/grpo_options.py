@@ -110,12 +110,9 @@ class GrpoOptions:
         return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
     def weights_of_rewards(self) -> tuple[float, ...]:
-        if self.reward_weights is None:
-            return (1.0,) * len(self.reward_list())
-        try:
-            return tuple(float(w) for w in str(self.reward_weights).split(",") if w.strip())
-        except ValueError:
-            raise ValueError(f"--reward-weights must be comma-separated numbers, got {self.reward_weights!r}") from None
+        from colozoo.finetune.preference import comma_weights
+
+        return comma_weights(self.reward_weights, len(self.reward_list()), "reward-weights")
 
     @property
     def epsilon_upper(self) -> float:

@@ -163,23 +163,12 @@ def plot_loss(metrics_path, png_path) -> Path | None:
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     if not train:
         return None
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return Path(png_path)
+    def draw(ax):
+        ax.plot(*zip(*train), label="train loss")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="eval loss")
+    return _figure(png_path, "loss", draw)
 
 
 def plot_reward(metrics_path, png_path) -> Path | None:
@@ -190,19 +179,26 @@ def plot_reward(metrics_path, png_path) -> Path | None:
     evals = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
     if not train:
         return None
+
+    def draw(ax):
+        steps, mean, std = (list(column) for column in zip(*train))
+        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        ax.plot(steps, mean, label="reward (mean of the step's completions)")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="held-out reward")
+    return _figure(png_path, "reward", draw)
+
+
+def _figure(png_path, ylabel: str, draw) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, mean, std = (list(column) for column in zip(*train))
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
-    ax.plot(steps, mean, label="reward (mean of the step's completions)")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out reward")
+    draw(ax)
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -106,12 +106,7 @@ class PreferenceOptions:
         return tuple(t.strip() for t in str(self.loss_type).split(",") if t.strip())
 
     def weights(self) -> tuple[float, ...]:
-        if self.loss_weights is None:
-            return (1.0,) * len(self.loss_types())
-        try:
-            return tuple(float(w) for w in str(self.loss_weights).split(",") if w.strip())
-        except ValueError:
-            raise ValueError(f"--loss-weights must be comma-separated numbers, got {self.loss_weights!r}") from None
+        return comma_weights(self.loss_weights, len(self.loss_types()), "loss-weights")
 
     def needs_reference(self) -> bool:
         return self.method == "dpo" and not self.reference_free and "simpo" not in self.loss_types()
@@ -123,6 +118,16 @@ class PreferenceOptions:
     def preference_loss(self) -> "PreferenceLoss":
         return PreferenceLoss(self.loss_types(), self.weights(), self.beta, self.label_smoothing, self.simpo_gamma,
                               self.reference_free)
+
+
+def comma_weights(value, count: int, flag: str) -> tuple[float, ...]:
+    """--loss-weights / --reward-weights: comma-separated numbers, or 1 for each of `count` when not given."""
+    if value is None:
+        return (1.0,) * count
+    try:
+        return tuple(float(w) for w in str(value).split(",") if w.strip())
+    except ValueError:
+        raise ValueError(f"--{flag} must be comma-separated numbers, got {value!r}") from None
 
 
 def sequence_multiple(cp: int, sequence_parallel_tp: int = 1) -> int:
