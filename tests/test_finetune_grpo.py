@@ -48,7 +48,8 @@ def check_reward_rises(records: list[dict]):
 
 def test_thirty_steps_raise_the_reward_logged_under_trl_names(tiny, tmp_path):
     out = tmp_path / "run"
-    finetune(grpo_run(tiny, out, steps=30, log_completions=10))
+    finetune(grpo_run(tiny, out, steps=30, log_completions=10, reward_funcs=[grpo_parity.cat_share]))  # from Python
+    assert json.loads((out / "config.json").read_text())["reward_funcs"] == "grpo_parity:cat_share"
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 31))
     assert set(TRL_METRICS) <= set(records[0]), set(TRL_METRICS) - set(records[0])

@@ -223,7 +223,8 @@ _HELP = {
     "seed": "seed of data order, dropout and new heads", "log_interval": "log every this many steps",
     "eval_interval": "evaluate every this many steps (0: only at the end)",
     "eval_batches": "an evaluation reads this many --micro-batch-size batches of held-out samples (over all dp ranks; "
-                    "all of them when there are fewer) and reports the mean loss over their tokens",
+                    "all of them when there are fewer) and reports the mean loss over their tokens (--method grpo: "
+                    "batches of completions, --num-generations of each held-out prompt, and their rewards)",
     "keep_last": "checkpoints kept in OUTPUT/checkpoints",
     "save_interval": "save a resumable checkpoint every this many steps (0: only at the end)",
     "progress": "progress bar", "plot": "write OUTPUT/loss.png at the end",
