@@ -388,7 +388,7 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
     model.eval()
     with torch.no_grad():
         batch = data.take(range(min(cfg.micro_batch_size, len(data))))
-        batch = pair_rows(batch) if batch["input_ids"].dim() == 3 else batch  # preference pairs: their rows
+        batch = pair_rows(batch) if "input_ids" in batch and batch["input_ids"].dim() == 3 else batch  # pairs: rows
         logits = model(**_to(runtime.model_inputs(batch), model.pc.device), return_logits=True).logits
     model.train(was_training)
     if _is_rank0():
