@@ -143,3 +143,12 @@ def test_first_step_is_the_same_on_every_mesh(setup, adapter, mesh, tmp_path):
         close(rank_loss, expected[0], ATOL, f"{mesh}: loss")
         check_metrics(rank_metrics, expected[1], mesh)
         close(rank_norm, expected[3], ATOL, f"{mesh}: gradient norm")
+
+
+@pytest.mark.parametrize("vocab", [158, 157, 3])
+def test_entropy_from_vocab_slices_equals_the_whole_vocabulary(vocab):
+    """Two tp ranks' slices, one of them padded (157), one holding a single real token (3)."""
+    from distributed import run_distributed
+    from grpo_parity import entropy_error
+
+    assert max(run_distributed(entropy_error, 2, vocab, timeout=60)) < 1e-5

@@ -230,3 +230,20 @@ def cat_share(completions, wanted, **kwargs):
     """The toy reward: the share of the completion's words that are the record's wanted word."""
     return [sum(w == target for w in text.split()) / max(len(text.split()), 1)
             for text, target in zip(completions, wanted)]
+
+
+def entropy_error(vocab: int) -> float:
+    """The largest difference between vocab_parallel_entropy over this rank's (padded) slice of random logits and
+    the entropy of the whole vocabulary's softmax."""
+    import torch.distributed as dist
+
+    from colozoo.core.groups import vocab_range
+    from colozoo.layers.vocab import vocab_parallel_entropy
+
+    full = torch.randn(3, 5, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    start, stop, local = vocab_range(vocab, dist.group.WORLD)
+    logits = torch.zeros(3, 5, local)
+    logits[..., : stop - start] = full[..., start:stop]
+    log_probs = full.log_softmax(-1)
+    return float((vocab_parallel_entropy(logits, vocab, dist.group.WORLD) + (log_probs.exp() * log_probs).sum(-1))
+                 .abs().max())
