@@ -71,6 +71,12 @@ def cut_at_end(tokens: list[int], eos: list[int]) -> list[int]:
     return tokens
 
 
+def decodes_whole_length(pc) -> bool:
+    """Whether generation must run the whole --max-completion-length: under dp > 1 every replica must run as many
+    forwards (FSDP gathers the weights in each, DDP syncs its buffers), whatever its sequences sampled."""
+    return pc.size("dp") > 1
+
+
 def sample(model, data: PromptData, indices: torch.Tensor, cfg, eos: list[int], pad: int, seed: int) -> Completions:
     """Every replica samples --num-generations completions of each of its prompts; every rank gets all of them."""
     pc = model.pc
@@ -78,10 +84,10 @@ def sample(model, data: PromptData, indices: torch.Tensor, cfg, eos: list[int], 
     prompts = [data.prompt_ids(int(i)) for i in rows]
     mine = dp_rows(model, len(prompts))
     ids, mask = left_padded(prompts[mine], pad)
-    synced = pc.size("dp") > 1
+    whole = decodes_whole_length(pc) or not eos
     out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p,
                          top_k=0, repetition_penalty=1.0, min_length=0, max_new_tokens=cfg.max_completion_length,
-                         eos_token_id=None if synced or not eos else list(eos), pad_token_id=pad, seed=seed)
+                         eos_token_id=None if whole else list(eos), pad_token_id=pad, seed=seed)
     local = [cut_at_end(row[ids.shape[1]:].tolist(), eos) for row in out.cpu()]
     completions = _all_rows(model, local)
     finished = set(eos) | {pad}
