@@ -17,7 +17,6 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,7 +26,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from colozoo.demo_finetune import build_tokenizer  # noqa: E402
+from _word_llama import clock, word_llama  # noqa: E402
+
 from colozoo.finetune import runtime  # noqa: E402
 from colozoo.finetune.config import FinetuneConfig  # noqa: E402
 from colozoo.finetune.data import load_tokenizer  # noqa: E402
@@ -35,22 +35,10 @@ from colozoo.finetune.preference_data import preference_dataset  # noqa: E402
 from colozoo.finetune.preference_train import PreferenceTraining, load_reference  # noqa: E402
 
 
-def clock():
-    return time.process_time() if not torch.cuda.is_available() else (torch.cuda.synchronize(), time.perf_counter())[1]
-
-
 def make_model(work: Path, args) -> tuple[Path, Path]:
     """A LLaMA-shaped model with a word-level tokenizer, and string pairs of its words (prompt, chosen, rejected)."""
     rng = random.Random(0)
-    words = [f"w{i}" for i in range(args.vocab)]
-    build_tokenizer([" ".join(words)], work / "model")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(work / "model")
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                      intermediate_size=2 * args.hidden, num_attention_heads=max(1, args.hidden // 64),
-                                      num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=512,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(work / "model")
+    words = word_llama(work / "model", args)
     text = lambda: " ".join(rng.choice(words) for _ in range(args.words))  # noqa: E731
     pairs = [{"prompt": text(), "chosen": " " + text(), "rejected": " " + text()} for _ in range(args.pairs)]
     (work / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))

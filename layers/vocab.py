@@ -113,6 +113,33 @@ def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=Non
     return tokens, rows.to(embedding.dtype)
 
 
+@torch.no_grad()
+def vocab_parallel_entropy(logits_local: torch.Tensor, vocab_size: int, group=None) -> torch.Tensor:
+    """The entropy of softmax over the full vocabulary at every position (fp32), from each rank's padded slice: each
+    rank's max, its sum of exps relative to it and their logit-weighted sum are gathered, then rescaled to the global
+    max (H = log S - E[z - max], S the sum of exp(z - max))."""
+    start, stop, _ = vocab_range(vocab_size, group)
+    logits = logits_local[..., : max(stop - start, 0)].float()
+    if group_size(group) == 1:
+        log_probs = logits.log_softmax(dim=-1)
+        return -(log_probs.exp() * log_probs).sum(dim=-1)
+    floor = torch.finfo(logits.dtype).min
+    if logits.shape[-1]:
+        local_max = logits.max(dim=-1).values.clamp(min=floor)
+    else:  # this rank holds only padding: nothing of the distribution
+        local_max = logits.new_full(logits.shape[:-1], floor)
+    shifted = logits - local_max[..., None]
+    exp = shifted.exp()
+    stats = all_gather(torch.stack([local_max, exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])[None], 0, group)
+    maxes, sums, weighted = stats[:, 0], stats[:, 1], stats[:, 2]
+    global_max = maxes.max(dim=0).values
+    offset = maxes - global_max
+    rescale = offset.exp()
+    total = (sums * rescale).sum(dim=0)
+    expected = (rescale * (weighted + sums * offset)).sum(dim=0) / total  # E[z - global max]
+    return total.log() - expected
+
+
 LOGITS = ("full", "vocab_slice", "none")
 
 
@@ -226,6 +253,19 @@ class VocabParallelLMHead(nn.Module):
 
             logps = gather_sequence(logps, cp.group)
         return F.pad(logps[..., :-1], (1, 0))
+
+    @torch.no_grad()
+    def label_entropy(self, logits_local, labels, ignore_index=-100, cp=None) -> torch.Tensor:
+        """The entropy of the next-token distribution at each labelled position, from this rank's vocab slice (one
+        all-gather of three statistics per position, never the vocabulary), laid out like label_log_probs: position t
+        holds the entropy of the distribution that predicts labels[t], 0 where labels is ignore_index and at t = 0.
+        No gradient (a metric)."""
+        entropy = vocab_parallel_entropy(logits_local, self.vocab_size, self.group)
+        if cp is not None:
+            from .context_parallel import gather_sequence
+
+            entropy = gather_sequence(entropy, cp.group)
+        return F.pad(entropy[..., :-1], (1, 0)).masked_fill(labels == ignore_index, 0.0)
 
     @staticmethod
     def _next_tokens(labels, ignore_index, cp):

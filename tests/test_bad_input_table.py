@@ -97,6 +97,17 @@ PAIR = {"prompt": "the cat", "chosen": " sat on the mat", "rejected": " ran"}
 LONG_PROMPT = {**PAIR, "prompt": "the cat sat on the mat"}
 
 ONE_CONVERSATION = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+REWARDS = "def boom(completions, **kwargs):\n    raise ZeroDivisionError('no reward')\n\n\n" \
+          "def short(completions, **kwargs):\n    return [1.0]\n"
+
+
+def grpo(m, w, *extra, rewards="boom", data=None):
+    """--method grpo on two prompts, 2 completions of 4 tokens each, with a reward function of REWARDS."""
+    spec = f"{write(w / 'rewards.py', REWARDS)}:{rewards}" if rewards in ("boom", "short") else rewards
+    prompts = data or jsonl(w / "p.jsonl", [{"prompt": "the cat"}, {"prompt": "a dog"}])
+    return ["finetune", "--model", str(m["gpt2"]), "--data", str(prompts), "--output", str(w / "out"), "--method",
+            "grpo", "--reward-funcs", spec, "--num-generations", "2", "--max-completion-length", "4",
+            "--micro-batch-size", "4", "--steps", "1", "--eval-fraction", "0", "--no-progress", "--no-plot", *extra]
 
 # name -> (argv of (models, work dir), what stderr says); a setup writes its files into the work dir first
 CASES = {
@@ -144,6 +155,22 @@ CASES = {
         r"d\.jsonl:1: 'chosen': the roles do not alternate: messages 0 and 1 are both 'user' turns"),
     "preference beta 0": (lambda m, w: finetune(m, w, "--method", "dpo", "--beta", "0"), r"--beta must be > 0, got 0"),
     "preference option without dpo": (lambda m, w: finetune(m, w, "--beta", "0.2"), r"--beta goes with --method dpo"),
+    "grpo reward function raises": (lambda m, w: grpo(m, w),
+                                    r"reward function .*rewards\.py:boom raised ZeroDivisionError: no reward at step 1"),
+    "grpo reward function returns too few": (lambda m, w: grpo(m, w, rewards="short"),
+                                             r"reward function .*:short returned 1 rewards for 4 completions at step 1"),
+    "grpo reward function does not import": (lambda m, w: grpo(m, w, rewards="no_such_module:score"),
+        r"--reward-funcs no_such_module:score: cannot import no_such_module: ModuleNotFoundError"),
+    "grpo num-generations 1": (lambda m, w: grpo(m, w, "--num-generations", "1"),
+                               r"--num-generations must be >= 2: each completion's advantage"),
+    "grpo global batch not divisible": (lambda m, w: grpo(m, w, "--num-generations", "3"),
+        r"global batch 4 \(completions per step\) is not divisible by --num-generations 3"),
+    "grpo record without prompt": (lambda m, w: grpo(m, w, data=jsonl(w / "d.jsonl", [{"question": "hi"}])),
+                                   r"d\.jsonl:1: no field 'prompt'"),
+    "grpo prompt past positions": (lambda m, w: grpo(m, w, "--max-completion-length", "31"),
+        r"p\.jsonl:1: the prompt is 2 tokens; with --max-completion-length 31 it passes the model's maximum positions"),
+    "grpo option without grpo": (lambda m, w: finetune(m, w, "--num-generations", "4"),
+                                 r"--num-generations goes with --method grpo"),
     "chat answers past --seq-len": (  # issue 29: dropped without a count
         lambda m, w: finetune(m, w, "--chat", "--seq-len", "8", model="chat", data=CHAT),
         r"none of its 12 samples keeps a trained token within --seq-len 8"),

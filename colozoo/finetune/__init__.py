@@ -65,7 +65,8 @@ def add_parser(subparsers):
     parser = subparsers.add_parser(
         "finetune", help="fine-tune a model (launch with torchrun for more than one process)",
         description="Fine-tune a causal LM (GPT-2, OPT, LLaMA; on text, or on chat and prompt/completion records "
-                    "with --chat; or on preference pairs with --method dpo), a sequence classifier (BERT) or an "
+                    "with --chat; on preference pairs with --method dpo; from the rewards of its own completions "
+                    "with --method grpo), a sequence classifier (BERT) or an "
                     "image classifier (ViT) on any mesh, all weights or LoRA adapters (--lora-r). Every rank of a "
                     "torchrun job runs this command.",
         formatter_class=HelpFormatter)

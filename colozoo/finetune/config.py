@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from colozoo.finetune.grpo_options import GRPO_HELP, GrpoOptions
 from colozoo.finetune.preference_options import PREFERENCE_CHOICES, PREFERENCE_HELP, PreferenceOptions
 
 TASKS = ("lm", "seqcls", "imgcls")
@@ -22,7 +23,7 @@ def check_at_least(name: str, value, minimum: int = 1):
 
 
 @dataclass
-class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared with the method
+class FinetuneConfig(PreferenceOptions, GrpoOptions):  # --method dpo's and grpo's options are declared with them
     model: str                          # registry name, HF directory or colozoo checkpoint
     data: str                           # jsonl / txt (language), npz / folder of images (ViT)
     output: str = "runs/finetune"
@@ -128,6 +129,7 @@ class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared 
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         self.check_preference_options()
+        self.check_grpo_options()
         self._check_eval_tasks()
 
     def _check_eval_tasks(self):
@@ -206,7 +208,13 @@ class FinetuneConfig(PreferenceOptions):  # --method dpo's options are declared 
                             targets=self.lora_target_modules(), use_rslora=self.lora_rslora)
 
     def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The options as JSON values (reward functions given as callables: their module:function)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.reward_funcs is not None and not isinstance(self.reward_funcs, str):
+            from colozoo.finetune.rewards import reward_name
+
+            out["reward_funcs"] = ",".join(reward_name(f) for f in self.reward_list())
+        return out
 
 
 _HELP = {
@@ -281,7 +289,8 @@ _HELP = {
     "seed": "seed of data order, dropout and new heads", "log_interval": "log every this many steps",
     "eval_interval": "evaluate every this many steps (0: only at the end)",
     "eval_batches": "an evaluation reads this many --micro-batch-size batches of held-out samples (over all dp ranks; "
-                    "all of them when there are fewer) and reports the mean loss over their tokens",
+                    "all of them when there are fewer) and reports the mean loss over their tokens (--method grpo: "
+                    "batches of completions, --num-generations of each held-out prompt, and their rewards)",
     "eval_tasks": "lm-evaluation-harness tasks (comma-separated; colozoo eval's) scored at every evaluation and at the "
                   "end, written beside the eval loss in metrics.jsonl as TASK/METRIC (needs lm-eval: colozoo[eval])",
     "eval_tasks_limit": "--eval-tasks: requests per task at most (below 1: that fraction of them)",
@@ -290,13 +299,14 @@ _HELP = {
     "save_interval": "save a resumable checkpoint every this many steps (0: only at the end)",
     "progress": "progress bar", "plot": "write OUTPUT/loss.png at the end",
     **PREFERENCE_HELP,
+    **GRPO_HELP,
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser, task: str | None = None):
     """Add one option per FinetuneConfig field; `task` fixes the task (scripts/) instead of offering --task."""
-    preference = {f.name for f in fields(PreferenceOptions)}
-    for f in sorted(fields(FinetuneConfig), key=lambda f: f.name in preference):  # the method's options last
+    methods = [{f.name for f in fields(GrpoOptions)}, {f.name for f in fields(PreferenceOptions)}]
+    for f in sorted(fields(FinetuneConfig), key=lambda f: [f.name in m for m in methods]):  # the methods' options last
         if f.name == "task" and task is not None:
             parser.set_defaults(task=task)
             continue

@@ -28,13 +28,16 @@ class Evaluator:
                  rank0: bool, preference=None):
         self.cfg, self.model, self.reporter, self.rank0 = cfg, model, reporter, rank0
         self.data, self.tokenizer, self.micro_batch_size = data, tokenizer, micro_batch_size
-        self.preference = preference  # --method dpo: its evaluation (colozoo.finetune.preference_train)
+        self.preference = preference  # --method dpo / grpo: its evaluation (preference_train, grpo_train)
         self.manager = None
         if cfg.eval_tasks:  # checked with the inputs (harness_tasks); the tasks load at each evaluation
             from colozoo.evaluation.run import task_manager
 
             self.manager = task_manager(cfg.eval_include_path, names=cfg.eval_task_names())
         prompted = preference is not None  # the prompts of the held-out pairs' chosen rows
+        if cfg.method == "grpo":  # its samples are the completions it evaluates
+            self.prompts = None
+            return
         rows = chosen_rows(data) if prompted and data is not None else data
         self.prompts = samples.held_out_prompts(rows, cfg.samples, cfg.sequence_length() // 2,
                                                 until_answer=cfg.chat or prompted) if cfg.task == "lm" else None
@@ -50,6 +53,10 @@ class Evaluator:
     def __call__(self, step: int) -> dict:
         if self.data is None:
             results = {}
+        elif self.cfg.method == "grpo":
+            prompts = min(len(self.data), max(1, self.cfg.eval_batches * self.micro_batch_size //
+                                              self.cfg.num_generations))
+            results = self.preference.evaluate(self.model, self.data, prompts, step, show=self.reporter.print)
         elif self.preference is not None:
             results = self.preference.evaluate(self.model, self.data, held_out_rows(self.data, self.cfg),
                                                self.micro_batch_size or self.cfg.micro_batch_size)

@@ -11,7 +11,7 @@ from pathlib import Path
 from colozoo.checkpoint import layout
 from colozoo.core.mesh import ParallelConfig
 from colozoo.finetune import data as D
-from colozoo.finetune import preference_data, runtime, sft, token_cache
+from colozoo.finetune import grpo_data, preference_data, runtime, sft, token_cache
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import tensorboard_writer_class
 from colozoo.runtime.plan import DEGREES, Plan
@@ -44,7 +44,7 @@ def check_inputs(cfg: FinetuneConfig, checked: tuple | None = None) -> Inputs:
         plan, global_batch = None, cfg.global_batch_size or cfg.micro_batch_size * mesh.dp
     else:
         plan, mesh, global_batch = plan_run(cfg, config)
-    D.BatchSampler(len(train), global_batch, 0, mesh.dp, cfg.seed)  # checks the data fills one global batch
+    D.BatchSampler(len(train), cfg.samples_per_step(global_batch), 0, mesh.dp, cfg.seed)  # data for one step
     check_writable(Path(cfg.output))
     if cfg.tensorboard:
         tensorboard_writer_class()  # a missing tensorboard package fails before the model loads
@@ -61,15 +61,20 @@ def check_model_and_mesh(cfg: FinetuneConfig, world: int | None = None) -> tuple
     if cfg.plan is None:
         mesh = check_mesh(cfg, world=world)
         cfg.num_microbatches(mesh.dp)
+        cfg.samples_per_step(cfg.global_batch_size or cfg.micro_batch_size * mesh.dp)
+    if cfg.method == "grpo":
+        from colozoo.finetune.rewards import RewardFunctions
+
+        RewardFunctions(cfg.reward_list(), cfg.weights_of_rewards())  # each imports, before anything loads
     config, directory = model_source(cfg.model)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
     if cfg.plan is None:
         layout.check_mesh(config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)  # heads over tp, layers over pp, experts over ep
-    if cfg.method == "dpo" and getattr(config, "output_router_logits", False):
-        raise ValueError(f"--method dpo does not add MoE router losses to the preference loss yet, and {cfg.model}'s "
+    if cfg.method in ("dpo", "grpo") and getattr(config, "output_router_logits", False):
+        raise ValueError(f"--method {cfg.method} does not add MoE router losses to its loss yet, and {cfg.model}'s "
                          f"config sets output_router_logits: set it to false to train without them")
-    if cfg.task != "imgcls":
+    if cfg.task != "imgcls" and cfg.method != "grpo":  # grpo: each prompt + --max-completion-length, when read
         dpo_length = cfg.method == "dpo" and cfg.max_length is not None
         D.check_seq_len(cfg.sequence_length(), config, "--max-length" if dpo_length else "--seq-len")
     if cfg.eval_tasks:
@@ -84,7 +89,9 @@ def data_notes(cfg: FinetuneConfig, train, evaluation) -> list[str]:
     found = []
     for path, data in ((cfg.data, train), (cfg.eval_data, evaluation)):
         stats = getattr(data, "stats", None)
-        if cfg.method == "dpo":
+        if cfg.method == "grpo":
+            note = grpo_data.fit_note(stats, path, cfg.max_prompt_length) if path else None
+        elif cfg.method == "dpo":
             note = preference_data.fit_note(stats, path, cfg.sequence_length(), cfg.max_prompt_length) if path else None
         else:
             note = sft.fit_note(stats, path, cfg.seq_len) if path else None
@@ -130,7 +137,11 @@ def build_datasets(cfg: FinetuneConfig, config, directory) -> tuple[D.TensorData
         read = lambda path, role: D.image_dataset(path, config, directory)  # noqa: E731
     else:
         tokenizer = D.load_tokenizer(directory, config.vocab_size, D.special_token_ids(config))
-        if cfg.method == "dpo":
+        if cfg.method == "grpo":
+            read = lambda path, role: grpo_data.prompt_dataset(  # noqa: E731
+                path, tokenizer, cfg.max_completion_length, cfg.max_prompt_length,
+                getattr(config, "max_position_embeddings", None))
+        elif cfg.method == "dpo":
             read = lambda path, role: preference_data.preference_dataset(  # noqa: E731
                 path, tokenizer, cfg.sequence_length(), cfg.max_prompt_length)
         elif cfg.chat or cfg.task == "lm":

@@ -25,10 +25,11 @@ from colozoo.finetune import runtime, state
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.evaluation import Evaluator
 from colozoo.finetune.fingerprint import data_fingerprint, weights_fingerprint
+from colozoo.finetune.grpo_train import COMPLETIONS_FILE, GrpoTraining, grpo_training
 from colozoo.finetune.inputs import (Inputs, check_inputs, check_model_and_mesh, nothing_left_if_refused,
                                      output_before)
-from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, training_flops_per_token,
-                                      truncate_metrics)
+from colozoo.finetune.metrics import (Reporter, device_notice, peak_flops, plot_loss, plot_reward,
+                                      training_flops_per_token, truncate_metrics)
 from colozoo.finetune.preference_data import pair_rows
 from colozoo.finetune.preference_train import PreferenceTraining, prepare_reference, preference_training
 from colozoo.finetune.run_lock import run_directory
@@ -60,13 +61,15 @@ def _finetune(cfg: FinetuneConfig, job: str, watchdog: Watchdog, before, checked
         checkpoints = Checkpoints(cfg, inputs, trainer, job)
         watchdog.at(0, "resuming")
         resumed = checkpoints.resume()
-    start = resumed.meta["step"] if resumed else 0
+        start = resumed.meta["step"] if resumed else 0
+        if trainer.rl is not None:  # its first rollouts now: a reward function that fails leaves nothing behind
+            trainer.rl.begin(trainer.model, start, resumed.path if resumed else None, trainer.step_options)
     prepare_output(cfg, inputs, start, checkpoints.root)
     reporter = open_reporter(cfg, inputs, trainer, checkpoints.mesh, start, resumed)
     if trainer.preference is not None and cfg.precompute_ref_logps:
         checkpoints.side_files.append(prepare_reference(cfg, inputs, trainer, resumed, reporter, _is_rank0()))
     evaluate_at = Evaluator(cfg, inputs.evaluation, inputs.tokenizer, trainer.model, trainer.micro_batch_size, reporter,
-                            _is_rank0(), preference=trainer.preference)
+                            _is_rank0(), preference=trainer.preference or trainer.rl)
     if start == 0 and evaluate_at.enabled and cfg.eval_interval:
         watchdog.at(0, "evaluation")
         evaluate_at(0)  # the baseline the fine-tuning improves on
@@ -98,12 +101,14 @@ class Trainer:
     scaler: DynamicLossScaler
     preference: PreferenceTraining | None = None  # --method dpo's step, reference and evaluation
     masked_batches: int = 0              # global batches with no labelled token (every label -100): not trained on
+    rl: GrpoTraining | None = None                # --method grpo's rollouts, step and evaluation
 
     def step(self, batch: dict, number: int, indices=None) -> "StepResult":
         """One optimizer step on this rank's rows of the global batch (`number`: the step it completes; `indices`:
         the samples it takes). A global batch without a labelled token is counted and trains nothing (no update, the
         schedule waits): its loss, a mean over no token, would be NaN (transformers') and stop the run."""
-        if not int(self.model.loss_token_count(batch["labels"])):  # the same global batch, so the same on every rank
+        supervised = self.preference is None and self.rl is None
+        if supervised and not int(self.model.loss_token_count(batch["labels"])):  # the same batch on every rank
             self.masked_batches += 1
             return StepResult(None, self.optimizer.param_groups[0]["lr"], None, False, self.scaler.scale, {})
         batch = _to(batch, self.model.pc.device)
@@ -111,6 +116,8 @@ class Trainer:
         loss_scale = self.scaler.scale
         if self.preference is not None:
             loss, metrics = self.preference.step(self.model, batch, indices, loss_scale, self.step_options)
+        elif self.rl is not None:
+            loss, metrics = self.rl.step(self.model, number, loss_scale, self.step_options)
         else:
             loss, metrics = runtime.forward_backward(self.model, batch, grad_scale=loss_scale, **self.step_options), {}
         overflow = self.scaler.unscale_(self.model)  # every rank agrees; clipping then sees the true gradients
@@ -140,20 +147,23 @@ def load(cfg: FinetuneConfig, inputs: Inputs) -> Trainer:
     (data parallelism, mixed precision, checkpointing: collective), with its sampler, optimizer and schedule."""
     model, fresh = runtime.load_model(cfg, cfg.task, inputs.plan, labels=inputs.train.label_names)
     pc, plan = model.pc, inputs.plan
-    sampler = D.BatchSampler(len(inputs.train), inputs.global_batch, pc.rank("dp"), inputs.mesh.dp, cfg.seed)
-    total_steps = cfg.steps or sampler.total_steps(cfg.epochs)
+    sampler = D.BatchSampler(len(inputs.train), cfg.samples_per_step(inputs.global_batch), pc.rank("dp"),
+                             inputs.mesh.dp, cfg.seed)
+    total_steps = cfg.steps or sampler.total_steps(cfg.epochs) * (cfg.num_iterations if cfg.method == "grpo" else 1)
     model_parallel_seed(cfg.seed, pc)
     planned_step = runtime.prepare_training(model, cfg)
     step_options = planned_step if plan else {"num_microbatches": cfg.num_microbatches(inputs.mesh.dp)}
-    model.train(cfg.method != "dpo")  # preference tuning trains with dropout off, as TRL's DPOTrainer
+    model.train(cfg.method == "sft")  # preference tuning and RL train with dropout off (TRL's disable_dropout)
     preference = preference_training(cfg, model, plan) if cfg.method == "dpo" else None
+    rl = grpo_training(cfg, model, inputs, sampler, total_steps) if cfg.method == "grpo" else None
     optimizer = runtime.build_optimizer(model, cfg.lr, cfg.weight_decay)
     # with CPU offload the learning rate is the CPU AdamW's, inside the OffloadedAdamW
     scheduled = optimizer.optimizer if isinstance(optimizer, OffloadedAdamW) else optimizer
     scheduler = build_scheduler(scheduled, min(cfg.warmup_steps, total_steps - 1), total_steps, cfg.min_lr_ratio)
     scaler = DynamicLossScaler(enabled=cfg.dtype == "float16")  # fp16 gradients underflow without loss scaling
     return Trainer(cfg, model, fresh, cfg.lora_settings(), sampler, total_steps, step_options,
-                   plan.micro_batch_size if plan else cfg.micro_batch_size, optimizer, scheduler, scaler, preference)
+                   plan.micro_batch_size if plan else cfg.micro_batch_size, optimizer, scheduler, scaler, preference,
+                   rl)
 
 
 # --- checkpoints and resuming -----------------------------------------------------------------------------------
@@ -201,11 +211,15 @@ class Checkpoints:
 
     def save(self, step: int, final: bool) -> Path:
         t = self.trainer
+        carried = []
+        if t.rl is not None:  # the rollouts later steps train on (after the save in flight copied the last ones)
+            self.saver.wait()
+            carried = t.rl.write_state(Path(self.cfg.output), _is_rank0())
         path = self.saver.save(self.root, step, t.model, t.optimizer, t.scheduler, self.mesh, final=final,
                                extra={"total_steps": t.total_steps, "data": self.data_position,
                                       "started_from": self.started_from, "masked_batches": t.masked_batches,
                                       "settings": self.settings},
-                               keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=self.side_files, job=self.job)
+                               keep_last=self.cfg.keep_last, scaler=t.scaler, side_files=[*self.side_files, *carried], job=self.job)
         if t.lora:  # the adapters of every checkpoint, as peft loads them (written once it is committed)
             self.saver.wait()
             runtime.export_adapter(t.model, path / "adapter")
@@ -220,10 +234,13 @@ def prepare_output(cfg: FinetuneConfig, inputs: Inputs, start: int, checkpoints:
         output.mkdir(parents=True, exist_ok=True)
         saved_config = {**cfg.to_json(), "planned": inputs.plan.to_dict()} if inputs.plan else cfg.to_json()
         (output / "config.json").write_text(json.dumps(saved_config, indent=1))
-        if start:
-            truncate_metrics(output / "metrics.jsonl", start)
-        else:  # a fresh start in this directory: an earlier run's metrics and checkpoints would only mislead
-            (output / "metrics.jsonl").unlink(missing_ok=True)
+        logs = (output / "metrics.jsonl", output / COMPLETIONS_FILE)
+        for log in logs:
+            if start and log.exists():
+                truncate_metrics(log, start)
+            elif not start:  # a fresh start in this directory: an earlier run's logs and checkpoints would mislead
+                log.unlink(missing_ok=True)
+        if not start:
             shutil.rmtree(checkpoints, ignore_errors=True)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -287,13 +304,18 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
             batch = unpacked_width(cfg, trainer.model, inputs.train.take(indices))
             result = trainer.step(batch, step + 1, indices)
             step += 1
+            if trainer.rl is not None:
+                trainer.rl.log_completions(step, Path(cfg.output), _is_rank0())
             if step % cfg.log_interval == 0 or step == total:
                 amp = {"loss_scale": result.loss_scale, "skipped": result.overflow,
                        "skipped_steps": trainer.scaler.skipped_steps} if trainer.scaler.enabled else {}
                 computed = batch["input_ids"].numel() if "input_ids" in batch else 0  # padding included
+                trained = int(inputs.train.tokens[indices].sum())
+                if trainer.rl is not None:  # the rows of the rollouts the step trained on
+                    computed, trained = trainer.rl.tokens()
                 reporter.step(step, result.loss, result.lr, computed, time.perf_counter() - tick, result.grad_norm,
-                              inputs.global_batch, trained_tokens=int(inputs.train.tokens[indices].sum()),
-                              metrics=result.metrics, masked_batches=trainer.masked_batches, **amp)
+                              inputs.global_batch, trained_tokens=trained, metrics=result.metrics,
+                              masked_batches=trainer.masked_batches, **amp)
             if evaluate_at.enabled and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total:
                 watchdog.at(step, "evaluation")
                 evaluate_at(step)
@@ -382,6 +404,8 @@ def finish(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: C
     if _is_rank0():
         if cfg.plot and plot_loss(output / "metrics.jsonl", output / "loss.png"):
             summary["plot"] = str(output / "loss.png")
+        if cfg.plot and cfg.method == "grpo" and plot_reward(output / "metrics.jsonl", output / "reward.png"):
+            summary["reward_plot"] = str(output / "reward.png")
         (output / "summary.json").write_text(json.dumps(summary, indent=1))
     reporter.finish()
     return summary
@@ -417,7 +441,7 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
     model.eval()
     with torch.no_grad():
         batch = data.take(range(min(cfg.micro_batch_size, len(data))))
-        batch = pair_rows(batch) if batch["input_ids"].dim() == 3 else batch  # preference pairs: their rows
+        batch = pair_rows(batch) if "input_ids" in batch and batch["input_ids"].dim() == 3 else batch  # pairs: rows
         logits = model(**_to(runtime.model_inputs(batch), model.pc.device), return_logits=True).logits
     model.train(was_training)
     if _is_rank0():

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 # Dense bf16 peak TFLOP/s per device (fp32 runs count half: TF32 tensor cores); the first match wins.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40": 181.0, "A10": 125.0, "L4": 121.0,
                "V100": 125.0, "T4": 65.0}
-SHOWN = ("rewards/accuracies", "rewards/margins")  # a method's metrics on the progress line, beside the loss
+SHOWN = ("rewards/accuracies", "rewards/margins", "reward")  # a method's metrics on the progress line
 CPU_TFLOPS_PER_THREAD = 0.05  # a nominal fp32 figure: CPU MFU is a rough guide only
 
 
@@ -165,17 +165,42 @@ def plot_loss(metrics_path, png_path) -> Path | None:
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     if not train:
         return None
+
+    def draw(ax):
+        ax.plot(*zip(*train), label="train loss")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="eval loss")
+    return _figure(png_path, "loss", draw)
+
+
+def plot_reward(metrics_path, png_path) -> Path | None:
+    """--method grpo: the mean reward of each step's completions (with its standard deviation as a band, and the
+    held-out reward where evaluated) against the step, as a PNG; None when there is nothing to plot."""
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["reward"], r.get("reward_std") or 0.0) for r in records if "reward" in r]
+    evals = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
+    if not train:
+        return None
+
+    def draw(ax):
+        steps, mean, std = (list(column) for column in zip(*train))
+        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        ax.plot(steps, mean, label="reward (mean of the step's completions)")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="held-out reward")
+    return _figure(png_path, "reward", draw)
+
+
+def _figure(png_path, ylabel: str, draw) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+    draw(ax)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

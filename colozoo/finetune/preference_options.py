@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("sft", "dpo")
+METHODS = ("sft", "dpo", "grpo")
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "simpo")
 SMOOTHED = ("robust", "simpo")  # the losses --label-smoothing applies to
 
@@ -12,9 +12,9 @@ SMOOTHED = ("robust", "simpo")  # the losses --label-smoothing applies to
 @dataclass(kw_only=True)
 class PreferenceOptions:
     """The options of `--method dpo` (FinetuneConfig inherits them)."""
-    method: str = "sft"                 # sft (supervised) or dpo (preference tuning and its relatives)
-    beta: float = 0.1
-    loss_type: str = "sigmoid"          # comma-separated for several at once (MPO), e.g. "sigmoid,ipo"
+    method: str = "sft"                 # sft (supervised), dpo (preference tuning and its relatives) or grpo
+    beta: float | None = None           # dpo: 0.1; grpo: 0 (TRL's defaults)
+    loss_type: str | None = None        # dpo: sigmoid, comma-separated for several at once (MPO); grpo: dapo
     loss_weights: str | None = None     # comma-separated, one per loss type (default: 1 each)
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
@@ -31,7 +31,8 @@ class PreferenceOptions:
         if isinstance(self.loss_weights, (list, tuple)):
             self.loss_weights = ",".join(str(w) for w in self.loss_weights)
         if self.method != "dpo":
-            changed = [f.name for f in fields(PreferenceOptions) if f.name != "method" and
+            shared = ("method", "beta", "loss_type", "max_prompt_length") if self.method == "grpo" else ("method",)
+            changed = [f.name for f in fields(PreferenceOptions) if f.name not in shared and
                        getattr(self, f.name) != f.default]
             if changed:
                 raise ValueError(f"--{changed[0].replace('_', '-')} goes with --method dpo")
@@ -56,6 +57,8 @@ class PreferenceOptions:
         if self.lora_dropout:
             raise ValueError("--lora-dropout: --method dpo trains with dropout off, as TRL's DPOTrainer "
                              "(disable_dropout)")
+        self.beta = 0.1 if self.beta is None else self.beta
+        self.loss_type = "sigmoid" if self.loss_type is None else self.loss_type
         if not self.beta > 0:
             raise ValueError(f"--beta must be > 0, got {self.beta:g}")
         losses = self.loss_types()
@@ -88,12 +91,7 @@ class PreferenceOptions:
         return tuple(t.strip() for t in str(self.loss_type).split(",") if t.strip())
 
     def weights(self) -> tuple[float, ...]:
-        if self.loss_weights is None:
-            return (1.0,) * len(self.loss_types())
-        try:
-            return tuple(float(w) for w in str(self.loss_weights).split(",") if w.strip())
-        except ValueError:
-            raise ValueError(f"--loss-weights must be comma-separated numbers, got {self.loss_weights!r}") from None
+        return comma_weights(self.loss_weights, len(self.loss_types()), "loss-weights")
 
     def needs_reference(self) -> bool:
         return self.method == "dpo" and not self.reference_free and "simpo" not in self.loss_types()
@@ -109,6 +107,16 @@ class PreferenceOptions:
                               self.reference_free)
 
 
+def comma_weights(value, count: int, flag: str) -> tuple[float, ...]:
+    """--loss-weights / --reward-weights: comma-separated numbers, or 1 for each of `count` when not given."""
+    if value is None:
+        return (1.0,) * count
+    try:
+        return tuple(float(w) for w in str(value).split(",") if w.strip())
+    except ValueError:
+        raise ValueError(f"--{flag} must be comma-separated numbers, got {value!r}") from None
+
+
 def sequence_multiple(cp: int, sequence_parallel_tp: int = 1) -> int:
     """What a sequence's length must be a multiple of: 2 x cp under context parallelism (two chunks per rank), times
     tp under sequence parallelism."""
@@ -117,10 +125,15 @@ def sequence_multiple(cp: int, sequence_parallel_tp: int = 1) -> int:
 
 PREFERENCE_HELP = {
     "method": "sft: supervised fine-tuning (text, or --chat records); dpo: preference tuning on records with 'prompt', "
-              "'chosen' and 'rejected' (strings or conversations), with the losses of --loss-type",
-    "beta": "--method dpo: how far the policy may move from the reference (TRL's beta; IPO's tau)",
-    "loss_type": "--method dpo: sigmoid (DPO), hinge, ipo, robust, apo_zero, or simpo (CPOTrainer's SimPO, "
-                 "reference-free); several comma-separated are summed with --loss-weights (MPO)",
+              "'chosen' and 'rejected' (strings or conversations), with the losses of --loss-type; grpo: "
+              "reinforcement learning on records with a 'prompt', scored by --reward-funcs",
+    "beta": "--method dpo: how far the policy may move from the reference (TRL's beta; IPO's tau), 0.1 unless "
+            "given; --method grpo: the weight of the KL term to the reference model, 0 (no reference model) unless "
+            "given",
+    "loss_type": "--method dpo: sigmoid (DPO, unless given), hinge, ipo, robust, apo_zero, or simpo (CPOTrainer's "
+                 "SimPO, reference-free); several comma-separated are summed with --loss-weights (MPO). --method "
+                 "grpo: dapo (unless given: token-level, normalised by the batch's completion tokens), grpo (per "
+                 "sequence), dr_grpo, bnpo or cispo",
     "loss_weights": "--method dpo: comma-separated weights of the --loss-type losses (default: 1 each)",
     "label_smoothing": "--method dpo: the probability that a preference is flipped (robust, simpo)",
     "simpo_gamma": "--loss-type simpo: the target reward margin gamma",
@@ -130,6 +143,7 @@ PREFERENCE_HELP = {
                             "the model with its adapters switched off (LoRA) at every step",
     "max_length": "--method dpo: tokens of prompt + completion; longer ones keep their start, cut and counted "
                   "(default: --seq-len)",
-    "max_prompt_length": "--method dpo: a longer prompt keeps its last this many tokens, counted (default: whole)",
+    "max_prompt_length": "--method dpo / grpo: a longer prompt keeps its last this many tokens, counted (default: "
+                         "whole)",
 }
 PREFERENCE_CHOICES = {"method": METHODS}

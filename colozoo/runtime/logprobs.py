@@ -15,6 +15,10 @@ the pipeline schedule (an integer tensor, which mixed precision never casts), so
 precision. The objective runs on the last pipeline stage; its per-row values come back from every rank in the
 global batch's row order. Rows of one micro-batch stay together: a pair of sequences in one row (or any group of
 rows whose objective needs them together) never straddles two micro-batches or two data-parallel ranks.
+
+`temperature` divides the logits first (the log-probs of the distribution a sampler drew from at that temperature);
+with `entropy=True` the objective also finds rows["entropy"] (n, L): the entropy of each labelled position's
+next-token distribution, laid out like the log-probs (a metric: no gradient).
 """
 from __future__ import annotations
 
@@ -32,15 +36,22 @@ class ObjectiveStep(StepScales):
     values until the step returns them."""
 
     def __init__(self, objective, rows: dict, replicas: int, grad_scale: float = 1.0, data_group=None,
-                 data_ranks: int = 1):
+                 data_ranks: int = 1, temperature: float = 1.0, entropy: bool = False):
         super().__init__(loss_scale=replicas, grad_scale=grad_scale, data_group=data_group, data_ranks=data_ranks)
         self.objective, self.rows = objective, rows
+        self.temperature, self.entropy = temperature, entropy
         self.reported: list[tuple[torch.Tensor, dict]] = []
 
-    def objective_loss(self, logps, labels, row_ids) -> torch.Tensor:
-        """The micro-batch's loss for the backward: its share of the global loss times dp*cp (undoing the data-parallel
-        gradient average) and the fp16 loss scale."""
+    def objective_loss(self, head, logits, labels, row_ids, cp=None) -> torch.Tensor:
+        """The micro-batch's loss for the backward from the last stage's vocab slice of the logits (`head`: the
+        vocab-parallel LM head): its share of the global loss times dp*cp (undoing the data-parallel gradient average)
+        and the fp16 loss scale."""
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logps = head.label_log_probs(logits, labels, cp=cp)
         rows = {k: v[row_ids] for k, v in self.rows.items()}
+        if self.entropy:
+            rows["entropy"] = head.label_entropy(logits.detach(), labels, cp=cp)
         with torch.autocast(logps.device.type, enabled=False):
             share, values = self.objective(logps.float(), labels, rows)
         self.reported.append((row_ids, {k: v.detach() for k, v in values.items()}))
@@ -50,12 +61,15 @@ class ObjectiveStep(StepScales):
 
 def forward_backward_logps(model, input_ids, labels, objective, attention_mask=None, position_ids=None,
                            rows: dict | None = None, num_microbatches: int = 1, schedule: str = "1f1b",
-                           grad_scale: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           grad_scale: float = 1.0, temperature: float = 1.0, entropy: bool = False
+                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward of the global batch over the whole mesh with the loss `objective(logps, labels, rows)`
     (see the module): each dp rank trains on its rows, in `num_microbatches` micro-batches (the pipeline schedule at
     pp > 1). Gradients accumulate on the local shards. Returns (the global loss, the objective's per-row values for
-    every row of the global batch), the same on every rank; `grad_scale` as in forward_backward."""
-    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale)
+    every row of the global batch), the same on every rank; `grad_scale` as in forward_backward; `temperature` and
+    `entropy` as in the module."""
+    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale, temperature,
+                          entropy)
     local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,
                          {"row_ids": row_ids})  # split over dp and micro-batches with the rows
     if local_sum is not None and grad_scale != 1.0:
@@ -70,11 +84,12 @@ def token_logps_objective(logps, labels, rows):
 
 @torch.no_grad()
 def forward_logps(model, input_ids, labels, objective=token_logps_objective, attention_mask=None, position_ids=None,
-                  rows: dict | None = None, num_microbatches: int = 1) -> dict[str, torch.Tensor]:
+                  rows: dict | None = None, num_microbatches: int = 1, temperature: float = 1.0,
+                  entropy: bool = False) -> dict[str, torch.Tensor]:
     """The objective's per-row values of the global batch without gradients (and its loss as "loss"): each dp rank
     runs its rows, micro-batch by micro-batch, through its stages; the default objective reports the per-token
     log-probs of the labels as "logps" (n, L). Every dp rank must call it (a sharded forward is collective)."""
-    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches)
+    step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, 1.0, temperature, entropy)
     mine = dp_rows(model, input_ids.shape[0])
     local_rows = row_ids[mine]
     local = [t[mine] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
@@ -94,13 +109,15 @@ def forward_logps(model, input_ids, labels, objective=token_logps_objective, att
     return {**gather_reported(model, step), "loss": global_loss(model, local_sum)}
 
 
-def _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale=1.0):
+def _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale=1.0, temperature=1.0,
+          entropy=False):
     """The ObjectiveStep of the global batch's `rows`, and the indices of all its rows (which travel with the rows
     through the split over dp ranks and micro-batches)."""
     pc = model.pc
     rows = {k: v.to(pc.device) for k, v in (rows or {}).items()}
     check_batch(model, input_ids, labels, num_microbatches, rows)
-    step = ObjectiveStep(objective, rows, pc.size("dp_cp"), grad_scale, pc.group("dp_cp"), pc.size("dp"))
+    step = ObjectiveStep(objective, rows, pc.size("dp_cp"), grad_scale, pc.group("dp_cp"), pc.size("dp"),
+                         temperature, entropy)
     return step, torch.arange(input_ids.shape[0], device=pc.device)
 
 

@@ -122,8 +122,7 @@ class Stage(nn.Module):
         if step is None:
             return out
         if on_logps:
-            logps = model.get_output_embeddings().label_log_probs(out.logits, labels, cp=ctx.cp)
-            return step.objective_loss(logps, labels, row_ids)
+            return step.objective_loss(model.get_output_embeddings(), out.logits, labels, row_ids, cp=ctx.cp)
         return step.scaled_loss(out, model.loss_token_count(labels))
 
 
