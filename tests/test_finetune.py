@@ -17,7 +17,8 @@ from colozoo.demo_finetune import make_tiny_gpt2, texts  # noqa: E402
 from colozoo.finetune import data as D  # noqa: E402
 from colozoo.finetune import state  # noqa: E402
 from colozoo.finetune.config import FinetuneConfig  # noqa: E402
-from colozoo.finetune.loop import Interrupt, finetune  # noqa: E402
+from colozoo.finetune.loop import finetune  # noqa: E402
+from colozoo.finetune.stopping import Interrupt  # noqa: E402
 from colozoo.finetune.metrics import read_metrics  # noqa: E402
 from colozoo.finetune.schedule import build_scheduler, warmup_cosine  # noqa: E402
 

@@ -6,9 +6,7 @@ Every rank of a torchrun job runs `finetune(config)`. All input checks happen be
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from colozoo.finetune.preference_train import PreferenceTraining, prepare_refere
 from colozoo.finetune.run_lock import run_directory
 from colozoo.finetune.saver import CheckpointSaver
 from colozoo.finetune.schedule import build_scheduler
+from colozoo.finetune.stopping import Interrupt, check_finite
 from colozoo.finetune.watchdog import Watchdog, process_group_timeout
 from colozoo.runtime.amp import DynamicLossScaler
 from colozoo.runtime.lora import LoraSettings
@@ -100,8 +99,8 @@ class Trainer:
     scheduler: object
     scaler: DynamicLossScaler
     preference: PreferenceTraining | None = None  # --method dpo's step, reference and evaluation
-    masked_batches: int = 0              # global batches with no labelled token (every label -100): not trained on
     rl: GrpoTraining | None = None                # --method grpo's rollouts, step and evaluation
+    masked_batches: int = 0              # global batches with no labelled token (every label -100): not trained on
 
     def step(self, batch: dict, number: int, indices=None) -> "StepResult":
         """One optimizer step on this rank's rows of the global batch (`number`: the step it completes; `indices`:
@@ -336,49 +335,6 @@ def unpacked_width(cfg: FinetuneConfig, model, batch: dict) -> dict:
     """--no-pack (a causal LM): the batch padded to its longest sample (rounded up), not to --seq-len."""
     unpacked = cfg.task == "lm" and cfg.method == "sft" and not cfg.pack  # dpo's pairs come trimmed already
     return D.trim_padding(batch, D.padding_multiple(model.pc)) if unpacked else batch
-
-
-class Interrupt:
-    """Ctrl-C / SIGTERM ask for a clean stop: finish the step, save, exit. A second Ctrl-C stops at once."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        # torchrun forwards the terminal's Ctrl-C to workers that already got it: only a later one means "now"
-        if self.requested and time.monotonic() - self.requested_at > 2.0:
-            raise KeyboardInterrupt
-        if not self.requested:
-            self.requested, self.requested_at = True, time.monotonic()
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def agreed(self, device) -> bool:
-        """Whether any rank was interrupted (collective, so all ranks stop at the same step)."""
-        flag = torch.tensor([float(self.requested)], device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-class NonFiniteError(ValueError):
-    pass
-
-
-def check_finite(step: int, loss: float, grad_norm: float, dtype: str):
-    """Stop at the first non-finite loss or gradient norm (same values on every rank, so every rank stops)."""
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm} in {dtype}: not finite; stopped "
-                             f"before the optimizer step, nothing saved or exported (lower --lr, check the data, or "
-                             f"resume from the last checkpoint)")
 
 
 # --- the end: final evaluation, exports, summary -----------------------------------------------------------------
