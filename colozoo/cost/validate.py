@@ -1,0 +1,138 @@
+"""The planner against published training runs: each run's layout priced on its hardware (colozoo.cost.published)
+and compared with what it measured; its memory against the GPU's; the planner's own choice for the same model, GPUs
+and batch. `colozoo plan --validate` prints the table.
+
+Traces are shared across runs: one per (model, tp, cp, ep, sequence parallelism, sequence, dtype, attention), every
+micro-batch size the runs need traced at once.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+from colozoo.core.mesh import ParallelConfig
+from colozoo.cost.cost_model import assemble
+from colozoo.cost.model_trace import trace_model
+from colozoo.cost.published import PublishedRun, published_runs
+from colozoo.cost.step_time import estimate
+
+TOLERANCE = 0.15  # the relative error every run's predicted step time must stay within
+
+
+@dataclass
+class Validation:
+    run: PublishedRun
+    predicted_seconds: float
+    measured_seconds: float
+    memory: float                # predicted peak bytes on the fullest GPU
+    breakdown: dict
+    chosen: object = None        # the planner's own best plan (RankedPlan) for the run's model, GPUs and batch
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured step time, minus one (positive: predicted slower)."""
+        return self.predicted_seconds / self.measured_seconds - 1
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.run.hardware.memory_limit
+
+    def row(self) -> dict:
+        r = self.run
+        unit = {"narayanan2021": "TFLOP/s", "megatron_core": "TFLOP/s", "tokens_per_gpu": "tok/s/GPU",
+                "step_seconds": "s/step"}[r.measured["unit"]]
+        out = {"id": r.id, "gpus": r.gpus, "mesh": r.plan.mesh(), "measured": r.measured["value"],
+               "predicted": round(r.in_source_units(self.predicted_seconds), 1), "unit": unit,
+               "error": round(self.error, 3), "memory_gb": round(self.memory / 1e9, 1), "fits": self.fits,
+               "held_out": r.held_out}
+        if self.chosen is not None:
+            out["chosen"] = f"{self.chosen.mesh()} mbs{self.chosen.micro_batch_size} {self.chosen.schedule}" \
+                            f" v{self.chosen.virtual_stages} ZeRO-{self.chosen.zero}"
+            out["chosen_seconds"] = round(self.chosen.step_seconds, 2)
+        return out
+
+
+class TraceCache:
+    """Model traces shared by runs: traced once per key, at every micro-batch size asked for up front."""
+
+    def __init__(self):
+        self.traces, self.wanted = {}, {}
+
+    @staticmethod
+    def key(run: PublishedRun, plan=None):
+        plan = plan or run.plan
+        w = run.workload
+        return (json.dumps(run.model, sort_keys=True), plan.tp, plan.cp, plan.ep, plan.sequence_parallel, w.seq_len,
+                w.dtype, w.target)
+
+    def want(self, run: PublishedRun):
+        self.wanted.setdefault(self.key(run), set()).add(run.plan.micro_batch_size)
+
+    def get(self, run: PublishedRun):
+        key, mbs = self.key(run), run.plan.micro_batch_size
+        if key not in self.traces or mbs not in self.traces[key]:
+            sizes = sorted(self.wanted.get(key, set()) | {mbs})
+            p = run.plan
+            mesh = ParallelConfig(tp=p.tp, dp=p.ep, ep=p.ep, sequence_parallel=p.sequence_parallel)
+            w = run.workload
+            self.traces.setdefault(key, {}).update(
+                trace_model(run.config(), sizes, w.seq_len // p.cp, mesh, w.dtype, w.target))
+        return self.traces[key][mbs]
+
+
+def validate_run(run: PublishedRun, cache: TraceCache) -> Validation:
+    report = assemble(cache.get(run), run.plan, run.workload)
+    seconds, breakdown, _ = estimate(report, run.plan, run.workload, run.hardware, software=run.software)
+    return Validation(run, seconds, run.measured_seconds(), report.peak_memory, breakdown)
+
+
+def validate(runs=None, choose: bool = False, progress=None) -> list[Validation]:
+    """Every published run (or `runs`) priced as published; with `choose`, also the planner's own best plan for the
+    run's model, GPUs and global batch (slow: a search per run)."""
+    runs = list(published_runs() if runs is None else runs)
+    cache = TraceCache()
+    for run in runs:
+        cache.want(run)
+    out = []
+    for i, run in enumerate(runs):
+        if progress:
+            progress(f"[{i + 1}/{len(runs)}] {run.id}")
+        result = validate_run(run, cache)
+        if choose:
+            result.chosen = planner_choice(run)
+        out.append(result)
+    return out
+
+
+def planner_choice(run: PublishedRun, search=None):
+    """The planner's best plan for the run's model on its GPUs and global batch, priced as its software runs it."""
+    from colozoo.cost.planner import SearchSpace, plan
+
+    search = search or SearchSpace(micro_batch_sizes=tuple(sorted({1, 2, run.plan.micro_batch_size})),
+                                   schedules=("1f1b", "interleaved_1f1b"), zero_levels=(0, 1, 3),
+                                   virtual_stages=(1, 2, 4), allow_offload=False)
+    workload = replace(run.workload)
+    return plan(run.config(), run.hardware, workload, search, global_batch=run.global_batch,
+                software=run.software).best
+
+
+def table(results: list[Validation]) -> str:
+    """The comparison as a markdown table (predicted against measured, the error, the memory, the planner's own
+    choice when searched)."""
+    rows = [r.row() for r in results]
+    cols = ["id", "gpus", "mesh", "measured", "predicted", "unit", "error", "memory_gb", "fits", "held_out"]
+    if any("chosen" in r for r in rows):
+        cols += ["chosen", "chosen_seconds"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |")
+    within = sum(abs(r.error) <= TOLERANCE for r in results)
+    lines.append(f"\n{within}/{len(results)} runs within {TOLERANCE:.0%}; mean |error| "
+                 f"{sum(abs(r.error) for r in results) / max(1, len(results)):.1%}")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if isinstance(value, float) and abs(value) < 1:
+        return f"{value:+.1%}"
+    return str(value)
