@@ -4,7 +4,7 @@ A matrix product (GEMM) runs at the fraction of peak the hardware's best-shaped 
 (Hardware.matmul_efficiency, measured) times how well its output tiles fill the GPU: cuBLAS computes an m x n
 output in tiles (Hardware.gemm_tile) spread over the streaming multiprocessors in waves, so dimensions that are not
 tile multiples (tile quantization) and a last wave left part empty (wave quantization) waste the rest (NVIDIA, Matrix
-Multiplication Background User's Guide, ch. 3). Small per-GPU batches and narrow tensor-parallel slices make few
+Multiplication Background User's Guide, ch. 3); a product of a few rows runs on the vector units instead. Small per-GPU batches and narrow tensor-parallel slices make few
 tiles: those GEMMs run slower than big ones. No GEMM beats its own memory traffic either: bytes over the bandwidth
 a large copy reaches (the roofline). A fused attention kernel runs at Hardware.attention_efficiency of peak on the
 (query, key) pairs it computes: half of them under a causal mask (the kernels skip the masked blocks, FLOP counters
@@ -34,10 +34,14 @@ def wave_efficiency(batch: int, m: int, n: int, hw: Hardware) -> float:
 
 
 def gemm_seconds(flops: float, nbytes: float, shape, hw: Hardware) -> float:
-    """One GEMM of `shape` (batch, m, n, k): the slower of its math and its memory traffic."""
+    """One GEMM of `shape` (batch, m, n, k): the slower of its math and its memory traffic, on tensor-core tiles,
+    or for products too skinny to fill a tile (a few rows) on the vector units, which cuBLAS's GEMV kernels use."""
     batch, m, n, _ = shape
     rate = hw.peak_flops * hw.matmul_efficiency * wave_efficiency(batch, m, n, hw)
-    return max(flops / rate, nbytes / hw.memory_bandwidth, hw.kernel_floor_s)
+    memory = nbytes / hw.memory_bandwidth
+    tiles = max(flops / rate, memory)
+    skinny = max(flops / hw.vector_flops, memory) if hw.vector_flops else tiles
+    return max(min(tiles, skinny), hw.kernel_floor_s)
 
 
 def attention_seconds(flops: float, nbytes: float, causal: bool, hw: Hardware) -> float:

@@ -37,6 +37,7 @@ class Hardware:
     hbm_bw: float = 2000 * GB
     sm_count: int | None = None  # streaming multiprocessors a GEMM's output tiles are spread over (None: no waves)
     gemm_tile: tuple = (256, 128)  # the output tile of cuBLAS's large bf16 GEMMs
+    vector_flops: float = 0.0    # non-tensor FP32 FLOP/s (GEMV kernels of skinny products; 0: none)
     matmul_efficiency: float = 0.7  # fraction of peak the best-shaped large bf16 GEMMs sustain (measured)
     attention_efficiency: float = 0.5  # fraction of peak a fused attention kernel reaches on the pairs it computes
     hbm_efficiency: float = 0.85  # fraction of hbm_bw a large copy reaches (memory-bound kernels)
@@ -83,9 +84,9 @@ class Hardware:
         return asdict(self)
 
 
-def _nvidia(name, memory, peak, hbm, sms, matmul, nvlink, network, sources, **extra) -> Hardware:
-    return Hardware(name, memory, peak, sm_count=sms, matmul_efficiency=matmul, intra_node_bw=nvlink,
-                    inter_node_bw=network, hbm_bw=hbm, sources=sources, **extra)
+def _nvidia(name, memory, peak, vector, hbm, sms, matmul, nvlink, network, sources, **extra) -> Hardware:
+    return Hardware(name, memory, peak, vector_flops=vector, sm_count=sms, matmul_efficiency=matmul,
+                    intra_node_bw=nvlink, inter_node_bw=network, hbm_bw=hbm, sources=sources, **extra)
 
 
 MAMF = ("stas00/ml-engineering compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison table' "
@@ -100,6 +101,7 @@ SMS_FOR_COMM = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2, §3.5.
 ESTIMATE = "estimate (no stored measurement): bench/gpu.py writes the measured value"
 A100_SOURCES = {
     "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16",
+    "vector_flops": "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32",
     "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs",
     "gemm_tile": "NVIDIA Matrix Multiplication Background User's Guide (DU-09799-001): 256x128 tiles",
     "matmul_efficiency": MAMF + ": A100 SXM 271.2 of 312 TFLOP/s in bursts (86.9%), at the ~1200 MHz an A100 "
@@ -116,6 +118,7 @@ A100_SOURCES = {
 }
 H100_SOURCES = {
     "peak_flops": "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (SXM)",
+    "vector_flops": "NVIDIA H100 datasheet: 67 TFLOP/s FP32 (SXM)",
     "sm_count": "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5)",
     "gemm_tile": A100_SOURCES["gemm_tile"],
     "matmul_efficiency": MSMF + " (71.1% of 989; " + MAMF + ": the H100 SXM bursts as the H200)",
@@ -131,16 +134,16 @@ H100_SOURCES = {
 NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, comm_contention=20 / 108)
 
 PRESETS = {
-    "A100-40GB": _nvidia("A100-40GB", 40 * GiB, 312e12, 1555 * GB, 108, 0.739, 300 * GB, 25 * GB,
+    "A100-40GB": _nvidia("A100-40GB", 40 * GiB, 312e12, 19.5e12, 1555 * GB, 108, 0.739, 300 * GB, 25 * GB,
                          {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 1,555 GB/s (40GB SXM)"},
                          attention_efficiency=0.5, **NVIDIA_DEFAULTS),
-    "A100-80GB": _nvidia("A100-80GB", 80 * GiB, 312e12, 2039 * GB, 108, 0.739, 300 * GB, 25 * GB,
+    "A100-80GB": _nvidia("A100-80GB", 80 * GiB, 312e12, 19.5e12, 2039 * GB, 108, 0.739, 300 * GB, 25 * GB,
                          {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 2,039 GB/s (80GB SXM)"},
                          attention_efficiency=0.5, **NVIDIA_DEFAULTS),
-    "H100-80GB": _nvidia("H100-80GB", 80 * GiB, 989e12, 3350 * GB, 132, 0.711, 450 * GB, 50 * GB, H100_SOURCES,
+    "H100-80GB": _nvidia("H100-80GB", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 450 * GB, 50 * GB, H100_SOURCES,
                          pcie_bw=55 * GB, attention_efficiency=0.5, intra_node_efficiency=0.8,
                          inter_node_efficiency=0.96, comm_contention=20 / 132),
-    "H200": _nvidia("H200", 141 * GB, 989e12, 4800 * GB, 132, 0.711, 450 * GB, 50 * GB,
+    "H200": _nvidia("H200", 141 * GB, 989e12, 67e12, 4800 * GB, 132, 0.711, 450 * GB, 50 * GB,
                     {**H100_SOURCES, "hbm_bw": "NVIDIA H200 datasheet: 4.8 TB/s"}, pcie_bw=55 * GB,
                     attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
                     comm_contention=20 / 132),

@@ -12,7 +12,7 @@ A run's measured throughput is converted to a step time the way its source count
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -42,7 +42,7 @@ class PublishedRun:
     held_out: bool = False       # not looked at while choosing the cost model's terms
     group: str = ""
     notes: str = ""
-    extra: dict = field(default_factory=dict)
+    known_miss: str = ""         # why the cost model misses this run by more than the tolerance (empty: it does not)
 
     @property
     def gpus(self) -> int:
@@ -148,7 +148,8 @@ def _run(row: dict, software: dict, networks: dict) -> PublishedRun:
     workload = Workload(seq_len=row["model"]["seq"], dtype=row.get("dtype", "bfloat16"),
                         target=row.get("attention", "cuda"))
     return PublishedRun(rid, row["source"], row["model"], hw, plan, workload, runs_software, layout["global_batch"],
-                        row["measured"], row.get("held_out", False), row.get("group", ""), row.get("notes", ""))
+                        row["measured"], row.get("held_out", False), row.get("group", ""), row.get("notes", ""),
+                        row.get("known_miss", ""))
 
 
 @cache

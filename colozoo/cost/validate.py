@@ -7,6 +7,7 @@ micro-batch size the runs need traced at once.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, replace
 
@@ -116,6 +117,25 @@ def planner_choice(run: PublishedRun, search=None):
                 software=run.software).best
 
 
+def comparisons(results: list[Validation]) -> list[dict]:
+    """Every pair of runs of the same model on the same GPUs and batch (layouts a paper compared): which one was
+    measured faster, which one is predicted faster, and the measured gap."""
+    groups = {}
+    for r in results:
+        key = (json.dumps(r.run.model, sort_keys=True), r.run.hardware.name, r.run.gpus, r.run.global_batch)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for runs in groups.values():
+        for a, b in itertools.combinations(runs, 2):
+            measured = min((a, b), key=lambda r: r.measured_seconds)
+            predicted = min((a, b), key=lambda r: r.predicted_seconds)
+            gap = max(a.measured_seconds, b.measured_seconds) / min(a.measured_seconds, b.measured_seconds) - 1
+            out.append({"runs": (a.run.id, b.run.id), "measured_faster": measured.run.id,
+                        "predicted_faster": predicted.run.id, "measured_gap": round(gap, 3),
+                        "agree": measured is predicted})
+    return out
+
+
 def table(results: list[Validation]) -> str:
     """The comparison as a markdown table (predicted against measured, the error, the memory, the planner's own
     choice when searched)."""
@@ -125,14 +145,18 @@ def table(results: list[Validation]) -> str:
         cols += ["chosen", "chosen_seconds"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |")
-    within = sum(abs(r.error) <= TOLERANCE for r in results)
-    lines.append(f"\n{within}/{len(results)} runs within {TOLERANCE:.0%}; mean |error| "
-                 f"{sum(abs(r.error) for r in results) / max(1, len(results)):.1%}")
+        lines.append("| " + " | ".join(f"{r[c]:+.1%}" if c == "error" else str(r.get(c, "")) for c in cols) + " |")
+    lines.append("")
+    for name, part in (("all", results), ("tuned against", [r for r in results if not r.run.held_out]),
+                       ("held out", [r for r in results if r.run.held_out])):
+        within = sum(abs(r.error) <= TOLERANCE for r in part)
+        mean = sum(abs(r.error) for r in part) / max(1, len(part))
+        lines.append(f"{name}: {within}/{len(part)} runs within {TOLERANCE:.0%}, mean |error| {mean:.1%}")
+    for r in results:
+        if r.run.known_miss:
+            lines.append(f"- {r.run.id}: {r.run.known_miss}")
+    for c in comparisons(results):
+        lines.append(f"same GPUs and batch: {c['runs'][0]} vs {c['runs'][1]}: measured faster {c['measured_faster']}"
+                     f" (by {c['measured_gap']:.0%}), predicted faster {c['predicted_faster']}")
     return "\n".join(lines)
 
-
-def _cell(value) -> str:
-    if isinstance(value, float) and abs(value) < 1:
-        return f"{value:+.1%}"
-    return str(value)
