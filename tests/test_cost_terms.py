@@ -169,3 +169,16 @@ def test_measured_hardware_fields_from_a_file(tmp_path, capsys):
     args = ["plan", "opt-125m", "--gpus", "1", "--seq-len", "128", "--global-batch", "1", "--json", "--top", "1"]
     assert main(args + ["--hardware-file", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["hardware"]["matmul_efficiency"] == 0.123
+
+
+def test_lora_counts_follow_the_config_not_the_object():
+    """A config changed between two calls (hidden 32, then 64) is counted as it is at each call."""
+    from colozoo.cost.lora import adapter_params_per_layer
+    from colozoo.runtime.lora import LoraSettings
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=64)
+    lora = LoraSettings(r=4, targets=("q_proj",))
+    assert adapter_params_per_layer(config, 1, lora)["0"] == 4 * (32 + 32)
+    config.hidden_size = 64  # the heads keep their head_dim of 8: q_proj maps 64 to 32
+    assert adapter_params_per_layer(config, 1, lora)["0"] == 4 * (64 + 32)
