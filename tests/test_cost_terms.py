@@ -182,3 +182,18 @@ def test_lora_counts_follow_the_config_not_the_object():
     assert adapter_params_per_layer(config, 1, lora)["0"] == 4 * (32 + 32)
     config.hidden_size = 64  # the heads keep their head_dim of 8: q_proj maps 64 to 32
     assert adapter_params_per_layer(config, 1, lora)["0"] == 4 * (64 + 32)
+
+
+def test_apply_plan_refuses_stages_the_model_was_not_built_with():
+    """A plan's virtual stages and layer counts are how the model must be built: apply_plan says so, in one line,
+    before wrapping anything."""
+    from colozoo.api import build_model
+    from colozoo.runtime.errors import TrainingError
+    from colozoo.runtime.training import apply_plan
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16)
+    model = build_model(config, device="meta")
+    with pytest.raises(TrainingError, match="2 virtual stage"):
+        apply_plan(model, Plan(schedule="interleaved_1f1b", virtual_stages=2))
+    with pytest.raises(TrainingError, match="layers_per_stage"):
+        apply_plan(model, Plan(layers_per_stage=(1,)))

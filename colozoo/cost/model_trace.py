@@ -181,8 +181,7 @@ class ModelTrace:
     dtype: str
 
     config: object = None  # the HF config of a colozoo model: pipeline stages are split as the model splits them
-    # what assemble derives from the trace alone, kept with it (same trace, same values): the units as dicts, each
-    # unit's attention core FLOPs, the stage split of each pipeline shape
+    # what assemble derives from this trace alone (unit dicts, core FLOPs, stage splits), kept with it
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def memoized(self, key, compute):

@@ -9,9 +9,10 @@ For every tensor/context parallel degree the profiler traces one micro-batch onc
 everything else is arithmetic on that trace: pipeline depth and schedule, data parallel and ZeRO/FSDP level,
 micro-batch size and count, how many layers of each stage recompute (the fewest that fit, found per layout,
 so checkpointing is decided with the layout rather than after it), and CPU offload when nothing else fits
-(colozoo.runtime.offload). Step time = pipelined compute at a realistic fraction of peak + tensor/context/pipeline
-collectives that sit on the critical path + the data-parallel traffic and offload transfers compute cannot
-hide. Plans are ranked by step time among those under the memory limit.
+(colozoo.runtime.offload). Step time (colozoo.cost.step_time): every traced kernel priced by its shape on the
+hardware, the collectives on the critical path, the ZeRO-3 gathers and data-parallel traffic that compute cannot
+hide, the pipeline's bubble, offload transfers. Plans are ranked by step time among those under the memory limit.
+`colozoo plan --validate` checks the predictions against published training runs (colozoo.cost.validate).
 """
 from __future__ import annotations
 

@@ -44,12 +44,12 @@ class Validation:
                 "step_seconds": "s/step"}[r.measured["unit"]]
         out = {"id": r.id, "gpus": r.gpus, "mesh": r.plan.mesh(), "measured": r.measured["value"],
                "predicted": round(r.in_source_units(self.predicted_seconds), 1), "unit": unit,
-               "error": round(self.error, 3), "memory_gb": round(self.memory / 1e9, 1), "fits": self.fits,
+               "error": round(self.error, 3), "predicted_seconds": round(self.predicted_seconds, 3), "memory_gb": round(self.memory / 1e9, 1), "fits": self.fits,
                "held_out": r.held_out}
         if self.chosen is not None:
             out["chosen"] = f"{self.chosen.mesh()} mbs{self.chosen.micro_batch_size} {self.chosen.schedule}" \
                             f" v{self.chosen.virtual_stages} ZeRO-{self.chosen.zero}"
-            out["chosen_seconds"] = round(self.chosen.step_seconds, 2)
+            out["chosen_seconds"] = round(self.chosen.step_seconds, 4)
         return out
 
 
