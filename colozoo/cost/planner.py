@@ -89,7 +89,8 @@ class PlanResult:
         for i, p in enumerate(self.plans[:top], 1):
             recompute = p.checkpointing if p.checkpointing != "full" else \
                 f"full x{p.checkpoint_layers if p.checkpoint_layers is not None else 'all'}"
-            t.add_row(str(i), p.mesh(), f"{p.micro_batch_size}x{p.num_microbatches}", p.schedule, str(p.zero),
+            schedule = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+            t.add_row(str(i), p.mesh(), f"{p.micro_batch_size}x{p.num_microbatches}", schedule, str(p.zero),
                       recompute, p.offload, human(p.memory), f"{p.step_seconds:.3g}s",
                       f"{p.tokens_per_second:,.0f}", f"{p.mfu:.0%}", "; ".join(p.why))
         console.print(t)
