@@ -156,7 +156,7 @@ def calibrate_links() -> dict:
     """{collective: (seconds per latency step, bus bytes per second)} of gloo between the two ranks: the
     latency from 1 KiB calls, the bandwidth from 16 MiB ones (payload as colozoo.cost.profiler counts it: the
     output of an all-gather, the input of the others)."""
-    from colozoo.cost.planner import BUS_FACTOR, RING_STEPS
+    from colozoo.cost.network import BUS_FACTOR, RING_STEPS
 
     small, large = 256, 2 ** 22
     out = {}
@@ -229,9 +229,11 @@ def cpu_hardware(links: dict, compute: tuple[float, float]):
     rate, layer_overhead = compute
     link = links["all_reduce"][1]
     latency = sorted(lat for lat, _ in links.values())[len(links) // 2]
+    # every kernel at the fitted rate (no tensor-core tiles), memory-bound work inside the fitted rate and overhead
     return Hardware("cpu-gloo", gpu_memory=2 ** 40, peak_flops=rate, gpus_per_node=2, intra_node_bw=link,
-                    inter_node_bw=link, hbm_bw=10e9, mfu=1.0, layer_overhead_s=layer_overhead,
-                    collective_latency_s=latency, comm_overlap=0.0,
+                    inter_node_bw=link, hbm_bw=1e18, hbm_efficiency=1.0, matmul_efficiency=1.0,
+                    attention_efficiency=1.0, kernel_floor_s=0.0, layer_overhead_s=layer_overhead,
+                    collective_latency_s=latency, inter_node_latency_s=latency, comm_overlap=0.0,
                     collective_efficiency={name: bw / link for name, (_, bw) in links.items()})
 
 

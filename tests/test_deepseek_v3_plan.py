@@ -78,11 +78,14 @@ def test_profiler_counts_mla_and_deepseek_moe():
 
 def test_training_plan_on_256_gpus():
     """`colozoo plan deepseek-v3 --gpus 256 --gpu-memory 80GB` (bf16, AdamW, 512 x 2048 tokens a step) ranks
-    tp=1, pp=32, dp=8, ep=8 first: 1 x 64 micro-batches under 1F1B, FSDP, both layers of a stage recomputed (the whole
+    tp=1, pp=32, dp=8, ep=8 first: 1 x 64 micro-batches under 1F1B, DDP, both layers of a stage recomputed (the whole
     search, over 30 tp x ep layouts, takes minutes; this test searches pp, dp, micro-batching, schedules, ZeRO and
-    recomputation at that tp and ep). The fullest rank holds two DeepSeekMoE layers (stage 3: layers 4 and 5); its
-    memory counted by hand: FSDP shards everything but the experts over the 8 dp ranks, and each rank keeps its 32 of
-    the 256 experts whole (ep 8 over dp 8: no rank shares them); the frozen routing bias has no gradient or state."""
+    recomputation at that tp and ep). FSDP comes a close second: it would gather the two layers' weights for each
+    of the 64 micro-batches, twice, and the SMs NCCL takes slow the compute they overlap, where DDP reduces once;
+    the experts, nine tenths of the weights, are split over ep either way, so DDP still fits. The fullest rank holds
+    two DeepSeekMoE layers (stage 3: layers 4 and 5); its memory counted by hand from the published config: every
+    rank keeps its 32 of the 256 experts and the rest of the two layers whole; the frozen routing bias has no
+    gradient or state."""
     from colozoo.cost.hardware import get_hardware
     from colozoo.cost.planner import plan_for
     from colozoo.cost.profiler import profile
@@ -91,24 +94,26 @@ def test_training_plan_on_256_gpus():
     result = plan_for("deepseek-v3", gpus=256, gpu_memory="80GB", degrees={"tp": 1, "ep": 8})
     best = result.best
     assert (best.mesh(), best.micro_batch_size, best.num_microbatches, best.schedule, best.zero) == \
-        ("tp=1,pp=32,dp=8,cp=1,ep=8", 1, 64, "1f1b", 3)
+        ("tp=1,pp=32,dp=8,cp=1,ep=8", 1, 64, "1f1b", 0)
     assert (best.checkpointing, best.checkpoint_layers, best.offload) == ("full", 2, "none")
     assert best.memory <= get_hardware("H100-80GB", gpus=256, gpu_memory="80GB").memory_limit
+    fsdp = min((p for p in result.plans if p.zero == 3), key=lambda p: p.step_seconds)
+    assert fsdp.mesh() == best.mesh() and best.step_seconds < fsdp.step_seconds < 1.05 * best.step_seconds
 
     report = profile("deepseek-v3", best.choices(), Workload(seq_len=2048))
     fullest = max(report.stages, key=lambda s: s["peak"])
     assert fullest["peak"] == report.peak_memory == best.memory and fullest["layers"] == [4, 5]
     shared, router, bias, norms = 3 * H * MOE_INNER, EXPERTS * H, EXPERTS, 2 * H
-    non_expert = attention_params() + norms + router + shared  # trained, sharded over dp 8
-    experts = EXPERTS // 8 * 3 * H * MOE_INNER  # this ep rank's 32, whole
-    assert fullest["weights"] == 2 * 2 * ((non_expert + bias) / 8 + experts)  # two layers, bf16
-    assert fullest["grads"] == 2 * 2 * (non_expert / 8 + experts)
-    assert fullest["master"] == 2 * 4 * (non_expert / 8 + experts)  # fp32
-    assert fullest["optimizer"] == 2 * 8 * (non_expert / 8 + experts)  # AdamW's two fp32 states
-    assert fullest["fsdp_buffers"] == 2 * 2 * (non_expert + bias) * 7 / 8  # one layer gathered, one prefetched
+    non_expert = attention_params() + norms + router + shared  # trained, whole on every dp rank
+    experts = EXPERTS // 8 * 3 * H * MOE_INNER  # this ep rank's 32
+    assert fullest["weights"] == 2 * 2 * (non_expert + bias + experts)  # two layers, bf16
+    assert fullest["grads"] == 2 * 2 * (non_expert + experts)
+    assert fullest["master"] == 2 * 4 * (non_expert + experts)  # fp32
+    assert fullest["optimizer"] == 2 * 8 * (non_expert + experts)  # AdamW's two fp32 states
+    assert fullest["fsdp_buffers"] == 0
     # full recompute keeps each layer's input, for the 29 micro-batches stage 3 has in flight under 1F1B
     assert fullest["activations"] == (32 - 3) * 2 * 2048 * H * 2
-    assert sum(fullest[k] for k in ("weights", "master", "optimizer", "fsdp_buffers")) < fullest["peak"] < 80e9
+    assert sum(fullest[k] for k in ("weights", "master", "optimizer")) < fullest["peak"] < 80e9
 
 
 def test_generation_plan_holds_the_latent_cache():

@@ -207,11 +207,13 @@ def test_collective_latency_and_overlap_are_priced():
     steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     ring_steps = sum(n * steps[key.split(".")[1]] for key, n in tp_report.comm_calls.items())
     assert slower - base == pytest.approx(1e-3 * ring_steps, rel=1e-6)
-    # FSDP traffic hides behind compute on GPUs, and is all exposed where the collectives share busy cores
+    # FSDP traffic hides behind compute on GPUs (but the last reduce-scatter, which the optimizer step waits for,
+    # what the embedding's gather outlasts of the compute before it, and the SMs NCCL takes from the compute it
+    # overlaps), and is all exposed where the collectives share busy cores
     hidden, hidden_parts, _ = estimate(dp_report, dp_plan, workload, hw)
     exposed, exposed_parts, _ = estimate(dp_report, dp_plan, workload, hw.with_(comm_overlap=0.0))
-    assert hidden_parts["dp"] == 0 and exposed_parts["dp"] > 0
-    assert exposed == pytest.approx(hidden + exposed_parts["dp"])
+    assert 0 < hidden_parts["dp"] < 0.25 * exposed_parts["dp"]
+    assert exposed - exposed_parts["dp"] == pytest.approx(hidden - hidden_parts["dp"])
     # a collective that reaches half the link's bandwidth takes twice as long
     half = hw.with_(comm_overlap=0.0, collective_latency_s=0.0, collective_efficiency={"all_gather": 0.5,
                                                                                          "reduce_scatter": 0.5})

@@ -12,6 +12,7 @@ from colozoo.cost.model_trace import ModelTrace
 from colozoo.cost.report import ProfileReport, StageCost, UnitCost
 from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.setup import DDP_BUCKET_BYTES, ProfilerError, Workload, check_priced
+from colozoo.cost.trace import is_core_op
 from colozoo.runtime.plan import Plan
 
 
@@ -37,9 +38,6 @@ def _lora_states(mt, plan, workload, keys, weights, shard, ends=()):
 
 def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch."""
-    from colozoo.core.partition import stage_layers
-    from colozoo.models.partition import model_stage_layers
-
     check_priced(plan)
     workload.check()
     if mt.batch_size != plan.micro_batch_size:
@@ -52,10 +50,8 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     if plan.pp > n_layers:
         raise ProfilerError(f"pp={plan.pp} exceeds the {n_layers} layers of the model")
     order = all_layers
-    if mt.config is not None and n_layers:  # the split the model itself uses (balanced by parameters)
-        stages = [[i for run in runs for i in run] for runs in model_stage_layers(mt.config, plan.pp)]
-    else:
-        stages = stage_layers(n_layers, plan.pp) if n_layers else [[]]
+    stages = mt.memoized(("stages", plan.pp, plan.virtual_stages, plan.layers_per_stage),
+                         lambda: _rank_layers(mt, plan, n_layers))
     shard = plan.dp * plan.cp  # FSDP / ZeRO shard over the data and context ranks
     m = plan.num_microbatches
     stage_costs = []
@@ -103,7 +99,9 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
         layer_params = [layer_unit[k].param_bytes for k in keys] or [0]
         gathered = [(u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard)
                     + u.expert_param_bytes * (1 - 1 / edp) for u in (layer_unit[k] for k in keys)] or [0]
-        fsdp = 2.0 * max(gathered) if (plan.zero >= 3 and shard > 1) else 0.0
+        # gathered around the one computing (one layer prefetched); kept from forward to backward without resharding
+        fsdp = (2.0 * max(gathered) if plan.reshard_after_forward else float(sum(gathered))) \
+            if (plan.zero >= 3 and shard > 1) else 0.0
         if plan.offload == "params":
             fsdp = 2.0 * max(layer_params)  # the gathered working copies still live on the GPU
         recompute = _recompute_plan(plan, len(keys))
@@ -113,12 +111,12 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
             policy = recompute[j] if is_layer else "none"
             saved += _saved_under(p, policy)
             # ring attention: this rank's queries meet the keys of all cp chunks, cp x the local core's FLOPs
-            ring_fwd, ring_bwd = ((plan.cp - 1) * f for f in _core_flops(p))
+            ring_fwd, ring_bwd = ((plan.cp - 1) * f for f in mt.memoized(("core", p.name), lambda p=p: _core_flops(p)))
             fwd += p.fwd_flops + ring_fwd
-            bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy) + (ring_fwd if policy != "none" else 0)
+            bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy, mt) + (ring_fwd if policy != "none" else 0)
             extra = p.saved_bytes if policy == "full" else 0  # a recomputed layer is rebuilt whole in backward
             transient = max(transient, p.transient_bytes + extra)
-        inflight = min(plan.pp - s, m) if plan.schedule == "1f1b" else m
+        inflight = in_flight(plan, s)
         activations = saved * inflight
         extras = parts[len(keys):]  # embed on the first stage, head on the last, in that order
         head = [units["head"]] if s == len(stages) - 1 and "head" in units else []
@@ -141,10 +139,38 @@ def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     return ProfileReport(
         model=name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
         total_params=total,
-        units=[asdict(u) for u in units.values()], stages=[asdict(s) for s in stage_costs],
+        units=mt.memoized("unit dicts", lambda: [asdict(u) for u in units.values()]),
+        stages=[asdict(s) for s in stage_costs],
         comm=comm_by_stage[busiest], comm_calls=stage_costs[busiest].comm_calls,
         peak_memory=max(s.peak for s in stage_costs),
         step_flops=(stage_costs[busiest].fwd_flops + stage_costs[busiest].bwd_flops) * m, profile_seconds=0.0)
+
+
+def _rank_layers(mt: ModelTrace, plan: Plan, n_layers: int) -> list[list[int]]:
+    """Layer indices of each pipeline rank (all its virtual stages): the split the model itself uses (balanced by
+    parameters), or the plan's layers_per_stage."""
+    from colozoo.core.partition import virtual_stage_layers
+    from colozoo.models.partition import model_stage_layers
+
+    if not n_layers:
+        return [[]]
+    if mt.config is not None and plan.layers_per_stage is None:
+        runs = model_stage_layers(mt.config, plan.pp, plan.virtual_stages)
+    else:
+        runs = virtual_stage_layers(n_layers, plan.pp, plan.virtual_stages, layers_per_stage=plan.layers_per_stage)
+    return [[i for run in rank_runs for i in run] for rank_runs in runs]
+
+
+def in_flight(plan: Plan, stage: int) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at its fullest, in units of all its layers: all
+    of them under GPipe, p - stage under 1F1B, and under the interleaved 1F1B (Megatron's, Narayanan et al. 2021)
+    2(p - stage - 1) + (v - 1)p + 1 chunks of 1/v of the rank's layers each (p(1 + (p - 1)/(pv)) on the first)."""
+    p, v, m = plan.pp, plan.virtual_stages, plan.num_microbatches
+    if plan.schedule == "gpipe":
+        return m
+    if v == 1:
+        return min(p - stage, m)
+    return min(m, (2 * (p - stage - 1) + (v - 1) * p + 1) / v)
 
 
 def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m) -> float:
@@ -184,21 +210,16 @@ def _saved_under(u: UnitCost, policy: str) -> float:
     return float(u.saved_bytes)
 
 
-def _is_core(op: str) -> bool:
-    """The attention core's ops (fused kernels, or the math path's batched matmuls): what makes (s, s)."""
-    return "attention" in op or op in ("bmm", "softmax", "safe_softmax")
-
-
 def _core_flops(u: UnitCost) -> tuple[int, int]:
-    return (sum(s["fwd_flops"] for op, s in u.ops.items() if _is_core(op)),
-            sum(s["bwd_flops"] for op, s in u.ops.items() if _is_core(op)))
+    return (sum(s["fwd_flops"] for op, s in u.ops.items() if is_core_op(op)),
+            sum(s["bwd_flops"] for op, s in u.ops.items() if is_core_op(op)))
 
 
-def _recompute_flops(u: UnitCost, policy: str) -> int:
+def _recompute_flops(u: UnitCost, policy: str, mt: ModelTrace) -> int:
     if policy == "full":
         return u.fwd_flops
     if policy == "selective":  # the attention core's own forward, i.e. the ops that made the (s, s) tensors
-        return _core_flops(u)[0]
+        return mt.memoized(("core", u.name), lambda: _core_flops(u))[0]
     return 0
 
 
@@ -221,8 +242,8 @@ def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages, grad_bytes=No
             for key, nbytes in parts[j].comm.items():
                 add(key, nbytes * m / 2, parts[j].comm_calls.get(key, 0) * m / 2)
     boundary = max((p.input_bytes for p in parts[:len(keys)]), default=0)
-    if plan.pp > 1:
-        sends = (s < n_stages - 1) + (s > 0)  # activations forward and gradients backward over each boundary
+    if plan.pp > 1:  # activations forward and gradients backward over each boundary of each virtual stage
+        sends = 2 * plan.virtual_stages - (s == n_stages - 1) - (s == 0)
         add("pp.send_recv", 2 * sends * boundary * m / 2, sends * m)
     if plan.cp > 1:  # ring attention: K and V of every other cp rank pass by, forward and twice in backward
         add("cp.send_recv", 3 * 2 * boundary * (plan.cp - 1) * len(keys) * m, 3 * (plan.cp - 1) * len(keys) * m)
@@ -231,8 +252,9 @@ def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages, grad_bytes=No
     if shard > 1:
         units = len(keys) + 1  # FSDP wraps every layer and the stage (embeddings, head) around them
         buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-        if plan.zero >= 3:  # gathered for forward and again for backward; reduced after the last micro-batch
-            add("dp_cp.all_gather", 2 * param_bytes * m, (2 * units - 1) * m)
+        if plan.zero >= 3:  # gathered for forward and (resharded) again for backward; reduced after the last one
+            gathers = 2 if plan.reshard_after_forward else 1
+            add("dp_cp.all_gather", gathers * param_bytes * m, (gathers * units - 1) * m)
             add("dp_cp.reduce_scatter", grad_bytes, units)
         elif plan.zero >= 1:
             add("dp_cp.reduce_scatter", grad_bytes, buckets)

@@ -1,12 +1,20 @@
 """Hardware descriptions for the planner: per-GPU memory, speed and the links between GPUs, nodes and CPU.
 
-Bandwidths are per GPU and per direction, in bytes/s, as the busiest collective sees them (NVLink inside a
-node, the node's network share between nodes, PCIe to host memory). Peak FLOP/s are dense bf16.
+Bandwidths are per GPU and per direction, in bytes/s: NVLink inside a node, the GPU's own network adapter between
+nodes, PCIe to host memory. Peak FLOP/s are dense bf16. Every preset says where each number comes from
+(`Hardware.sources`): a datasheet, or a measured figure with its source. Measured fields can be loaded from a JSON
+file over a preset (`get_hardware(..., measured="gpu.json")`, `colozoo plan --hardware-file gpu.json`), e.g. the
+fields bench/gpu.py measures on a lent GPU:
+
+    {"preset": "H100-80GB", "matmul_efficiency": 0.78, "hbm_efficiency": 0.91,
+     "sources": {"matmul_efficiency": "bench/gpu.py 2026-08-01, 8192^3 bf16 matmul"}}
 """
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 GB, GiB = 10 ** 9, 2 ** 30
 
@@ -22,24 +30,38 @@ class Hardware:
     peak_flops: float            # dense bf16 FLOP/s per GPU
     gpus_per_node: int = 8
     nodes: int = 1
-    intra_node_bw: float = 300 * GB
-    inter_node_bw: float = 25 * GB
+    intra_node_bw: float = 300 * GB  # NVLink, per direction
+    inter_node_bw: float = 25 * GB   # the GPU's own network adapter (rail): a collective leaving the node runs at it
     cpu_memory: float = 1024 * GiB  # per node
     pcie_bw: float = 25 * GB
     hbm_bw: float = 2000 * GB
-    mfu: float = 0.5             # fraction of peak that large matmuls reach in practice
+    sm_count: int | None = None  # streaming multiprocessors a GEMM's output tiles are spread over (None: no waves)
+    gemm_tile: tuple = (256, 128)  # the output tile of cuBLAS's large bf16 GEMMs
+    vector_flops: float = 0.0    # non-tensor FP32 FLOP/s (GEMV kernels of skinny products; 0: none)
+    matmul_efficiency: float = 0.7  # fraction of peak the best-shaped large bf16 GEMMs sustain (measured)
+    attention_efficiency: float = 0.5  # fraction of peak a fused attention kernel reaches on the pairs it computes
+    hbm_efficiency: float = 0.85  # fraction of hbm_bw a large copy reaches (memory-bound kernels)
+    kernel_floor_s: float = 3e-6  # the shortest a kernel takes (launch and tail)
+    launch_s: float = 0.0        # host time to issue one kernel: a unit takes at least its kernels x this
     usable_memory: float = 0.92  # CUDA context, allocator fragmentation, NCCL buffers take the rest
     cpu_adam_params_per_s: float = 0.5e9  # CPU Adam throughput available to one GPU's share of the cores
-    layer_overhead_s: float = 40e-6  # kernel launches per layer and micro-batch (fwd + bwd)
-    collective_latency_s: float = 8e-6  # per step of a ring collective (a ring all-reduce takes 2(n-1) steps)
+    layer_overhead_s: float = 0.0  # host time per layer and micro-batch beyond the kernels (the CPU bench fits it)
+    collective_latency_s: float = 8e-6  # per step of a collective inside a node (a ring all-reduce takes 2(n-1))
+    inter_node_latency_s: float = 15e-6  # per step of a collective across nodes
+    intra_node_efficiency: float = 1.0  # fraction of the NVLink rate NCCL's bus bandwidth reaches
+    inter_node_efficiency: float = 1.0  # fraction of the adapter's rate NCCL's bus bandwidth reaches
+    comm_contention: float = 0.0  # share of the GPU a collective's kernels take from the compute it overlaps
     comm_overlap: float = 1.0    # how much of the overlappable traffic compute hides: 1 when the collectives
     #                              have engines of their own (NCCL), 0 when they share busy cores (gloo on CPU)
     collective_efficiency: dict = field(default_factory=dict)  # collective -> fraction of the link it reaches
+    sources: dict = field(default_factory=dict, compare=False)  # field -> where its number comes from
 
     def bandwidth(self, collective: str, span: int) -> float:
         """Bytes/s one collective reaches in a group whose ranks lie within `span` consecutive ranks: NVLink
-        when that fits in a node, else the network."""
-        link = self.intra_node_bw if span <= self.gpus_per_node else self.inter_node_bw
+        when that fits in a node, else each GPU's network adapter."""
+        inside = span <= self.gpus_per_node
+        link = self.intra_node_bw * self.intra_node_efficiency if inside else \
+            self.inter_node_bw * self.inter_node_efficiency
         return link * self.collective_efficiency.get(collective, 1.0)
 
     @property
@@ -50,6 +72,11 @@ class Hardware:
     def memory_limit(self) -> float:
         return self.gpu_memory * self.usable_memory
 
+    @property
+    def memory_bandwidth(self) -> float:
+        """What memory-bound kernels reach: a large copy's share of the datasheet bandwidth."""
+        return self.hbm_bw * self.hbm_efficiency
+
     def with_(self, **changes) -> "Hardware":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
@@ -57,21 +84,81 @@ class Hardware:
         return asdict(self)
 
 
+def _nvidia(name, memory, peak, vector, hbm, sms, matmul, nvlink, network, sources, **extra) -> Hardware:
+    return Hardware(name, memory, peak, vector_flops=vector, sm_count=sms, matmul_efficiency=matmul,
+                    intra_node_bw=nvlink, inter_node_bw=network, hbm_bw=hbm, sources=sources, **extra)
+
+
+MAMF = ("stas00/ml-engineering compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison table' "
+        "(bf16 matmul bursts, mean of 100 iterations at the best shape found)")
+MSMF = ("stas00/ml-engineering compute/accelerator/benchmarks/README.md: an H200 sustains 702.9 TFLOP/s (MSMF, "
+        "saturated clocks) against 828.0 in bursts (MAMF); a training step is sustained load")
+NCCL_A100 = ("nccl-tests issues #149 and #178: all_reduce busbw ~200-208 GB/s on 8 x A100 SXM over NVLink "
+             "(300 GB/s a direction)")
+IB = "nccl-tests issue #267 (NVIDIA): a 400 Gb/s ConnectX-7 reaches 48-49 GB/s, i.e. 96% of its rate"
+SMS_FOR_COMM = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2, §3.5.1: 20 of an H800's 132 SMs drive IB "
+                "and NVLink at full bandwidth; the compute they overlap loses those SMs")
+ESTIMATE = "estimate (no stored measurement): bench/gpu.py writes the measured value"
+A100_SOURCES = {
+    "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16",
+    "vector_flops": "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32",
+    "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs",
+    "gemm_tile": "NVIDIA Matrix Multiplication Background User's Guide (DU-09799-001): 256x128 tiles",
+    "matmul_efficiency": MAMF + ": A100 SXM 271.2 of 312 TFLOP/s in bursts (86.9%), at the ~1200 MHz an A100 "
+                         "sustains under load instead of 1410 (liangan1/GPU_travel performance/flash-attn/README.md: "
+                         "'A100 frequency drop due to the power limit'): 0.869 x 1200 / 1410",
+    "attention_efficiency": "liangan1/GPU_travel performance/flash-attn/README.md: FlashAttention-2 forward on A100, "
+                            "177-187 TFLOP/s without a mask (57-60%), 37-60% causal; the backward is slower",
+    "hbm_efficiency": ESTIMATE,
+    "intra_node_bw": "NVIDIA A100 datasheet: NVLink 600 GB/s (300 GB/s a direction)",
+    "intra_node_efficiency": NCCL_A100,
+    "inter_node_bw": "DGX A100: 8 x 200 Gb/s HDR InfiniBand a node, one adapter a GPU (Narayanan et al. 2021, §5)",
+    "inter_node_efficiency": IB,
+    "comm_contention": SMS_FOR_COMM + " (20 of the A100's 108)",
+}
+H100_SOURCES = {
+    "peak_flops": "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (SXM)",
+    "vector_flops": "NVIDIA H100 datasheet: 67 TFLOP/s FP32 (SXM)",
+    "sm_count": "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5)",
+    "gemm_tile": A100_SOURCES["gemm_tile"],
+    "matmul_efficiency": MSMF + " (71.1% of 989; " + MAMF + ": the H100 SXM bursts as the H200)",
+    "attention_efficiency": ESTIMATE,
+    "hbm_bw": "NVIDIA H100 datasheet: 3.35 TB/s (SXM)",
+    "hbm_efficiency": ESTIMATE,
+    "intra_node_bw": "NVIDIA H100 datasheet: NVLink 900 GB/s (450 GB/s a direction)",
+    "intra_node_efficiency": ESTIMATE,
+    "inter_node_bw": "DGX H100: 8 x 400 Gb/s ConnectX-7 a node, one adapter a GPU",
+    "inter_node_efficiency": IB,
+    "comm_contention": SMS_FOR_COMM + " (20 of 132)",
+}
+NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, comm_contention=20 / 108)
+
 PRESETS = {
-    "A100-40GB": Hardware("A100-40GB", 40 * GiB, 312e12, intra_node_bw=300 * GB, inter_node_bw=25 * GB,
-                          pcie_bw=25 * GB, hbm_bw=1555 * GB),
-    "A100-80GB": Hardware("A100-80GB", 80 * GiB, 312e12, intra_node_bw=300 * GB, inter_node_bw=25 * GB,
-                          pcie_bw=25 * GB, hbm_bw=2039 * GB),
-    "H100-80GB": Hardware("H100-80GB", 80 * GiB, 989e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                          pcie_bw=55 * GB, hbm_bw=3350 * GB),
-    "H200": Hardware("H200", 141 * GB, 989e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB, pcie_bw=55 * GB,
-                     hbm_bw=4800 * GB),
+    "A100-40GB": _nvidia("A100-40GB", 40 * GiB, 312e12, 19.5e12, 1555 * GB, 108, 0.739, 300 * GB, 25 * GB,
+                         {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 1,555 GB/s (40GB SXM)"},
+                         attention_efficiency=0.5, **NVIDIA_DEFAULTS),
+    "A100-80GB": _nvidia("A100-80GB", 80 * GiB, 312e12, 19.5e12, 2039 * GB, 108, 0.739, 300 * GB, 25 * GB,
+                         {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 2,039 GB/s (80GB SXM)"},
+                         attention_efficiency=0.5, **NVIDIA_DEFAULTS),
+    "H100-80GB": _nvidia("H100-80GB", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 450 * GB, 50 * GB, H100_SOURCES,
+                         pcie_bw=55 * GB, attention_efficiency=0.5, intra_node_efficiency=0.8,
+                         inter_node_efficiency=0.96, comm_contention=20 / 132),
+    "H200": _nvidia("H200", 141 * GB, 989e12, 67e12, 4800 * GB, 132, 0.711, 450 * GB, 50 * GB,
+                    {**H100_SOURCES, "hbm_bw": "NVIDIA H200 datasheet: 4.8 TB/s"}, pcie_bw=55 * GB,
+                    attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
+                    comm_contention=20 / 132),
     "L40S": Hardware("L40S", 48 * GiB, 362e12, intra_node_bw=25 * GB, inter_node_bw=25 * GB, pcie_bw=25 * GB,
-                     hbm_bw=864 * GB, cpu_memory=512 * GiB),
+                     hbm_bw=864 * GB, cpu_memory=512 * GiB, sm_count=142,
+                     sources={"peak_flops": "NVIDIA L40S datasheet: 362 TFLOP/s BF16", "hbm_bw": "datasheet: 864 GB/s",
+                              "matmul_efficiency": ESTIMATE}),
     "V100-32GB": Hardware("V100-32GB", 32 * GiB, 125e12, intra_node_bw=150 * GB, inter_node_bw=12.5 * GB,
-                          pcie_bw=12 * GB, hbm_bw=900 * GB),
+                          pcie_bw=12 * GB, hbm_bw=900 * GB, sm_count=80,
+                          sources={"peak_flops": "NVIDIA V100 datasheet: 125 TFLOP/s FP16 tensor",
+                                   "hbm_bw": "datasheet: 900 GB/s", "matmul_efficiency": ESTIMATE}),
     "RTX4090": Hardware("RTX4090", 24 * GiB, 165e12, gpus_per_node=4, intra_node_bw=25 * GB,
-                        inter_node_bw=12.5 * GB, pcie_bw=25 * GB, hbm_bw=1008 * GB, cpu_memory=256 * GiB),
+                        inter_node_bw=12.5 * GB, pcie_bw=25 * GB, hbm_bw=1008 * GB, cpu_memory=256 * GiB, sm_count=128,
+                        sources={"peak_flops": "NVIDIA Ada whitepaper: 165 TFLOP/s FP16 tensor (FP32 accumulate)",
+                                 "hbm_bw": "datasheet: 1,008 GB/s", "matmul_efficiency": ESTIMATE}),
 }
 
 
@@ -88,16 +175,49 @@ def parse_bytes(value) -> float:
     return number * scale
 
 
+def _preset(name) -> Hardware:
+    key = {k.lower(): k for k in PRESETS}.get(str(name or "H100-80GB").lower())
+    if key is None:
+        raise HardwareError(f"unknown hardware {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+def load_measured(path, base: Hardware | None = None) -> Hardware:
+    """`base` (or the JSON's "preset") with the fields a JSON file measured: numbers by field name, "sources" saying
+    where each comes from (a field without one is recorded as measured in this file)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise HardwareError(f"cannot read measured hardware from {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise HardwareError(f"{path}: expected a JSON object of hardware fields")
+    hw = base if base is not None else _preset(data.get("preset"))
+    known = {f.name: f for f in fields(Hardware)} | {"preset": None}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise HardwareError(f"{path}: unknown hardware fields {unknown}; fields: {', '.join(f.name for f in fields(Hardware))}")
+    changes = {}
+    for key, value in data.items():
+        if key in ("preset", "sources", "name"):
+            continue
+        if isinstance(getattr(hw, key), (int, float)) and not isinstance(value, (int, float)):
+            raise HardwareError(f"{path}: {key} must be a number, got {value!r}")
+        changes[key] = tuple(value) if isinstance(value, list) else value
+    given = data.get("sources", {})
+    sources = {**hw.sources, **{k: given.get(k, f"measured: {path}") for k in changes}}
+    return replace(hw, **changes, sources=sources, name=data.get("name", hw.name))
+
+
 def get_hardware(name_or_hw=None, *, gpus: int | None = None, gpu_memory=None, gpus_per_node: int | None = None,
-                 **overrides) -> Hardware:
-    """A preset by name (case-insensitive) or a Hardware, adjusted: total `gpus` sets the node count."""
+                 measured=None, **overrides) -> Hardware:
+    """A preset by name (case-insensitive) or a Hardware, adjusted: `measured` a JSON file of measured fields (see
+    load_measured), total `gpus` sets the node count."""
     if isinstance(name_or_hw, Hardware):
         hw = name_or_hw
-    else:
-        key = {k.lower(): k for k in PRESETS}.get(str(name_or_hw or "H100-80GB").lower())
-        if key is None:
-            raise HardwareError(f"unknown hardware {name_or_hw!r}; presets: {', '.join(PRESETS)}")
-        hw = PRESETS[key]
+    else:  # a measured file alone names its preset
+        hw = _preset(name_or_hw) if name_or_hw is not None or measured is None else None
+    if measured is not None:
+        hw = load_measured(measured, hw)
     if gpu_memory is not None:
         hw = hw.with_(gpu_memory=parse_bytes(gpu_memory))
     if gpus_per_node is not None:

@@ -10,7 +10,12 @@ from colozoo.core.mesh import ParallelContext
 from colozoo.cost.setup import ProfilerError
 from colozoo.runtime.lora import LoraSettings
 
-_CACHE: dict = {}
+_CACHE: dict = {}  # pure: keyed by the config's values, the mesh and the LoRA settings
+
+
+def _config_key(config) -> str:
+    """What the counts depend on: the config's values (not the object, which a caller may change between calls)."""
+    return config.to_json_string(use_diff=False)
 
 
 def _targets(lora: LoraSettings):
@@ -26,7 +31,7 @@ def adapter_params_per_layer(config, tp: int, lora: LoraSettings) -> dict[str, i
     if config is None:
         raise ProfilerError("LoRA costs need the model's config (profile a registered name or a config)")
     targets = _targets(lora)
-    key = (id(config), tp, lora.r, targets)
+    key = (_config_key(config), tp, lora.r, targets)
     if key not in _CACHE:
         model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
         try:
@@ -52,7 +57,7 @@ def saved_params_per_unit(config, task: str | None, lora: LoraSettings) -> dict[
 
     targets = _targets(lora)
     saved = lora.modules_to_save if lora.modules_to_save is None else tuple(lora.modules_to_save)
-    key = ("saved", id(config), task, targets, saved)
+    key = ("saved", _config_key(config), task, targets, saved)
     if key not in _CACHE:
         model = build_shard(config, pc=ParallelContext.virtual(), device="meta", task=task)
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from torch import nn
 
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
-from colozoo.cost.trace import Trace, trace_step
+from colozoo.cost.trace import Trace, kernel_key, trace_step
 from colozoo.cost.report import UnitCost
 from colozoo.cost.setup import ProfilerError, get_config, parse_mesh
 
@@ -181,6 +181,13 @@ class ModelTrace:
     dtype: str
 
     config: object = None  # the HF config of a colozoo model: pipeline stages are split as the model splits them
+    # what assemble derives from this trace alone (unit dicts, core FLOPs, stage splits), kept with it
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def memoized(self, key, compute):
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     def scaled(self, batch_size: int) -> "ModelTrace":
         """The same model at another micro-batch size, scaled proportionally (the planner traces every size it
@@ -197,6 +204,7 @@ class ModelTrace:
             v.comm = {k: n * f for k, n in u.comm.items()}
             v.ops = {op: {k: (n if k == "calls" else int(round(n * f))) for k, n in st.items()}
                      for op, st in u.ops.items()}
+            v.kernels = {key: [count * f, flops * f, nbytes * f] for key, (count, flops, nbytes) in u.kernels.items()}
             units[key] = v
         return ModelTrace(self.name, units, self.layers, self.total_params, self.tied_bytes, batch_size,
                           self.local_seq, self.dtype, config=self.config)
@@ -336,6 +344,12 @@ def _units(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> dict
         else:
             stats["bwd_flops"] += fl
             u.bwd_flops += fl
+        kernel = trace.kernels.get(i)
+        if kernel is not None:
+            entry = u.kernels.setdefault(kernel_key("fwd" if phase == "forward" else "bwd", op, kernel), [0, 0, 0])
+            entry[0] += 1
+            entry[1] += fl
+            entry[2] += kernel.nbytes
         u.transient_bytes = max(u.transient_bytes, temps[i])
         if phase == "forward":
             u.fwd_transient_bytes = max(u.fwd_transient_bytes, temps[i])

@@ -19,11 +19,14 @@ def add_parser(subparsers):
                     "for the fastest predicted training step that fits in GPU memory, and print the ranked "
                     "plans with predicted memory per GPU, step time and why each was chosen.",
         formatter_class=HelpFormatter)
-    p.add_argument("name", help="registered model name (see `colozoo models`) or a local HF or colozoo "
-                                "checkpoint directory")
+    p.add_argument("name", nargs="?", help="registered model name (see `colozoo models`) or a local HF or colozoo "
+                                           "checkpoint directory")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB or 40GiB (default: the preset's)")
     p.add_argument("--hardware", default="H100-80GB", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--hardware-file", default=None, metavar="JSON",
+                   help="measured hardware fields over the preset (or the file's own \"preset\"), e.g. what "
+                        "bench/gpu.py measured: {\"preset\": \"H100-80GB\", \"matmul_efficiency\": 0.7, ...}")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs a node holds (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(2048, max positions))")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step "
@@ -42,6 +45,12 @@ def add_parser(subparsers):
                    help="plan generation instead: the smallest tp x pp whose GPUs hold the weights and the KV cache "
                         "of --batch-size sequences of --seq-len tokens (then the fastest decode bound)")
     p.add_argument("--batch-size", type=int, default=1, help="with --generate: sequences decoded together")
+    p.add_argument("--validate", action="store_true",
+                   help="instead of planning: price the published training runs (colozoo/cost/published_runs.json: "
+                        "Megatron-LM, MosaicML MPT, BLOOM) as they ran and print predicted against measured")
+    p.add_argument("--choose", action="store_true", help="with --validate: also the planner's own best plan for "
+                                                         "each run's model, GPUs and batch (a search per run: slow)")
+    p.add_argument("--runs", default=None, metavar="JSON", help="with --validate: another table of runs")
     p.set_defaults(func=_main)
 
 
@@ -71,6 +80,10 @@ def _main(args) -> int:
     from colozoo.cost.planner import SearchSpace, plan
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.validate:
+        return _validate(args)
+    if args.name is None:
+        raise ValueError("colozoo plan needs a model name (or --validate)")
     check_seq_len(args)
     if args.generate:
         found = plan_generation(args.name, gpus=args.gpus, batch_size=args.batch_size, seq_len=args.seq_len or 2048,
@@ -79,7 +92,8 @@ def _main(args) -> int:
         return 0
     try:
         hardware = get_hardware(args.hardware, gpus=args.gpus, gpu_memory=args.gpu_memory,
-                                gpus_per_node=args.gpus_per_node, **_overrides(args.set))
+                                gpus_per_node=args.gpus_per_node, measured=args.hardware_file,
+                                **_overrides(args.set))
         result = plan(args.name, hardware, workload_from_args(args), SearchSpace(allow_offload=not args.no_offload),
                       global_batch=args.global_batch)
     except HardwareError as e:
@@ -92,3 +106,20 @@ def _main(args) -> int:
         print(f"no plan fits: {result._rejections()}")
         return 1
     return 0
+
+
+def _validate(args) -> int:
+    """Predicted against measured for every published run; 1 when a run not known to be missed is off by more than
+    the tolerance."""
+    import sys
+
+    from colozoo.cost.published import published_runs
+    from colozoo.cost.validate import TOLERANCE, table, validate
+
+    runs = published_runs(args.runs)
+    results = validate(runs, choose=args.choose, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps([r.row() for r in results], indent=1))
+    else:
+        print(table(results))
+    return int(any(abs(r.error) > TOLERANCE and not r.run.known_miss for r in results))

@@ -9,9 +9,10 @@ For every tensor/context parallel degree the profiler traces one micro-batch onc
 everything else is arithmetic on that trace: pipeline depth and schedule, data parallel and ZeRO/FSDP level,
 micro-batch size and count, how many layers of each stage recompute (the fewest that fit, found per layout,
 so checkpointing is decided with the layout rather than after it), and CPU offload when nothing else fits
-(colozoo.runtime.offload). Step time = pipelined compute at a realistic fraction of peak + tensor/context/pipeline
-collectives that sit on the critical path + the data-parallel traffic and offload transfers compute cannot
-hide. Plans are ranked by step time among those under the memory limit.
+(colozoo.runtime.offload). Step time (colozoo.cost.step_time): every traced kernel priced by its shape on the
+hardware, the collectives on the critical path, the ZeRO-3 gathers and data-parallel traffic that compute cannot
+hide, the pipeline's bubble, offload transfers. Plans are ranked by step time among those under the memory limit.
+`colozoo plan --validate` checks the predictions against published training runs (colozoo.cost.validate).
 """
 from __future__ import annotations
 
@@ -20,25 +21,16 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from colozoo.cost.hardware import Hardware, get_hardware
-from colozoo.cost.offload import MemoryNeed, decide_offload
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import human_bytes as human
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import default_seq_len, trace_model
-from colozoo.cost.priced import OPTIMIZER_BYTES, PRICED_SCHEDULES
+from colozoo.cost.priced import PRICED_SCHEDULES
+from colozoo.cost.software import COLOZOO, Software
+from colozoo.cost.step_time import estimate
 from colozoo.cost.setup import Workload, get_config
-from colozoo.runtime.options import ZERO
+from colozoo.runtime.options import MULTI_STAGE_SCHEDULES, ZERO
 from colozoo.runtime.plan import Plan
-
-BUS_FACTOR = {  # bytes each rank puts on the wire per payload byte, ring algorithms
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "send_recv": lambda n: 1.0,
-    "broadcast": lambda n: 1.0,
-}
-
 
 class PlanError(ValueError):
     pass
@@ -97,7 +89,8 @@ class PlanResult:
         for i, p in enumerate(self.plans[:top], 1):
             recompute = p.checkpointing if p.checkpointing != "full" else \
                 f"full x{p.checkpoint_layers if p.checkpoint_layers is not None else 'all'}"
-            t.add_row(str(i), p.mesh(), f"{p.micro_batch_size}x{p.num_microbatches}", p.schedule, str(p.zero),
+            schedule = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+            t.add_row(str(i), p.mesh(), f"{p.micro_batch_size}x{p.num_microbatches}", schedule, str(p.zero),
                       recompute, p.offload, human(p.memory), f"{p.step_seconds:.3g}s",
                       f"{p.tokens_per_second:,.0f}", f"{p.mfu:.0%}", "; ".join(p.why))
         console.print(t)
@@ -107,85 +100,6 @@ class PlanResult:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-RING_STEPS = {  # latency-bound steps of each collective, ring algorithms
-    "all_reduce": lambda n: 2 * (n - 1),
-    "all_gather": lambda n: n - 1,
-    "reduce_scatter": lambda n: n - 1,
-    "all_to_all": lambda n: n - 1,
-    "send_recv": lambda n: 1,
-}
-
-
-def _comm_seconds(comm: dict, calls: dict, pc: Plan, hw: Hardware) -> dict:
-    """Seconds per step of each group's traffic on one rank: bytes over the bandwidth the collective reaches
-    on its link, plus a latency for every step of every call."""
-    sizes = {"tp": pc.tp, "cp": pc.cp, "dp_cp": pc.dp * pc.cp, "pp": pc.pp, "ep": pc.ep}
-    spans = {"tp": pc.tp, "cp": pc.tp * pc.cp, "dp_cp": pc.tp * pc.cp * pc.dp, "ep": pc.tp * pc.cp * pc.dp,
-             "pp": pc.tp * pc.cp * pc.dp + 1}  # pipeline neighbours are tp*cp*dp ranks apart
-    out = {}
-    for key, nbytes in comm.items():
-        group, _, collective = key.partition(".")
-        n = sizes.get(group, 1)
-        if n <= 1 and group != "pp":
-            continue
-        n = max(n, 2)
-        seconds = nbytes * BUS_FACTOR.get(collective, lambda n: 1.0)(n) / hw.bandwidth(collective, spans[group])
-        seconds += calls.get(key, 0) * RING_STEPS.get(collective, lambda n: 1)(n) * hw.collective_latency_s
-        out[group] = out.get(group, 0.0) + seconds
-    return out
-
-
-def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None):
-    """(step seconds, breakdown, offload decision or None) of a profile of `plan` on this hardware.
-    `base` is the same plan's report without offload, to price what offload moves."""
-    pc, m = plan, plan.num_microbatches
-    flop_rate = hw.peak_flops * hw.mfu
-    per_stage, parts = [], []
-    for st in report.stages:
-        comm = _comm_seconds(st["comm"], st["comm_calls"], pc, hw)
-        compute = (st["fwd_flops"] + st["bwd_flops"]) / flop_rate
-        # tp collectives sit between the matmuls; about half of the ring attention traffic can hide behind
-        # attention compute; stage boundaries send one activation each way
-        cp_exposed = (1 - 0.5 * hw.comm_overlap) * comm.get("cp", 0)
-        critical = (comm.get("tp", 0) + cp_exposed + comm.get("pp", 0) + comm.get("ep", 0)) / m
-        compute += hw.layer_overhead_s * max(1, len(st["layers"]))
-        per_stage.append(compute + critical)
-        parts.append((compute, comm))
-    slowest = max(range(len(per_stage)), key=per_stage.__getitem__)
-    t_mb = per_stage[slowest]
-    compute, comm = parts[slowest]
-    pipeline = (m + pc.pp - 1) * t_mb
-    st = report.stages[slowest]
-    # data parallel: gradient reduction overlaps the last backward; ZeRO-3 gathers prefetch behind compute
-    dp = comm.get("dp_cp", 0.0)
-    hideable = 0.8 * compute * m if plan.zero >= 3 else 0.66 * compute
-    exposed_dp = max(0.0, dp - hw.comm_overlap * hideable)
-    decision, offload, optimizer_step = None, 0.0, 0.0
-    if plan.offload != "none" and base is not None:
-        b = base.stages[slowest]
-        need = MemoryNeed(weights=b["weights"], grads=b["grads"], master=b["master"], optimizer=b["optimizer"],
-                          activations=b["activations"], transient=b["transient"], fsdp_buffers=b["fsdp_buffers"],
-                          params=_optimizer_params(b, plan, workload),
-                          compute_seconds=compute * m, num_microbatches=m)
-        decision = decide_offload(need, hw, allowed=("none", plan.offload))
-        offload = decision.exposed_seconds
-    else:  # the optimizer reads and writes weights, gradients, master weights and states once
-        optimizer_step = (st["weights"] + st["grads"] + 2 * (st["master"] + st["optimizer"])) / hw.hbm_bw
-    step = pipeline + exposed_dp + offload + optimizer_step
-    breakdown = {"compute": compute * m, "bubble": (pc.pp - 1) * t_mb,
-                 "tp": comm.get("tp", 0.0), "cp": comm.get("cp", 0.0), "pp": comm.get("pp", 0.0),
-                 "dp": exposed_dp, "offload": offload, "optimizer": optimizer_step}
-    return step, breakdown, decision
-
-
-def _optimizer_params(stage: dict, plan: Plan, workload: Workload) -> int:
-    """Parameters this rank's optimizer updates: its ZeRO shard (experts shard over dp*cp/ep ranks only)."""
-    per_param = OPTIMIZER_BYTES[workload.optimizer]
-    if per_param:
-        return int(stage["optimizer"] / per_param)
-    return stage["params"] // max(1, plan.dp * plan.cp if plan.zero >= 1 else 1)
 
 
 def _fits(report, hw: Hardware) -> bool:
@@ -202,16 +116,26 @@ class SearchSpace:
     allow_offload: bool = True
     partial_checkpointing: bool = True   # recompute the fewest layers per stage that fit (False: all of them)
     degrees: dict | None = None          # mesh degrees held fixed, e.g. {"tp": 1, "ep": 8}; the others are searched
+    virtual_stages: tuple[int, ...] = (1,)  # model chunks per pipeline rank tried with interleaved schedules
+    reshard_after_forward: tuple[bool, ...] = (True,)  # ZeRO-3: free gathered weights after each forward, or keep
 
     def allows(self, **degrees) -> bool:
         return all((self.degrees or {}).get(k, v) == v for k, v in degrees.items())
+
+    def pipelines(self, pp: int, layers: int) -> list[tuple[str, int]]:
+        """(schedule, virtual stages) to try at this pipeline depth."""
+        if pp == 1:
+            return [("1f1b", 1)]
+        return [(schedule, v) for schedule in self.schedules
+                for v in ((v for v in self.virtual_stages if v > 1 and pp * v <= layers)
+                          if schedule in MULTI_STAGE_SCHEDULES else (1,))]
 
 
 def _traces(model, workload: Workload, tp, cp, ep, batch_sizes, cache) -> dict | str:
     """{micro-batch size: ModelTrace} at this tp/ep (sequence parallel under tp) and cp's local sequence (traced
     once per size: the worst op's temporaries are not linear in the batch), or why the degrees do not apply.
-    Cached per (tp, cp, ep)."""
-    key = (tp, cp, ep)
+    Cached per (tp, cp, ep), the sizes and the workload's sequence, dtype and target."""
+    key = (tp, cp, ep, tuple(batch_sizes), workload.seq_len, workload.dtype, workload.target)
     if key not in cache:
         try:
             mesh = ParallelConfig(tp=tp, dp=ep, ep=ep, sequence_parallel=tp > 1)
@@ -222,28 +146,19 @@ def _traces(model, workload: Workload, tp, cp, ep, batch_sizes, cache) -> dict |
     return cache[key]
 
 
-def plan(model, hardware: Hardware, workload: Workload, search: SearchSpace = SearchSpace(), *,
-         global_batch: int | None = None, top: int | None = None) -> PlanResult:
-    """The plans that train `model` (a registered name or a config) on all of `hardware`'s GPUs, `global_batch`
-    sequences of `workload` per step (None: about a million tokens, at least one sequence per GPU), searched over
-    layouts x `search` (micro-batching, schedules, ZeRO, checkpointing, offload): those that fit, fastest first
-    (the `top` first). With `workload.lora`, only the adapters and the modules to save train."""
-    start = time.perf_counter()
-    config = get_config(model) if isinstance(model, str) else model
-    if workload.seq_len is None:
-        workload = replace(workload, seq_len=default_seq_len(config))
-    seq_len, gpus, hw = workload.seq_len, hardware.gpus, hardware
-    if global_batch is None:
-        global_batch = max(gpus, 2 ** 20 // seq_len)
-    heads = getattr(config, "num_attention_heads", 1)
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    use_cp = search.context_parallel if search.context_parallel is not None else \
-        seq_len >= 8192 or (search.degrees or {}).get("cp", 1) > 1
-    cache, plans, rejected, searched = {}, [], {}, 0
+def num_experts(config) -> int | None:
+    """The routed experts of a mixture-of-experts model, as its family declares them (None: a dense model)."""
+    from colozoo.models import model_class
 
-    def reject(reason):
-        rejected[reason] = rejected.get(reason, 0) + 1
+    try:
+        key = getattr(model_class(config.model_type), "num_experts_key", None)
+    except ValueError:  # not a colozoo family: the profiler traces it whole, without expert parallelism
+        return None
+    return getattr(config, key, None) if key else None
 
+
+def _meshes(gpus: int, hw: Hardware, heads: int, experts, seq_len: int, use_cp: bool, search: SearchSpace, reject):
+    """(tp, cp, ep) of every mesh worth tracing."""
     for tp in divisors(gpus):
         if tp > hw.gpus_per_node or not search.allows(tp=tp):
             continue
@@ -253,33 +168,68 @@ def plan(model, hardware: Hardware, workload: Workload, search: SearchSpace = Se
         for cp in (divisors(gpus // tp) if use_cp else [1]):
             if seq_len % (2 * cp if cp > 1 else 1) or not search.allows(cp=cp):
                 continue
-            pp_dp = gpus // (tp * cp)
-            for ep in (divisors(pp_dp) if experts else [1]):
-                if (experts and experts % ep) or not search.allows(ep=ep):
-                    continue
-                traces = _traces(model, workload, tp, cp, ep, search.micro_batch_sizes, cache)
-                if isinstance(traces, str):
-                    reject(traces)
-                    continue
-                mt = next(iter(traces.values()))
-                for pp in divisors(pp_dp):
-                    dp = pp_dp // pp
-                    if pp > len(mt.layers) or (experts and (dp * cp) % ep) or not search.allows(pp=pp, dp=dp):
-                        continue
-                    for mbs in search.micro_batch_sizes:
-                        if global_batch % (dp * mbs):
-                            continue
-                        m = global_batch // (dp * mbs)
-                        for schedule in (search.schedules if pp > 1 else ("1f1b",)):
-                            for zero in (search.zero_levels if dp * cp > 1 else (0,)):
-                                searched += 1
-                                layout = Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1,
-                                              micro_batch_size=mbs, num_microbatches=m, schedule=schedule, zero=zero)
-                                best = _best_recompute(traces[mbs], layout, workload, hw, search, global_batch)
-                                if isinstance(best, str):
-                                    reject(best)
-                                else:
-                                    plans.append(best)
+            for ep in (divisors(gpus // (tp * cp)) if experts else [1]):
+                if not (experts and experts % ep) and search.allows(ep=ep):
+                    yield tp, cp, ep
+
+
+def _layouts(tp, cp, ep, gpus, layers, experts, global_batch, search: SearchSpace):
+    """Every Plan (before checkpointing and offload) at this tp x cp x ep."""
+    pp_dp = gpus // (tp * cp)
+    for pp in divisors(pp_dp):
+        dp = pp_dp // pp
+        if pp > layers or (experts and (dp * cp) % ep) or not search.allows(pp=pp, dp=dp):
+            continue
+        for mbs in search.micro_batch_sizes:
+            if global_batch % (dp * mbs):
+                continue
+            for schedule, v in search.pipelines(pp, layers):
+                for zero in (search.zero_levels if dp * cp > 1 else (0,)):
+                    for reshard in (search.reshard_after_forward if zero >= 3 else (True,)):
+                        yield Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=tp > 1, micro_batch_size=mbs,
+                                   num_microbatches=global_batch // (dp * mbs), schedule=schedule, zero=zero,
+                                   virtual_stages=v, reshard_after_forward=reshard)
+
+
+def plan(model, hardware: Hardware, workload: Workload, search: SearchSpace = SearchSpace(), *,
+         global_batch: int | None = None, top: int | None = None, software: Software = COLOZOO,
+         traces: dict | None = None) -> PlanResult:
+    """The plans that train `model` (a registered name or a config) on all of `hardware`'s GPUs, `global_batch`
+    sequences of `workload` per step (None: about a million tokens, at least one sequence per GPU), searched over
+    layouts x `search` (micro-batching, schedules, ZeRO, checkpointing, offload): those that fit, fastest first
+    (the `top` first), their step times as `software` runs them. With `workload.lora`, only the adapters and the
+    modules to save train. `traces`: a dict the caller keeps to reuse this model's traces across calls."""
+    start = time.perf_counter()
+    config = get_config(model) if isinstance(model, str) else model
+    if workload.seq_len is None:
+        workload = replace(workload, seq_len=default_seq_len(config))
+    seq_len, gpus, hw = workload.seq_len, hardware.gpus, hardware
+    if global_batch is None:
+        global_batch = max(gpus, 2 ** 20 // seq_len)
+    heads = getattr(config, "num_attention_heads", 1)
+    experts = num_experts(config)
+    use_cp = search.context_parallel if search.context_parallel is not None else \
+        seq_len >= 8192 or (search.degrees or {}).get("cp", 1) > 1
+    cache = {} if traces is None else traces
+    plans, rejected, searched = [], {}, 0
+
+    def reject(reason):
+        rejected[reason] = rejected.get(reason, 0) + 1
+
+    for tp, cp, ep in _meshes(gpus, hw, heads, experts, seq_len, use_cp, search, reject):
+        found = _traces(model, workload, tp, cp, ep, search.micro_batch_sizes, cache)
+        if isinstance(found, str):
+            reject(found)
+            continue
+        layers = len(next(iter(found.values())).layers)
+        for layout in _layouts(tp, cp, ep, gpus, layers, experts, global_batch, search):
+            searched += 1
+            best = _best_recompute(found[layout.micro_batch_size], layout, workload, hw, search, global_batch,
+                                   software)
+            if isinstance(best, str):
+                reject(best)
+            else:
+                plans.append(best)
     plans.sort(key=lambda p: (p.step_seconds, p.memory))
     return PlanResult(model if isinstance(model, str) else type(model).__name__, hw.to_dict(), seq_len, global_batch,
                       plans[:top] if top else plans, rejected, searched, time.perf_counter() - start)
@@ -302,7 +252,8 @@ def _fields_of(cls, settings: dict) -> dict:
     return {f.name: settings[f.name] for f in fields(cls) if f.name in settings}
 
 
-def _best_recompute(mt, layout: Plan, workload: Workload, hw: Hardware, search: SearchSpace, global_batch: int):
+def _best_recompute(mt, layout: Plan, workload: Workload, hw: Hardware, search: SearchSpace, global_batch: int,
+                    software: Software = COLOZOO):
     """The fastest checkpointing choice that fits this layout, with CPU offload only when nothing else does."""
     def evaluate(checkpointing, k=None, offload="none"):
         candidate = replace(layout, checkpointing=checkpointing, checkpoint_layers=k, offload=offload)
@@ -313,7 +264,7 @@ def _best_recompute(mt, layout: Plan, workload: Workload, hw: Hardware, search: 
         report, candidate = evaluate(checkpointing)
         if _fits(report, hw):
             candidates.append((report, candidate))
-    max_layers = max(len(s["layers"]) for s in assemble(mt, replace(layout, schedule="1f1b", zero=0),
+    max_layers = max(len(s["layers"]) for s in assemble(mt, replace(layout, zero=0),
                                                         workload).stages)
     # fewest recomputed layers per stage that fit: memory falls monotonically with k
     lo, hi = (1, max_layers) if search.partial_checkpointing else (max_layers, max_layers)
@@ -341,7 +292,7 @@ def _best_recompute(mt, layout: Plan, workload: Workload, hw: Hardware, search: 
                 + (" and offload" if search.allow_offload else "") + held)
     best = None
     for report, candidate, *base in candidates:
-        step, breakdown, decision = estimate(report, candidate, workload, hw, base[0] if base else None)
+        step, breakdown, decision = estimate(report, candidate, workload, hw, base[0] if base else None, software)
         if best is None or step < best[1]:
             best = (report, step, breakdown, candidate, decision)
     report, step, breakdown, chosen, decision = best

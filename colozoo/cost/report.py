@@ -28,6 +28,7 @@ class UnitCost:
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per micro-batch (fwd + bwd)
     comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per micro-batch (fwd + bwd)
     ops: dict = field(default_factory=dict)   # op -> {"calls", "fwd_flops", "bwd_flops", "saved_bytes"}
+    kernels: dict = field(default_factory=dict)  # colozoo.cost.trace.kernel_key -> [count, flops, bytes]
 
 
 @dataclass

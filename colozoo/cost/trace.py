@@ -124,6 +124,7 @@ class Trace:
     module_inputs: dict = field(default_factory=dict)  # module name -> bytes of its first tensor input
     grad_keys: set = field(default_factory=set)
     static_ids: set = field(default_factory=set)      # parameters and buffers (and their views)
+    kernels: dict = field(default_factory=dict)       # step -> Kernel of the ops that launch one (not views)
 
     def temporaries(self) -> list[int]:
         """Bytes of op outputs alive at each op that are neither saved for backward nor final gradients."""
@@ -143,6 +144,58 @@ class Trace:
 
 TARGETS = ("cuda", "cpu", "eager")
 
+GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What one op costs a GPU besides its FLOPs: the bytes it reads and writes, and for a matrix product its
+    (batch, m, n, k) shape; `kind` is "gemm", "attention" (a fused attention kernel) or "memory" (elementwise,
+    reductions, copies: bound by memory bandwidth)."""
+    kind: str
+    nbytes: int
+    shape: tuple = ()
+    causal: bool = False
+
+
+def is_core_op(op: str) -> bool:
+    """The attention core's ops (fused kernels, or the math path's batched matmuls): what makes (s, s)."""
+    return "attention" in op or op in ("bmm", "softmax", "safe_softmax")
+
+
+def kernel_key(phase: str, op: str, kernel: Kernel) -> str:
+    """How a unit groups its kernels: phase, kind, whether the attention core ran it, shape, causal mask."""
+    shape = "x".join(map(str, kernel.shape))
+    return "|".join((phase, kernel.kind, "core" if is_core_op(op) else "", shape, "causal" if kernel.causal else ""))
+
+
+def _tensor_bytes(tree) -> tuple[int, set]:
+    total, keys = 0, set()
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+            keys.add(storage_key(t))
+    return total, keys
+
+
+def kernel_of(func, args, kwargs, out, flops: int) -> Kernel | None:
+    """The kernel an aten op launches, or None for views (outputs aliasing an input, nothing written)."""
+    read, inputs = _tensor_bytes((args, kwargs))
+    written, outputs = _tensor_bytes(out)
+    if func.is_view or (not func._schema.is_mutable and outputs and outputs <= inputs):
+        return None
+    name = func._overloadpacket.__name__
+    if name in GEMMS and isinstance(out, torch.Tensor) and out.dim() >= 2 and flops:
+        m, n = out.shape[-2], out.shape[-1]
+        batch = out.numel() // (m * n)
+        return Kernel("gemm", read + written, (batch, m, n, max(1, flops // (2 * batch * m * n))))
+    if "attention" in name and flops:
+        names = [a.name for a in func._schema.arguments]
+        i = names.index("is_causal") if "is_causal" in names else None
+        causal = bool(kwargs.get("is_causal", args[i] if i is not None and i < len(args) else False))
+        return Kernel("attention", read + written, causal=causal)
+    return Kernel("memory", read + written)
+
 
 class _SdpaKernel(TorchFunctionMode):
     """Route meta attention (and, for CUDA, dropout) to the kernels the target device runs.
@@ -151,7 +204,9 @@ class _SdpaKernel(TorchFunctionMode):
     (and CPUs without dropout) run a flash kernel that saves only q, k, v, the output and the row
     log-sum-exp; the CPU flash op has the same saved set and meta support, so it stands in for both.
     "eager" models a GPU running attention unfused in the activation dtype (Megatron's kernels, as in
-    Korthikanti et al. 2022): q @ k^T, softmax, a 1-byte-mask dropout and probs @ v.
+    Korthikanti et al. 2022): q @ k^T, softmax, a 1-byte-mask dropout and probs @ v. Megatron scales inside the
+    first product and fuses the causal mask into its softmax kernel (Narayanan et al. 2021, §4.2), so neither
+    passes over the (s, s) scores once more.
     """
 
     def __init__(self, target: str):
@@ -182,11 +237,8 @@ class _SdpaKernel(TorchFunctionMode):
         if enable_gqa and k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-        s_q, s_k = scores.shape[-2:]
-        if is_causal:  # additive biases: an add saves nothing for backward
-            scores = scores + torch.full((s_q, s_k), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-        if attn_mask is not None:
+        scores = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-2, -1)
+        if attn_mask is not None:  # additive biases (the causal mask is the softmax kernel's): saves nothing
             if attn_mask.dtype == torch.bool:  # as an additive mask: the same sizes, nothing saved
                 attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
             scores = scores + attn_mask
@@ -259,6 +311,8 @@ class _Recorder(TorchDispatchMode):
             self._params_used(args, module)
         if func.namespace == "c10d":
             self._collective(func, args, step, module)
+        elif (kernel := kernel_of(func, args, kwargs, out, flops)) is not None:
+            self.trace.kernels[step] = kernel
         self._sweep(step)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):

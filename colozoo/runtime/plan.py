@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from colozoo.runtime.options import CHECKPOINTING, OFFLOAD, SCHEDULES, ZERO_LEVELS
+from colozoo.runtime.options import CHECKPOINTING, MULTI_STAGE_SCHEDULES, OFFLOAD, SCHEDULES, ZERO_LEVELS
 
 DEGREES = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel")
 
@@ -25,9 +25,12 @@ class Plan:
     checkpointing: str = "none"
     checkpoint_layers: int | None = None  # with "full": only the first k layers of each stage recompute
     offload: str = "none"
+    virtual_stages: int = 1              # model chunks per pipeline rank (interleaved schedules: > 1)
+    layers_per_stage: tuple | None = None  # layers of each (virtual) stage in order; None: balanced by parameters
+    reshard_after_forward: bool = True   # ZeRO-3: free gathered weights after each layer's forward (FSDP2's option)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"plan {name} must be an integer >= 1, got {value!r}")
@@ -35,6 +38,15 @@ class Plan:
                               ("zero", ZERO_LEVELS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"plan {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.virtual_stages > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
+            raise ValueError(f"plan schedule {self.schedule!r} runs one stage per rank, but virtual_stages="
+                             f"{self.virtual_stages}; use one of {MULTI_STAGE_SCHEDULES}")
+        if self.layers_per_stage is not None:
+            counts = tuple(self.layers_per_stage)
+            if len(counts) != self.pp * self.virtual_stages or min(counts) < 1:
+                raise ValueError(f"plan layers_per_stage {counts} must give pp * virtual_stages = "
+                                 f"{self.pp * self.virtual_stages} counts >= 1")
+            self.layers_per_stage = counts
 
     @property
     def world_size(self) -> int:

@@ -58,11 +58,26 @@ def apply_plan(model, plan: Plan | None = None, mixed_precision: str | None = No
     if wrong:
         raise TrainingError(f"the plan's degrees differ from the model's mesh (plan, mesh): {wrong}; build the "
                             f"model on the plan's mesh (from_pretrained(..., plan='auto') does)")
+    _check_stages(model, plan)
     full = plan.checkpointing == "full"
     parallelize(model, data_parallel="fsdp" if plan.zero == 3 else "ddp", mixed_precision=mixed_precision,
                 activation_checkpointing=plan.checkpointing, checkpoint_layers=plan.checkpoint_layers if full else None,
-                offload=plan.offload)
+                offload=plan.offload, reshard_after_forward=plan.reshard_after_forward)
     return {"num_microbatches": plan.num_microbatches, "schedule": plan.schedule}
+
+
+def _check_stages(model, plan: Plan):
+    """The model's (virtual) stages are the plan's: their number per rank and, when the plan says, their layers."""
+    stages = model.run.stages
+    if len(stages) != plan.virtual_stages:
+        raise TrainingError(f"the plan has {plan.virtual_stages} virtual stage(s) per pipeline rank, the model "
+                            f"{len(stages)}; build it with layer_ids from colozoo.core.partition.rank_layers(..., "
+                            f"virtual_stages={plan.virtual_stages})")
+    if plan.layers_per_stage is not None:
+        built = {stage.index: len(stage.layers) for stage in stages}
+        wrong = {i: (plan.layers_per_stage[i], n) for i, n in built.items() if plan.layers_per_stage[i] != n}
+        if wrong:
+            raise TrainingError(f"stage layer counts differ from the plan's layers_per_stage (plan, model): {wrong}")
 
 
 def build_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,

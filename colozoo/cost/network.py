@@ -1,0 +1,54 @@
+"""How long a collective takes on the hardware's links: its bus bytes over the bandwidth of the slowest hop, plus
+a latency for every step of its algorithm.
+
+Bus bytes are what each rank puts on the wire per payload byte (ring algorithms: 2(n-1)/n for an all-reduce,
+(n-1)/n for an all-gather or a reduce-scatter). A group within one node rides NVLink; a group that leaves the node is
+limited by each GPU's own network adapter (rail-optimised fabrics give every GPU one): Hardware.bandwidth. Latency:
+a ring takes n-1 steps (all-reduce 2(n-1)); across nodes NCCL all-reduces over a tree when that is shorter, 2
+log2(nodes) steps between nodes plus the ring inside each node.
+"""
+from __future__ import annotations
+
+import math
+
+from colozoo.cost.hardware import Hardware
+
+BUS_FACTOR = {  # bytes each rank puts on the wire per payload byte, ring algorithms
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+    "broadcast": lambda n: 1.0,
+}
+
+RING_STEPS = {  # latency-bound steps of each collective, ring algorithms
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+    "send_recv": lambda n: 1,
+}
+
+
+def latency_steps(collective: str, n: int, per_node: int) -> int:
+    """Steps of one call over a group of n ranks, `per_node` of them in each node: the ring's, or for an all-reduce
+    across nodes NCCL's tree when shorter."""
+    steps = RING_STEPS.get(collective, lambda n: 1)(n)
+    if collective == "all_reduce" and n > per_node:
+        nodes = math.ceil(n / per_node)
+        steps = min(steps, 2 * math.ceil(math.log2(nodes)) + 2 * (per_node - 1))
+    return steps
+
+
+def collective_seconds(hw: Hardware, collective: str, nbytes: float, n: int, span: int, calls: float = 0) -> float:
+    """Seconds of `calls` calls of `collective` moving `nbytes` of payload in all, over a group of n ranks that lie
+    within `span` consecutive ranks (a group spanning more than a node leaves it)."""
+    if n <= 1 and collective != "send_recv":
+        return 0.0
+    n = max(n, 2)
+    inside = span <= hw.gpus_per_node
+    seconds = nbytes * BUS_FACTOR.get(collective, lambda n: 1.0)(n) / hw.bandwidth(collective, span)
+    per_node = min(n, max(1, hw.gpus_per_node * n // max(span, 1)))
+    latency = hw.collective_latency_s if inside else hw.inter_node_latency_s
+    return seconds + calls * latency_steps(collective, n, per_node) * latency

@@ -1,0 +1,163 @@
+"""Published training runs (colozoo/cost/published_runs.json): what each ran (model, hardware and network, GPUs,
+layout, schedule, micro-batching, recompute, software) and what it measured, read into the planner's types.
+
+A run's measured throughput is converted to a step time the way its source counts FLOPs:
+
+- "narayanan2021": F = 96 B s l h^2 (1 + s/6h + V/16lh), which counts the recomputed forward (Narayanan et al.
+  2021, eq. 3); a measured step is F / (GPUs x TFLOP/s per GPU);
+- "megatron_core": 12 B s l h^2 ((1 + g/a + s/h) q/h + f/h + V/2lh), Megatron-Core's model FLOPs (g: key/value
+  groups, a: heads, q: query projection width, f: MLP width, times 3/2 with SwiGLU);
+- "tokens_per_gpu": tokens per second per GPU; "step_seconds": the step time itself.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+
+from colozoo.cost.hardware import Hardware, get_hardware
+from colozoo.cost.setup import Workload
+from colozoo.cost.software import Software
+from colozoo.runtime.plan import Plan
+
+RUNS_FILE = Path(__file__).with_name("published_runs.json")
+
+
+class PublishedRunError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    id: str
+    source: str
+    model: dict                  # family and sizes (see config()), or {"registry": name}
+    hardware: Hardware           # the preset with the run's network, all its GPUs
+    plan: Plan
+    workload: Workload
+    software: Software
+    global_batch: int
+    measured: dict               # {"value": ..., "unit": "narayanan2021" | "megatron_core" | ...}
+    held_out: bool = False       # not looked at while choosing the cost model's terms
+    group: str = ""
+    notes: str = ""
+    known_miss: str = ""         # why the cost model misses this run by more than the tolerance (empty: it does not)
+
+    @property
+    def gpus(self) -> int:
+        return self.hardware.gpus
+
+    def config(self):
+        return model_config(self.model)
+
+    def flops(self) -> float:
+        """FLOPs of one step as the source counts them (None for throughputs in tokens or seconds)."""
+        return step_flops(self.model, self.global_batch, self.workload.seq_len, self.measured["unit"])
+
+    def measured_seconds(self) -> float:
+        unit, value = self.measured["unit"], self.measured["value"]
+        if unit == "step_seconds":
+            return value
+        if unit == "tokens_per_gpu":
+            return self.global_batch * self.workload.seq_len / self.gpus / value
+        return self.flops() / (self.gpus * value * 1e12)
+
+    def in_source_units(self, seconds: float) -> float:
+        """A step time in the unit the source measured in (TFLOP/s per GPU, tokens/s per GPU or seconds)."""
+        unit = self.measured["unit"]
+        if unit == "step_seconds":
+            return seconds
+        if unit == "tokens_per_gpu":
+            return self.global_batch * self.workload.seq_len / self.gpus / seconds
+        return self.flops() / (self.gpus * seconds) / 1e12
+
+
+def step_flops(model: dict, batch: int, seq: int, unit: str) -> float | None:
+    h, layers, vocab = model.get("hidden"), model.get("layers"), model.get("vocab")
+    if unit == "narayanan2021":
+        return 96 * batch * seq * layers * h ** 2 * (1 + seq / (6 * h) + vocab / (16 * layers * h))
+    if unit == "megatron_core":
+        heads = model["heads"]
+        groups, ffn = model.get("kv_heads", heads), model.get("ffn", 4 * h)
+        gated = 1.5 if model.get("family") == "llama" else 1.0
+        attention = (1 + groups / heads + seq / h) * 1.0  # query width = hidden
+        return 12 * batch * seq * layers * h * h * (attention + ffn / h * gated + vocab / (2 * layers * h))
+    return None
+
+
+def model_config(model: dict):
+    """A transformers config of a published model: GPT ("gpt2": learned positions, LayerNorm, GeLU, tied
+    embeddings, as Megatron's GPT) or LLaMA from its sizes, or a registry name."""
+    import transformers
+
+    if "registry" in model:
+        from colozoo.cost.setup import get_config
+
+        return get_config(model["registry"])
+    h, ffn, dropout = model["hidden"], model.get("ffn", 4 * model["hidden"]), model.get("dropout", 0.0)
+    if model["family"] == "gpt2":
+        return transformers.GPT2Config(n_embd=h, n_layer=model["layers"], n_head=model["heads"], n_inner=ffn,
+                                       vocab_size=model["vocab"], n_positions=model["seq"], resid_pdrop=dropout,
+                                       embd_pdrop=dropout, attn_pdrop=dropout, activation_function="gelu_pytorch_tanh",
+                                       tie_word_embeddings=model.get("tied", True))
+    if model["family"] == "llama":
+        return transformers.LlamaConfig(hidden_size=h, intermediate_size=ffn, num_hidden_layers=model["layers"],
+                                        num_attention_heads=model["heads"],
+                                        num_key_value_heads=model.get("kv_heads", model["heads"]),
+                                        vocab_size=model["vocab"], max_position_embeddings=model["seq"],
+                                        tie_word_embeddings=model.get("tied", False))
+    raise PublishedRunError(f"published model family {model['family']!r} is not one of gpt2, llama")
+
+
+def _plan(layout: dict, layers: int, row: str) -> Plan:
+    tp, pp, dp = layout.get("tp", 1), layout.get("pp", 1), layout.get("dp", 1)
+    cp, v = layout.get("cp", 1), layout.get("virtual_stages", 1)
+    counts = layout.get("layers_per_stage")
+    if counts is None and layout.get("balance", "layers") == "layers" and pp > 1:
+        if layers % (pp * v):
+            raise PublishedRunError(f"{row}: {layers} layers do not split evenly over pp * v = {pp * v} stages")
+        counts = [layers // (pp * v)] * (pp * v)
+    m = layout["global_batch"] // (dp * layout["micro_batch"])
+    try:
+        return Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=layout.get("ep", 1),
+                    sequence_parallel=layout.get("sequence_parallel", False), micro_batch_size=layout["micro_batch"],
+                    num_microbatches=m, schedule=layout.get("schedule", "interleaved_1f1b" if v > 1 else "1f1b"),
+                    zero=layout.get("zero", 0), checkpointing=layout.get("recompute", "none"), virtual_stages=v,
+                    layers_per_stage=tuple(counts) if counts else None,
+                    reshard_after_forward=layout.get("reshard_after_forward", True))
+    except ValueError as e:
+        raise PublishedRunError(f"{row}: {e}") from None
+
+
+def _run(row: dict, software: dict, networks: dict) -> PublishedRun:
+    rid = row["id"]
+    net = networks.get(row.get("network"), {})
+    gpus = row["gpus"]
+    hw = get_hardware(row["hardware"], gpus=gpus, **net.get("fields", {}))
+    if net:
+        hw = replace(hw, name=f"{hw.name} ({row['network']})",
+                     sources={**hw.sources, **{k: net["source"] for k in net.get("fields", {})}})
+    layout = row["layout"]
+    plan = _plan(layout, row["model"].get("layers", 0), rid)
+    if plan.world_size != gpus:
+        raise PublishedRunError(f"{rid}: tp*pp*dp*cp = {plan.world_size} != gpus = {gpus}")
+    sw = row.get("software", {})
+    base = software.get(sw.get("base", "colozoo"), {})
+    runs_software = Software(**{**base, **{k: v for k, v in sw.items() if k != "base"}})
+    workload = Workload(seq_len=row["model"]["seq"], dtype=row.get("dtype", "bfloat16"),
+                        target=row.get("attention", "cuda"))
+    return PublishedRun(rid, row["source"], row["model"], hw, plan, workload, runs_software, layout["global_batch"],
+                        row["measured"], row.get("held_out", False), row.get("group", ""), row.get("notes", ""),
+                        row.get("known_miss", ""))
+
+
+@cache
+def published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
+    """Every run of the table (the package's, or the JSON file at `path`)."""
+    data = json.loads(Path(path or RUNS_FILE).read_text())
+    software = {name: {k: v for k, v in spec.items() if k != "source"} for name, spec in data["software"].items()}
+    ids = [row["id"] for row in data["runs"]]
+    if len(set(ids)) != len(ids):
+        raise PublishedRunError(f"published run ids repeat: {sorted(i for i in ids if ids.count(i) > 1)}")
+    return tuple(_run(row, software, data.get("networks", {})) for row in data["runs"])

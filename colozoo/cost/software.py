@@ -1,0 +1,35 @@
+"""How the training software runs a plan, where frameworks differ and the step time depends on it. The defaults
+describe colozoo's runtime (FSDP2, DDP, torch.distributed.pipelining); a published run names its framework's."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Software:
+    name: str = "colozoo"
+    # ZeRO-3 frees a recomputed layer's gathered weights after the recomputation and gathers them again for its
+    # backward (DeepSpeed's ZeRO-3 under Megatron's activation checkpointing); FSDP2 keeps them for the backward
+    regather_for_recompute: bool = False
+    # ZeRO-3 reduce-scatters every micro-batch's gradients (DeepSpeed, FSDP1) instead of only the last's (colozoo)
+    reduce_every_microbatch: bool = False
+    # data-parallel gradient reduction overlaps the backward (DDP buckets); Megatron's "local" DDP of 2021 reduced
+    # after the backward
+    grad_reduce_overlap: bool = True
+    # ZeRO-1/2's all-gather of the updated weights overlaps the next forward (Megatron-Core's --overlap-param-gather)
+    param_gather_overlap: bool = False
+    # bytes a gradient element takes on the wire in data-parallel reductions (None: the parameters' dtype)
+    grad_reduce_bytes: int | None = None
+    # bytes a weight element takes in ZeRO-3 gathers (None: the parameters' dtype; FSDP1 with fp32 parameters: 4)
+    gather_bytes: int | None = None
+    # pipeline stages exchange 1/tp of a boundary activation over the network and all-gather it over NVLink
+    # (Megatron's scatter/gather); with sequence parallelism the activation is already split
+    pipeline_scatter_gather: bool = False
+    # share of tensor-parallel collectives hidden behind the GEMMs (Megatron-Core's --tp-comm-overlap)
+    tp_comm_overlap: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+COLOZOO = Software()

@@ -1,0 +1,244 @@
+"""The step time of a plan on hardware, from its profile (colozoo.cost.cost_model.assemble):
+
+- each pipeline rank's micro-batch: its kernels (forward, backward, recomputation; colozoo.cost.compute_time), the
+  tensor- and expert-parallel collectives between them, ring attention's key/value passes beyond what the attention
+  core hides, the sends to its pipeline neighbours, and the ZeRO-3 gathers that prefetching (one layer ahead) does
+  not hide: a layer's forward takes the longer of its kernels and its gather, its backward the longer of its kernels
+  and its gathers (again after resharding, once more where the software frees a recomputed layer) plus its
+  gradients' reduce-scatter; with a small per-GPU batch the network, not the GPU, sets the pace;
+- the pipeline: m micro-batches at the pace of the slowest rank, plus the others' fill and drain, divided by the
+  virtual stages of an interleaved schedule (each rank's chunk is 1/v of its layers): m t_max + (sum t - t_max) / v.
+  Uneven first and last ranks (embedding, head and loss) are priced by their own kernels;
+- the data-parallel gradient reduction that the last backward does not hide, the optimizer step, CPU offload.
+
+Collectives are priced per group on their links (colozoo.cost.network); the software's habits (colozoo.cost.software)
+say which overlap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colozoo.cost.compute_time import unit_seconds
+from colozoo.cost.cost_model import _recompute_plan
+from colozoo.cost.hardware import Hardware
+from colozoo.cost.network import collective_seconds
+from colozoo.cost.offload import MemoryNeed, decide_offload
+from colozoo.cost.priced import OPTIMIZER_BYTES
+from colozoo.cost.setup import Workload
+from colozoo.cost.software import COLOZOO, Software
+from colozoo.runtime.plan import Plan
+
+
+def overlapped(compute: float, comm: float, overlap: float, contention: float = 0.0) -> float:
+    """Seconds of work whose traffic can run behind it: the longer of the two when the links have engines of their
+    own (overlap 1), their sum when they share the cores (overlap 0). While both run, the collective's kernels
+    hold a `contention` share of the GPU, which the compute loses."""
+    hidden = overlap * min(compute, comm)
+    return compute + comm - hidden + contention * hidden
+
+
+def chain_exposure(ops: list[tuple[float, float]], overlap: float, contention: float = 0.0) -> float:
+    """Seconds the traffic of a cyclic chain of (compute, comm) steps adds, when each step's traffic is prefetched
+    during the step before it (one step ahead, on a stream of its own): what of it the previous compute does not
+    hide, and what the compute loses to it while both run."""
+    return sum(overlapped(ops[j - 1][0], comm, overlap, contention) - ops[j - 1][0]
+               for j, (_, comm) in enumerate(ops))
+
+
+def pipeline_seconds(stage_seconds: list[float], m: int, v: int = 1) -> float:
+    """m micro-batches through ranks taking stage_seconds each (forward + backward of one micro-batch): the slowest
+    sets the pace, the rest fill and drain the pipeline, v times less with v virtual stages per rank."""
+    slowest = max(stage_seconds)
+    return m * slowest + (sum(stage_seconds) - slowest) / v
+
+
+@dataclass
+class StageTime:
+    """One pipeline rank's share of one micro-batch, in seconds."""
+    compute: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    pp: float = 0.0
+    zero: float = 0.0            # ZeRO-3 gathers and reduce-scatters not hidden (per micro-batch)
+    zero_last: float = 0.0       # the last micro-batch's reduce-scatter (when reduced once a step) not hidden
+    backward: float = 0.0        # what a gradient reduction can hide behind
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep + self.pp + self.zero
+
+
+def _spans(plan: Plan) -> dict:
+    return {"tp": plan.tp, "cp": plan.tp * plan.cp, "dp_cp": plan.tp * plan.cp * plan.dp,
+            "ep": plan.tp * plan.cp * plan.dp, "pp": plan.tp * plan.cp * plan.dp + 1}
+
+
+def _group_seconds(comm: dict, calls: dict, group: str, plan: Plan, hw: Hardware, scale: float = 1.0) -> float:
+    sizes = {"tp": plan.tp, "cp": plan.cp, "dp_cp": plan.dp * plan.cp, "ep": plan.ep}
+    out = 0.0
+    for key, nbytes in comm.items():
+        g, _, collective = key.partition(".")
+        if g == group:
+            out += collective_seconds(hw, collective, scale * nbytes, sizes[group], _spans(plan)[group],
+                                      scale * calls.get(key, 0))
+    return out
+
+
+def _itemsize(report) -> int:
+    return 2 if report.workload["dtype"] in ("bfloat16", "float16") else 4
+
+
+def _parts(report, st: dict, index: int) -> list[tuple[dict, bool]]:
+    """(unit, is a layer) of every layer of a rank, with the embedding first on the first rank and the head last on
+    the last."""
+    units = {u["name"]: u for u in report.units}
+    layer_unit = {str(k): u for u in report.units for k in u["layers"]}
+    parts = [(layer_unit[str(k)], True) for k in st["layers"]]
+    if index == 0 and (units.get("embed") or units.get("model")):
+        parts.insert(0, (units.get("embed") or units.get("model"), False))
+    if index == len(report.stages) - 1 and "head" in units:
+        parts.append((units["head"], False))
+    return parts
+
+
+def _zero3(u: dict, policy: str, plan: Plan, hw: Hardware, software: Software, itemsize: int):
+    """(gather, reduce-scatter, gathers in backward) of one ZeRO-3 unit, seconds per micro-batch."""
+    shard = plan.dp * plan.cp
+    span = _spans(plan)["dp_cp"]
+    weights = (software.gather_bytes or itemsize) / itemsize
+    grads = (software.grad_reduce_bytes or itemsize) / itemsize
+    expert = u["expert_param_bytes"]
+    edp = max(1, shard // plan.ep)
+    gather = (collective_seconds(hw, "all_gather", weights * (u["param_bytes"] - expert), shard, span, 1)
+              + collective_seconds(hw, "all_gather", weights * expert, edp, span, 1 if expert else 0))
+    trained = u["param_bytes"] - u["frozen_param_bytes"]
+    reduce = collective_seconds(hw, "reduce_scatter", grads * trained, shard, span, 1)
+    again = int(plan.reshard_after_forward) + int(policy == "full" and software.regather_for_recompute)
+    return gather, reduce, again
+
+
+def _zero3_chain(units: list, reduce: bool, overlap: float, contention: float) -> float:
+    """Exposed ZeRO-3 traffic of one micro-batch: units' forwards in order, each prefetching its gather, then their
+    backwards in reverse, each gathering again as needed and reduce-scattering the gradients of the unit before."""
+    fwd = [(f, gather) for f, _, gather, _, _ in units]
+    back = list(reversed(units))
+    bwd = [(b, again * gather + (reduce and i > 0) * back[i - 1][3]) for i, (_, b, gather, _, again) in
+           enumerate(back)]
+    if reduce:  # the last reduce-scatter runs behind the next micro-batch's first forward
+        fwd[0] = (fwd[0][0], fwd[0][1] + back[-1][3])
+    return chain_exposure(fwd + bwd, overlap, contention)
+
+
+def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, software: Software,
+                itemsize: int) -> tuple:
+    """(forward, backward with recomputation, tp, ep, exposed ring attention, ZeRO-3 terms or None) of one unit,
+    seconds per micro-batch."""
+    kernels, cp, o = u["kernels"], plan.cp, hw.comm_overlap
+    fwd = unit_seconds(kernels, hw, "fwd", core_scale=cp) + hw.layer_overhead_s * is_layer
+    bwd = unit_seconds(kernels, hw, "bwd", core_scale=cp)
+    bwd += fwd if policy == "full" else (
+        unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp) if policy == "selective" else 0.0)
+    repeat = 1.5 if policy == "full" else 1.0  # a recomputed layer repeats its forward collectives
+    tp = (1 - software.tp_comm_overlap) * _group_seconds(u["comm"], u["comm_calls"], "tp", plan, hw, repeat)
+    ep = _group_seconds(u["comm"], u["comm_calls"], "ep", plan, hw, repeat)
+    ring = 0.0
+    if cp > 1 and is_layer:  # ring attention: K and V of every other cp rank pass by, forward and twice back
+        comm = collective_seconds(hw, "send_recv", 6 * u["input_bytes"] * (cp - 1), cp, _spans(plan)["cp"],
+                                  3 * (cp - 1))
+        core = (unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp)
+                + unit_seconds(kernels, hw, "bwd", core_only=True, core_scale=cp))
+        ring = overlapped(core, comm, o, hw.comm_contention) - core
+    zero = _zero3(u, policy, plan, hw, software, itemsize) if plan.zero >= 3 and plan.dp * plan.cp > 1 else None
+    return fwd, bwd, tp, ep, ring, zero
+
+
+def stage_time(report, index: int, plan: Plan, hw: Hardware, software: Software = COLOZOO,
+               cache: dict | None = None) -> StageTime:
+    """One micro-batch on pipeline rank `index`; `cache` keeps each unit's terms across ranks of one estimate."""
+    st, out, cache = report.stages[index], StageTime(), {} if cache is None else cache
+    parts = _parts(report, st, index)
+    policies = iter(_recompute_plan(plan, sum(is_layer for _, is_layer in parts)))
+    zero = []  # (forward, backward, gather, reduce-scatter, gathers in backward) of each ZeRO-3 unit
+    for u, is_layer in parts:
+        policy = next(policies) if is_layer else "none"
+        key = (u["name"], policy, is_layer)
+        if key not in cache:
+            cache[key] = _unit_terms(u, policy, is_layer, plan, hw, software, _itemsize(report))
+        fwd, bwd, tp, ep, ring, zero3 = cache[key]
+        out.compute += fwd + bwd
+        out.backward += bwd
+        out.tp, out.ep, out.cp = out.tp + tp, out.ep + ep, out.cp + ring
+        if zero3 is not None:
+            zero.append((fwd, bwd, *zero3))
+    if zero:
+        o, c = hw.comm_overlap, hw.comm_contention
+        every = _zero3_chain(zero, software.reduce_every_microbatch, o, c)
+        out.zero = every
+        if not software.reduce_every_microbatch:  # reduced once a step, in the last micro-batch's backward
+            out.zero_last = _zero3_chain(zero, True, o, c) - every
+    if plan.pp > 1:
+        sends = 2 * plan.virtual_stages - (index == 0) - (index == len(report.stages) - 1)
+        boundary = max((u["input_bytes"] for u, is_layer in parts if is_layer), default=0)
+        if software.pipeline_scatter_gather and not plan.sequence_parallel:
+            boundary /= plan.tp
+        out.pp = collective_seconds(hw, "send_recv", sends * boundary, 2, _spans(plan)["pp"], sends)
+    return out
+
+
+def _data_parallel(st: dict, plan: Plan, hw: Hardware, software: Software, backward: float, layers: int,
+                   itemsize: int) -> float:
+    """Exposed seconds of a step's gradient reduction without ZeRO-3: behind the last backward, all but the last
+    layer's share when it overlaps, all of it when the software reduces after the backward."""
+    if plan.zero >= 3 or plan.dp * plan.cp == 1:
+        return 0.0
+    scale = (software.grad_reduce_bytes or itemsize) / itemsize
+    gathers = {k: v for k, v in st["comm"].items() if k.endswith("all_gather")}
+    reduces = {k: v for k, v in st["comm"].items() if k not in gathers}
+    reduce = _group_seconds(reduces, st["comm_calls"], "dp_cp", plan, hw, scale)
+    gather = _group_seconds(gathers, st["comm_calls"], "dp_cp", plan, hw)  # ZeRO-1/2: updated weights, their dtype
+    if software.grad_reduce_overlap:
+        reduce = max(reduce / max(1, layers + 1), reduce - hw.comm_overlap * backward)
+    if software.param_gather_overlap:  # behind the next step's forward, as the backward hides the reduction
+        gather = max(gather / max(1, layers + 1), gather - hw.comm_overlap * backward / 2)
+    return reduce + gather
+
+
+def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, software: Software = COLOZOO):
+    """(step seconds, breakdown, offload decision or None) of a profile of `plan` on this hardware; `base` is the
+    same plan's report without offload, to price what offload moves."""
+    m = plan.num_microbatches
+    cache = {}
+    times = [stage_time(report, i, plan, hw, software, cache) for i in range(len(report.stages))]
+    slowest = max(range(len(times)), key=lambda i: times[i].total)
+    t = times[slowest]
+    pipeline = pipeline_seconds([x.total for x in times], m, plan.virtual_stages)
+    tails = [x.zero_last + _data_parallel(report.stages[i], plan, hw, software, x.backward,
+                                          len(report.stages[i]["layers"]), _itemsize(report))
+             for i, x in enumerate(times)]
+    dp = max(tails)
+    st = report.stages[slowest]
+    decision, offload, optimizer_step = None, 0.0, 0.0
+    if plan.offload != "none" and base is not None:
+        b = base.stages[slowest]
+        need = MemoryNeed(weights=b["weights"], grads=b["grads"], master=b["master"], optimizer=b["optimizer"],
+                          activations=b["activations"], transient=b["transient"], fsdp_buffers=b["fsdp_buffers"],
+                          params=_optimizer_params(b, plan, workload), compute_seconds=t.compute * m,
+                          num_microbatches=m)
+        decision = decide_offload(need, hw, allowed=("none", plan.offload))
+        offload = decision.exposed_seconds
+    else:  # the optimizer reads and writes weights, gradients, master weights and states once
+        optimizer_step = (st["weights"] + st["grads"] + 2 * (st["master"] + st["optimizer"])) / hw.memory_bandwidth
+    step = pipeline + dp + offload + optimizer_step
+    breakdown = {"compute": t.compute * m, "bubble": pipeline - t.total * m, "tp": t.tp * m, "cp": t.cp * m,
+                 "pp": t.pp * m, "ep": t.ep * m, "dp": t.zero * m + dp, "offload": offload,
+                 "optimizer": optimizer_step}
+    return step, breakdown, decision
+
+
+def _optimizer_params(stage: dict, plan: Plan, workload: Workload) -> int:
+    """Parameters this rank's optimizer updates: its ZeRO shard (experts shard over dp*cp/ep ranks only)."""
+    per_param = OPTIMIZER_BYTES[workload.optimizer]
+    if per_param:
+        return int(stage["optimizer"] / per_param)
+    return stage["params"] // max(1, plan.dp * plan.cp if plan.zero >= 1 else 1)

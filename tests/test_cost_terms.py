@@ -1,0 +1,199 @@
+"""Each term of the step-time model on a case counted by hand: GEMM tile and wave quantization and the roofline,
+causal attention, the kernels of a traced layer, collectives per link (ring or tree, NVLink or the network), overlap
+with the SMs collectives take, ZeRO-3 gathers per micro-batch, pipelines with virtual stages and uneven ranks,
+interleaved in-flight activations, FSDP's reshard_after_forward, and measured hardware fields from a file."""
+import json
+import warnings
+
+import pytest
+import transformers
+
+from colozoo.cost.compute_time import attention_seconds, gemm_seconds, unit_seconds, wave_efficiency
+from colozoo.cost.hardware import GB, Hardware, HardwareError, get_hardware
+from colozoo.cost.network import collective_seconds, latency_steps
+from colozoo.cost.step_time import _zero3_chain, chain_exposure, overlapped, pipeline_seconds
+from colozoo.runtime.plan import Plan
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+GPU = Hardware("test", 80 * GB, 300e12, vector_flops=20e12, sm_count=100, gemm_tile=(256, 128), matmul_efficiency=0.8,
+               attention_efficiency=0.5, hbm_bw=2000 * GB, hbm_efficiency=0.8, kernel_floor_s=0.0,
+               intra_node_bw=300 * GB, inter_node_bw=25 * GB, collective_latency_s=1e-5, inter_node_latency_s=2e-5)
+
+
+def test_gemm_tiles_fill_waves_of_sms():
+    # 2560 x 2560 outputs: 10 x 20 tiles of 256 x 128 = 200 tiles fill 2 waves of 100 SMs exactly
+    assert wave_efficiency(1, 2560, 2560, GPU) == 1.0
+    # one row more: 11 x 20 = 220 tiles, 3 waves, 2561 * 2560 useful of 3 * 100 * 256 * 128
+    assert wave_efficiency(1, 2561, 2560, GPU) == pytest.approx(2561 * 2560 / (300 * 256 * 128))
+    # a narrow tensor-parallel slice (n = 640) makes 10 x 5 = 50 tiles: half a wave
+    assert wave_efficiency(1, 2560, 640, GPU) == pytest.approx(0.5)
+    # batched: 4 x 50 tiles fill 2 waves
+    assert wave_efficiency(4, 2560, 640, GPU) == 1.0
+    flops = 2 * 2560 * 640 * 4096
+    nbytes = 2 * (2560 * 4096 + 4096 * 640 + 2560 * 640)
+    assert gemm_seconds(flops, nbytes, (1, 2560, 640, 4096), GPU) == pytest.approx(flops / (300e12 * 0.8 * 0.5))
+    # one row (decode-like) would waste 255 of 256 rows of a tensor-core tile: a GEMV kernel on the vector units,
+    # bound by reading the weight
+    flops, nbytes = 2 * 1 * 4096 * 4096, 2 * (4096 + 4096 * 4096 + 4096)
+    assert gemm_seconds(flops, nbytes, (1, 1, 4096, 4096), GPU) == pytest.approx(nbytes / (2000e9 * 0.8))
+
+
+def test_causal_attention_computes_half_the_pairs():
+    full = attention_seconds(1e12, 1e6, False, GPU)
+    assert full == pytest.approx(1e12 / (300e12 * 0.5))
+    assert attention_seconds(1e12, 1e6, True, GPU) == pytest.approx(full / 2)
+
+
+def test_unit_seconds_adds_its_kernels():
+    kernels = {"fwd|gemm||1x2560x2560x4096|": [2, 2 * 2 * 2560 * 2560 * 4096, 2 * 50e6],
+               "fwd|memory|||": [3, 0, 3 * 160e6],
+               "fwd|attention|core||causal": [1, 4e11, 1e6],
+               "bwd|memory|||": [1, 0, 320e6]}
+    gemm = 2 * (2 * 2560 * 2560 * 4096) / (300e12 * 0.8)
+    memory = 3 * 160e6 / 1600e9
+    core = 2e11 / 150e12
+    assert unit_seconds(kernels, GPU, "fwd") == pytest.approx(gemm + memory + core)
+    assert unit_seconds(kernels, GPU, "fwd", core_only=True) == pytest.approx(core)
+    assert unit_seconds(kernels, GPU, "fwd", core_scale=4) == pytest.approx(gemm + memory + 4 * core)
+    assert unit_seconds(kernels, GPU, "bwd") == pytest.approx(320e6 / 1600e9)
+    # a host issuing 1 ms per kernel cannot keep up: six kernels take 6 ms
+    assert unit_seconds(kernels, GPU.with_(launch_s=1e-3), "fwd") == pytest.approx(6e-3)
+
+
+def test_traced_layer_records_its_gemm_shapes():
+    """A GPT-2 layer at 2 x 16 tokens and hidden 64: q/k/v (64 -> 192), the projection (64 -> 64), the MLP
+    (64 -> 256 -> 64) forward, with the kernels' FLOPs adding up to the layer's."""
+    from colozoo.cost.model_trace import trace_model
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=16,
+                                     activation_function="gelu_pytorch_tanh")
+    unit = trace_model(config, 2, 16, None, "bfloat16", "cuda").units["layer:0"]
+    shapes = {key.split("|")[3] for key, (n, _, _) in unit.kernels.items() if key.startswith("fwd|gemm")}
+    assert {"1x32x192x64", "1x32x64x64", "1x32x256x64", "1x32x64x256"} <= shapes
+    for phase, flops in (("fwd", unit.fwd_flops), ("bwd", unit.bwd_flops)):
+        assert sum(f for key, (_, f, _) in unit.kernels.items() if key.startswith(phase)) == flops
+    assert any(key.startswith("fwd|attention|core") and key.endswith("causal") for key in unit.kernels)
+
+
+def test_collectives_per_link_and_algorithm():
+    # inside a node: a ring all-gather of 8 ranks moves 7/8 of the payload over NVLink, 7 latency steps a call
+    assert collective_seconds(GPU, "all_gather", 8e9, 8, 8, calls=2) == pytest.approx(7e9 / 300e9 + 2 * 7 * 1e-5)
+    # across nodes (8 ranks one per node, 64 consecutive ranks): each GPU's own adapter, network latency
+    assert collective_seconds(GPU, "all_gather", 8e9, 8, 64, calls=1) == pytest.approx(7e9 / 25e9 + 7 * 2e-5)
+    # an all-reduce over 512 ranks on 64 nodes takes NCCL's tree: 2 log2(64) + 2 (8 - 1) steps, not 2 x 511
+    assert latency_steps("all_reduce", 512, 8) == 2 * 6 + 2 * 7
+    assert latency_steps("all_reduce", 8, 8) == 14 and latency_steps("reduce_scatter", 512, 8) == 511
+    assert collective_seconds(GPU, "all_reduce", 1e9, 512, 512, calls=1) == pytest.approx(
+        2 * 511 / 512 * 1e9 / 25e9 + 26 * 2e-5)
+    assert collective_seconds(GPU, "all_reduce", 1e9, 1, 1) == 0.0
+
+
+def test_overlap_hides_traffic_but_takes_sms():
+    assert overlapped(10.0, 4.0, 1.0) == 10.0 and overlapped(10.0, 4.0, 0.0) == 14.0
+    assert overlapped(3.0, 4.0, 1.0) == 4.0
+    assert overlapped(10.0, 4.0, 1.0, contention=0.25) == 11.0  # 4 s of it ran on 3/4 of the SMs
+    # a cyclic chain: each step's traffic runs during the step before it
+    ops = [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5)]
+    assert chain_exposure(ops, 1.0) == pytest.approx(0 + (3.0 - 1.0) + 0)
+    assert chain_exposure(ops, 0.0) == pytest.approx(4.0)
+
+
+def test_zero3_gathers_that_prefetching_cannot_hide():
+    """Two units, each 1 s forward and 2 s backward, gathered in 1.5 s, reduce-scattered in 1 s. Forward: each
+    gather behind the other unit's forward (0.5 s each exposed); backward: the second unit gathers again behind
+    the first's forward... in cycle order: unit 2's backward gather (1.5) behind unit 2's forward (1 s): 0.5,
+    unit 1's gather (1.5) + unit 2's reduce-scatter (1) behind unit 2's backward (2 s): 0.5; the last
+    reduce-scatter rides with the next forward's first gather: 2.5 behind unit 1's backward (2 s): 0.5."""
+    units = [(1.0, 2.0, 1.5, 1.0, 1), (1.0, 2.0, 1.5, 1.0, 1)]
+    assert _zero3_chain(units, True, 1.0, 0.0) == pytest.approx(0.5 + 0.5 + 0.5 + 0.5)
+    # gathered once more for a recomputed layer's backward (DeepSpeed under Megatron's checkpointing)
+    again = [(1.0, 2.0, 1.5, 1.0, 2), (1.0, 2.0, 1.5, 1.0, 2)]
+    assert _zero3_chain(again, True, 1.0, 0.0) == pytest.approx(0.5 + 0.5 + 2.0 + 2.0)
+    # nothing overlaps: every byte waits
+    assert _zero3_chain(units, True, 0.0, 0.0) == pytest.approx(2 * 1.5 + 2 * 1.5 + 2 * 1.0)
+
+
+def test_pipelines_with_virtual_stages_and_uneven_ranks():
+    assert pipeline_seconds([1.0] * 4, m=8) == pytest.approx(8 + 3)  # (m + p - 1) t
+    assert pipeline_seconds([1.0] * 4, m=8, v=2) == pytest.approx(8 + 3 / 2)  # the bubble over v
+    assert pipeline_seconds([1.0, 1.0, 1.0, 2.0], m=8) == pytest.approx(8 * 2 + 3)  # the head's rank sets the pace
+
+
+def test_interleaved_schedule_holds_more_micro_batches():
+    from colozoo.cost.cost_model import in_flight
+
+    one_f = Plan(pp=4, num_microbatches=16)
+    inter = Plan(pp=4, num_microbatches=16, schedule="interleaved_1f1b", virtual_stages=2)
+    assert [in_flight(one_f, s) for s in range(4)] == [4, 3, 2, 1]
+    # 2(p - s - 1) + (v - 1)p + 1 chunks of half the rank's layers: p (1 + (p - 1)/(p v)) on the first rank
+    assert [in_flight(inter, s) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert in_flight(Plan(pp=4, num_microbatches=16, schedule="gpipe"), 0) == 16
+
+
+def test_plan_refuses_virtual_stages_it_cannot_run():
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        Plan(pp=2, virtual_stages=2)
+    with pytest.raises(ValueError, match="layers_per_stage"):
+        Plan(pp=2, layers_per_stage=(3, 3, 3))
+    assert Plan(pp=2, layers_per_stage=[2, 3]).layers_per_stage == (2, 3)
+
+
+def test_reshard_after_forward_trades_gathers_for_memory():
+    from colozoo.cost.profiler import profile_for
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, n_positions=32)
+    kw = dict(batch_size=2, seq_len=32, mesh="dp=4", zero=3, num_microbatches=2)
+    resharded, kept = (profile_for(config, reshard_after_forward=r, **kw) for r in (True, False))
+    layer = next(u for u in resharded.units if u["name"] == "layer 0")["param_bytes"] * 3 / 4  # gathered, one layer
+    assert resharded.stages[0]["fsdp_buffers"] == pytest.approx(2 * layer)  # one computing, one prefetched
+    assert kept.stages[0]["fsdp_buffers"] == pytest.approx(4 * layer)  # every layer, forward to backward
+    assert kept.comm["dp_cp.all_gather"] == pytest.approx(resharded.comm["dp_cp.all_gather"] / 2)
+
+
+def test_measured_hardware_fields_from_a_file(tmp_path, capsys):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"preset": "A100-80GB", "matmul_efficiency": 0.7, "hbm_efficiency": 0.9,
+                                "sources": {"matmul_efficiency": "bench/gpu.py, 8192^3 bf16"}}))
+    hw = get_hardware(measured=path, gpus=16)
+    assert (hw.name, hw.nodes, hw.matmul_efficiency, hw.hbm_efficiency) == ("A100-80GB", 2, 0.7, 0.9)
+    assert hw.sources["matmul_efficiency"] == "bench/gpu.py, 8192^3 bf16"
+    assert hw.sources["hbm_efficiency"] == f"measured: {path}" and "datasheet" in hw.sources["peak_flops"]
+    assert get_hardware("H100-80GB", measured=path).peak_flops == 989e12  # over the preset named
+    path.write_text(json.dumps({"matmul_eff": 0.7}))
+    with pytest.raises(HardwareError, match="unknown hardware fields"):
+        get_hardware(measured=path)
+    from colozoo.cli import main
+
+    path.write_text(json.dumps({"preset": "A100-80GB", "matmul_efficiency": 0.123}))
+    args = ["plan", "opt-125m", "--gpus", "1", "--seq-len", "128", "--global-batch", "1", "--json", "--top", "1"]
+    assert main(args + ["--hardware-file", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["hardware"]["matmul_efficiency"] == 0.123
+
+
+def test_lora_counts_follow_the_config_not_the_object():
+    """A config changed between two calls (hidden 32, then 64) is counted as it is at each call."""
+    from colozoo.cost.lora import adapter_params_per_layer
+    from colozoo.runtime.lora import LoraSettings
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=64)
+    lora = LoraSettings(r=4, targets=("q_proj",))
+    assert adapter_params_per_layer(config, 1, lora)["0"] == 4 * (32 + 32)
+    config.hidden_size = 64  # the heads keep their head_dim of 8: q_proj maps 64 to 32
+    assert adapter_params_per_layer(config, 1, lora)["0"] == 4 * (64 + 32)
+
+
+def test_apply_plan_refuses_stages_the_model_was_not_built_with():
+    """A plan's virtual stages and layer counts are how the model must be built: apply_plan says so, in one line,
+    before wrapping anything."""
+    from colozoo.api import build_model
+    from colozoo.runtime.errors import TrainingError
+    from colozoo.runtime.training import apply_plan
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16)
+    model = build_model(config, device="meta")
+    with pytest.raises(TrainingError, match="2 virtual stage"):
+        apply_plan(model, Plan(schedule="interleaved_1f1b", virtual_stages=2))
+    with pytest.raises(TrainingError, match="layers_per_stage"):
+        apply_plan(model, Plan(layers_per_stage=(1,)))
