@@ -64,12 +64,12 @@ GENERATE = {
         "repetition_penalty ignored",
         Rewrite(PROCESS, ("if options.repetition_penalty is not None and options.repetition_penalty != 1.0:",
                           "if False:")),
-        (SAMPLING + "test_processed_scores_equal_transformers[1.3-1.0-None-None]", GREEDY_OPTIONS + "[llama]")),
+        (SAMPLING + "test_processed_scores_equal_transformers[1.3-1.0-None-None-None]", GREEDY_OPTIONS + "[llama]")),
     "repetition_penalty_divides_negative_scores": Mutation(
         "repetition_penalty divides every seen token's score, the negative ones too (making them likelier)",
         Rewrite(PROCESS, ("torch.where(scores < 0, scores * options.repetition_penalty, scores / options",
                           "torch.where(scores < 0, scores / options.repetition_penalty, scores / options")),
-        (SAMPLING + "test_processed_scores_equal_transformers[1.3-1.0-None-None]",)),
+        (SAMPLING + "test_processed_scores_equal_transformers[1.3-1.0-None-None-None]",)),
     "repetition_penalty_counts_padding": Mutation(
         "repetition_penalty also penalises the pad token of left-padded prompts",
         Rewrite(PROCESS, ("if padding is not None:", "if False:")),
@@ -77,16 +77,16 @@ GENERATE = {
     "temperature_ignored": Mutation(
         "sampling ignores temperature",
         Rewrite(PROCESS, ("if options.temperature != 1.0:", "if False:")),
-        (SAMPLING + "test_processed_scores_equal_transformers[None-0.7-None-None]",)),
+        (SAMPLING + "test_processed_scores_equal_transformers[None-0.7-None-None-None]",)),
     "top_k_ignored": Mutation(
         "sampling ignores top_k",
         Rewrite(PROCESS, ("if options.top_k and options.top_k < scores.shape[-1]:", "if False:")),
-        (SAMPLING + "test_processed_scores_equal_transformers[None-1.0-5-None]",
+        (SAMPLING + "test_processed_scores_equal_transformers[None-1.0-5-None-None]",
          SAMPLING + "test_sampling_keeps_transformers_default_top_k_of_50")),
     "top_p_ignored": Mutation(
         "sampling ignores top_p",
         Rewrite(PROCESS, ("if options.top_p is not None and options.top_p < 1.0:", "if False:")),
-        (SAMPLING + "test_processed_scores_equal_transformers[None-1.0-None-0.8]",)),
+        (SAMPLING + "test_processed_scores_equal_transformers[None-1.0-None-0.8-None]",)),
     "output_logits_processed": Mutation(
         "output_logits returns the processed scores instead of the raw logits",
         Rewrite("colozoo.runtime.generate:_sample", ("raw_logits += [logits.float()]", "raw_logits += [processed]")),
