@@ -186,9 +186,11 @@ def test_which_calls_take_which_path():
 
 
 class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that read a tensor's value back to the host (on CUDA, a wait for the device each)."""
+    """Counts the ops that read a tensor's value back to the host (on CUDA, a wait for the device each): torch's
+    multinomial too, which checks the probabilities' range on the host before it draws (sampling.draw does not)."""
 
-    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.multinomial.default)
 
     def __init__(self):
         super().__init__()

@@ -33,13 +33,16 @@ import time
 from pathlib import Path
 
 from mutation_tools import current, source
+from mutations_faults import FAULTS
 from mutations_finetune import FINETUNE
 from mutations_generate import GENERATE
+from mutations_kernels import KERNELS
 from mutations_models import MODELS
 from mutations_parallel import PARALLEL
+from mutations_preference import PREFERENCE
 
 ENV = "COLOZOO_MUTATION"
-MUTATIONS = {**PARALLEL, **MODELS, **GENERATE, **FINETUNE}
+MUTATIONS = {**PARALLEL, **MODELS, **GENERATE, **FINETUNE, **KERNELS, **FAULTS, **PREFERENCE}
 HELPERS = Path(__file__).resolve().parent
 ROOT = HELPERS.parents[1]
 AUDIT = HELPERS / "mutations_audit.json"  # the last whole audit: fingerprints and seconds per test

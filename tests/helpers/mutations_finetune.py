@@ -1,5 +1,7 @@
 """Switch-offs of fine-tuning's honesty (tests/helpers/mutations.py runs them): what a resume checks it continues
-from, the token-weighted evaluation loss, and the tokenizer in the HF export."""
+from, the token-weighted evaluation loss, the tokenizer in the HF export; and what a newcomer meets: --no-pack's
+batches padded to their longest row, an all-masked batch's NaN loss, the data checked in the first second,
+transformers' dtype names."""
 from __future__ import annotations
 
 from mutation_tools import Mutation, Rewrite, replace, switches
@@ -12,6 +14,16 @@ EVALUATE = "colozoo.finetune.evaluation:evaluate"
 @switches("colozoo.finetune.fingerprint:weights_fingerprint")
 def _weights_fingerprint_constant():
     replace("colozoo.finetune.fingerprint:weights_fingerprint", lambda original: lambda name_or_path: "0" * 16)
+
+
+@switches("colozoo.finetune.data:trim_padding")
+def _padded_to_seq_len():
+    replace("colozoo.finetune.data:trim_padding", lambda original: lambda batch, multiple=8: batch)
+
+
+@switches("colozoo.finetune.records:check_data_path")
+def _data_path_unchecked():
+    replace("colozoo.finetune.records:check_data_path", lambda original: lambda path, records=True: None)
 
 
 @switches("colozoo.finetune.fingerprint:data_fingerprint")
@@ -55,4 +67,24 @@ FINETUNE = {
         "the fine-tune's HF export copies the model directory's tokenizer files instead of tokenizer.save_pretrained",
         Rewrite("colozoo.finetune.loop:export", ("tokenizer.save_pretrained(str(path))", "pass")),
         ("tests/test_finetune_export_tokenizer.py::test_the_export_holds_the_tokenizer_as_save_pretrained_writes_it",)),
+    # what a newcomer meets
+    "no_pack_padded_to_seq_len": Mutation(
+        "--no-pack pads every batch to --seq-len instead of its longest row", _padded_to_seq_len,
+        (HONEST + "test_no_pack_pads_each_batch_to_its_longest_sample_and_trains_as_full_padding",)),
+    "all_masked_batch_is_zero": Mutation(
+        "a batch without a labelled token has loss 0 (a perfect batch) instead of transformers' NaN",
+        Rewrite("colozoo.layers.vocab:token_mean", ("torch.where(count > 0, total / count.clamp(min=1), torch.nan)",
+                                                    "total / count.clamp(min=1)")),
+        ("tests/test_training.py::test_an_all_masked_batch_is_nan_as_in_transformers_and_weighs_nothing_within_a_"
+         "step",)),
+    "data_path_checked_late": Mutation(
+        "a missing or empty --data is found only after the model and tokenizer are read", _data_path_unchecked,
+        ("tests/test_bad_input_table.py::test_cheap_checks_refuse_before_the_model_is_read",)),
+    "short_dtype_names_accepted": Mutation(
+        "dtype='bf16' (and fp16, fp32) is taken for bfloat16 instead of refused as transformers refuses it",
+        Rewrite("colozoo.core.names:check_dtype_name",
+                ("if name == \"auto\" or name in DTYPE_NAMES:\n        return DTYPE_NAMES.get(name, name)",
+                 "if name == \"auto\" or name in DTYPE_NAMES or name in SHORT_DTYPE_NAMES:\n"
+                 "        return DTYPE_NAMES.get(name, SHORT_DTYPE_NAMES.get(name, name))")),
+        ("tests/test_checkpoint.py::test_dtype_names_are_transformers_and_nothing_else_passes[bf16-bfloat16]",)),
 }
