@@ -1,6 +1,6 @@
 """The switch-off audit's own pieces (tests/helpers/mutations.py): a Rewrite changes one function where it is defined
 and where it was imported by name, and refuses a snippet it does not find once; the CI form's rotation slots hold
-every mutation once, each within the budget."""
+every mutation once, each within the budget; every named test is one pytest collects."""
 import importlib
 import sys
 
@@ -37,3 +37,9 @@ def test_rotation_slots_hold_every_mutation_once_within_the_budget():
     assert sorted(n for slot in slots for n in slot) == sorted(cost)
     assert all(sum(cost[n] for n in slot) <= 100.0 or len(slot) == 1 for slot in slots)
     assert slots == mutations.rotation_slots(dict(reversed(cost.items())), 100.0)  # the same slots every time
+
+
+def test_every_named_test_is_collected():
+    assert mutations.uncollected([t for m in mutations.MUTATIONS.values() for t in m.tests]) == []
+    assert mutations.uncollected(["tests/test_sampling.py::test_no_such_test"]) == [
+        "tests/test_sampling.py::test_no_such_test"]
