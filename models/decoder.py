@@ -151,7 +151,7 @@ class MoEDecoderModel(DecoderModel):
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         from colozoo.core.mesh import single_process
 
-        experts, ep = getattr(config, self.num_experts_key), (pc or single_process()).size("ep")
+        experts, ep = self.experts(config), (pc or single_process()).size("ep")
         if experts % ep:
             raise UnsupportedConfig(f"ep={ep} must divide the number of experts ({self.num_experts_key}={experts})")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
@@ -159,12 +159,13 @@ class MoEDecoderModel(DecoderModel):
 
     def moe(self, config, pc, inner_size: int, device=None, dtype=None, **options) -> MoE:
         options = {"activation": config.hidden_act, **options}
-        return MoE(config.hidden_size, inner_size, self.num_experts_of(config), config.num_experts_per_tok,
+        return MoE(config.hidden_size, inner_size, self.experts(config), config.num_experts_per_tok,
                    ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
                    device=device, dtype=dtype, **options)
 
-    def num_experts_of(self, config) -> int:
-        return getattr(config, self.num_experts_key)
+    @classmethod
+    def experts(cls, config) -> int:
+        return getattr(config, cls.num_experts_key)
 
     def router_stats_width(self) -> int:
         return 2 * self.num_experts + 2

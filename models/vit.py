@@ -18,7 +18,7 @@ from colozoo.layers.activations import get_activation
 from colozoo.layers.batch import BatchContext
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, dropout, require
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 from .bert import EncoderLayer, EncoderModel, classification_loss
 
@@ -158,4 +158,10 @@ class ViTForImageClassification(ViTModel):
         return torch.tensor(labels.numel(), device=labels.device)
 
 
-FAMILIES = (Family("vit", ("vit",), ViTModel, converter="vit"),)
+# 8x8 images in 2x2 patches: 16 patches + CLS = 17 tokens, a multiple of neither 2 nor 4 (sequence-parallel padding)
+FAMILIES = (Family("vit", ("vit",), ViTModel, title="ViT", features="base model, image classification",
+                   tiny=Tiny(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=8, patch_size=2, num_channels=3, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3,
+                                  architectures=["ViTForImageClassification"]), meshes=("tp2-sp", "pp2"),
+                             lora=("q_proj", "v_proj", "o_proj", "fc1"), generates=False)),)
