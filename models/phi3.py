@@ -39,12 +39,14 @@ class Phi3ForCausalLM(DecoderModel):
 
 
 # LongRoPE with distinct short and long factors past 11 positions (the tests' sequences are longer; generation
-# crosses it), an attention factor from 32 / 11 positions, and a window of 6
+# crosses it, where the cache is encoded again with the long factors), an attention factor from 32 / 11 positions, a
+# window of 6, and weights large enough that a cache kept short-rotated changes the greedy tokens
 FAMILIES = (Family("phi3", ("phi3",), Phi3ForCausalLM, gated_mlp=True, title="Phi-3",
                    features="causal LM (fused qkv / gate_up checkpoints, LongRoPE, partial rotary, sliding window)",
                    tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=6,
+                                  initializer_range=0.2,
                                   original_max_position_embeddings=11,
                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                    "short_factor": [1.0 + 0.25 * i for i in range(8)],
