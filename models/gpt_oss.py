@@ -75,8 +75,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
 FAMILIES = (Family("gpt_oss", ("gpt_oss",), GptOssForCausalLM, gated_mlp=True, title="gpt-oss",
                    features="causal LM with mixture-of-experts (attention sinks on the torch path, the flash and the "
                             "decoding kernels; alternating 128-token sliding / full layers, YaRN, biased router and "
-                            "experts, clamped SwiGLU; the published MXFP4 checkpoints dequantised on read, bf16 ones as "
-                            "they are; context parallel in all-to-all mode only)",
+                            "experts, clamped SwiGLU; the published MXFP4 checkpoints dequantised on read, bf16 ones "
+                            "as they are; context parallel in all-to-all mode only)",
                    tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                   num_experts_per_tok=2, max_position_embeddings=64, sliding_window=5,

@@ -131,4 +131,5 @@ FAMILIES = (Family("opt", ("opt",), OPTForCausalLM, learned_positions=True, titl
                             "mask)",
                    tiny=Tiny(dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, ffn_dim=96,
                                   num_attention_heads=4, max_position_embeddings=32, dropout=0.0,
-                                  attention_dropout=0.0, pad_token_id=1), lora=("q_proj", "v_proj", "out_proj", "fc2"))),)
+                                  attention_dropout=0.0, pad_token_id=1),
+                             lora=("q_proj", "v_proj", "out_proj", "fc2"))),)

@@ -166,7 +166,7 @@ def family_parity(family: str, tp: int = 1, ep: int = 1, cp: int = 1, sequence_p
         report["hidden_states"] = check_hidden_states(out.hidden_states, ref.hidden_states, keep)
     out.loss.backward()
     report["grad"] = check_gradients(model, sources, hf_grads)
-    if getattr(config, "output_router_logits", False):  # the forward's keyword overrides the config's, as in transformers
+    if getattr(config, "output_router_logits", False):  # the forward's keyword overrides the config's (transformers)
         with torch.no_grad():
             plain = model(ids, attention_mask=mask, labels=labels, output_router_logits=False,
                           **({"cp_mode": cp_mode} if cp > 1 else {}))
