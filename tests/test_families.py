@@ -67,3 +67,19 @@ def test_a_model_type_builds_its_familys_class_and_names_it():
     model = build_shard(config, device="meta")
     assert type(model).__name__ == "MistralForCausalLM" and model.family == "mistral"
     assert "family" not in vars(model)  # a class attribute, never overwritten on an instance
+
+
+def test_the_readme_holds_the_family_table():
+    from colozoo.registry import family_table
+
+    assert family_table() in (ROOT / "README.md").read_text(), (
+        "README.md's family table is not the families' declarations: paste `colozoo models --markdown` into its "
+        "Families section")
+
+
+def test_colozoo_models_markdown_prints_it(capsys):
+    from colozoo.cli import main
+    from colozoo.registry import family_table
+
+    assert main(["models", "--markdown"]) == 0
+    assert capsys.readouterr().out == family_table()
