@@ -109,6 +109,11 @@ class ParallelModel(nn.Module):
         """How many layers hold experts instead of the dense MLP."""
         return cls.num_layers(config) if cls.experts(config) else 0
 
+    @classmethod
+    def image_input(cls, config) -> tuple[int, int] | None:
+        """(channels, image size) of the images an image model reads; None for a model of tokens."""
+        return None
+
     @property
     def tp_group(self):
         return self.pc.tp_group

@@ -96,13 +96,13 @@ class EncoderLayer(TransformerLayer):
     """A layer of BERT (post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm) or of ViT (pre-LayerNorm:
     LayerNorm -> attention -> + -> LayerNorm -> MLP -> +), built from the config fields the two share."""
 
-    def __init__(self, config, layer_idx: int, pc, pre_norm: bool, device=None, dtype=None):
+    def __init__(self, config, layer_idx: int, pc, pre_norm: bool, qkv_bias: bool = True, device=None, dtype=None):
         check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         attention = SelfAttention(config.hidden_size, config.num_attention_heads,
                                   head_dim=getattr(config, "head_dim", None), layer_idx=layer_idx, causal=False,
-                                  qkv_bias=getattr(config, "qkv_bias", True),
+                                  qkv_bias=qkv_bias,
                                   dropout=config.attention_probs_dropout_prob, **kw)
         super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
                          pre_norm=pre_norm, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)

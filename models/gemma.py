@@ -60,6 +60,9 @@ class Gemma2ForCausalLM(DecoderModel):
         local = rope_config(config, SLIDING)
         self.local_rotary = RotaryEmbedding(local, device=device) if local is not config else None
 
+    def logit_softcap(self, config) -> float | None:
+        return config.final_logit_softcapping
+
     def attention_window(self, config) -> int | None:
         return None  # per layer: the full layers' causal mask is the batch's, sliding layers build theirs
 

@@ -54,6 +54,7 @@ class GptOssExperts(GroupedExperts):
 
 class GptOssForCausalLM(MoEDecoderModel):
     family = "gpt_oss"
+    num_experts_key = "num_local_experts"
 
     def attention_window(self, config):
         return None  # per layer: full layers take the batch's causal mask, sliding layers build theirs

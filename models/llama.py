@@ -15,6 +15,9 @@ from colozoo.models.family import Family, Tiny
 class LlamaForCausalLM(DecoderModel):
     family = "llama"
 
+    def mlp_bias(self, config) -> bool:
+        return getattr(config, "mlp_bias", False)  # Mistral's config has none
+
 
 class MistralForCausalLM(LlamaForCausalLM):
     family = "mistral"

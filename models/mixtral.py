@@ -17,6 +17,7 @@ from colozoo.models.family import Family, Tiny
 
 class MixtralForCausalLM(MoEDecoderModel):
     family = "mixtral"
+    num_experts_key = "num_local_experts"
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         if getattr(config, "router_jitter_noise", 0.0):

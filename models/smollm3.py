@@ -22,6 +22,9 @@ def smollm3_window(config, layer_idx: int) -> int | None:
 class SmolLM3ForCausalLM(DecoderModel):
     family = "smollm3"
 
+    def mlp_bias(self, config) -> bool:
+        return config.mlp_bias
+
     def attention_window(self, config):
         """The window every layer shares (it goes into the batch's mask), else None: mixed layers build their own."""
         windows = {smollm3_window(config, i) for i in range(config.num_hidden_layers)}

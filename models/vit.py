@@ -73,14 +73,18 @@ class ViTModel(EncoderModel):
     input_embedding = "embeddings.projection"
     TASKS = {"base": "ViTModel", "image_classification": "ViTForImageClassification"}
 
+    @classmethod
+    def image_input(cls, config) -> tuple[int, int]:
+        return config.num_channels, config.image_size
+
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
         config, pc = self.config, self.pc
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = ViTEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=True, **kw)
-                                     for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=True, qkv_bias=config.qkv_bias,
+                                                          **kw) for i in self.layer_ids})
         if self.is_last:
             self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=pc.tp_group,
                                        sequence_parallel=pc.sequence_parallel, **kw)
