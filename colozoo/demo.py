@@ -21,7 +21,8 @@ VOCAB, SEQ = 101, 12  # 101 is not divisible by 2: the vocab padding path runs t
 def tiny_gpt2(path: Path):
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    config = transformers.AutoConfig.for_model("gpt2", vocab_size=VOCAB, max_position_embeddings=32, hidden_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():  # non-trivial norms and biases, so a misplaced one would show

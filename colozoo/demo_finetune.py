@@ -41,23 +41,19 @@ def build_tokenizer(corpus: list[str], path):
     return fast
 
 
-FAMILY_EXTRAS = {"opt": lambda h: dict(word_embed_proj_dim=h, ffn_dim=2 * h),
-                 "llama": lambda h: dict(intermediate_size=2 * h, num_key_value_heads=2)}
-
-
 def make_tiny_causal_lm(path, model_type="gpt2", corpus=None, layers=4, hidden=64, heads=4, positions=64, seed=0,
                         **overrides):
-    """A random-weight causal LM checkpoint written by transformers itself, with a tokenizer for `corpus`."""
+    """A random-weight causal LM checkpoint written by transformers itself, with a tokenizer for `corpus`; `overrides`
+    set what else the config holds (a family's own widths: transformers' defaults are those of a large model)."""
     import transformers
 
     tokenizer = build_tokenizer(corpus if corpus is not None else texts(), path)
     special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
-    extras = FAMILY_EXTRAS.get(model_type, lambda h: {})(hidden)
     config = transformers.AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=hidden,
                                                num_hidden_layers=layers, num_attention_heads=heads,
                                                max_position_embeddings=positions, **special,
-                                               **{**extras, **overrides})
+                                               **overrides)
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
     return Path(path)

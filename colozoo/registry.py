@@ -293,6 +293,20 @@ def print_models(names: list[str] | None = None, file=None):
     Console(file=file, width=140).print(table)  # the longest names and repo ids whole, on one line
 
 
+def family_table() -> str:
+    """The README's table of families, in Markdown, from the family table (colozoo.models.family, which imports the
+    model files and torch): each family's title, the transformers classes it builds, what it is, its registry names."""
+    from colozoo.models import families
+
+    lines = ["| family | classes | what it is | registry names (configs ship offline) |", "|---|---|---|---|"]
+    for family in sorted({f.name: f for f in families().values()}.values(), key=lambda f: f.name):
+        classes = list(getattr(family.model, "TASKS", {}).values()) or [family.model.__name__]
+        names = [n for n, entry in registry().items() if entry["family"] == family.name]
+        lines.append(f"| {family.title or family.name} (`{family.name}`) | {', '.join(classes)} | {family.features} | "
+                     f"{', '.join(names) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
 MODELS_HELP = ("Each model's parameters, and the degrees it can be split by: tp must divide the attention heads, "
                "divide the key/value heads or be a multiple of them (each kv head then replicated), and divide the "
                "MLP (and expert) widths; the vocabulary is padded, so it never constrains tp. ep (MoE models) must "
@@ -305,4 +319,7 @@ def add_parser(subparsers):
                                    description=MODELS_HELP)
     parser.add_argument("names", nargs="*", metavar="MODEL", help="registry names or model directories (default: "
                                                                    "the whole registry)")
-    parser.set_defaults(func=lambda args: print_models(args.names))
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the table of families (title, classes, features, registry names) in Markdown, "
+                             "as the README holds it, instead of the models")
+    parser.set_defaults(func=lambda args: print(family_table(), end="") if args.markdown else print_models(args.names))

@@ -4,8 +4,11 @@ names follow the HF class in config.architectures (BertModel has no `bert.` pref
 `cls.predictions.*`, BertForSequenceClassification adds `classifier.*`)."""
 from __future__ import annotations
 
+from colozoo.models.bert import BertModel
+
 from .source import Source
 
+CONVERTS = (BertModel,)
 HF_PREFIX = "bert."
 # buffers of old checkpoints, the pre-training NSP head and pooler a masked-LM model drops, and the decoder's
 # copies of the tied word embedding and bias

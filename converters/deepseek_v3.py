@@ -13,12 +13,13 @@ transformers ignores on load; so does colozoo.
 """
 from __future__ import annotations
 
-from colozoo.models.deepseek_v3 import is_sparse
+from colozoo.models.deepseek_v3 import DeepseekV3ForCausalLM, is_sparse
 
 from .llama import dense_mlp, params
 from .qwen2_moe import experts as stacked_experts
 from .source import Source
 
+CONVERTS = (DeepseekV3ForCausalLM,)
 HF_PREFIX = "model."
 # PEFT (0.21, on transformers 5) turns LoRA targets named so into targets on the stacked routed experts (transformers'
 # qwen2_moe conversion), the dense MLPs' and the shared expert's too: colozoo.runtime.lora refuses them

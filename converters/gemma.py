@@ -4,9 +4,12 @@ Gemma3ForConditionalGeneration: the text model's tensors under `language_model.m
 projector that the text model leaves out."""
 from __future__ import annotations
 
+from colozoo.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+
 from .llama import HF_PREFIX, IGNORED_HF as TEXT_IGNORED, QK_NORMS, attention_and_norms, dense_mlp, per_layer
 from .source import Source
 
+CONVERTS = (Gemma2ForCausalLM, Gemma3ForCausalLM)
 IGNORED_HF = TEXT_IGNORED + (r"^vision_tower\.", r"^multi_modal_projector\.")
 # another saved naming (the loader tries it), not transformers' in-memory names (NAME_ALIASES, which PEFT sees)
 CHECKPOINT_ALIASES = ((r"^model\.", "language_model.model."),)  # a multimodal checkpoint's text model

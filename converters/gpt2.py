@@ -1,8 +1,11 @@
 """GPT-2 names: HF `transformer.h.{i}.attn.c_attn` (Conv1D, stored (in, out)) <-> our `layers.{i}.attn.c_attn` (out, in)."""
 from __future__ import annotations
 
+from colozoo.models.gpt2 import GPT2ForCausalLM
+
 from .source import Source
 
+CONVERTS = (GPT2ForCausalLM,)
 HF_PREFIX = "transformer."
 IGNORED_HF = (r"\.attn\.bias$", r"\.attn\.masked_bias$")  # causal-mask buffers in old checkpoints
 

@@ -5,9 +5,12 @@ The rest maps one to one; our `lm_head` is the checkpoint's `embed_out` (transfo
 memory, which NAME_ALIASES reads)."""
 from __future__ import annotations
 
+from colozoo.models.gpt_neox import GPTNeoXForCausalLM
+
 from .llama import params
 from .source import Source
 
+CONVERTS = (GPTNeoXForCausalLM,)
 HF_PREFIX = "gpt_neox."
 # causal-mask and RoPE buffers that older checkpoints (the published Pythia ones) carry
 IGNORED_HF = (r"\.attention\.bias$", r"\.attention\.masked_bias$", r"\.rotary_emb\.inv_freq$")

@@ -10,9 +10,12 @@ MXFP4 checkpoints hold `{gate_up,down}_proj_blocks` / `_scales` instead, which c
 under these names, dequantised."""
 from __future__ import annotations
 
+from colozoo.models.gpt_oss import GptOssForCausalLM
+
 from .llama import HF_PREFIX, attention_and_norms, per_layer
 from .source import Source
 
+CONVERTS = (GptOssForCausalLM,)
 IGNORED_HF = ()
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 

@@ -3,8 +3,12 @@ fused `layers.{i}.self_attn.qkv` and `layers.{i}.mlp.gate_up` (concatenated alon
 chunks cut each part separately, so grouped-query attention keeps whole kv heads per rank)."""
 from __future__ import annotations
 
+from colozoo.models.llama import LlamaForCausalLM, MistralForCausalLM
+from colozoo.models.smollm3 import SmolLM3ForCausalLM
+
 from .source import Source
 
+CONVERTS = (LlamaForCausalLM, MistralForCausalLM, SmolLM3ForCausalLM)
 HF_PREFIX = "model."
 IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)  # a buffer some old checkpoints carry
 

@@ -11,9 +11,12 @@ experts opens only the tensors of the experts it owns.
 """
 from __future__ import annotations
 
+from colozoo.models.mixtral import MixtralForCausalLM
+
 from .llama import attention_and_norms
 from .source import Source
 
+CONVERTS = (MixtralForCausalLM,)
 HF_PREFIX = "model."
 IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)
 

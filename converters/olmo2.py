@@ -2,9 +2,12 @@
 whole-projection `self_attn.q_norm` / `self_attn.k_norm` (one weight of heads x head_dim each), one to one."""
 from __future__ import annotations
 
+from colozoo.models.olmo2 import Olmo2ForCausalLM
+
 from .llama import HF_PREFIX, QK_NORMS, attention_and_norms, dense_mlp, per_layer
 from .source import Source
 
+CONVERTS = (Olmo2ForCausalLM,)
 IGNORED_HF = ()
 
 

@@ -1,8 +1,11 @@
 """OPT names: HF `model.decoder.layers.{i}.self_attn.{q,k,v}_proj` (separate) <-> our fused `layers.{i}.self_attn.qkv`."""
 from __future__ import annotations
 
+from colozoo.models.opt import OPTForCausalLM
+
 from .source import Source
 
+CONVERTS = (OPTForCausalLM,)
 HF_PREFIX = "model.decoder."
 IGNORED_HF = ()
 

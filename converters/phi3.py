@@ -3,10 +3,13 @@
 `mlp.gate_up`. No linear has a bias."""
 from __future__ import annotations
 
+from colozoo.models.phi3 import Phi3ForCausalLM
+
 from .llama import HF_PREFIX, IGNORED_HF, attention_and_norms, dense_mlp  # noqa: F401 (the loader reads them here)
 from .source import Source
 
 
+CONVERTS = (Phi3ForCausalLM,)
 def hf_sources(config) -> dict[str, Source]:
     out = attention_and_norms(config, qkv_bias=False, out_bias=False, fused_qkv=True)
     for i in range(config.num_hidden_layers):

@@ -5,9 +5,12 @@ Qwen3's per-head norms
 """
 from __future__ import annotations
 
+from colozoo.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
 from .llama import QK_NORMS, attention_and_norms, dense_mlp, per_layer
 from .source import Source
 
+CONVERTS = (Qwen2ForCausalLM, Qwen3ForCausalLM)
 HF_PREFIX = "model."
 IGNORED_HF = (r"\.rotary_emb\.inv_freq$",)
 

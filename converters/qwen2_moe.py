@@ -11,11 +11,12 @@
 """
 from __future__ import annotations
 
-from colozoo.models.qwen2_moe import is_sparse
+from colozoo.models.qwen2_moe import Qwen2MoeForCausalLM, is_sparse
 
 from .llama import attention_and_norms, dense_mlp
 from .source import Source
 
+CONVERTS = (Qwen2MoeForCausalLM,)
 HF_PREFIX = "model."
 IGNORED_HF = ()
 

@@ -4,11 +4,13 @@ no shared expert; layers outside the sparse pattern have LLaMA's dense MLP."""
 from __future__ import annotations
 
 from colozoo.models.qwen2_moe import is_sparse
+from colozoo.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from .llama import QK_NORMS, attention_and_norms, dense_mlp, per_layer
 from .qwen2_moe import experts
 from .source import Source
 
+CONVERTS = (Qwen3MoeForCausalLM,)
 HF_PREFIX = "model."
 IGNORED_HF = ()
 

@@ -5,9 +5,12 @@ ViTModel has no `vit.` prefix and a pooler; ViTForImageClassification adds `clas
 renames them in memory (`vit.layers.{i}.attention.q_proj`, ...); NAME_ALIASES reads state dicts in that form."""
 from __future__ import annotations
 
+from colozoo.models.vit import ViTModel
+
 from .bert import architecture, layer_sources
 from .source import Source
 
+CONVERTS = (ViTModel,)
 HF_PREFIX = "vit."
 IGNORED_HF = (r"(^|\.)pooler\.dense\.",)  # an image classifier drops the base model's pooler
 

@@ -133,13 +133,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
 class GroupedExperts(nn.Module):
     """This rank's experts (global range [first, first + local)); SwiGLU-style act(gate) * up -> down.
 
-    `activation`: a config name, or a (gate, up) -> hidden function. gpt-oss's layout (`gpt_oss_layout`): weights
-    stored (experts, in, out), gate and up interleaved in gate_up_proj's columns (so a tp rank's contiguous columns
-    hold whole (gate, up) pairs), and biases `gate_up_proj_bias` (split like the columns) and `down_proj_bias` (added
-    once the tp partial sums are reduced)."""
+    `activation`: a config name, or a (gate, up) -> hidden function. The weights are stored (experts, out, in), gate
+    and up stacked in gate_up_proj's rows. A family whose checkpoints lay experts out otherwise subclasses this and
+    overrides `build_weights`, `weights`, `gate_and_up` and `output` (gpt-oss: colozoo.models.gpt_oss)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, inner_size: int, activation="silu", *,
-                 gpt_oss_layout: bool = False, ep_group=None, tp_group=None, device=None, dtype=None):
+    def __init__(self, num_experts: int, hidden_size: int, inner_size: int, activation="silu", *, ep_group=None,
+                 tp_group=None, device=None, dtype=None):
         super().__init__()
         ep, tp = group_size(ep_group), group_size(tp_group)
         if num_experts % ep:
@@ -148,47 +147,43 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"tp={tp} must divide the expert width (intermediate size {inner_size})")
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.first = group_rank(ep_group) * self.num_local
-        self.tp_group, self.gpt_oss_layout = tp_group, gpt_oss_layout
+        self.tp_group = tp_group
         self.gated_act = get_gated_activation(activation) if isinstance(activation, str) else activation
-        local_inner, kw = inner_size // tp, dict(device=device, dtype=dtype)
-
-        def param(*shape, splits):
-            return shard(nn.Parameter(torch.empty(self.num_local, *shape, **kw)), Split("ep", 0), *splits)
-
-        self.gate_up_proj_bias = self.down_proj_bias = None
-        if gpt_oss_layout:
-            self.gate_up_proj = param(hidden_size, 2 * local_inner, splits=(Split("tp", 2),))
-            self.gate_up_proj_bias = param(2 * local_inner, splits=(Split("tp", 1),))
-            self.down_proj = param(local_inner, hidden_size, splits=(Split("tp", 1),))
-            self.down_proj_bias = param(hidden_size, splits=())
-        else:
-            self.gate_up_proj = param(2 * local_inner, hidden_size, splits=(Split("tp", 1, chunks=(inner_size,) * 2),))
-            self.down_proj = param(hidden_size, local_inner, splits=(Split("tp", 2),))
+        self.build_weights(hidden_size, inner_size, tp, device=device, dtype=dtype)
         if self.gate_up_proj.device.type != "meta":
             for p in self.parameters():
                 nn.init.normal_(p, std=0.02)
 
-    def _weights(self):
+    def expert_parameter(self, *shape, splits, device=None, dtype=None) -> nn.Parameter:
+        """A (local experts, *shape) parameter split over ep by expert, and over tp by `splits`."""
+        return shard(nn.Parameter(torch.empty(self.num_local, *shape, device=device, dtype=dtype)), Split("ep", 0),
+                     *splits)
+
+    def build_weights(self, hidden_size: int, inner_size: int, tp: int, **kw):
+        local_inner = inner_size // tp
+        self.gate_up_proj = self.expert_parameter(2 * local_inner, hidden_size,
+                                                  splits=(Split("tp", 1, chunks=(inner_size,) * 2),), **kw)
+        self.down_proj = self.expert_parameter(hidden_size, local_inner, splits=(Split("tp", 2),), **kw)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) as (experts, out, in)."""
-        if self.gpt_oss_layout:
-            return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
         return self.gate_up_proj, self.down_proj
+
+    def gate_and_up(self, gate_up: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up halves of the rows' gate_up projection."""
+        return gate_up.chunk(2, dim=-1)
+
+    def output(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The rows' output once the tp partial sums are reduced."""
+        return out
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (rows, hidden) grouped by local expert, counts[e] rows for local expert e."""
         x = copy_to_parallel(x, self.tp_group)
-        gate_up_weight, down_weight = self._weights()
-        gate_up = grouped_linear(x, gate_up_weight, counts)
-        if self.gpt_oss_layout:
-            repeats = torch.tensor(counts, device=x.device)
-            gate_up = gate_up + self.gate_up_proj_bias.repeat_interleave(repeats, dim=0, output_size=x.shape[0])
-            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
+        gate_up_weight, down_weight = self.weights()
+        gate, up = self.gate_and_up(grouped_linear(x, gate_up_weight, counts), counts)
         out = reduce_from_parallel(grouped_linear(self.gated_act(gate, up), down_weight, counts), self.tp_group)
-        if self.gpt_oss_layout:
-            out = out + self.down_proj_bias.repeat_interleave(repeats, dim=0, output_size=x.shape[0])
-        return out
+        return self.output(out, counts)
 
     def extra_repr(self):
         return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts}"
@@ -219,12 +214,13 @@ class MoE(nn.Module):
     `shared_expert_size` adds Qwen-MoE's shared expert (a GatedMLP every token goes through, tensor parallel like
     the experts), scaled per token by sigmoid(shared_expert_gate(x)); without `shared_expert_gate` it is added as it is
     (DeepSeek-V3's shared_experts). `router`: a router module to use instead of the softmax top-k one (DeepSeek-V3's
-    GroupLimitedRouter), called as TopKRouter is."""
+    GroupLimitedRouter), called as TopKRouter is; `experts`: an experts module to use instead of GroupedExperts, called
+    as it is (gpt-oss's layout)."""
 
     def __init__(self, hidden_size: int, inner_size: int, num_experts: int, top_k: int, *, activation="silu",
                  normalize_top_k: bool = True, capacity_factor: float | None = None,
                  shared_expert_size: int | None = None, shared_expert_gate: bool = True, router: nn.Module | None = None,
-                 router_bias: bool = False, gpt_oss_layout: bool = False,
+                 router_bias: bool = False, experts: nn.Module | None = None,
                  ep_group=None, tp_group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if capacity_factor is not None and capacity_factor <= 0:
@@ -233,8 +229,9 @@ class MoE(nn.Module):
         self.ep_group, self.tp_group, self.sequence_parallel = ep_group, tp_group, sequence_parallel
         self.gate = router if router is not None else TopKRouter(hidden_size, num_experts, top_k, normalize_top_k,
                                                                  router_bias, device=device, dtype=dtype)
-        self.experts = GroupedExperts(num_experts, hidden_size, inner_size, activation, gpt_oss_layout=gpt_oss_layout,
-                                      ep_group=ep_group, tp_group=tp_group, device=device, dtype=dtype)
+        self.experts = experts if experts is not None else GroupedExperts(
+            num_experts, hidden_size, inner_size, activation, ep_group=ep_group, tp_group=tp_group, device=device,
+            dtype=dtype)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_size, activation, group=tp_group,

@@ -73,6 +73,47 @@ class ParallelModel(nn.Module):
     def num_layers(config) -> int:
         return config.num_hidden_layers
 
+    # --- a config's shape, as pipeline partitioning and the cost model weigh it (each family its own keys) ---------
+    @classmethod
+    def attention_size(cls, config) -> tuple[int, int]:
+        """(projection weights, query x key plus probability x value widths summed over heads) of one layer's
+        attention: grouped-query attention here (fewer kv heads; Gemma's and Qwen3's head_dim need not be hidden /
+        heads), multi-head latent attention in DeepSeek-V3."""
+        h, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or h // heads
+        return h * head_dim * (2 * heads + 2 * kv_heads), 2 * heads * head_dim  # q and o, k and v
+
+    @classmethod
+    def mlp_width(cls, config) -> int:
+        """The inner width of a layer's dense MLP."""
+        return getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+
+    @classmethod
+    def experts(cls, config) -> int:
+        """How many routed experts a mixture-of-experts layer holds (0: no such layer)."""
+        return 0
+
+    @classmethod
+    def expert_width(cls, config) -> int:
+        """The inner width of one routed expert."""
+        return cls.mlp_width(config)
+
+    @classmethod
+    def shared_expert_width(cls, config) -> int:
+        """The inner width of the expert every token goes through beside the routed ones (0: none)."""
+        return 0
+
+    @classmethod
+    def sparse_layers(cls, config) -> int:
+        """How many layers hold experts instead of the dense MLP."""
+        return cls.num_layers(config) if cls.experts(config) else 0
+
+    @classmethod
+    def image_input(cls, config) -> tuple[int, int] | None:
+        """(channels, image size) of the images an image model reads; None for a model of tokens."""
+        return None
+
     @property
     def tp_group(self):
         return self.pc.tp_group

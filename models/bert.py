@@ -23,7 +23,7 @@ from colozoo.layers.activations import get_activation
 from colozoo.layers.batch import BatchContext
 from colozoo.layers.vocab import LogitsRequest, keep_positions, token_mean
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout, require
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 def resolve_task(cls, config, task: str | None) -> type:
@@ -96,13 +96,13 @@ class EncoderLayer(TransformerLayer):
     """A layer of BERT (post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm) or of ViT (pre-LayerNorm:
     LayerNorm -> attention -> + -> LayerNorm -> MLP -> +), built from the config fields the two share."""
 
-    def __init__(self, config, layer_idx: int, pc, pre_norm: bool, device=None, dtype=None):
+    def __init__(self, config, layer_idx: int, pc, pre_norm: bool, qkv_bias: bool = True, device=None, dtype=None):
         check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         attention = SelfAttention(config.hidden_size, config.num_attention_heads,
                                   head_dim=getattr(config, "head_dim", None), layer_idx=layer_idx, causal=False,
-                                  qkv_bias=getattr(config, "qkv_bias", True),
+                                  qkv_bias=qkv_bias,
                                   dropout=config.attention_probs_dropout_prob, **kw)
         super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
                          pre_norm=pre_norm, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
@@ -257,4 +257,10 @@ class BertForSequenceClassification(BertModel):
         return {"labels": torch.zeros(ids.shape[0], dtype=dtype, device=ids.device)}
 
 
-FAMILIES = (Family("bert", ("bert",), BertModel, converter="bert", learned_positions=True),)
+FAMILIES = (Family("bert", ("bert",), BertModel, learned_positions=True, title="BERT",
+                   features="base model, masked LM, sequence classification",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=32, type_vocab_size=2,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+                                  architectures=["BertForMaskedLM"]), meshes=("tp2-sp", "pp2"),
+                             lora=("query", "value", "output.dense", "intermediate.dense"), generates=False)),)

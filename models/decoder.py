@@ -29,10 +29,9 @@ def layer_window(config, layer_idx: int) -> int | None:
     return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
 
 
-def dense_mlp(config, pc, device=None, dtype=None) -> GatedMLP:
+def dense_mlp(config, pc, bias: bool = False, device=None, dtype=None) -> GatedMLP:
     """The dense SwiGLU MLP (gate_up column, silu(gate) * up, down_proj row)."""
-    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                    bias=getattr(config, "mlp_bias", False), group=pc.tp_group,
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=bias, group=pc.tp_group,
                     sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
 
 
@@ -103,8 +102,16 @@ class DecoderModel(ParallelModel):
             self.norm = RMSNorm(h, eps=config.rms_norm_eps, **self.norm_options, **sp, **kw)
             tied = self.embed_tokens if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied,
-                                               softcap=getattr(config, "final_logit_softcapping", None), **kw)
+                                               softcap=self.logit_softcap(config), **kw)
         self.rotary = RotaryEmbedding(config, device=device)
+
+    def logit_softcap(self, config) -> float | None:
+        """The cap of the LM head's logits (Gemma's final soft-capping), None for none."""
+        return None
+
+    def mlp_bias(self, config) -> bool:
+        """Biases on the dense MLP's projections."""
+        return False
 
     def attention_window(self, config) -> int | None:
         """The sliding attention window most layers share (None: full causal attention), in the batch's mask."""
@@ -132,7 +139,7 @@ class DecoderModel(ParallelModel):
 
     def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         """Layer `layer_idx`'s MLP: dense here, a mixture of experts in the MoE families."""
-        return dense_mlp(config, pc, **kw)
+        return dense_mlp(config, pc, bias=self.mlp_bias(config), **kw)
 
     def embed(self, input_ids, ctx):
         return self.embed_tokens(input_ids, ctx.token_rows)
@@ -146,12 +153,12 @@ class MoEDecoderModel(DecoderModel):
     the configs, read when set on them: `router_z_loss_coef` adds a router z-loss, `capacity_factor` caps tokens per
     expert (dropless without)."""
 
-    num_experts_key = "num_local_experts"  # the config attribute holding the number of experts
+    num_experts_key = ""  # the config attribute holding the number of experts (each MoE family names its own)
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         from colozoo.core.mesh import single_process
 
-        experts, ep = getattr(config, self.num_experts_key), (pc or single_process()).size("ep")
+        experts, ep = self.experts(config), (pc or single_process()).size("ep")
         if experts % ep:
             raise UnsupportedConfig(f"ep={ep} must divide the number of experts ({self.num_experts_key}={experts})")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
@@ -159,12 +166,13 @@ class MoEDecoderModel(DecoderModel):
 
     def moe(self, config, pc, inner_size: int, device=None, dtype=None, **options) -> MoE:
         options = {"activation": config.hidden_act, **options}
-        return MoE(config.hidden_size, inner_size, self.num_experts_of(config), config.num_experts_per_tok,
+        return MoE(config.hidden_size, inner_size, self.experts(config), config.num_experts_per_tok,
                    ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
                    device=device, dtype=dtype, **options)
 
-    def num_experts_of(self, config) -> int:
-        return getattr(config, self.num_experts_key)
+    @classmethod
+    def experts(cls, config) -> int:
+        return getattr(config, cls.num_experts_key)
 
     def router_stats_width(self) -> int:
         return 2 * self.num_experts + 2

@@ -25,7 +25,7 @@ from colozoo.layers.rope import rope_parameters
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, UnsupportedConfig
 from colozoo.models.decoder import DecoderModel, MoEDecoderModel, dense_mlp
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 def softmax_scale(config) -> float:
@@ -55,6 +55,28 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
                                     f"num_key_value_heads ({config.num_key_value_heads}) must equal "
                                     f"num_attention_heads ({config.num_attention_heads})")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+
+    @classmethod
+    def attention_size(cls, config) -> tuple[int, int]:
+        """Multi-head latent attention: the query (compressed or not), the kv compression with the rotary key, the
+        heads' key and value expansions and o_proj."""
+        h, heads, latent = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+        q = h * heads * qk if config.q_lora_rank is None else config.q_lora_rank * (h + heads * qk)
+        kv = h * (latent + config.qk_rope_head_dim) + latent * heads * (config.qk_nope_head_dim + v)
+        return q + kv + heads * v * h, heads * (qk + v)
+
+    @classmethod
+    def expert_width(cls, config) -> int:
+        return config.moe_intermediate_size
+
+    @classmethod
+    def shared_expert_width(cls, config) -> int:
+        return config.moe_intermediate_size * (config.n_shared_experts or 0)
+
+    @classmethod
+    def sparse_layers(cls, config) -> int:
+        return sum(is_sparse(config, i) for i in range(config.num_hidden_layers))
 
     def attention_window(self, config):
         return None
@@ -86,4 +108,25 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
         return DecoderModel.head(self, hidden, ctx, labels=labels, logits=logits)
 
 
-FAMILIES = (Family("deepseek_v3", ("deepseek_v3",), DeepseekV3ForCausalLM, converter="deepseek_v3", gated_mlp=True),)
+# every feature of the published model: compressed queries (q_lora_rank) and keys/values (kv_lora_rank) with their
+# norms, a decoupled rotary key in interleaved pairs, values narrower than queries and keys, YaRN with an
+# mscale_all_dim; layer 0 dense, layers 1 and 2 DeepSeekMoE (8 experts in 4 groups, 2 groups chosen, a shared expert,
+# routed scaling)
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+        "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+FAMILIES = (Family("deepseek_v3", ("deepseek_v3",), DeepseekV3ForCausalLM, gated_mlp=True,
+                   title="DeepSeek-V3 / Kimi-K2",
+                   features="causal LM with mixture-of-experts (multi-head latent attention: q and kv compressions "
+                            "replicated over tp, heads split after them, a decoupled rotary key, YaRN softmax scale; a "
+                            "KV cache of the compressed latent and the rotary key, 5.6% of full keys and values, "
+                            "decoded with kv_b_proj absorbed; DeepSeekMoE: sigmoid scores with a routing bias, "
+                            "group-limited top-k, a shared expert, the first layers dense; LoRA on the attention "
+                            "projections, the MLPs refused since PEFT maps their names onto the routed experts)",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                                  num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+                                  qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, n_group=4, topk_group=2,
+                                  num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                                  max_position_embeddings=64, rope_parameters=YARN, pad_token_id=0),
+                             meshes=("tp2-sp", "ep2", "pp2-tp2", "cp2-ring"),
+                             lora=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))),)

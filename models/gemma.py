@@ -17,7 +17,7 @@ from colozoo.layers import GatedMLP, RMSNorm
 from colozoo.layers.rope import RotaryEmbedding, rope_config
 from colozoo.models.base import require
 from colozoo.models.decoder import DecoderModel, layer_window
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -59,6 +59,9 @@ class Gemma2ForCausalLM(DecoderModel):
         local = rope_config(config, SLIDING)
         self.local_rotary = RotaryEmbedding(local, device=device) if local is not config else None
 
+    def logit_softcap(self, config) -> float | None:
+        return config.final_logit_softcapping
+
     def attention_window(self, config) -> int | None:
         return None  # per layer: the full layers' causal mask is the batch's, sliding layers build theirs
 
@@ -96,8 +99,29 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return {"qk_norm": {"eps": config.rms_norm_eps, **self.norm_options}}
 
 
+# windows of 4 positions; weights drawn large enough (initializer_range) that the embedding scale and the caps move
+# the logits
+GEMMA2 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+              query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=2.0, initializer_range=0.2)
+# two sliding layers (the local RoPE base) around a full one with linear RoPE scaling; q/k norms; a final cap
+GEMMA3 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+              query_pre_attn_scalar=24, final_logit_softcapping=2.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}})
+FEATURES = ("(1 + w) RMSNorm in fp32, four norms per layer, GeGLU, scaled embedding, alternating sliding / global "
+            "layers")
 FAMILIES = (
-    Family("gemma2", ("gemma2",), Gemma2ForCausalLM, converter="gemma", gated_mlp=True),
-    Family("gemma3_text", ("gemma3_text",), Gemma3ForCausalLM, converter="gemma", gated_mlp=True,
-           text_model_of=(("gemma3", "Gemma3ForCausalLM", "the vision tower and multimodal projector"),)),
+    # transformers' SDPA cannot cap attention scores: its reference runs eager attention
+    Family("gemma2", ("gemma2",), Gemma2ForCausalLM, gated_mlp=True, title="Gemma 2",
+           features=f"causal LM ({FEATURES}, attention and final logit soft-capping)",
+           tiny=Tiny(GEMMA2, attention="eager", lora=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))),
+    Family("gemma3_text", ("gemma3_text",), Gemma3ForCausalLM, gated_mlp=True, title="Gemma 3 text",
+           features=f"causal LM ({FEATURES}, q/k norm, a local RoPE base, final logit soft-capping); the published "
+                    f"Gemma3ForConditionalGeneration checkpoints load as their text model, the vision tower skipped "
+                    f"with a note",
+           text_model_of=(("gemma3", "Gemma3ForCausalLM", "the vision tower and multimodal projector"),),
+           tiny=Tiny(GEMMA3)),
 )

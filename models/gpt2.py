@@ -12,7 +12,7 @@ from colozoo.layers import (ColumnParallelLinear, Embedding, LayerNorm, RowParal
                             VocabParallelEmbedding, VocabParallelLMHead, scatter_to_sequence)
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout, require
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 def gpt2_attention(config, layer_idx: int, pc, device=None, dtype=None) -> SelfAttention:
@@ -29,7 +29,7 @@ class GPT2MLP(nn.Module):
     def __init__(self, config, pc, device=None, dtype=None):
         super().__init__()
         h = config.hidden_size
-        inner = config.n_inner if config.n_inner is not None else 4 * h
+        inner = GPT2ForCausalLM.mlp_width(config)
         check_divisible("the MLP width (n_inner)", inner, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         self.c_fc = ColumnParallelLinear(h, inner, activation=config.activation_function, **kw)
@@ -85,6 +85,10 @@ class GPT2ForCausalLM(ParallelModel):
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, group=pc.tp_group,
                                                sequence_parallel=pc.sequence_parallel, tied_embedding=tied, **kw)
 
+    @classmethod
+    def mlp_width(cls, config) -> int:
+        return config.n_inner if config.n_inner is not None else 4 * config.hidden_size
+
     def position_limit(self) -> int:
         return self.config.max_position_embeddings
 
@@ -99,4 +103,7 @@ class GPT2ForCausalLM(ParallelModel):
         return self.lm_output(self.ln_f(hidden), ctx, labels, logits)
 
 
-FAMILIES = (Family("gpt2", ("gpt2",), GPT2ForCausalLM, converter="gpt2", learned_positions=True),)
+FAMILIES = (Family("gpt2", ("gpt2",), GPT2ForCausalLM, learned_positions=True, title="GPT-2",
+                   features="causal LM (tied head, Conv1D checkpoints, reorder_and_upcast_attn)",
+                   tiny=Tiny(dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0), lora=("c_attn", "c_proj", "c_fc"))),)

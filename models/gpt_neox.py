@@ -20,7 +20,7 @@ from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, 
 from colozoo.layers.rope import RotaryEmbedding
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 class GPTNeoXMLP(nn.Module):
@@ -93,4 +93,12 @@ class GPTNeoXForCausalLM(ParallelModel):
         return self.lm_output(self.final_layer_norm(hidden), ctx, labels, logits)
 
 
-FAMILIES = (Family("gpt_neox", ("gpt_neox",), GPTNeoXForCausalLM, converter="gpt_neox"),)
+# the default rotary_pct (0.25): a quarter of each head's features rotate; weights large enough that a wrong rotation
+# or residual changes the greedy tokens
+FAMILIES = (Family("gpt_neox", ("gpt_neox",), GPTNeoXForCausalLM, title="GPT-NeoX / Pythia",
+                   features="causal LM (parallel or sequential residual, partial rotary, per-head fused "
+                            "query_key_value reordered to [q; k; v] by the converter)",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=32, bos_token_id=1, eos_token_id=2,
+                                  initializer_range=0.2),
+                             lora=("query_key_value", "dense", "dense_4h_to_h"))),)

@@ -9,18 +9,28 @@ LM head.
 from __future__ import annotations
 
 from colozoo.models.decoder import DecoderModel
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 class LlamaForCausalLM(DecoderModel):
     family = "llama"
+
+    def mlp_bias(self, config) -> bool:
+        return getattr(config, "mlp_bias", False)  # Mistral's config has none
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     family = "mistral"
 
 
+# 4 query heads over 2 kv heads, an odd vocabulary; Mistral's window (4) shorter than the tests' sequences
+LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 FAMILIES = (
-    Family("llama", ("llama",), LlamaForCausalLM, converter="llama", gated_mlp=True),
-    Family("mistral", ("mistral",), MistralForCausalLM, converter="llama", gated_mlp=True, registered=False),
+    Family("llama", ("llama",), LlamaForCausalLM, gated_mlp=True, tiny=Tiny(LLAMA), title="LLaMA",
+           features="causal LM (RoPE incl. linear/dynamic/llama3/YaRN/LongRoPE scaling and partial rotary, GQA, "
+                    "SwiGLU)"),
+    Family("mistral", ("mistral",), MistralForCausalLM, gated_mlp=True, registered=False,
+           tiny=Tiny({**LLAMA, "sliding_window": 4}), title="Mistral", features="causal LM (LLaMA's, with a sliding "
+                                                                               "window on every layer)"),
 )

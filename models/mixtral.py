@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from colozoo.models.base import UnsupportedConfig
 from colozoo.models.decoder import MoEDecoderModel
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 class MixtralForCausalLM(MoEDecoderModel):
     family = "mixtral"
+    num_experts_key = "num_local_experts"
 
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         if getattr(config, "router_jitter_noise", 0.0):
@@ -28,4 +29,11 @@ class MixtralForCausalLM(MoEDecoderModel):
                         **kw)
 
 
-FAMILIES = (Family("mixtral", ("mixtral",), MixtralForCausalLM, converter="mixtral", gated_mlp=True),)
+FAMILIES = (Family("mixtral", ("mixtral",), MixtralForCausalLM, gated_mlp=True, title="Mixtral",
+                   features="causal LM with mixture-of-experts (top-k softmax routing, load-balancing and z losses, "
+                            "expert parallel)",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
+                                  router_aux_loss_coef=0.05),
+                             meshes=("tp2-sp", "ep2", "pp2-tp2"), lora=("q_proj", "k_proj", "v_proj", "o_proj"))),)

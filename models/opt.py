@@ -16,7 +16,7 @@ from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLaye
                             VocabParallelLMHead, copy_to_parallel, scatter_to_sequence)
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, default_positions
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 
@@ -89,6 +89,10 @@ class OPTForCausalLM(ParallelModel):
             tied = self.embed_tokens if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(proj_dim, config.vocab_size, tied_embedding=tied, **sp, **kw)
 
+    @classmethod
+    def mlp_width(cls, config) -> int:
+        return config.ffn_dim
+
     def position_limit(self) -> int:
         return self.config.max_position_embeddings
 
@@ -122,4 +126,10 @@ class OPTForCausalLM(ParallelModel):
         return self.lm_output(hidden, ctx, labels, logits)
 
 
-FAMILIES = (Family("opt", ("opt",), OPTForCausalLM, converter="opt", learned_positions=True),)
+FAMILIES = (Family("opt", ("opt",), OPTForCausalLM, learned_positions=True, title="OPT",
+                   features="causal LM (pre/post-LN, embedding projections, positions counted over the attention "
+                            "mask)",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, ffn_dim=96,
+                                  num_attention_heads=4, max_position_embeddings=32, dropout=0.0,
+                                  attention_dropout=0.0, pad_token_id=1),
+                             lora=("q_proj", "v_proj", "out_proj", "fc2"))),)

@@ -8,44 +8,28 @@ from colozoo.models.family import family_of
 BALANCE = ("params", "flops", "layers")
 
 
-def _attention(config, h: int, heads: int) -> tuple[int, int]:
-    """(projection weights, query x key and probability x value widths summed over heads) of one attention block."""
-    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention (DeepSeek-V3): compressions, heads' ups
-        qk, v, latent = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
-        q = h * heads * qk if config.q_lora_rank is None else config.q_lora_rank * (h + heads * qk)
-        kv = h * (latent + config.qk_rope_head_dim) + latent * heads * (config.qk_nope_head_dim + v)
-        return q + kv + heads * v * h, heads * (qk + v)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads  # Gemma, Qwen3: heads x head_dim != hidden
-    return h * head_dim * (2 * heads + 2 * kv_heads), 2 * heads * head_dim  # q and o, k and v (grouped: fewer kv)
-
-
 def layer_cost(config, balance: str = "params", seq_len: int = 1024) -> tuple[float, float, float]:
     """(per layer, first-stage extra, last-stage extra) cost of a decoder-only transformer, in units of one layer (the
-    mean layer where DeepSeek-V3's first first_k_dense_replace layers have dense MLPs and the others experts).
+    mean layer where some layers have dense MLPs and the others experts), from the sizes the family's model class
+    reads off its config (colozoo.models.base.ParallelModel.attention_size, mlp_width, experts, ...).
 
     "params": embeddings and the LM head count by their weights (a tied head counts on both stages: the last
     stage holds a copy). "flops": per-token forward FLOPs; the embedding lookup is free, the head is a matmul.
     """
     h, vocab = config.hidden_size, getattr(config, "vocab_size", 0)
-    heads = config.num_attention_heads
-    attention, core = _attention(config, h, heads)
-    inner = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-             or getattr(config, "ffn_dim", None) or 4 * h)
     family = family_of(config.model_type)
-    gated = family.gated_mlp  # gate, up and down projections
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 1
-    matrices = 3 if gated else 2
-    expert = matrices * h * (getattr(config, "moe_intermediate_size", None) or inner)  # Qwen-MoE experts are narrower
-    shared_size = (getattr(config, "shared_expert_intermediate_size", None)
-                   or (getattr(config, "n_shared_experts", None) or 0) * (getattr(config, "moe_intermediate_size", 0)))
-    shared = matrices * h * shared_size
-    router = h * experts if experts > 1 else 0
-    dense = min(getattr(config, "first_k_dense_replace", 0) if experts > 1 else 0, config.num_hidden_layers)
-    share = dense / config.num_hidden_layers  # of the layers with a dense MLP instead of the experts
+    model = family.model
+    attention, core = model.attention_size(config)
+    matrices = 3 if family.gated_mlp else 2  # gate, up and down projections, or in and out
+    dense_mlp = matrices * h * model.mlp_width(config)
+    experts = model.experts(config)
+    expert = matrices * h * model.expert_width(config)
+    shared = matrices * h * model.shared_expert_width(config)
+    router = h * experts
+    share = model.sparse_layers(config) / config.num_hidden_layers if experts else 0.0  # of the layers with experts
 
-    def mean(moe, dense_mlp=matrices * h * inner):
-        return share * dense_mlp + (1 - share) * moe
+    def mean(moe):
+        return share * moe + (1 - share) * dense_mlp
 
     if balance == "params":
         layer = attention + mean(expert * experts + shared + router)

@@ -9,7 +9,7 @@ from torch import nn
 from colozoo.layers import GatedMLP
 from colozoo.models.base import dropout
 from colozoo.models.decoder import DecoderLayer, DecoderModel
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 class Phi3ForCausalLM(DecoderModel):
@@ -38,4 +38,17 @@ class Phi3ForCausalLM(DecoderModel):
                        sharded=self.sequence_parallel)
 
 
-FAMILIES = (Family("phi3", ("phi3",), Phi3ForCausalLM, converter="phi3", gated_mlp=True),)
+# LongRoPE with distinct short and long factors past 11 positions (the tests' sequences are longer; generation
+# crosses it, where the cache is encoded again with the long factors), an attention factor from 32 / 11 positions, a
+# window of 6, and weights large enough that a cache kept short-rotated changes the greedy tokens
+FAMILIES = (Family("phi3", ("phi3",), Phi3ForCausalLM, gated_mlp=True, title="Phi-3",
+                   features="causal LM (fused qkv / gate_up checkpoints, LongRoPE, partial rotary, sliding window)",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=6,
+                                  initializer_range=0.2,
+                                  original_max_position_embeddings=11,
+                                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                   "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                                                   "long_factor": [1.0 + 3.0 * i for i in range(8)]}),
+                             lora=("qkv_proj", "o_proj", "gate_up_proj"))),)

@@ -1,20 +1,15 @@
-"""Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE: the shared decoder (colozoo.models.decoder) with the Qwen options.
+"""Qwen2 / Qwen2.5 and Qwen3: the shared decoder (colozoo.models.decoder) with the Qwen options.
 
     Qwen2      biases on q/k/v (not on o_proj); a layer is sliding-window or full by config.layer_types
                (transformers derives it from use_sliding_window and max_window_layers: layers >= max_window_layers
                slide when use_sliding_window)
     Qwen3      no q/k/v bias (attention_bias sets q/k/v and o_proj together), q_norm / k_norm: RMSNorm over head_dim
                of every query / key head before RoPE; layer_types as Qwen2
-    Qwen3-MoE  Qwen3's attention (one sliding window for every layer when use_sliding_window), the Qwen2-MoE
-               sparse / dense layer pattern (decoder_sparse_step, mlp_only_layers), top-k routing renormalised when
-               norm_topk_prob, no shared expert; load-balancing loss as Mixtral
 """
 from __future__ import annotations
 
-from colozoo.models.decoder import DecoderModel, MoEDecoderModel, dense_mlp, layer_window
-from colozoo.models.family import Family
-
-from .qwen2_moe import is_sparse
+from colozoo.models.decoder import DecoderModel, layer_window
+from colozoo.models.family import Family, Tiny
 
 
 class Qwen2ForCausalLM(DecoderModel):
@@ -37,21 +32,17 @@ class Qwen3ForCausalLM(Qwen2ForCausalLM):
                               **kw)
 
 
-class Qwen3MoeForCausalLM(MoEDecoderModel):
-    family = "qwen3_moe"
-    num_experts_key = "num_experts"
-
-    def build_attention(self, layer_idx, config, pc, **kw):
-        return self.attention(layer_idx, qk_norm={"eps": config.rms_norm_eps}, **kw)
-
-    def build_mlp(self, layer_idx, config, pc, **kw):
-        if not is_sparse(config, layer_idx):
-            return dense_mlp(config, pc, **kw)
-        return self.moe(config, pc, config.moe_intermediate_size, normalize_top_k=config.norm_topk_prob, **kw)
-
-
+# odd vocabulary, 4 query heads over 2 kv heads; Qwen2: layers 0 and 1 full, 2 sliding over 4 positions
+# (transformers: layers >= max_window_layers slide); Qwen3: head_dim != hidden / heads, so the q/k norms are over
+# head_dim
+QWEN = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 FAMILIES = (
-    Family("qwen2", ("qwen2",), Qwen2ForCausalLM, converter="qwen", gated_mlp=True),
-    Family("qwen3", ("qwen3",), Qwen3ForCausalLM, converter="qwen", gated_mlp=True),
-    Family("qwen3_moe", ("qwen3_moe",), Qwen3MoeForCausalLM, converter="qwen3_moe", gated_mlp=True),
+    Family("qwen2", ("qwen2",), Qwen2ForCausalLM, gated_mlp=True, title="Qwen2 / Qwen2.5",
+           features="causal LM (q/k/v bias, tied or untied head, per-layer sliding window from `layer_types`)",
+           tiny=Tiny({**QWEN, "num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 4,
+                      "max_window_layers": 2})),
+    Family("qwen3", ("qwen3",), Qwen3ForCausalLM, gated_mlp=True, title="Qwen3",
+           features="causal LM (per-head q/k RMSNorm before RoPE, replicated over tp)",
+           tiny=Tiny({**QWEN, "head_dim": 32}, lora=("q_proj", "k_proj", "o_proj", "up_proj", "down_proj"))),
 )

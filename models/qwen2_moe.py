@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from colozoo.models.base import UnsupportedConfig
 from colozoo.models.decoder import MoEDecoderModel, dense_mlp
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 def is_sparse(config, layer_idx: int) -> bool:
@@ -26,6 +26,18 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
             raise UnsupportedConfig("Qwen2-MoE with use_sliding_window=True is not supported")
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
 
+    @classmethod
+    def expert_width(cls, config) -> int:
+        return config.moe_intermediate_size
+
+    @classmethod
+    def shared_expert_width(cls, config) -> int:
+        return config.shared_expert_intermediate_size or 0
+
+    @classmethod
+    def sparse_layers(cls, config) -> int:
+        return sum(is_sparse(config, i) for i in range(config.num_hidden_layers))
+
     def attention_window(self, config):
         return None  # sliding layers are refused; the config's sliding_window (0 when unused) would mask everything
 
@@ -39,4 +51,14 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
                         shared_expert_size=config.shared_expert_intermediate_size or None, **kw)
 
 
-FAMILIES = (Family("qwen2_moe", ("qwen2_moe",), Qwen2MoeForCausalLM, converter="qwen2_moe", gated_mlp=True),)
+# layer 0 sparse with a gated shared expert and un-normalised top-k weights, layer 1 dense
+FAMILIES = (Family("qwen2_moe", ("qwen2_moe",), Qwen2MoeForCausalLM, gated_mlp=True, title="Qwen2-MoE",
+                   features="causal LM with mixture-of-experts (a shared expert gated per token, dense layers by "
+                            "mlp_only_layers and decoder_sparse_step)",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                  max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.05),
+                             meshes=("tp2-sp", "ep2", "pp2-tp2"),
+                             lora=("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
+                                   "shared_expert.down_proj"))),)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from colozoo.models.decoder import DecoderModel
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 
 def smollm3_window(config, layer_idx: int) -> int | None:
@@ -22,6 +22,9 @@ def smollm3_window(config, layer_idx: int) -> int | None:
 class SmolLM3ForCausalLM(DecoderModel):
     family = "smollm3"
 
+    def mlp_bias(self, config) -> bool:
+        return config.mlp_bias
+
     def attention_window(self, config):
         """The window every layer shares (it goes into the batch's mask), else None: mixed layers build their own."""
         windows = {smollm3_window(config, i) for i in range(config.num_hidden_layers)}
@@ -32,4 +35,10 @@ class SmolLM3ForCausalLM(DecoderModel):
         return self.attention(layer_idx, window=smollm3_window(config, layer_idx), rotary=rotary, **kw)
 
 
-FAMILIES = (Family("smollm3", ("smollm3",), SmolLM3ForCausalLM, converter="llama", gated_mlp=True),)
+# 4 layers: layer 3 is NoPE and (use_sliding_window) slides over 5 positions
+FAMILIES = (Family("smollm3", ("smollm3",), SmolLM3ForCausalLM, gated_mlp=True, title="SmolLM3",
+                   features="causal LM (no RoPE in every fourth layer, NoPE; sliding window only with "
+                            "`use_sliding_window`)",
+                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  pad_token_id=0, use_sliding_window=True, sliding_window=5))),)

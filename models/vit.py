@@ -18,7 +18,7 @@ from colozoo.layers.activations import get_activation
 from colozoo.layers.batch import BatchContext
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, dropout, require
-from colozoo.models.family import Family
+from colozoo.models.family import Family, Tiny
 
 from .bert import EncoderLayer, EncoderModel, classification_loss
 
@@ -73,14 +73,18 @@ class ViTModel(EncoderModel):
     input_embedding = "embeddings.projection"
     TASKS = {"base": "ViTModel", "image_classification": "ViTForImageClassification"}
 
+    @classmethod
+    def image_input(cls, config) -> tuple[int, int]:
+        return config.num_channels, config.image_size
+
     def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
         super().__init__(config, pc, layer_ids)
         config, pc = self.config, self.pc
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
             self.embeddings = ViTEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=True, **kw)
-                                     for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=True, qkv_bias=config.qkv_bias,
+                                                          **kw) for i in self.layer_ids})
         if self.is_last:
             self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=pc.tp_group,
                                        sequence_parallel=pc.sequence_parallel, **kw)
@@ -158,4 +162,10 @@ class ViTForImageClassification(ViTModel):
         return torch.tensor(labels.numel(), device=labels.device)
 
 
-FAMILIES = (Family("vit", ("vit",), ViTModel, converter="vit"),)
+# 8x8 images in 2x2 patches: 16 patches + CLS = 17 tokens, a multiple of neither 2 nor 4 (sequence-parallel padding)
+FAMILIES = (Family("vit", ("vit",), ViTModel, title="ViT", features="base model, image classification",
+                   tiny=Tiny(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=8, patch_size=2, num_channels=3, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3,
+                                  architectures=["ViTForImageClassification"]), meshes=("tp2-sp", "pp2"),
+                             lora=("q_proj", "v_proj", "o_proj", "fc1"), generates=False)),)

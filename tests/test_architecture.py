@@ -257,3 +257,89 @@ def test_tests_stay_short_and_their_helpers_sit_apart():
     assert not stray, f"helpers among the test files (move them to tests/helpers): {stray}"
     long = {str(p.relative_to(ROOT)): n for p in tests.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"test files over {MAX_LINES} lines: {long}"
+
+
+# --- each family's vocabulary in its own files ------------------------------------------------------------------
+# A family's config keys are those of its transformers config class: the ones at most FEW families' classes have are
+# their own vocabulary (n_inner, ffn_dim, kv_lora_rank, moe_intermediate_size, ...), spelled only in their model and
+# converter modules; the others are the vocabulary every shared layer reads (hidden_size, sliding_window, head_dim,
+# num_experts_per_tok, ...). A module spells a key by reading it off a config (`config.key`, `getattr(c, "key")`, any
+# string "key") or by passing it to a config class.
+FEW = 3
+COMMON = {"dropout": "a word of every layer's arguments (OPT's config key too)",
+          "original_max_position_embeddings": "RoPE's: any family's rope_parameters may hold it"}
+PENDING_VOCABULARY = {"colozoo.cost.planner": {"num_local_experts"}}  # its expert-count guess, to read the hook
+
+
+def family_vocabulary() -> dict[str, set[str]]:
+    """Config key -> the families whose config class has it, for the keys at most FEW families share."""
+    import inspect
+
+    import transformers
+
+    from colozoo.models import families
+
+    generic = set(inspect.signature(transformers.PretrainedConfig.__init__).parameters)
+    generic |= set(transformers.PretrainedConfig().to_dict()) | {"self", "kwargs"}
+    owners: dict[str, set[str]] = {}
+    for family in set(families().values()):
+        cls = type(transformers.AutoConfig.for_model(family.model_types[0]))
+        for key in (set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))) - generic:
+            owners.setdefault(key, set()).add(family.name)
+    return {key: names for key, names in owners.items() if len(names) <= FEW and key not in COMMON}
+
+
+def family_files(name: str) -> set[str]:
+    """The modules of a family: the model file declaring it and the converter declaring its class."""
+    from colozoo.converters import family_module
+    from colozoo.models import family_of
+
+    return {family_of(name).model.__module__, family_module(name).__name__}
+
+
+def _reads_config(node) -> bool:
+    return ((isinstance(node, ast.Name) and (node.id in ("c", "cfg") or node.id.endswith("config")))
+            or (isinstance(node, ast.Attribute) and node.attr.endswith("config")))
+
+
+def spelled_keys(path: Path) -> dict[str, list[int]]:
+    """Every name the module reads off a config, writes as a string or passes to a config class, with its lines."""
+    out: dict[str, list[int]] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Attribute) and _reads_config(node.value):
+            names = [node.attr]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]
+        elif isinstance(node, ast.Call) and (getattr(node.func, "id", "") or getattr(node.func, "attr", "")).endswith(
+                ("Config", "for_model")):
+            names = [k.arg for k in node.keywords if k.arg]
+        for name in names:
+            out.setdefault(name, []).append(node.lineno)
+    return out
+
+
+def test_family_config_keys_are_spelled_only_in_their_familys_files():
+    vocabulary = family_vocabulary()
+    assert {"n_inner", "ffn_dim", "kv_lora_rank", "first_k_dense_replace", "moe_intermediate_size"} <= set(vocabulary)
+    stray = []
+    for module, path in MODULES.items():
+        for key, lines in spelled_keys(path).items():
+            owners = vocabulary.get(key)
+            if owners and key not in PENDING_VOCABULARY.get(module, ()) and module not in set().union(
+                    *(family_files(name) for name in owners)):
+                stray.append(f"{module} (line {lines[0]}) spells {key!r}, a config key of {sorted(owners)} only")
+    assert not stray, ("read these through a hook of the family's model class (models/base.py lists them):\n"
+                       + "\n".join(stray))
+
+
+def test_every_family_declares_a_tiny_config_and_a_converter_importing_its_model():
+    """Beside its FAMILIES entry the config its tests build; a converter module found by its CONVERTS, whose imports
+    (this file's graph) hold the family's model module."""
+    from colozoo.converters import family_module
+    from colozoo.models import families
+
+    for family in set(families().values()):
+        assert family.tiny is not None and family.tiny.config, f"{family.name} declares no tiny config"
+        converter = family_module(family.name).__name__
+        assert family.model.__module__ in imported(converter, MODULES[converter]), (family.name, converter)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from distributed import run_distributed
 from parity import close
-from test_checkpoint import (FAMILIES, LOGITS_ATOL, TIMEOUT, _logits_vs_transformers, available, batch, hf_state,
+from test_checkpoint import (FAMILIES, LOGITS_ATOL, TIMEOUT, _logits_vs_transformers, batch, hf_state,
                              leftovers, make_hf)
 
 import colozoo
@@ -101,9 +101,8 @@ def test_config_disagreeing_with_weights(tmp_path):
 @pytest.mark.parametrize("family,overrides,tp,message", [
     ("gpt2", {}, 3, r"tp=3 must divide the attention heads \(n_head\) \(4\)"),
     ("gpt2", {"n_inner": 98}, 4, r"tp=4 must divide the MLP width \(n_inner\) \(98\)"),
-    pytest.param("llama", {"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 3}, 4,
-                 r"tp=4 must divide the key/value heads",  # 2 kv heads would be replicated over pairs of ranks
-                 marks=pytest.mark.skipif(not available("llama"), reason="llama not available yet")),
+    ("llama", {"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 3}, 4,
+     r"tp=4 must divide the key/value heads"),  # 2 kv heads would be replicated over pairs of ranks
 ])
 def test_tp_not_dividing_heads_or_ffn(tmp_path, monkeypatch, family, overrides, tp, message):
     model_type, kwargs = FAMILIES[family]

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
+from family_cases import tiny_kwargs
 from parity import batch, close, global_shapes, hf_causal_lm, resolved_sources
 
 ATOL = 1e-5
@@ -87,16 +88,7 @@ def test_zigzag_shard_and_gather_round_trip():
         zigzag_index(10, 4, 0)
 
 
-FAMILIES = {
-    "gpt2": dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "opt": dict(vocab_size=101, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=64),
-    "llama": dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32),
-    "mistral": dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=32, sliding_window=5),
-}
+FAMILIES = {family: tiny_kwargs(family) for family in ("gpt2", "opt", "llama", "mistral")}  # the declared configs
 
 
 def right_padded_batch(vocab_size: int, seq_len: int, padding: int = 6):
@@ -119,8 +111,7 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    config, hf = hf_causal_lm(family, {**FAMILIES.get(family, {}), **(overrides or {})},  # others: whole config
-                              attn_implementation=attn_implementation)
+    config, hf = hf_causal_lm(family, tiny_kwargs(family, **(overrides or {})), attn_implementation=attn_implementation)
     if right_padding:
         ids, mask, labels = right_padded_batch(config.vocab_size, 16, right_padding)
     else:

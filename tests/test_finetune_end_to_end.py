@@ -69,9 +69,11 @@ def test_resume_is_exact_on_a_mesh(degrees, tiny, tmp_path):
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_other_causal_lm_families_fine_tune_and_export(family, tmp_path):
+    from eval_model import EXTRAS
+
     from colozoo.demo_finetune import make_tiny_causal_lm
 
-    model = make_tiny_causal_lm(tmp_path / family, family, layers=2, positions=32)
+    model = make_tiny_causal_lm(tmp_path / family, family, layers=2, positions=32, **EXTRAS[family](64))
     out = tmp_path / "run"
     summary = finetune(small_run(model, out, steps=4, lr=5e-3, export_hf=True))
     curve = losses(out)

@@ -5,27 +5,18 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from parity import batch, close, hf_causal_lm
-from test_gpt2 import BASE as GPT2
-from test_llama import BASE as LLAMA
-from test_mixtral import FAMILIES as MOE, load_saved
+from family_parity import load, reference
+from parity import batch, close
 
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": {**MOE["mixtral"], "output_router_logits": True}}
+FAMILIES = ("gpt2", "llama", "mixtral")  # their declared configs (Mixtral's with the router losses on)
 TIMEOUT = 180
 
 
 def _fresh(family, pc=None):
-    from colozoo.api import build_model
-    from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
 
-    config, hf = hf_causal_lm(family, FAMILIES[family])
-    if family == "mixtral":  # stacked experts in memory: load what transformers writes (one tensor per expert)
-        return config, load_saved(hf, config, pc or init_parallel())[0]
-    model = build_model(config, pc=pc or init_parallel(), device="meta")
-    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    return config, model
+    config, hf = reference(family)
+    return config, load(hf, config, pc or init_parallel())[0]
 
 
 def _training_grads(model, ids, labels) -> dict:

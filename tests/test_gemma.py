@@ -1,42 +1,32 @@
-"""Gemma 2 and Gemma 3 text against transformers: logits, loss and every gradient at tp 1/2/4 (sequence parallel on
-and off), with sequences longer than the sliding window and soft-capping that bites; converter round trips; greedy
-generation; context parallel (ring and all-to-all) against one process."""
+"""Gemma 2 and Gemma 3 text beyond the family table (tests/test_family_table.py: the declared configs on one process,
+tp2 with sequence parallelism and pp2 x tp2, sequences longer than the window, soft-capping that bites): tp 2 and 4
+with sequence parallelism on and off, each feature shown to matter, context parallel (ring and all-to-all) against
+transformers and against one process, a tied head over pp2 x tp2, the multimodal checkpoints' text model, the
+registry's sizes."""
 import pytest
 import torch
 
 from distributed import run_distributed
-from parity import LOGITS_ATOL, batch, causal_lm_parity, hf_causal_lm, hf_round_trip
+from family_cases import attention, tiny_kwargs
+from family_parity import family_parity
+from parity import LOGITS_ATOL, batch, hf_causal_lm
 
-# layer 0 slides over 4 tokens, layer 1 sees everything; sequences are 12 long. Weights large enough (std 0.2) that
-# caps of 2.0 bite on scores and logits alike.
-GEMMA2 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
-              query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=2.0, initializer_range=0.2)
-# two sliding layers (the local RoPE base) around a full one with linear RoPE scaling; q/k norms; a final cap
-GEMMA3 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
-              query_pre_attn_scalar=24, final_logit_softcapping=2.0,
-              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}})
-CONFIGS = {"gemma2": GEMMA2, "gemma3_text": GEMMA3}
+# the declared configs: windows of 4 over sequences of 12-16; weights large enough (std 0.2) that caps of 2.0 bite on
+# scores and logits alike; Gemma 3's two sliding layers (a local RoPE base) around a full one with linear scaling
+CONFIGS = {family: tiny_kwargs(family) for family in ("gemma2", "gemma3_text")}
+GEMMA2, GEMMA3 = CONFIGS["gemma2"], CONFIGS["gemma3_text"]
 # transformers' Gemma 2 refuses SDPA (it cannot cap); Gemma 3 takes it, which treats the fully masked rows of left
 # padding as ours do (the loss reads one of them: the last pad predicts the first token)
-ATTENTION = {"gemma2": "eager", "gemma3_text": "sdpa"}
+ATTENTION = {family: attention(family) for family in CONFIGS}
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # tp=4 shards whole kv heads
 
 
 def parity(family, tp=1, sp=False, **extra):
-    return causal_lm_parity(family, {**CONFIGS[family], **extra}, tp, sp, attn_implementation=ATTENTION[family])
+    return family_parity(family, tp=tp, sequence_parallel=sp, overrides=extra)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_gemma_single_process(family):
-    parity(family)
-
-
-@pytest.mark.parametrize("family", list(CONFIGS))
-@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+@pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (4, True)])
 def test_gemma_tensor_parallel(family, tp, sp):
     run_distributed(parity, tp, family=family, tp=tp, sp=sp, **(WIDE if tp == 4 else {}))
 
@@ -71,24 +61,6 @@ def test_each_feature_matters(family, switch_off):
     """The test configs are sensitive: without the feature the parity check would fail."""
     ours, theirs = _logits_without(family, switch_off)
     assert (ours - theirs).abs().max() > 100 * LOGITS_ATOL, switch_off
-
-
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_gemma_converter_round_trip(family):
-    hf_round_trip(family, CONFIGS[family], attn_implementation=ATTENTION[family])
-
-
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_gemma_convert_reshard_export(tmp_path, family):
-    """HF -> colozoo at tp2 x pp2 -> colozoo at tp4 (kv heads replicated) -> HF, bit for bit; transformers loads it."""
-    from test_qwen import convert_round_trip
-
-    convert_round_trip(tmp_path, family, CONFIGS[family], dict(tp=2, pp=2), attn_implementation=ATTENTION[family])
-
-
-def test_gemma_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, model_type="gemma3_text", config_kwargs=GEMMA3, tp=2)
-    run_distributed(hf_round_trip, 2, model_type="gemma2", config_kwargs=GEMMA2, tp=2, attn_implementation="eager")
 
 
 # --- Gemma 3 4b/12b/27b as published: Gemma3ForConditionalGeneration -----------------------------------------------
@@ -186,23 +158,6 @@ def test_registered_gemma_configs_build_offline_with_the_published_sizes(name):
     from colozoo.registry import count_parameters, get_config
 
     assert count_parameters(get_config(name)) == REGISTERED[name]
-
-
-def greedy_matches_transformers(family, tp=1):
-    """Prompts of 5, 9 and 3 tokens, then 8 new: past the window of 4."""
-    from test_generate import greedy_matches_transformers as greedy
-
-    return greedy([family], tp=tp, configs=CONFIGS, attention=ATTENTION, new=8)[family]
-
-
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_gemma_greedy_generate_equals_transformers(family):
-    greedy_matches_transformers(family)
-
-
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_gemma_greedy_generate_equals_transformers_tp2(family):
-    run_distributed(greedy_matches_transformers, 2, family=family, tp=2)
 
 
 def gemma_cp_parity(family, cp, mode, tp=1, sp=False):

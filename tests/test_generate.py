@@ -1,35 +1,21 @@
-"""model.generate against transformers' generate, token for token (fp32 greedy), for every causal family at
-tp 1/2/4, tp2 x pp2 and the MoE families at ep 2, with left-padded prompts of different lengths; seeded sampling
-identical on every rank and across runs; the KV cache holds exactly its formula's elements; bad input refused."""
+"""model.generate against transformers' generate, token for token (fp32 greedy), for every causal family of the table
+(tests/helpers/family_cases.py: each family's declared tiny config) on one process and at tp2 x pp2, the MoE families
+at ep 2, some at tp 2 and 4, with left-padded prompts of different lengths; seeded sampling identical on every rank
+and across runs; the KV cache holds exactly its formula's elements; bad input refused."""
 import pytest
 import torch
 
 from distributed import run_distributed
+from family_cases import GENERATING, MOE, attention, tiny_kwargs
 from parity import hf_causal_lm
-from test_mixtral import load_saved
 
-from colozoo.api import build_model
-from colozoo.checkpoint.load import load_hf_weights
-from colozoo.checkpoint.readers import StateDictReader
 from colozoo.core.mesh import init_parallel, single_process
 
 TIMEOUT = 240
 NEW = 6
-FAMILIES = {
-    "gpt2": dict(vocab_size=101, n_positions=64, n_embd=32, n_layer=4, n_head=4),
-    "opt": dict(vocab_size=101, max_position_embeddings=64, hidden_size=32, ffn_dim=64, num_hidden_layers=4,
-                num_attention_heads=4, word_embed_proj_dim=32, pad_token_id=1),
-    "llama": dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "mistral": dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=4, max_position_embeddings=64, sliding_window=5),
-    "mixtral": dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
-                      shared_expert_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
-                      decoder_sparse_step=1, mlp_only_layers=[1]),
-}
+# router losses are for training (transformers' gpt-oss fails to generate with them on)
+FAMILIES = {name: {**tiny_kwargs(name), **({"output_router_logits": False} if name in MOE else {})}
+            for name in GENERATING}
 
 
 def prompts(vocab_size: int, lengths=(5, 9, 3)):
@@ -43,17 +29,16 @@ def prompts(vocab_size: int, lengths=(5, 9, 3)):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def ours_and_hf(family, pc, config_kwargs=None, attn_implementation="sdpa", prepare=None):
-    """transformers' tiny model of `family` (passed through `prepare` first, if given) and ours loaded from it."""
-    config, hf = hf_causal_lm(family, config_kwargs or FAMILIES[family], attn_implementation=attn_implementation)
+def ours_and_hf(family, pc, config_kwargs=None, attn_implementation=None, prepare=None):
+    """transformers' tiny model of `family` (its declared config unless `config_kwargs` is given; passed through
+    `prepare` first, if given) and ours loaded from it."""
+    from family_parity import load
+
+    config, hf = hf_causal_lm(family, config_kwargs or FAMILIES[family],
+                              attn_implementation=attn_implementation or attention(family))
     if prepare is not None:
         prepare(hf)
-    if hasattr(config, "num_experts_per_tok"):  # transformers fuses experts in memory: load what it saves
-        model = load_saved(hf, config, pc)[0]
-    else:
-        model = build_model(config, pc=pc, device="meta")
-        load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    return config, hf, model.eval()
+    return config, hf, load(hf, config, pc)[0].eval()
 
 
 def greedy_matches_transformers(families, tp=1, pp=1, dp=1, ep=1, eos_from_step=None, configs=None, attention=None,
@@ -63,7 +48,7 @@ def greedy_matches_transformers(families, tp=1, pp=1, dp=1, ep=1, eos_from_step=
     pc = init_parallel(tp=tp, pp=pp, dp=dp, ep=ep) if tp * pp * dp > 1 else single_process()
     results = {}
     for family in families:
-        config, hf, model = ours_and_hf(family, pc, (configs or {}).get(family), (attention or {}).get(family, "sdpa"))
+        config, hf, model = ours_and_hf(family, pc, (configs or {}).get(family), (attention or {}).get(family))
         ids, mask = prompts(config.vocab_size)
         options = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
         expected = hf.generate(ids, attention_mask=mask, **options)
@@ -87,19 +72,21 @@ def test_generate_pads_after_eos_and_stops_when_all_finished():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_generate_equals_transformers_tensor_parallel(tp):
-    # at tp=4 the families whose 4 kv heads split (llama and mixtral have 2: GQA at tp=2 and under pp)
+    # at tp=4: GPT-2's and OPT's 4 heads split, Mistral's 2 kv heads each replicated on 2 ranks
     families = ["gpt2", "opt", "llama", "mistral", "mixtral"] if tp == 2 else ["gpt2", "opt", "mistral"]
     results = run_distributed(greedy_matches_transformers, tp, families=families, tp=tp, timeout=TIMEOUT)
     assert all(r == results[0] for r in results)
 
 
-def test_greedy_generate_equals_transformers_tp2_pp2():
-    results = run_distributed(greedy_matches_transformers, 4, families=list(FAMILIES), tp=2, pp=2, timeout=TIMEOUT)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generate_equals_transformers_tp2_pp2(family):
+    results = run_distributed(greedy_matches_transformers, 4, families=[family], tp=2, pp=2, timeout=TIMEOUT)
     assert all(r == results[0] for r in results)
 
 
-def test_greedy_generate_moe_expert_parallel():
-    run_distributed(greedy_matches_transformers, 2, families=["mixtral", "qwen2_moe"], dp=2, ep=2, timeout=TIMEOUT)
+@pytest.mark.parametrize("family", MOE)
+def test_greedy_generate_moe_expert_parallel(family):
+    run_distributed(greedy_matches_transformers, 2, families=[family], dp=2, ep=2, timeout=TIMEOUT)
 
 
 def sampled(tp, seed):

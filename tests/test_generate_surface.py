@@ -8,12 +8,9 @@ import torch
 import transformers
 
 from distributed import run_distributed
+from family_cases import attention
 from parity import close, vary_weights
-from test_gemma import ATTENTION as GEMMA_ATTENTION, CONFIGS as GEMMA
 from test_generate import FAMILIES as GENERATE, NEW, ours_and_hf, prompts
-from test_gpt_neox import GENERATE as NEOX
-from test_phi3 import GENERATE as PHI3
-from test_qwen import GENERATE as QWEN
 from test_real_bert import minilm  # noqa: F401 (the fixture)
 
 from colozoo.core.mesh import init_parallel, single_process
@@ -23,10 +20,10 @@ COMMON = dict(max_new_tokens=NEW, pad_token_id=0, do_sample=False, return_dict_i
               output_logits=True)
 
 
-# every causal family: test_generate's, and the tiny generation configs of the other families' test files
-FAMILIES = {**GENERATE, "qwen2": QWEN["qwen2"], "qwen3": QWEN["qwen3"], **GEMMA, "phi3": PHI3, "gpt_neox": NEOX}
-ATTENTION = {"gemma2": GEMMA_ATTENTION["gemma2"]}  # transformers' SDPA cannot cap scores
-SPREAD = {"qwen3": 0.3, "gemma2": 0.06, "gemma3_text": 0.06}  # else 0.5: what keeps each family's continuations apart
+# causal families of the table (their declared configs), one of each kind of attention, position and MLP
+FAMILIES = {name: GENERATE[name] for name in ("gpt2", "opt", "llama", "mistral", "mixtral", "qwen2_moe", "qwen2",
+                                              "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_neox")}
+SPREAD = {"gpt2": 0.3, "qwen3": 0.3, "gemma2": 0.06, "gemma3_text": 0.06}  # else 0.5: what keeps continuations apart
 # a tiny Gemma (scaled embeddings, capped logits) repeats a token whatever the spread: its steps' logits, compared
 # below, are what shows a wrong cache or position there
 MIN_DISTINCT = {"gemma2": 1, "gemma3_text": 1, "qwen3": 2}
@@ -34,7 +31,7 @@ MIN_DISTINCT = {"gemma2": 1, "gemma3_text": 1, "qwen3": 2}
 
 def _varied(family, pc):
     """transformers' model with spread weights, and ours loaded from it."""
-    return ours_and_hf(family, pc, FAMILIES[family], ATTENTION.get(family, "sdpa"),
+    return ours_and_hf(family, pc, FAMILIES[family], attention(family),
                        prepare=lambda hf: vary_weights(hf, SPREAD.get(family, 0.5), seed=4 if "gemma" in family else 3))
 
 

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from family_cases import GENERATING, attention, tiny_kwargs
+
 from colozoo.cost.hardware import get_hardware
 from colozoo.cost.inference import kv_cache_bytes, plan_generation, profile_generation
 from colozoo.cost.setup import ProfilerError, get_config
@@ -54,20 +56,14 @@ def test_cli_generate_reflects_every_argument(capsys):
 # --- the formula against the cache a real generate allocates ----------------------------------------------------
 
 def cache_against_formula(family, config_kwargs, attn_implementation="sdpa", tp=1, pp=1):
-    """Greedy generate on prompts of 9 tokens + 6 new (past every window of the configs below): the bytes of the
+    """Greedy generate on prompts of 9 tokens + 6 new (past every window of the declared configs): the bytes of the
     cache this rank allocated (fp32) and kv_cache_bytes of this rank's layers."""
-    from parity import hf_causal_lm
-    from test_generate import NEW, prompts
+    from test_generate import NEW, ours_and_hf, prompts
 
-    from colozoo.api import build_model
-    from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel, single_process
 
     pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
-    config, hf = hf_causal_lm(family, config_kwargs, attn_implementation=attn_implementation)
-    model = build_model(config, pc=pc, device="meta")
-    load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
+    config, _, model = ours_and_hf(family, pc, config_kwargs, attn_implementation)
     ids, mask = prompts(config.vocab_size)
     out = model.eval().generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
                                 return_dict_in_generate=True)
@@ -75,25 +71,14 @@ def cache_against_formula(family, config_kwargs, attn_implementation="sdpa", tp=
     return out.cache_elements * 4, formula
 
 
-def cached_families():
-    from test_gemma import ATTENTION, CONFIGS as GEMMA
-    from test_generate import FAMILIES
-    from test_phi3 import GENERATE as PHI3
-    from test_qwen import GENERATE as QWEN
-
-    return {"gemma2": (GEMMA["gemma2"], ATTENTION["gemma2"]), "gemma3_text": (GEMMA["gemma3_text"], "sdpa"),
-            "qwen2": (QWEN["qwen2"], "sdpa"), "qwen3": (QWEN["qwen3"], "sdpa"), "phi3": (PHI3, "sdpa"),
-            "mistral": (FAMILIES["mistral"], "sdpa"), "gpt_neox": (dict(vocab_size=101, hidden_size=32,
-                                                                         num_hidden_layers=2, num_attention_heads=4,
-                                                                         intermediate_size=64), "sdpa")}
-
-
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen2", "qwen3", "phi3", "mistral", "gpt_neox"])
+@pytest.mark.parametrize("family", GENERATING)
 def test_kv_cache_bytes_equal_what_generate_allocates(family):
-    """Gemma's alternating sliding layers (window 4), Qwen2's sliding layers from layer_types (5), Phi-3's and
-    Mistral's window on every layer (6, 5), full layers, Qwen3's head_dim (16) != hidden / heads (8)."""
-    config, attention = cached_families()[family]
-    measured, formula = cache_against_formula(family, config, attention)
+    """Every causal family of the table, its declared config: Gemma's alternating sliding layers, Qwen2's sliding layer
+    from layer_types, one window on every layer (Mistral, Phi-3), gpt-oss's alternation, SmolLM3's sliding NoPE layer,
+    MLA's latent and rotary key, head_dim != hidden / heads (Qwen3), full layers."""
+    from test_generate import FAMILIES
+
+    measured, formula = cache_against_formula(family, FAMILIES[family], attention(family))
     assert formula == measured
 
 
@@ -101,9 +86,9 @@ def test_kv_cache_bytes_per_rank_at_tp2_pp2():
     """Gemma 3 at tp2 x pp2: each rank holds one of the 2 kv heads of its stage's layers, sliding and full."""
     from distributed import run_distributed
 
-    config, attention = cached_families()["gemma3_text"]
-    for measured, formula in run_distributed(cache_against_formula, 4, family="gemma3_text", config_kwargs=config,
-                                             attn_implementation=attention, tp=2, pp=2, timeout=240):
+    for measured, formula in run_distributed(cache_against_formula, 4, family="gemma3_text",
+                                             config_kwargs=tiny_kwargs("gemma3_text"),
+                                             attn_implementation=attention("gemma3_text"), tp=2, pp=2, timeout=240):
         assert formula == measured
 
 

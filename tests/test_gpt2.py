@@ -8,12 +8,11 @@ from colozoo.models.base import UnsupportedConfig
 from colozoo.api import build_model
 from colozoo.core.mesh import init_parallel
 from distributed import run_distributed
+from family_cases import tiny_kwargs
 from parity import GRAD_ATOL, LOGITS_ATOL, batch, causal_lm_parity, hf_causal_lm
 
-BASE = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+BASE = tiny_kwargs("gpt2")  # the declared config: tests/test_family_table.py runs it on one process and pp2 x tp2
 OPTIONS = {
-    "default": {},
     "inverse_layer_idx": dict(scale_attn_by_inverse_layer_idx=True),
     "untied_relu_inner": dict(tie_word_embeddings=False, activation_function="relu", n_inner=96),
     "unscaled": dict(scale_attn_weights=False),

@@ -1,18 +1,19 @@
-"""GPT-NeoX / Pythia against transformers: logits, loss and every gathered gradient (fp32, vocab 101) at tp 1/2/4 with
-and without sequence parallelism, parallel and sequential residuals, partial rotary (rotary_pct), tied or untied head,
-attention without biases; the per-head query_key_value reordered to our [q; k; v] and back bit for bit (the round
-trip and the HF export); greedy generate token for token at tp 1/2."""
+"""GPT-NeoX / Pythia beyond the family table (tests/test_family_table.py: the declared config, parallel residual and
+partial rotary, on one process, tp2 with sequence parallelism and pp2 x tp2; greedy generation): the sequential
+residual, other rotary fractions and scalings, a tied head without attention biases, tp 2 and 4, the per-head
+query_key_value reordered to our [q; k; v] and back bit for bit (the tensors, the HF export), a tied head over pp 2,
+the registry's sizes."""
 import pytest
 import torch
 
 from distributed import run_distributed
-from parity import causal_lm_parity, hf_causal_lm, hf_round_trip
-from test_phi3 import greedy_equals_transformers
+from family_cases import tiny_kwargs
+from family_parity import family_parity, family_pipeline_parity
+from parity import hf_causal_lm, hf_round_trip
+from test_generate import greedy_matches_transformers
 
 TIMEOUT = 240
-# head_dim 16 with the Pythia rotary_pct 0.25: 4 of 16 features rotate
-BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=32, bos_token_id=1, eos_token_id=2)
+BASE = tiny_kwargs("gpt_neox")  # head_dim 16 with the Pythia rotary_pct 0.25: 4 of 16 features rotate
 SEQUENTIAL = dict(use_parallel_residual=False)
 
 
@@ -22,7 +23,6 @@ def rope(partial: float, **extra) -> dict:
 
 
 OPTIONS = {
-    "parallel_residual": {},
     "sequential_residual": SEQUENTIAL,
     "half_rotary_linear_scaling": rope(0.5, rope_type="linear", factor=2.0),
     "full_rotary": rope(1.0),
@@ -32,27 +32,26 @@ OPTIONS = {
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_gpt_neox_single_process(option):
-    causal_lm_parity("gpt_neox", {**BASE, **OPTIONS[option]}, tp=1)
+    family_parity("gpt_neox", overrides=OPTIONS[option])
 
 
-@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+@pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (4, True)])
 def test_gpt_neox_tensor_parallel(tp, sp):
     # vocab 101 is divisible by neither 2 nor 4: the padded vocabulary is always exercised
-    run_distributed(causal_lm_parity, tp, model_type="gpt_neox", config_kwargs=BASE, tp=tp, sequence_parallel=sp,
-                    timeout=TIMEOUT)
+    run_distributed(family_parity, tp, family="gpt_neox", tp=tp, sequence_parallel=sp, timeout=TIMEOUT)
 
 
 def test_gpt_neox_sequential_residual_tp2():
-    run_distributed(causal_lm_parity, 2, model_type="gpt_neox", config_kwargs={**BASE, **SEQUENTIAL}, tp=2,
-                    sequence_parallel=True, timeout=TIMEOUT)
+    run_distributed(family_parity, 2, family="gpt_neox", overrides=SEQUENTIAL, tp=2, sequence_parallel=True,
+                    timeout=TIMEOUT)
 
 
 def test_gpt_neox_converter_round_trip():
     assert hf_round_trip("gpt_neox", BASE, tp=1) == 1 + 2 + 1 + 12 * BASE["num_hidden_layers"]
 
 
-def test_gpt_neox_converter_round_trip_tp2():
-    run_distributed(hf_round_trip, 2, model_type="gpt_neox", config_kwargs=BASE, tp=2, timeout=TIMEOUT)
+def test_gpt_neox_sequential_residual_greedy_generate():
+    greedy_matches_transformers(["gpt_neox"], configs={"gpt_neox": {**BASE, **SEQUENTIAL}})
 
 
 def test_query_key_value_is_regrouped_per_head():
@@ -99,28 +98,6 @@ def test_gpt_neox_hf_export_and_offline_convert_are_bit_exact(tmp_path):
     assert torch.equal(reloaded(ids).logits, hf(ids).logits)
 
 
-def test_gpt_neox_convert_reshard_export(tmp_path):
-    """HF (per-head query_key_value) -> colozoo at tp2 x pp2 -> tp4 -> HF, bit for bit; transformers loads it."""
-    from test_qwen import convert_round_trip
-
-    convert_round_trip(tmp_path, "gpt_neox", {**BASE, "num_hidden_layers": 4}, dict(tp=2, pp=2))
-
-
-# larger weights than transformers' default, so that a wrong rotation or residual changes the greedy tokens
-GENERATE = {**BASE, "num_hidden_layers": 3, "initializer_range": 0.2}
-
-
-def test_gpt_neox_greedy_generate_equals_transformers():
-    greedy_equals_transformers("gpt_neox", GENERATE)
-    greedy_equals_transformers("gpt_neox", {**GENERATE, **SEQUENTIAL})
-
-
-def test_gpt_neox_greedy_generate_equals_transformers_tp2():
-    results = run_distributed(greedy_equals_transformers, 2, model_type="gpt_neox", config_kwargs=GENERATE, tp=2,
-                              timeout=TIMEOUT)
-    assert results[0] == results[1]
-
-
 REGISTERED = {"pythia-70m": 70_426_624, "pythia-160m": 162_322_944, "pythia-410m": 405_334_016,
               "pythia-1b": 1_011_781_632, "EleutherAI/pythia-1.4b": 1_414_647_808, "pythia-2.8b": 2_775_208_960,
               "pythia-6.9b": 6_857_302_016, "pythia-12b": 11_846_072_320}
@@ -133,20 +110,7 @@ def test_registered_pythia_configs_have_the_published_sizes(name):
     assert count_parameters(get_config(name)) == REGISTERED[name]
 
 
-def test_gpt_neox_pipeline_parallel():
-    from parity import batch, pipeline_parity
-
-    ids, mask, labels = batch(BASE["vocab_size"], 12)
-    config = {**BASE, **SEQUENTIAL, "num_hidden_layers": 4, "tie_word_embeddings": True}  # the tied copy on stage 2
-    run_distributed(pipeline_parity, 2, architecture="GPTNeoXForCausalLM", config_kwargs=config, ids=ids, mask=mask,
-                    labels=labels, pp=2, tp=1, timeout=TIMEOUT)
-
-
-def test_gpt_neox_pipeline_parallel_pp2_tp2():
-    """tp2 x pp2 with sequence parallelism: the parallel residual, partial rotary and the padded vocabulary (101)."""
-    from parity import batch, pipeline_parity
-
-    ids, mask, labels = batch(BASE["vocab_size"], 12)
-    config = {**BASE, "num_hidden_layers": 4}
-    run_distributed(pipeline_parity, 4, architecture="GPTNeoXForCausalLM", config_kwargs=config, ids=ids, mask=mask,
-                    labels=labels, pp=2, tp=2, sequence_parallel=True, timeout=TIMEOUT)
+def test_gpt_neox_pipeline_parallel_sequential_tied():
+    """The tied head's copy on the last stage, the sequential residual."""
+    run_distributed(family_pipeline_parity, 2, family="gpt_neox", pp=2, timeout=TIMEOUT,
+                    overrides={**SEQUENTIAL, "num_hidden_layers": 4, "tie_word_embeddings": True})

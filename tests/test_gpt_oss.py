@@ -1,53 +1,44 @@
-"""gpt-oss matches transformers (eager attention: transformers has no SDPA path for sinks): logits, loss with the
-load-balancing loss, hidden states and every gradient at tp 1/2/4 (sequence parallelism on and off), ep 2, tp2 x ep2,
-pp 2 and tp2 x pp2, cp 2 (all-to-all: the ring has no sink), a clipped AdamW step under FSDP, HF -> colozoo
-(tp2 x pp2 x ep2) -> tp4 -> HF bit for bit, greedy generation token for token (tp 1/2, tp2 x pp2), LoRA against
-PEFT, loading the published MXFP4 layout (dequantised on read, against transformers' own dequantisation) and the
-registry's sizes. Sinks, YaRN, biases on attention, router and experts, the clamped SwiGLU and the alternation of
-sliding and full layers are in every case; the tiny config's YaRN scales 16 original positions by 4."""
+"""gpt-oss beyond the family table (tests/test_family_table.py: the declared config on one process, tp2 with sequence
+parallelism, ep 2, pp2 x tp2 and cp 2 all-to-all; round trips, generation, LoRA; eager attention: transformers has no
+SDPA path for sinks): a tied head with a SwiGLU limit that clamps, tp 2 and 4, tp2 x ep2, cp2 x tp2 x ep2, pp 2 with
+ep 2, the ring refusing sinks, a clipped AdamW step under FSDP, loading the published MXFP4 layout (dequantised on
+read, against transformers' own dequantisation) and the generation plan of the 120b. Sinks, YaRN, biases on
+attention, router and experts, the clamped SwiGLU and the alternation of sliding and full layers are in every case;
+the tiny config's YaRN scales 16 original positions by 4."""
 import json
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from parity import batch, causal_lm_parity, pipeline_parity
-from test_generate import greedy_matches_transformers
-from test_mixtral import mixtral_parity
+from family_cases import tiny_kwargs
+from family_parity import family_parity, family_pipeline_parity
+from parity import batch
 
 TIMEOUT = 300
-YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 16, "rope_theta": 150000.0}
-GPT_OSS = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-               max_position_embeddings=64, sliding_window=5, rope_parameters=YARN, output_router_logits=True,
-               router_aux_loss_coef=0.05, pad_token_id=0)
+GPT_OSS = tiny_kwargs("gpt_oss")
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)
 
 
 def test_single_process():
-    causal_lm_parity("gpt_oss", GPT_OSS)
-    causal_lm_parity("gpt_oss", {**GPT_OSS, "tie_word_embeddings": True, "swiglu_limit": 0.05,
-                                 "output_router_logits": False})  # a limit that clamps
+    family_parity("gpt_oss", overrides={"tie_word_embeddings": True, "swiglu_limit": 0.05,
+                                        "output_router_logits": False})  # a limit that clamps
 
 
-@pytest.mark.parametrize("tp,sp,wide", [(2, False, False), (2, True, False), (4, True, False), (4, False, True)])
+@pytest.mark.parametrize("tp,sp,wide", [(2, False, False), (4, True, False), (4, False, True)])
 def test_tensor_parallel(tp, sp, wide):
-    run_distributed(causal_lm_parity, tp, model_type="gpt_oss", config_kwargs={**GPT_OSS, **(WIDE if wide else {})},
-                    tp=tp, sequence_parallel=sp, timeout=TIMEOUT)
+    run_distributed(family_parity, tp, family="gpt_oss", overrides=WIDE if wide else None, tp=tp,
+                    sequence_parallel=sp, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 2, True)])
-def test_expert_parallel(tp, ep, sp):
-    run_distributed(mixtral_parity, tp * ep, tp=tp, ep=ep, cp=1, sequence_parallel=sp, config_overrides=GPT_OSS,
-                    family="gpt_oss", timeout=TIMEOUT)
+def test_expert_and_tensor_parallel():
+    run_distributed(family_parity, 4, family="gpt_oss", tp=2, ep=2, sequence_parallel=True, timeout=TIMEOUT)
 
 
 def test_context_parallel_all_to_all():
     """cp2 x tp2 (Ulysses; ep2 folded over cp): each cp rank attends over half of its tp rank's heads, with their
     sinks."""
-    run_distributed(mixtral_parity, 4, tp=2, ep=2, cp=2, sequence_parallel=False, cp_mode="all_to_all",
-                    config_overrides=GPT_OSS, family="gpt_oss", timeout=TIMEOUT)
+    run_distributed(family_parity, 4, family="gpt_oss", tp=2, ep=2, cp=2, cp_mode="all_to_all", timeout=TIMEOUT)
 
 
 def test_ring_context_parallel_refuses_sinks():
@@ -61,18 +52,9 @@ def test_ring_context_parallel_refuses_sinks():
         context_parallel_attention(q, q, q, Ring(), causal=True, sinks=torch.zeros(2))
 
 
-@pytest.mark.parametrize("pp,tp,ep", [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
-def test_pipeline_parallel(pp, tp, ep):
-    from test_mixtral import _pipeline_parity
-
-    config = {**GPT_OSS, "num_hidden_layers": 4}
-    if ep == 1:
-        ids, mask, labels = batch(GPT_OSS["vocab_size"], 12)
-        run_distributed(pipeline_parity, pp * tp, architecture="GptOssForCausalLM",
-                        config_kwargs={**config, "output_router_logits": False},
-                        ids=ids, mask=mask, labels=labels, pp=pp, tp=tp, sequence_parallel=tp > 1, timeout=TIMEOUT)
-    names = run_distributed(_pipeline_parity, pp * tp * ep, family="gpt_oss", pp=pp, tp=tp, ep=ep,
-                            config_kwargs=config, timeout=TIMEOUT)
+def test_pipeline_parallel_ep2():
+    names = run_distributed(family_pipeline_parity, 4, family="gpt_oss", pp=2, ep=2, timeout=TIMEOUT,
+                            overrides={"num_hidden_layers": 4})
     assert {n.split(".")[1] for ranks in names for n in ranks if n.startswith("layers.")} == {"0", "1", "2", "3"}
 
 
@@ -81,40 +63,6 @@ def test_fsdp_training_step():
 
     run_distributed(training_step, 4, family="gpt_oss", config=GPT_OSS, dp=2, tp=2, microbatches=2,
                     options=dict(data_parallel="fsdp"), timeout=TIMEOUT)
-
-
-def test_convert_reshard_export(tmp_path):
-    from test_qwen import convert_round_trip
-
-    convert_round_trip(tmp_path, "gpt_oss", {**GPT_OSS, **WIDE}, dict(tp=2, pp=2, ep=2), attn_implementation="eager")
-
-
-GENERATE = {"gpt_oss": {**GPT_OSS, "hidden_size": 32, "num_hidden_layers": 4, "sliding_window": 4,
-                        "output_router_logits": False}}
-
-
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
-def test_greedy_generate(tp, pp):
-    if tp * pp == 1:
-        greedy_matches_transformers(["gpt_oss"], configs=GENERATE, attention={"gpt_oss": "eager"})
-        return
-    results = run_distributed(greedy_matches_transformers, tp * pp, families=["gpt_oss"], tp=tp, pp=pp,
-                              configs=GENERATE, attention={"gpt_oss": "eager"}, timeout=TIMEOUT)
-    assert all(r == results[0] for r in results)
-
-
-def lora(**mesh):
-    """tests/lora_parity.py on this file's config (registered on each rank, where the check runs): attention
-    projections (the experts are refused, as for every MoE family)."""
-    import lora_parity
-
-    lora_parity.CASES["gpt_oss"] = ("gpt_oss", GPT_OSS, ("q_proj", "k_proj", "v_proj", "o_proj"))
-    return lora_parity.lora_parity("gpt_oss", **mesh)
-
-
-def test_lora_matches_peft():
-    assert lora() > 0
-    assert all(n > 0 for n in run_distributed(lora, 2, tp=2, timeout=TIMEOUT))
 
 
 def published_layout(directory, hf, config, seed: int = 3) -> dict:

@@ -6,23 +6,20 @@ import pytest
 import torch
 
 import colozoo
+from family_cases import attention
 from parity import batch, causal_lm_parity, close, hf_causal_lm
-from test_gemma import ATTENTION as GEMMA_ATTENTION
-from test_gemma import CONFIGS as GEMMA
 from test_generate import FAMILIES as GENERATE_FAMILIES
 from test_generate import prompts
-from test_gpt_neox import BASE as NEOX
-from test_phi3 import BASE as PHI3
-from test_qwen import BASE as QWEN
 
 from colozoo.kernels import dispatch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-DENSE = {**{f: GENERATE_FAMILIES[f] for f in ("gpt2", "opt", "llama", "mistral")}, **GEMMA, "phi3": PHI3,
-         "qwen2": QWEN, "qwen3": dict(QWEN, head_dim=32), "gpt_neox": NEOX}
+# families of the table, their declared configs
+DENSE = {f: GENERATE_FAMILIES[f] for f in ("gpt2", "opt", "llama", "mistral", "gemma2", "gemma3_text", "phi3", "qwen2",
+                                           "qwen3", "gpt_neox")}
 MOE = {f: GENERATE_FAMILIES[f] for f in ("mixtral", "qwen2_moe")}
-ATTENTION = dict(GEMMA_ATTENTION)
+ATTENTION = {f: attention(f) for f in DENSE}
 FP32_ATOL = 1e-4  # IEEE fp32 dots, but another summation order than cuBLAS and SDPA
 
 

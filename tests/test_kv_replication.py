@@ -70,9 +70,9 @@ def test_mistral_sliding_window_with_one_kv_head_at_tp4():
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_moe_families_on_llama_attention_at_tp4_with_two_kv_heads(family):
-    from test_mixtral import mixtral_parity  # 4 query heads over 2 kv heads; Qwen2-MoE with qkv biases
+    from family_parity import family_parity  # 4 query heads over 2 kv heads; Qwen2-MoE with qkv biases
 
-    run_distributed(mixtral_parity, 4, tp=4, sequence_parallel=True, family=family, timeout=TIMEOUT)
+    run_distributed(family_parity, 4, family=family, tp=4, sequence_parallel=True, timeout=TIMEOUT)
 
 
 def test_pipeline_tp2_pp2_with_one_kv_head():

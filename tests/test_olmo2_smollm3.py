@@ -1,8 +1,7 @@
-"""OLMo 2 and SmolLM3 match transformers: logits, loss, hidden states and every gathered gradient at tp 1/2/4 with
-sequence parallelism on and off (tp 4 over 2 kv heads: each kv head, and OLMo 2's share of the k norm, on 2 ranks),
-pp 2 and tp2 x pp2 (eval and a forward_backward), cp 2 (ring and all-to-all), a clipped AdamW step under FSDP
-(dp2 x tp2), HF -> colozoo (tp2 x pp2) -> colozoo (tp4) -> HF bit for bit, greedy generation token for token
-(tp 1, tp 2, tp2 x pp2, left-padded prompts), LoRA against PEFT, and the registry's sizes against transformers'.
+"""OLMo 2 and SmolLM3 beyond the family table (tests/test_family_table.py: the declared configs on one process, tp2
+with sequence parallelism and pp2 x tp2; round trips, generation, LoRA): a second configuration of each, tp 2 and 4
+(tp 4 over 2 kv heads: each kv head, and OLMo 2's share of the k norm, on 2 ranks), cp 2 (ring and all-to-all), a
+clipped AdamW step under FSDP (dp2 x tp2), the variants' round trips, and the profile of OLMo-2-32B.
 
 OLMo 2: norms after attention and the MLP, q/k norms over the whole projection (every head at once: under tp the
 statistic is summed over the ranks). SmolLM3: no rotary in every fourth layer (NoPE); with use_sliding_window
@@ -10,24 +9,17 @@ transformers makes exactly the NoPE layers sliding."""
 import pytest
 
 from distributed import run_distributed
-from parity import batch, causal_lm_parity, pipeline_parity
-from test_generate import greedy_matches_transformers
+from family_cases import tiny_kwargs
+from parity import causal_lm_parity, hf_round_trip
 
 TIMEOUT = 300
-BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)
-CONFIGS = {
-    "olmo2": {**BASE, "rms_norm_eps": 1e-6},
-    # 4 layers: layer 3 is NoPE and (use_sliding_window) slides over 5 positions of 12
-    "smollm3": {**BASE, "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 5},
-}
+FAMILIES = ["olmo2", "smollm3"]
+CONFIGS = {family: tiny_kwargs(family) for family in FAMILIES}
 VARIANTS = {  # a second configuration of each: tied head and attention biases; NoPE layers 1 and 3 without a window
     "olmo2": dict(tie_word_embeddings=True, attention_bias=True),
     "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=False, tie_word_embeddings=False, mlp_bias=True),
 }
-ARCHITECTURES = {"olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
-FAMILIES = sorted(CONFIGS)
 
 
 @pytest.mark.parametrize("variant", [False, True])
@@ -36,21 +28,12 @@ def test_single_process(family, variant):
     causal_lm_parity(family, {**CONFIGS[family], **(VARIANTS[family] if variant else {})})
 
 
-@pytest.mark.parametrize("tp,sp,wide", [(2, False, False), (2, True, False), (4, True, False), (4, False, True)])
+@pytest.mark.parametrize("tp,sp,wide", [(2, False, False), (4, True, False), (4, False, True)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensor_parallel(family, tp, sp, wide):
     config = {**CONFIGS[family], **(WIDE if wide else {})}
     run_distributed(causal_lm_parity, tp, model_type=family, config_kwargs=config, tp=tp, sequence_parallel=sp,
                     timeout=TIMEOUT)
-
-
-@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_pipeline_parallel(family, pp, tp):
-    config = {**CONFIGS[family], "num_hidden_layers": 4}
-    ids, mask, labels = batch(config["vocab_size"], 12)
-    run_distributed(pipeline_parity, pp * tp, architecture=ARCHITECTURES[family], config_kwargs=config, ids=ids,
-                    mask=mask, labels=labels, pp=pp, tp=tp, sequence_parallel=tp > 1, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("tp,mode", [(1, "ring"), (2, "all_to_all")])
@@ -75,43 +58,8 @@ def test_fsdp_training_step(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_convert_reshard_export(tmp_path, family):
-    from test_qwen import convert_round_trip
-
-    convert_round_trip(tmp_path, family, {**CONFIGS[family], **VARIANTS[family]}, dict(tp=2, pp=2))
-
-
-GENERATE = {family: {**config, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4}
-            for family, config in CONFIGS.items()}
-GENERATE["smollm3"]["sliding_window"] = 4  # 9 prompt + 6 new positions: the NoPE layer's ring cache wraps
-
-
-def test_greedy_generate_one_process():
-    greedy_matches_transformers(FAMILIES, configs=GENERATE)
-
-
-@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
-def test_greedy_generate_parallel(tp, pp):
-    results = run_distributed(greedy_matches_transformers, tp * pp, families=FAMILIES, tp=tp, pp=pp,
-                              configs=GENERATE, timeout=TIMEOUT)
-    assert all(r == results[0] for r in results)
-
-
-LORA = {"olmo2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"), "smollm3": "all-linear"}
-
-
-def lora(family, **mesh):
-    """tests/lora_parity.py on this file's configs (registered on each rank, where the check runs)."""
-    import lora_parity
-
-    lora_parity.CASES[family] = (family, CONFIGS[family], LORA[family])
-    return lora_parity.lora_parity(family, **mesh)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lora_matches_peft(family):
-    assert lora(family) > 0
-    assert all(n > 0 for n in run_distributed(lora, 2, family=family, tp=2, timeout=TIMEOUT))
+def test_variant_converter_round_trip(family):
+    hf_round_trip(family, {**CONFIGS[family], **VARIANTS[family]})
 
 
 def test_profile_olmo2_32b_tp8():

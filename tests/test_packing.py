@@ -14,38 +14,22 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from parity import close, hf_causal_lm, resolved_sources
-from test_context_parallel import FAMILIES as SMALL
-from test_gemma import GEMMA2, GEMMA3
-from test_gpt_neox import BASE as NEOX
-from test_mixtral import MIXTRAL, QWEN2_MOE
-from test_phi3 import BASE as PHI3
-from test_qwen import BASE as QWEN, QWEN3_MOE, SLIDING
+from family_cases import CAUSAL, attention, tiny_kwargs
+from parity import close, hf_causal_lm
 
 ATOL = 1e-5
-# model_type: (config, transformers' attention implementation); windows of 4 or 6 are shorter than the documents
-CONFIGS = {
-    "llama": (SMALL["llama"], "sdpa"),
-    "mistral": ({**SMALL["mistral"], "sliding_window": 4}, "sdpa"),
-    "qwen2": ({**QWEN, **SLIDING}, "sdpa"),
-    "qwen3": ({**QWEN, "head_dim": 32}, "sdpa"),
-    "gemma2": (GEMMA2, "eager"),  # soft-capped scores: transformers' SDPA cannot cap
-    "gemma3_text": (GEMMA3, "sdpa"),
-    "phi3": ({**PHI3, "sliding_window": 6}, "sdpa"),
-    "gpt_neox": (NEOX, "sdpa"),
-    "mixtral": (MIXTRAL, "sdpa"),
-    "qwen2_moe": (QWEN2_MOE, "sdpa"),
-    "qwen3_moe": (QWEN3_MOE, "sdpa"),
-    "gpt2": (SMALL["gpt2"], "sdpa"),
-    "opt": (SMALL["opt"], "sdpa"),
-}
-VARIANTS = {"gpt2_upcast": ("gpt2", {**SMALL["gpt2"], "reorder_and_upcast_attn": True}, "eager")}  # not for parity
+# every causal family of the table, its declared config (windows shorter than the documents); variants not for parity
+VARIANTS = {"gpt2_upcast": ("gpt2", tiny_kwargs("gpt2", reorder_and_upcast_attn=True), "eager"),
+            "phi3_plain_rope": ("phi3", tiny_kwargs("phi3", rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 10000.0}), "sdpa")}
 
 
 def hf_reference(name: str):
-    """(config, transformers model) of a CONFIGS or VARIANTS entry."""
-    model_type, config, attn = VARIANTS.get(name) or (name, *CONFIGS[name])
+    """(config, transformers model) of a family of the table or of VARIANTS."""
+    model_type, config, attn = VARIANTS.get(name) or (name, tiny_kwargs(name), attention(name))
     return hf_causal_lm(model_type, config, attn_implementation=attn)
+
+
 # (row, first token, length) of every document of the packed batch; row 1 opens with the tail of a document
 # that began in an earlier batch (positions 3..11), so a document need not start at position 0
 DOCUMENTS = [(0, 0, 5), (0, 5, 7), (0, 12, 4), (1, 0, 9), (1, 9, 7)]
@@ -61,38 +45,25 @@ def packed_batch(vocab_size: int, seed: int = 1):
     return ids, positions
 
 
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")  # transformers fuses their experts in memory, not in its files
-
-
 def build(pc, hf):
-    """Our model on `pc` with `hf`'s weights, and what they were read from (None: a saved checkpoint)."""
-    from colozoo.api import build_model
-    from colozoo.checkpoint.load import load_hf_weights
-    from colozoo.checkpoint.readers import StateDictReader
+    """Our model on `pc` with `hf`'s weights, and the sources its gradients compare by (family_parity.load)."""
+    from family_parity import load
 
-    if hf.config.model_type in MOE:
-        from test_mixtral import load_saved
-
-        return load_saved(hf, hf.config, pc)[0].eval(), None
-    model = build_model(hf.config, pc=pc, device="meta")
-    weights = StateDictReader(hf.state_dict())
-    load_hf_weights(model, weights, device="cpu")
-    return model.eval(), weights
+    model, sources = load(hf, hf.config, pc)
+    return model.eval(), sources
 
 
-def gradients_match(model, pc, weights, hf_grads):
-    """Every gradient, gathered (over FSDP's shards, then tp), equals transformers' (MoE families: by its in-memory
-    names)."""
+def gradients_match(model, pc, sources, hf_grads):
+    """Every gradient, gathered (over FSDP's shards, then tp), equals transformers' (by its in-memory names); a frozen
+    parameter has none."""
     from colozoo.checkpoint.readers import GlobalTensor
-    from colozoo.converters import family_module
     from colozoo.core.mesh import coords_of
     from colozoo.layers.shard import gather_tensor, spec_of
 
-    if weights is None:
-        sources = family_module(model.family).module_sources(model.config)
-    else:
-        sources = resolved_sources(model, weights)
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, f"frozen {name} got a gradient"
+            continue
         expected = GlobalTensor(hf_grads, sources[name], name).read()
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         scale = max(1.0, expected.abs().max().item())
@@ -105,9 +76,18 @@ def document_loss(logits, ids):
     return F.cross_entropy(logits[:-1].float(), ids[1:])
 
 
-# transformers' OPT builds its causal mask without position_ids, so it never packs: there the reference is every
-# document run alone, its logits stitched back into the batch
-UNPACKED_IN_TRANSFORMERS = ("opt",)
+# transformers' OPT builds its causal mask without position_ids, so it never packs, and its gpt-oss's packed logits
+# differ from its documents run alone (ours equal them: test_no_leakage_sliding_window): there the reference is every
+# document run alone, its logits stitched back into the batch (without the router loss, which needs the whole batch)
+UNPACKED_IN_TRANSFORMERS = ("opt", "gpt_oss")
+
+
+def rotates_by_row_length(config) -> bool:
+    """LongRoPE (Phi-3) picks its short or long factors by the length of the whole row, in transformers as in
+    colozoo: a packed document is not rotated as the same document alone."""
+    from colozoo.layers.rope import rope_parameters
+
+    return rope_parameters(config)["rope_type"] == "longrope"
 
 
 def stitched_reference(hf, ids, positions):
@@ -131,24 +111,26 @@ def packed_parity(family: str, tp: int = 1, sequence_parallel: bool = False):
     ids, positions = packed_batch(config.vocab_size)
     ref = hf(ids, position_ids=positions, labels=ids, use_cache=False)
     stitched, stitched_loss = stitched_reference(hf, ids, positions)
+    options = {}
     if family in UNPACKED_IN_TRANSFORMERS:
         assert not torch.allclose(ref.logits, stitched, atol=1e-3), f"transformers' {family} packs after all"
         ref.logits, ref.loss = stitched, stitched_loss
-    else:
+        options = {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
+    elif not rotates_by_row_length(config):
         close(ref.logits, stitched, ATOL, f"transformers' {family} packed logits against its documents alone")
     hf.zero_grad()
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
 
-    model, weights = build(pc, hf)
-    out = model(ids, position_ids=positions, labels=ids, return_logits=True)
+    model, sources = build(pc, hf)
+    out = model(ids, position_ids=positions, labels=ids, return_logits=True, **options)
     close(out.logits, ref.logits, ATOL, "logits")
     close(out.loss, ref.loss, ATOL, "loss")
     out.loss.backward()
-    return gradients_match(model, pc, weights, hf_grads)
+    return gradients_match(model, pc, sources, hf_grads)
 
 
-FAMILIES = sorted(CONFIGS)
+FAMILIES = CAUSAL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -174,7 +156,7 @@ def no_leakage(family: str = "llama", tp: int = 1, sequence_parallel: bool = Fal
     pc = init_parallel(tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel)
     config, hf = hf_reference(family)
     ids, positions = packed_batch(config.vocab_size)
-    model, weights = build(pc, hf)
+    model, sources = build(pc, hf)
     model.run.cp_mode = cp_mode
     with use_kernels(kernels):
         out = model(ids, position_ids=positions, return_logits=True)
@@ -194,7 +176,7 @@ def no_leakage(family: str = "llama", tp: int = 1, sequence_parallel: bool = Fal
     with use_kernels(kernels):
         loss = model.forward_backward(ids, ids, position_ids=positions, num_microbatches=2)
     close(loss, ref.loss, ATOL, "forward_backward loss")
-    return gradients_match(model, pc, weights, hf_grads)
+    return gradients_match(model, pc, sources, hf_grads)
 
 
 def test_no_leakage_torch_path():
@@ -242,7 +224,7 @@ def test_no_leakage_cp2_sliding_window_tp2(mode):
     run_distributed(no_leakage, 4, family="mistral", tp=2, sequence_parallel=True, cp=2, cp_mode=mode, timeout=300)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3_text", "phi3_plain_rope", "gpt_oss"])
 def test_no_leakage_sliding_window(family):
     no_leakage(family, train=False)
 

@@ -118,9 +118,11 @@ def test_the_same_script_on_a_mesh(tmp_path, tp, pp):
 def test_saving_as_transformers_does(tmp_path):
     """format="hf" by default, the tokenizer and generation config it was loaded with along, an existing directory
     replaced as transformers replaces it (its other files stay), atomically."""
+    from eval_model import EXTRAS
+
     from colozoo.demo_finetune import make_tiny_causal_lm
 
-    path = make_tiny_causal_lm(tmp_path / "hf", "llama", layers=2)
+    path = make_tiny_causal_lm(tmp_path / "hf", "llama", layers=2, **EXTRAS["llama"](64))
     transformers.GenerationConfig(eos_token_id=[2, 5], max_new_tokens=7).save_pretrained(path)
     model = colozoo.from_pretrained(str(path))
     out = tmp_path / "out"

@@ -291,13 +291,20 @@ def classification_dataset(path, tokenizer, seq_len: int, config, text_field="te
 # ----------------------------------------------------------------------------------------------- images
 
 
+def image_input(config) -> tuple[int, int]:
+    """(channels, image size) of the images the model reads, as its family declares them."""
+    from colozoo.models import family_of
+
+    return family_of(config.model_type).model.image_input(config)
+
+
 def _image_norm(model_dir, config):
     mean, std = [0.5] * 3, [0.5] * 3
     proc = Path(model_dir, "preprocessor_config.json") if model_dir else None
     if proc is not None and proc.exists():
         spec = json.loads(proc.read_text())
         mean, std = spec.get("image_mean", mean), spec.get("image_std", std)
-    channels = getattr(config, "num_channels", 3)
+    channels = image_input(config)[0]
     return (torch.tensor(mean[:channels]).view(-1, 1, 1), torch.tensor(std[:channels]).view(-1, 1, 1))
 
 
@@ -320,7 +327,7 @@ def _read_image_folder(path: Path, size: int, channels: int):
 def image_dataset(path, config, model_dir=None) -> TensorData:
     """An .npz with `images` (N, H, W, C) or (N, C, H, W) uint8/float and integer `labels`, or a folder of class folders."""
     path = existing(path)
-    size, channels = config.image_size, getattr(config, "num_channels", 3)
+    channels, size = image_input(config)
     classes = None
     if path.is_dir():
         images, labels, classes = _read_image_folder(path, size, channels)

@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+from eval_model import EXTRAS
+
 from colozoo.demo_finetune import make_tiny_causal_lm, texts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +21,7 @@ def make_chat_llama(path, layers=2, positions=128, template=TEMPLATE) -> Path:
 
     words = [m["content"] for r in conversations() for m in r["messages"]]
     corpus = texts() + words + ["<|system|> <|user|> <|assistant|>", "answer question"]
-    make_tiny_causal_lm(path, "llama", corpus=corpus, layers=layers, positions=positions)
+    make_tiny_causal_lm(path, "llama", corpus=corpus, layers=layers, positions=positions, **EXTRAS["llama"](64))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.chat_template = template
     tokenizer.save_pretrained(str(path))

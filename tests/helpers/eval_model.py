@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from colozoo.demo_finetune import FAMILY_EXTRAS
-
 TASKS = Path(__file__).resolve().parents[2] / "colozoo" / "evaluation" / "tasks" / "data"
-EXTRAS = {**FAMILY_EXTRAS, "qwen3": lambda h: dict(intermediate_size=2 * h, num_key_value_heads=2, head_dim=16)}
+# widths of a tiny model of hidden size h (transformers' defaults are a large model's)
+EXTRAS = {"opt": lambda h: dict(word_embed_proj_dim=h, ffn_dim=2 * h),
+          "llama": lambda h: dict(intermediate_size=2 * h, num_key_value_heads=2),
+          "qwen3": lambda h: dict(intermediate_size=2 * h, num_key_value_heads=2, head_dim=16)}
 
 
 def corpus() -> list[str]:

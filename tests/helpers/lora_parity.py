@@ -8,6 +8,7 @@ import zlib
 
 import torch
 import transformers
+from family_cases import ENCODERS, NAMES, TABLE, attention, encoder_inputs, model_type, tiny_kwargs
 from parity import batch, close, hf_causal_lm, hf_model, layer_input_lengths
 
 from colozoo.api import build_model
@@ -21,68 +22,23 @@ from colozoo.runtime.lora import apply_lora, b_from_hf, b_to_hf, lora_modules, t
 from colozoo.runtime.training import build_optimizer, parallelize
 
 R, ALPHA, ATOL = 4, 8, 1e-5
-GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0)
-OPT = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, ffn_dim=96, num_attention_heads=4,
-           max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1)
-LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0)
-BERT = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=32, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            num_labels=3, architectures=["BertForSequenceClassification"])
-FAMILIES = {  # (config, targets): every kind of linear and fused chunk, a subset of a fused qkv somewhere
-    "gpt2": (GPT2, ("c_attn", "c_proj", "c_fc")),
-    "opt": (OPT, ("q_proj", "v_proj", "out_proj", "fc2")),
-    "llama": (LLAMA, "all-linear"),
-    "bert": (BERT, ("query", "value", "output.dense", "intermediate.dense")),
-}
-DECODER = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
-           router_aux_loss_coef=0.05)
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MORE = {  # name: (transformers model type, config, targets)
-    "llama_kv2": ("llama", {**LLAMA, "num_key_value_heads": 2}, "all-linear"),  # tp=4: each kv head on 2 ranks
-    "qwen2": ("qwen2", DECODER, "all-linear"),  # q/k/v biases
-    "qwen3": ("qwen3", {**DECODER, "head_dim": 32}, ("q_proj", "k_proj", "o_proj", "up_proj", "down_proj")),
-    "gemma2": ("gemma2", {**DECODER, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
-                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 2.0},
-               ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")),
-    "phi3": ("phi3", {**DECODER, "bos_token_id": 1, "eos_token_id": 2}, ("qkv_proj", "o_proj", "gate_up_proj")),
-    "gpt_neox": ("gpt_neox", {k: v for k, v in DECODER.items() if k != "num_key_value_heads"},
-                 ("query_key_value", "dense", "dense_4h_to_h")),
-    "mixtral": ("mixtral", {**DECODER, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-                            "output_router_logits": True, "router_aux_loss_coef": 0.05}, ATTENTION),
-    "qwen2_moe": ("qwen2_moe", {**DECODER, **MOE, "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
-                  (*ATTENTION, "shared_expert.gate_proj", "shared_expert.down_proj")),
-    "qwen3_moe": ("qwen3_moe", {**DECODER, **MOE, "head_dim": 24, "norm_topk_prob": True, "mlp_only_layers": [1]},
-                  ("q_proj", "v_proj", "o_proj")),
-    "vit": ("vit", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=8,
-                        patch_size=2, num_channels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                        num_labels=3), ("q_proj", "v_proj", "o_proj", "fc1")),  # transformers 5's in-memory names
-}
-CASES = {**{f: (f, config, targets) for f, (config, targets) in FAMILIES.items()}, **MORE}
-EAGER = ("gemma2",)  # transformers' Gemma 2 caps attention logits only in eager attention
+# name: (transformers model type, config, targets): every family of the table, its declared config and LoRA targets
+# (every kind of linear and fused chunk, a subset of a fused qkv somewhere); BERT with a classifier, trained whole
+# beside the adapters (PEFT's modules_to_save)
+TASK = {"bert": dict(architectures=["BertForSequenceClassification"])}
+CASES = {name: (model_type(name), tiny_kwargs(name, **TASK.get(name, {})), TABLE[name].tiny.lora) for name in NAMES}
+FAMILIES = ("gpt2", "opt", "llama", "bert")  # the meshes of tests/test_lora.py: one of every kind of linear
+MORE = tuple(name for name in CASES if name not in FAMILIES)  # tests/test_lora_families.py
 
 
 def hf_and_batch(family: str, overrides: dict | None = None):
     """(config, transformers model, inputs, labels)."""
     model_type, kwargs, _ = CASES[family]
-    kwargs = {**kwargs, **(overrides or {})}
-    if model_type == "vit":
-        config = transformers.AutoConfig.for_model("vit", architectures=["ViTForImageClassification"], **kwargs)
-        pixels = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
-        return config, hf_model("ViTForImageClassification", config), dict(pixel_values=pixels), torch.arange(4) % 3
-    if family == "bert":
-        config = transformers.AutoConfig.for_model("bert", **kwargs)
-        hf = hf_model("BertForSequenceClassification", config)
-        ids, mask, _ = batch(config.vocab_size, 12, padded=False, batch_size=4)
-        mask = torch.ones_like(ids)
-        mask[-1, 9:] = 0
-        types = torch.zeros_like(ids)
-        types[:, 6:] = 1
-        return config, hf, dict(input_ids=ids, attention_mask=mask, token_type_ids=types), torch.arange(4) % 3
-    config, hf = hf_causal_lm(model_type, kwargs, attn_implementation="eager" if family in EAGER else "sdpa")
+    config = transformers.AutoConfig.for_model(model_type, **{**kwargs, **(overrides or {})})
+    if family in ENCODERS:
+        inputs, labels = encoder_inputs(config, batch_size=4)
+        return config, hf_model(config.architectures[0], config), inputs, labels
+    config, hf = hf_causal_lm(model_type, {**kwargs, **(overrides or {})}, attn_implementation=attention(model_type))
     ids, mask, labels = batch(config.vocab_size, 12, batch_size=4)
     return config, hf, dict(input_ids=ids, attention_mask=mask), labels
 
@@ -109,9 +65,10 @@ def randomize_b(model):
 def peft_model(family: str, hf, use_rslora: bool = False):
     import peft
 
-    targets = CASES[family][2]
-    task = "SEQ_CLS" if family == "bert" else None  # the classifier trained whole beside the adapters
-    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=family == "gpt2", task_type=task,
+    model_type, _, targets = CASES[family]
+    classifier = (hf.config.architectures or [""])[0].endswith("ForSequenceClassification")  # trained whole too
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, fan_in_fan_out=model_type == "gpt2",
+                             task_type="SEQ_CLS" if classifier else None,
                              use_rslora=use_rslora,
                              target_modules=targets if isinstance(targets, str) else list(targets))
     model = peft.get_peft_model(hf, config)
@@ -176,7 +133,7 @@ def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_paralle
     config, hf, inputs, labels = hf_and_batch(family, overrides)
     model = load_base(build_model(config, pc=pc, device="meta"), hf, pc)
     if ep > 1:  # each rank holds its share of the experts
-        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        experts = model.experts(config)
         stacked = [p for n, p in model.named_parameters() if n.endswith("experts.down_proj")]
         assert stacked and all(p.shape[0] == experts // ep for p in stacked), "experts are not split over ep"
     apply_lora(model, r=R, alpha=ALPHA, targets=CASES[family][2], use_rslora=use_rslora)

@@ -108,6 +108,9 @@ def hf_causal_lm(model_type: str, config_kwargs: dict, seed: int = 0, attn_imple
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("_bias"):  # gpt-oss's stacked expert biases
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: 0.5 apart changes the experts chosen
+            if name.endswith("_bias") and b.is_floating_point():
+                b.add_(torch.randn_like(b) * 0.5)
     return config, model
 
 
