@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -36,114 +36,150 @@ def _lora_states(mt, plan, workload, keys, weights, shard, ends=()):
             float(OPTIMIZER_BYTES[workload.optimizer] * n) / sharded(1), n)
 
 
+@dataclass
+class _ModelStates:
+    """One rank's model-state bytes on a stage, after ZeRO sharding, LoRA and offload."""
+    param_bytes: int             # the stage's parameters as held unsharded (tied copy included)
+    trained: float               # bytes of them that train (frozen: no gradient, master or optimizer state)
+    weights: float
+    grads: float
+    master: float
+    optimizer: float
+    cpu: float = 0.0             # what offload keeps in host memory
+    lora_params: int = 0         # trainable adapter (and saved-module) parameters under LoRA
+
+
 def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch."""
     check_priced(plan)
     workload.check()
     if mt.batch_size != plan.micro_batch_size:
         mt = mt.scaled(plan.micro_batch_size)
-    units, all_layers = mt.units, mt.layers
-    tied = mt.tied_bytes if plan.pp > 1 else 0
-    itemsize = workload.torch_dtype.itemsize
-    layer_unit = {k: u for u in units.values() for k in u.layers}
-    n_layers = len(all_layers)
+    n_layers = len(mt.layers)
     if plan.pp > n_layers:
         raise ProfilerError(f"pp={plan.pp} exceeds the {n_layers} layers of the model")
-    order = all_layers
     stages = mt.memoized(("stages", plan.pp, plan.virtual_stages, plan.layers_per_stage),
                          lambda: _rank_layers(mt, plan, n_layers))
-    shard = plan.dp * plan.cp  # FSDP / ZeRO shard over the data and context ranks
-    m = plan.num_microbatches
-    stage_costs = []
-    comm_by_stage = []
-    for s, idx in enumerate(stages):
-        keys = [order[i] for i in idx]
-        parts = [layer_unit[k] for k in keys]
-        if s == 0:
-            parts.append(units.get("embed") or units.get("model"))
-        if s == len(stages) - 1 and "head" in units:
-            parts.append(units["head"])
-        parts = [p for p in parts if p is not None]
-        param_bytes = sum(p.param_bytes for p in parts) + (tied if s == len(stages) - 1 else 0)
-        n_params = param_bytes // itemsize
-        trained = param_bytes - sum(p.frozen_param_bytes for p in parts)  # frozen: no gradient, master or state
-        weights = float(param_bytes)
-        grads = float(trained)
-        master = 4.0 * (trained // itemsize) if workload.torch_dtype != torch.float32 else 0.0
-        optim = float(OPTIMIZER_BYTES[workload.optimizer] * (trained // itemsize))
-        # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the
-        # same experts (the "edp" group), everything else (frozen parameters too) over all dp*cp
-        expert = sum(p.expert_param_bytes for p in parts)
-        edp = max(1, shard // plan.ep)
-
-        def kept(nbytes):  # the share of nbytes (all experts among them) a rank keeps when ZeRO shards them
-            return ((nbytes - expert) / shard + expert / edp) / nbytes if nbytes else 1.0
-
-        if plan.zero >= 1:
-            master, optim = master * kept(trained), optim * kept(trained)
-        if plan.zero >= 2:
-            grads *= kept(trained)
-        if plan.zero >= 3:
-            weights *= kept(param_bytes)
-        cpu = 0.0
-        n_lora = 0
-        if workload.lora:  # the base is frozen: gradients, master weights and optimizer states for adapters only
-            ends = ("embed",) * (s == 0) + ("head",) * (s == len(stages) - 1)
-            weights, grads, master, optim, n_lora = _lora_states(mt, plan, workload, keys, weights, shard, ends)
-        if plan.offload in ("optimizer", "params"):
-            cpu += master + optim
-            master = optim = 0.0
-        if plan.offload == "params":
-            cpu += weights + grads
-            weights = grads = 0.0
-        layer_params = [layer_unit[k].param_bytes for k in keys] or [0]
-        gathered = [(u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard)
-                    + u.expert_param_bytes * (1 - 1 / edp) for u in (layer_unit[k] for k in keys)] or [0]
-        # gathered around the one computing (one layer prefetched); kept from forward to backward without resharding
-        fsdp = (2.0 * max(gathered) if plan.reshard_after_forward else float(sum(gathered))) \
-            if (plan.zero >= 3 and shard > 1) else 0.0
-        if plan.offload == "params":
-            fsdp = 2.0 * max(layer_params)  # the gathered working copies still live on the GPU
-        recompute = _recompute_plan(plan, len(keys))
-        saved, fwd, bwd, transient = 0.0, 0, 0, 0.0
-        for j, p in enumerate(parts):
-            is_layer = j < len(keys)
-            policy = recompute[j] if is_layer else "none"
-            saved += _saved_under(p, policy)
-            # ring attention: this rank's queries meet the keys of all cp chunks, cp x the local core's FLOPs
-            ring_fwd, ring_bwd = ((plan.cp - 1) * f for f in mt.memoized(("core", p.name), lambda p=p: _core_flops(p)))
-            fwd += p.fwd_flops + ring_fwd
-            bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy, mt) + (ring_fwd if policy != "none" else 0)
-            extra = p.saved_bytes if policy == "full" else 0  # a recomputed layer is rebuilt whole in backward
-            transient = max(transient, p.transient_bytes + extra)
-        inflight = in_flight(plan, s)
-        activations = saved * inflight
-        extras = parts[len(keys):]  # embed on the first stage, head on the last, in that order
-        head = [units["head"]] if s == len(stages) - 1 and "head" in units else []
-        before = [p for p in extras if not any(p is h for h in head)]
-        in_order = before + parts[:len(keys)] + head
-        policies = ["none"] * len(before) + recompute + ["none"] * len(head)
-        dynamic = _dynamic_peak(in_order, policies, saved, inflight, grads, param_bytes, m)
-        peak = weights + master + optim + fsdp + dynamic
-        stage_costs.append(StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(n_params), weights, grads,
-                                     master, optim, fsdp, activations, transient, peak, cpu, inflight, int(fwd),
-                                     int(bwd), *_stage_comm(parts, keys, plan, param_bytes, s, len(stages),
-                                                                4.0 * n_lora if workload.lora else trained)))
-        if workload.lora or trained < param_bytes:
-            stage_costs[-1].trainable = n_lora if workload.lora else trained // itemsize
-        comm_by_stage.append(stage_costs[-1].comm)
-    busiest = max(range(len(stage_costs)), key=lambda i: stage_costs[i].fwd_flops + stage_costs[i].bwd_flops)
-    total, name = mt.total_params, mt.name
+    stage_costs = [_stage_cost(mt, plan, workload, s, [mt.layers[i] for i in idx], len(stages))
+                   for s, idx in enumerate(stages)]
+    busiest = max(stage_costs, key=lambda c: c.fwd_flops + c.bwd_flops)
     mesh = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "cp", "ep")}
     mesh["sp"] = plan.sequence_parallel
     return ProfileReport(
-        model=name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
-        total_params=total,
-        units=mt.memoized("unit dicts", lambda: [asdict(u) for u in units.values()]),
-        stages=[asdict(s) for s in stage_costs],
-        comm=comm_by_stage[busiest], comm_calls=stage_costs[busiest].comm_calls,
+        model=mt.name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
+        total_params=mt.total_params,
+        units=mt.memoized("unit dicts", lambda: [asdict(u) for u in mt.units.values()]),
+        stages=[asdict(s) for s in stage_costs], comm=busiest.comm, comm_calls=busiest.comm_calls,
         peak_memory=max(s.peak for s in stage_costs),
-        step_flops=(stage_costs[busiest].fwd_flops + stage_costs[busiest].bwd_flops) * m, profile_seconds=0.0)
+        step_flops=(busiest.fwd_flops + busiest.bwd_flops) * plan.num_microbatches, profile_seconds=0.0)
+
+
+def _stage_cost(mt: ModelTrace, plan: Plan, workload: Workload, s: int, keys: list, n_stages: int) -> StageCost:
+    """Memory, FLOPs and communication of one rank of pipeline stage `s`, which runs layers `keys`."""
+    layers, ends = _stage_parts(mt, keys, s, n_stages)
+    parts = layers + ends
+    states = _model_states(mt, plan, workload, keys, parts, s, n_stages)
+    recompute = _recompute_plan(plan, len(keys))
+    saved, fwd, bwd, transient = _compute(mt, plan, parts, recompute)
+    inflight = in_flight(plan, s)
+    head = [mt.units["head"]] if s == n_stages - 1 and "head" in mt.units else []
+    before = [p for p in ends if not any(p is h for h in head)]  # the embedding, on the first stage
+    in_order = before + layers + head
+    policies = ["none"] * len(before) + recompute + ["none"] * len(head)
+    dynamic = _dynamic_peak(in_order, policies, saved, inflight, states.grads, states.param_bytes,
+                            plan.num_microbatches)
+    fsdp = _fsdp_buffers(plan, layers)
+    peak = states.weights + states.master + states.optimizer + fsdp + dynamic
+    grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained
+    cost = StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(states.param_bytes // _itemsize(workload)),
+                     states.weights, states.grads, states.master, states.optimizer, fsdp, saved * inflight, transient,
+                     peak, states.cpu, inflight, int(fwd), int(bwd),
+                     *_stage_comm(parts, keys, plan, states.param_bytes, s, n_stages, grad_bytes))
+    if workload.lora or states.trained < states.param_bytes:
+        cost.trainable = states.lora_params if workload.lora else int(states.trained // _itemsize(workload))
+    return cost
+
+
+def _itemsize(workload: Workload) -> int:
+    return workload.torch_dtype.itemsize
+
+
+def _stage_parts(mt: ModelTrace, keys: list, s: int, n_stages: int) -> tuple[list, list]:
+    """(the stage's layer units in order, the embedding on the first stage and the head on the last)."""
+    layer_unit = mt.memoized("layer units", lambda: {k: u for u in mt.units.values() for k in u.layers})
+    ends = []
+    if s == 0:
+        ends.append(mt.units.get("embed") or mt.units.get("model"))
+    if s == n_stages - 1 and "head" in mt.units:
+        ends.append(mt.units["head"])
+    return [layer_unit[k] for k in keys], [p for p in ends if p is not None]
+
+
+def _model_states(mt: ModelTrace, plan: Plan, workload: Workload, keys, parts, s: int, n_stages: int) -> _ModelStates:
+    """Weights, gradients, master weights and optimizer states one rank of stage `s` keeps."""
+    itemsize = _itemsize(workload)
+    tied = mt.tied_bytes if plan.pp > 1 and s == n_stages - 1 else 0
+    param_bytes = sum(p.param_bytes for p in parts) + tied
+    trained = param_bytes - sum(p.frozen_param_bytes for p in parts)
+    master = 4.0 * (trained // itemsize) if workload.torch_dtype != torch.float32 else 0.0
+    states = _ModelStates(param_bytes, trained, float(param_bytes), float(trained), master,
+                          float(OPTIMIZER_BYTES[workload.optimizer] * (trained // itemsize)))
+    shard = plan.dp * plan.cp  # FSDP / ZeRO shard over the data and context ranks
+    # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the same
+    # experts (the "edp" group), everything else (frozen parameters too) over all dp*cp
+    expert = sum(p.expert_param_bytes for p in parts)
+    edp = max(1, shard // plan.ep)
+
+    def kept(nbytes):  # the share of nbytes (all experts among them) a rank keeps when ZeRO shards them
+        return ((nbytes - expert) / shard + expert / edp) / nbytes if nbytes else 1.0
+
+    if plan.zero >= 1:
+        states.master, states.optimizer = states.master * kept(trained), states.optimizer * kept(trained)
+    if plan.zero >= 2:
+        states.grads *= kept(trained)
+    if plan.zero >= 3:
+        states.weights *= kept(param_bytes)
+    if workload.lora:  # the base is frozen: gradients, master weights and optimizer states for adapters only
+        ends = ("embed",) * (s == 0) + ("head",) * (s == n_stages - 1)
+        (states.weights, states.grads, states.master, states.optimizer,
+         states.lora_params) = _lora_states(mt, plan, workload, keys, states.weights, shard, ends)
+    if plan.offload in ("optimizer", "params"):
+        states.cpu += states.master + states.optimizer
+        states.master = states.optimizer = 0.0
+    if plan.offload == "params":
+        states.cpu += states.weights + states.grads
+        states.weights = states.grads = 0.0
+    return states
+
+
+def _fsdp_buffers(plan: Plan, layers: list) -> float:
+    """Bytes of gathered (unsharded) layers a ZeRO-3 rank holds: the one computing and the one prefetched, or every
+    layer from forward to backward without resharding; under parameter offload, the working copies."""
+    if plan.offload == "params":
+        return 2.0 * max([u.param_bytes for u in layers] or [0])
+    shard = plan.dp * plan.cp
+    if plan.zero < 3 or shard <= 1:
+        return 0.0
+    edp = max(1, shard // plan.ep)
+    gathered = [(u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard) + u.expert_param_bytes * (1 - 1 / edp)
+                for u in layers] or [0]
+    return 2.0 * max(gathered) if plan.reshard_after_forward else float(sum(gathered))
+
+
+def _compute(mt: ModelTrace, plan: Plan, parts: list, recompute: list) -> tuple[float, int, int, float]:
+    """(activations saved per micro-batch, forward FLOPs, backward FLOPs with recomputation, worst temporaries) of
+    a stage's units; `recompute` holds the policy of each of its layers, which come first in `parts`."""
+    saved, fwd, bwd, transient = 0.0, 0, 0, 0.0
+    for j, p in enumerate(parts):
+        policy = recompute[j] if j < len(recompute) else "none"
+        saved += _saved_under(p, policy)
+        # ring attention: this rank's queries meet the keys of all cp chunks, cp x the local core's FLOPs
+        ring_fwd, ring_bwd = ((plan.cp - 1) * f for f in mt.memoized(("core", p.name), lambda p=p: _core_flops(p)))
+        fwd += p.fwd_flops + ring_fwd
+        bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy, mt) + (ring_fwd if policy != "none" else 0)
+        extra = p.saved_bytes if policy == "full" else 0  # a recomputed layer is rebuilt whole in backward
+        transient = max(transient, p.transient_bytes + extra)
+    return saved, fwd, bwd, transient
 
 
 def _rank_layers(mt: ModelTrace, plan: Plan, n_layers: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Tracing a model on meta tensors in a fake world of the mesh's tensor/expert sizes: one layer of each kind with
 the embedding and the head, every collective the layers issue, every tensor saved for backward; then the trace
-attributed to units (embedding, each kind of layer, head) with their parameters."""
+attributed to units (embedding, each kind of layer, head) with their parameters (colozoo.cost.attribution)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +14,9 @@ from torch import nn
 
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
-from colozoo.cost.trace import Trace, kernel_key, trace_step
-from colozoo.cost.report import UnitCost
+from colozoo.cost.attribution import (assign_params, global_params, module_units, rename_layers,
+                                      tied_head_bytes, unit_of_steps, units_of)
+from colozoo.cost.trace import Trace, trace_step
 from colozoo.cost.setup import ProfilerError, get_config, parse_mesh
 
 
@@ -133,23 +134,6 @@ def _representatives_only(model: nn.Module, prefix, container, kinds):
             stage.layers = container
 
 
-def _rename_layers(trace: Trace, layer_prefix: str, renamed: dict):
-    """Module names of a renumbered ModuleList back to the representative layer keys."""
-    def fix(name):
-        if name.startswith(layer_prefix):
-            key, _, rest = name[len(layer_prefix):].partition(".")
-            name = layer_prefix + renamed.get(key, key) + ("." + rest if rest else "")
-        return name
-
-    trace.steps = [(fix(m), *rest) for m, *rest in trace.steps]
-    for saved in trace.saved.values():
-        saved.module = fix(saved.module)
-    for c in trace.collectives:
-        c.module = fix(c.module)
-    trace.params_used_by = {k: {fix(m) for m in v} for k, v in trace.params_used_by.items()}
-    trace.module_inputs = {fix(k): v for k, v in trace.module_inputs.items()}
-
-
 def _loss_of(out):
     loss = getattr(out, "loss", None)
     if loss is None and getattr(out, "last_hidden_state", None) is not None:  # encoders without a head (BertModel)
@@ -220,11 +204,33 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
     torch_dtype = DTYPES[dtype]
     if seq_len % pc.cp:
         raise ProfilerError(f"seq_len={seq_len} must be divisible by cp={pc.cp}")
-    local_seq = seq_len // pc.cp
     if generic is not None and (pc.tp > 1 or pc.ep > 1 or pc.pp > 1):
         raise ProfilerError(f"{type(generic).__name__} is not a colozoo model: only dp and cp apply to it "
                             f"(got tp={pc.tp}, pp={pc.pp}, ep={pc.ep})")
     sizes = list(batch_size) if isinstance(batch_size, (list, tuple)) else [batch_size]
+    local_seq = seq_len // pc.cp
+    traced = _trace_sizes(config, generic, pc, torch_dtype, sizes, local_seq, target, inputs)
+    name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
+    out = {size: _model_trace(traced, trace, name, size, local_seq, dtype, pc,
+                              config if generic is None else None) for size, trace in traced.traces.items()}
+    return out if isinstance(batch_size, (list, tuple)) else out[batch_size]
+
+
+@dataclass
+class _Traced:
+    """The traces of one model at several micro-batch sizes, with what attributing them to units needs."""
+    traces: dict                 # micro-batch size -> Trace
+    params: dict                 # parameter name -> parameter (meta)
+    root: str                    # the model's class name, the prefix of its module names
+    prefix: str | None           # the layer container's path in the model
+    kinds: dict                  # layer kind (representative key) -> the layer keys of that kind
+    renamed: dict                # traced key -> representative key, where the container was renumbered
+
+
+def _trace_sizes(config, generic, pc: ParallelConfig, torch_dtype, sizes, local_seq: int, target: str,
+                 inputs: dict | None) -> _Traced:
+    """Build the model once on meta in a fake world of the mesh's tp x ep ranks and trace a training step at each
+    micro-batch size, one layer of each kind standing in for the others."""
     from colozoo.kernels import use_kernels
 
     traces = {}
@@ -242,41 +248,47 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
                            if g is not None and name.split("/")[0] in ("tp", "ep")}
         prefix, container = _layer_container(model)
         kinds = _kinds(container) if container is not None else {}
-        all_layers = [k for keys in kinds.values() for k in keys]
         with _representatives_only(model, prefix, container, kinds) as renamed:
             for size in sizes:
-                batch = inputs
-                if batch is None and hasattr(model, "example_inputs"):  # images, per-example labels (bert, vit)
-                    batch = model.example_inputs(size, local_seq, device="meta")
-                if batch is None:
-                    ids = torch.zeros(size, local_seq, dtype=torch.long, device="meta")
-                    batch = {"input_ids": ids, "labels": ids}
-                if generic is not None:
-                    run = _meta_copy_run(model, batch, torch_dtype)
-                else:
-                    run = lambda m, batch=batch: _loss_of(m(**batch))  # noqa: E731
+                run = _step_of(model, generic, size, local_seq, torch_dtype, inputs)
                 for p in params.values():
                     p.grad = None
                 with balanced_routing(model):
                     stages = model.run.stages if getattr(model, "run", None) is not None else ()
                     traces[size] = trace_step(model, run, target=target, group_names=group_names, wrappers=stages)
-    root = type(model).__name__
+    return _Traced(traces, params, type(model).__name__, prefix, kinds, renamed)
+
+
+def _step_of(model, generic, size: int, local_seq: int, torch_dtype, inputs: dict | None):
+    """The training step traced at one micro-batch size: model -> loss on its inputs (token ids by default)."""
+    batch = inputs
+    if batch is None and hasattr(model, "example_inputs"):  # images, per-example labels (bert, vit)
+        batch = model.example_inputs(size, local_seq, device="meta")
+    if batch is None:
+        ids = torch.zeros(size, local_seq, dtype=torch.long, device="meta")
+        batch = {"input_ids": ids, "labels": ids}
+    if generic is not None:
+        return _meta_copy_run(model, batch, torch_dtype)
+    return lambda m: _loss_of(m(**batch))
+
+
+def _model_trace(traced: _Traced, trace: Trace, name: str, size: int, local_seq: int, dtype: str,
+                 pc: ParallelConfig, config) -> ModelTrace:
+    """One size's trace attributed to units (embedding, each kind of layer, head) with their parameters."""
+    root, prefix, kinds = traced.root, traced.prefix, traced.kinds
     layer_prefix = f"{root}.{prefix}." if prefix else None
+    if traced.renamed:
+        rename_layers(trace, layer_prefix, traced.renamed)
+    all_layers = [k for keys in kinds.values() for k in keys]
     if all(k.isdigit() for k in all_layers):
         all_layers = sorted(all_layers, key=int)
-    name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
-    out = {}
-    for size, trace in traces.items():
-        if renamed:
-            _rename_layers(trace, f"{root}.{prefix}.", renamed)
-        step_unit = _unit_of_steps(trace, layer_prefix)
-        module_unit = _module_units(trace, step_unit)
-        units = _units(trace, step_unit, layer_prefix, kinds, local_seq)
-        _assign_params(units, params, prefix, kinds, module_unit, root)
-        tied = _tied_head_bytes(trace, params, prefix, module_unit, root)
-        out[size] = ModelTrace(name, units, all_layers, _global_params(params, pc), tied, size, local_seq, dtype,
-                               config=config if generic is None else None)
-    return out if isinstance(batch_size, (list, tuple)) else out[batch_size]
+    step_unit = unit_of_steps(trace, layer_prefix)
+    module_unit = module_units(trace, step_unit)
+    units = units_of(trace, step_unit, layer_prefix, kinds, local_seq)
+    assign_params(units, traced.params, prefix, kinds, module_unit, root)
+    tied = tied_head_bytes(trace, traced.params, prefix, module_unit, root)
+    return ModelTrace(name, units, all_layers, global_params(traced.params, pc), tied, size, local_seq, dtype,
+                      config=config)
 
 
 def _resolve(model_or_name):
@@ -295,156 +307,3 @@ def _resolve(model_or_name):
                         f"{type(model_or_name).__name__}")
 
 
-def _unit_of_steps(trace: Trace, layer_prefix: str | None):
-    """Unit name of every op: 'layer:<key>', or 'embed' / 'head' for ops before / after the layers."""
-    names = []
-    bounds = {}
-    for i, (module, phase, _, _) in enumerate(trace.steps):
-        if layer_prefix and module.startswith(layer_prefix):
-            key = module[len(layer_prefix):].split(".")[0]
-            names.append(f"layer:{key}")
-            lo, hi = bounds.get(phase, (i, i))
-            bounds[phase] = (min(lo, i), max(hi, i))
-        else:
-            names.append(None)
-    for i, (module, phase, _, _) in enumerate(trace.steps):
-        if names[i] is None:
-            if phase not in bounds:
-                names[i] = "model" if not layer_prefix else "embed"
-            else:
-                before = i < bounds[phase][0]
-                names[i] = ("embed" if before else "head") if phase == "forward" else ("head" if before else "embed")
-    return names
-
-
-def _units(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> dict[str, UnitCost]:
-    units: dict[str, UnitCost] = {}
-
-    def unit(name) -> UnitCost | None:
-        if name not in units:
-            if name.startswith("layer:"):
-                key = name.split(":", 1)[1]
-                if key not in kinds:  # a generic model traced whole: its other layers repeat a representative
-                    return None
-                units[name] = UnitCost(name=f"layer {key}", count=len(kinds[key]), layers=kinds[key])
-            else:
-                units[name] = UnitCost(name=name)
-        return units[name]
-
-    temps = trace.temporaries()
-    for i, (module, phase, op, fl) in enumerate(trace.steps):
-        u = unit(step_unit[i])
-        if u is None:
-            continue
-        stats = u.ops.setdefault(op, {"calls": 0, "fwd_flops": 0, "bwd_flops": 0, "saved_bytes": 0})
-        if phase == "forward":
-            stats["calls"] += 1
-            stats["fwd_flops"] += fl
-            u.fwd_flops += fl
-        else:
-            stats["bwd_flops"] += fl
-            u.bwd_flops += fl
-        kernel = trace.kernels.get(i)
-        if kernel is not None:
-            entry = u.kernels.setdefault(kernel_key("fwd" if phase == "forward" else "bwd", op, kernel), [0, 0, 0])
-            entry[0] += 1
-            entry[1] += fl
-            entry[2] += kernel.nbytes
-        u.transient_bytes = max(u.transient_bytes, temps[i])
-        if phase == "forward":
-            u.fwd_transient_bytes = max(u.fwd_transient_bytes, temps[i])
-        else:
-            u.bwd_transient_bytes = max(u.bwd_transient_bytes, temps[i])
-    for saved in trace.saved.values():
-        u = unit(_unit_of_saved(saved, trace, step_unit, layer_prefix))
-        if u is None:
-            continue
-        u.saved_bytes += saved.nbytes
-        u.ops.setdefault(saved.op, {"calls": 0, "fwd_flops": 0, "bwd_flops": 0, "saved_bytes": 0})
-        u.ops[saved.op]["saved_bytes"] += saved.nbytes
-        if len(saved.shape) >= 2 and saved.shape[-1] == saved.shape[-2] == local_seq:
-            u.attention_core_bytes += saved.nbytes
-    for c in trace.collectives:
-        u = unit(step_unit[c.step])
-        if u is None:
-            continue
-        key = f"{c.group}.{c.name}"
-        u.comm[key] = u.comm.get(key, 0) + c.nbytes
-        u.comm_calls[key] = u.comm_calls.get(key, 0) + 1
-    if layer_prefix:
-        for name, u in units.items():
-            if name.startswith("layer:"):
-                u.input_bytes = trace.module_inputs.get(layer_prefix + name.split(":", 1)[1], 0)
-    return units
-
-
-def _unit_of_saved(saved, trace: Trace, step_unit, layer_prefix) -> str:
-    """A tensor is packed just before or just after its op is recorded: take the nearest op of its module."""
-    i = min(saved.step, len(step_unit) - 1)
-    if layer_prefix and saved.module.startswith(layer_prefix):
-        return f"layer:{saved.module[len(layer_prefix):].split('.')[0]}"
-    while i > 0 and layer_prefix and trace.steps[i][0].startswith(layer_prefix):
-        i -= 1
-    return step_unit[i]
-
-
-def _module_units(trace: Trace, step_unit) -> dict[str, str]:
-    """Module name -> the unit in whose forward it (or a submodule) first ran."""
-    out = {}
-    for (module, phase, _, _), unit in zip(trace.steps, step_unit):
-        if phase != "forward":
-            continue
-        parts = module.split(".")
-        for i in range(1, len(parts) + 1):
-            out.setdefault(".".join(parts[:i]), unit)
-    return out
-
-
-def _assign_params(units, params, prefix, kinds, module_unit, root: str):
-    """Parameter bytes per unit: one layer of each kind, and the rest by where their module ran."""
-    from colozoo.layers.shard import spec_of
-
-    layer_of_key = {k: rep for rep, keys in kinds.items() for k in keys}
-    fallback = "embed" if "embed" in units else next(iter(units))
-    for name, p in params.items():
-        nbytes = p.numel() * p.element_size()
-        if prefix and name.startswith(prefix + "."):
-            key = name[len(prefix) + 1:].split(".")[0]
-            if layer_of_key.get(key) != key or f"layer:{key}" not in units:
-                continue
-            unit = units[f"layer:{key}"]
-        else:
-            owner = module_unit.get(f"{root}.{name.rsplit('.', 1)[0]}", fallback)
-            unit = units.get(owner, units[fallback])
-        unit.param_bytes += nbytes
-        if not p.requires_grad:
-            unit.frozen_param_bytes += nbytes
-        if any(split.mesh_dim == "ep" for split in spec_of(p)):
-            unit.expert_param_bytes += nbytes
-
-
-def _tied_head_bytes(trace: Trace, params, prefix, module_unit, root) -> int:
-    """Bytes of parameters owned before the layers but also used after them (tied embeddings): with
-    pipeline parallelism the last stage holds its own copy."""
-    total = 0
-    for name, modules in trace.params_used_by.items():
-        if prefix and name.startswith(prefix + "."):
-            continue
-        owner = module_unit.get(f"{root}.{name.rsplit('.', 1)[0]}")
-        if owner == "embed" and any(module_unit.get(m) == "head" for m in modules):
-            total += params[name].numel() * params[name].element_size()
-    return total
-
-
-def _global_params(params, pc: ParallelConfig) -> int:
-    """Global parameter count: local shards scaled back up along every split (vocab padding included)."""
-    from colozoo.layers.shard import spec_of
-
-    sizes = {"tp": pc.tp, "ep": pc.ep}
-    total = 0
-    for p in params.values():
-        n = p.numel()
-        for split in spec_of(p):  # fused chunks know their global length (replicated kv heads count once)
-            n = n // p.shape[split.dim] * sum(split.chunks) if split.chunks else n * sizes.get(split.mesh_dim, 1)
-        total += n
-    return total
