@@ -89,6 +89,17 @@ class GPT2ForCausalLM(ParallelModel):
     def mlp_width(cls, config) -> int:
         return config.n_inner if config.n_inner is not None else 4 * config.hidden_size
 
+    @classmethod
+    def config_from_sizes(cls, hidden: int, layers: int, heads: int, ffn: int, vocab: int, seq: int,
+                          dropout: float = 0.0, tied: bool = True):
+        """A GPT as Megatron-LM trains it (learned positions, LayerNorm, tanh GeLU, tied embeddings) from its sizes:
+        the published runs the planner is checked against (colozoo.cost.published)."""
+        import transformers
+
+        return transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, vocab_size=vocab,
+                                       n_positions=seq, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                       activation_function="gelu_pytorch_tanh", tie_word_embeddings=tied)
+
     def position_limit(self) -> int:
         return self.config.max_position_embeddings
 

@@ -97,10 +97,10 @@ def model_config(model: dict):
         return get_config(model["registry"])
     h, ffn, dropout = model["hidden"], model.get("ffn", 4 * model["hidden"]), model.get("dropout", 0.0)
     if model["family"] == "gpt2":
-        return transformers.GPT2Config(n_embd=h, n_layer=model["layers"], n_head=model["heads"], n_inner=ffn,
-                                       vocab_size=model["vocab"], n_positions=model["seq"], resid_pdrop=dropout,
-                                       embd_pdrop=dropout, attn_pdrop=dropout, activation_function="gelu_pytorch_tanh",
-                                       tie_word_embeddings=model.get("tied", True))
+        from colozoo.models import model_class
+
+        return model_class("gpt2").config_from_sizes(h, model["layers"], model["heads"], ffn, model["vocab"],
+                                                      model["seq"], dropout, model.get("tied", True))
     if model["family"] == "llama":
         return transformers.LlamaConfig(hidden_size=h, intermediate_size=ffn, num_hidden_layers=model["layers"],
                                         num_attention_heads=model["heads"],
