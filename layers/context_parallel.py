@@ -21,7 +21,7 @@ How a family opts in: pass `cp=ctx.cp` to `layers.attention.attention`, take pos
 `.full_logits` (labels stay the full sequence; the loss is the mean over all cp ranks' tokens). The batch is
 sharded by `shard_batch`, called by `ParallelModel.forward` (pp == 1, via `context_parallel_forward`) and by
 each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral, gemma2/gemma3_text.
-`model.cp_mode` (or the `cp_mode=` forward keyword) picks the mode; "ring" by default.
+The `cp_mode=` keyword of each call (the forward, forward_backward) picks the mode; "ring" by default.
 Parameter gradients are partial on each cp rank: sum them over the cp group (the dp_cp reduction).
 Memory: neither mode builds a (batch, 1, S, S) mask at long S; the family's dense mask is dropped unbuilt. The
 ring masks per block. Ulysses without padding, window or packed documents needs no mask; bidirectional attention over padding takes

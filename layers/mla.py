@@ -20,9 +20,11 @@ weights' gradients are then summed over tp.
 The KV cache (layers.kv_cache) holds what every head shares: the normalised latent and the rotated k_rot, as a
 "key" and a "value" of one head each (kv_lora_rank + qk_rope_head_dim numbers a position, on every tp rank, against
 2 x heads x head_dim for a full cache). The prefill expands this rank's heads' keys and values from them, as
-transformers does at every step; a decoding step attends over the latent itself (`_attend_latent`), unless kv_b_proj
-carries a LoRA adapter: absorbing its weight would leave the adapter out, so such a step expands the cached latent
-through kv_b_proj (and its adapter) as the prefill does.
+transformers does at every step; a decoding step attends over the latent itself (`_attend_latent`). A LoRA adapter
+on kv_b_proj (W + s B A) joins the absorbed form on its rank: q_nope (W_uk + s B_uk A) = q_nope W_uk + s (q_nope B_uk) A
+going in, and out (W_uv + s B_uv A)^T = out W_uv^T + s (out A^T) B_uv^T coming out, never a weight-sized product.
+Only an adapter that draws dropout (training mode) makes a step expand the cached latent through kv_b_proj and its
+adapter, as the prefill does: the absorbed form cannot draw the adapter's mask on the latent.
 With `interleaved_rope` (DeepSeek's checkpoints, transformers' rope_interleave) the rotary features come in pairs
 (x0, x1), (x2, x3), ...: they are reordered to (x0, x2, ... | x1, x3, ...) and rotated as every other family's,
 which is transformers' order too.
@@ -107,7 +109,7 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, self._rotate(q_rot, cos, sin)), dim=-1)
         k_rot = self._rotate(k_rot.unsqueeze(1), cos, sin)
         latent, k_rot, mask, causal = keys_values_mask(ctx, self.layer_idx, latent.unsqueeze(1), k_rot)
-        if ctx.cache is not None and q.shape[2] < latent.shape[2] and self.kv_b_proj.lora is None:
+        if ctx.cache is not None and q.shape[2] < latent.shape[2] and self._absorbable():
             return self.o_proj(merge_heads(self._attend_latent(q, latent, k_rot, mask)))
         k_nope, v = self._heads(self.kv_b_proj(latent.squeeze(1)), self.nope_dim + self.v_dim).split(
             (self.nope_dim, self.v_dim), dim=-1)
@@ -116,15 +118,34 @@ class LatentAttention(nn.Module):
                         dropout_p=self.dropout_p if self.training else 0.0, documents=ctx.documents)
         return self.o_proj(merge_heads(out))
 
+    def _absorbable(self) -> bool:
+        """A decoding step can attend over the latent: unless kv_b_proj's adapter draws dropout (see the module)."""
+        lora = self.kv_b_proj.lora
+        return lora is None or not (self.training and lora.p > 0)
+
+    def _up_projections(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's rows (or its adapter's B rows) per head: those that make k_nope, those that make v."""
+        return weight.view(self.local_heads, self.nope_dim + self.v_dim, -1).split((self.nope_dim, self.v_dim), dim=1)
+
     def _attend_latent(self, q, latent, k_rot, mask):
         """Decoding over the cache without expanding it (the up-projections absorbed): each head's q_nope goes into
         the latent space through its rows of kv_b_proj that make k_nope (q_nope . W_uk c = (W_uk^T q_nope) . c), the
         heads attend as one multi-query group over [latent | k_rot] with the latent as values, and each head's result
-        leaves the latent space through its rows that make v. A step reads the cache once, never every head's keys
-        and values; the prefill, with as many queries as keys, expands them as transformers does."""
-        w_uk, w_uv = self.kv_b_proj.weight.view(self.local_heads, self.nope_dim + self.v_dim, -1).split(
-            (self.nope_dim, self.v_dim), dim=1)
+        leaves the latent space through its rows that make v; kv_b_proj's LoRA adapter joins on its rank (see the
+        module). A step reads the cache once, never every head's keys and values; the prefill, with as many queries
+        as keys, expands them as transformers does."""
+        w_uk, w_uv = self._up_projections(self.kv_b_proj.weight)
         q_nope, q_rot = q.split((self.nope_dim, self.rope_dim), dim=-1)
-        q = torch.cat((torch.matmul(q_nope, w_uk), q_rot), dim=-1)
+        q_latent = torch.matmul(q_nope, w_uk)
+        lora = self.kv_b_proj.lora
+        if lora is not None:  # in the adapter's dtype, added in the base's, as LoRA.forward does
+            b_uk, b_uv = self._up_projections(lora.B)
+            low_rank = torch.matmul(torch.matmul(q_nope.to(lora.A.dtype), b_uk), lora.A) * lora.scaling
+            q_latent = q_latent + low_rank.to(q_latent.dtype)
+        q = torch.cat((q_latent, q_rot), dim=-1)
         out = attention(q, torch.cat((latent, k_rot), dim=-1), latent, mask, causal=False, scale=self.scale)
-        return torch.matmul(out, w_uv.transpose(1, 2))
+        values = torch.matmul(out, w_uv.transpose(1, 2))
+        if lora is not None:
+            low_rank = torch.matmul(torch.matmul(out.to(lora.A.dtype), lora.A.t()), b_uv.transpose(1, 2)) * lora.scaling
+            values = values + low_rank.to(values.dtype)
+        return values

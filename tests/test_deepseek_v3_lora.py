@@ -3,8 +3,8 @@ kv_a_proj_with_mqa, q_b_proj and kv_b_proj split by heads, o_proj; q_proj where 
 loss and every adapter's gradient at tp 1 and tp 2 (sequence parallelism off and on: the compressions' adapters then
 see each rank's share of the tokens) and at dp2 x ep2; colozoo's PEFT adapter directory (saved at tp 2) loads in peft
 with the same logits and back in colozoo bit for bit; greedy generation with adapters token for token against peft's,
-with every step's logits (kv_b_proj adapted: each step expands the cached latent through it; not adapted: the
-up-projections absorbed into the query and the output).
+with every step's logits (the up-projections absorbed into the query and the output, kv_b_proj's adapter joining them
+on its rank: no step expands the cached latent, adapted or not).
 
 The MLPs are refused, with a reason: the routed experts as for every MoE family (transformers holds them as stacked
 parameters), and the dense MLPs and shared expert too, since PEFT 0.21 on transformers 5 turns any target named
@@ -55,7 +55,7 @@ def test_lora_refuses_the_mlps(targets, reason):
 
 def lora_generation(case: str, tp: int = 1):
     """Greedy generation of ours and of peft's model holding the same adapters: the tokens and every step's logits;
-    how many positions kv_b_proj projected in each layer (the prefill's, then one per step only if adapted)."""
+    how many positions kv_b_proj projected in each layer (the prefill's; decoding steps attend over the latent)."""
     import torch
 
     import lora_parity
@@ -88,11 +88,21 @@ def lora_generation(case: str, tp: int = 1):
 
 @pytest.mark.parametrize("case", ["deepseek_v3_generate", "deepseek_v3_absorbed"])
 def test_greedy_generate_with_adapters(case):
-    from test_generate import NEW
+    assert lora_generation(case) == [9]  # the prompt's 9 positions; no step expands the cached latent
 
-    prompt = 9
-    expanded = [prompt] + [prompt + i for i in range(1, NEW)]  # the whole cached latent, at every step
-    assert lora_generation(case) == (expanded if case == "deepseek_v3_generate" else [prompt])
+
+def test_an_adapter_drawing_dropout_decodes_expanded_in_training_mode():
+    """The absorbed form cannot draw the adapter's dropout mask on the latent: in training mode such a step expands
+    the cached latent through kv_b_proj and its adapter; in eval mode it attends over the latent."""
+    import transformers
+
+    from colozoo.api import build_model
+    from colozoo.runtime.lora import apply_lora
+
+    model = build_model(transformers.AutoConfig.for_model("deepseek_v3", **GENERATE["deepseek_v3"]), device="meta")
+    apply_lora(model, r=4, dropout=0.1, targets=("kv_b_proj",))
+    attention = model.layers["0"].self_attn
+    assert attention.eval()._absorbable() and not attention.train()._absorbable()
 
 
 def tp2_adapters(directory: str):

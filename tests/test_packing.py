@@ -157,9 +157,8 @@ def no_leakage(family: str = "llama", tp: int = 1, sequence_parallel: bool = Fal
     config, hf = hf_reference(family)
     ids, positions = packed_batch(config.vocab_size)
     model, sources = build(pc, hf)
-    model.run.cp_mode = cp_mode
     with use_kernels(kernels):
-        out = model(ids, position_ids=positions, return_logits=True)
+        out = model(ids, position_ids=positions, return_logits=True, cp_mode=cp_mode)
     for row, start, length in DOCUMENTS:
         doc = slice(start, start + length)
         alone = hf(ids[row:row + 1, doc], position_ids=positions[row:row + 1, doc], use_cache=False).logits[0]
@@ -174,7 +173,7 @@ def no_leakage(family: str = "llama", tp: int = 1, sequence_parallel: bool = Fal
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
     parallelize(model)
     with use_kernels(kernels):
-        loss = model.forward_backward(ids, ids, position_ids=positions, num_microbatches=2)
+        loss = model.forward_backward(ids, ids, position_ids=positions, num_microbatches=2, cp_mode=cp_mode)
     close(loss, ref.loss, ATOL, "forward_backward loss")
     return gradients_match(model, pc, sources, hf_grads)
 

@@ -56,8 +56,7 @@ def build(pc, family, config, hf, options):
             for name, p in model.named_parameters():
                 p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(pc)))
     model.train()
-    if options.pop("cp_mode", None):
-        model.run.cp_mode = "all_to_all"  # the run's default for every forward that names none
+    options.pop("cp_mode", None)  # an argument of each step (step_against_hf's)
     parallelize(model, **options)
     return model
 
@@ -94,7 +93,8 @@ def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None
 
     worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0}  # norm: relative
     for step in range(steps):
-        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches)
+        loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=microbatches,
+                                      cp_mode=(options or {}).get("cp_mode", "ring"))
         norm = clip_grad_norm_(model, MAX_NORM)
         ref = hf(ids, attention_mask=mask, labels=labels).loss  # Mixtral: with the aux loss of the whole batch
         ref.backward()

@@ -9,15 +9,14 @@ import torch.distributed as dist
 from colozoo.core.mesh import coords_of
 from colozoo.layers.shard import local_part, replicated_pieces
 from colozoo.runtime.errors import TrainingError
+from colozoo.runtime.parallelize import training_setup
 
 
 @torch.no_grad()
 def global_grad_norm(model, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the full model's gradient: every element counted once, whatever holds it (tp/ep shards,
     FSDP dp shards, pipeline stages; tp-replicated, dp-replicated and tied-copy gradients only once)."""
-    setup = model.run.setup
-    if setup is None:
-        raise TrainingError("clipping needs the gradients of a training step (forward_backward) first")
+    setup = training_setup(model)
     pc = model.pc
     if norm_type not in (2.0, math.inf):
         raise TrainingError(f"norm_type must be 2 or inf, got {norm_type!r}")

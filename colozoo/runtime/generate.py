@@ -32,7 +32,7 @@ from colozoo.runtime.decode_steps import (DecodeSteps, from_last_stage, generate
                                          steps_from_last_stage, token_embedding)
 from colozoo.runtime.generation_config import Decoding, resolve
 from colozoo.runtime.sampling import choose, eos_ids, finish, process
-from colozoo.runtime.static_decode import decode_path, static_sample
+from colozoo.runtime.static_decode import decode_note, decode_path, static_sample
 
 
 def check_inputs(model, input_ids, attention_mask, decoding: Decoding):
@@ -91,19 +91,25 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     input_ids = input_ids.to(pc.device)
     mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(pc.device)).long()
     stop = stop_string_criteria(decoding, tokenizer)
+    path, why = decode_path(model, decoding, num_microbatches)  # refuses a static cache it cannot take, asked by name
     if decoding.num_beams > 1:
-        decode_path(model, decoding)  # refuses a static cache asked for by name
         if streamer is not None:
             raise ValueError("a streamer shows one sequence as it grows; beam search changes its sequences, so it "
                              "cannot stream (as in transformers)")
-        return beam_search(model, input_ids, mask, decoding, stop, num_microbatches)
-    if decoding.num_return_sequences > 1:  # sampling: each prompt's copies draw their own tokens
-        input_ids = input_ids.repeat_interleave(decoding.num_return_sequences, dim=0)
-        mask = mask.repeat_interleave(decoding.num_return_sequences, dim=0)
-    path, _ = decode_path(model, decoding, num_microbatches)
-    if path != "eager":
-        return static_sample(model, input_ids, mask, decoding, stop, streamer, path)
-    return _sample(model, input_ids, mask, decoding, stop, streamer, num_microbatches)
+        out = beam_search(model, input_ids, mask, decoding, stop, num_microbatches)
+    elif path != "eager":
+        out = static_sample(model, *_copies(input_ids, mask, decoding), decoding, stop, streamer, path)
+    else:
+        out = _sample(model, *_copies(input_ids, mask, decoding), decoding, stop, streamer, num_microbatches)
+    if decoding.return_dict_in_generate:
+        out.decode_note = decode_note(model, path, why)
+    return out
+
+
+def _copies(input_ids, mask, decoding: Decoding):
+    """Each prompt num_return_sequences times (sampling: each copy draws its own tokens)."""
+    n = decoding.num_return_sequences
+    return (input_ids, mask) if n == 1 else (input_ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0))
 
 
 def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_microbatches):

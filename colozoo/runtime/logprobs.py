@@ -61,17 +61,17 @@ class ObjectiveStep(StepScales):
 
 def forward_backward_logps(model, input_ids, labels, objective, attention_mask=None, position_ids=None,
                            rows: dict | None = None, num_microbatches: int = 1, schedule: str = "1f1b",
-                           grad_scale: float = 1.0, temperature: float = 1.0, entropy: bool = False
-                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           grad_scale: float = 1.0, temperature: float = 1.0, entropy: bool = False,
+                           cp_mode: str = "ring") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward of the global batch over the whole mesh with the loss `objective(logps, labels, rows)`
     (see the module): each dp rank trains on its rows, in `num_microbatches` micro-batches (the pipeline schedule at
     pp > 1). Gradients accumulate on the local shards. Returns (the global loss, the objective's per-row values for
-    every row of the global batch), the same on every rank; `grad_scale` as in forward_backward; `temperature` and
-    `entropy` as in the module."""
+    every row of the global batch), the same on every rank; `grad_scale` and `cp_mode` as in forward_backward;
+    `temperature` and `entropy` as in the module."""
     step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale, temperature,
                           entropy)
     local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,
-                         {"row_ids": row_ids})  # split over dp and micro-batches with the rows
+                         {"row_ids": row_ids, "cp_mode": cp_mode})  # row_ids: split over dp and micro-batches
     if local_sum is not None and grad_scale != 1.0:
         local_sum = local_sum / grad_scale
     return global_loss(model, local_sum), gather_reported(model, step)
@@ -85,10 +85,11 @@ def token_logps_objective(logps, labels, rows):
 @torch.no_grad()
 def forward_logps(model, input_ids, labels, objective=token_logps_objective, attention_mask=None, position_ids=None,
                   rows: dict | None = None, num_microbatches: int = 1, temperature: float = 1.0,
-                  entropy: bool = False) -> dict[str, torch.Tensor]:
+                  entropy: bool = False, cp_mode: str = "ring") -> dict[str, torch.Tensor]:
     """The objective's per-row values of the global batch without gradients (and its loss as "loss"): each dp rank
     runs its rows, micro-batch by micro-batch, through its stages; the default objective reports the per-token
-    log-probs of the labels as "logps" (n, L). Every dp rank must call it (a sharded forward is collective)."""
+    log-probs of the labels as "logps" (n, L). Every dp rank must call it (a sharded forward is collective).
+    `cp_mode`: context parallelism's attention, "ring" (the default) or "all_to_all"."""
     step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, 1.0, temperature, entropy)
     mine = dp_rows(model, input_ids.shape[0])
     local_rows = row_ids[mine]
@@ -97,13 +98,9 @@ def forward_logps(model, input_ids, labels, objective=token_logps_objective, att
     local_sum = None
     for i, row_ids in enumerate(local_rows.tensor_split(num_microbatches)):
         ids, lab, mask, pos = (t.tensor_split(num_microbatches)[i] if t is not None else None for t in local)
-        kwargs = dict(token_ids=ids, labels=lab, step=step, row_ids=row_ids, cp_mode=model.run.cp_mode,
-                      **{k: v for k, v in (("attention_mask", mask), ("position_ids", pos)) if v is not None})
-        if model.pc.config.pp == 1:
-            stage, = model.run.stages
-            out = stage(ids, **kwargs)
-        else:
-            out = through_stages(model, ids, carry=carry, **kwargs)
+        out = through_stages(model, ids, carry=carry, token_ids=ids, labels=lab, step=step, row_ids=row_ids,
+                             cp_mode=cp_mode, **{k: v for k, v in (("attention_mask", mask), ("position_ids", pos))
+                                                 if v is not None})
         if out is not None:
             local_sum = out if local_sum is None else local_sum + out
     return {**gather_reported(model, step), "loss": global_loss(model, local_sum)}

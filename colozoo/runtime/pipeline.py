@@ -1,13 +1,23 @@
-"""Pipeline parallelism: a model's stages (colozoo.runtime.stage) run by torch.distributed.pipelining schedules for
-training, or one after the other by point-to-point sends for a plain forward and generation.
+"""The one driver above the stages, at every pp: a forward runs a batch through this rank's stages in order, a
+training step runs its micro-batches through them by a schedule. At pp = 1 both are the trivial case of the same
+code: one stage, nothing sent.
 
-Stage inputs and outputs are declared statically (their shapes follow from the batch), so torch never runs
-its shape-inference pass through our tensor-parallel collectives. Every rank gets the same batch, and
-every stage rebuilds the batch context from it; only hidden states travel between stages (with MoE router losses,
-also the router statistics of the layers so far: `model.carries_router_stats`).
+    through_stages(model, input_ids, **kw)   # one batch, stage after stage, hidden states passed on by p2p: every
+                                             # forward, evaluation, log-probs and generation step (the KV cache's too)
+    pipeline_forward(model, input_ids, **kw) # the same, with the last stage's outputs on every rank (model(...))
+    run_schedule(model, input_ids, labels, num_microbatches=, schedule=, step=)  # a training step: at pp > 1 a
+                                             # torch.distributed.pipelining schedule; at pp = 1 its trivial case,
+                                             # each micro-batch forward then backward, one after another
+
+Stage inputs and outputs are declared statically (their shapes follow from the batch), so torch never runs its
+shape-inference pass through our tensor-parallel collectives. Every rank gets the same batch, and every stage
+rebuilds the batch context from it; only hidden states travel between stages (with MoE router losses, also the
+router statistics of the layers so far: `model.carries_router_stats`). A schedule is built for the call that runs it
+(a few milliseconds; it depends on the stages, the batch and the options, and nothing of it is kept).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import fields
 
 import torch
@@ -52,11 +62,17 @@ def schedule_name(name: str) -> str:
 
 def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=None, num_microbatches: int = 1,
                  schedule: str = "1f1b", step: StepScales | None = None, **inputs) -> torch.Tensor | None:
-    """One forward+backward of the whole batch through the pipeline; returns the sum of the scaled micro-batch
-    losses on the ranks that hold the last stage, None elsewhere. Gradients accumulate on the local shards.
-    `inputs`: further model inputs (e.g. token_type_ids); tensors are split into micro-batches by rows."""
+    """One forward+backward of the whole batch through this rank's stages, in `num_microbatches` micro-batches;
+    returns the sum of the scaled micro-batch losses on the ranks that hold the last stage, None elsewhere. Gradients
+    accumulate on the local shards (reduced over data parallelism after the last micro-batch). `inputs`: further model
+    inputs (e.g. token_type_ids); tensors are split into micro-batches by rows, like input_ids."""
     schedule = schedule_name(schedule)
     stages = stages_of(model)
+    kwargs = _batch_kwargs(input_ids, labels, attention_mask, dict(position_ids=position_ids, **inputs))
+    step = step or StepScales()
+    if model.pc.config.pp == 1:
+        stage, = stages
+        return _one_after_another(stage, input_ids, kwargs, num_microbatches, step)
     if schedule not in MULTI_STAGE and len(stages) > 1:
         raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but this model holds {len(stages)} "
                             f"virtual stages per rank; use one of {sorted(MULTI_STAGE)}")
@@ -68,21 +84,38 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
     losses: list[torch.Tensor] = []
     args = (input_ids,) if unwrap(stages[0]).is_first else ()
     # `step` is no tensor: torch's micro-batch split hands the same object to every micro-batch
-    runner.step(*args, target=labels, losses=losses, return_outputs=False, step=step or StepScales(),
-                **_batch_kwargs(input_ids, labels, attention_mask, dict(position_ids=position_ids, **inputs)))
+    runner.step(*args, target=labels, losses=losses, return_outputs=False, step=step, **kwargs)
     holds_last = any(unwrap(s).is_last for s in stages)
     return torch.stack([l.detach() for l in losses]).sum() if holds_last else None
 
 
+def _one_after_another(stage, input_ids, kwargs: dict, num_microbatches: int, step: StepScales) -> torch.Tensor:
+    """The schedule of one stage (pp = 1): each micro-batch forward, then its backward, one after another."""
+    m = num_microbatches
+    chunks = {k: v.tensor_split(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in kwargs.items()}
+    total = torch.zeros((), device=input_ids.device)
+    for i, ids in enumerate(input_ids.tensor_split(m)):
+        with _gradient_sync(stage, last=i == m - 1):
+            loss = stage(ids, step=step, **{k: v[i] for k, v in chunks.items()})
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _gradient_sync(stage, last: bool):
+    """Reduce gradients over dp only after the last micro-batch (torch's schedules do the same at pp > 1)."""
+    if isinstance(stage, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if last else stage.no_sync()
+    if hasattr(stage, "set_requires_gradient_sync"):  # an FSDP2 module
+        stage.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
 def _runner(model, stages, schedule, num_microbatches, input_ids, carry: bool):
-    """The torch schedule over this rank's stages, with static input/output shapes (`carry`: the MoE router
-    statistics travel with the hidden states); cached per batch shape."""
+    """The torch schedule over this rank's stages for this batch, with static input/output shapes (`carry`: the MoE
+    router statistics travel with the hidden states)."""
     micro = input_ids.shape[0] // num_microbatches
     dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
-    key = (schedule, num_microbatches, tuple(input_ids.shape), input_ids.dtype, dtype, carry)
-    cache = model.run.runners
-    if key in cache:
-        return cache[key]
     device = input_ids.device
     pipe_stages = []
     for stage in stages:
@@ -99,8 +132,7 @@ def _runner(model, stages, schedule, num_microbatches, input_ids, carry: bool):
                                          output_args=outputs, group=model.pc.group("pp")))
     # the last stage already returns its loss scaled for the global batch: no loss_fn work, no grad scaling
     stage_arg = pipe_stages if schedule in MULTI_STAGE else pipe_stages[0]
-    cache[key] = SCHEDULES[schedule](stage_arg, num_microbatches, loss_fn=_take_loss, scale_grads=False)
-    return cache[key]
+    return SCHEDULES[schedule](stage_arg, num_microbatches, loss_fn=_take_loss, scale_grads=False)
 
 
 def _take_loss(output, target):
@@ -112,30 +144,26 @@ def _p2p_peer(model, stage_index: int) -> int:
 
 
 def pipeline_forward(model, input_ids, **kwargs) -> ModelOutput:
-    """A plain forward of the whole batch through the stages (no micro-batching, no graph across stages: the caller
-    runs it without gradients); every output the last stage computes on every rank."""
+    """A forward of the whole batch through the stages (no micro-batching): every output the last stage computes, on
+    every rank. At pp = 1 the one stage's output, with the graph the caller's mode gives it; at pp > 1 no graph crosses
+    the stages (the caller runs it without gradients)."""
     carry = model.carries_router_stats(kwargs.get("output_router_logits"))
     out = through_stages(model, input_ids, carry=carry, token_ids=input_ids, **kwargs)
+    if model.pc.config.pp == 1:
+        return out
     values = None if out is None else tuple(getattr(out, f.name) for f in fields(ModelOutput))
     return ModelOutput(*_from_last_stage(model, values))
 
 
 def through_stages(model, input_ids, carry: bool = False, **kwargs):
     """One batch through this rank's stages in order, hidden states passed to the next pp rank by p2p; returns
-    what the last stage returns on the ranks holding it, None elsewhere. `kwargs` go to every stage."""
+    what the last stage returns on the ranks holding it, None elsewhere. `kwargs` go to every stage. At pp = 1: the
+    one stage's output."""
     stages = stages_of(model)
-    dtype = unwrap(stages[0]).activation_dtype or next(model.parameters()).dtype
     outputs = None
     for stage in stages:
         inner = unwrap(stage)
-        received = (input_ids,)
-        if not inner.is_first:
-            received = (torch.empty(model.stage_hidden_shape(input_ids.shape[0], input_ids), dtype=dtype,
-                                    device=input_ids.device),)
-            if carry:
-                received += (torch.empty(model.router_stats_width(), device=input_ids.device),)
-            for t in received:
-                dist.recv(t, src=_p2p_peer(model, inner.index - 1), group=None)
+        received = (input_ids,) if inner.is_first else _receive(model, inner, input_ids, carry)
         out = stage(*received, **kwargs)
         if inner.is_last:
             outputs = out
@@ -143,6 +171,18 @@ def through_stages(model, input_ids, carry: bool = False, **kwargs):
             for t in (out if isinstance(out, tuple) else (out,)):
                 dist.send(t.contiguous(), dst=_p2p_peer(model, inner.index + 1))
     return outputs
+
+
+def _receive(model, stage, input_ids, carry: bool) -> tuple[torch.Tensor, ...]:
+    """The hidden states (and with `carry` the router statistics) the previous stage sends `stage`."""
+    device = input_ids.device
+    dtype = stage.activation_dtype or next(model.parameters()).dtype
+    received = (torch.empty(model.stage_hidden_shape(input_ids.shape[0], input_ids), dtype=dtype, device=device),)
+    if carry:
+        received += (torch.empty(model.router_stats_width(), device=device),)
+    for t in received:
+        dist.recv(t, src=_p2p_peer(model, stage.index - 1), group=None)
+    return received
 
 
 def _from_last_stage(model, values):

@@ -1,57 +1,63 @@
-"""One object per model for how it runs on its mesh: its pipeline stages (built with the run, once), the schedule
-runners, the data-parallel setup once parallelized, the plan the model was built for, and how its files are
-written. A model refers to its run as `model.run`; what users call on a model that needs more than its layers
-(`model(...)`, `forward_backward`, `generate`, `save_pretrained`) is handed to it.
+"""One object per model for how it runs on its mesh: its pipeline stages (built with the run, once), the data-parallel
+setup once parallelized, the plan the model was built for, and how its files are written. The run attaches itself
+to the model as `model.run` when it is built (colozoo.build_model and from_pretrained build one): that attribute is
+the one link from a model to its run, and what users call on a model that needs more than its layers (`model(...)`,
+`forward_backward`, `generate`, `save_pretrained`, `gradient_checkpointing_enable`) is handed over it
+(models/base.py's "what users call" methods), never read by the model's own parts.
 
-    run = Run(model)                 # colozoo.build_model / from_pretrained attach one
-    parallelize(model, ...)          # wraps the stages: FSDP2 or DDP, mixed precision, checkpointing, offload
-    compile_layers(model)            # torch.compile of each layer (colozoo.runtime.compile; compile=True)
+    run = Run(model)                 # colozoo.build_model / from_pretrained build one
+    parallelize(model, ...)          # the one call that changes a run: wraps the stages (FSDP2 or DDP, mixed
+                                     # precision, checkpointing, offload, compile), once, before training
 
-Every call is the same path whatever ran before it: a forward goes through the stages (at pp = 1 the one stage
-holds the whole model), gradients follow the caller, and each call's values are its arguments and results, never
-state kept here (what is kept: the stages, the cached schedule runners, and what `parallelize` and the plan set).
+Every call is the same path whatever ran before it: a forward goes through the stages by the one driver
+(colozoo.runtime.pipeline: at pp = 1 the one stage holds the whole model), gradients follow the caller, and each
+call's values are its arguments and results, never state kept here.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.runtime.generate import generate
+from colozoo.runtime.parallelize import sync_tied_embedding
 from colozoo.runtime.pipeline import pipeline_forward
-from colozoo.runtime.stage import build_stages
+from colozoo.runtime.stage import build_stages, unwrap
 from colozoo.runtime.step import forward_backward
 
 
 class Run:
-    def __init__(self, model, plan=None, cp_mode: str = "ring", save=None):
+    def __init__(self, model, plan=None, save=None):
         """`save(model, path, format, **options)`: how the model's files are written (colozoo.build_model passes
-        colozoo.checkpoint's, which sits above the runtime); `cp_mode`: context parallelism's default attention."""
+        colozoo.checkpoint's, which sits above the runtime); `plan`: the colozoo.cost plan the model was built for."""
         self.model = model
         self.pc = model.pc
         self.plan = plan                 # the colozoo.cost plan the model was built for, if any
-        self.cp_mode = cp_mode           # "ring" | "all_to_all", unless a forward names its own
         self.setup = None                # a TrainingSetup once colozoo.runtime.parallelize.parallelize ran
-        self.runners: dict = {}          # torch pipelining schedules, per schedule and batch shape
-        self.compiled = None             # the torch.compile backend of the layers (colozoo.runtime.compile)
         self._save = save
-        self.stages = build_stages(model)  # collective over pp; parallelize wraps them in place
+        self.stages = build_stages(model)  # collective over pp; parallelize wraps them, once
+        if model.pc.config.pp > 1 and model.pc.mesh is not None and not any(p.is_meta for p in model.parameters()):
+            sync_tied_embedding(model)  # built on a device: both copies of a tied embedding start alike
         model.run = self
 
-    def set_stages(self, stages):
-        """The stages wrapped for data parallelism (parallelize); the schedule runners are built again."""
-        self.stages, self.runners = list(stages), {}
+    @property
+    def compiled(self) -> str | None:
+        """The torch.compile backend this run's stages run their layers with (colozoo.runtime.compile), or None."""
+        return unwrap(self.stages[0]).compiled
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, return_logits: bool | None = None,
-                logits_to_keep=0, return_dict: bool | None = None, cp_mode: str | None = None, inputs_embeds=None,
+                logits_to_keep=0, return_dict: bool | None = None, cp_mode: str = "ring", inputs_embeds=None,
                 use_cache: bool | None = None, **inputs):
         """The model's forward on its mesh, with transformers' arguments and outputs: a ModelOutput on every rank
         (`return_dict=False`: its tuple). Logits come whenever no labels are given or the model is not training;
         with labels in training the LM head is fused with the loss and the logits are skipped (as Liger-Kernel
         does), unless `return_logits=True`. `logits_to_keep`: transformers' (the last n positions, or positions).
-        `inputs_embeds` (batch, seq, hidden) stand in for the token embedding's rows of input_ids. A forward keeps no
-        cache whatever `use_cache` says (generate keeps its own). Gradients follow the caller's mode; under pipeline
-        parallelism a forward with labels and gradients is refused (the step is `forward_backward`), one without
-        computes no graph across stages."""
+        `inputs_embeds` (batch, seq, hidden) stand in for the token embedding's rows of input_ids. `cp_mode`: context
+        parallelism's attention, "ring" (the default) or "all_to_all". A forward keeps no cache whatever `use_cache`
+        says (generate keeps its own). Gradients follow the caller's mode; under pipeline parallelism a forward with
+        labels and gradients is refused (the step is `forward_backward`), one without computes no graph across
+        stages."""
         model = self.model
         if inputs_embeds is not None:
             input_ids = _embedded_ids(input_ids, inputs_embeds)
@@ -60,21 +66,17 @@ class Run:
         if return_logits is None:
             return_logits = labels is None or not model.training
         logits = LogitsRequest("full" if return_logits else "none", logits_to_keep)
-        cp_mode = cp_mode or self.cp_mode
         model.wants_hidden_states(inputs.get("output_hidden_states"))  # refused under pp on every rank, before p2p
-        if self.pc.config.pp == 1:
-            stage, = self.stages
-            out = stage(input_ids, token_ids=input_ids, attention_mask=attention_mask, labels=labels, logits=logits,
-                        cp_mode=cp_mode, **inputs)
-        else:
+        pipelined = self.pc.config.pp > 1
+        if pipelined:
             if labels is not None and torch.is_grad_enabled():
                 raise RuntimeError(f"a forward with labels under gradients at pp={self.pc.config.pp} would return a "
                                    f"loss whose backward cannot cross the pipeline stages: train with "
                                    f"model.forward_backward(input_ids, labels, num_microbatches=...), or run the "
                                    f"forward under torch.no_grad() to evaluate")
-            with torch.no_grad():
-                out = pipeline_forward(model, input_ids, attention_mask=attention_mask, labels=labels, logits=logits,
-                                       cp_mode=cp_mode, **{k: v for k, v in inputs.items() if v is not None})
+        with torch.no_grad() if pipelined else contextlib.nullcontext():
+            out = pipeline_forward(model, input_ids, attention_mask=attention_mask, labels=labels, logits=logits,
+                                   cp_mode=cp_mode, **{k: v for k, v in inputs.items() if v is not None})
         return out.to_tuple() if return_dict is False else out
 
     __call__ = forward

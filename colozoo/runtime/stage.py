@@ -73,8 +73,10 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
         if self.is_first or self.is_last:  # pp > 1 puts them on different ranks; pp == 1 has one stage
             self.edges = nn.ModuleDict({name: m for name, m in model.named_children() if name != "layers"})
+        # what setting the run up decides, once, before its first call (parallelize, compile_layers)
         self.autocast_dtype = None    # mixed precision by autocast (parallelize without FSDP's policy)
         self.activation_dtype = None  # dtype of the hidden states sent between stages (None: the parameters')
+        self.compiled = None          # the torch.compile backend its layers' bodies run with (runtime.compile)
 
     @property
     def model(self):

@@ -42,6 +42,7 @@ from colozoo.layers.moe import MoE
 from colozoo.layers.vocab import LogitsRequest, vocab_parallel_argmax
 from colozoo.runtime.decode_steps import generate_output, generation_positions, shared_seed
 from colozoo.runtime.generation_config import Decoding
+from colozoo.runtime.pipeline import through_stages
 from colozoo.runtime.sampling import choose, eos_ids, finish, process
 
 CHECK_EVERY = 8  # steps between the host's looks at whether every sequence ended (a wait for the device each)
@@ -91,6 +92,16 @@ def decode_path(model, decoding: Decoding, num_microbatches: int | None = None) 
     return ("compiled" if decoding.compile_config is not None else "cuda_graph" if cuda else "static"), None
 
 
+def decode_note(model, path: str, why: str | None) -> str | None:
+    """Why a call decodes on `path` (`why`: why not on the static step), and what a run compiled for forward and
+    training (compile=True) does there: its layers run their eager body on a KV cache."""
+    notes = [f"not the static step: {why}"] if why else []
+    if model.run.compiled and path in ("eager", "static", "cuda_graph"):
+        notes.append("the layers compiled for forward and training run their eager body on the KV cache (compile the "
+                     "static step itself with cache_implementation='static' and a compile_config)")
+    return "; ".join(notes) or None
+
+
 class StaticStep:
     """The static step of one call: its cache, its input buffers (the last tokens, their positions) and its
     forward, which writes the cache at the device position and moves both positions on by one."""
@@ -103,9 +114,8 @@ class StaticStep:
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The prompt into the cache (eagerly: its length is the call's); the last position's logits."""
-        stage, = self.model.run.stages
-        out = stage(input_ids, token_ids=input_ids, position_ids=generation_positions(mask), cache=self.cache,
-                    logits=self.logits)
+        out = through_stages(self.model, input_ids, token_ids=input_ids, position_ids=generation_positions(mask),
+                             cache=self.cache, logits=self.logits)
         self.cache.advance(input_ids.shape[1])
         self.cache.start_decoding()
         return out.logits[:, -1]
@@ -133,9 +143,8 @@ def decode_step(model, cache: StaticKVCache, tokens: torch.Tensor, positions: to
     """The next-token logits (batch, vocab or this rank's vocab slice) of `tokens` (batch, 1) at `positions`
     (batch, 1); the cache takes them at cache.position, and both positions move on by one. Static shapes, no host
     sync: what torch.compile(fullgraph=True, dynamic=False) and a CUDA graph capture."""
-    stage, = model.run.stages
     cache.masks = {}  # this step's masks are built in this step (a replay rebuilds them from the new position)
-    out = stage(tokens, token_ids=tokens, position_ids=positions, cache=cache, logits=logits)
+    out = through_stages(model, tokens, token_ids=tokens, position_ids=positions, cache=cache, logits=logits)
     cache.position.add_(1)
     positions.add_(1)
     return out.logits[:, -1]

@@ -7,8 +7,6 @@ batch, on every rank. See colozoo.runtime.training for how gradients are reduced
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -20,11 +18,13 @@ from colozoo.runtime.stage import StepScales
 
 
 def forward_backward(model, input_ids, labels, attention_mask=None, num_microbatches: int = 1,
-                     schedule: str = "1f1b", position_ids=None, grad_scale: float = 1.0, **inputs) -> torch.Tensor:
+                     schedule: str = "1f1b", position_ids=None, grad_scale: float = 1.0, cp_mode: str = "ring",
+                     **inputs) -> torch.Tensor:
     """Forward and backward of the global batch over the whole mesh. Gradients accumulate on the local shards
     (tied embedding copies summed between their stages); returns the global mean loss on every rank.
     `grad_scale`: the backward runs on the loss times this (fp16 loss scaling, see colozoo.runtime.amp), so gradients,
-    router losses' included, come out scaled by it; the returned loss is not.
+    router losses' included, come out scaled by it; the returned loss is not. `cp_mode`: context parallelism's
+    attention ("ring", the default, or "all_to_all"), as in the forward.
     `inputs`: further model inputs (e.g. BERT's token_type_ids); tensors, like input_ids, hold one row per
     sample and are split over dp ranks and micro-batches."""
     pc = model.pc
@@ -35,7 +35,7 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     step = StepScales(loss_scale=replicas / max(total_tokens, 1), router_loss_scale=replicas / num_microbatches,
                       grad_scale=grad_scale, data_group=pc.group("dp_cp"), data_ranks=pc.size("dp"))
     local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,
-                         inputs)
+                         dict(inputs, cp_mode=cp_mode))
     if local_sum is not None and grad_scale != 1.0:
         local_sum = local_sum / grad_scale  # exact for a power-of-two scale
     loss = global_loss(model, local_sum)
@@ -75,48 +75,20 @@ def dp_rows(model, batch: int) -> slice:
 
 def run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches: int, schedule: str,
              step: StepScales, inputs: dict) -> torch.Tensor | None:
-    """This dp rank's rows of the global batch forward and backward through the stages (the pipeline schedule at
-    pp > 1), every stage's forward given `step`; gradients accumulate on the local shards, tied embedding copies and
-    experts reduced. Returns the sum of the micro-batches' scaled losses on the last stage, None elsewhere."""
+    """This dp rank's rows of the global batch forward and backward through the stages by the schedule runner
+    (colozoo.runtime.pipeline.run_schedule, at every pp), every stage's forward given `step`; gradients accumulate on
+    the local shards, tied embedding copies and experts reduced. Returns the sum of the micro-batches' scaled losses on the last stage, None elsewhere."""
     setup = training_setup(model)
-    pc = model.pc
-    inputs.setdefault("cp_mode", model.run.cp_mode)
     rows = dp_rows(model, input_ids.shape[0])
     local = [t[rows] if t is not None else None for t in (input_ids, labels, attention_mask, position_ids)]
     inputs = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if v is not None}
     tied_grad = _stash_tied_grad(model, setup)
     expert_grads = _stash_expert_grads(model, setup)
-    if pc.config.pp > 1:
-        local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
-                                 num_microbatches=num_microbatches, schedule=schedule, step=step, **inputs)
-    else:
-        local_sum = _single_stage(model, *local, num_microbatches, step, inputs)
+    local_sum = run_schedule(model, *local[:2], attention_mask=local[2], position_ids=local[3],
+                             num_microbatches=num_microbatches, schedule=schedule, step=step, **inputs)
     _sum_tied_grad(model, setup, tied_grad)
     _reduce_expert_grads(model, setup, expert_grads)
     return local_sum
-
-
-def _single_stage(model, input_ids, labels, attention_mask, position_ids, m, step, inputs):
-    stage, = model.run.stages  # at pp = 1 the one stage holds the whole model
-    batch = dict(labels=labels, attention_mask=attention_mask, position_ids=position_ids, **inputs)
-    batch = {k: v for k, v in batch.items() if v is not None}
-    chunks = {k: v.tensor_split(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in batch.items()}
-    total = torch.zeros((), device=input_ids.device)
-    for i, ids in enumerate(input_ids.tensor_split(m)):
-        with _gradient_sync(stage, last=i == m - 1):
-            loss = stage(ids, token_ids=ids, step=step, **{k: v[i] for k, v in chunks.items()})
-            loss.backward()
-        total += loss.detach()
-    return total
-
-
-def _gradient_sync(stage, last: bool):
-    """Reduce gradients over dp only after the last micro-batch."""
-    if isinstance(stage, torch.nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext() if last else stage.no_sync()
-    if hasattr(stage, "set_requires_gradient_sync"):  # an FSDP2 module
-        stage.set_requires_gradient_sync(last)
-    return contextlib.nullcontext()
 
 
 def _tied_param(model, setup):
