@@ -76,76 +76,90 @@ def stream_pieces(plan: dict, tensors: dict, dtypes: dict, entries: dict, direct
     """Write every piece of `plan` ({name: [Piece]}) of the global `tensors` into `entries` ({file: [(key, dtype,
     shape)]}) under `directory`. Returns {file: {"sha256", "size"}}; on any error (in any thread) every thread is
     stopped, open files are closed and the error is raised here."""
-    tensors_budget, copies_budget = ByteBudget(read_ahead), ByteBudget(copy_bytes)
-    files = {f: _FileWriter(directory / f, es) for f, es in entries.items()}
-    reader = ThreadPoolExecutor(1, thread_name_prefix="colozoo-read")
-    errors: list[BaseException] = []
-    progress = threading.Lock()
+    return _Stream(plan, tensors, dtypes, entries, directory, on_bytes, read_ahead, copy_bytes).run()
 
-    def guarded(fn):
+
+class _Stream:
+    """One stream_pieces call: the reader thread, a writer thread per file, the two byte budgets, the errors."""
+
+    def __init__(self, plan, tensors, dtypes, entries, directory, on_bytes, read_ahead, copy_bytes):
+        self.plan, self.tensors, self.dtypes, self.on_bytes = plan, tensors, dtypes, on_bytes
+        self.tensors_budget, self.copies_budget = ByteBudget(read_ahead), ByteBudget(copy_bytes)
+        self.files = {f: _FileWriter(directory / f, es) for f, es in entries.items()}
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="colozoo-read")
+        self.errors: list[BaseException] = []
+        self.progress = threading.Lock()
+
+    def run(self) -> dict[str, dict]:
+        try:
+            for name in self.plan:
+                charge = nbytes(self.tensors[name])
+                self.tensors_budget.take(charge)
+                self.reader.submit(self.guarded(self.split), name, charge)
+            self.reader.shutdown(wait=True)
+            for f in self.files.values():
+                f.pool.shutdown(wait=True)
+        except BaseException as e:  # noqa: BLE001
+            if not isinstance(e, _Failed):
+                self.errors.insert(0, e)
+            self.fail()
+        finally:
+            self.reader.shutdown(wait=True, cancel_futures=True)
+            for f in self.files.values():
+                f.pool.shutdown(wait=True, cancel_futures=True)
+        if self.errors:
+            for f in self.files.values():
+                f.abort()
+            raise self.errors[0]
+        return {f: w.info for f, w in self.files.items()}
+
+    def fail(self):
+        self.tensors_budget.fail()
+        self.copies_budget.fail()
+
+    def guarded(self, fn):
+        """`fn` in a worker thread: its error is kept for the caller and stops every other thread."""
         def run(*args):
             try:
                 fn(*args)
             except _Failed:
                 pass
             except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt included: raised in the caller
-                errors.append(e)
-                tensors_budget.fail()
-                copies_budget.fail()
+                self.errors.append(e)
+                self.fail()
         return run
 
-    def write_piece(full, piece, dtype, done):
-        data = full[piece.index]
-        copy = 0 if data.is_contiguous() and data.dtype == dtype else data.numel() * dtype.itemsize
-        if copy:
-            copies_budget.take(copy)
-        try:
-            files[piece.file].write(piece.key, compact(data, dtype))
-        finally:
-            del data
-            if copy:
-                copies_budget.give(copy)
-            done()
-        if on_bytes is not None:
-            with progress:
-                on_bytes(piece_bytes(piece, dtype))
-
-    def split(name, charge):
-        full = tensors[name].read()
-        left = [len(plan[name])]
+    def split(self, name, charge):
+        """Read tensor `name` and hand each of its pieces to its file's writer; its bytes are given back to the
+        read-ahead budget when the last piece is written."""
+        full = self.tensors[name].read()
+        left = [len(self.plan[name])]
         lock = threading.Lock()
 
         def done():
             with lock:
                 left[0] -= 1
                 if left[0] == 0:
-                    tensors_budget.give(charge)
+                    self.tensors_budget.give(charge)
 
-        for piece in plan[name]:
-            files[piece.file].pool.submit(guarded(write_piece), full, piece, dtypes[name], done)
+        for piece in self.plan[name]:
+            self.files[piece.file].pool.submit(self.guarded(self.write_piece), full, piece, self.dtypes[name], done)
 
-    try:
-        for name in plan:
-            charge = nbytes(tensors[name])
-            tensors_budget.take(charge)
-            reader.submit(guarded(split), name, charge)
-        reader.shutdown(wait=True)
-        for f in files.values():
-            f.pool.shutdown(wait=True)
-    except BaseException as e:  # noqa: BLE001
-        if not isinstance(e, _Failed):
-            errors.insert(0, e)
-        tensors_budget.fail()
-        copies_budget.fail()
-    finally:
-        reader.shutdown(wait=True, cancel_futures=True)
-        for f in files.values():
-            f.pool.shutdown(wait=True, cancel_futures=True)
-    if errors:
-        for f in files.values():
-            f.abort()
-        raise errors[0]
-    return {f: w.info for f, w in files.items()}
+    def write_piece(self, full, piece, dtype, done):
+        data = full[piece.index]
+        copy = 0 if data.is_contiguous() and data.dtype == dtype else data.numel() * dtype.itemsize
+        if copy:
+            self.copies_budget.take(copy)
+        try:
+            self.files[piece.file].write(piece.key, compact(data, dtype))
+        finally:
+            del data
+            if copy:
+                self.copies_budget.give(copy)
+            done()
+        if self.on_bytes is not None:
+            with self.progress:
+                self.on_bytes(piece_bytes(piece, dtype))
 
 
 def compact(data, dtype):
