@@ -201,12 +201,7 @@ def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, pa
     keep_logits = decoding.return_dict_in_generate and decoding.output_logits
     sharded_argmax = pc.tp_size > 1 and not decoding.processes_scores and not (keep_scores or keep_logits)
     step = StaticStep(model, mask, decoding.max_length, LogitsRequest("vocab_slice" if sharded_argmax else "full", 1))
-    runners = {"cuda_graph": lambda: CapturedStep(step.forward), "compiled": lambda: step.compiled(
-        decoding.compile_config), "static": lambda: step.forward}
-    generator = None
-    if decoding.do_sample:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(decoding.seed if decoding.seed is not None else shared_seed(pc))
+    generator = _generator(decoding, pc, device)
     eos, stops = eos_ids(decoding, device), decoding.eos_token_id is not None or stop is not None
     padding = (mask != 0).int().argmax(dim=1)
     sequences = torch.cat([input_ids, input_ids.new_zeros(batch, decoding.max_length - prompt)], dim=1)
@@ -218,7 +213,7 @@ def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, pa
         streamer.put(input_ids.cpu())
     started = time.perf_counter()
     logits = step.prefill(input_ids, mask)
-    run = runners[path]()  # after the prefill, which allocates the cache
+    run = _runner(step, path, decoding)  # after the prefill, which allocates the cache
     steps = 0
     for length in range(prompt, decoding.max_length):
         if length > prompt:
@@ -258,3 +253,21 @@ def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, pa
     return generate_output(sequences=sequences, scores=tuple(scores[:steps]) if keep_scores else None,
                            logits=tuple(raw_logits[:steps]) if keep_logits else None, timings=timings,
                            cache_elements=step.cache.numel(), decode_path=path)
+
+
+def _generator(decoding: Decoding, pc, device):
+    """Sampling's random numbers: seeded alike on every rank (or by the caller's seed); None when greedy."""
+    if not decoding.do_sample:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(decoding.seed if decoding.seed is not None else shared_seed(pc))
+    return generator
+
+
+def _runner(step, path: str, decoding: Decoding):
+    """What runs a decoding step: the step's forward replayed from a CUDA graph, compiled, or eager."""
+    if path == "cuda_graph":
+        return CapturedStep(step.forward)
+    if path == "compiled":
+        return step.compiled(decoding.compile_config)
+    return step.forward
