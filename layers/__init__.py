@@ -8,5 +8,5 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import GatedMLP
 from .norm import LayerNorm, RMSNorm
 from .shard import Split, gather_tensor, load_shard, local_pieces, shard, shard_tensor, spec_of
-from .transformer import SelfAttention, TransformerLayer, merge_heads, split_heads
+from .transformer import AttentionSpec, SelfAttention, TransformerLayer, merge_heads, split_heads
 from .vocab import Embedding, VocabParallelEmbedding, VocabParallelLMHead, vocab_parallel_cross_entropy

@@ -14,6 +14,8 @@ context-parallel sharding.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -35,46 +37,67 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, s, -1)
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a family declares of its attention (SelfAttention adds where it sits: the layer and the mesh).
+
+    `kv_heads`: grouped-query attention (None: one per head; a kv head is replicated over the layer's replica group
+    when tp exceeds them); `causal`; the biases; the score `scale` (default head_dim ** -0.5) or `scale_query` (q
+    scaled after its projection, attention at scale 1, as OPT: the same order gives the same rounding); GPT-2's
+    `upcast` order; the sliding `window`; the score `softcap`; `qk_norm` (RMSNorm options of a per-head norm of q and
+    k before the rotation; with "over": "projection" one norm over all heads of q and of k, as OLMo 2); `sinks` (a
+    learned logit per head in every row's softmax, gpt-oss); `rotary` ("global" or "local": which of the batch's
+    angles rotate q and k); `names`: its two projections as the family's checkpoints call them."""
+    hidden_size: int
+    num_heads: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    causal: bool = True
+    qkv_bias: bool = True
+    out_bias: bool = True
+    dropout: float = 0.0
+    scale: float | None = None
+    scale_query: bool = False
+    upcast: bool = False
+    window: int | None = None
+    softcap: float | None = None
+    qk_norm: dict | None = None
+    rotary: str | None = None
+    sinks: bool = False
+    names: tuple[str, str] = ("qkv", "out_proj")
+
+
 class SelfAttention(nn.Module):
     """The one attention block of every family: project -> split heads -> (q/k norm) -> (rotary) -> KV cache ->
-    attend over this rank's heads -> merge heads -> project back (tensor parallel by heads).
+    attend over this rank's heads -> merge heads -> project back (tensor parallel by heads). The family's `spec`
+    (AttentionSpec) says what kind; `layer_idx`, the tensor-parallel `group` (and the `replica_group` of a replicated
+    kv head) and `sequence_parallel` say where it sits."""
 
-    Families set its options: `kv_heads` (grouped-query attention; a kv head replicated over `replica_group` when tp
-    exceeds the kv heads), `causal`, the biases, the score `scale` (default head_dim ** -0.5) or `scale_query` (q
-    scaled after its projection, attention at scale 1, as OPT: the same order gives the same rounding), GPT-2's
-    `upcast` order, the sliding `window`, the score `softcap`, `qk_norm` (RMSNorm options of a per-head norm of q and
-    k before the rotation; with "over": "projection" one norm over all heads of q and of k, as OLMo 2), `sinks` (a
-    learned logit per head in every row's softmax, gpt-oss: `sinks`, split by heads), `rotary` ("global" or "local":
-    which of the batch's angles rotate q and k) and the
-    names of its two projections (`names`, as the family's checkpoints call them)."""
-
-    def __init__(self, hidden_size: int, num_heads: int, kv_heads: int | None = None, head_dim: int | None = None, *,
-                 layer_idx: int, causal: bool = True, qkv_bias: bool = True, out_bias: bool = True,
-                 dropout: float = 0.0, scale: float | None = None, scale_query: bool = False, upcast: bool = False,
-                 window: int | None = None, softcap: float | None = None, qk_norm: dict | None = None,
-                 rotary: str | None = None, sinks: bool = False, names: tuple[str, str] = ("qkv", "out_proj"),
-                 group=None, replica_group=None, sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(self, spec: AttentionSpec, *, layer_idx: int, group=None, replica_group=None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        tp, kv_heads = group_size(group), kv_heads or num_heads
-        self.head_dim = head_dim or hidden_size // num_heads
-        self.local_heads, self.local_kv_heads = num_heads // tp, max(kv_heads // tp, 1)
-        self.layer_idx, self.causal, self.dropout_p = layer_idx, causal, dropout
-        self.scale, self.scale_query = scale if scale is not None else self.head_dim ** -0.5, scale_query
-        self.upcast, self.window, self.softcap, self.rotary = upcast, window, softcap, rotary
-        self.names = names
-        width, kv_width = num_heads * self.head_dim, kv_heads * self.head_dim
+        tp, heads, kv_heads = group_size(group), spec.num_heads, spec.kv_heads or spec.num_heads
+        self.head_dim = spec.head_dim or spec.hidden_size // heads
+        self.local_heads, self.local_kv_heads = heads // tp, max(kv_heads // tp, 1)
+        self.layer_idx, self.causal, self.dropout_p = layer_idx, spec.causal, spec.dropout
+        self.scale = spec.scale if spec.scale is not None else self.head_dim ** -0.5
+        self.scale_query, self.upcast = spec.scale_query, spec.upcast
+        self.window, self.softcap = spec.window, spec.softcap
+        self.rotary, self.names = spec.rotary, spec.names
+        width, kv_width = heads * self.head_dim, kv_heads * self.head_dim
         kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        qkv = ColumnParallelLinear(hidden_size, width + 2 * kv_width, bias=qkv_bias, chunks=(width, kv_width, kv_width),
-                                   parts=(num_heads, kv_heads, kv_heads), replica_group=replica_group, **kw)
-        self.add_module(names[0], qkv)
-        self.add_module(names[1], RowParallelLinear(width, hidden_size, bias=out_bias, **kw))
+        qkv = ColumnParallelLinear(spec.hidden_size, width + 2 * kv_width, bias=spec.qkv_bias,
+                                   chunks=(width, kv_width, kv_width), parts=(heads, kv_heads, kv_heads),
+                                   replica_group=replica_group, **kw)
+        self.add_module(spec.names[0], qkv)
+        self.add_module(spec.names[1], RowParallelLinear(width, spec.hidden_size, bias=spec.out_bias, **kw))
         self.q_norm = self.k_norm = self.sinks = None
-        if sinks:
+        if spec.sinks:
             self.sinks = shard(nn.Parameter(torch.zeros(self.local_heads, device=device, dtype=dtype)), Split("tp", 0))
-        qk_norm = dict(qk_norm) if qk_norm is not None else None
+        qk_norm = dict(spec.qk_norm) if spec.qk_norm is not None else None
         if qk_norm is not None and qk_norm.pop("over", "head") == "projection":  # split by heads like q and k
             norm = dict(group=group, device=device, dtype=dtype, **qk_norm)
-            self.q_norm = ProjectionRMSNorm(num_heads, self.head_dim, **norm)
+            self.q_norm = ProjectionRMSNorm(heads, self.head_dim, **norm)
             self.k_norm = ProjectionRMSNorm(kv_heads, self.head_dim, replica_group=replica_group, **norm)
         elif qk_norm is not None:  # replicated, but each tp rank sees only its heads: the gradient is summed over tp
             norm = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype, **qk_norm)

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding,
-                            VocabParallelLMHead, scatter_to_sequence, vocab_parallel_cross_entropy)
+from colozoo.layers import (AttentionSpec, Embedding, LayerNorm, SelfAttention, TransformerLayer,
+                            VocabParallelEmbedding, VocabParallelLMHead, scatter_to_sequence,
+                            vocab_parallel_cross_entropy)
 from colozoo.layers.activations import get_activation
 from colozoo.layers.batch import BatchContext
 from colozoo.layers.vocab import LogitsRequest, keep_positions, token_mean
@@ -100,10 +101,9 @@ class EncoderLayer(TransformerLayer):
         check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
         kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
-        attention = SelfAttention(config.hidden_size, config.num_attention_heads,
-                                  head_dim=getattr(config, "head_dim", None), layer_idx=layer_idx, causal=False,
-                                  qkv_bias=qkv_bias,
-                                  dropout=config.attention_probs_dropout_prob, **kw)
+        spec = AttentionSpec(config.hidden_size, config.num_attention_heads, head_dim=getattr(config, "head_dim", None),
+                             causal=False, qkv_bias=qkv_bias, dropout=config.attention_probs_dropout_prob)
+        attention = SelfAttention(spec, layer_idx=layer_idx, **kw)
         super().__init__(attention, config.hidden_size, config.intermediate_size, activation=config.hidden_act,
                          pre_norm=pre_norm, dropout=config.hidden_dropout_prob, norm_eps=config.layer_norm_eps, **kw)
 

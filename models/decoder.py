@@ -5,7 +5,7 @@
         down_proj row; or a mixture of experts) -> +] x n -> norm -> lm_head (tied or not)
 
 A family subclasses DecoderModel and chooses per layer: `build_attention` (biases, sliding window, score scale and
-cap, q/k norm, local RoPE: options of layers.SelfAttention via `attention`), `build_mlp` (dense, experts, experts +
+cap, q/k norm, local RoPE: fields of its layers.AttentionSpec via `attention`), `build_mlp` (dense, experts, experts +
 shared expert) and `build_layer` (Gemma's four norms). MoEDecoderModel collects the router logits of a batch and adds
 the load-balancing (and z) loss, as transformers does with `output_router_logits` in the config or the forward.
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colozoo.layers import (GatedMLP, RMSNorm, SelfAttention, VocabParallelEmbedding, VocabParallelLMHead)
+from colozoo.layers import (AttentionSpec, GatedMLP, RMSNorm, SelfAttention, VocabParallelEmbedding,
+                            VocabParallelLMHead)
 from colozoo.layers.batch import BatchContext
 from colozoo.layers.moe import MoE, router_losses, router_statistics
 from colozoo.layers.rope import RotaryEmbedding, head_dim_of
@@ -129,10 +130,10 @@ class DecoderModel(ParallelModel):
         settings = dict(qkv_bias=bias, out_bias=bias, window=self.sliding_window, rotary="global",
                         dropout=c.attention_dropout, names=("qkv", "o_proj"))
         settings.update(options)
-        return SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c),
-                             layer_idx=layer_idx, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+        spec = AttentionSpec(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c), **settings)
+        return SelfAttention(spec, layer_idx=layer_idx, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
                              replica_group=pc.tp_subgroup(max(pc.tp_size // c.num_key_value_heads, 1)),
-                             device=device, dtype=dtype, **settings)
+                             device=device, dtype=dtype)
 
     def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         return self.attention(layer_idx, **kw)

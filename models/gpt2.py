@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, Embedding, LayerNorm, RowParallelLinear, SelfAttention,
-                            VocabParallelEmbedding, VocabParallelLMHead, scatter_to_sequence)
+from colozoo.layers import (AttentionSpec, ColumnParallelLinear, Embedding, LayerNorm, RowParallelLinear,
+                            SelfAttention, VocabParallelEmbedding, VocabParallelLMHead, scatter_to_sequence)
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout, require
 from colozoo.models.family import Family, Tiny
@@ -20,9 +20,10 @@ def gpt2_attention(config, layer_idx: int, pc, device=None, dtype=None) -> SelfA
     scale = (h // config.num_attention_heads) ** -0.5 if config.scale_attn_weights else 1.0
     if config.scale_attn_by_inverse_layer_idx:
         scale /= float(layer_idx + 1)
-    return SelfAttention(h, config.num_attention_heads, layer_idx=layer_idx, scale=scale,
-                         upcast=config.reorder_and_upcast_attn, dropout=config.attn_pdrop, names=("c_attn", "c_proj"),
-                         group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+    spec = AttentionSpec(h, config.num_attention_heads, scale=scale, upcast=config.reorder_and_upcast_attn,
+                         dropout=config.attn_pdrop, names=("c_attn", "c_proj"))
+    return SelfAttention(spec, layer_idx=layer_idx, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                         device=device, dtype=dtype)
 
 
 class GPT2MLP(nn.Module):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from colozoo.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, SelfAttention, VocabParallelEmbedding,
-                            VocabParallelLMHead)
+from colozoo.layers import (AttentionSpec, ColumnParallelLinear, LayerNorm, RowParallelLinear, SelfAttention,
+                            VocabParallelEmbedding, VocabParallelLMHead)
 from colozoo.layers.rope import RotaryEmbedding
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout
@@ -45,11 +45,11 @@ class GPTNeoXLayer(nn.Module):
         self.parallel_residual = config.use_parallel_residual
         self.dropout_p, self.sharded_resid = config.hidden_dropout, pc.sequence_parallel
         self.input_layernorm = LayerNorm(config.hidden_size, **norm)
-        self.attention = SelfAttention(config.hidden_size, config.num_attention_heads, layer_idx=layer_idx,
-                                       qkv_bias=config.attention_bias, out_bias=config.attention_bias,
-                                       dropout=config.attention_dropout, rotary="global", names=("qkv", "dense"),
-                                       group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device,
-                                       dtype=dtype)
+        spec = AttentionSpec(config.hidden_size, config.num_attention_heads, qkv_bias=config.attention_bias,
+                             out_bias=config.attention_bias, dropout=config.attention_dropout, rotary="global",
+                             names=("qkv", "dense"))
+        self.attention = SelfAttention(spec, layer_idx=layer_idx, group=pc.tp_group,
+                                       sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
         self.mlp = GPTNeoXMLP(config, pc, device, dtype)
 

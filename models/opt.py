@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colozoo.layers import (Embedding, LayerNorm, SelfAttention, TransformerLayer, VocabParallelEmbedding,
-                            VocabParallelLMHead, copy_to_parallel, scatter_to_sequence)
+from colozoo.layers import (AttentionSpec, Embedding, LayerNorm, SelfAttention, TransformerLayer,
+                            VocabParallelEmbedding, VocabParallelLMHead, copy_to_parallel, scatter_to_sequence)
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, default_positions
 from colozoo.models.family import Family, Tiny
@@ -44,9 +44,10 @@ def opt_attention(config, layer_idx: int, pc, device=None, dtype=None) -> SelfAt
         raise UnsupportedConfig(f"hidden_size ({h}) must be divisible by num_attention_heads "
                                 f"({config.num_attention_heads})")
     # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
-    return SelfAttention(h, config.num_attention_heads, layer_idx=layer_idx, qkv_bias=config.enable_bias,
-                         out_bias=config.enable_bias, dropout=config.attention_dropout, scale_query=True,
-                         group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+    spec = AttentionSpec(h, config.num_attention_heads, qkv_bias=config.enable_bias, out_bias=config.enable_bias,
+                         dropout=config.attention_dropout, scale_query=True)
+    return SelfAttention(spec, layer_idx=layer_idx, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+                         device=device, dtype=dtype)
 
 
 class OPTDecoderLayer(TransformerLayer):
