@@ -124,7 +124,7 @@ class DecoderModel(ParallelModel):
 
     def attention(self, layer_idx: int, device=None, dtype=None, **options) -> SelfAttention:
         """Layer `layer_idx`'s attention with this decoder's defaults (biases from config.attention_bias, the model's
-        window, global RoPE), `options` overriding them."""
+        window, global RoPE), `options` (fields of layers.AttentionSpec) overriding them."""
         c, pc = self.config, self.pc
         bias = getattr(c, "attention_bias", False)
         settings = dict(qkv_bias=bias, out_bias=bias, window=self.sliding_window, rotary="global",
