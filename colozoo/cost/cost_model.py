@@ -16,15 +16,15 @@ from colozoo.cost.trace import is_core_op
 from colozoo.runtime.plan import Plan
 
 
-def _lora_states(mt, plan, workload, keys, weights, shard, ends=()):
+def _lora_states(traced, plan, workload, keys, weights, shard, ends=()):
     """(weights, grads, master, optimizer bytes, trainable count) of a stage under LoRA: the frozen base weights as
     before, plus fp32 adapters (no master copy) that, with the modules to save (trained whole in fp32, e.g. a
     classifier; `ends`: "embed" on the first stage, "head" on the last), alone have gradients and optimizer
     states; ZeRO shards them like any parameter."""
     from colozoo.cost.lora import adapter_params_per_layer, saved_params_per_unit
 
-    counts = adapter_params_per_layer(mt.config, plan.tp, workload.lora)
-    saved = saved_params_per_unit(mt.config, workload.task, workload.lora)
+    counts = adapter_params_per_layer(traced.config, plan.tp, workload.lora)
+    saved = saved_params_per_unit(traced.config, workload.task, workload.lora)
     n_adapters = sum(counts.get(str(k), 0) for k in keys)
     n = n_adapters + sum(saved.get(str(k), 0) for k in (*keys, *ends))
     adapters = 4.0 * n_adapters
@@ -49,40 +49,40 @@ class _ModelStates:
     lora_params: int = 0         # trainable adapter (and saved-module) parameters under LoRA
 
 
-def assemble(mt: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
+def assemble(traced: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
     """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch."""
     check_priced(plan)
     workload.check()
-    if mt.batch_size != plan.micro_batch_size:
-        mt = mt.scaled(plan.micro_batch_size)
-    n_layers = len(mt.layers)
+    if traced.batch_size != plan.micro_batch_size:
+        traced = traced.scaled(plan.micro_batch_size)
+    n_layers = len(traced.layers)
     if plan.pp > n_layers:
         raise ProfilerError(f"pp={plan.pp} exceeds the {n_layers} layers of the model")
-    stages = mt.memoized(("stages", plan.pp, plan.virtual_stages, plan.layers_per_stage),
-                         lambda: _rank_layers(mt, plan, n_layers))
-    stage_costs = [_stage_cost(mt, plan, workload, s, [mt.layers[i] for i in idx], len(stages))
+    stages = traced.memoized(("stages", plan.pp, plan.virtual_stages, plan.layers_per_stage),
+                         lambda: _rank_layers(traced, plan, n_layers))
+    stage_costs = [_stage_cost(traced, plan, workload, s, [traced.layers[i] for i in idx], len(stages))
                    for s, idx in enumerate(stages)]
     busiest = max(stage_costs, key=lambda c: c.fwd_flops + c.bwd_flops)
     mesh = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "cp", "ep")}
     mesh["sp"] = plan.sequence_parallel
     return ProfileReport(
-        model=mt.name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
-        total_params=mt.total_params,
-        units=mt.memoized("unit dicts", lambda: [asdict(u) for u in mt.units.values()]),
+        model=traced.name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
+        total_params=traced.total_params,
+        units=traced.memoized("unit dicts", lambda: [asdict(u) for u in traced.units.values()]),
         stages=[asdict(s) for s in stage_costs], comm=busiest.comm, comm_calls=busiest.comm_calls,
         peak_memory=max(s.peak for s in stage_costs),
         step_flops=(busiest.fwd_flops + busiest.bwd_flops) * plan.num_microbatches, profile_seconds=0.0)
 
 
-def _stage_cost(mt: ModelTrace, plan: Plan, workload: Workload, s: int, keys: list, n_stages: int) -> StageCost:
+def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys: list, n_stages: int) -> StageCost:
     """Memory, FLOPs and communication of one rank of pipeline stage `s`, which runs layers `keys`."""
-    layers, ends = _stage_parts(mt, keys, s, n_stages)
+    layers, ends = _stage_parts(traced, keys, s, n_stages)
     parts = layers + ends
-    states = _model_states(mt, plan, workload, keys, parts, s, n_stages)
+    states = _model_states(traced, plan, workload, keys, parts, s, n_stages)
     recompute = _recompute_plan(plan, len(keys))
-    saved, fwd, bwd, transient = _compute(mt, plan, parts, recompute)
+    saved, fwd, bwd, transient = _compute(traced, plan, parts, recompute)
     inflight = in_flight(plan, s)
-    head = [mt.units["head"]] if s == n_stages - 1 and "head" in mt.units else []
+    head = [traced.units["head"]] if s == n_stages - 1 and "head" in traced.units else []
     before = [p for p in ends if not any(p is h for h in head)]  # the embedding, on the first stage
     in_order = before + layers + head
     policies = ["none"] * len(before) + recompute + ["none"] * len(head)
@@ -104,21 +104,22 @@ def _itemsize(workload: Workload) -> int:
     return workload.torch_dtype.itemsize
 
 
-def _stage_parts(mt: ModelTrace, keys: list, s: int, n_stages: int) -> tuple[list, list]:
+def _stage_parts(traced: ModelTrace, keys: list, s: int, n_stages: int) -> tuple[list, list]:
     """(the stage's layer units in order, the embedding on the first stage and the head on the last)."""
-    layer_unit = mt.memoized("layer units", lambda: {k: u for u in mt.units.values() for k in u.layers})
+    layer_unit = traced.memoized("layer units", lambda: {k: u for u in traced.units.values() for k in u.layers})
     ends = []
     if s == 0:
-        ends.append(mt.units.get("embed") or mt.units.get("model"))
-    if s == n_stages - 1 and "head" in mt.units:
-        ends.append(mt.units["head"])
+        ends.append(traced.units.get("embed") or traced.units.get("model"))
+    if s == n_stages - 1 and "head" in traced.units:
+        ends.append(traced.units["head"])
     return [layer_unit[k] for k in keys], [p for p in ends if p is not None]
 
 
-def _model_states(mt: ModelTrace, plan: Plan, workload: Workload, keys, parts, s: int, n_stages: int) -> _ModelStates:
+def _model_states(traced: ModelTrace, plan: Plan, workload: Workload, keys, parts, s: int,
+                  n_stages: int) -> _ModelStates:
     """Weights, gradients, master weights and optimizer states one rank of stage `s` keeps."""
     itemsize = _itemsize(workload)
-    tied = mt.tied_bytes if plan.pp > 1 and s == n_stages - 1 else 0
+    tied = traced.tied_bytes if plan.pp > 1 and s == n_stages - 1 else 0
     param_bytes = sum(p.param_bytes for p in parts) + tied
     trained = param_bytes - sum(p.frozen_param_bytes for p in parts)
     master = 4.0 * (trained // itemsize) if workload.torch_dtype != torch.float32 else 0.0
@@ -142,7 +143,7 @@ def _model_states(mt: ModelTrace, plan: Plan, workload: Workload, keys, parts, s
     if workload.lora:  # the base is frozen: gradients, master weights and optimizer states for adapters only
         ends = ("embed",) * (s == 0) + ("head",) * (s == n_stages - 1)
         (states.weights, states.grads, states.master, states.optimizer,
-         states.lora_params) = _lora_states(mt, plan, workload, keys, states.weights, shard, ends)
+         states.lora_params) = _lora_states(traced, plan, workload, keys, states.weights, shard, ends)
     if plan.offload in ("optimizer", "params"):
         states.cpu += states.master + states.optimizer
         states.master = states.optimizer = 0.0
@@ -166,7 +167,7 @@ def _fsdp_buffers(plan: Plan, layers: list) -> float:
     return 2.0 * max(gathered) if plan.reshard_after_forward else float(sum(gathered))
 
 
-def _compute(mt: ModelTrace, plan: Plan, parts: list, recompute: list) -> tuple[float, int, int, float]:
+def _compute(traced: ModelTrace, plan: Plan, parts: list, recompute: list) -> tuple[float, int, int, float]:
     """(activations saved per micro-batch, forward FLOPs, backward FLOPs with recomputation, worst temporaries) of
     a stage's units; `recompute` holds the policy of each of its layers, which come first in `parts`."""
     saved, fwd, bwd, transient = 0.0, 0, 0, 0.0
@@ -174,15 +175,15 @@ def _compute(mt: ModelTrace, plan: Plan, parts: list, recompute: list) -> tuple[
         policy = recompute[j] if j < len(recompute) else "none"
         saved += _saved_under(p, policy)
         # ring attention: this rank's queries meet the keys of all cp chunks, cp x the local core's FLOPs
-        ring_fwd, ring_bwd = ((plan.cp - 1) * f for f in mt.memoized(("core", p.name), lambda p=p: _core_flops(p)))
+        ring_fwd, ring_bwd = ((plan.cp - 1) * f for f in traced.memoized(("core", p.name), lambda p=p: _core_flops(p)))
         fwd += p.fwd_flops + ring_fwd
-        bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy, mt) + (ring_fwd if policy != "none" else 0)
+        bwd += p.bwd_flops + ring_bwd + _recompute_flops(p, policy, traced) + (ring_fwd if policy != "none" else 0)
         extra = p.saved_bytes if policy == "full" else 0  # a recomputed layer is rebuilt whole in backward
         transient = max(transient, p.transient_bytes + extra)
     return saved, fwd, bwd, transient
 
 
-def _rank_layers(mt: ModelTrace, plan: Plan, n_layers: int) -> list[list[int]]:
+def _rank_layers(traced: ModelTrace, plan: Plan, n_layers: int) -> list[list[int]]:
     """Layer indices of each pipeline rank (all its virtual stages): the split the model itself uses (balanced by
     parameters), or the plan's layers_per_stage."""
     from colozoo.core.partition import virtual_stage_layers
@@ -190,8 +191,8 @@ def _rank_layers(mt: ModelTrace, plan: Plan, n_layers: int) -> list[list[int]]:
 
     if not n_layers:
         return [[]]
-    if mt.config is not None and plan.layers_per_stage is None:
-        runs = model_stage_layers(mt.config, plan.pp, plan.virtual_stages)
+    if traced.config is not None and plan.layers_per_stage is None:
+        runs = model_stage_layers(traced.config, plan.pp, plan.virtual_stages)
     else:
         runs = virtual_stage_layers(n_layers, plan.pp, plan.virtual_stages, layers_per_stage=plan.layers_per_stage)
     return [[i for run in rank_runs for i in run] for rank_runs in runs]
@@ -251,11 +252,11 @@ def _core_flops(u: UnitCost) -> tuple[int, int]:
             sum(s["bwd_flops"] for op, s in u.ops.items() if is_core_op(op)))
 
 
-def _recompute_flops(u: UnitCost, policy: str, mt: ModelTrace) -> int:
+def _recompute_flops(u: UnitCost, policy: str, traced: ModelTrace) -> int:
     if policy == "full":
         return u.fwd_flops
     if policy == "selective":  # the attention core's own forward, i.e. the ops that made the (s, s) tensors
-        return mt.memoized(("core", u.name), lambda: _core_flops(u))[0]
+        return traced.memoized(("core", u.name), lambda: _core_flops(u))[0]
     return 0
 
 

@@ -252,19 +252,19 @@ def _fields_of(cls, settings: dict) -> dict:
     return {f.name: settings[f.name] for f in fields(cls) if f.name in settings}
 
 
-def _best_recompute(mt, layout: Plan, workload: Workload, hw: Hardware, search: SearchSpace, global_batch: int,
+def _best_recompute(traced, layout: Plan, workload: Workload, hw: Hardware, search: SearchSpace, global_batch: int,
                     software: Software = COLOZOO):
     """The fastest checkpointing choice that fits this layout, with CPU offload only when nothing else does."""
     def evaluate(checkpointing, k=None, offload="none"):
         candidate = replace(layout, checkpointing=checkpointing, checkpoint_layers=k, offload=offload)
-        return assemble(mt, candidate, workload), candidate
+        return assemble(traced, candidate, workload), candidate
 
     candidates = []
     for checkpointing in ("none", "selective"):
         report, candidate = evaluate(checkpointing)
         if _fits(report, hw):
             candidates.append((report, candidate))
-    max_layers = max(len(s["layers"]) for s in assemble(mt, replace(layout, zero=0),
+    max_layers = max(len(s["layers"]) for s in assemble(traced, replace(layout, zero=0),
                                                         workload).stages)
     # fewest recomputed layers per stage that fit: memory falls monotonically with k
     lo, hi = (1, max_layers) if search.partial_checkpointing else (max_layers, max_layers)

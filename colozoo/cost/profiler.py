@@ -47,11 +47,11 @@ def profile(model, plan: Plan, workload: Workload, inputs: dict | None = None) -
     check_priced(plan)
     workload.check()
     mesh = ParallelConfig(**plan.degrees())
-    mt = trace_model(config if isinstance(model, str) else model, plan.micro_batch_size, workload.seq_len, mesh,
+    traced = trace_model(config if isinstance(model, str) else model, plan.micro_batch_size, workload.seq_len, mesh,
                      workload.dtype, workload.target, inputs)
     if isinstance(model, str):
-        mt.name = model
-    report = assemble(mt, plan, workload)
+        traced.name = model
+    report = assemble(traced, plan, workload)
     report.profile_seconds = time.perf_counter() - start
     return report
 
