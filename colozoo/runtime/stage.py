@@ -71,8 +71,8 @@ class Stage(nn.Module):
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
-        if self.is_first or self.is_last:  # pp > 1 puts them on different ranks; pp == 1 has one stage
-            self.edges = nn.ModuleDict({name: m for name, m in model.named_children() if name != "layers"})
+        if self.is_first or self.is_last:  # the embeddings and the head: pp > 1 puts them on different ranks
+            self.ends = nn.ModuleDict({name: module for name, module in model.named_children() if name != "layers"})
         # what setting the run up decides, once, before its first call (parallelize, compile_layers)
         self.autocast_dtype = None    # mixed precision by autocast (parallelize without FSDP's policy)
         self.activation_dtype = None  # dtype of the hidden states sent between stages (None: the parameters')
