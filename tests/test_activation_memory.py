@@ -91,11 +91,13 @@ def kept_bytes(mode: str, device=DEVICE, batch: int = 2, seq: int = 8) -> int:
 
 
 def test_cuda_path_keeps_its_budget():
-    """The Triton path's layer keeps at most what the design says, and that is at most 0.9x Liger's at the 1B shape."""
+    """The Triton path's layer keeps exactly what the design's formula says (measured here, at a tiny shape), and the
+    formula at the 1B shape is at most 0.9x Liger's (Liger's by its autograd functions' saved tensors: counted, not
+    measured on a GPU)."""
     tokens, element = 2 * 8, 4
     budget = tokens * colozoo_bytes_per_token(**TINY, element=element)
     kept = kept_bytes("triton")
-    assert kept <= budget, f"the Triton path keeps {kept / tokens:.0f} bytes a token, over its {budget / tokens:.0f}"
+    assert kept == budget, f"the Triton path keeps {kept / tokens:.0f} bytes a token, its formula {budget / tokens:.0f}"
     ours, liger = (f(**LLAMA_1B, element=2) for f in (colozoo_bytes_per_token, liger_bytes_per_token))
     assert ours <= 0.9 * liger, (ours, liger)
 

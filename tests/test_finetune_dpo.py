@@ -20,9 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 PREFERENCE = REPO / "data" / "preference.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny matmuls: one thread is fastest, and on a busy machine by far."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread is fastest, on a busy machine by far
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +151,7 @@ def test_adapters_disabled_for_one_forward_leaves_nothing_behind(chat_model):
     ids = torch.arange(3, 13)[None]
     adapted = model(ids).logits
     with adapters_disabled(model):
-        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="inside"):
         with adapters_disabled(model):
             raise RuntimeError("inside")

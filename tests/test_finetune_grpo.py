@@ -21,9 +21,7 @@ TRL_METRICS = ("reward", "reward_std", "rewards/cat_share/mean", "rewards/cat_sh
                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/low_min", "clip_ratio/high_max")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny matmuls: one thread is fastest, and on a busy machine by far."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread is fastest, on a busy machine by far
 
 
 @pytest.fixture(scope="module")

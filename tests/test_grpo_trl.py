@@ -20,9 +20,7 @@ ATOL = 1e-5
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny matmuls: one thread is fastest, and on a busy machine by far."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread is fastest, on a busy machine by far
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +134,8 @@ def test_first_step_is_the_same_on_every_mesh(setup, adapter, mesh, tmp_path):
     assert all(rank[2] == completions for rank in got), f"{mesh}: ranks sampled different completions"
     given = completions if mesh == "dp2" else None
     expected = mesh_step(*args, {}, "fsdp", micro, lora, completions=given, **options)
-    assert completions == expected[2], f"{mesh}: other completions than one process's"
+    if given is None:  # under dp2 one process is handed the mesh's completions: nothing to compare
+        assert completions == expected[2], f"{mesh}: other completions than one process's"
     if options.get("beta"):  # the reference is the base (adapters off / the frozen copy), not the policy
         assert expected[1]["kl"] > 1e-3, expected[1]["kl"]
     for rank_loss, rank_metrics, _, rank_norm in got:

@@ -370,7 +370,8 @@ def _vocab_parallel_cross_entropy_task(smoothing: float):
 
 
 def test_vocab_parallel_cross_entropy_tp2():
-    """The fused LM head at tp 2 (and sequence parallel): tests/test_linear_cross_entropy.py."""
+    """The logits path's vocab-parallel cross entropy at tp 2, with label smoothing (the fused LM head at tp 2 and
+    under sequence parallelism: tests/test_linear_cross_entropy.py)."""
     assert run_distributed(_vocab_parallel_cross_entropy_task, 2, smoothing=0.1, timeout=120) == [True, True]
 
 

@@ -21,9 +21,7 @@ pytest.importorskip("trl")
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Tiny matmuls: one thread is fastest, and on a busy machine by far."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls: one thread is fastest, on a busy machine by far
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,7 @@ def test_the_first_example(checkpoints, tmp_path):
 
     ranks = run_distributed(run_examples, 4, names=["first"], directory=str(tmp_path), checkpoints=checkpoints,
                             timeout=TIMEOUT)
+    assert ranks[0]["loss"] is not None and ranks[0]["out_loss"] is not None
     assert len({r["loss"] for r in ranks}) == 1 and len({r["out_loss"] for r in ranks}) == 1  # every rank alike
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # "a directory transformers loads"
     index = json.loads((tmp_path / "ckpt" / "colozoo_index.json").read_text())  # "sharded, reshardable"
@@ -112,7 +113,7 @@ def test_the_first_example(checkpoints, tmp_path):
 def test_the_training_step_and_loss_scaling_examples(checkpoints, tmp_path):
     ranks = run_distributed(run_examples, 4, names=["training", "loss scaling"], directory=str(tmp_path),
                             checkpoints=checkpoints, batch=16, timeout=TIMEOUT)
-    assert len({r["loss"] for r in ranks}) == 1  # "the mean loss over the global batch on every rank"
+    assert ranks[0]["loss"] is not None and len({r["loss"] for r in ranks}) == 1  # "the mean loss ... on every rank"
 
 
 def test_the_generation_example(checkpoints, tmp_path):

@@ -2,12 +2,12 @@
 
 Bandwidths are per GPU and per direction, in bytes/s: NVLink inside a node, the GPU's own network adapter between
 nodes, PCIe to host memory. Peak FLOP/s are dense bf16. Every preset says where each number comes from
-(`Hardware.sources`): a datasheet, or a measured figure with its source. Measured fields can be loaded from a JSON
-file over a preset (`get_hardware(..., measured="gpu.json")`, `colozoo plan --hardware-file gpu.json`), e.g. the
-fields bench/gpu.py measures on a lent GPU:
+(`Hardware.sources`): a datasheet, a published measurement with its source, or an estimate said to be one. Fields
+measured on your own GPUs can be loaded from a JSON file over a preset (`get_hardware(..., measured="gpu.json")`,
+`colozoo plan --hardware-file gpu.json`), for example (illustrative numbers):
 
     {"preset": "H100-80GB", "matmul_efficiency": 0.78, "hbm_efficiency": 0.91,
-     "sources": {"matmul_efficiency": "bench/gpu.py 2026-08-01, 8192^3 bf16 matmul"}}
+     "sources": {"matmul_efficiency": "my 8192^3 bf16 matmul, 2026-08-01"}}
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ NCCL_A100 = ("nccl-tests issues #149 and #178: all_reduce busbw ~200-208 GB/s on
 IB = "nccl-tests issue #267 (NVIDIA): a 400 Gb/s ConnectX-7 reaches 48-49 GB/s, i.e. 96% of its rate"
 SMS_FOR_COMM = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2, §3.5.1: 20 of an H800's 132 SMs drive IB "
                 "and NVLink at full bandwidth; the compute they overlap loses those SMs")
-ESTIMATE = "estimate (no stored measurement): bench/gpu.py writes the measured value"
+ESTIMATE = "estimate (not measured): give a measured value with --hardware-file"
 A100_SOURCES = {
     "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16",
     "vector_flops": "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32",

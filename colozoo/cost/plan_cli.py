@@ -25,8 +25,8 @@ def add_parser(subparsers):
     p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB or 40GiB (default: the preset's)")
     p.add_argument("--hardware", default="H100-80GB", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--hardware-file", default=None, metavar="JSON",
-                   help="measured hardware fields over the preset (or the file's own \"preset\"), e.g. what "
-                        "bench/gpu.py measured: {\"preset\": \"H100-80GB\", \"matmul_efficiency\": 0.7, ...}")
+                   help="measured hardware fields over the preset (or the file's own \"preset\"), e.g. "
+                        "{\"preset\": \"H100-80GB\", \"matmul_efficiency\": 0.7, ...}")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs a node holds (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(2048, max positions))")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step "

@@ -151,10 +151,10 @@ def num_experts(config) -> int | None:
     from colozoo.models import model_class
 
     try:
-        key = getattr(model_class(config.model_type), "num_experts_key", None)
+        family = model_class(config.model_type)
     except ValueError:  # not a colozoo family: the profiler traces it whole, without expert parallelism
         return None
-    return getattr(config, key, None) if key else None
+    return family.experts(config) or None
 
 
 def _meshes(gpus: int, hw: Hardware, heads: int, experts, seq_len: int, use_cp: bool, search: SearchSpace, reject):

@@ -86,7 +86,8 @@ def _group_seconds(comm: dict, calls: dict, group: str, plan: Plan, hw: Hardware
 
 
 def _itemsize(report) -> int:
-    return 2 if report.workload["dtype"] in ("bfloat16", "float16") else 4
+    """Bytes of one element of the report's dtype (every name Workload takes: "half" too)."""
+    return Workload.from_dict(report.workload).torch_dtype.itemsize
 
 
 def _parts(report, st: dict, index: int) -> list[tuple[dict, bool]]:

@@ -17,6 +17,7 @@ ranks work together on each batch; `simple_evaluate` returns the results on rank
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -207,8 +208,10 @@ def _load(pretrained, **options):
 
 
 def _tokenizer(tokenizer, model, add_bos_token):
+    """The tokenizer to evaluate with: a copy of one given (configure_pad_token may set or add its pad token, which
+    must not change the caller's: a fine-tune's samples and export use it), else the one of the directory named."""
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
-        return tokenizer
+        return copy.deepcopy(tokenizer)
     source = str(tokenizer) if tokenizer is not None else getattr(model, "name_or_path", None)
     if source is None:
         raise ValueError("give the tokenizer (or its directory): the model does not say where it was loaded from")

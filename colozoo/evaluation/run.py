@@ -143,12 +143,12 @@ def write_results(results: dict, path) -> Path:
     """The results as the harness's CLI writes them (JSON, what is not JSON as text), whole or not at all."""
     from lm_eval.utils import handle_non_serializable
 
-    from colozoo.finetune.state import _fsync_write
+    from colozoo.finetune.state import fsync_write
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    _fsync_write(path, lambda f: f.write(text.encode()))
+    fsync_write(path, lambda f: f.write(text.encode()))
     return path
 
 

@@ -96,6 +96,7 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
     batches = [range(start, min(start + micro, rows)) for start in range(0, rows, micro)]
     lm = cfg.task == "lm"
     totals = torch.zeros(3, dtype=torch.float64, device=pc.device)  # weighted loss sum, weight, correct predictions
+    was_training = model.training
     model.eval()
     for turn in range(math.ceil(len(batches) / dp)):
         index = turn * dp + rank
@@ -114,7 +115,7 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
                 totals[2] += (out.logits.argmax(-1) == batch["labels"]).sum()
     if dp > 1:
         dist.all_reduce(totals, group=pc.group("dp"))
-    model.train()
+    model.train(was_training)
     if totals[1] == 0:
         return {}
     loss = totals[0].item() / totals[1].item()

@@ -50,12 +50,6 @@ class GrpoOptions:
         does not run on, dropout."""
         if self.task != "lm":
             raise ValueError(f"--method grpo trains causal LMs (--task lm), not --task {self.task}")
-        dpo_only = [f for f in ("max_length", "loss_weights", "reference_free", "precompute_ref_logps")
-                    if getattr(self, f)]
-        dpo_only += [f for f, default in (("label_smoothing", 0.0), ("simpo_gamma", 0.5))
-                     if getattr(self, f) != default]
-        if dpo_only:
-            raise ValueError(f"--{dpo_only[0].replace('_', '-')} goes with --method dpo")
         for flag, value in (("chat", self.chat), ("truncate", self.truncate != "turns"), ("no-pack", not self.pack),
                             ("seq-len", self.seq_len != 128)):
             if value:

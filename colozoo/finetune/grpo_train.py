@@ -11,7 +11,6 @@ model trains with dropout off. A checkpoint taken between two uses of a batch ca
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -166,13 +165,14 @@ class GrpoTraining:
         train on it (rank 0 writes it, atomically)."""
         if self.cfg.num_iterations == 1 or self.rollout is None:
             return []
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from colozoo.finetune.state import fsync_write
 
         path = output / ROLLOUT_FILE
         if rank0:
-            tmp = path.with_name(path.name + ".partial")
-            save_file(self.rollout.tensors(), str(tmp), metadata={"step": str(self.rollout.step)})
-            os.replace(tmp, path)
+            metadata = {"step": str(self.rollout.step)}
+            fsync_write(path, lambda f: f.write(save(self.rollout.tensors(), metadata=metadata)))
         return [path]
 
     def begin(self, model, start: int, checkpoint: Path | None, step_options: dict):

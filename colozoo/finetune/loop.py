@@ -110,14 +110,14 @@ class Trainer:
         if supervised and not int(self.model.loss_token_count(batch["labels"])):  # the same batch on every rank
             self.masked_batches += 1
             return StepResult(None, self.optimizer.param_groups[0]["lr"], None, False, self.scaler.scale, {})
-        batch = _to(batch, self.model.pc.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss_scale = self.scaler.scale
-        if self.preference is not None:
+        if self.preference is not None:  # pairs are packed on the host, then their rows moved (PreferenceTraining.rows)
             loss, metrics = self.preference.step(self.model, batch, indices, loss_scale, self.step_options)
         elif self.rl is not None:
             loss, metrics = self.rl.step(self.model, number, loss_scale, self.step_options)
         else:
+            batch = _to(batch, self.model.pc.device)
             loss, metrics = runtime.forward_backward(self.model, batch, grad_scale=loss_scale, **self.step_options), {}
         overflow = self.scaler.unscale_(self.model)  # every rank agrees; clipping then sees the true gradients
         grad_norm = None if overflow else runtime.clip_grad_norm(self.model, self.cfg.grad_clip)

@@ -10,7 +10,6 @@ SimPO need none. The model trains with dropout off, as DPOTrainer's disable_drop
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -140,11 +139,11 @@ class PreferenceTraining:
 
 def save_reference(path: Path, logps: dict[str, torch.Tensor], digest: str):
     """Rank 0 writes the precomputed reference log-probs (atomically: a temp file renamed into place)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    tmp = path.with_name(path.name + ".partial")
-    save_file({k: v.contiguous() for k, v in logps.items()}, str(tmp), metadata={"data": digest})
-    os.replace(tmp, path)
+    from colozoo.finetune.state import fsync_write
+
+    fsync_write(path, lambda f: f.write(save({k: v.contiguous() for k, v in logps.items()}, metadata={"data": digest})))
 
 
 def read_reference(path: Path, digest: str, sizes: dict[str, int]) -> dict[str, torch.Tensor]:

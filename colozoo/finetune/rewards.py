@@ -59,11 +59,17 @@ def load_reward(spec):
 
 
 def _import_module(module: str):
-    """The module, found where `python -m` would find it: the working directory first."""
+    """The module, found where `python -m` would find it: the working directory first (for this import only: later
+    imports of the process do not find the working directory's files first)."""
     here = os.getcwd()
-    if here not in sys.path:
+    added = here not in sys.path
+    if added:
         sys.path.insert(0, here)
-    return importlib.import_module(module)
+    try:
+        return importlib.import_module(module)
+    finally:
+        if added:
+            sys.path.remove(here)
 
 
 def _import_file(path: str):

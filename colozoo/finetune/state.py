@@ -102,7 +102,7 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state(_unb64(state["cuda"]))
 
 
-def _fsync_write(path: Path, write):
+def fsync_write(path: Path, write):
     """Write via a temp file + fsync + rename, so `path` is either absent or whole."""
     tmp = path.with_name(path.name + ".partial")
     try:
@@ -116,7 +116,7 @@ def _fsync_write(path: Path, write):
 
 
 def _write_json(path: Path, value):
-    _fsync_write(path, lambda f: f.write(json.dumps(value, indent=1).encode()))
+    fsync_write(path, lambda f: f.write(json.dumps(value, indent=1).encode()))
 
 
 def complete_checkpoints(root) -> list[Path]:

@@ -19,7 +19,7 @@ from colozoo.runtime.pipeline import through_stages
 
 
 def generate_output(beam_search: bool = False, timings: dict | None = None, cache_elements: int = 0,
-                    decode_path: str = "eager", decode_note: str | None = None, **fields):
+                    decode_path: str = "eager", **fields):
     """What `generate(..., return_dict_in_generate=True)` returns: transformers' own GenerateDecoderOnlyOutput
     (GenerateBeamDecoderOnlyOutput under beam search) of `fields` (`scores`: each step's processed scores, with
     output_scores; `logits`: each step's raw logits, with output_logits; beam search adds `sequences_scores` and
@@ -27,13 +27,13 @@ def generate_output(beam_search: bool = False, timings: dict | None = None, cach
     `out["scores"]`, `keys()`, `to_tuple()`, `in`). How it went is in attributes that are no fields, so no keys:
     `timings` (the seconds of the prefill and of the decode steps), `cache_elements` (what this rank's KV cache
     held), `decode_path` ("cuda_graph", "compiled", "static" or "eager": colozoo.runtime.generate) and `decode_note`
-    (why that path, None when it is the default that applies). The cache itself is not returned: each rank's holds
-    its own heads only."""
+    (why that path, None when it is the default that applies: generate sets it). The cache itself is not returned:
+    each rank's holds its own heads only."""
     from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
     out = (GenerateBeamDecoderOnlyOutput if beam_search else GenerateDecoderOnlyOutput)(**fields)
     out.timings, out.cache_elements, out.decode_path = dict(timings or {}), cache_elements, decode_path
-    out.decode_note = decode_note
+    out.decode_note = None
     return out
 
 

@@ -67,7 +67,11 @@ def forward_backward_logps(model, input_ids, labels, objective, attention_mask=N
     (see the module): each dp rank trains on its rows, in `num_microbatches` micro-batches (the pipeline schedule at
     pp > 1). Gradients accumulate on the local shards. Returns (the global loss, the objective's per-row values for
     every row of the global batch), the same on every rank; `grad_scale` and `cp_mode` as in forward_backward;
-    `temperature` and `entropy` as in the module."""
+    `temperature` and `entropy` as in the module. An MoE model whose config asks for the router losses is refused:
+    this loss does not add them (set config.output_router_logits = False to train without them)."""
+    if model.router_stats_width() and getattr(model.config, "output_router_logits", False):
+        raise ValueError("a loss on per-token log-probabilities does not add the MoE router losses the config asks for "
+                         "(output_router_logits): set it to False to train without them")
     step, row_ids = _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scale, temperature,
                           entropy)
     local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,

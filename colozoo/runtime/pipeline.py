@@ -27,7 +27,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from colozoo.models.outputs import ModelOutput
 from colozoo.runtime.errors import PipelineError
-from colozoo.runtime.options import SCHEDULES as SCHEDULE_NAMES
+from colozoo.runtime.options import MULTI_STAGE_SCHEDULES, SCHEDULES as SCHEDULE_NAMES
 from colozoo.runtime.stage import StepScales, unwrap
 
 SCHEDULES = {
@@ -37,7 +37,6 @@ SCHEDULES = {
     "zero_bubble": ScheduleInterleavedZeroBubble,  # ZB1P: input and weight gradients split to fill the bubble
 }
 assert tuple(SCHEDULES) == SCHEDULE_NAMES
-MULTI_STAGE = {"interleaved_1f1b", "zero_bubble"}
 
 
 def stages_of(model) -> list:
@@ -73,9 +72,9 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
     if model.pc.config.pp == 1:
         stage, = stages
         return _one_after_another(stage, input_ids, kwargs, num_microbatches, step)
-    if schedule not in MULTI_STAGE and len(stages) > 1:
+    if schedule not in MULTI_STAGE_SCHEDULES and len(stages) > 1:
         raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but this model holds {len(stages)} "
-                            f"virtual stages per rank; use one of {sorted(MULTI_STAGE)}")
+                            f"virtual stages per rank; use one of {sorted(MULTI_STAGE_SCHEDULES)}")
     if schedule != "gpipe" and num_microbatches < model.pc.config.pp:
         raise PipelineError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline ranks "
                             f"({model.pc.config.pp}), got {num_microbatches}; raise num_microbatches or use 'gpipe'")
@@ -131,7 +130,7 @@ def _runner(model, stages, schedule, num_microbatches, input_ids, carry: bool):
         pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=inputs,
                                          output_args=outputs, group=model.pc.group("pp")))
     # the last stage already returns its loss scaled for the global batch: no loss_fn work, no grad scaling
-    stage_arg = pipe_stages if schedule in MULTI_STAGE else pipe_stages[0]
+    stage_arg = pipe_stages if schedule in MULTI_STAGE_SCHEDULES else pipe_stages[0]
     return SCHEDULES[schedule](stage_arg, num_microbatches, loss_fn=_take_loss, scale_grads=False)
 
 
