@@ -27,6 +27,9 @@ class Software:
     pipeline_scatter_gather: bool = False
     # share of tensor-parallel collectives hidden behind the GEMMs (Megatron-Core's --tp-comm-overlap)
     tp_comm_overlap: float = 0.0
+    # the fused attention kernels' implementation (colozoo.cost.attention_speed): PyTorch's SDPA runs
+    # FlashAttention-2 on A100 and H100
+    attention_kernel: str = "flash2"
 
     def to_dict(self) -> dict:
         return asdict(self)

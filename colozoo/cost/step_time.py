@@ -135,11 +135,12 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
                 itemsize: int) -> tuple:
     """(forward, backward with recomputation, tp, ep, exposed ring attention, ZeRO-3 terms or None) of one unit,
     seconds per micro-batch."""
-    kernels, cp, o = u["kernels"], plan.cp, hw.comm_overlap
-    fwd = unit_seconds(kernels, hw, "fwd", core_scale=cp) + hw.layer_overhead_s * is_layer
-    bwd = unit_seconds(kernels, hw, "bwd", core_scale=cp)
+    kernels, cp, o, kernel = u["kernels"], plan.cp, hw.comm_overlap, software.attention_kernel
+    fwd = unit_seconds(kernels, hw, "fwd", core_scale=cp, attention=kernel) + hw.layer_overhead_s * is_layer
+    bwd = unit_seconds(kernels, hw, "bwd", core_scale=cp, attention=kernel)
     bwd += fwd if policy == "full" else (
-        unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp) if policy == "selective" else 0.0)
+        unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp, attention=kernel) if policy == "selective"
+        else 0.0)
     repeat = 1.5 if policy == "full" else 1.0  # a recomputed layer repeats its forward collectives
     tp = (1 - software.tp_comm_overlap) * _group_seconds(u["comm"], u["comm_calls"], "tp", plan, hw, repeat)
     ep = _group_seconds(u["comm"], u["comm_calls"], "ep", plan, hw, repeat)
@@ -147,8 +148,8 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
     if cp > 1 and is_layer:  # ring attention: K and V of every other cp rank pass by, forward and twice back
         comm = collective_seconds(hw, "send_recv", 6 * u["input_bytes"] * (cp - 1), cp, _spans(plan)["cp"],
                                   3 * (cp - 1))
-        core = (unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp)
-                + unit_seconds(kernels, hw, "bwd", core_only=True, core_scale=cp))
+        core = (unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp, attention=kernel)
+                + unit_seconds(kernels, hw, "bwd", core_only=True, core_scale=cp, attention=kernel))
         ring = overlapped(core, comm, o, hw.comm_contention) - core
     zero = _zero3(u, policy, plan, hw, software, itemsize) if plan.zero >= 3 and plan.dp * plan.cp > 1 else None
     return fwd, bwd, tp, ep, ring, zero
