@@ -28,7 +28,7 @@ class Software:
     # share of tensor-parallel collectives hidden behind the GEMMs (Megatron-Core's --tp-comm-overlap)
     tp_comm_overlap: float = 0.0
     # the fused attention kernels' implementation (colozoo.cost.attention_speed): PyTorch's SDPA runs
-    # FlashAttention-2 on A100 and H100
+    # FlashAttention-2 on A100 and H100; one without a measurement there runs at Hardware.attention_efficiency
     attention_kernel: str = "flash2"
 
     def to_dict(self) -> dict:
