@@ -1,0 +1,248 @@
+"""Measuring the hardware fields the cost model prices kernels with, on the device given, written as a JSON file
+that `get_hardware` and `colozoo plan --hardware file.json` load over a preset (colozoo.cost.hardware.load_measured).
+
+What is measured is what colozoo.cost.compute_time uses: the rate of large bf16 matrix products held for a few
+seconds (clocks settle under sustained load: `matmul_efficiency` of the datasheet's peak) and in short bursts; a grid
+of (m, n, k) products whose output tiles fill the streaming multiprocessors unevenly, against the model's tile and
+wave quantization (`gemm_tile` is the candidate tile that fits the grid best; `sm_count` the device's own); a fused
+attention forward and backward (`attention_efficiency`); a large device copy (`hbm_efficiency` of the datasheet's
+bandwidth; a large read beside it); pinned host-device copies each way (`pcie_bw`: the slower); one tiny kernel in
+a stream of them (`kernel_floor_s`). A device with no datasheet preset (a CPU, an unknown GPU) gets its measured peak
+and bandwidth as `peak_flops` and `hbm_bw`; the other fields (links, network) stay those of the `links` preset, named
+in the file. Every field written names the device it ran on and the date: a CPU's figures are never a GPU's.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from colozoo.cost.compute_time import gemm_seconds
+from colozoo.cost.hardware import PRESETS, Hardware
+
+TILES = ((256, 128), (128, 128), (128, 64), (64, 64))  # candidate cuBLAS output tiles for the grid's fit
+
+
+@dataclass(frozen=True)
+class Sizes:
+    square: int                # the large product's m = n = k
+    grid_m: tuple              # rows of the grid's products (tokens a GPU multiplies)
+    grid_n: tuple              # output features (a tensor-parallel slice of a layer)
+    grid_k: int
+    copy_bytes: int
+    host_bytes: int
+    attention: tuple           # batch, heads, sequence, head dim
+    sustain_s: float           # how long the large product is held for the sustained rate
+    sample_s: float = 0.005    # each timed sample repeats its kernel for about this long
+
+
+GPU_SIZES = Sizes(8192, (256, 1024, 4096), (1536, 4096, 6144), 4096, 1 << 30, 1 << 28, (4, 16, 4096, 128), 5.0)
+CPU_SIZES = Sizes(256, (16, 96), (48, 160), 128, 1 << 24, 1 << 20, (1, 2, 128, 32), 0.2)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"
+
+
+def datasheet_preset(name: str) -> str | None:
+    """The preset whose datasheet describes a CUDA device of this name (SXM parts; PCIe and NVL parts have other
+    peaks: None)."""
+    upper = name.upper()
+    if any(part in upper for part in ("PCIE", "NVL")):
+        return None
+    for key, preset in (("H200", "H200"), ("H100", "H100-80GB"), ("L40S", "L40S"), ("V100", "V100-32GB"),
+                        ("4090", "RTX4090"), ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB")):
+        if key in upper.replace(" ", "-"):
+            return preset
+    return None
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_each(fn, device, samples: int = 5, sample_s: float = 0.005) -> float:
+    """Median seconds of one call of fn, each sample repeating it for about sample_s (launches amortised)."""
+    fn()
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    repeat = max(1, math.ceil(sample_s / max(time.perf_counter() - start, 1e-9)))
+    times = []
+    for _ in range(samples):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        synchronize(device)
+        times.append((time.perf_counter() - start) / repeat)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a device copy of nbytes."""
+    src, dst = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+    return 2 * nbytes / seconds_each(lambda: dst.copy_(src), device)
+
+
+def read_bandwidth(device, nbytes: int) -> float:
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / seconds_each(lambda: x.sum(), device)
+
+
+def host_bandwidth(device, nbytes: int) -> dict | None:
+    """Pinned host -> device and device -> host bytes/s (None off CUDA: no host link to measure)."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return {"to_device": nbytes / seconds_each(lambda: dev.copy_(host, non_blocking=True), device),
+            "to_host": nbytes / seconds_each(lambda: host.copy_(dev, non_blocking=True), device)}
+
+
+def matmul_rate(device, dtype, m: int, n: int, k: int, sample_s: float) -> float:
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    return 2 * m * n * k / seconds_each(lambda: a @ b, device, sample_s=sample_s)
+
+
+def sustained_rate(device, dtype, size: int, hold_s: float) -> float:
+    """FLOP/s of size^3 products held back to back for hold_s: the median of the last third of the samples."""
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    rates, end = [], time.monotonic() + hold_s
+    while time.monotonic() < end or len(rates) < 3:
+        rates.append(2 * size ** 3 / seconds_each(lambda: a @ b, device, samples=1, sample_s=0.05))
+    return statistics.median(rates[-max(1, len(rates) // 3):])
+
+
+def attention_rate(device, dtype, shape) -> float:
+    """FLOP/s of a fused attention forward and backward, no mask: 2 products forward, 5 backward (as
+    torch.utils.flop_counter counts them)."""
+    batch, heads, seq, dim = shape
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(grad)
+    return 7 * 2 * batch * heads * seq * seq * dim / seconds_each(step, device, samples=3)
+
+
+def tiny_kernel_seconds(device) -> float:
+    x = torch.zeros(1, device=device)
+
+    def hundred():
+        for _ in range(100):
+            x.add_(1)
+    return seconds_each(hundred, device) / 100
+
+
+def grid(device, dtype, sizes: Sizes) -> list[dict]:
+    return [{"m": m, "n": n, "k": sizes.grid_k, "flops_per_s": matmul_rate(device, dtype, m, n, sizes.grid_k,
+                                                                            sizes.sample_s)}
+            for m in sizes.grid_m for n in sizes.grid_n]
+
+
+def modelled_rate(row: dict, hw: Hardware, itemsize: int) -> float:
+    m, n, k = row["m"], row["n"], row["k"]
+    flops, nbytes = 2 * m * n * k, (m * k + k * n + m * n) * itemsize
+    return flops / gemm_seconds(flops, nbytes, (1, m, n, k), hw)
+
+
+def fit_tile(rows: list[dict], hw: Hardware, itemsize: int) -> tuple[tuple, float]:
+    """The candidate tile whose tile and wave quantization explains the grid best, and its mean |log error|."""
+    def error(tile):
+        tiled = replace(hw, gemm_tile=tile)
+        return statistics.mean(abs(math.log(r["flops_per_s"] / modelled_rate(r, tiled, itemsize))) for r in rows)
+    best = min(TILES, key=error)
+    return best, error(best)
+
+
+def measure(device, preset: str | None = None, sizes: Sizes | None = None, by: str = "colozoo.cost.measure",
+            links: str = "H100-80GB", progress=None) -> dict:
+    """The measured hardware JSON of `device`: fields, their "sources", and the "evidence" they came from.
+    `preset`: the datasheet preset of this device (default: found from a CUDA device's name); None for a CPU or an
+    unknown GPU, whose peak and bandwidth are then measured and whose other fields stay `links`'."""
+    device = torch.device(device)
+    name, cuda = device_name(device), device.type == "cuda"
+    preset = preset or (datasheet_preset(name) if cuda else None)
+    sizes = sizes or (GPU_SIZES if cuda else CPU_SIZES)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    note = (progress or (lambda line: None))
+    where = f"measured by {by} on {name}, {datetime.date.today().isoformat()}"
+    base = PRESETS[preset] if preset else PRESETS[links]
+
+    note(f"{name}: copy and read bandwidth")
+    copy, read = copy_bandwidth(device, sizes.copy_bytes), read_bandwidth(device, sizes.copy_bytes)
+    note(f"{name}: {sizes.square}^3 products, bursts and {sizes.sustain_s:g} s sustained")
+    burst = matmul_rate(device, dtype, sizes.square, sizes.square, sizes.square, sizes.sample_s)
+    sustained = sustained_rate(device, dtype, sizes.square, sizes.sustain_s)
+    peak = base.peak_flops if preset else max(burst, sustained)
+    hbm = base.hbm_bw if preset else copy
+    fields = {"matmul_efficiency": sustained / peak, "hbm_efficiency": copy / hbm}
+    sources = {"matmul_efficiency": f"{where}: {sizes.square}^3 {str(dtype)[6:]} products held {sizes.sustain_s:g} s, "
+                                    f"{sustained / 1e12:.4g} TFLOP/s of {peak / 1e12:.4g}",
+               "hbm_efficiency": f"{where}: a {sizes.copy_bytes >> 20} MiB copy, {copy / 1e9:.4g} GB/s read + written "
+                                 f"of {hbm / 1e9:.4g}"}
+    if not preset:  # no datasheet: the measured figures are the peaks
+        fields.update(peak_flops=peak, hbm_bw=copy)
+        sources.update(peak_flops=f"{where}: no datasheet preset; the best {sizes.square}^3 rate (bursts)",
+                       hbm_bw=f"{where}: no datasheet preset; a {sizes.copy_bytes >> 20} MiB copy, read + written")
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        fields.update(sm_count=props.multi_processor_count, gpu_memory=props.total_memory)
+        sources.update(sm_count=f"{where}: torch.cuda.get_device_properties",
+                       gpu_memory=f"{where}: torch.cuda.get_device_properties")
+    else:  # a CPU has no SM waves and no separate vector units
+        fields.update(sm_count=None, vector_flops=0.0)
+        sources.update(sm_count=f"{where}: a CPU (no SM waves)", vector_flops=f"{where}: a CPU (no vector units apart)")
+    note(f"{name}: a grid of {len(sizes.grid_m) * len(sizes.grid_n)} products")
+    rows = grid(device, dtype, sizes)
+    burst_hw = replace(base, **{**fields, "matmul_efficiency": burst / peak, "peak_flops": peak,
+                                "hbm_bw": hbm, "hbm_efficiency": copy / hbm})
+    if cuda:
+        tile, error = fit_tile(rows, burst_hw, itemsize)
+        fields["gemm_tile"], burst_hw = list(tile), replace(burst_hw, gemm_tile=tile)
+        sources["gemm_tile"] = (f"{where}: the tile of {[list(t) for t in TILES]} whose tile and wave quantization "
+                                f"fits the grid best (mean |log error| {error:.3f})")
+    for row in rows:
+        row.update(of_peak=round(row["flops_per_s"] / peak, 4),
+                   model_of_peak=round(modelled_rate(row, burst_hw, itemsize) / peak, 4))
+    note(f"{name}: attention, pinned host copies, tiny kernels")
+    attention = attention_rate(device, dtype, sizes.attention)
+    fields["attention_efficiency"] = attention / peak
+    sources["attention_efficiency"] = (f"{where}: scaled_dot_product_attention forward + backward, "
+                                       f"{'x'.join(map(str, sizes.attention))} (batch x heads x seq x dim), no mask")
+    host = host_bandwidth(device, sizes.host_bytes)
+    if host:
+        fields["pcie_bw"] = min(host.values())
+        sources["pcie_bw"] = f"{where}: pinned {sizes.host_bytes >> 20} MiB copies, the slower direction"
+    fields["kernel_floor_s"] = tiny_kernel_seconds(device)
+    sources["kernel_floor_s"] = f"{where}: one tiny kernel in a stream of them"
+    evidence = {"device": name, "dtype": str(dtype)[6:], "burst_flops_per_s": burst, "sustained_flops_per_s": sustained,
+                "copy_bytes_per_s": copy, "read_bytes_per_s": read, "host_bytes_per_s": host,
+                "attention_flops_per_s": attention, "gemm_grid": rows,
+                "over": preset or f"{links} (links and network; no datasheet preset for this device)"}
+    return {"preset": preset or links, "name": f"{preset} measured on {name}" if preset else f"{name}, measured",
+            **fields, "sources": sources, "evidence": evidence}
+
+
+def write_measured(path, measured: dict) -> Path:
+    """The measured hardware as JSON at `path`, written whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(measured, indent=1) + "\n")
+    os.replace(partial, path)
+    return path
