@@ -267,10 +267,7 @@ def get_hardware(name_or_hw=None, *, gpus: int | None = None, gpu_memory=None, g
         hw = _preset(name_or_hw) if name_or_hw is not None or measured is None else None
     if measured is not None:
         hw = load_measured(measured, hw)
-    if gpu_memory is not None:
-        hw = hw.with_(gpu_memory=parse_bytes(gpu_memory))
-    if gpus_per_node is not None:
-        hw = hw.with_(gpus_per_node=gpus_per_node)
+    hw = _given(hw, gpu_memory=None if gpu_memory is None else parse_bytes(gpu_memory), gpus_per_node=gpus_per_node)
     if gpus is not None:
         if gpus < 1:
             raise HardwareError(f"gpus must be >= 1, got {gpus}")
@@ -278,4 +275,13 @@ def get_hardware(name_or_hw=None, *, gpus: int | None = None, gpu_memory=None, g
         if gpus % per_node:
             raise HardwareError(f"{gpus} GPUs do not fill whole nodes of {per_node}")
         hw = hw.with_(gpus_per_node=per_node, nodes=gpus // per_node)
-    return hw.with_(**overrides)
+    return _given(hw, **overrides)
+
+
+GIVEN = "given by the caller (get_hardware's arguments; colozoo plan --set, --gpu-memory, --gpus-per-node)"
+
+
+def _given(hw: Hardware, **changes) -> Hardware:
+    """`hw` with the fields a caller set (None: kept), whose source is then the caller."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return replace(hw.with_(**changes), sources={**hw.sources, **dict.fromkeys(changes, GIVEN)})
