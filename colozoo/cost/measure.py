@@ -169,6 +169,16 @@ def fit_tile(rows: list[dict], hw: Hardware, itemsize: int) -> tuple[tuple, floa
     return best, error(best)
 
 
+class Record:
+    """The fields measured so far, each with its source: where it ran and how."""
+
+    def __init__(self, where: str):
+        self.where, self.fields, self.sources = where, {}, {}
+
+    def set(self, field: str, value, how: str):
+        self.fields[field], self.sources[field] = value, f"{self.where}: {how}"
+
+
 def measure(device, preset: str | None = None, sizes: Sizes | None = None, by: str = "colozoo.cost.measure",
             links: str = "H100-80GB", progress=None) -> dict:
     """The measured hardware JSON of `device`: fields, their "sources", and the "evidence" they came from.
@@ -179,64 +189,73 @@ def measure(device, preset: str | None = None, sizes: Sizes | None = None, by: s
     preset = preset or (datasheet_preset(name) if cuda else None)
     sizes = sizes or (GPU_SIZES if cuda else CPU_SIZES)
     dtype = torch.bfloat16 if cuda else torch.float32
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    note = (progress or (lambda line: None))
-    where = f"measured by {by} on {name}, {datetime.date.today().isoformat()}"
-    base = PRESETS[preset] if preset else PRESETS[links]
-
-    note(f"{name}: copy and read bandwidth")
+    note, record = progress or (lambda line: None), Record(f"measured by {by} on {name}, {datetime.date.today()}")
+    note(f"{name}: copy and read bandwidth, {sizes.square}^3 products in bursts and {sizes.sustain_s:g} s sustained")
     copy, read = copy_bandwidth(device, sizes.copy_bytes), read_bandwidth(device, sizes.copy_bytes)
-    note(f"{name}: {sizes.square}^3 products, bursts and {sizes.sustain_s:g} s sustained")
     burst = matmul_rate(device, dtype, sizes.square, sizes.square, sizes.square, sizes.sample_s)
     sustained = sustained_rate(device, dtype, sizes.square, sizes.sustain_s)
-    peak = base.peak_flops if preset else max(burst, sustained)
-    hbm = base.hbm_bw if preset else copy
-    fields = {"matmul_efficiency": sustained / peak, "hbm_efficiency": copy / hbm}
-    sources = {"matmul_efficiency": f"{where}: {sizes.square}^3 {str(dtype)[6:]} products held {sizes.sustain_s:g} s, "
-                                    f"{sustained / 1e12:.4g} TFLOP/s of {peak / 1e12:.4g}",
-               "hbm_efficiency": f"{where}: a {sizes.copy_bytes >> 20} MiB copy, {copy / 1e9:.4g} GB/s read + written "
-                                 f"of {hbm / 1e9:.4g}"}
-    if not preset:  # no datasheet: the measured figures are the peaks
-        fields.update(peak_flops=peak, hbm_bw=copy)
-        sources.update(peak_flops=f"{where}: no datasheet preset; the best {sizes.square}^3 rate (bursts)",
-                       hbm_bw=f"{where}: no datasheet preset; a {sizes.copy_bytes >> 20} MiB copy, read + written")
-    if cuda:
-        props = torch.cuda.get_device_properties(device)
-        fields.update(sm_count=props.multi_processor_count, gpu_memory=props.total_memory)
-        sources.update(sm_count=f"{where}: torch.cuda.get_device_properties",
-                       gpu_memory=f"{where}: torch.cuda.get_device_properties")
-    else:  # a CPU has no SM waves and no separate vector units
-        fields.update(sm_count=None, vector_flops=0.0)
-        sources.update(sm_count=f"{where}: a CPU (no SM waves)", vector_flops=f"{where}: a CPU (no vector units apart)")
+    hw = peaks(record, PRESETS[preset] if preset else None, dict(burst=burst, sustained=sustained, copy=copy),
+               sizes, dtype)
+    hw = device_fields(record, device, replace(PRESETS[preset or links], **hw))
     note(f"{name}: a grid of {len(sizes.grid_m) * len(sizes.grid_n)} products")
-    rows = grid(device, dtype, sizes)
-    burst_hw = replace(base, **{**fields, "matmul_efficiency": burst / peak, "peak_flops": peak,
-                                "hbm_bw": hbm, "hbm_efficiency": copy / hbm})
-    if cuda:
-        tile, error = fit_tile(rows, burst_hw, itemsize)
-        fields["gemm_tile"], burst_hw = list(tile), replace(burst_hw, gemm_tile=tile)
-        sources["gemm_tile"] = (f"{where}: the tile of {[list(t) for t in TILES]} whose tile and wave quantization "
-                                f"fits the grid best (mean |log error| {error:.3f})")
-    for row in rows:
-        row.update(of_peak=round(row["flops_per_s"] / peak, 4),
-                   model_of_peak=round(modelled_rate(row, burst_hw, itemsize) / peak, 4))
+    rows = gemm_grid(record, device, dtype, sizes, hw, burst)
     note(f"{name}: attention, pinned host copies, tiny kernels")
     attention = attention_rate(device, dtype, sizes.attention)
-    fields["attention_efficiency"] = attention / peak
-    sources["attention_efficiency"] = (f"{where}: scaled_dot_product_attention forward + backward, "
-                                       f"{'x'.join(map(str, sizes.attention))} (batch x heads x seq x dim), no mask")
+    record.set("attention_efficiency", attention / hw.peak_flops, "scaled_dot_product_attention forward + backward, "
+               f"{'x'.join(map(str, sizes.attention))} (batch x heads x seq x dim), no mask")
     host = host_bandwidth(device, sizes.host_bytes)
     if host:
-        fields["pcie_bw"] = min(host.values())
-        sources["pcie_bw"] = f"{where}: pinned {sizes.host_bytes >> 20} MiB copies, the slower direction"
-    fields["kernel_floor_s"] = tiny_kernel_seconds(device)
-    sources["kernel_floor_s"] = f"{where}: one tiny kernel in a stream of them"
+        record.set("pcie_bw", min(host.values()), f"pinned {sizes.host_bytes >> 20} MiB copies, the slower direction")
+    record.set("kernel_floor_s", tiny_kernel_seconds(device), "one tiny kernel in a stream of them")
     evidence = {"device": name, "dtype": str(dtype)[6:], "burst_flops_per_s": burst, "sustained_flops_per_s": sustained,
                 "copy_bytes_per_s": copy, "read_bytes_per_s": read, "host_bytes_per_s": host,
                 "attention_flops_per_s": attention, "gemm_grid": rows,
                 "over": preset or f"{links} (links and network; no datasheet preset for this device)"}
     return {"preset": preset or links, "name": f"{preset} measured on {name}" if preset else f"{name}, measured",
-            **fields, "sources": sources, "evidence": evidence}
+            **record.fields, "sources": record.sources, "evidence": evidence}
+
+
+def peaks(record: Record, datasheet: Hardware | None, rates: dict, sizes: Sizes, dtype) -> dict:
+    """matmul and HBM efficiency of the datasheet's peaks, or with none, the measured peaks (efficiency 1 in
+    bursts); returns the peak fields the rest is modelled with."""
+    peak = datasheet.peak_flops if datasheet else max(rates["burst"], rates["sustained"])
+    hbm = datasheet.hbm_bw if datasheet else rates["copy"]
+    square, copied = f"{sizes.square}^3 {str(dtype)[6:]} products", f"a {sizes.copy_bytes >> 20} MiB copy"
+    record.set("matmul_efficiency", rates["sustained"] / peak, f"{square} held {sizes.sustain_s:g} s, "
+               f"{rates['sustained'] / 1e12:.4g} TFLOP/s of {peak / 1e12:.4g}")
+    record.set("hbm_efficiency", rates["copy"] / hbm, f"{copied}, {rates['copy'] / 1e9:.4g} GB/s read + written of "
+               f"{hbm / 1e9:.4g}")
+    if not datasheet:
+        record.set("peak_flops", peak, f"no datasheet preset: the best rate of {square}")
+        record.set("hbm_bw", hbm, f"no datasheet preset: {copied}, read + written")
+    return dict(peak_flops=peak, hbm_bw=hbm, matmul_efficiency=rates["burst"] / peak,
+                hbm_efficiency=rates["copy"] / hbm)
+
+
+def device_fields(record: Record, device, hw: Hardware) -> Hardware:
+    """The SMs and memory of a GPU; a CPU has no SM waves and no vector units apart."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        record.set("sm_count", props.multi_processor_count, "torch.cuda.get_device_properties")
+        record.set("gpu_memory", props.total_memory, "torch.cuda.get_device_properties")
+        return replace(hw, sm_count=props.multi_processor_count)
+    record.set("sm_count", None, "a CPU (no SM waves)")
+    record.set("vector_flops", 0.0, "a CPU (no vector units apart)")
+    return replace(hw, sm_count=None, vector_flops=0.0)
+
+
+def gemm_grid(record: Record, device, dtype, sizes: Sizes, hw: Hardware, burst: float) -> list[dict]:
+    """The grid's rates against the model's at burst efficiency (`hw`); on a GPU the tile that fits them best."""
+    rows, itemsize = grid(device, dtype, sizes), torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        tile, error = fit_tile(rows, hw, itemsize)
+        record.set("gemm_tile", list(tile), f"the tile of {[list(t) for t in TILES]} whose tile and wave "
+                   f"quantization fits the grid of products best (mean |log error| {error:.3f})")
+        hw = replace(hw, gemm_tile=tile)
+    for row in rows:
+        row.update(of_peak=round(row["flops_per_s"] / hw.peak_flops, 4),
+                   model_of_peak=round(modelled_rate(row, hw, itemsize) / hw.peak_flops, 4))
+    return rows
 
 
 def write_measured(path, measured: dict) -> Path:
