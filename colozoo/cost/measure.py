@@ -84,11 +84,12 @@ def seconds_each(fn, device, samples: int = 5, sample_s: float = 0.005) -> float
     times = []
     for _ in range(samples):
         synchronize(device)
-        start = time.perf_counter()
-        for _ in range(repeat):
+        start, calls = time.perf_counter(), 0
+        while calls < repeat and (calls == 0 or time.perf_counter() - start < 4 * sample_s):  # a stalled CPU ends early
             fn()
+            calls += 1
         synchronize(device)
-        times.append((time.perf_counter() - start) / repeat)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
