@@ -123,7 +123,8 @@ H100_SOURCES = {
     "sm_count": "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5)",
     "gemm_tile": A100_SOURCES["gemm_tile"],
     "matmul_efficiency": MSMF + " (71.1% of 989; " + MAMF + ": the H100 SXM bursts as the H200)",
-    "attention_efficiency": ESTIMATE,
+    "attention_efficiency": ESTIMATE + ", between FlashAttention-2's 35% and FlashAttention-3's 75% of an H100's "
+                                       "peak (Shah et al. 2024, arXiv 2407.08608, abstract)",
     "hbm_bw": "NVIDIA H100 datasheet: 3.35 TB/s (SXM)",
     "hbm_efficiency": ESTIMATE,
     "intra_node_bw": "NVIDIA H100 datasheet: NVLink 900 GB/s (450 GB/s a direction)",
