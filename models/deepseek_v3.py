@@ -98,7 +98,7 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
     def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         if not is_sparse(config, layer_idx):
             return dense_mlp(config, pc, **kw)
-        router = GroupLimitedRouter(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+        router = GroupLimitedRouter(config.hidden_size, self.experts(config), config.num_experts_per_tok,
                                     groups=config.n_group, topk_group=config.topk_group,
                                     normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor, **kw)
         return self.moe(config, pc, router=router, shared_expert_gate=False, **kw)

@@ -41,8 +41,9 @@ class Plan:
         self.parallel = parallel if parallel is not None else ParallelConfig()
         if isinstance(self.parallel, ParallelConfig):
             self.parallel = replace(self.parallel, **{k: v for k, v in degrees.items() if v is not None})
-        for f in fields(Plan)[1:]:
-            setattr(self, f.name, choices[f.name] if f.name in choices else f.default)
+        for f in fields(Plan):
+            if f.name != "parallel":
+                setattr(self, f.name, choices[f.name] if f.name in choices else f.default)
         self.__post_init__()
 
     def __post_init__(self):
