@@ -27,7 +27,7 @@ from colozoo.cost.setup import ProfilerError, Workload, check_priced, plan_of
 from colozoo.runtime.plan import Plan
 
 # the Plan's fields besides the mesh and the micro-batch size
-STEP_CHOICES = tuple(f.name for f in fields(Plan) if f.name not in ("parallel", "micro_batch_size"))
+STEP_CHOICES = tuple(f.name for f in fields(Plan) if f.name not in ("degrees", "micro_batch_size"))
 
 
 def profile(model, plan: Plan, workload: Workload, inputs: dict | None = None) -> ProfileReport:
@@ -46,7 +46,7 @@ def profile(model, plan: Plan, workload: Workload, inputs: dict | None = None) -
     check_priced(plan)
     workload.check()
     traced = trace_model(config if isinstance(model, str) else model, plan.micro_batch_size, workload.seq_len,
-                         plan.parallel, workload.dtype, workload.target, inputs)
+                         plan.degrees, workload.dtype, workload.target, inputs)
     if isinstance(model, str):
         traced.name = model
     report = assemble(traced, plan, workload)

@@ -13,10 +13,10 @@ DEGREES = tuple(f.name for f in fields(ParallelConfig))  # tp, pp, dp, cp, ep, s
 
 @dataclass(init=False)
 class Plan:
-    """The mesh (`parallel`, a core.mesh.ParallelConfig: the degrees and their checks) and how a step runs on it.
+    """The mesh (`degrees`, a core.mesh.ParallelConfig: the degrees and their checks) and how a step runs on it.
     `Plan(tp=4, pp=2, micro_batch_size=2)` is short for `Plan(ParallelConfig(tp=4, pp=2), micro_batch_size=2)`, and
-    `plan.tp` reads `plan.parallel.tp`."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    `plan.tp` reads `plan.degrees.tp`."""
+    degrees: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
@@ -28,27 +28,27 @@ class Plan:
     layers_per_stage: tuple | None = None  # layers of each (virtual) stage in order; None: balanced by parameters
     reshard_after_forward: bool = True   # ZeRO-3: free gathered weights after each layer's forward (FSDP2's option)
 
-    def __init__(self, parallel: ParallelConfig | None = None, *, tp: int | None = None, pp: int | None = None,
+    def __init__(self, degrees: ParallelConfig | None = None, *, tp: int | None = None, pp: int | None = None,
                  dp: int | None = None, cp: int | None = None, ep: int | None = None,
                  sequence_parallel: bool | None = None, **choices):
-        """The degrees given as keywords replace those of `parallel` (default: every degree 1); `choices`: the
+        """The degrees given as keywords replace those of `degrees` (default: every degree 1); `choices`: the
         other fields."""
         unknown = sorted(choices.keys() - {f.name for f in fields(Plan)})
         if unknown:
             raise TypeError(f"Plan() got unknown settings {unknown}; it takes {[f.name for f in fields(Plan)]} and "
                             f"the degrees {list(DEGREES)}")
-        degrees = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
-        self.parallel = parallel if parallel is not None else ParallelConfig()
-        if isinstance(self.parallel, ParallelConfig):
-            self.parallel = replace(self.parallel, **{k: v for k, v in degrees.items() if v is not None})
+        given = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+        self.degrees = degrees if degrees is not None else ParallelConfig()
+        if isinstance(self.degrees, ParallelConfig):
+            self.degrees = replace(self.degrees, **{k: v for k, v in given.items() if v is not None})
         for f in fields(Plan):
-            if f.name != "parallel":
+            if f.name != "degrees":
                 setattr(self, f.name, choices[f.name] if f.name in choices else f.default)
         self.__post_init__()
 
     def __post_init__(self):
-        if not isinstance(self.parallel, ParallelConfig):
-            raise TypeError(f"plan parallel must be a colozoo.core.mesh.ParallelConfig, got {self.parallel!r}")
+        if not isinstance(self.degrees, ParallelConfig):
+            raise TypeError(f"plan degrees must be a colozoo.core.mesh.ParallelConfig, got {self.degrees!r}")
         for name in ("micro_batch_size", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -67,17 +67,13 @@ class Plan:
                                  f"{self.pp * self.virtual_stages} counts >= 1")
             self.layers_per_stage = counts
 
-    tp = property(lambda self: self.parallel.tp)
-    pp = property(lambda self: self.parallel.pp)
-    dp = property(lambda self: self.parallel.dp)
-    cp = property(lambda self: self.parallel.cp)
-    ep = property(lambda self: self.parallel.ep)
-    sequence_parallel = property(lambda self: self.parallel.sequence_parallel)
-    world_size = property(lambda self: self.parallel.world_size)
-
-    def degrees(self) -> dict:
-        """The mesh: keyword arguments of init_parallel / from_pretrained."""
-        return asdict(self.parallel)
+    tp = property(lambda self: self.degrees.tp)
+    pp = property(lambda self: self.degrees.pp)
+    dp = property(lambda self: self.degrees.dp)
+    cp = property(lambda self: self.degrees.cp)
+    ep = property(lambda self: self.degrees.ep)
+    sequence_parallel = property(lambda self: self.degrees.sequence_parallel)
+    world_size = property(lambda self: self.degrees.world_size)
 
     def choices(self) -> "Plan":
         """Just the plan (a subclass adds the planner's predictions)."""
@@ -86,16 +82,16 @@ class Plan:
     def to_dict(self) -> dict:
         """One flat dict, the degrees first (what `Plan(**plan.to_dict())` and `Plan.from_dict` read back)."""
         settings = asdict(self)
-        return {**settings.pop("parallel"), **settings}
+        return {**settings.pop("degrees"), **settings}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         """The plan `to_dict` wrote (a subclass's extra entries ignored), or one whose degrees sit under
-        "parallel"."""
+        "degrees"."""
         data = dict(data)
         known = {f.name for f in fields(Plan)} | set(DEGREES)
-        parallel = data.pop("parallel", None)
-        return Plan(ParallelConfig(**parallel) if isinstance(parallel, dict) else parallel,
+        degrees = data.pop("degrees", None)
+        return Plan(ParallelConfig(**degrees) if isinstance(degrees, dict) else degrees,
                     **{k: v for k, v in data.items() if k in known})
 
     def mesh(self) -> str:
