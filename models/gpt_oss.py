@@ -64,9 +64,9 @@ class GptOssForCausalLM(MoEDecoderModel):
 
     def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         activation = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
-        experts = GptOssExperts(self.experts(config), config.hidden_size, config.intermediate_size, activation,
+        experts = GptOssExperts(self.experts(config), config.hidden_size, self.expert_width(config), activation,
                                 ep_group=pc.group("ep"), tp_group=pc.tp_group, **kw)
-        return self.moe(config, pc, config.intermediate_size, router_bias=True, experts=experts, **kw)
+        return self.moe(config, pc, router_bias=True, experts=experts, **kw)
 
 
 # sinks, YaRN scaling 16 original positions by 4, biases on attention, router and experts, the clamped SwiGLU, and

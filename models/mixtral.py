@@ -25,8 +25,7 @@ class MixtralForCausalLM(MoEDecoderModel):
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
 
     def build_mlp(self, layer_idx, config, pc, **kw):
-        return self.moe(config, pc, config.intermediate_size, capacity_factor=getattr(config, "capacity_factor", None),
-                        **kw)
+        return self.moe(config, pc, capacity_factor=getattr(config, "capacity_factor", None), **kw)
 
 
 FAMILIES = (Family("mixtral", ("mixtral",), MixtralForCausalLM, gated_mlp=True, title="Mixtral",

@@ -47,8 +47,7 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
     def build_mlp(self, layer_idx, config, pc, **kw):
         if not is_sparse(config, layer_idx):
             return dense_mlp(config, pc, **kw)
-        return self.moe(config, pc, config.moe_intermediate_size, normalize_top_k=config.norm_topk_prob,
-                        shared_expert_size=config.shared_expert_intermediate_size or None, **kw)
+        return self.moe(config, pc, normalize_top_k=config.norm_topk_prob, **kw)
 
 
 # layer 0 sparse with a gated shared expert and un-normalised top-k weights, layer 1 dense

@@ -28,7 +28,7 @@ class Qwen3MoeForCausalLM(MoEDecoderModel):
     def build_mlp(self, layer_idx, config, pc, **kw):
         if not is_sparse(config, layer_idx):
             return dense_mlp(config, pc, **kw)
-        return self.moe(config, pc, config.moe_intermediate_size, normalize_top_k=config.norm_topk_prob, **kw)
+        return self.moe(config, pc, normalize_top_k=config.norm_topk_prob, **kw)
 
 
 # layers 0 and 2 sparse (top-2 of 4 experts, renormalised), layer 1 dense (mlp_only_layers), no shared expert;

@@ -10,6 +10,7 @@ SimPO need none. The model trains with dropout off, as DPOTrainer's disable_drop
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ def load_reference(cfg, plan=None):
     from colozoo.runtime.plan import DEGREES
     from colozoo.runtime.training import parallelize
 
-    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    degrees = asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
     reference = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
     reference.requires_grad_(False)
     parallelize(reference, data_parallel="fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype])
