@@ -27,16 +27,16 @@ H100 = get_hardware("H100-80GB", gpus=64)
 def test_kv_bytes_per_token():
     """Llama 3 405B (8 kv heads of 128) at tp 8: one kv head a rank, K and V of 128 bf16 each; at tp 16 the head is
     copied, not split; GPT-2 (no kv heads): all heads; DeepSeek-V3's MLA: every head's 192-wide key and 128-wide
-    value; no config: unknown."""
+    value; not a colozoo family: unknown."""
     llama = transformers.LlamaConfig(hidden_size=16384, num_attention_heads=128, num_key_value_heads=8)
     assert kv_bytes_per_token(llama, 8, 2) == 1 * (128 + 128) * 2
     assert kv_bytes_per_token(llama, 16, 2) == 1 * (128 + 128) * 2
     assert kv_bytes_per_token(llama, 2, 2) == 4 * 256 * 2
     gpt2 = transformers.GPT2Config(n_embd=768, n_head=12)
     assert kv_bytes_per_token(gpt2, 1, 2) == 12 * 128 * 2
-    mla = SimpleNamespace(num_attention_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    mla = transformers.AutoConfig.for_model("deepseek_v3")  # the published attention: 128 heads
     assert kv_bytes_per_token(mla, 8, 2) == 16 * (192 + 128) * 2
-    assert kv_bytes_per_token(None, 8, 2) is None
+    assert kv_bytes_per_token(SimpleNamespace(), 8, 2) is None
 
 
 def test_causal_balance():
@@ -101,21 +101,36 @@ def test_reduce_window_of_the_interleaved_cool_down():
     assert reduce_window(0.1, interleaved) == pytest.approx(0.1 * 13)
 
 
-def test_attention_with_sinks_traced_as_the_fused_kernel():
-    """gpt-oss on the cuda target: its attention (sinks) is a fused kernel that keeps no (s, s) tensor per head (the
-    sliding layers' mask, one (s, s) for all heads, stays); on the eager target every head's scores are saved."""
-    from colozoo.cost.profiler import profile_for
+@pytest.fixture(scope="module")
+def tiny_gpt_oss():
     from family_cases import tiny_kwargs
 
-    config = transformers.AutoConfig.for_model("gpt_oss", **tiny_kwargs("gpt_oss"))
-    seq = 256
+    return transformers.AutoConfig.for_model("gpt_oss", **tiny_kwargs("gpt_oss"))
 
-    def layer_of(target):
-        report = profile_for(config, batch_size=1, seq_len=seq, dtype="bfloat16", target=target)
-        return next(u for u in report.units if u["layers"])
 
-    fused, eager = layer_of("cuda"), layer_of("eager")
+def _layer(config, target: str, seq: int = 256) -> dict:
+    from colozoo.cost.profiler import profile_for
+
+    report = profile_for(config, batch_size=1, seq_len=seq, dtype="bfloat16", target=target)
+    return next(u for u in report.units if u["layers"])
+
+
+def test_attention_with_sinks_traced_as_the_fused_kernel(tiny_gpt_oss):
+    """gpt-oss on the cuda target: its attention (sinks) is a fused kernel that keeps no (s, s) tensor per head (the
+    sliding layers' mask, one (s, s) for all heads, stays); on the eager target every head's scores are saved."""
+    fused, eager = _layer(tiny_gpt_oss, "cuda"), _layer(tiny_gpt_oss, "eager")
     assert any("|attention|" in k for k in fused["kernels"])
     assert not any("|attention|" in k for k in eager["kernels"])
-    assert fused["attention_core_bytes"] * config.num_attention_heads <= eager["attention_core_bytes"], \
+    assert fused["attention_core_bytes"] * tiny_gpt_oss.num_attention_heads <= eager["attention_core_bytes"], \
         (fused["attention_core_bytes"], eager["attention_core_bytes"])
+
+
+def test_traced_expert_gemms_are_grouped_per_expert(tiny_gpt_oss):
+    """A traced bf16 MoE layer runs its experts as torch._grouped_mm: its forward GEMMs over the routed tokens are
+    recorded one per expert, (experts, routed tokens / experts, n, k)."""
+    c, seq = tiny_gpt_oss, 256
+    experts, routed = c.num_local_experts, seq * c.num_experts_per_tok
+    layer = _layer(c, "cuda", seq)
+    shapes = [tuple(int(d) for d in k.split("|")[3].split("x")) for k in layer["kernels"]
+              if k.startswith("fwd|gemm|")]
+    assert (experts, routed // experts) in {s[:2] for s in shapes}, shapes

@@ -4,7 +4,7 @@ Engine's context parallelism; the Llama 3 report, §3.3.2):
 - each rank holds 1/cp of the sequence and its queries meet the keys of every chunk, one block a ring step; keys
   and values pass from rank to rank, forward once (and again when the layer is recomputed) and back with their
   gradients (twice the bytes). Only keys and values travel: with grouped-query attention that is 2 x kv_heads x
-  head_dim a token, far less than the hidden state (`kv_bytes_per_token`, MLA's decompressed heads too);
+  head_dim a token, far less than the hidden state (`kv_bytes_per_token`; MLA: its decompressed heads);
 - a step's transfer runs behind the step's block of attention (a stream of its own), so a ring is exposed only
   where one block's transfer outlasts one block's compute (`ring_steps`): long sequences hide it, short ones don't;
 - under a causal mask the chunks are placed zigzag (rank r holds chunks r and 2cp - 1 - r), so every rank computes
@@ -18,17 +18,19 @@ from colozoo.cost.network import collective_seconds
 
 
 def kv_bytes_per_token(config, tp: int, itemsize: int) -> float | None:
-    """Bytes of the keys and values of one token on one tensor-parallel rank (None without a config: unknown)."""
-    if config is None or not getattr(config, "num_attention_heads", None):
+    """Bytes of the keys and values of one token on one tensor-parallel rank, from the family's attention widths
+    (grouped-query heads, MLA's decompressed heads); None where unknown (no colozoo family)."""
+    from colozoo.models import model_class
+
+    try:
+        family = model_class(config.model_type)
+    except (AttributeError, ValueError):
         return None
     heads = config.num_attention_heads
-    if getattr(config, "qk_nope_head_dim", None):  # MLA: every head's key and value, decompressed
-        kv, dk, dv = heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    else:
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        dk = dv = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    width = family.attention_size(config)[1] * kv / heads  # K and V of every kv head
     local = max(1, kv // tp)  # fewer key/value heads than tp ranks: each rank keeps a copy of one
-    return float(local * (dk + dv) * itemsize)
+    return width * local / kv * itemsize
 
 
 def causal_balance(cp: int, zigzag: bool = True) -> float:
