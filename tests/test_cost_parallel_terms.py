@@ -134,3 +134,18 @@ def test_traced_expert_gemms_are_grouped_per_expert(tiny_gpt_oss):
     shapes = [tuple(int(d) for d in k.split("|")[3].split("x")) for k in layer["kernels"]
               if k.startswith("fwd|gemm|")]
     assert (experts, routed // experts) in {s[:2] for s in shapes}, shapes
+
+
+def test_model_flops_of_moe_and_causal_sources():
+    """Megatron-Core's model FLOPs of a MoE step count the MLP once per expert a token runs (SwiGLU: 3/2), and a
+    source counting the causal core's computed half counts s/2h for s/h."""
+    from colozoo.cost.published import step_flops
+
+    h, layers, heads, kv, ffn, vocab, batch, seq = 4096, 32, 32, 8, 14336, 32000, 256, 4096
+    model = dict(family="mixtral", hidden=h, layers=layers, heads=heads, kv_heads=kv, ffn=ffn, vocab=vocab,
+                 experts_per_token=2)
+    dense_part = 12 * batch * seq * layers * h * h
+    expected = dense_part * ((1 + kv / heads + seq / h) + 2 * ffn / h * 1.5 + vocab / (2 * layers * h))
+    assert step_flops(model, batch, seq, "megatron_core") == pytest.approx(expected)
+    causal = step_flops({**model, "flops": "causal"}, batch, seq, "megatron_core")
+    assert expected - causal == pytest.approx(dense_part * seq / (2 * h))

@@ -11,8 +11,10 @@
   Uneven first and last ranks (embedding, head and loss) are priced by their own kernels;
 - the data-parallel gradient reduction that the last backward does not hide, the optimizer step, CPU offload.
 
-Collectives are priced per group on their links (colozoo.cost.network); the software's habits (colozoo.cost.software)
-say which overlap.
+Collectives are priced per group on their links (colozoo.cost.network; ring attention's steps in
+colozoo.cost.context_parallel, expert dispatch and combine in colozoo.cost.experts); the software's habits
+(colozoo.cost.software) say which overlap. Under the interleaved schedule the gradient reduction also runs behind
+the deeper virtual stages' cool-down (reduce_window).
 """
 from __future__ import annotations
 
