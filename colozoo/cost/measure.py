@@ -254,8 +254,8 @@ def gemm_grid(record: Record, device, dtype, sizes: Sizes, hw: Hardware, burst: 
                    f"quantization fits the grid of products best (mean |log error| {error:.3f})")
         hw = replace(hw, gemm_tile=tile)
     for row in rows:
-        row.update(of_peak=round(row["flops_per_s"] / hw.peak_flops, 4),
-                   model_of_peak=round(modelled_rate(row, hw, itemsize) / hw.peak_flops, 4))
+        row.update(of_peak=float(f'{row["flops_per_s"] / hw.peak_flops:.4g}'),  # significant digits: a slow
+                   model_of_peak=float(f"{modelled_rate(row, hw, itemsize) / hw.peak_flops:.4g}"))  # row is not 0
     return rows
 
 
