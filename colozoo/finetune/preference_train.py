@@ -9,14 +9,13 @@ SimPO need none. The model trains with dropout off, as DPOTrainer's disable_drop
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from colozoo.finetune import preference
+from colozoo.finetune.data import padding_multiple
 from colozoo.finetune.preference_data import pack_pairs, pair_rows, sequence_sums, trim_to_longest
-from colozoo.finetune.preference_options import sequence_multiple
 from colozoo.runtime.lora import adapters_disabled
 from colozoo.runtime.logprobs import forward_backward_logps, forward_logps
 
@@ -59,8 +58,7 @@ class PreferenceTraining:
         self.cfg, self.loss, self.reference_model = cfg, cfg.preference_loss(), reference_model
         self.precomputed: dict[str, torch.Tensor] | None = None  # "train" / "eval": (pairs, 2)
         pc, limit = model.pc, model.position_limit()
-        self.multiple = math.lcm(8, sequence_multiple(pc.size("cp"), pc.tp_size if model.sequence_parallel
-                                                                 else 1))
+        self.multiple = padding_multiple(pc)
         self.pack = cfg.pack and (limit is None or 2 * cfg.sequence_length() <= limit)
 
     def rows(self, batch: dict, device) -> dict:
