@@ -42,6 +42,15 @@ def load_reference(cfg, plan=None):
     return reference.eval()
 
 
+def reference_forward_logps(model, reference_model, *args, **kwargs) -> dict:
+    """forward_logps(*args, **kwargs) of the reference: the frozen copy `reference_model` where there is one, else
+    `model` with its LoRA adapters switched off."""
+    if reference_model is not None:
+        return forward_logps(reference_model, *args, **kwargs)
+    with adapters_disabled(model):
+        return forward_logps(model, *args, **kwargs)
+
+
 def preference_training(cfg, model, plan=None) -> "PreferenceTraining":
     """The run's PreferenceTraining, with a frozen reference copy where the reference needs one (full fine-tuning
     without --precompute-ref-logps)."""
@@ -82,10 +91,7 @@ class PreferenceTraining:
             return None
         args = (rows["input_ids"], rows["labels"], summed_logps)
         kwargs = dict(num_microbatches=num_microbatches, **self._inputs(rows))
-        if self.reference_model is not None:
-            return forward_logps(self.reference_model, *args, **kwargs)["logps"].reshape(-1)
-        with adapters_disabled(model):
-            return forward_logps(model, *args, **kwargs)["logps"].reshape(-1)
+        return reference_forward_logps(model, self.reference_model, *args, **kwargs)["logps"].reshape(-1)
 
     def precompute(self, model, data, pairs_per_pass: int, reporter=None, role: str = "train") -> torch.Tensor:
         """The reference log-probs of every pair of `data`, (pairs, 2), in passes of `pairs_per_pass` pairs (the last
