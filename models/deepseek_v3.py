@@ -25,7 +25,7 @@ from colozoo.layers.rope import rope_parameters
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, UnsupportedConfig
 from colozoo.models.decoder import DecoderModel, MoEDecoderModel, dense_mlp
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 def softmax_scale(config) -> float:
@@ -126,8 +126,7 @@ FAMILIES = (Family("deepseek_v3", ("deepseek_v3",), DeepseekV3ForCausalLM, gated
                             "decoded with kv_b_proj absorbed; DeepSeekMoE: sigmoid scores with a routing bias, "
                             "group-limited top-k, a shared expert, the first layers dense; LoRA on the attention "
                             "projections, the MLPs refused since PEFT maps their names onto the routed experts)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                   tiny=Tiny(dict(TINY, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
                                   num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
                                   qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, n_group=4, topk_group=2,
                                   num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
