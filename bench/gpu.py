@@ -19,12 +19,18 @@ gpu/decode_compiled/<model>/b<batch>: transformers' static cache with torch.comp
 cache_implementation="static", which compiles its decoding forward on CUDA: the first call, not timed, compiles)
 against colozoo's generate; last, since compiling takes about a minute a case.
 
+gpu/hardware (with --hardware-out JSON, first): the fields the planner prices kernels with, measured on this device by
+colozoo.cost.measure (sustained and burst matmul rates, a grid of GEMM shapes against the model's tile and wave
+quantization, fused attention, HBM copy and read, pinned host copies, a tiny kernel) and written as a preset file for
+`colozoo plan --hardware JSON`; ratio = the sustained matmul rate over the datasheet preset's (none on the CPU).
+
 Cases run in that order of importance within --budget seconds: a case that would not fit in what is left prints
 {"bench": ..., "skipped": "out of time: ..."} (so do cases whose peer cannot run: "skipped": why), a case that fails
 prints its "error". --dry-run runs every case on the CPU at tiny sizes in fp32 (Liger off; what
 tests/test_bench_gpu.py checks): none of its numbers is a GPU's.
 
-    python bench/gpu.py [--budget 270] [--models llama,qwen3,gemma2] [--repeats 5] [--dry-run]
+    python bench/gpu.py [--budget 270] [--models llama,qwen3,gemma2] [--repeats 5] [--hardware-out gpu.json]
+                        [--dry-run]
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2":
 TRAIN_SHAPES = ((4, 2048), (8, 4096), (1, 16384))
 DECODE_BATCHES = (1, 16)
 # seconds a case takes on an H100, first guesses (model build included); a finished case of a kind replaces them
-ESTIMATE_S = {"train": 20.0, "decode": 15.0, "decode_compiled": 90.0}
+ESTIMATE_S = {"hardware": 25.0, "train": 20.0, "decode": 15.0, "decode_compiled": 90.0}
 DRY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            head_dim=16, vocab_size=256, max_position_embeddings=512)
 
@@ -158,11 +164,37 @@ def seconds(fn, device):
 
 def copy_bandwidth(device) -> float:
     """Bytes read + written per second by a device-to-device copy of 1 GiB (64 MiB on CPU)."""
-    n = (1 << 30) if device.type == "cuda" else (1 << 26)
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    for _ in range(3):
-        dst.copy_(src)
-    return 2 * n / statistics.median(seconds(lambda: dst.copy_(src), device)[0] for _ in range(10))
+    from colozoo.cost.measure import copy_bandwidth as measured
+
+    return measured(device, (1 << 30) if device.type == "cuda" else (1 << 26))
+
+
+def hardware_case(args, device) -> dict:
+    """The hardware fields the planner prices with, measured on this device (colozoo.cost.measure) and written as
+    a preset file for `colozoo plan --hardware`; ratio: the measured sustained matmul rate over the preset's."""
+    from colozoo.cost.hardware import PRESETS
+    from colozoo.cost.measure import measure, write_measured
+
+    found = measure(device, by="bench/gpu.py", progress=lambda line: print(line, file=sys.stderr, flush=True))
+    write_measured(args.hardware_out, found)
+    seen, preset = found["evidence"], PRESETS[found["preset"]]
+    grid = [{"mnk": [r["m"], r["n"], r["k"]], "of_peak": r["of_peak"], "model_of_peak": r["model_of_peak"]}
+            for r in seen["gemm_grid"]]
+    metrics = {"preset_file": str(args.hardware_out), "over": seen["over"],
+               "sustained_tflops": round(seen["sustained_flops_per_s"] / 1e12, 1),
+               "burst_tflops": round(seen["burst_flops_per_s"] / 1e12, 1),
+               "matmul_efficiency": round(found["matmul_efficiency"], 3),
+               "attention_efficiency": round(found["attention_efficiency"], 3),
+               "copy_gb_per_s": round(seen["copy_bytes_per_s"] / 1e9),
+               "read_gb_per_s": round(seen["read_bytes_per_s"] / 1e9),
+               "host_gb_per_s": {k: round(v / 1e9, 1) for k, v in (seen["host_bytes_per_s"] or {}).items()} or None,
+               "gemm_tile": found.get("gemm_tile"), "kernel_floor_us": round(found["kernel_floor_s"] * 1e6, 2),
+               "gemm_grid": grid}
+    if found["preset"] != seen["over"]:
+        return dict(metrics=metrics, peer="none: no datasheet preset for this device", ratio=None)
+    expected = preset.peak_flops * preset.matmul_efficiency
+    return dict(metrics=metrics, peer=f"the {found['preset']} preset's matmul rate (colozoo/cost/hardware.py)",
+                ratio=round(seen["sustained_flops_per_s"] / expected, 3))
 
 
 def step_memory(step, model, device) -> int | None:
@@ -273,6 +305,21 @@ def liger_missing(device) -> str | None:
     return None
 
 
+def measured_line(args, device, name, clock) -> dict:
+    line = {"bench": "gpu/hardware", "config": {"device": name, "dtype": "bfloat16" if device.type == "cuda"
+                                                else "float32"}}
+    skipped = clock.refusal("hardware")
+    if skipped:
+        return {**line, "skipped": skipped}
+    started = time.monotonic()
+    try:
+        line.update(hardware_case(args, device))
+    except Exception as e:  # the cases after it still run
+        line["error"] = f"{type(e).__name__}: {e}"[:500]
+    clock.record("hardware", time.monotonic() - started)
+    return line
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -282,6 +329,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--dry-run", action="store_true", help="every case on the CPU at tiny sizes (no GPU figure)")
+    parser.add_argument("--hardware-out", default=None, metavar="JSON",
+                        help="first measure the planner's hardware fields (matmul by shape, attention, HBM and host "
+                             "copies) and write them as a preset file for `colozoo plan --hardware JSON`")
     args = parser.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
@@ -295,6 +345,8 @@ def main(argv=None) -> int:
     args.repeats = 1 if args.dry_run else args.repeats
     clock, bandwidth, no_liger = Clock(args.budget), copy_bandwidth(device), liger_missing(device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
+    if args.hardware_out:
+        print(json.dumps(measured_line(args, device, name, clock)), flush=True)
     for kind, family, shape in cases(args):
         line = {"bench": f"gpu/{kind}/{MODELS[family].lower()}/" + ("x".join(map(str, shape)) if kind == "train"
                                                                       else f"b{shape[0]}"),

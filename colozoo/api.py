@@ -9,6 +9,7 @@ else ~/.cache/huggingface/hub); nothing is downloaded.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -131,7 +132,7 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
         from colozoo.cost.planner import best_plan_for_world
 
         chosen = best_plan_for_world(config, init_distributed(), gpu_memory=gpu_memory)
-        tp, pp, dp, cp, ep, sequence_parallel = chosen.degrees().values()
+        tp, pp, dp, cp, ep, sequence_parallel = asdict(chosen.degrees).values()
     pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
     lora = source.lora if isinstance(source, ColozooCheckpoint) else None  # a checkpoint saved with adapters
     layout = ModelLayout(config, lora=lora)

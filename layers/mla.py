@@ -31,6 +31,8 @@ which is transformers' order too.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -48,36 +50,54 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-class LatentAttention(nn.Module):
-    """MLA over this rank's heads. `q_lora_rank` None: the query is one column-parallel projection `q_proj`.
-    `bias`: the compressions and o_proj have biases (transformers' attention_bias); q_b_proj and kv_b_proj never."""
+@dataclass(frozen=True)
+class LatentAttentionSpec:
+    """What a family declares of its multi-head latent attention (LatentAttention adds where it sits: the layer and
+    the mesh). `q_lora_rank` None: the query is one column-parallel projection `q_proj`; `scale`: the softmax scale
+    (qk_head_dim ** -0.5 times YaRN's mscale squared); `norm_eps`: the compressions' RMSNorms; `bias`: the
+    compressions and o_proj have biases (transformers' attention_bias), q_b_proj and kv_b_proj never;
+    `interleaved_rope`: the rotary features come in pairs (DeepSeek's checkpoints)."""
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scale: float
+    norm_eps: float = 1e-6
+    bias: bool = False
+    interleaved_rope: bool = True
+    dropout: float = 0.0
 
-    def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, layer_idx: int, scale: float,
-                 norm_eps: float = 1e-6, bias: bool = False, interleaved_rope: bool = True, dropout: float = 0.0,
-                 group=None, sequence_parallel: bool = False, device=None, dtype=None):
+
+class LatentAttention(nn.Module):
+    """MLA over this rank's heads: the family's `spec` (LatentAttentionSpec) says what kind; `layer_idx`, the
+    tensor-parallel `group` and `sequence_parallel` say where it sits."""
+
+    def __init__(self, spec: LatentAttentionSpec, *, layer_idx: int, group=None, sequence_parallel: bool = False,
+                 device=None, dtype=None):
         super().__init__()
-        tp = group_size(group)
-        if num_heads % tp:
-            raise ValueError(f"tp={tp} must divide the attention heads ({num_heads})")
-        self.local_heads, self.layer_idx, self.scale, self.dropout_p = num_heads // tp, layer_idx, scale, dropout
-        self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.kv_lora_rank, self.interleaved_rope = kv_lora_rank, interleaved_rope
+        tp, heads = group_size(group), spec.num_heads
+        if heads % tp:
+            raise ValueError(f"tp={tp} must divide the attention heads ({heads})")
+        self.local_heads, self.layer_idx, self.scale, self.dropout_p = heads // tp, layer_idx, spec.scale, spec.dropout
+        self.nope_dim, self.rope_dim, self.v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        self.kv_lora_rank, self.interleaved_rope = spec.kv_lora_rank, spec.interleaved_rope
         self.group, self.sequence_parallel = group, sequence_parallel
-        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        h, qk_head_dim, latent = spec.hidden_size, self.nope_dim + self.rope_dim, spec.kv_lora_rank
         kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        norm = dict(eps=norm_eps, **kw)
-        if q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk_head_dim, bias=False, **kw)
+        norm = dict(eps=spec.norm_eps, **kw)
+        if spec.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, heads * qk_head_dim, bias=False, **kw)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank, bias=bias, **kw)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, **norm)
-            self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * qk_head_dim, bias=False, **kw)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias, **kw)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, **norm)
-        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
-                                              **kw)
-        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias=bias, **kw)
+            self.q_a_proj = ReplicatedLinear(h, spec.q_lora_rank, bias=spec.bias, **kw)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, **norm)
+            self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, heads * qk_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, latent + self.rope_dim, bias=spec.bias, **kw)
+        self.kv_a_layernorm = RMSNorm(latent, **norm)
+        self.kv_b_proj = ColumnParallelLinear(latent, heads * (self.nope_dim + self.v_dim), bias=False, **kw)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, h, bias=spec.bias, **kw)
 
     def cache_width(self, tp: int = 1) -> int:
         """Numbers a position of one sequence this layer's cache holds on every rank, whatever `tp`: the normalised

@@ -18,6 +18,7 @@ groups of the dp*cp group) and non-expert ones over dp*cp, then divide both by d
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -208,36 +209,52 @@ def all_to_all_rows(x, send_splits: list[int], recv_splits: list[int], group):
     return _AllToAllV.apply(x, send_splits, recv_splits, group)
 
 
+@dataclass(frozen=True)
+class MoESpec:
+    """What a family declares of its mixture-of-experts layer (MoE adds where it sits: the ep and tp groups).
+
+    `inner_size`: one routed expert's width; `activation`: a config name, or a (gate, up) -> hidden function;
+    `normalize_top_k`: the top-k weights renormalised to sum to 1; `capacity_factor`: None for dropless routing;
+    `shared_expert_size` adds Qwen-MoE's shared expert (a GatedMLP every token goes through, tensor parallel like the
+    experts), scaled per token by sigmoid(shared_expert_gate(x)); without `shared_expert_gate` it is added as it is
+    (DeepSeek-V3's shared_experts); `router_bias`: the router's logits have one (gpt-oss)."""
+    hidden_size: int
+    inner_size: int
+    num_experts: int
+    top_k: int
+    activation: object = "silu"
+    normalize_top_k: bool = True
+    capacity_factor: float | None = None
+    shared_expert_size: int | None = None
+    shared_expert_gate: bool = True
+    router_bias: bool = False
+
+
 class MoE(nn.Module):
     """Router + experts for input (batch, seq, hidden); returns (output, router logits (tokens, experts)).
 
-    `shared_expert_size` adds Qwen-MoE's shared expert (a GatedMLP every token goes through, tensor parallel like
-    the experts), scaled per token by sigmoid(shared_expert_gate(x)); without `shared_expert_gate` it is added as it is
-    (DeepSeek-V3's shared_experts). `router`: a router module to use instead of the softmax top-k one (DeepSeek-V3's
-    GroupLimitedRouter), called as TopKRouter is; `experts`: an experts module to use instead of GroupedExperts, called
-    as it is (gpt-oss's layout)."""
+    The family's `spec` (MoESpec) says what kind; `router`: a router module to use instead of the softmax top-k one
+    (DeepSeek-V3's GroupLimitedRouter), called as TopKRouter is; `experts`: an experts module to use instead of
+    GroupedExperts, called as it is (gpt-oss's layout); the `ep_group`, `tp_group` and `sequence_parallel` say where
+    it sits."""
 
-    def __init__(self, hidden_size: int, inner_size: int, num_experts: int, top_k: int, *, activation="silu",
-                 normalize_top_k: bool = True, capacity_factor: float | None = None,
-                 shared_expert_size: int | None = None, shared_expert_gate: bool = True, router: nn.Module | None = None,
-                 router_bias: bool = False, experts: nn.Module | None = None,
+    def __init__(self, spec: MoESpec, *, router: nn.Module | None = None, experts: nn.Module | None = None,
                  ep_group=None, tp_group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor}")
-        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        if spec.capacity_factor is not None and spec.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive or None (dropless), got {spec.capacity_factor}")
+        h, activation, kw = spec.hidden_size, spec.activation, dict(device=device, dtype=dtype)
+        self.num_experts, self.top_k, self.capacity_factor = spec.num_experts, spec.top_k, spec.capacity_factor
         self.ep_group, self.tp_group, self.sequence_parallel = ep_group, tp_group, sequence_parallel
-        self.gate = router if router is not None else TopKRouter(hidden_size, num_experts, top_k, normalize_top_k,
-                                                                 router_bias, device=device, dtype=dtype)
+        self.gate = router if router is not None else TopKRouter(h, spec.num_experts, spec.top_k, spec.normalize_top_k,
+                                                                 spec.router_bias, **kw)
         self.experts = experts if experts is not None else GroupedExperts(
-            num_experts, hidden_size, inner_size, activation, ep_group=ep_group, tp_group=tp_group, device=device,
-            dtype=dtype)
+            spec.num_experts, h, spec.inner_size, activation, ep_group=ep_group, tp_group=tp_group, **kw)
         self.shared_expert = self.shared_expert_gate = None
-        if shared_expert_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_expert_size, activation, group=tp_group,
-                                          device=device, dtype=dtype)
-            if shared_expert_gate:
-                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+        if spec.shared_expert_size:
+            self.shared_expert = GatedMLP(h, spec.shared_expert_size, activation, group=tp_group, **kw)
+            if spec.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(h, 1, bias=False, **kw)
 
     def forward(self, x: torch.Tensor):
         if self.sequence_parallel:  # route every token the tp group holds; each rank keeps its share at the end

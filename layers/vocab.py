@@ -148,7 +148,7 @@ class LogitsRequest:
     """Which logits a forward returns. `gather`: "full" (the whole vocabulary on every rank), "vocab_slice" (this
     rank's padded vocab slice, ungathered: vocab_parallel_argmax takes it) or "none" (the loss alone, the head fused
     with it where it can be); `keep`: transformers' logits_to_keep, the last `keep` positions (0: all) or a tensor
-    of positions."""
+    of positions (a (batch, k) tensor: each row's own)."""
     gather: str = "full"
     keep: int | torch.Tensor = 0
 
@@ -161,9 +161,13 @@ class LogitsRequest:
 
 
 def keep_positions(x: torch.Tensor, keep) -> torch.Tensor:
-    """x (batch, seq, ...) at transformers' logits_to_keep positions: the last `keep` (0: all), or those indexed."""
+    """x (batch, seq, ...) at transformers' logits_to_keep positions: the last `keep` (0: all), or those indexed
+    (a (batch, k) index: each row's own)."""
     if isinstance(keep, torch.Tensor):
-        return x[:, keep.to(x.device)]
+        keep = keep.to(x.device)
+        if keep.dim() == 2:
+            return x[torch.arange(x.shape[0], device=x.device)[:, None], keep]
+        return x[:, keep]
     return x[:, -keep:] if keep else x
 
 

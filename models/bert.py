@@ -24,7 +24,7 @@ from colozoo.layers.activations import get_activation
 from colozoo.layers.batch import BatchContext
 from colozoo.layers.vocab import LogitsRequest, keep_positions, token_mean
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout, require
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 def resolve_task(cls, config, task: str | None) -> type:
@@ -259,8 +259,7 @@ class BertForSequenceClassification(BertModel):
 
 FAMILIES = (Family("bert", ("bert",), BertModel, learned_positions=True, title="BERT",
                    features="base model, masked LM, sequence classification",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=32, type_vocab_size=2,
+                   tiny=Tiny(dict(TINY, max_position_embeddings=32, type_vocab_size=2,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
                                   architectures=["BertForMaskedLM"]), meshes=("tp2-sp", "pp2"),
                              lora=("query", "value", "output.dense", "intermediate.dense"), generates=False)),)

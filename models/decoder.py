@@ -17,7 +17,7 @@ from torch import nn
 from colozoo.layers import (AttentionSpec, GatedMLP, RMSNorm, SelfAttention, VocabParallelEmbedding,
                             VocabParallelLMHead)
 from colozoo.layers.batch import BatchContext
-from colozoo.layers.moe import MoE, router_losses, router_statistics
+from colozoo.layers.moe import MoE, MoESpec, router_losses, router_statistics
 from colozoo.layers.rope import RotaryEmbedding, head_dim_of
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, UnsupportedConfig, check_divisible, dropout
@@ -165,11 +165,16 @@ class MoEDecoderModel(DecoderModel):
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
         self.num_experts, self.top_k = experts, config.num_experts_per_tok
 
-    def moe(self, config, pc, inner_size: int, device=None, dtype=None, **options) -> MoE:
-        options = {"activation": config.hidden_act, **options}
-        return MoE(config.hidden_size, inner_size, self.experts(config), config.num_experts_per_tok,
-                   ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
-                   device=device, dtype=dtype, **options)
+    def moe(self, config, pc, router=None, experts=None, device=None, dtype=None, **options) -> MoE:
+        """A MoE layer of this family: its sizes from the family's hooks (experts, expert_width, shared_expert_width),
+        top-k and activation from the config, `options` (fields of layers.MoESpec) overriding them; `router` and
+        `experts`: modules replacing the default ones (see layers.MoE)."""
+        settings = dict(activation=config.hidden_act, shared_expert_size=self.shared_expert_width(config) or None)
+        settings.update(options)
+        spec = MoESpec(config.hidden_size, self.expert_width(config), self.experts(config), config.num_experts_per_tok,
+                       **settings)
+        return MoE(spec, router=router, experts=experts, ep_group=pc.group("ep"), tp_group=pc.tp_group,
+                   sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
 
     @classmethod
     def experts(cls, config) -> int:

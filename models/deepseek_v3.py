@@ -19,13 +19,13 @@ import math
 
 from torch import nn
 
-from colozoo.layers.mla import LatentAttention
+from colozoo.layers.mla import LatentAttention, LatentAttentionSpec
 from colozoo.layers.moe import GroupLimitedRouter
 from colozoo.layers.rope import rope_parameters
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, UnsupportedConfig
 from colozoo.models.decoder import DecoderModel, MoEDecoderModel, dense_mlp
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 def softmax_scale(config) -> float:
@@ -38,6 +38,15 @@ def softmax_scale(config) -> float:
         mscale = 0.1 * mscale_all_dim * math.log(params["factor"]) + 1.0
         scale = scale * mscale * mscale
     return scale
+
+
+def latent_attention_spec(config) -> LatentAttentionSpec:
+    """What DeepSeek-V3's attention is, in transformers' config names."""
+    return LatentAttentionSpec(config.hidden_size, config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+                               kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+                               qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                               scale=softmax_scale(config), norm_eps=config.rms_norm_eps, bias=config.attention_bias,
+                               interleaved_rope=config.rope_interleave, dropout=config.attention_dropout)
 
 
 def is_sparse(config, layer_idx: int) -> bool:
@@ -60,10 +69,11 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
     def attention_size(cls, config) -> tuple[int, int]:
         """Multi-head latent attention: the query (compressed or not), the kv compression with the rotary key, the
         heads' key and value expansions and o_proj."""
-        h, heads, latent = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
-        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-        q = h * heads * qk if config.q_lora_rank is None else config.q_lora_rank * (h + heads * qk)
-        kv = h * (latent + config.qk_rope_head_dim) + latent * heads * (config.qk_nope_head_dim + v)
+        spec = latent_attention_spec(config)
+        h, heads, latent, rope = spec.hidden_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+        qk, v = spec.qk_nope_head_dim + rope, spec.v_head_dim
+        q = h * heads * qk if spec.q_lora_rank is None else spec.q_lora_rank * (h + heads * qk)
+        kv = h * (latent + rope) + latent * heads * (spec.qk_nope_head_dim + v)
         return q + kv + heads * v * h, heads * (qk + v)
 
     @classmethod
@@ -82,22 +92,16 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
         return None
 
     def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
-        return LatentAttention(config.hidden_size, config.num_attention_heads, q_lora_rank=config.q_lora_rank,
-                               kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-                               qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-                               layer_idx=layer_idx, scale=softmax_scale(config), norm_eps=config.rms_norm_eps,
-                               bias=config.attention_bias, interleaved_rope=config.rope_interleave,
-                               dropout=config.attention_dropout, group=pc.tp_group,
+        return LatentAttention(latent_attention_spec(config), layer_idx=layer_idx, group=pc.tp_group,
                                sequence_parallel=pc.sequence_parallel, **kw)
 
     def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         if not is_sparse(config, layer_idx):
             return dense_mlp(config, pc, **kw)
-        router = GroupLimitedRouter(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+        router = GroupLimitedRouter(config.hidden_size, self.experts(config), config.num_experts_per_tok,
                                     groups=config.n_group, topk_group=config.topk_group,
                                     normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor, **kw)
-        return self.moe(config, pc, config.moe_intermediate_size, router=router, shared_expert_gate=False,
-                        shared_expert_size=config.moe_intermediate_size * config.n_shared_experts or None, **kw)
+        return self.moe(config, pc, router=router, shared_expert_gate=False, **kw)
 
     def router_stats_width(self) -> int:
         return 0  # no router losses to carry between pipeline stages (see head)
@@ -122,8 +126,7 @@ FAMILIES = (Family("deepseek_v3", ("deepseek_v3",), DeepseekV3ForCausalLM, gated
                             "decoded with kv_b_proj absorbed; DeepSeekMoE: sigmoid scores with a routing bias, "
                             "group-limited top-k, a shared expert, the first layers dense; LoRA on the attention "
                             "projections, the MLPs refused since PEFT maps their names onto the routed experts)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                   tiny=Tiny(dict(TINY, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
                                   num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
                                   qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, n_group=4, topk_group=2,
                                   num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,

@@ -20,6 +20,10 @@ from functools import cache
 from pathlib import Path
 
 
+# what most tiny configs share (transformers' common names); each family's Tiny adds its own settings and overrides
+TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+
+
 @dataclass(frozen=True)
 class Tiny:
     """The tiny transformers config a family is tested with, and how: transformers' model of

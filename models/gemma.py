@@ -17,7 +17,7 @@ from colozoo.layers import GatedMLP, RMSNorm
 from colozoo.layers.rope import RotaryEmbedding, rope_config
 from colozoo.models.base import require
 from colozoo.models.decoder import DecoderModel, layer_window
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -101,13 +101,11 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 # windows of 4 positions; weights drawn large enough (initializer_range) that the embedding scale and the caps move
 # the logits
-GEMMA2 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+GEMMA2 = dict(TINY, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
               query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=2.0, initializer_range=0.2)
 # two sliding layers (the local RoPE base) around a full one with linear RoPE scaling; q/k norms; a final cap
-GEMMA3 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
-              query_pre_attn_scalar=24, final_logit_softcapping=2.0,
+GEMMA3 = dict(TINY, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0,
+              sliding_window=4, query_pre_attn_scalar=24, final_logit_softcapping=2.0,
               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}})

@@ -20,7 +20,7 @@ from colozoo.layers import (AttentionSpec, ColumnParallelLinear, LayerNorm, RowP
 from colozoo.layers.rope import RotaryEmbedding
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, ParallelModel, check_divisible, dropout
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 class GPTNeoXMLP(nn.Module):
@@ -98,7 +98,6 @@ class GPTNeoXForCausalLM(ParallelModel):
 FAMILIES = (Family("gpt_neox", ("gpt_neox",), GPTNeoXForCausalLM, title="GPT-NeoX / Pythia",
                    features="causal LM (parallel or sequential residual, partial rotary, per-head fused "
                             "query_key_value reordered to [q; k; v] by the converter)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=32, bos_token_id=1, eos_token_id=2,
+                   tiny=Tiny(dict(TINY, max_position_embeddings=32, bos_token_id=1, eos_token_id=2,
                                   initializer_range=0.2),
                              lora=("query_key_value", "dense", "dense_4h_to_h"))),)

@@ -20,7 +20,7 @@ from colozoo.layers.activations import clamped_swiglu
 from colozoo.layers.moe import GroupedExperts
 from colozoo.layers.shard import Split
 from colozoo.models.decoder import MoEDecoderModel, layer_window
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 class GptOssExperts(GroupedExperts):
@@ -64,9 +64,9 @@ class GptOssForCausalLM(MoEDecoderModel):
 
     def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
         activation = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
-        experts = GptOssExperts(self.experts(config), config.hidden_size, config.intermediate_size, activation,
+        experts = GptOssExperts(self.experts(config), config.hidden_size, self.expert_width(config), activation,
                                 ep_group=pc.group("ep"), tp_group=pc.tp_group, **kw)
-        return self.moe(config, pc, config.intermediate_size, router_bias=True, experts=experts, **kw)
+        return self.moe(config, pc, router_bias=True, experts=experts, **kw)
 
 
 # sinks, YaRN scaling 16 original positions by 4, biases on attention, router and experts, the clamped SwiGLU, and
@@ -78,8 +78,7 @@ FAMILIES = (Family("gpt_oss", ("gpt_oss",), GptOssForCausalLM, gated_mlp=True, t
                             "decoding kernels; alternating 128-token sliding / full layers, YaRN, biased router and "
                             "experts, clamped SwiGLU; the published MXFP4 checkpoints dequantised on read, bf16 ones "
                             "as they are; context parallel in all-to-all mode only)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                   tiny=Tiny(dict(TINY, intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                   num_experts_per_tok=2, max_position_embeddings=64, sliding_window=5,
                                   rope_parameters=YARN, output_router_logits=True, router_aux_loss_coef=0.05,
                                   pad_token_id=0),

@@ -9,7 +9,7 @@ LM head.
 from __future__ import annotations
 
 from colozoo.models.decoder import DecoderModel
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 class LlamaForCausalLM(DecoderModel):
@@ -24,8 +24,7 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 
 # 4 query heads over 2 kv heads, an odd vocabulary; Mistral's window (4) shorter than the tests' sequences
-LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
+LLAMA = dict(TINY, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 FAMILIES = (
     Family("llama", ("llama",), LlamaForCausalLM, gated_mlp=True, tiny=Tiny(LLAMA), title="LLaMA",
            features="causal LM (RoPE incl. linear/dynamic/llama3/YaRN/LongRoPE scaling and partial rotary, GQA, "

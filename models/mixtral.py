@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from colozoo.models.base import UnsupportedConfig
 from colozoo.models.decoder import MoEDecoderModel
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 class MixtralForCausalLM(MoEDecoderModel):
@@ -25,15 +25,13 @@ class MixtralForCausalLM(MoEDecoderModel):
         super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
 
     def build_mlp(self, layer_idx, config, pc, **kw):
-        return self.moe(config, pc, config.intermediate_size, capacity_factor=getattr(config, "capacity_factor", None),
-                        **kw)
+        return self.moe(config, pc, capacity_factor=getattr(config, "capacity_factor", None), **kw)
 
 
 FAMILIES = (Family("mixtral", ("mixtral",), MixtralForCausalLM, gated_mlp=True, title="Mixtral",
                    features="causal LM with mixture-of-experts (top-k softmax routing, load-balancing and z losses, "
                             "expert parallel)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                   tiny=Tiny(dict(TINY, intermediate_size=32, num_key_value_heads=2, num_local_experts=4,
                                   num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
                                   router_aux_loss_coef=0.05),
                              meshes=("tp2-sp", "ep2", "pp2-tp2"), lora=("q_proj", "k_proj", "v_proj", "o_proj"))),)

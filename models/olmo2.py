@@ -13,7 +13,7 @@ from torch import nn
 
 from colozoo.layers import RMSNorm
 from colozoo.models.decoder import DecoderModel
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -53,7 +53,6 @@ class Olmo2ForCausalLM(DecoderModel):
 FAMILIES = (Family("olmo2", ("olmo2",), Olmo2ForCausalLM, gated_mlp=True, title="OLMo 2",
                    features="causal LM (norms after attention and the MLP, q/k RMSNorm over the whole projection: "
                             "split by heads over tp, its statistic summed over the group)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                   tiny=Tiny(dict(TINY, num_key_value_heads=2, max_position_embeddings=64,
                                   pad_token_id=0, rms_norm_eps=1e-6),
                              lora=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))),)

@@ -9,7 +9,7 @@ from torch import nn
 from colozoo.layers import GatedMLP
 from colozoo.models.base import dropout
 from colozoo.models.decoder import DecoderLayer, DecoderModel
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 class Phi3ForCausalLM(DecoderModel):
@@ -43,8 +43,7 @@ class Phi3ForCausalLM(DecoderModel):
 # window of 6, and weights large enough that a cache kept short-rotated changes the greedy tokens
 FAMILIES = (Family("phi3", ("phi3",), Phi3ForCausalLM, gated_mlp=True, title="Phi-3",
                    features="causal LM (fused qkv / gate_up checkpoints, LongRoPE, partial rotary, sliding window)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                   tiny=Tiny(dict(TINY, num_key_value_heads=2, max_position_embeddings=32,
                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=6,
                                   initializer_range=0.2,
                                   original_max_position_embeddings=11,

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from colozoo.models.decoder import DecoderModel, layer_window
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 class Qwen2ForCausalLM(DecoderModel):
@@ -35,8 +35,7 @@ class Qwen3ForCausalLM(Qwen2ForCausalLM):
 # odd vocabulary, 4 query heads over 2 kv heads; Qwen2: layers 0 and 1 full, 2 sliding over 4 positions
 # (transformers: layers >= max_window_layers slide); Qwen3: head_dim != hidden / heads, so the q/k norms are over
 # head_dim
-QWEN = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
+QWEN = dict(TINY, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
 FAMILIES = (
     Family("qwen2", ("qwen2",), Qwen2ForCausalLM, gated_mlp=True, title="Qwen2 / Qwen2.5",
            features="causal LM (q/k/v bias, tied or untied head, per-layer sliding window from `layer_types`)",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from colozoo.models.base import UnsupportedConfig
 from colozoo.models.decoder import MoEDecoderModel, dense_mlp
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 def is_sparse(config, layer_idx: int) -> bool:
@@ -47,16 +47,14 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
     def build_mlp(self, layer_idx, config, pc, **kw):
         if not is_sparse(config, layer_idx):
             return dense_mlp(config, pc, **kw)
-        return self.moe(config, pc, config.moe_intermediate_size, normalize_top_k=config.norm_topk_prob,
-                        shared_expert_size=config.shared_expert_intermediate_size or None, **kw)
+        return self.moe(config, pc, normalize_top_k=config.norm_topk_prob, **kw)
 
 
 # layer 0 sparse with a gated shared expert and un-normalised top-k weights, layer 1 dense
 FAMILIES = (Family("qwen2_moe", ("qwen2_moe",), Qwen2MoeForCausalLM, gated_mlp=True, title="Qwen2-MoE",
                    features="causal LM with mixture-of-experts (a shared expert gated per token, dense layers by "
                             "mlp_only_layers and decoder_sparse_step)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                  shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   tiny=Tiny(dict(TINY, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
                                   max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.05),
                              meshes=("tp2-sp", "ep2", "pp2-tp2"),

@@ -5,7 +5,7 @@ mlp_only_layers), top-k routing renormalised when norm_topk_prob, no shared expe
 from __future__ import annotations
 
 from colozoo.models.decoder import MoEDecoderModel, dense_mlp
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 from .qwen2_moe import is_sparse
 
@@ -28,15 +28,15 @@ class Qwen3MoeForCausalLM(MoEDecoderModel):
     def build_mlp(self, layer_idx, config, pc, **kw):
         if not is_sparse(config, layer_idx):
             return dense_mlp(config, pc, **kw)
-        return self.moe(config, pc, config.moe_intermediate_size, normalize_top_k=config.norm_topk_prob, **kw)
+        return self.moe(config, pc, normalize_top_k=config.norm_topk_prob, **kw)
 
 
 # layers 0 and 2 sparse (top-2 of 4 experts, renormalised), layer 1 dense (mlp_only_layers), no shared expert;
 # head_dim 24 != hidden / heads
 FAMILIES = (Family("qwen3_moe", ("qwen3_moe",), Qwen3MoeForCausalLM, gated_mlp=True, title="Qwen3-MoE",
                    features="causal LM with mixture-of-experts (normalised top-k, no shared expert, q/k norm)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-                                  max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.05),
+                   tiny=Tiny(dict(TINY, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=2,
+                                  head_dim=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                  mlp_only_layers=[1], max_position_embeddings=64, output_router_logits=True,
+                                  router_aux_loss_coef=0.05),
                              meshes=("tp2-sp", "ep2", "pp2-tp2"), lora=("q_proj", "v_proj", "o_proj"))),)

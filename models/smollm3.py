@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from colozoo.models.decoder import DecoderModel
-from colozoo.models.family import Family, Tiny
+from colozoo.models.family import TINY, Family, Tiny
 
 
 def smollm3_window(config, layer_idx: int) -> int | None:
@@ -39,6 +39,5 @@ class SmolLM3ForCausalLM(DecoderModel):
 FAMILIES = (Family("smollm3", ("smollm3",), SmolLM3ForCausalLM, gated_mlp=True, title="SmolLM3",
                    features="causal LM (no RoPE in every fourth layer, NoPE; sliding window only with "
                             "`use_sliding_window`)",
-                   tiny=Tiny(dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                   tiny=Tiny(dict(TINY, num_hidden_layers=4, num_key_value_heads=2, max_position_embeddings=64,
                                   pad_token_id=0, use_sliding_window=True, sliding_window=5))),)

@@ -4,7 +4,8 @@
 #   install (colozoo, and liger-kernel from .whl/ when present)   ~20
 #   tests/test_gpu.py, the CUDA-graph decode tests first     GRAPH_TEST_SECONDS=90
 #   tests/test_gpu.py, the rest                              TEST_SECONDS=150
-#   bench/gpu.py (cases that would not fit print "skipped")  BENCH_SECONDS=200 (its own --budget 20 s less)
+#   bench/gpu.py (cases that would not fit print "skipped")  BENCH_SECONDS=200 (its own --budget 20 s less); first
+#     the planner's hardware fields measured on this GPU, written as $OUT/hardware.json (colozoo plan --hardware it)
 #
 # The peer Liger-Kernel is no package of the GPU machine's image: carry its wheel (pure Python; torch and triton are
 # there). Once, in the repository's root on the machine that calls the device:
@@ -41,6 +42,7 @@ timeout "${TEST_SECONDS:-150}" "$PY" -m pytest -q -rfEs -p no:cacheprovider test
   > "$OUT/test_gpu.log" 2>&1
 echo "tests/test_gpu.py, the rest: exit $? ($(tail -n 1 "$OUT/test_gpu.log"))"
 BENCH="${BENCH_SECONDS:-200}"
-timeout "$BENCH" "$PY" bench/gpu.py --budget "$((BENCH - 20))" --repeats 3 > "$OUT/bench_gpu.jsonl" 2> "$OUT/bench_gpu.err"
+timeout "$BENCH" "$PY" bench/gpu.py --budget "$((BENCH - 20))" --repeats 3 --hardware-out "$OUT/hardware.json" \
+  > "$OUT/bench_gpu.jsonl" 2> "$OUT/bench_gpu.err"
 echo "bench/gpu.py: exit $?"
 cat "$OUT/bench_gpu.jsonl"

@@ -41,6 +41,31 @@ def test_cases_that_do_not_fit_the_budget_are_skipped_with_a_reason(capsys):
 
 
 @pytest.mark.parametrize("family", sorted(gpu.MODELS))
+def test_liger_patched_undoes_a_patch_of_the_modeling_module_and_the_forward(family, monkeypatch):
+    """Without liger-kernel (the bench extra): a stand-in for its apply_liger_kernel_to_<family> that does what Liger
+    does (replaces the modeling module's RMSNorm class and the LM class's forward) is undone on leaving."""
+    import importlib
+    import types
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    lm = getattr(module, gpu.CAUSAL_LM[family])
+    norm_name = next(name for name in vars(module) if name.endswith("RMSNorm"))
+    norm, forward = getattr(module, norm_name), lm.__dict__["forward"]
+
+    def apply():
+        setattr(module, norm_name, type("LigerRMSNorm", (norm,), {}))
+        lm.forward = lambda self, *args, **kwargs: None
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    setattr(fake, f"apply_liger_kernel_to_{family}", apply)
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.SimpleNamespace(transformers=fake))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    with gpu.liger_patched(family):
+        assert getattr(module, norm_name).__name__ == "LigerRMSNorm" and lm.__dict__["forward"] is not forward
+    assert getattr(module, norm_name) is norm and lm.__dict__["forward"] is forward
+
+
+@pytest.mark.parametrize("family", sorted(gpu.MODELS))
 def test_liger_patches_transformers_while_the_peer_is_built_only(family):
     pytest.importorskip("liger_kernel", reason="liger-kernel (the bench extra) is not installed")
     import torch

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import struct
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -220,7 +221,7 @@ def test_cli_convert_and_models(tmp_path, capsys):
 
 def _auto_plan_logits(path, gpu_memory):
     model = colozoo.from_pretrained(path, plan="auto", gpu_memory=gpu_memory)
-    degrees = model.run.plan.degrees()
+    degrees = asdict(model.run.plan.degrees)
     assert degrees["tp"] * degrees["pp"] * degrees["dp"] * degrees["cp"] == 2
     assert (model.pc.config.tp, model.pc.config.pp) == (degrees["tp"], degrees["pp"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()

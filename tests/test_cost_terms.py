@@ -4,6 +4,7 @@ with the SMs collectives take, ZeRO-3 gathers per micro-batch, pipelines with vi
 interleaved in-flight activations, FSDP's reshard_after_forward, and measured hardware fields from a file."""
 import json
 import warnings
+from dataclasses import asdict
 
 import pytest
 import transformers
@@ -142,6 +143,25 @@ def test_plan_refuses_virtual_stages_it_cannot_run():
     with pytest.raises(ValueError, match="layers_per_stage"):
         Plan(pp=2, layers_per_stage=(3, 3, 3))
     assert Plan(pp=2, layers_per_stage=[2, 3]).layers_per_stage == (2, 3)
+
+
+def test_plan_holds_its_mesh_as_a_parallel_config():
+    from dataclasses import replace
+
+    from colozoo.core.mesh import ParallelConfig, ParallelConfigError
+
+    plan = Plan(tp=2, dp=2, ep=2, sequence_parallel=True, micro_batch_size=2)
+    assert plan.degrees == ParallelConfig(tp=2, dp=2, ep=2, sequence_parallel=True)
+    assert (plan.tp, plan.dp, plan.world_size) == (2, 2, 4) and plan == Plan(plan.degrees, micro_batch_size=2)
+    assert replace(plan, tp=4).degrees.tp == 4 and replace(plan, degrees=ParallelConfig()).tp == 1
+    with pytest.raises(ParallelConfigError, match="ep=2 must divide dp\\*cp=1"):  # ParallelConfig's own check
+        Plan(ep=2)
+    with pytest.raises(AttributeError):
+        plan.tp = 8  # read-only: the mesh is plan.degrees
+    flat = json.loads(json.dumps(plan.to_dict()))  # the JSON a run's config.json and `colozoo plan --json` hold
+    assert flat["tp"] == 2 and "degrees" not in flat and Plan.from_dict(flat) == plan == Plan(**flat)
+    nested = {"degrees": asdict(plan.degrees), "micro_batch_size": 2, "memory": 1.0}  # a prediction beside it is left out
+    assert Plan.from_dict(nested) == plan
 
 
 def test_reshard_after_forward_trades_gathers_for_memory():

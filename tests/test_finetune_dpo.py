@@ -1,8 +1,9 @@
 """`colozoo finetune --method dpo` end to end: the shipped preference pairs train (rewards/accuracies and
 rewards/margins rise over 30 steps), TRL's metric names reach metrics.jsonl, TensorBoard and the progress line, the
-first logged step equals TRL's DPOTrainer through the loop (LoRA, with the PEFT and merged HF exports), and a run
+second step equals TRL's DPOTrainer through the loop (LoRA, with the PEFT and merged HF exports), and a run
 stopped and resumed with precomputed reference log-probs continues exactly."""
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -55,21 +56,29 @@ def test_thirty_steps_raise_accuracies_and_margins_logged_under_trl_names(chat_m
     assert "rewards/accuracies" in lines[0] and "rewards/margins" in lines[0], lines
 
 
-def test_first_logged_step_equals_trl_with_lora_and_exports(chat_model, tmp_path):
+def test_second_step_equals_trl_with_lora_and_exports(chat_model, tmp_path):
+    """At step 1 the adapters are zero (B = 0), the policy is its reference and every loss is ln 2: step 2 (the same
+    batch, all pairs) is compared, with TRL's DPOTrainer on the policy the checkpoint of step 1 holds (the base and
+    its PEFT adapters, merged by peft) against the base as reference."""
     import peft
     import transformers
 
     data = string_records(tmp_path / "strings.jsonl")
-    expected_loss, expected, _ = trl_dpo(chat_model, chat_model, data, losses=("sigmoid",))["sigmoid"]
     out = tmp_path / "lora"
-    finetune(dpo_run(chat_model, out, data=data, steps=1, lora_r=4, lora_alpha=8, merge=True, export_hf=True))
-    first = read_metrics(out / "metrics.jsonl")[0]
-    close(first["loss"], expected_loss, 1e-5, "loss")
-    for key in METRICS:
-        close(first[key], expected[key], 1e-5, key)
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    finetune(dpo_run(chat_model, out, data=data, steps=2, save_interval=1, lora_r=4, lora_alpha=8, merge=True,
+                     export_hf=True))
     base = transformers.AutoModelForCausalLM.from_pretrained(chat_model)
-    peft.PeftModel.from_pretrained(base, str(out / "adapter"))  # peft loads the adapters
+    stepped = peft.PeftModel.from_pretrained(base, str(out / "checkpoints" / "step-00000001" / "adapter"))
+    stepped.merge_and_unload().save_pretrained(tmp_path / "policy")
+    expected_loss, expected, _ = trl_dpo(chat_model, tmp_path / "policy", data, losses=("sigmoid",))["sigmoid"]
+    second = read_metrics(out / "metrics.jsonl")[1]
+    assert second["step"] == 2 and abs(expected_loss - math.log(2)) > 1e-4
+    close(second["loss"], expected_loss, 1e-5, "loss")
+    for key in METRICS:
+        close(second[key], expected[key], 1e-5, key)
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(chat_model),
+                                   str(out / "adapter"))  # peft loads the final adapters
     transformers.AutoModelForCausalLM.from_pretrained(out / "hf")  # and transformers the merged model
 
 

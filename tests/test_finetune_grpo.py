@@ -73,16 +73,23 @@ def test_thirty_steps_raise_the_reward_at_dp2(tiny, tmp_path):
     assert all(r["completions/min_length"] < r["completions/max_length"] for r in long), long
 
 
-def test_stopped_run_resumes_exactly_between_two_uses_of_its_rollouts(tiny, tmp_path):
+def test_stopped_run_resumes_exactly_between_two_uses_of_its_rollouts(tiny, tmp_path, monkeypatch):
     """--stop-after 3 (what Ctrl-C does at the end of a step) saves after the first use of the rollouts sampled at
     step 3; the resumed run trains step 4 on them (the checkpoint carries them) and samples what the uninterrupted
-    run sampled after (the sampler's seed is the step's)."""
+    run sampled after (the sampler's seed is the step's). The sampler is asked for the prompts of each cycle of
+    --num-iterations steps once, and for nothing else."""
     import peft
     import transformers
 
+    from colozoo.finetune.data import BatchSampler
+
     options = dict(steps=6, num_iterations=2, lora_r=4, lora_alpha=8, beta=0.04, save_interval=2,
                    log_completions=1, eval_fraction=0.2, eval_interval=2, eval_batches=1)
+    drawn, draw = [], BatchSampler.global_indices
+    monkeypatch.setattr(BatchSampler, "global_indices", lambda self, step: drawn.append(step) or draw(self, step))
     finetune(grpo_run(tiny, tmp_path / "straight", **options))
+    assert drawn == [0, 1, 2]
+    monkeypatch.undo()
     finetune(grpo_run(tiny, tmp_path / "stopped", stop_after=3, **options))
     checkpoint = tmp_path / "stopped" / "checkpoints" / "step-00000003"
     assert (checkpoint / "rollout.safetensors").exists()

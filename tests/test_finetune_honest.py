@@ -2,6 +2,7 @@
 every mesh, --chat keeps whole turns and counts what it drops, throughput counts tokens computed and trained (and MFU
 what LoRA computes), a resume checks the weights, adapters and data it started from, and a run's checkpoints carry
 what generating from them and merging them need."""
+import itertools
 import json
 import os
 import re
@@ -142,6 +143,30 @@ def test_throughput_counts_tokens_computed_and_trained_and_mfu_what_lora_compute
                                                                     err).groups())
     assert 0 < trained < total / 10
     assert step["mfu"] == pytest.approx((4 * total + 2 * trained) * step["tokens_per_s"] / 1e12)
+
+
+def test_padding_multiple_is_what_the_layers_split():
+    """SFT's unpacked batches and DPO's pair rows are cut to widths that context parallelism (zigzag_index: 2 x cp
+    chunks) and sequence parallelism (shard_sequence: each cp rank's share over tp) both split; DPO's --max-length
+    check asks for the smallest such length, no more."""
+    from types import SimpleNamespace
+
+    from colozoo.core.sequence import sequence_multiple
+    from colozoo.finetune import data as D
+    from colozoo.layers.context_parallel import zigzag_index
+
+    def split(length, cp, tp):
+        try:
+            cp > 1 and zigzag_index(length, cp, 0)
+        except ValueError:
+            return False
+        return length % cp == 0 and (length // cp) % tp == 0  # BatchContext.shard_sequence's check
+
+    for cp, tp in itertools.product((1, 2, 3, 4), (1, 2, 4, 8)):
+        mesh = SimpleNamespace(size={"cp": cp}.get, tp_size=tp, sequence_parallel=True)
+        width = D.padding_multiple(mesh)
+        assert width % D.PAD_MULTIPLE == 0 and split(width, cp, tp) and split(3 * width, cp, tp), (cp, tp)
+        assert sequence_multiple(cp, tp) == next(n for n in itertools.count(1) if split(n, cp, tp)), (cp, tp)
 
 
 def test_no_pack_pads_each_batch_to_its_longest_sample_and_trains_as_full_padding(chat, tmp_path, monkeypatch):

@@ -169,10 +169,19 @@ def test_bad_chat_records_are_one_line_naming_file_and_line(case, tok, tmp_path)
 def test_chat_needs_a_template_that_renders_prefixes(chat_model, tok, tmp_path):
     from transformers import AutoTokenizer
 
+    from colozoo.finetune.grpo_data import tokenize_prompt
+    from colozoo.finetune.preference_data import tokenize_pair
+
     plain = AutoTokenizer.from_pretrained(str(chat_model))
     plain.chat_template = None
-    with pytest.raises(DataError, match=r"chat\.jsonl:1: a 'messages' record needs a tokenizer with a chat template"):
+    no_template = r"{}: a conversation needs a tokenizer with a chat template, and this one has none \(set "
+    with pytest.raises(DataError, match=no_template.format(r"chat\.jsonl:1") + "tokenizer.chat_template, or use prompt"):
         sft.sft_dataset(CHAT, plain, 64)
+    conversation = [{"role": "user", "content": "hi"}]  # DPO's and GRPO's readers say it alike
+    with pytest.raises(DataError, match=no_template.format("pair") + r"tokenizer\.chat_template, or use string records"):
+        tokenize_pair({"prompt": conversation, "chosen": conversation, "rejected": conversation}, plain, "pair")
+    with pytest.raises(DataError, match=no_template.format("prompt") + r"tokenizer\.chat_template, or use string prompts"):
+        tokenize_prompt(conversation, plain, "prompt")
     counting = AutoTokenizer.from_pretrained(str(chat_model))  # numbers each turn by the conversation's length
     counting.chat_template = "{% for m in messages %}{{ messages|length }} {{ m['content'] }} {% endfor %}"
     with pytest.raises(DataError, match=r"chat\.jsonl:1: the chat template does not render the conversation up to "

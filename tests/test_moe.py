@@ -52,7 +52,7 @@ def hf_grads(block) -> dict[str, torch.Tensor]:
 
 def moe_matches_qwen(tp, ep, sequence_parallel):
     from colozoo.layers.comm import gather_from_parallel, split_to_parallel
-    from colozoo.layers.moe import MoE
+    from colozoo.layers.moe import MoE, MoESpec
     from colozoo.layers.shard import gather_tensor, shard_tensor, spec_of
     from colozoo.core.mesh import coords_of, init_parallel
 
@@ -64,7 +64,7 @@ def moe_matches_qwen(tp, ep, sequence_parallel):
     ref = block(x_ref)
     (ref * probe).sum().backward()
 
-    moe = MoE(HIDDEN, INNER, EXPERTS, TOP_K, normalize_top_k=False, shared_expert_size=SHARED,
+    moe = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, normalize_top_k=False, shared_expert_size=SHARED),
               ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
     weights, coords = hf_weights(block), coords_of(pc)
     with torch.no_grad():
@@ -121,10 +121,10 @@ def _reference_with_capacity(moe, x, factor):
 
 @pytest.mark.parametrize("factor", [0.5, 1.0, 100.0])
 def test_capacity_factor_drops_late_assignments(factor):
-    from colozoo.layers.moe import MoE
+    from colozoo.layers.moe import MoE, MoESpec
 
     torch.manual_seed(0)
-    moe = MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor)
+    moe = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor))
     with torch.no_grad():
         moe.gate.weight.normal_(std=1.0)  # skewed routing, so capacity bites
     x = torch.randn(2, 12, HIDDEN)
@@ -137,10 +137,10 @@ def test_capacity_factor_drops_late_assignments(factor):
 
 
 def test_bad_configurations_are_named():
-    from colozoo.layers.moe import MoE, TopKRouter
+    from colozoo.layers.moe import MoE, MoESpec, TopKRouter
 
     with pytest.raises(ValueError, match="capacity_factor"):
-        MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=0.0)
+        MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=0.0))
     with pytest.raises(ValueError, match="top_k=5"):
         TopKRouter(HIDDEN, EXPERTS, 5)
 
@@ -184,16 +184,16 @@ def test_grouped_gemm_equals_expert_loop():
 def _capacity_under_expert_parallelism(factor):
     """At ep=2 each rank routes its own tokens: the capacity holds per sending rank, and every rank's output equals
     the one-process first-come-first-served reference over its tokens with all experts."""
-    from colozoo.layers.moe import MoE
+    from colozoo.layers.moe import MoE, MoESpec
     from colozoo.layers.shard import shard_tensor, spec_of
     from colozoo.core.mesh import coords_of, init_parallel
 
     pc = init_parallel(ep=2)
     torch.manual_seed(0)
-    full = MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor)
+    full = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor))
     with torch.no_grad():
         full.gate.weight.normal_(std=1.0)  # skewed routing, so capacity bites
-    moe = MoE(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor, ep_group=pc.group("ep"))
+    moe = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor), ep_group=pc.group("ep"))
     weights = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in moe.named_parameters():

@@ -1,6 +1,8 @@
 """The distributed training step (forward_backward + global-norm clipping + AdamW) at several (dp, pp, tp)
 meshes against transformers' GPT-2 trained the same way on one process: loss, gradient norm and every updated
 parameter, gathered over tp and FSDP's dp shards and compared stage by stage."""
+from unittest import mock
+
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ from colozoo.api import build_model
 from colozoo.core.mesh import coords_of, init_parallel, single_process
 from colozoo.core.partition import rank_layers
 from colozoo.core.rng import model_parallel_seed
+from colozoo.runtime import parallelize as parallelize_module, run as run_module
+from colozoo.runtime.parallelize import sync_tied_embedding, tied_embedding
 from colozoo.runtime.training import TrainingError, build_optimizer, clip_grad_norm_, parallelize
 
 CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=4, n_head=4,
@@ -95,7 +99,7 @@ def compare(model, reference, sources, atol, what, grad=False):
 
 def tied_copies_equal(model):
     """On the first and last stage: is this rank's tied embedding bitwise equal to its partner's?"""
-    tied = model.run.setup.tied
+    tied = tied_embedding(model)
     if tied is None or not (model.is_first or model.is_last):
         return None
     p = dict(model.named_parameters())[tied[0]]
@@ -120,6 +124,30 @@ def test_one_step_matches_single_process(dp, pp, tp, microbatches):
                               timeout=TIMEOUT)
     check_all_names(results)
     assert {r["tied_equal"] for r in results} <= {None, True}
+
+
+def tied_copies_through_build_and_step():
+    """Each stage draws other initial values: the copies of the tied embedding are made equal once, at build, and
+    stay equal through parallelize and a training step."""
+    pc = init_parallel(pp=2)
+    config = hf_causal_lm("gpt2", CONFIG)[0]
+    torch.manual_seed(pc.rank("pp"))
+    syncs = []
+    count = lambda model: syncs.append(sync_tied_embedding(model))  # noqa: E731
+    with mock.patch.object(run_module, "sync_tied_embedding", count), \
+            mock.patch.object(parallelize_module, "sync_tied_embedding", count):
+        model = build_model(config, pc=pc, layer_ids=rank_layers(config.num_hidden_layers, 2, pc.rank("pp")))
+        built = tied_copies_equal(model)
+        parallelize(model)
+    ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
+    optimizer = build_optimizer(model, lr=LR, eps=EPS)
+    model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    optimizer.step()
+    return len(syncs), built, tied_copies_equal(model)
+
+
+def test_tied_embedding_synced_once_and_equal_after_a_step():
+    assert run_distributed(tied_copies_through_build_and_step, 2, timeout=TIMEOUT) == [(1, True, True)] * 2
 
 
 def test_single_process_training_step():

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from colozoo.cost.context_parallel import kv_bytes_per_token
 from colozoo.cost.model_trace import ModelTrace
 from colozoo.cost.report import ProfileReport, StageCost, UnitCost
 from colozoo.cost.priced import OPTIMIZER_BYTES
@@ -68,10 +69,16 @@ def assemble(traced: ModelTrace, plan: Plan, workload: Workload) -> ProfileRepor
     return ProfileReport(
         model=traced.name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
         total_params=traced.total_params,
-        units=traced.memoized("unit dicts", lambda: [asdict(u) for u in traced.units.values()]),
+        units=traced.memoized("unit dicts", lambda: _unit_dicts(traced, plan.tp, _itemsize(workload))),
         stages=[asdict(s) for s in stage_costs], comm=busiest.comm, comm_calls=busiest.comm_calls,
         peak_memory=max(s.peak for s in stage_costs),
         step_flops=(busiest.fwd_flops + busiest.bwd_flops) * plan.num_microbatches, profile_seconds=0.0)
+
+
+def _unit_dicts(traced: ModelTrace, tp: int, itemsize: int) -> list[dict]:
+    """The traced units as dicts, with the bytes of a micro-batch's keys and values (what ring attention passes)."""
+    per_token = kv_bytes_per_token(traced.config, tp, itemsize) or 0.0
+    return [{**asdict(u), "kv_bytes": per_token * traced.batch_size * traced.local_seq} for u in traced.units.values()]
 
 
 def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys: list, n_stages: int) -> StageCost:

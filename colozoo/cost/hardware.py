@@ -4,7 +4,7 @@ Bandwidths are per GPU and per direction, in bytes/s: NVLink inside a node, the 
 nodes, PCIe to host memory. Peak FLOP/s are dense bf16. Every preset says where each number comes from
 (`Hardware.sources`): a datasheet, a published measurement with its source, or an estimate said to be one. Fields
 measured on your own GPUs can be loaded from a JSON file over a preset (`get_hardware(..., measured="gpu.json")`,
-`colozoo plan --hardware-file gpu.json`), for example (illustrative numbers):
+`colozoo plan --hardware gpu.json`), for example (illustrative numbers; colozoo.cost.measure writes such files):
 
     {"preset": "H100-80GB", "matmul_efficiency": 0.78, "hbm_efficiency": 0.91,
      "sources": {"matmul_efficiency": "my 8192^3 bf16 matmul, 2026-08-01"}}
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from colozoo.cost import attention_speed
+from colozoo.cost.hardware_sources import DEFAULT_SOURCES, ESTIMATE, NOT_SOURCED, PRESET_SOURCES, TILE
 
 GB, GiB = 10 ** 9, 2 ** 30
 
@@ -103,12 +104,11 @@ NCCL_A100 = ("nccl-tests issues #149 and #178: all_reduce busbw ~200-208 GB/s on
 IB = "nccl-tests issue #267 (NVIDIA): a 400 Gb/s ConnectX-7 reaches 48-49 GB/s, i.e. 96% of its rate"
 SMS_FOR_COMM = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2, §3.5.1: 20 of an H800's 132 SMs drive IB "
                 "and NVLink at full bandwidth; the compute they overlap loses those SMs")
-ESTIMATE = "estimate (not measured): give a measured value with --hardware-file"
 A100_SOURCES = {
     "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16",
     "vector_flops": "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32",
     "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs",
-    "gemm_tile": "NVIDIA Matrix Multiplication Background User's Guide (DU-09799-001): 256x128 tiles",
+    "gemm_tile": TILE,
     "matmul_efficiency": MAMF + ": A100 SXM 271.2 of 312 TFLOP/s in bursts (86.9%), at the ~1200 MHz an A100 "
                          "sustains under load instead of 1410 (liangan1/GPU_travel performance/flash-attn/README.md: "
                          "'A100 frequency drop due to the power limit'): 0.869 x 1200 / 1410",
@@ -128,7 +128,8 @@ H100_SOURCES = {
     "sm_count": "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5)",
     "gemm_tile": A100_SOURCES["gemm_tile"],
     "matmul_efficiency": MSMF + " (71.1% of 989; " + MAMF + ": the H100 SXM bursts as the H200)",
-    "attention_efficiency": ESTIMATE,
+    "attention_efficiency": ESTIMATE + ", between FlashAttention-2's 35% and FlashAttention-3's 75% of an H100's "
+                                       "peak (Shah et al. 2024, arXiv 2407.08608, abstract)",
     "attention_speed": attention_speed.H100_SOURCE,
     "hbm_bw": "NVIDIA H100 datasheet: 3.35 TB/s (SXM)",
     "hbm_efficiency": ESTIMATE,
@@ -171,6 +172,46 @@ PRESETS = {
 }
 
 
+def with_all_sources(hw: Hardware, extra: dict | None = None) -> Hardware:
+    """`hw` whose fields left at Hardware's defaults name the defaults' sources (colozoo.cost.hardware_sources)."""
+    defaults = {f.name: DEFAULT_SOURCES[f.name] for f in fields(Hardware)
+                if f.name in DEFAULT_SOURCES and getattr(hw, f.name) == _default(f)}
+    return replace(hw, sources={**defaults, **(extra or {}), **hw.sources})
+
+
+def _default(f):
+    return f.default_factory() if callable(f.default_factory) else f.default
+
+
+def unsourced(hw: Hardware) -> list[str]:
+    """The numbers of `hw` that name no source."""
+    return [f.name for f in fields(Hardware) if f.name not in NOT_SOURCED and not hw.sources.get(f.name)]
+
+
+def describe(hw: Hardware) -> str:
+    """Every number of `hw` with where it comes from, one field a line."""
+    rows = [(f.name, _shown(f.name, getattr(hw, f.name)), hw.sources.get(f.name, "(no source)"))
+            for f in fields(Hardware) if f.name not in NOT_SOURCED]
+    width = [max(len(r[i]) for r in rows) for i in (0, 1)]
+    head = f"{hw.name}: {hw.gpus_per_node} GPUs a node x {hw.nodes} node(s)"
+    return "\n".join([head] + [f"{n:<{width[0]}}  {v:>{width[1]}}  {src}" for n, v, src in rows])
+
+
+def _shown(name: str, value) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    if name.endswith("_bw"):
+        return f"{value / GB:,.1f} GB/s"
+    if name in ("gpu_memory", "cpu_memory"):
+        return f"{value / GB:,.1f} GB"
+    if name.endswith("flops"):
+        return f"{value / 1e12:,.4g} TFLOP/s"
+    return f"{value:.3g}"
+
+
+PRESETS = {name: with_all_sources(hw, PRESET_SOURCES.get(name)) for name, hw in PRESETS.items()}
+
+
 def parse_bytes(value) -> float:
     """'80GB' (10^9), '80GiB' (2^30), '512MB', or a number of bytes."""
     if isinstance(value, (int, float)):
@@ -185,15 +226,22 @@ def parse_bytes(value) -> float:
 
 
 def _preset(name) -> Hardware:
+    """A preset by name, or a JSON file of measured fields by its path (ending in .json)."""
+    if str(name).lower().endswith(".json"):
+        return load_measured(name)
     key = {k.lower(): k for k in PRESETS}.get(str(name or "H100-80GB").lower())
     if key is None:
         raise HardwareError(f"unknown hardware {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[key]
 
 
+METADATA = ("preset", "sources", "name", "evidence")  # a measured file's keys that are no field to set
+
+
 def load_measured(path, base: Hardware | None = None) -> Hardware:
     """`base` (or the JSON's "preset") with the fields a JSON file measured: numbers by field name, "sources" saying
-    where each comes from (a field without one is recorded as measured in this file)."""
+    where each comes from (a field without one is recorded as measured in this file); "evidence" (what
+    colozoo.cost.measure saw: its shapes and rates) is for reading and not loaded."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -201,15 +249,16 @@ def load_measured(path, base: Hardware | None = None) -> Hardware:
     if not isinstance(data, dict):
         raise HardwareError(f"{path}: expected a JSON object of hardware fields")
     hw = base if base is not None else _preset(data.get("preset"))
-    known = {f.name: f for f in fields(Hardware)} | {"preset": None}
+    known = {f.name: f for f in fields(Hardware)} | dict.fromkeys(METADATA)
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise HardwareError(f"{path}: unknown hardware fields {unknown}; fields: {', '.join(f.name for f in fields(Hardware))}")
     changes = {}
     for key, value in data.items():
-        if key in ("preset", "sources", "name"):
+        if key in METADATA:
             continue
-        if isinstance(getattr(hw, key), (int, float)) and not isinstance(value, (int, float)):
+        optional = value is None and "None" in str(known[key].type)
+        if isinstance(getattr(hw, key), (int, float)) and not isinstance(value, (int, float)) and not optional:
             raise HardwareError(f"{path}: {key} must be a number, got {value!r}")
         changes[key] = tuple(value) if isinstance(value, list) else value
     given = data.get("sources", {})
@@ -219,18 +268,15 @@ def load_measured(path, base: Hardware | None = None) -> Hardware:
 
 def get_hardware(name_or_hw=None, *, gpus: int | None = None, gpu_memory=None, gpus_per_node: int | None = None,
                  measured=None, **overrides) -> Hardware:
-    """A preset by name (case-insensitive) or a Hardware, adjusted: `measured` a JSON file of measured fields (see
-    load_measured), total `gpus` sets the node count."""
+    """A preset by name (case-insensitive), a measured JSON file by its path, or a Hardware, adjusted: `measured` a
+    JSON file of measured fields over it (see load_measured), total `gpus` sets the node count."""
     if isinstance(name_or_hw, Hardware):
         hw = name_or_hw
     else:  # a measured file alone names its preset
         hw = _preset(name_or_hw) if name_or_hw is not None or measured is None else None
     if measured is not None:
         hw = load_measured(measured, hw)
-    if gpu_memory is not None:
-        hw = hw.with_(gpu_memory=parse_bytes(gpu_memory))
-    if gpus_per_node is not None:
-        hw = hw.with_(gpus_per_node=gpus_per_node)
+    hw = _given(hw, gpu_memory=None if gpu_memory is None else parse_bytes(gpu_memory), gpus_per_node=gpus_per_node)
     if gpus is not None:
         if gpus < 1:
             raise HardwareError(f"gpus must be >= 1, got {gpus}")
@@ -238,4 +284,13 @@ def get_hardware(name_or_hw=None, *, gpus: int | None = None, gpu_memory=None, g
         if gpus % per_node:
             raise HardwareError(f"{gpus} GPUs do not fill whole nodes of {per_node}")
         hw = hw.with_(gpus_per_node=per_node, nodes=gpus // per_node)
-    return hw.with_(**overrides)
+    return _given(hw, **overrides)
+
+
+GIVEN = "given by the caller (get_hardware's arguments; colozoo plan --set, --gpu-memory, --gpus-per-node)"
+
+
+def _given(hw: Hardware, **changes) -> Hardware:
+    """`hw` with the fields a caller set (None: kept), whose source is then the caller."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return replace(hw.with_(**changes), sources={**hw.sources, **dict.fromkeys(changes, GIVEN)})

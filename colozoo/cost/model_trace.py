@@ -93,6 +93,28 @@ def balanced_routing(model: nn.Module):
             m.routing = routing
 
 
+@contextlib.contextmanager
+def fused_sinks(target: str):
+    """GPUs run attention with sinks (gpt-oss) in the flash kernel, which rescales each row of its output by
+    sigmoid(lse - sink) (colozoo.kernels.attention), while the torch path the trace takes computes the (s, s)
+    scores. On the cuda target, trace the kernel's stand-in: SDPA (which the trace routes to a fused kernel) and a
+    rescale of its output."""
+    from colozoo.kernels import attention as kernels
+
+    eager = kernels._sink_attention
+
+    def fused(q, k, v, mask, *, causal, scale, dropout_p, sinks):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                               is_causal=causal and mask is None, scale=scale)
+        return out * torch.sigmoid(sinks.float()).to(out.dtype).view(1, -1, 1, 1)
+
+    kernels._sink_attention = fused if target == "cuda" else eager
+    try:
+        yield
+    finally:
+        kernels._sink_attention = eager
+
+
 def _meta_like(p: torch.Tensor, dtype) -> torch.Tensor:
     return torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype)
 
@@ -253,7 +275,7 @@ def _trace_sizes(config, generic, pc: ParallelConfig, torch_dtype, sizes, local_
                 run = _step_of(model, generic, size, local_seq, torch_dtype, inputs)
                 for p in params.values():
                     p.grad = None
-                with balanced_routing(model):
+                with balanced_routing(model), fused_sinks(target):
                     stages = model.run.stages if getattr(model, "run", None) is not None else ()
                     traces[size] = trace_step(model, run, target=target, group_names=group_names, wrappers=stages)
     return _Traced(traces, params, type(model).__name__, prefix, kinds, renamed)

@@ -23,10 +23,14 @@ def add_parser(subparsers):
                                            "checkpoint directory")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB or 40GiB (default: the preset's)")
-    p.add_argument("--hardware", default="H100-80GB", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--hardware", default="H100-80GB",
+                   help=f"preset ({', '.join(PRESETS)}) or a JSON file of measured fields over one (bench/gpu.py "
+                        "--hardware-out writes one on a GPU)")
     p.add_argument("--hardware-file", default=None, metavar="JSON",
                    help="measured hardware fields over the preset (or the file's own \"preset\"), e.g. "
                         "{\"preset\": \"H100-80GB\", \"matmul_efficiency\": 0.7, ...}")
+    p.add_argument("--show-hardware", action="store_true",
+                   help="instead of planning: print every number of the hardware with where it comes from")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs a node holds (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(2048, max positions))")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step "
@@ -75,13 +79,14 @@ def _overrides(items) -> dict:
 def _main(args) -> int:
     import warnings
 
-    from colozoo.cost.hardware import get_hardware
     from colozoo.cost.inference import plan_generation
     from colozoo.cost.planner import SearchSpace, plan
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.validate:
         return _validate(args)
+    if args.show_hardware:
+        return _show_hardware(args)
     if args.name is None:
         raise ValueError("colozoo plan needs a model name (or --validate)")
     check_seq_len(args)
@@ -91,9 +96,7 @@ def _main(args) -> int:
         print(json.dumps(found.to_dict(), indent=1) if args.json else found.table())
         return 0
     try:
-        hardware = get_hardware(args.hardware, gpus=args.gpus, gpu_memory=args.gpu_memory,
-                                gpus_per_node=args.gpus_per_node, measured=args.hardware_file,
-                                **_overrides(args.set))
+        hardware = _hardware(args)
         result = plan(args.name, hardware, workload_from_args(args), SearchSpace(allow_offload=not args.no_offload),
                       global_batch=args.global_batch)
     except HardwareError as e:
@@ -105,6 +108,24 @@ def _main(args) -> int:
     if not result.plans:
         print(f"no plan fits: {result._rejections()}")
         return 1
+    return 0
+
+
+def _hardware(args) -> Hardware:
+    from colozoo.cost.hardware import get_hardware
+
+    return get_hardware(args.hardware, gpus=args.gpus, gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node,
+                        measured=args.hardware_file, **_overrides(args.set))
+
+
+def _show_hardware(args) -> int:
+    from colozoo.cost.hardware import describe
+
+    try:
+        hardware = _hardware(args)
+    except HardwareError as e:
+        raise ValueError(str(e)) from None
+    print(json.dumps(hardware.to_dict(), indent=1) if args.json else describe(hardware))
     return 0
 
 

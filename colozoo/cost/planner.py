@@ -69,7 +69,7 @@ class PlanResult:
         return "; ".join(f"{n} x {r}" for r, n in sorted(self.rejected.items(), key=lambda kv: -kv[1])[:4])
 
     def to_dict(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "plans"}, "plans": [asdict(p) for p in self.plans]}
+        return {**{k: v for k, v in asdict(self).items() if k != "plans"}, "plans": [p.to_dict() for p in self.plans]}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -299,7 +299,7 @@ def _best_recompute(traced, layout: Plan, workload: Workload, hw: Hardware, sear
     # model FLOPs utilisation counts forward + backward (~2x forward), not recomputation
     useful = 3 * sum(st["fwd_flops"] for st in report.stages) / len(report.stages) * layout.num_microbatches
     why = _why(report, chosen, workload, breakdown, step, hw, decision, max_layers)
-    return RankedPlan(**asdict(chosen), memory=report.peak_memory, step_seconds=step, breakdown=breakdown,
+    return RankedPlan(**vars(chosen), memory=report.peak_memory, step_seconds=step, breakdown=breakdown,
                       tokens_per_second=global_batch * workload.seq_len / step, mfu=useful / step / hw.peak_flops,
                       why=why)
 

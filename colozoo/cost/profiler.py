@@ -20,15 +20,14 @@ from __future__ import annotations
 import time
 from dataclasses import fields, replace
 
-from colozoo.core.mesh import ParallelConfig
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import _resolve, default_seq_len, trace_model
 from colozoo.cost.report import ProfileReport
 from colozoo.cost.setup import ProfilerError, Workload, check_priced, plan_of
-from colozoo.runtime.plan import DEGREES, Plan
+from colozoo.runtime.plan import Plan
 
 # the Plan's fields besides the mesh and the micro-batch size
-STEP_CHOICES = tuple(f.name for f in fields(Plan) if f.name not in (*DEGREES, "micro_batch_size"))
+STEP_CHOICES = tuple(f.name for f in fields(Plan) if f.name not in ("degrees", "micro_batch_size"))
 
 
 def profile(model, plan: Plan, workload: Workload, inputs: dict | None = None) -> ProfileReport:
@@ -46,9 +45,8 @@ def profile(model, plan: Plan, workload: Workload, inputs: dict | None = None) -
         workload = replace(workload, seq_len=default_seq_len(config))
     check_priced(plan)
     workload.check()
-    mesh = ParallelConfig(**plan.degrees())
-    traced = trace_model(config if isinstance(model, str) else model, plan.micro_batch_size, workload.seq_len, mesh,
-                     workload.dtype, workload.target, inputs)
+    traced = trace_model(config if isinstance(model, str) else model, plan.micro_batch_size, workload.seq_len,
+                         plan.degrees, workload.dtype, workload.target, inputs)
     if isinstance(model, str):
         traced.name = model
     report = assemble(traced, plan, workload)

@@ -6,7 +6,9 @@ A run's measured throughput is converted to a step time the way its source count
 - "narayanan2021": F = 96 B s l h^2 (1 + s/6h + V/16lh), which counts the recomputed forward (Narayanan et al.
   2021, eq. 3); a measured step is F / (GPUs x TFLOP/s per GPU);
 - "megatron_core": 12 B s l h^2 ((1 + g/a + s/h) q/h + f/h + V/2lh), Megatron-Core's model FLOPs (g: key/value
-  groups, a: heads, q: query projection width, f: MLP width, times 3/2 with SwiGLU);
+  groups, a: heads, q: query projection width, f: MLP width, times 3/2 with SwiGLU); with the model's "flops":
+  "causal", s/2h for s/h (sources that count the causal attention core's computed half); MoE models count f
+  once per expert a token runs ("experts_per_token"), as Megatron-Core does;
 - "tokens_per_gpu": tokens per second per GPU; "step_seconds": the step time itself.
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ class PublishedRun:
     group: str = ""
     notes: str = ""
     known_miss: str = ""         # why the cost model misses this run by more than the tolerance (empty: it does not)
+    memory_miss: str = ""        # why the memory model does not fit this run in its GPUs (empty: it fits)
 
     @property
     def gpus(self) -> int:
@@ -80,8 +83,10 @@ def step_flops(model: dict, batch: int, seq: int, unit: str) -> float | None:
     if unit == "megatron_core":
         heads = model["heads"]
         groups, ffn = model.get("kv_heads", heads), model.get("ffn", 4 * h)
-        gated = 1.5 if model.get("family") == "llama" else 1.0
-        attention = (1 + groups / heads + seq / h) * 1.0  # query width = hidden
+        gated = 1.5 if model.get("family") in ("llama", "mixtral") else 1.0
+        ffn *= model.get("experts_per_token", 1)  # MoE: the experts each token runs
+        causal = 2 if model.get("flops") == "causal" else 1  # the source counts the causal core's half only
+        attention = 1 + groups / heads + seq / (causal * h)  # query width = hidden
         return 12 * batch * seq * layers * h * h * (attention + ffn / h * gated + vocab / (2 * layers * h))
     return None
 
@@ -149,7 +154,7 @@ def _run(row: dict, software: dict, networks: dict) -> PublishedRun:
                         target=row.get("attention", "cuda"))
     return PublishedRun(rid, row["source"], row["model"], hw, plan, workload, runs_software, layout["global_batch"],
                         row["measured"], row.get("held_out", False), row.get("group", ""), row.get("notes", ""),
-                        row.get("known_miss", ""))
+                        row.get("known_miss", ""), row.get("memory_miss", ""))
 
 
 @cache

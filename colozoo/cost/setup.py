@@ -3,7 +3,7 @@
 Workload it processes (sequence length, dtype, optimizer, whose kernels, LoRA)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -74,7 +74,7 @@ def plan_of(mesh, **choices) -> Plan:
     """The Plan a profile prices: the mesh (see parse_mesh) with the step's choices (micro_batch_size,
     num_microbatches, schedule, zero, checkpointing, checkpoint_layers, offload)."""
     try:
-        return Plan(**asdict(parse_mesh(mesh)), **choices)
+        return Plan(parse_mesh(mesh), **choices)
     except ValueError as e:
         raise ProfilerError(str(e)) from None
 

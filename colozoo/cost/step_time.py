@@ -11,15 +11,19 @@
   Uneven first and last ranks (embedding, head and loss) are priced by their own kernels;
 - the data-parallel gradient reduction that the last backward does not hide, the optimizer step, CPU offload.
 
-Collectives are priced per group on their links (colozoo.cost.network); the software's habits (colozoo.cost.software)
-say which overlap.
+Collectives are priced per group on their links (colozoo.cost.network; ring attention's steps in
+colozoo.cost.context_parallel, expert dispatch and combine in colozoo.cost.experts); the software's habits
+(colozoo.cost.software) say which overlap. Under the interleaved schedule the gradient reduction also runs behind
+the deeper virtual stages' cool-down (reduce_window).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from colozoo.cost.compute_time import unit_seconds
+from colozoo.cost.context_parallel import causal_balance, ring_steps
 from colozoo.cost.cost_model import _recompute_plan
+from colozoo.cost.experts import expert_exchange_seconds
 from colozoo.cost.hardware import Hardware
 from colozoo.cost.network import collective_seconds
 from colozoo.cost.offload import MemoryNeed, decide_offload
@@ -50,6 +54,15 @@ def pipeline_seconds(stage_seconds: list[float], m: int, v: int = 1) -> float:
     sets the pace, the rest fill and drain the pipeline, v times less with v virtual stages per rank."""
     slowest = max(stage_seconds)
     return m * slowest + (sum(stage_seconds) - slowest) / v
+
+
+def reduce_window(backward: float, plan: Plan) -> float:
+    """Seconds of backward a rank's data-parallel gradient reduction runs behind at the end of a step
+    (`backward`: one micro-batch's): the last micro-batch's backward; under the interleaved schedule a virtual
+    stage's gradients are final after its last micro-batch's backward, while the rank still runs the deeper
+    stages' last p micro-batches back, (v - 1)/v of p backwards, so all but the first stage's share hide there."""
+    v = plan.virtual_stages
+    return backward * (1 + min(plan.pp, plan.num_microbatches) * (v - 1) / v)
 
 
 @dataclass
@@ -136,21 +149,22 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
     """(forward, backward with recomputation, tp, ep, exposed ring attention, ZeRO-3 terms or None) of one unit,
     seconds per micro-batch."""
     kernels, cp, o, kernel = u["kernels"], plan.cp, hw.comm_overlap, software.attention_kernel
-    fwd = unit_seconds(kernels, hw, "fwd", core_scale=cp, attention=kernel) + hw.layer_overhead_s * is_layer
-    bwd = unit_seconds(kernels, hw, "bwd", core_scale=cp, attention=kernel)
+    scale = cp * causal_balance(cp)  # ring attention: a rank's queries meet every chunk's keys, balanced zigzag
+    fwd = unit_seconds(kernels, hw, "fwd", core_scale=scale, attention=kernel) + hw.layer_overhead_s * is_layer
+    bwd = unit_seconds(kernels, hw, "bwd", core_scale=scale, attention=kernel)
     bwd += fwd if policy == "full" else (
-        unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp, attention=kernel) if policy == "selective"
+        unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=scale, attention=kernel) if policy == "selective"
         else 0.0)
     repeat = 1.5 if policy == "full" else 1.0  # a recomputed layer repeats its forward collectives
     tp = (1 - software.tp_comm_overlap) * _group_seconds(u["comm"], u["comm_calls"], "tp", plan, hw, repeat)
-    ep = _group_seconds(u["comm"], u["comm_calls"], "ep", plan, hw, repeat)
+    ep = expert_exchange_seconds(u["comm"], u["comm_calls"], plan, hw, software.expert_tp_folded, repeat)
     ring = 0.0
-    if cp > 1 and is_layer:  # ring attention: K and V of every other cp rank pass by, forward and twice back
-        comm = collective_seconds(hw, "send_recv", 6 * u["input_bytes"] * (cp - 1), cp, _spans(plan)["cp"],
-                                  3 * (cp - 1))
-        core = (unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=cp, attention=kernel)
-                + unit_seconds(kernels, hw, "bwd", core_only=True, core_scale=cp, attention=kernel))
-        ring = overlapped(core, comm, o, hw.comm_contention) - core
+    if cp > 1 and is_layer:  # keys and values pass the ring behind the attention core's blocks
+        core = [unit_seconds(kernels, hw, phase, core_only=True, core_scale=scale, attention=kernel)
+                for phase in ("fwd", "bwd")]
+        kv = u.get("kv_bytes") or 2 * u["input_bytes"]  # without a config: as wide as the hidden state
+        ring = sum(n * (overlapped(c, m, o, hw.comm_contention) - c)
+                   for c, m, n in ring_steps(*core, kv, cp, hw, _spans(plan)["cp"], policy == "full"))
     zero = _zero3(u, policy, plan, hw, software, itemsize) if plan.zero >= 3 and plan.dp * plan.cp > 1 else None
     return fwd, bwd, tp, ep, ring, zero
 
@@ -190,8 +204,9 @@ def stage_time(report, index: int, plan: Plan, hw: Hardware, software: Software 
 
 def _data_parallel(st: dict, plan: Plan, hw: Hardware, software: Software, backward: float, layers: int,
                    itemsize: int) -> float:
-    """Exposed seconds of a step's gradient reduction without ZeRO-3: behind the last backward, all but the last
-    layer's share when it overlaps, all of it when the software reduces after the backward."""
+    """Exposed seconds of a step's gradient reduction without ZeRO-3: behind the last backward (reduce_window), all
+    but the last layer's (or first virtual stage's) share when it overlaps, all of it when the software reduces
+    after the backward."""
     if plan.zero >= 3 or plan.dp * plan.cp == 1:
         return 0.0
     scale = (software.grad_reduce_bytes or itemsize) / itemsize
@@ -200,7 +215,8 @@ def _data_parallel(st: dict, plan: Plan, hw: Hardware, software: Software, backw
     reduce = _group_seconds(reduces, st["comm_calls"], "dp_cp", plan, hw, scale)
     gather = _group_seconds(gathers, st["comm_calls"], "dp_cp", plan, hw)  # ZeRO-1/2: updated weights, their dtype
     if software.grad_reduce_overlap:
-        reduce = max(reduce / max(1, layers + 1), reduce - hw.comm_overlap * backward)
+        reduce = max(reduce / max(1, layers + 1), (reduce - backward) / plan.virtual_stages,
+                     reduce - hw.comm_overlap * reduce_window(backward, plan))
     if software.param_gather_overlap:  # behind the next step's forward, as the backward hides the reduction
         gather = max(gather / max(1, layers + 1), gather - hw.comm_overlap * backward / 2)
     return reduce + gather

@@ -25,6 +25,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 from torch.utils.module_tracker import ModuleTracker
 
+from colozoo.cost.experts import grouped_gemm_shape
+
 aten = torch.ops.aten
 
 
@@ -185,14 +187,15 @@ def kernel_of(func, args, kwargs, out, flops: int) -> Kernel | None:
     if func.is_view or (not func._schema.is_mutable and outputs and outputs <= inputs):
         return None
     name = func._overloadpacket.__name__
+    if (grouped := grouped_gemm_shape(name, args, kwargs, out, flops)) is not None:  # MoE: a GEMM an expert
+        return Kernel("gemm", read + written, grouped)
     if name in GEMMS and isinstance(out, torch.Tensor) and out.dim() >= 2 and flops:
         m, n = out.shape[-2], out.shape[-1]
         batch = out.numel() // (m * n)
         return Kernel("gemm", read + written, (batch, m, n, max(1, flops // (2 * batch * m * n))))
     if "attention" in name and flops:
         given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
-        q, k = given.get("query"), given.get("key")
-        # (batch x heads, query length, key length, head dim): what sets a fused kernel's speed
+        q, k = given.get("query"), given.get("key")  # shape: (batch x heads, q length, k length, head dim)
         shape = (q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3]) if getattr(q, "ndim", 0) == 4 else ()
         return Kernel("attention", read + written, shape, causal=bool(given.get("is_causal", False)))
     return Kernel("memory", read + written)

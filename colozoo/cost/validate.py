@@ -155,6 +155,8 @@ def table(results: list[Validation]) -> str:
     for r in results:
         if r.run.known_miss:
             lines.append(f"- {r.run.id}: {r.run.known_miss}")
+        if r.run.memory_miss:
+            lines.append(f"- {r.run.id} (memory {r.memory / 1e9:.0f} GB): {r.run.memory_miss}")
     for c in comparisons(results):
         lines.append(f"same GPUs and batch: {c['runs'][0]} vs {c['runs'][1]}: measured faster {c['measured_faster']}"
                      f" (by {c['measured_gap']:.0%}), predicted faster {c['predicted_faster']}")

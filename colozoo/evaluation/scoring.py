@@ -3,7 +3,8 @@
     score_spans(model, input_ids, [Span(row=0, end=12, tokens=(318, 257))]) -> [(-7.25, False)]
 
 One forward of a right-padded batch through the pipeline stages keeps the logits at the positions that predict a
-continuation token only, each rank its vocabulary slice (nothing gathers the whole vocabulary); the vocab-parallel
+continuation token only, each row its own (a row with a long continuation costs the others nothing), each rank its
+vocabulary slice (nothing gathers the whole vocabulary); the vocab-parallel
 cross entropy gives each token's log-probability and `vocab_parallel_argmax` whether greedy decoding would choose it.
 The last stage sends the sums to every pipeline rank, so every rank returns the same answers.
 """
@@ -34,21 +35,14 @@ def score_spans(model, input_ids: torch.Tensor, spans: list[Span]) -> list[tuple
     """(log-probability of each span's tokens, whether each is the greedy choice at its position) for the
     right-padded batch `input_ids` (batch, length), on every rank. Collective: every rank calls it alike."""
     pc = model.pc
-    rows, positions, targets, owner = [], [], [], []
-    for i, span in enumerate(spans):
-        n = len(span.tokens)
-        rows += [span.row] * n
-        positions += range(span.end - n, span.end)
-        targets += span.tokens
-        owner += [i] * n
-    kept, index = torch.unique(torch.tensor(positions), return_inverse=True)
+    keep, rows, columns, targets, owner = _kept_positions(input_ids.shape[0], spans)
     input_ids = _padded_for_sequence_parallel(input_ids.to(pc.device), pc)
     extra = {"output_router_logits": False} if model.router_stats_width() else {}
-    out = through_stages(model, input_ids, token_ids=input_ids, logits=LogitsRequest("vocab_slice", kept.to(pc.device)),
+    out = through_stages(model, input_ids, token_ids=input_ids, logits=LogitsRequest("vocab_slice", keep.to(pc.device)),
                          **extra)
     sums = None
     if out is not None:  # the last stage's ranks
-        picked = out.logits[torch.tensor(rows, device=pc.device), index.to(pc.device)]  # (tokens, vocab slice)
+        picked = out.logits[torch.tensor(rows, device=pc.device), torch.tensor(columns, device=pc.device)]
         target = torch.tensor(targets, device=pc.device)
         vocab = model.config.vocab_size
         log_probs = -vocab_parallel_cross_entropy(picked[None], target[None], vocab, pc.tp_group)[0].double()
@@ -59,6 +53,23 @@ def score_spans(model, input_ids: torch.Tensor, spans: list[Span]) -> list[tuple
         sums[1].index_add_(0, who, (greedy != target).double())  # tokens greedy decoding would not choose
     sums = from_last_stage(model, sums, (2, len(spans)), dtype=torch.float64)
     return [(log_prob, misses == 0) for log_prob, misses in sums.T.tolist()]
+
+
+def _kept_positions(batch: int, spans: list[Span]):
+    """(keep: (batch, k) the positions each row's logits are needed at, k the most any row needs, shorter rows
+    repeating their last; and for every span token its row, its column in keep, its target, its span)."""
+    needed = [[] for _ in range(batch)]
+    rows, columns, targets, owner = [], [], [], []
+    for i, span in enumerate(spans):
+        n, row = len(span.tokens), needed[span.row]
+        rows += [span.row] * n
+        columns += range(len(row), len(row) + n)
+        row += range(span.end - n, span.end)
+        targets += span.tokens
+        owner += [i] * n
+    width = max(map(len, needed))
+    keep = torch.tensor([row + [row[-1] if row else 0] * (width - len(row)) for row in needed])
+    return keep, rows, columns, targets, owner
 
 
 def _padded_for_sequence_parallel(input_ids: torch.Tensor, pc) -> torch.Tensor:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from colozoo.finetune.records import DataError, existing, iter_records
+from colozoo.core.sequence import sequence_multiple
 
 IGNORE_INDEX = -100
 CHUNK_RECORDS = 1024  # records tokenized together (one call of a fast tokenizer)
@@ -201,10 +202,9 @@ PAD_MULTIPLE = 8  # unpacked batches are cut to a multiple of this: few shapes t
 
 
 def padding_multiple(pc) -> int:
-    """What an unpacked batch's width must be a multiple of on the mesh `pc`: PAD_MULTIPLE, 2 x cp (context
-    parallelism gives each cp rank two equal chunks) and tp under sequence parallelism."""
-    cp, tp = pc.size("cp"), pc.tp_size if pc.sequence_parallel else 1
-    return math.lcm(PAD_MULTIPLE, 2 * cp if cp > 1 else 1, tp)
+    """What an unpacked batch's width must be a multiple of on the mesh `pc`: PAD_MULTIPLE and what the mesh needs to
+    split a sequence (context_parallel.sequence_multiple)."""
+    return math.lcm(PAD_MULTIPLE, sequence_multiple(pc.size("cp"), pc.tp_size if pc.sequence_parallel else 1))
 
 
 def trim_padding(batch: dict[str, torch.Tensor], multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 from colozoo.finetune.data import TensorData, holdout_cut, pad_id
 from colozoo.finetune.preference_data import ROLES, is_conversation
-from colozoo.finetune.records import DataError, located_records
+from colozoo.finetune.records import DataError, apply_chat_template, located_records
 
 NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # what TRL does not pass on to the reward functions
 
@@ -44,14 +44,8 @@ def check_prompt_record(record, where: str):
 def tokenize_prompt(prompt, tokenizer, where: str) -> list[int]:
     if not is_conversation(prompt):
         return tokenizer(text=prompt)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{where}: a conversation needs a tokenizer with a chat template, and this one has none (set "
-                        f"tokenizer.chat_template, or use string prompts)")
-    try:
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"]
-    except Exception as e:  # noqa: BLE001 - jinja raises anything the template says (raise_exception)
-        raise DataError(f"{where}: the chat template fails on this conversation: {e}") from None
+    return apply_chat_template(tokenizer, prompt, where, "string prompts", add_generation_prompt=True, tokenize=True,
+                               return_dict=True)["input_ids"]
 
 
 @dataclass

@@ -10,6 +10,7 @@ model trains with dropout off. A checkpoint taken between two uses of a batch ca
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -21,9 +22,9 @@ from colozoo.finetune.data import pad_id
 from colozoo.finetune.grpo_data import PromptData
 from colozoo.finetune.grpo_rollout import (Completions, decoded, end_of_sequence_ids, rollout_seed, sample, score,
                                            training_rows)
+from colozoo.finetune.preference_train import load_reference, reference_forward_logps
 from colozoo.finetune.rewards import RewardFunctions
 from colozoo.runtime.logprobs import forward_backward_logps, forward_logps
-from colozoo.runtime.lora import adapters_disabled
 
 ROLLOUT_FILE = "rollout.safetensors"
 COMPLETIONS_FILE = "completions.jsonl"
@@ -101,20 +102,19 @@ class GrpoTraining:
                    **grpo.reward_metrics(rewards, self.rewards.names), **metrics, **logged}
         return Rollout(number, completions.indices, **rows, advantages=advantage, rewards=rewards), metrics
 
-    def token_logps(self, model, rollout: Rollout, num_microbatches: int = 1) -> torch.Tensor:
-        """`model`'s per-token log-probs of the rollout's completions (no gradients), at the sampling temperature."""
+    def token_logps(self, model, rollout: Rollout, num_microbatches: int = 1, reference: bool = False) -> torch.Tensor:
+        """`model`'s per-token log-probs of the rollout's completions (no gradients), at the sampling temperature;
+        `reference`: the reference's (the frozen copy, or `model` with its adapters off)."""
         device = model.pc.device
-        out = forward_logps(model, rollout.input_ids.to(device), rollout.labels.to(device),
-                            attention_mask=rollout.attention_mask.to(device),
-                            position_ids=rollout.position_ids.to(device), num_microbatches=num_microbatches,
-                            temperature=self.cfg.temperature)
+        forward = functools.partial(reference_forward_logps, model, self.reference_model) if reference else \
+            functools.partial(forward_logps, model)
+        out = forward(rollout.input_ids.to(device), rollout.labels.to(device),
+                      attention_mask=rollout.attention_mask.to(device), position_ids=rollout.position_ids.to(device),
+                      num_microbatches=num_microbatches, temperature=self.cfg.temperature)
         return out["logps"].float().cpu()
 
     def reference_logps(self, model, rollout: Rollout, num_microbatches: int = 1) -> torch.Tensor:
-        if self.reference_model is not None:
-            return self.token_logps(self.reference_model, rollout, num_microbatches)
-        with adapters_disabled(model):
-            return self.token_logps(model, rollout, num_microbatches)
+        return self.token_logps(model, rollout, num_microbatches, reference=True)
 
     # --- the step -----------------------------------------------------------------------------------------------
     def step(self, model, number: int, grad_scale: float, step_options: dict):
@@ -230,8 +230,6 @@ class GrpoTraining:
 
 def grpo_training(cfg, model, inputs, sampler, total_steps: int, plan=None) -> GrpoTraining:
     """The run's GrpoTraining, with a frozen reference copy where the KL term needs one (beta > 0, full weights)."""
-    from colozoo.finetune.preference_train import load_reference
-
     frozen = cfg.beta != 0.0 and not cfg.lora_r
     return GrpoTraining(cfg, model, inputs.train, inputs.tokenizer, sampler, total_steps,
                         load_reference(cfg, plan) if frozen else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colozoo.checkpoint import layout
@@ -115,7 +115,7 @@ def world_size() -> int:
 def check_mesh(cfg: FinetuneConfig, plan: Plan | None = None, world: int | None = None) -> ParallelConfig:
     """The mesh of the config's degrees, or of the plan's under --plan auto, for `world` processes (default:
     torchrun's WORLD_SIZE)."""
-    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    degrees = asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
     return ParallelConfig.for_world(world or world_size(), **degrees)
 
 

@@ -299,8 +299,7 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
         while step < total:
             watchdog.at(step + 1, "forward/backward and optimizer step")
             tick = time.perf_counter()
-            indices = trainer.sampler.global_indices(step)
-            batch = unpacked_width(cfg, trainer.model, inputs.train.take(indices))
+            batch, indices = next_batch(cfg, inputs, trainer, step)
             result = trainer.step(batch, step + 1, indices)
             step += 1
             if trainer.rl is not None:
@@ -308,10 +307,7 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
             if step % cfg.log_interval == 0 or step == total:
                 amp = {"loss_scale": result.loss_scale, "skipped": result.overflow,
                        "skipped_steps": trainer.scaler.skipped_steps} if trainer.scaler.enabled else {}
-                computed = batch["input_ids"].numel() if "input_ids" in batch else 0  # padding included
-                trained = int(inputs.train.tokens[indices].sum())
-                if trainer.rl is not None:  # the rows of the rollouts the step trained on
-                    computed, trained = trainer.rl.tokens()
+                computed, trained = step_tokens(inputs, trainer, batch, indices)
                 reporter.step(step, result.loss, result.lr, computed, time.perf_counter() - tick, result.grad_norm,
                               inputs.global_batch, trained_tokens=trained, metrics=result.metrics,
                               masked_batches=trainer.masked_batches, **amp)
@@ -329,6 +325,22 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
                 break
     checkpoints.saver.wait()
     return Outcome(step, stopped, interrupted, saved_at)
+
+
+def next_batch(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, step: int) -> tuple[dict | None, object]:
+    """(the global batch, its sample indices) that step `step` + 1 trains on; (None, None) for --method grpo, whose
+    steps draw their prompts themselves, once per --num-iterations cycle (GrpoTraining.make_rollout)."""
+    if trainer.rl is not None:
+        return None, None
+    indices = trainer.sampler.global_indices(step)
+    return unpacked_width(cfg, trainer.model, inputs.train.take(indices)), indices
+
+
+def step_tokens(inputs: Inputs, trainer: Trainer, batch: dict | None, indices) -> tuple[int, int]:
+    """(tokens computed, padding included; tokens trained on) of a step."""
+    if trainer.rl is not None:  # the rows of the rollouts the step trained on
+        return trainer.rl.tokens()
+    return (batch["input_ids"].numel() if "input_ids" in batch else 0), int(inputs.train.tokens[indices].sum())
 
 
 def unpacked_width(cfg: FinetuneConfig, model, batch: dict) -> dict:

@@ -18,7 +18,7 @@ import json
 import torch
 
 from colozoo.finetune.data import IGNORE_INDEX, TensorData, pad_id
-from colozoo.finetune.records import DataError, located_records
+from colozoo.finetune.records import DataError, apply_chat_template, located_records
 
 ROLES = ("system", "user", "assistant", "tool")
 FITS = ("prompt_cut", "chosen_cut", "rejected_cut")  # what fitting did, counted per pair
@@ -101,19 +101,13 @@ def tokenize_pair(record: dict, tokenizer, where: str = "") -> tuple[list, list,
     """(prompt ids, chosen ids, rejected ids) as DPOTrainer tokenizes the record."""
     prompt, chosen, rejected = split_prompt(record)
     if is_conversation(chosen):
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"{where}: a conversation needs a tokenizer with a chat template, and this one has none "
-                            f"(set tokenizer.chat_template, or use string records)")
         tools = record.get("tools")
         options = {"tools": json.loads(tools) if isinstance(tools, str) else tools,
                    **(record.get("chat_template_kwargs") or {})}
 
         def encode(messages, **extra):
-            try:
-                return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options,
-                                                     **extra)["input_ids"]
-            except Exception as e:  # noqa: BLE001 - jinja raises anything the template says (raise_exception)
-                raise DataError(f"{where}: the chat template fails on this conversation: {e}") from None
+            return apply_chat_template(tokenizer, messages, where, "string records", tokenize=True, return_dict=True,
+                                       **options, **extra)["input_ids"]
 
         prompt_ids = encode(list(prompt), add_generation_prompt=True)
         with_chosen, with_rejected = encode(list(prompt) + list(chosen)), encode(list(prompt) + list(rejected))

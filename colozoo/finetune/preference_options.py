@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from colozoo.core.sequence import sequence_multiple
+
 METHODS = ("sft", "dpo", "grpo")
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "simpo")
 SMOOTHED = ("robust", "simpo")  # the losses --label-smoothing applies to
@@ -51,9 +53,9 @@ class PreferenceOptions:
                              "forward) is not planned yet: give the mesh (--tp, --pp, --dp, ...)")
         split = sequence_multiple(self.cp, self.tp if self.sequence_parallel else 1)
         if self.sequence_length() % split:
-            raise ValueError(f"--max-length {self.sequence_length()} must be a multiple of {split} (2 x cp under "
-                             f"context parallelism, x tp under sequence parallelism): every rank takes equal chunks "
-                             f"of each sequence")
+            raise ValueError(f"--max-length {self.sequence_length()} must be a multiple of {split}: context "
+                             f"parallelism cuts a sequence into 2 x cp equal chunks, sequence parallelism each cp "
+                             f"rank's share over tp")
         if self.lora_dropout:
             raise ValueError("--lora-dropout: --method dpo trains with dropout off, as TRL's DPOTrainer "
                              "(disable_dropout)")
@@ -115,12 +117,6 @@ def comma_weights(value, count: int, flag: str) -> tuple[float, ...]:
         return tuple(float(w) for w in str(value).split(",") if w.strip())
     except ValueError:
         raise ValueError(f"--{flag} must be comma-separated numbers, got {value!r}") from None
-
-
-def sequence_multiple(cp: int, sequence_parallel_tp: int = 1) -> int:
-    """What a sequence's length must be a multiple of: 2 x cp under context parallelism (two chunks per rank), times
-    tp under sequence parallelism."""
-    return (2 * cp if cp > 1 else 1) * sequence_parallel_tp
 
 
 PREFERENCE_HELP = {

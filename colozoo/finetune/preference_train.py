@@ -9,14 +9,14 @@ SimPO need none. The model trains with dropout off, as DPOTrainer's disable_drop
 """
 from __future__ import annotations
 
-import math
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from colozoo.finetune import preference
+from colozoo.finetune.data import padding_multiple
 from colozoo.finetune.preference_data import pack_pairs, pair_rows, sequence_sums, trim_to_longest
-from colozoo.finetune.preference_options import sequence_multiple
 from colozoo.runtime.lora import adapters_disabled
 from colozoo.runtime.logprobs import forward_backward_logps, forward_logps
 
@@ -36,11 +36,20 @@ def load_reference(cfg, plan=None):
     from colozoo.runtime.plan import DEGREES
     from colozoo.runtime.training import parallelize
 
-    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    degrees = asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
     reference = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
     reference.requires_grad_(False)
     parallelize(reference, data_parallel="fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype])
     return reference.eval()
+
+
+def reference_forward_logps(model, reference_model, *args, **kwargs) -> dict:
+    """forward_logps(*args, **kwargs) of the reference: the frozen copy `reference_model` where there is one, else
+    `model` with its LoRA adapters switched off."""
+    if reference_model is not None:
+        return forward_logps(reference_model, *args, **kwargs)
+    with adapters_disabled(model):
+        return forward_logps(model, *args, **kwargs)
 
 
 def preference_training(cfg, model, plan=None) -> "PreferenceTraining":
@@ -59,8 +68,7 @@ class PreferenceTraining:
         self.cfg, self.loss, self.reference_model = cfg, cfg.preference_loss(), reference_model
         self.precomputed: dict[str, torch.Tensor] | None = None  # "train" / "eval": (pairs, 2)
         pc, limit = model.pc, model.position_limit()
-        self.multiple = math.lcm(8, sequence_multiple(pc.size("cp"), pc.tp_size if model.sequence_parallel
-                                                                 else 1))
+        self.multiple = padding_multiple(pc)
         self.pack = cfg.pack and (limit is None or 2 * cfg.sequence_length() <= limit)
 
     def rows(self, batch: dict, device) -> dict:
@@ -84,10 +92,7 @@ class PreferenceTraining:
             return None
         args = (rows["input_ids"], rows["labels"], summed_logps)
         kwargs = dict(num_microbatches=num_microbatches, **self._inputs(rows))
-        if self.reference_model is not None:
-            return forward_logps(self.reference_model, *args, **kwargs)["logps"].reshape(-1)
-        with adapters_disabled(model):
-            return forward_logps(model, *args, **kwargs)["logps"].reshape(-1)
+        return reference_forward_logps(model, self.reference_model, *args, **kwargs)["logps"].reshape(-1)
 
     def precompute(self, model, data, pairs_per_pass: int, reporter=None, role: str = "train") -> torch.Tensor:
         """The reference log-probs of every pair of `data`, (pairs, 2), in passes of `pairs_per_pass` pairs (the last

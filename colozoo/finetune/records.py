@@ -148,3 +148,15 @@ def _arrow_records(path: Path):
             for record in batch.to_pylist():
                 yield f"{file}: row {row}", record
                 row += 1
+
+
+def apply_chat_template(tokenizer, messages: list, where: str, instead: str, **options):
+    """tokenizer.apply_chat_template(messages, **options); a tokenizer without a chat template, or a template that
+    fails on the conversation, is a DataError naming `where` (`instead`: the records that need no template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: a conversation needs a tokenizer with a chat template, and this one has none (set "
+                        f"tokenizer.chat_template, or use {instead})")
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except Exception as e:  # noqa: BLE001 - jinja raises anything the template says (raise_exception)
+        raise DataError(f"{where}: the chat template fails on this conversation: {e}") from None

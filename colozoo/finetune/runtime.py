@@ -3,6 +3,7 @@ optimizer, clipping, saving; each is the library's own entry point (colozoo.api,
 colozoo.checkpoint.convert) with the fine-tuning defaults."""
 from __future__ import annotations
 
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ def load_model(cfg, task: str, plan=None, labels: dict[int, str] | None = None):
     prepare_training. Checksums are verified."""
     from colozoo.api import from_pretrained
 
-    degrees = plan.degrees() if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    degrees = asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
     fresh = []
     if TASK_HEADS[task]:
         model, fresh = _load_with_task_head(cfg, task, degrees, torch.float32, labels)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from colozoo.finetune.data import CHUNK_RECORDS, IGNORE_INDEX, TensorData, chunks, collect, pad_id, pad_rows
-from colozoo.finetune.records import DataError, located_records
+from colozoo.finetune.records import DataError, apply_chat_template, located_records
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -56,15 +56,9 @@ def check_sft_record(record, where: str, text_field: str = "text"):
 
 def chat_segments(messages: list[dict], tokenizer, where: str = "") -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, trained) segments: trained are the assistant turns."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{where}: a 'messages' record needs a tokenizer with a chat template, and this one has none "
-                        f"(set tokenizer.chat_template, or use prompt/completion records)")
-
     def render(part, generation_prompt=False):
-        try:
-            return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=generation_prompt)
-        except Exception as e:  # noqa: BLE001 - jinja raises anything the template says (raise_exception)
-            raise DataError(f"{where}: the chat template fails on this conversation: {e}") from None
+        return apply_chat_template(tokenizer, part, where, "prompt/completion records", tokenize=False,
+                                   add_generation_prompt=generation_prompt)
 
     full = render(messages)
     segments, done = [], 0

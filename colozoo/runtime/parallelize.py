@@ -71,7 +71,6 @@ def parallelize(model, data_parallel: str = "fsdp", mixed_precision: str | None 
     experts = _expert_parameters(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model, activation_checkpointing, checkpoint_layers)
-    sync_tied_embedding(model)
     setup = decide_setup(model, data_parallel, mixed_precision, offload, experts)
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
     stages = []
@@ -114,7 +113,8 @@ def _checked(model, data_parallel, mixed_precision, activation_checkpointing, of
 
 def sync_tied_embedding(model):
     """The last stage's copy of a tied embedding takes the first stage's values, whatever the last stage was
-    initialised with (collective over the whole job; loading gives both copies the same values already)."""
+    initialised with (collective over the whole job). Run calls it once, for a model built on a device; a model
+    built on meta gets both copies from the same checkpoint tensor when it is loaded."""
     tied = tied_embedding(model)
     if tied is not None and (model.is_first or model.is_last):
         with torch.no_grad():

@@ -13,7 +13,10 @@ Stage inputs and outputs are declared statically (their shapes follow from the b
 shape-inference pass through our tensor-parallel collectives. Every rank gets the same batch, and every stage
 rebuilds the batch context from it; only hidden states travel between stages (with MoE router losses, also the
 router statistics of the layers so far: `model.carries_router_stats`). A schedule is built for the call that runs it
-(a few milliseconds; it depends on the stages, the batch and the options, and nothing of it is kept).
+(it depends on the stages, the batch and the options, and nothing of it is kept). Measured at pp=4, 8 micro-batches,
+on 4 gloo ranks sharing 2 CPU cores: building it takes 0.2 ms and the set-up torch does on a schedule's first step
+11 ms, against 110 ms for a step of a 64-wide GPT-2 with a reused schedule (about 10% there, far less on a real
+model).
 """
 from __future__ import annotations
 

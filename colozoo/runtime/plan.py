@@ -3,21 +3,20 @@
 the rest (data parallelism, activation checkpointing, offload) and `colozoo finetune --plan auto` trains with it."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
+from colozoo.core.mesh import ParallelConfig
 from colozoo.runtime.options import CHECKPOINTING, MULTI_STAGE_SCHEDULES, OFFLOAD, SCHEDULES, ZERO_LEVELS
 
-DEGREES = ("tp", "pp", "dp", "cp", "ep", "sequence_parallel")
+DEGREES = tuple(f.name for f in fields(ParallelConfig))  # tp, pp, dp, cp, ep, sequence_parallel
 
 
-@dataclass
+@dataclass(init=False)
 class Plan:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
+    """The mesh (`degrees`, a core.mesh.ParallelConfig: the degrees and their checks) and how a step runs on it.
+    `Plan(tp=4, pp=2, micro_batch_size=2)` is short for `Plan(ParallelConfig(tp=4, pp=2), micro_batch_size=2)`, and
+    `plan.tp` reads `plan.degrees.tp`."""
+    degrees: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
@@ -29,8 +28,28 @@ class Plan:
     layers_per_stage: tuple | None = None  # layers of each (virtual) stage in order; None: balanced by parameters
     reshard_after_forward: bool = True   # ZeRO-3: free gathered weights after each layer's forward (FSDP2's option)
 
+    def __init__(self, degrees: ParallelConfig | None = None, *, tp: int | None = None, pp: int | None = None,
+                 dp: int | None = None, cp: int | None = None, ep: int | None = None,
+                 sequence_parallel: bool | None = None, **choices):
+        """The degrees given as keywords replace those of `degrees` (default: every degree 1); `choices`: the
+        other fields."""
+        unknown = sorted(choices.keys() - {f.name for f in fields(Plan)})
+        if unknown:
+            raise TypeError(f"Plan() got unknown settings {unknown}; it takes {[f.name for f in fields(Plan)]} and "
+                            f"the degrees {list(DEGREES)}")
+        given = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+        self.degrees = degrees if degrees is not None else ParallelConfig()
+        if isinstance(self.degrees, ParallelConfig):
+            self.degrees = replace(self.degrees, **{k: v for k, v in given.items() if v is not None})
+        for f in fields(Plan):
+            if f.name != "degrees":
+                setattr(self, f.name, choices[f.name] if f.name in choices else f.default)
+        self.__post_init__()
+
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
+        if not isinstance(self.degrees, ParallelConfig):
+            raise TypeError(f"plan degrees must be a colozoo.core.mesh.ParallelConfig, got {self.degrees!r}")
+        for name in ("micro_batch_size", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"plan {name} must be an integer >= 1, got {value!r}")
@@ -48,20 +67,32 @@ class Plan:
                                  f"{self.pp * self.virtual_stages} counts >= 1")
             self.layers_per_stage = counts
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    def degrees(self) -> dict:
-        """The mesh: keyword arguments of init_parallel / from_pretrained."""
-        return {k: getattr(self, k) for k in DEGREES}
+    tp = property(lambda self: self.degrees.tp)
+    pp = property(lambda self: self.degrees.pp)
+    dp = property(lambda self: self.degrees.dp)
+    cp = property(lambda self: self.degrees.cp)
+    ep = property(lambda self: self.degrees.ep)
+    sequence_parallel = property(lambda self: self.degrees.sequence_parallel)
+    world_size = property(lambda self: self.degrees.world_size)
 
     def choices(self) -> "Plan":
         """Just the plan (a subclass adds the planner's predictions)."""
         return Plan(**{f.name: getattr(self, f.name) for f in fields(Plan)})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """One flat dict, the degrees first (what `Plan(**plan.to_dict())` and `Plan.from_dict` read back)."""
+        settings = asdict(self)
+        return {**settings.pop("degrees"), **settings}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        """The plan `to_dict` wrote (a subclass's extra entries ignored), or one whose degrees sit under
+        "degrees"."""
+        data = dict(data)
+        known = {f.name for f in fields(Plan)} | set(DEGREES)
+        degrees = data.pop("degrees", None)
+        return Plan(ParallelConfig(**degrees) if isinstance(degrees, dict) else degrees,
+                    **{k: v for k, v in data.items() if k in known})
 
     def mesh(self) -> str:
         text = f"tp={self.tp},pp={self.pp},dp={self.dp},cp={self.cp},ep={self.ep}"

@@ -60,8 +60,8 @@ FINETUNE = {
         (HONEST + "test_chat_keeps_whole_turns_and_counts_what_it_drops",)),
     "throughput_counts_padding_as_trained": Mutation(
         "throughput counts every computed position as a trained token",
-        Rewrite("colozoo.finetune.loop:train", ("trained = int(inputs.train.tokens[indices].sum())",
-                                                "trained = computed")),
+        Rewrite("colozoo.finetune.loop:step_tokens", ("int(inputs.train.tokens[indices].sum())",
+                                                      'batch["input_ids"].numel()')),
         (HONEST + "test_throughput_counts_tokens_computed_and_trained_and_mfu_what_lora_computes",)),
     "export_tokenizer_not_saved": Mutation(
         "the fine-tune's HF export copies the model directory's tokenizer files instead of tokenizer.save_pretrained",

@@ -1,0 +1,67 @@
+"""What expert parallelism costs, term by term:
+
+- where an expert-parallel group lies (`expert_span`): colozoo groups ep consecutive ranks of the dp x cp ranks of
+  one tensor-parallel coordinate, so a group spans tp x ep consecutive ranks; Megatron-Core's MoE parallel folding
+  with an expert tensor-parallel size of 1 (Software.expert_tp_folded) lays the expert ranks out across the tp
+  ranks too, so a group spans ep consecutive ranks (Liu et al. 2025, "MoE Parallel Folding", arXiv 2504.14960);
+- the token dispatch and combine (`dispatch_combine_seconds`): an all-to-all in which each rank keeps 1/ep of its
+  tokens, sends to the ep - 1 others; of those, the ranks of its own node are reached over NVLink and the others
+  over its network adapter, both at once, so the slower share sets the time (not all of it at the slower link);
+- the experts' GEMMs run grouped: one kernel over each local expert's tokens (torch._grouped_mm, Megatron's
+  grouped GEMM), whose output tiles fill the GPU per expert (colozoo.cost.trace records a grouped product as
+  (experts, tokens per expert, n, k), and colozoo.cost.compute_time.wave_efficiency prices its tiles); the
+  router (a GEMM to the expert logits, softmax / sigmoid, top-k) is traced as the model runs it.
+"""
+from __future__ import annotations
+
+from colozoo.cost.hardware import Hardware
+from colozoo.cost.network import collective_seconds
+
+
+def expert_span(tp: int, ep: int, folded: bool = False) -> int:
+    """Consecutive ranks one expert-parallel group lies within."""
+    return ep if folded else tp * ep
+
+
+def dispatch_combine_seconds(hw: Hardware, nbytes: float, ep: int, span: int, calls: float) -> float:
+    """Seconds of all-to-alls moving `nbytes` of payload in all (each rank's tokens, before the split) over an ep
+    group lying within `span` consecutive ranks: the shares kept, sent inside the node and sent across nodes, the
+    slower link setting the pace."""
+    if ep <= 1:
+        return 0.0
+    if span <= hw.gpus_per_node:
+        return collective_seconds(hw, "all_to_all", nbytes, ep, span, calls)
+    per_node = max(1, hw.gpus_per_node * ep // span)  # the group's ranks in one node
+    inside = nbytes * (per_node - 1) / ep / hw.bandwidth("all_to_all", hw.gpus_per_node)
+    across = nbytes * (ep - per_node) / ep / hw.bandwidth("all_to_all", span)
+    latency = calls * (ep - 1) * hw.inter_node_latency_s
+    return max(inside, across) + latency
+
+
+def grouped_gemm_shape(op: str, args: tuple, kwargs: dict, out, flops: int) -> tuple | None:
+    """(batch, m, n, k) of a grouped GEMM (torch._grouped_mm) with a 2-D output (tokens, n) over the experts its
+    offsets end: each expert's tokens are a GEMM of their own (balanced routing: tokens / experts each); None for
+    any other op (the weight gradient's (experts, k, n) output is a batched GEMM already)."""
+    if op != "_grouped_mm" or not flops or getattr(out, "dim", lambda: 0)() != 2:
+        return None
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if offs is None:
+        return None
+    (tokens, n), groups = out.shape, max(1, len(offs))
+    return (groups, max(1, tokens // groups), n, max(1, flops // (2 * tokens * n)))
+
+
+def expert_exchange_seconds(comm: dict, calls: dict, plan, hw: Hardware, folded: bool = False,
+                            scale: float = 1.0) -> float:
+    """Seconds of one unit's expert-parallel collectives per micro-batch ("ep.<collective>" bytes and calls of a
+    traced unit, times `scale` for a recomputed forward), over the group's links."""
+    span = expert_span(plan.tp, plan.ep, folded)
+    out = 0.0
+    for key, nbytes in comm.items():
+        group, _, collective = key.partition(".")
+        if group != "ep":
+            continue
+        n = scale * calls.get(key, 0)
+        out += dispatch_combine_seconds(hw, scale * nbytes, plan.ep, span, n) if collective == "all_to_all" else \
+            collective_seconds(hw, collective, scale * nbytes, plan.ep, span, n)
+    return out

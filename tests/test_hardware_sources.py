@@ -1,0 +1,97 @@
+"""Where the planner's hardware numbers come from: every preset's numbers name a source; the planner's fields measured
+on a device (colozoo.cost.measure, here on the CPU at tiny sizes) load as a preset that names the device they ran on
+and plan; the tile fit recovers the tile a grid was made with."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from colozoo.cost.hardware import PRESETS, Hardware, get_hardware, unsourced, with_all_sources
+from colozoo.cost.measure import TILES, Sizes, datasheet_preset, fit_tile, measure, modelled_rate, write_measured
+
+TINY = Sizes(64, (8, 48), (16, 96), 32, 1 << 16, 1 << 16, (1, 1, 32, 16), 0.05, sample_s=0.001)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_number_of_a_preset_names_its_source(name):
+    hw = PRESETS[name]
+    assert unsourced(hw) == []
+    assert hw.sources["peak_flops"].startswith("NVIDIA") and hw.sources["gpu_memory"].startswith("NVIDIA")
+
+
+def test_a_default_source_is_not_attached_to_another_value():
+    hw = with_all_sources(Hardware("x", 1.0, 1.0, intra_node_bw=7.0, sources={"gpu_memory": "a", "peak_flops": "b"}))
+    assert unsourced(hw) == ["intra_node_bw"]
+    assert "estimate" in hw.sources["matmul_efficiency"]
+
+
+def test_show_hardware_prints_each_number_with_its_source(capsys):
+    from colozoo.cli import main
+
+    assert main(["plan", "--show-hardware", "--hardware", "a100-80gb", "--gpus", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("A100-80GB: 8 GPUs a node x 2 node(s)")
+    assert "312 TFLOP/s  NVIDIA A100 datasheet: 312 TFLOP/s dense BF16" in out and "(no source)" not in out
+    assert main(["plan", "--show-hardware", "--set", "inter_node_bw=1e11", "--gpu-memory", "40GB"]) == 0
+    given = [line for line in capsys.readouterr().out.splitlines() if "given by the caller" in line]
+    assert [line.split()[0] for line in given] == ["gpu_memory", "inter_node_bw"]
+
+
+def test_datasheet_presets_by_device_name():
+    names = {"NVIDIA H100 80GB HBM3": "H100-80GB", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-40GB": "A100-40GB",
+             "NVIDIA A100-SXM4-80GB": "A100-80GB", "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None,
+             "Tesla V100-SXM2-32GB": "V100-32GB", "NVIDIA GeForce RTX 4090": "RTX4090", "AMD Instinct MI300X": None}
+    assert {name: datasheet_preset(name) for name in names} == names
+
+
+def test_the_tile_fit_recovers_the_tile_a_grid_was_made_with():
+    hw = PRESETS["H100-80GB"]
+    rows = [{"m": m, "n": n, "k": 4096} for m in (256, 1024, 4096) for n in (1536, 4096, 6144)]
+    for tile in ((128, 128), (256, 128)):
+        made = [{**r, "flops_per_s": modelled_rate(r, hw.with_(gemm_tile=tile), 2)} for r in rows]
+        assert fit_tile(made, hw, 2) == (tile, pytest.approx(0.0, abs=1e-12))
+    assert len(TILES) > 2
+
+
+def test_measured_on_the_cpu_it_names_the_cpu_loads_as_a_preset_and_plans(tmp_path, capsys):
+    found = measure("cpu", sizes=TINY)
+    path = write_measured(tmp_path / "cpu.json", found)
+    hw = get_hardware(str(path), gpus=1)
+    assert hw.name.startswith("cpu") and "GB" not in hw.name.split(",")[0]  # no GPU's name on a CPU's figures
+    assert hw.peak_flops == found["peak_flops"] < 1e14 and hw.sm_count is None and hw.matmul_efficiency <= 1
+    measured = [k for k in found if k not in ("preset", "name", "sources", "evidence")]
+    assert {"peak_flops", "hbm_bw", "matmul_efficiency", "attention_efficiency", "kernel_floor_s"} <= set(measured)
+    for key in measured:
+        assert hw.sources[key].startswith("measured by colozoo.cost.measure on cpu"), key
+    assert unsourced(hw) == [] and "datasheet" in hw.sources["intra_node_bw"]  # the links stay the preset's
+    assert len(found["evidence"]["gemm_grid"]) == 4 and all(r["of_peak"] > 0 for r in found["evidence"]["gemm_grid"])
+    from colozoo.cli import main
+
+    args = ["plan", "opt-125m", "--gpus", "1", "--seq-len", "64", "--global-batch", "1", "--json", "--top", "1"]
+    assert main(args + ["--hardware", str(path)]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["hardware"]["peak_flops"] == found["peak_flops"] and planned["plans"]
+
+
+def test_against_a_datasheet_the_efficiencies_are_of_its_peaks(tmp_path):
+    """Forced onto a datasheet preset, a device's rates are fractions of its peak and bandwidth, which stay the
+    datasheet's; the file still names the device that ran."""
+    found = measure("cpu", preset="A100-80GB", sizes=TINY)
+    assert "peak_flops" not in found and found["name"].startswith("A100-80GB measured on cpu")
+    seen = found["evidence"]
+    assert math.isclose(found["matmul_efficiency"], seen["sustained_flops_per_s"] / 312e12)
+    assert math.isclose(found["hbm_efficiency"], seen["copy_bytes_per_s"] / PRESETS["A100-80GB"].hbm_bw)
+
+
+def test_the_gpu_bench_writes_the_preset_file(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gpu
+    import torch
+
+    args = gpu.argparse.Namespace(hardware_out=tmp_path / "hw.json")
+    line = gpu.hardware_case(args, torch.device("cpu"))
+    written = json.loads((tmp_path / "hw.json").read_text())
+    assert line["metrics"]["preset_file"] == str(tmp_path / "hw.json") and line["ratio"] is None
+    assert written["sources"]["matmul_efficiency"].startswith("measured by bench/gpu.py on cpu")
