@@ -30,6 +30,9 @@ class Software:
     # expert-parallel ranks laid out across the tensor-parallel ones (Megatron-Core's MoE parallel folding with an
     # expert tensor-parallel size of 1): an ep group spans ep consecutive ranks, not tp x ep (colozoo.cost.experts)
     expert_tp_folded: bool = False
+    # modules recomputed inside each layer when the plan checkpoints none (Megatron-Core's --recompute-modules, e.g.
+    # ("layernorm", "moe_act")): priced only, their saved activations dropped (colozoo.cost.saved_layout)
+    recompute_modules: tuple = ()
 
     def to_dict(self) -> dict:
         return asdict(self)

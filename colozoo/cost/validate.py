@@ -82,7 +82,7 @@ class TraceCache:
 
 
 def validate_run(run: PublishedRun, cache: TraceCache) -> Validation:
-    report = assemble(cache.get(run), run.plan, run.workload)
+    report = assemble(cache.get(run), run.plan, run.workload, run.software)
     seconds, breakdown, _ = estimate(report, run.plan, run.workload, run.hardware, software=run.software)
     return Validation(run, seconds, run.measured_seconds(), report.peak_memory, breakdown)
 
