@@ -4,14 +4,15 @@ import warnings
 
 import pytest
 
-from colozoo.cost.saved_layout import dropped_bytes, folded_expert_bytes, recomputed
+from colozoo.cost.saved_layout import (dropped_bytes, folded_expert_bytes, fused_norm_bytes, recomputed,
+                                       sequence_shard_bytes)
 from colozoo.cost.software import Software
 from colozoo.runtime.plan import Plan
 from tests.helpers.family_cases import tiny_config
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-SAVED = {"input_layernorm|mul|(64,)": 30, "self_attn.qkv|mm|(64,)": 20, "mlp.experts|grouped_mm|(64,)": 40,
+SAVED = {"input_layernorm|mul|(64,)": 30, "self_attn.qkv|_ColumnParallel|(64,)": 20, "mlp.experts|grouped_mm|(64,)": 40,
          "mlp.experts|grouped_mm|(128,)": 50, "mlp.experts|mul|(128,)": 70, "mlp|index_add|(64,)": 40}
 
 
@@ -28,6 +29,12 @@ def test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows():
     assert folded_expert_bytes(SAVED, 64, 2) == 40
     assert folded_expert_bytes(SAVED, 64, 1) == 0
     assert dropped_bytes(SAVED, ("layernorm", "moe_act"), 64, 2) == 30 + 70 + 40
+
+
+def test_fused_norms_keep_their_input_and_sp_linears_their_shard():
+    assert fused_norm_bytes(SAVED, {"input_layernorm": 10}) == 20  # 30 saved, of which its input 10
+    assert fused_norm_bytes(SAVED, {}) == 0
+    assert sequence_shard_bytes(SAVED, 4) == 15  # the gathered 20 kept as a quarter
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +60,11 @@ def test_assemble_saves_as_the_software_does(mixtral_trace):
     assert sum(unit.module_saved.values()) == unit.saved_bytes  # every saved byte has its module
     base = activations()
     hidden = mixtral_trace.config.hidden_size
-    for software, key in ((Software(recompute_modules=("layernorm", "moe_act")), ("layernorm", "moe_act")),
-                          (Software(expert_tp_folded=True), ())):
-        drop = dropped_bytes(unit.module_saved, key, 0 if key else hidden, 2) * len(mixtral_trace.layers)
-        assert drop > 0
-        assert activations(software) == pytest.approx(base - drop, rel=1e-6)
+    n = len(mixtral_trace.layers)
+    for software, drop in ((Software(recompute_modules=("layernorm", "moe_act")),
+                            dropped_bytes(unit.module_saved, ("layernorm", "moe_act"))),
+                           (Software(expert_tp_folded=True), dropped_bytes(unit.module_saved, (), hidden, 2)),
+                           (Software(fused_norm=True), fused_norm_bytes(unit.module_saved, unit.norm_inputs)),
+                           (Software(sequence_parallel_saves_shard=True), sequence_shard_bytes(unit.module_saved, 2))):
+        assert drop > 0, software
+        assert activations(software) == pytest.approx(base - n * drop, rel=1e-6)

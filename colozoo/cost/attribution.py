@@ -107,6 +107,9 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
         for name, u in units.items():
             if name.startswith("layer:"):
                 u.input_bytes = trace.module_inputs.get(layer_prefix + name.split(":", 1)[1], 0)
+                inside = layer_prefix + name.split(":", 1)[1] + "."
+                u.norm_inputs = {m[len(inside):]: n for m, n in trace.module_inputs.items()
+                                 if m.startswith(inside) and m.endswith("norm")}
     return units
 
 

@@ -79,20 +79,26 @@ def assemble(traced: ModelTrace, plan: Plan, workload: Workload, software=None) 
 
 def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
     """The trace with each layer's saved bytes as `software` keeps them (colozoo.cost.saved_layout)."""
-    from colozoo.cost.saved_layout import dropped_bytes
+    from colozoo.cost import saved_layout as layout
 
+    sp = plan.sequence_parallel and plan.tp > 1
     modules = tuple(getattr(software, "recompute_modules", ()))
-    folded = bool(getattr(software, "expert_tp_folded", False)) and plan.sequence_parallel and plan.tp > 1
-    if not modules and not folded:
+    hidden = getattr(traced.config, "hidden_size", 0) if sp and getattr(software, "expert_tp_folded", False) else 0
+    fused = bool(getattr(software, "fused_norm", False))
+    shard = sp and getattr(software, "sequence_parallel_saves_shard", False)
+    if not (modules or hidden or fused or shard):
         return traced
-    hidden = getattr(traced.config, "hidden_size", 0) if folded else 0
+
+    def dropped(u):
+        return (layout.dropped_bytes(u.module_saved, modules, hidden, plan.tp)
+                + (layout.fused_norm_bytes(u.module_saved, u.norm_inputs) if fused else 0)
+                + (layout.sequence_shard_bytes(u.module_saved, plan.tp) if shard else 0))
 
     def build():
-        units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped_bytes(u.module_saved, modules, hidden, plan.tp)))
-                 for k, u in traced.units.items()}
+        units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u))) for k, u in traced.units.items()}
         return replace(traced, units=units, memo={})
 
-    return traced.memoized(("saved by", modules, hidden, plan.tp), build)
+    return traced.memoized(("saved by", modules, hidden, fused, shard, plan.tp), build)
 
 
 def _unit_dicts(traced: ModelTrace, tp: int, itemsize: int) -> list[dict]:

@@ -9,7 +9,11 @@ bytes by module, op and width (UnitCost.module_saved, keys "module path|op|(widt
   sequence shard to whole experts (expert tp 1), where colozoo's MoE routes the tensor-parallel group's gathered
   tokens to experts split over tp; the ffn-wide expert activations are the same bytes either way (tp x the rows,
   1/tp the width), the hidden-wide ones (router input, dispatched rows, the weighted combine) are 1/tp of
-  colozoo's.
+  colozoo's;
+- fused norms (Software.fused_norm): a norm keeps its input (and a statistic per row), not an fp32 copy and its
+  normalized output;
+- the sequence shard kept for backward (Software.sequence_parallel_saves_shard): a column-parallel linear under
+  sequence parallelism keeps 1/tp of the gathered input colozoo's keeps.
 """
 from __future__ import annotations
 
@@ -42,6 +46,21 @@ def dropped_bytes(module_saved: dict, modules=(), folded_hidden: int = 0, tp: in
     gone = recomputed(module_saved, modules)
     kept = {k: n for k, n in module_saved.items() if k not in gone}
     return sum(gone.values()) + folded_expert_bytes(kept, folded_hidden, tp)
+
+
+def fused_norm_bytes(module_saved: dict, norm_inputs: dict) -> float:
+    """Saved bytes a fused norm kernel does not keep: each norm's saved tensors beyond its input."""
+    saved = {}
+    for key, nbytes in module_saved.items():
+        module = _parts(key)[0]
+        if module in norm_inputs:
+            saved[module] = saved.get(module, 0) + nbytes
+    return sum(max(0.0, n - norm_inputs[m]) for m, n in saved.items())
+
+
+def sequence_shard_bytes(module_saved: dict, tp: int) -> float:
+    """Saved bytes of the column-parallel linears' gathered inputs beyond the sequence shard."""
+    return sum(n for key, n in module_saved.items() if _parts(key)[1] == "_ColumnParallel") * (1 - 1 / tp)
 
 
 def folded_expert_bytes(module_saved: dict, hidden: int, tp: int) -> float:
