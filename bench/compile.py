@@ -51,12 +51,12 @@ def step_of(model, ids):
 
 def layers_step_of(model, ids):
     """Forward + backward of the transformer layers alone (what compile compiles), from the embeddings' output."""
-    ctx = model.batch_context(ids)
-    hidden = model.embed(ids, ctx).detach().requires_grad_()
+    batch = model.batch_context(ids)
+    hidden = model.embed(ids, batch).detach().requires_grad_()
 
     def step():
         model.zero_grad(set_to_none=True)
-        model.forward_layers(hidden, ctx).sum().backward()
+        model.forward_layers(hidden, batch).sum().backward()
     return step
 
 

@@ -58,7 +58,7 @@ def rates(prefill_s, whole_s, args, prompt_tokens):
             "prefill_s": prefill_s, "generate_s": whole_s}
 
 
-def measure(ours, hf, ids, mask, args, pc=None):
+def measure(ours, hf, ids, mask, args, parallel=None):
     options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     ours_gen = lambda n: ours.generate(ids, attention_mask=mask, max_new_tokens=n, **options)  # noqa: E731
     hf_gen = lambda n: hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, **options)  # noqa: E731
@@ -108,7 +108,7 @@ def cache_bytes(model, config, args, tp):
     head_dim = config.hidden_size // config.num_attention_heads
     formula = (2 * config.num_hidden_layers * (config.num_key_value_heads // tp) * head_dim
                * (args.prompt + args.new) * args.batch * 4)
-    return model.generate(torch.zeros(args.batch, args.prompt, dtype=torch.long, device=model.pc.device),
+    return model.generate(torch.zeros(args.batch, args.prompt, dtype=torch.long, device=model.parallel.device),
                           max_new_tokens=args.new, eos_token_id=None, pad_token_id=0,
                           return_dict_in_generate=True).cache_elements * 4, formula
 

@@ -50,11 +50,11 @@ def run_rank(rank, world, init_file, args, results):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(cp=world)
+    parallel = init_parallel(cp=world)
     config = transformers.GPT2Config(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=4,
                                      n_positions=max(args.seqs), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
-    model = build_model(config, pc=pc).train()
+    model = build_model(config, parallel=parallel).train()
     rows = []
     for seq in args.seqs:
         ids = torch.randint(0, args.vocab, (1, seq), generator=torch.Generator().manual_seed(seq))

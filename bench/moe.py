@@ -52,7 +52,7 @@ def run_rank(rank, init_file, args, results):
     dist.barrier()
     contenders = {"hf": hf}
     for ep in (1, 2):
-        model = build_model(config, pc=ParallelContext(ParallelConfig(dp=WORLD, ep=ep)), device="meta")
+        model = build_model(config, parallel=ParallelContext(ParallelConfig(dp=WORLD, ep=ep)), device="meta")
         contenders[f"ep{ep}"] = load_hf_weights(model, SafetensorsReader(directory[0]), device="cpu").train()
     dist.barrier()
     if rank == 0:

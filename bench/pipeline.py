@@ -54,7 +54,7 @@ class SleepLayer(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
         self.t_forward = t_forward
 
-    def forward(self, x, ctx):
+    def forward(self, x, batch):
         return _Sleep.apply(x, self.weight, self.t_forward)
 
 
@@ -62,8 +62,8 @@ class SleepModel(ParallelModel):
     """A ParallelModel whose cost is known exactly: each layer sleeps t in forward and 2t in backward."""
     family = "bench-sleep"
 
-    def __init__(self, config, pc, layer_ids):
-        super().__init__(config, pc, layer_ids)
+    def __init__(self, config, parallel, layer_ids):
+        super().__init__(config, parallel, layer_ids)
         h = config.hidden_size
         if self.is_first:
             self.embedding = nn.Embedding(config.vocab_size, h)
@@ -71,10 +71,10 @@ class SleepModel(ParallelModel):
         if self.is_last:
             self.out = nn.Linear(h, config.vocab_size)
 
-    def embed(self, input_ids, ctx):
+    def embed(self, input_ids, batch):
         return self.embedding(input_ids)
 
-    def head(self, hidden, ctx, labels=None, logits=None):
+    def head(self, hidden, batch, labels=None, logits=None):
         scores = self.out(hidden)
         loss = F.cross_entropy(scores[:, :-1].flatten(0, 1), labels[:, 1:].flatten()) if labels is not None else None
         return ModelOutput(loss=loss, logits=scores)
@@ -105,19 +105,19 @@ def spawn(fn, world, *args):
 def bubbles(pp, m, t_ms, steps, schedules=(("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))):
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(pp=pp)
-    return [bubble(pc, m, virtual, schedule, t_ms, steps) for schedule, virtual in schedules]
+    parallel = init_parallel(pp=pp)
+    return [bubble(parallel, m, virtual, schedule, t_ms, steps) for schedule, virtual in schedules]
 
 
-def bubble(pc, m, virtual, schedule, t_ms, steps):
+def bubble(parallel, m, virtual, schedule, t_ms, steps):
     from colozoo.core.partition import rank_layers
 
-    pp = pc.config.pp
+    pp = parallel.config.pp
     n_layers = pp * virtual
     t_forward = t_ms / 1000 / virtual  # the same work per rank, whatever the number of virtual stages
     config = SimpleNamespace(num_hidden_layers=n_layers, hidden_size=8, vocab_size=16, t_forward=t_forward,
                              tie_word_embeddings=False)
-    model = SleepModel(config, pc, rank_layers(n_layers, pp, pc.rank("pp"), virtual))
+    model = SleepModel(config, parallel, rank_layers(n_layers, pp, parallel.rank("pp"), virtual))
     Run(model)
     ids = torch.randint(0, 16, (m, 4))
     times = []
@@ -147,11 +147,11 @@ def train_step(tp, pp, m, steps, config_kwargs, batch_size, seq):
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.training import build_optimizer, clip_grad_norm_
 
-    pc = init_parallel(tp=tp, pp=pp)
+    parallel = init_parallel(tp=tp, pp=pp)
     config = transformers.GPT2Config(**config_kwargs)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(config)
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     del hf
     model.train()

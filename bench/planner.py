@@ -97,10 +97,10 @@ def run_plan(mesh, m, data_parallel, steps):
     from colozoo.runtime.training import build_optimizer, parallelize
 
     torch.manual_seed(0)
-    pc = init_parallel(**mesh)
+    parallel = init_parallel(**mesh)
     gc.collect()  # the last plan's model lives in reference cycles: freed now, not in the middle of this one
     before_model = malloc_in_use()
-    model = build_model(config(), pc=pc, device="cpu").train()
+    model = build_model(config(), parallel=parallel, device="cpu").train()
     parallelize(model, data_parallel=data_parallel or "ddp")
     optimizer = build_optimizer(model)
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -189,7 +189,7 @@ def calibrate_compute(flops: dict) -> tuple[float, float]:
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    model = build_model(config(), pc=init_parallel(dp=2), device="cpu").train()  # a whole replica per rank
+    model = build_model(config(), parallel=init_parallel(dp=2), device="cpu").train()  # a whole replica per rank
     points = []
     with use_kernels("torch"):
         for mbs in CALIBRATION_SIZES:
@@ -245,9 +245,9 @@ def predictions(cpu, plans):
     out = {}
     workload = Workload(seq_len=SEQ, dtype="float32", target="cpu")
     for name, mesh, m, data_parallel in plans:
-        pc = parse_mesh(mesh)
-        zero = 3 if data_parallel == "fsdp" and pc.dp > 1 else 0
-        plan = plan_of(pc, micro_batch_size=BATCH // (pc.dp * m), num_microbatches=m, schedule=schedule_for(mesh, m),
+        degrees = parse_mesh(mesh)
+        zero = 3 if data_parallel == "fsdp" and degrees.dp > 1 else 0
+        plan = plan_of(degrees, micro_batch_size=BATCH // (degrees.dp * m), num_microbatches=m, schedule=schedule_for(mesh, m),
                        zero=zero)
         report = profile(config(), plan, workload)
         step, _, _ = estimate(report, plan, workload, cpu)

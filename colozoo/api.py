@@ -29,13 +29,13 @@ from colozoo.runtime.compile import compile_layers
 from colozoo.runtime.run import Run
 
 
-def build_model(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
+def build_model(config, parallel=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
                 layers_per_stage: list[int] | None = None, balance: str | None = None, plan=None,
                 compile: bool = False):
     """This rank's shard of a model of `config` (see colozoo.models.build_shard) with its Run attached, so it
     runs on its mesh: pipeline stages, cp sharding, forward_backward, generate, save_pretrained. `compile=True` compiles
     each layer with torch.compile (colozoo.runtime.compile)."""
-    model = build_shard(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
+    model = build_shard(config, parallel=parallel, layer_ids=layer_ids, device=device, dtype=dtype, task=task,
                          layers_per_stage=layers_per_stage, balance=balance)
     if model.can_generate():
         model.generation_config = transformers.GenerationConfig.from_model_config(config)
@@ -133,17 +133,17 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
 
         chosen = best_plan_for_world(config, init_distributed(), gpu_memory=gpu_memory)
         tp, pp, dp, cp, ep, sequence_parallel = asdict(chosen.degrees).values()
-    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
+    parallel = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel, device=device)
     lora = source.lora if isinstance(source, ColozooCheckpoint) else None  # a checkpoint saved with adapters
     layout = ModelLayout(config, lora=lora)
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
     dtype = dtype or source.tensor(next(iter(layout.tensors))).dtype
-    model = build_model(config, pc=pc, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
+    model = build_model(config, parallel=parallel, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
                         plan=chosen)
     if lora is not None:
         lora.apply(model)
-    load_global_tensors(model, source.tensor, device=pc.device, layout=layout)
+    load_global_tensors(model, source.tensor, device=parallel.device, layout=layout)
     if adapter is not None:
         load_peft(model, adapter)
     if compile:

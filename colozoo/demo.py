@@ -60,9 +60,9 @@ def _rank(rank: int, world: int, init_file: str, path: str, results):
         from colozoo.core.mesh import init_parallel
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        pc = init_parallel(tp=world)
+        parallel = init_parallel(tp=world)
         config = transformers.AutoConfig.from_pretrained(path)
-        model = build_model(config, pc=pc, device="meta")
+        model = build_model(config, parallel=parallel, device="meta")
         load_hf_weights(model, SafetensorsReader(path), device="cpu")
         ids, mask, labels = demo_batch()
         with torch.no_grad():

@@ -181,7 +181,7 @@ def _meta_model(config, layer_ids=None, **degrees):
     from colozoo.core.mesh import ParallelContext
 
     try:
-        return build_shard(config, pc=ParallelContext.virtual(**degrees), layer_ids=layer_ids, device="meta")
+        return build_shard(config, parallel=ParallelContext.virtual(**degrees), layer_ids=layer_ids, device="meta")
     except ImportError:
         return None
 

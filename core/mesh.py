@@ -252,17 +252,17 @@ def init_parallel(tp=1, pp=1, dp=None, cp=1, ep=1, sequence_parallel=False, devi
     if world == 1:
         return ParallelContext(config, device=device)
     device = torch.device(device) if device is not None else default_device()
-    world_group, pc = _CONTEXTS.get((config, device), (None, None))
+    world_group, parallel = _CONTEXTS.get((config, device), (None, None))
     if world_group is not dist.group.WORLD:
-        pc = ParallelContext(config, device=device)
-        _CONTEXTS[(config, device)] = (dist.group.WORLD, pc)
-    return pc
+        parallel = ParallelContext(config, device=device)
+        _CONTEXTS[(config, device)] = (dist.group.WORLD, parallel)
+    return parallel
 
 
 def single_process() -> ParallelContext:
     return ParallelContext(ParallelConfig())
 
 
-def coords_of(pc: ParallelContext) -> dict[str, tuple[int, int]]:
+def coords_of(parallel: ParallelContext) -> dict[str, tuple[int, int]]:
     """Mesh coordinates used by shard specs: {mesh_dim: (rank, size)}."""
-    return {dim: (pc.rank(dim), pc.size(dim)) for dim in ("tp", "ep")}
+    return {dim: (parallel.rank(dim), parallel.size(dim)) for dim in ("tp", "ep")}

@@ -78,9 +78,9 @@ def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, pc) -> None:
+def model_parallel_seed(seed: int, parallel) -> None:
     """Seed the default generator per pipeline stage and the tracked one per tensor-parallel rank."""
-    default_seed = seed + _PP_SEED_STRIDE * pc.rank("pp")
+    default_seed = seed + _PP_SEED_STRIDE * parallel.rank("pp")
     torch.manual_seed(default_seed)
     _TRACKER.reset()
-    _TRACKER.add(TENSOR_PARALLEL, default_seed + _TP_SEED_OFFSET + pc.rank("tp"))
+    _TRACKER.add(TENSOR_PARALLEL, default_seed + _TP_SEED_OFFSET + parallel.rank("tp"))

@@ -39,11 +39,11 @@ def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, d
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q); v may be narrower than
     q and k (MLA's v_head_dim).
 
-    With `cp` (a layers.context_parallel.ContextParallel, i.e. `ctx.cp`) q/k/v hold the rank's zigzag share of
+    With `cp` (a layers.context_parallel.ContextParallel, i.e. `batch.cp`) q/k/v hold the rank's zigzag share of
     the sequence and attention runs across the cp ranks (ring or all-to-all); `mask` is then ignored: masks
     come from cp.attention_mask, `causal` and the sliding `window` (without cp, put the window in `mask`).
     `softcap` caps the scores to softcap * tanh(scores / softcap) before masking (Gemma 2), on every path.
-    `documents` (batch, seq): the packed documents of a self-attention (`ctx.documents`, see layers.documents); a
+    `documents` (batch, seq): the packed documents of a self-attention (`batch.documents`, see layers.documents); a
     token attends only within its own. Under cp the ids come from cp.documents (the whole sequence's) instead.
     `sinks` (heads,): a learned logit per head joining every row's softmax (gpt-oss; under cp all-to-all only).
     """

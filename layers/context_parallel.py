@@ -16,8 +16,8 @@ Two attention modes (`ContextParallel.mode`):
 - "all_to_all" (Ulysses): an all-to-all swaps sequence sharding for head sharding, every rank runs full
   attention on heads/cp heads over the whole sequence, and a second all-to-all swaps back.
 
-How a family opts in: pass `cp=ctx.cp` to `layers.attention.attention`, take positions from
-`ctx.position_ids` (already the rank's tokens), and pass `cp=ctx.cp` to `VocabParallelLMHead.loss` and
+How a family opts in: pass `cp=batch.cp` to `layers.attention.attention`, take positions from
+`batch.position_ids` (already the rank's tokens), and pass `cp=batch.cp` to `VocabParallelLMHead.loss` and
 `.full_logits` (labels stay the full sequence; the loss is the mean over all cp ranks' tokens). The batch is
 sharded by `shard_batch`, called by `ParallelModel.forward` (pp == 1, via `context_parallel_forward`) and by
 each pipeline stage (pp > 1). Families doing so: gpt2, opt, llama/mistral, mixtral, gemma2/gemma3_text.

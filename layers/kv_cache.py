@@ -4,9 +4,9 @@ sliding-window layer keeps only its window), allocated once at the first write (
 generation. Batches are left-padded: every row has the same length, and `key_keep` says which cached positions are
 real tokens.
 
-An attention module with `ctx.cache` set writes its new keys/values and attends over everything cached:
+An attention module with `batch.cache` set writes its new keys/values and attends over everything cached:
 
-    k, v, mask = ctx.cache.update(layer_idx, k, v, window=self.window)   # mask: (batch, 1, new, cached + new)
+    k, v, mask = batch.cache.update(layer_idx, k, v, window=self.window)   # mask: (batch, 1, new, cached + new)
 
 Keys and values may differ in heads and width: multi-head latent attention (layers.mla) stores its compressed latent
 as the "keys" and its rotary key as the "values", one head each, instead of every head's keys and values.
@@ -123,14 +123,14 @@ class KVCache:
         return sum(k.numel() + v.numel() for k, v in self.buffers.values())
 
 
-def keys_values_mask(ctx, layer: int, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+def keys_values_mask(batch, layer: int, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                      window: int | None = None):
     """What an attention module attends over: its new k/v with the batch's mask, or, while generating
-    (`ctx.cache`), every cached k/v with the cache's mask (causal order and window already in it).
+    (`batch.cache`), every cached k/v with the cache's mask (causal order and window already in it).
     Returns (k, v, mask, causal) for `colozoo.layers.attention.attention`."""
-    if ctx.cache is None:
-        return k, v, ctx.mask_for(window), causal
-    k, v, mask = ctx.cache.update(layer, k, v, window)
+    if batch.cache is None:
+        return k, v, batch.mask_for(window), causal
+    k, v, mask = batch.cache.update(layer, k, v, window)
     return k, v, mask, False
 
 

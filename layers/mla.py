@@ -111,7 +111,7 @@ class LatentAttention(nn.Module):
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         return apply_rope(deinterleave(x) if self.interleaved_rope else x, cos, sin)
 
-    def forward(self, x, ctx, norm=None):
+    def forward(self, x, batch, norm=None):
         """`norm`: the norm before the block, applied to x first."""
         if norm is not None:
             x = norm(x)
@@ -125,17 +125,17 @@ class LatentAttention(nn.Module):
         # k_rot enters the tensor-parallel region here (the latent in kv_b_proj): its heads' gradients are summed
         k_rot = gather_from_sequence(k_rot, self.group) if self.sequence_parallel else copy_to_parallel(k_rot,
                                                                                                         self.group)
-        cos, sin = ctx.rope()
+        cos, sin = batch.rope()
         q = torch.cat((q_nope, self._rotate(q_rot, cos, sin)), dim=-1)
         k_rot = self._rotate(k_rot.unsqueeze(1), cos, sin)
-        latent, k_rot, mask, causal = keys_values_mask(ctx, self.layer_idx, latent.unsqueeze(1), k_rot)
-        if ctx.cache is not None and q.shape[2] < latent.shape[2] and self._absorbable():
+        latent, k_rot, mask, causal = keys_values_mask(batch, self.layer_idx, latent.unsqueeze(1), k_rot)
+        if batch.cache is not None and q.shape[2] < latent.shape[2] and self._absorbable():
             return self.o_proj(merge_heads(self._attend_latent(q, latent, k_rot, mask)))
         k_nope, v = self._heads(self.kv_b_proj(latent.squeeze(1)), self.nope_dim + self.v_dim).split(
             (self.nope_dim, self.v_dim), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.local_heads, -1, -1)), dim=-1)
-        out = attention(q, k, v, mask, causal=causal, scale=self.scale, cp=ctx.cp,
-                        dropout_p=self.dropout_p if self.training else 0.0, documents=ctx.documents)
+        out = attention(q, k, v, mask, causal=causal, scale=self.scale, cp=batch.cp,
+                        dropout_p=self.dropout_p if self.training else 0.0, documents=batch.documents)
         return self.o_proj(merge_heads(out))
 
     def _absorbable(self) -> bool:

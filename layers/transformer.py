@@ -9,7 +9,7 @@ residual stream, with a LayerNorm before each block (pre-norm) or after each res
                                  out = final_layer_norm(h + drop(fc2(act(fc1(h)))))
 
 The attention is a child module (`attention_block`), which is what selective activation checkpointing recomputes.
-Modules here take the model's batch context `ctx` (colozoo.layers.batch): its masks, rotary angles, KV cache and
+Modules here take the model's batch context `batch` (colozoo.layers.batch): its masks, rotary angles, KV cache and
 context-parallel sharding.
 """
 from __future__ import annotations
@@ -109,31 +109,31 @@ class SelfAttention(nn.Module):
         kv head a rank when tp is a multiple of them."""
         return 2 * max(self.local_kv_heads // tp, 1) * self.head_dim
 
-    def forward(self, x, ctx, norm=None):
+    def forward(self, x, batch, norm=None):
         """`norm`: the norm before the block, applied to x by the qkv projection (which may fuse it)."""
         qkv_proj, out_proj = (self._modules[name] for name in self.names)
-        q, k, v = self._heads(qkv_proj(x, norm=norm), ctx)
+        q, k, v = self._heads(qkv_proj(x, norm=norm), batch)
         scale = self.scale
         if self.scale_query:
             q, scale = q * self.scale, 1.0
-        k, v, mask, causal = keys_values_mask(ctx, self.layer_idx, k, v, causal=self.causal, window=self.window)
-        out = attention(q, k, v, mask, causal=causal, scale=scale, cp=ctx.cp, window=self.window,
+        k, v, mask, causal = keys_values_mask(batch, self.layer_idx, k, v, causal=self.causal, window=self.window)
+        out = attention(q, k, v, mask, causal=causal, scale=scale, cp=batch.cp, window=self.window,
                         dropout_p=self.dropout_p if self.training else 0.0, upcast=self.upcast, softcap=self.softcap,
-                        documents=ctx.documents, sinks=self.sinks)
+                        documents=batch.documents, sinks=self.sinks)
         return out_proj(merge_heads(out))
 
 
-    def _heads(self, qkv, ctx):
+    def _heads(self, qkv, batch):
         """q, k, v of the projection, normalised and rotated as the options say (without a q/k norm, rotated in place
         where the rotary op can: rope.rotary_qkv)."""
         heads = (self.local_heads, self.local_kv_heads, self.head_dim)
         if self.rotary is not None and self.q_norm is None:
-            return rotary_qkv(qkv, *ctx.rope(local=self.rotary == "local"), *heads)
+            return rotary_qkv(qkv, *batch.rope(local=self.rotary == "local"), *heads)
         q, k, v = split_heads(qkv, *heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            cos, sin = ctx.rope(local=self.rotary == "local")
+            cos, sin = batch.rope(local=self.rotary == "local")
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
@@ -161,11 +161,11 @@ class TransformerLayer(nn.Module):
     def _dropout(self, x):
         return dropout(x, self.dropout_p, self.training, sharded=self.sharded_resid)
 
-    def forward(self, x, ctx):
+    def forward(self, x, batch):
         if self.pre_norm:
-            attn_out = self._dropout(self.self_attn(self.self_attn_layer_norm(x), ctx))
+            attn_out = self._dropout(self.self_attn(self.self_attn_layer_norm(x), batch))
             mlp_in, x = self.final_layer_norm(attn_out, residual=x)  # x + attn_out, and that normalised
             return x + self._dropout(self.fc2(self.fc1(mlp_in)))
-        x, _ = self.self_attn_layer_norm(self._dropout(self.self_attn(x, ctx)), residual=x)
+        x, _ = self.self_attn_layer_norm(self._dropout(self.self_attn(x, batch)), residual=x)
         x, _ = self.final_layer_norm(self._dropout(self.fc2(self.fc1(x))), residual=x)
         return x

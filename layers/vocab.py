@@ -237,7 +237,7 @@ class VocabParallelLMHead(nn.Module):
     def loss(self, logits_local, labels, ignore_index=-100, label_smoothing=0.0, cp=None) -> torch.Tensor:
         """Mean causal-LM loss over non-ignored tokens: logits at t predict labels at t+1.
 
-        With `cp` (ctx.cp) the logits are the rank's zigzag share of the sequence and `labels` the full sequence;
+        With `cp` (batch.cp) the logits are the rank's zigzag share of the sequence and `labels` the full sequence;
         the mean is taken over the whole sequence (sum and count summed over the cp ranks)."""
         targets = self._next_tokens(labels, ignore_index, cp)
         per_token = vocab_parallel_cross_entropy(logits_local, targets, self.vocab_size, self.group, ignore_index,

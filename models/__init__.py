@@ -19,7 +19,7 @@ def model_class(model_type: str):
     return family_of(model_type).model
 
 
-def build_shard(config, pc=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
+def build_shard(config, parallel=None, layer_ids=None, device=None, dtype=None, task: str | None = None,
                 layers_per_stage: list[int] | None = None, balance: str | None = None):
     """This rank's shard of a model of `config`, without a run (colozoo.build_model builds one with its run). `task`
     picks the head of families that have several (bert: base / masked_lm / sequence_classification, vit: base /
@@ -32,15 +32,15 @@ def build_shard(config, pc=None, layer_ids=None, device=None, dtype=None, task: 
         from colozoo.core.mesh import single_process
         from colozoo.models.partition import model_rank_layers
 
-        pp = (pc or single_process()).config.pp
-        rank = pc.rank("pp") if pc is not None else 0
+        pp = (parallel or single_process()).config.pp
+        rank = parallel.rank("pp") if parallel is not None else 0
         layer_ids = model_rank_layers(config, pp, rank, balance=balance or "params", layers_per_stage=layers_per_stage)
     cls = model_class(config.model_type)
     if hasattr(cls, "for_task"):
         cls = cls.for_task(config, task)
     elif task not in (None, cls.task):
         raise ValueError(f"model type {config.model_type!r} has no {task!r} head; it is a {cls.__name__}")
-    return cls(config, pc=pc, layer_ids=layer_ids, device=device, dtype=dtype)
+    return cls(config, parallel=parallel, layer_ids=layer_ids, device=device, dtype=dtype)
 
 
 __all__ = ["Family", "build_shard", "families", "family_of", "model_class", "text_config", "text_model"]

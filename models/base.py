@@ -3,8 +3,8 @@ by their global index on every stage, head on the last), and the model protocol:
 model read, declared here once with its default.
 
     class MyModel(ParallelModel):        # a family: build self.layers (a ModuleDict by global layer index), then
-        def embed(self, x, ctx): ...                            # first stage: input ids (pixels) -> hidden states
-        def head(self, hidden, ctx, labels=None, logits=LogitsRequest()) -> ModelOutput: ...  # last stage
+        def embed(self, x, batch): ...                            # first stage: input ids (pixels) -> hidden states
+        def head(self, hidden, batch, labels=None, logits=LogitsRequest()) -> ModelOutput: ...  # last stage
 
 A model knows only its layers. How it runs on its mesh (pipeline stages, context-parallel sharding of the batch,
 data-parallel wrapping, the training step, generation, saving) is the business of its run
@@ -55,17 +55,17 @@ class ParallelModel(nn.Module):
     generation_config = None           # transformers' GenerationConfig generate starts from (generation_config.json)
     name_or_path = None                # the directory the weights came from (from_pretrained), as in transformers
 
-    def __init__(self, config, pc: ParallelContext | None = None, layer_ids=None):
+    def __init__(self, config, parallel: ParallelContext | None = None, layer_ids=None):
         super().__init__()
         self.config = config
-        self.pc = pc or single_process()
+        self.parallel = parallel or single_process()
         if layer_ids is None:  # one stage per pp rank, balanced by parameters
             from colozoo.models.partition import model_rank_layers
 
-            layer_ids = model_rank_layers(config, self.pc.config.pp, self.pc.rank("pp"))
+            layer_ids = model_rank_layers(config, self.parallel.config.pp, self.parallel.rank("pp"))
         self.layer_ids = list(layer_ids)
-        self.is_first = self.pc.is_first_stage
-        self.is_last = self.pc.is_last_stage
+        self.is_first = self.parallel.is_first_stage
+        self.is_last = self.parallel.is_last_stage
         self.rotary = None        # a rotary family's RotaryEmbedding
         self.local_rotary = None  # one for sliding-window layers with their own RoPE base (Gemma 3)
 
@@ -116,11 +116,11 @@ class ParallelModel(nn.Module):
 
     @property
     def tp_group(self):
-        return self.pc.tp_group
+        return self.parallel.tp_group
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.pc.sequence_parallel
+        return self.parallel.sequence_parallel
 
     # --- the batch --------------------------------------------------------------------------------------------------
     def position_limit(self) -> int | None:
@@ -132,8 +132,8 @@ class ParallelModel(nn.Module):
         limit = self.position_limit()
         if limit is not None and seq_len > limit:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings={limit}")
-        if self.sequence_parallel and seq_len % self.pc.tp_size:
-            raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.pc.tp_size}")
+        if self.sequence_parallel and seq_len % self.parallel.tp_size:
+            raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.parallel.tp_size}")
 
     def positions(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """The batch's position ids: given, else 0..seq-1 (OPT counts them over the attention mask)."""
@@ -146,20 +146,20 @@ class ParallelModel(nn.Module):
         seq = input_ids.shape[1]
         self.check_sequence(seq)
         positions = self.positions(input_ids, attention_mask, position_ids)
-        ctx = BatchContext(attention_mask, positions, seq, causal=self.causal, window=self.sliding_window)
+        batch = BatchContext(attention_mask, positions, seq, causal=self.causal, window=self.sliding_window)
         if self.rotary is not None:
-            ctx.rope_inv_freq, ctx.rope_scale = self.rotary(positions, rope_length), self.rotary.attention_factor
+            batch.rope_inv_freq, batch.rope_scale = self.rotary(positions, rope_length), self.rotary.attention_factor
         if self.local_rotary is not None:
-            ctx.local_rope_inv_freq = self.local_rotary(positions, rope_length)
-        return ctx
+            batch.local_rope_inv_freq = self.local_rotary(positions, rope_length)
+        return batch
 
     def context(self, input_ids, attention_mask=None, output_hidden_states=None, **inputs) -> BatchContext:
         """The family's batch context, set to keep every layer's hidden states when `output_hidden_states` (or
         the config's, as in transformers) asks for them."""
-        ctx = self.batch_context(input_ids, attention_mask, **inputs)
+        batch = self.batch_context(input_ids, attention_mask, **inputs)
         if self.wants_hidden_states(output_hidden_states):
-            ctx.hidden_states = []
-        return ctx
+            batch.hidden_states = []
+        return batch
 
     def wants_hidden_states(self, output_hidden_states=None) -> bool:
         """The forward's `output_hidden_states`, else the config's; refused under pipeline parallelism."""
@@ -167,9 +167,9 @@ class ParallelModel(nn.Module):
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         if not isinstance(output_hidden_states, bool):
             raise ValueError(f"output_hidden_states must be True or False; got {output_hidden_states!r}")
-        if output_hidden_states and self.pc.config.pp > 1:
+        if output_hidden_states and self.parallel.config.pp > 1:
             raise ValueError(f"output_hidden_states=True is not supported with pipeline parallelism "
-                             f"(pp={self.pc.config.pp}): each stage holds only its own layers' states; run the "
+                             f"(pp={self.parallel.config.pp}): each stage holds only its own layers' states; run the "
                              f"model at pp=1 to get them")
         return output_hidden_states
 
@@ -179,45 +179,45 @@ class ParallelModel(nn.Module):
         return {"input_ids": ids, "labels": ids}
 
     # --- the three parts a run drives -----------------------------------------------------------------------------
-    def embed(self, x, ctx: BatchContext) -> torch.Tensor:
+    def embed(self, x, batch: BatchContext) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward_layers(self, hidden: torch.Tensor, ctx: BatchContext, layers=None) -> torch.Tensor:
+    def forward_layers(self, hidden: torch.Tensor, batch: BatchContext, layers=None) -> torch.Tensor:
         """`layers` (default: all of this rank's) in order; with output_hidden_states each input and the last output
-        are kept in ctx.hidden_states."""
+        are kept in batch.hidden_states."""
         for layer in (self.layers if layers is None else layers).values():
-            if ctx.hidden_states is not None:
-                ctx.hidden_states.append(hidden)
-            hidden = layer(hidden, ctx)
-        if ctx.hidden_states is not None:
-            ctx.hidden_states.append(hidden)
+            if batch.hidden_states is not None:
+                batch.hidden_states.append(hidden)
+            hidden = layer(hidden, batch)
+        if batch.hidden_states is not None:
+            batch.hidden_states.append(hidden)
         return hidden
 
-    def head(self, hidden, ctx: BatchContext, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+    def head(self, hidden, batch: BatchContext, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         raise NotImplementedError
 
-    def lm_output(self, normed, ctx: BatchContext, labels, logits: LogitsRequest) -> ModelOutput:
+    def lm_output(self, normed, batch: BatchContext, labels, logits: LogitsRequest) -> ModelOutput:
         """A causal LM's outputs from its final (normalised) hidden states: loss, logits and hidden states."""
-        loss, out = self.lm_head.loss_and_logits(normed, labels, logits, cp=ctx.cp)
-        return ModelOutput(loss=loss, logits=out, hidden_states=self.output_hidden_states(ctx, last=normed))
+        loss, out = self.lm_head.loss_and_logits(normed, labels, logits, cp=batch.cp)
+        return ModelOutput(loss=loss, logits=out, hidden_states=self.output_hidden_states(batch, last=normed))
 
-    def whole_sequence(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+    def whole_sequence(self, hidden: torch.Tensor, batch: BatchContext) -> torch.Tensor:
         """A (batch, seq, hidden) activation whole on every rank: all-gathered over tp under sequence parallelism
         and over cp under context parallelism (backward keeps this rank's share)."""
         if self.sequence_parallel:
             hidden = gather_from_parallel(hidden, self.tp_group, dim=1)
-        if ctx.cp is not None:
-            hidden = gather_sequence(hidden, ctx.cp.group)
+        if batch.cp is not None:
+            hidden = gather_sequence(hidden, batch.cp.group)
         return hidden
 
-    def output_hidden_states(self, ctx: BatchContext, last: torch.Tensor | None = None) -> tuple | None:
+    def output_hidden_states(self, batch: BatchContext, last: torch.Tensor | None = None) -> tuple | None:
         """transformers' `hidden_states`: the embedding output, then every layer's output, whole on every rank;
         `last` (a decoder's final norm output, as transformers' decoders give it) replaces the last layer's.
         None unless the forward asked for them."""
-        if ctx.hidden_states is None:
+        if batch.hidden_states is None:
             return None
-        states = ctx.hidden_states if last is None else ctx.hidden_states[:-1] + [last]
-        return tuple(self.whole_sequence(state, ctx) for state in states)
+        states = batch.hidden_states if last is None else batch.hidden_states[:-1] + [last]
+        return tuple(self.whole_sequence(state, batch) for state in states)
 
     # --- what the runtime and the cost model read -----------------------------------------------------------------
     def loss_token_count(self, labels) -> torch.Tensor:
@@ -232,13 +232,13 @@ class ParallelModel(nn.Module):
         """Length of the MoE router statistics a pipeline stage hands to the next with its hidden states (0: none)."""
         return 0
 
-    def router_statistics(self, ctx: BatchContext, device) -> torch.Tensor:
+    def router_statistics(self, batch: BatchContext, device) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no MoE router")
 
     def carries_router_stats(self, output_router_logits: bool | None = None) -> bool:
         """Do pipeline stages hand MoE router statistics on? With the router losses on (the batch's choice, else the
         config's) and pp > 1."""
-        if not self.router_stats_width() or self.pc.config.pp == 1:
+        if not self.router_stats_width() or self.parallel.config.pp == 1:
             return False
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
@@ -247,8 +247,8 @@ class ParallelModel(nn.Module):
     def stage_hidden_shape(self, batch: int, inputs: torch.Tensor) -> tuple[int, ...]:
         """The hidden states between pipeline stages for a batch of `inputs`: this rank's share of the sequence
         (context and sequence parallelism)."""
-        local_seq = inputs.shape[1] // self.pc.config.cp
-        local_seq = local_seq // self.pc.tp_size if self.sequence_parallel else local_seq
+        local_seq = inputs.shape[1] // self.parallel.config.cp
+        local_seq = local_seq // self.parallel.tp_size if self.sequence_parallel else local_seq
         return batch, local_seq, self.config.hidden_size
 
     @torch.no_grad()

@@ -71,25 +71,25 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> t
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
+    def __init__(self, config, parallel, device=None, dtype=None):
         super().__init__()
         h, kw = config.hidden_size, dict(device=device, dtype=dtype)
-        self.group, self.sequence_parallel = pc.tp_group, pc.sequence_parallel
+        self.group, self.sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id,
-                                                      group=pc.tp_group, sequence_parallel=pc.sequence_parallel, **kw)
+                                                      group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel, **kw)
         self.position_embeddings = Embedding(config.max_position_embeddings, h, **kw)
         self.token_type_embeddings = Embedding(config.type_vocab_size, h, **kw)
-        self.LayerNorm = LayerNorm(h, eps=config.layer_norm_eps, group=pc.tp_group,
-                                   sequence_parallel=pc.sequence_parallel, **kw)
+        self.LayerNorm = LayerNorm(h, eps=config.layer_norm_eps, group=parallel.tp_group,
+                                   sequence_parallel=parallel.sequence_parallel, **kw)
         self.dropout_p = config.hidden_dropout_prob
 
     def _replicated(self, x):
         return scatter_to_sequence(x, self.group) if self.sequence_parallel else x
 
-    def forward(self, input_ids, ctx: BatchContext):
-        hidden = self.word_embeddings(input_ids, ctx.token_rows)
-        hidden = hidden + self._replicated(self.token_type_embeddings(ctx.token_type_ids))
-        hidden, _ = self.LayerNorm(hidden, residual=self._replicated(self.position_embeddings(ctx.position_ids)))
+    def forward(self, input_ids, batch: BatchContext):
+        hidden = self.word_embeddings(input_ids, batch.token_rows)
+        hidden = hidden + self._replicated(self.token_type_embeddings(batch.token_type_ids))
+        hidden, _ = self.LayerNorm(hidden, residual=self._replicated(self.position_embeddings(batch.position_ids)))
         return dropout(hidden, self.dropout_p, self.training, sharded=self.sequence_parallel)
 
 
@@ -97,10 +97,10 @@ class EncoderLayer(TransformerLayer):
     """A layer of BERT (post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm) or of ViT (pre-LayerNorm:
     LayerNorm -> attention -> + -> LayerNorm -> MLP -> +), built from the config fields the two share."""
 
-    def __init__(self, config, layer_idx: int, pc, pre_norm: bool, qkv_bias: bool = True, device=None, dtype=None):
-        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
-        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
-        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+    def __init__(self, config, layer_idx: int, parallel, pre_norm: bool, qkv_bias: bool = True, device=None, dtype=None):
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, parallel.tp_size)
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, parallel.tp_size)
+        kw = dict(group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel, device=device, dtype=dtype)
         spec = AttentionSpec(config.hidden_size, config.num_attention_heads, head_dim=getattr(config, "head_dim", None),
                              causal=False, qkv_bias=qkv_bias, dropout=config.attention_probs_dropout_prob)
         attention = SelfAttention(spec, layer_idx=layer_idx, **kw)
@@ -121,9 +121,9 @@ class EncoderModel(ParallelModel):
     def for_task(cls, config, task=None):
         return resolve_task(cls, config, task)
 
-    def __init__(self, config, pc=None, layer_ids=None):
-        super().__init__(with_architecture(config, self.TASKS[self.task]), pc, layer_ids)
-        require(self.pc.config.cp == 1,
+    def __init__(self, config, parallel=None, layer_ids=None):
+        super().__init__(with_architecture(config, self.TASKS[self.task]), parallel, layer_ids)
+        require(self.parallel.config.cp == 1,
                 f"context parallelism is not supported for {self.title} (use sequence parallelism)")
 
 
@@ -146,9 +146,9 @@ class BertModel(EncoderModel):
     ARCHITECTURE_ALIASES = {"BertForPreTraining": "masked_lm"}  # its NSP head is ignored when loading
     with_pooler = True
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        super().__init__(config, pc, layer_ids)
-        config, pc = self.config, self.pc
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, parallel, layer_ids)
+        config, parallel = self.config, self.parallel
         require(not config.is_decoder and not config.add_cross_attention,
                 "BERT as a decoder (is_decoder / add_cross_attention) is not supported")
         position_type = getattr(config, "position_embedding_type", "absolute")
@@ -156,13 +156,13 @@ class BertModel(EncoderModel):
                 f"BERT position_embedding_type={position_type!r} is not supported (only 'absolute')")
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
-            self.embeddings = BertEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=False, **kw)
+            self.embeddings = BertEmbeddings(config, parallel, **kw)
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, parallel, pre_norm=False, **kw)
                                      for i in self.layer_ids})
         if self.is_last:
-            self.build_head(config, pc, **kw)
+            self.build_head(config, parallel, **kw)
 
-    def build_head(self, config, pc, device=None, dtype=None):
+    def build_head(self, config, parallel, device=None, dtype=None):
         self.pooler = BertPooler(config, device, dtype)
 
     def example_inputs(self, batch_size: int, seq_len: int, device=None) -> dict:
@@ -177,17 +177,17 @@ class BertModel(EncoderModel):
 
     def batch_context(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                       rope_length=None) -> BatchContext:
-        ctx = super().batch_context(input_ids, attention_mask, position_ids)
-        ctx.token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        return ctx
+        batch = super().batch_context(input_ids, attention_mask, position_ids)
+        batch.token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        return batch
 
-    def embed(self, input_ids, ctx):
-        return self.embeddings(input_ids, ctx)
+    def embed(self, input_ids, batch):
+        return self.embeddings(input_ids, batch)
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
-        hidden = self.whole_sequence(hidden, ctx)
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        hidden = self.whole_sequence(hidden, batch)
         return ModelOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden),
-                           hidden_states=self.output_hidden_states(ctx))
+                           hidden_states=self.output_hidden_states(batch))
 
 
 class BertForMaskedLM(BertModel):
@@ -196,7 +196,7 @@ class BertForMaskedLM(BertModel):
     task = "masked_lm"
     tied_embedding = "embeddings.word_embeddings.weight"
 
-    def build_head(self, config, pc, device=None, dtype=None):
+    def build_head(self, config, parallel, device=None, dtype=None):
         h, kw = config.hidden_size, dict(device=device, dtype=dtype)
         self.transform = nn.Linear(h, h, **kw)
         self.transform_act = get_activation(config.hidden_act)
@@ -205,15 +205,15 @@ class BertForMaskedLM(BertModel):
         if config.tie_word_embeddings:
             if not self.is_first:  # the last pipeline stage holds its own copy of the tied word embedding
                 self.embeddings = nn.Module()
-                self.embeddings.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, group=pc.tp_group,
+                self.embeddings.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, group=parallel.tp_group,
                                                                          **kw)
             tied = self.embeddings.word_embeddings
-        self.lm_head = VocabParallelLMHead(h, config.vocab_size, bias=True, group=pc.tp_group,
+        self.lm_head = VocabParallelLMHead(h, config.vocab_size, bias=True, group=parallel.tp_group,
                                            tied_embedding=tied, **kw)
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
-        states = self.output_hidden_states(ctx)
-        hidden = self.whole_sequence(hidden, ctx)
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        states = self.output_hidden_states(batch)
+        hidden = self.whole_sequence(hidden, batch)
         logits_local = self.lm_head(self.transform_norm(self.transform_act(self.transform(hidden))))
         loss = None
         if labels is not None:
@@ -237,17 +237,17 @@ class BertForSequenceClassification(BertModel):
 
     task = "sequence_classification"
 
-    def build_head(self, config, pc, device=None, dtype=None):
-        super().build_head(config, pc, device, dtype)
+    def build_head(self, config, parallel, device=None, dtype=None):
+        super().build_head(config, parallel, device, dtype)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels, device=device, dtype=dtype)
         self.classifier_dropout = (config.classifier_dropout if config.classifier_dropout is not None
                                    else config.hidden_dropout_prob)
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
-        pooled = self.pooler(self.whole_sequence(hidden, ctx))
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        pooled = self.pooler(self.whole_sequence(hidden, batch))
         scores = self.classifier(dropout(pooled, self.classifier_dropout, self.training, sharded=False))
         loss = classification_loss(scores, labels, self.config) if labels is not None else None
-        return ModelOutput(loss=loss, logits=scores, hidden_states=self.output_hidden_states(ctx))
+        return ModelOutput(loss=loss, logits=scores, hidden_states=self.output_hidden_states(batch))
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return torch.tensor(labels.numel(), device=labels.device)

@@ -58,12 +58,12 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
     family = "deepseek_v3"
     num_experts_key = "n_routed_experts"
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
         if config.num_key_value_heads != config.num_attention_heads:
             raise UnsupportedConfig(f"DeepSeek-V3 expands every head's key and value from the latent: "
                                     f"num_key_value_heads ({config.num_key_value_heads}) must equal "
                                     f"num_attention_heads ({config.num_attention_heads})")
-        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+        super().__init__(config, parallel, layer_ids, device=device, dtype=dtype)
 
     @classmethod
     def attention_size(cls, config) -> tuple[int, int]:
@@ -91,25 +91,25 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
     def attention_window(self, config):
         return None
 
-    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
-        return LatentAttention(latent_attention_spec(config), layer_idx=layer_idx, group=pc.tp_group,
-                               sequence_parallel=pc.sequence_parallel, **kw)
+    def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
+        return LatentAttention(latent_attention_spec(config), layer_idx=layer_idx, group=parallel.tp_group,
+                               sequence_parallel=parallel.sequence_parallel, **kw)
 
-    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         if not is_sparse(config, layer_idx):
-            return dense_mlp(config, pc, **kw)
+            return dense_mlp(config, parallel, **kw)
         router = GroupLimitedRouter(config.hidden_size, self.experts(config), config.num_experts_per_tok,
                                     groups=config.n_group, topk_group=config.topk_group,
                                     normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor, **kw)
-        return self.moe(config, pc, router=router, shared_expert_gate=False, **kw)
+        return self.moe(config, parallel, router=router, shared_expert_gate=False, **kw)
 
     def router_stats_width(self) -> int:
         return 0  # no router losses to carry between pipeline stages (see head)
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         """transformers' DeepSeek-V3 adds no load-balancing loss, output_router_logits or not (its experts are
         balanced by the routing bias instead)."""
-        return DecoderModel.head(self, hidden, ctx, labels=labels, logits=logits)
+        return DecoderModel.head(self, hidden, batch, labels=labels, logits=logits)
 
 
 # every feature of the published model: compressed queries (q_lora_rank) and keys/values (kv_lora_rank) with their

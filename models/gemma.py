@@ -27,9 +27,9 @@ class GemmaDecoderLayer(nn.Module):
 
     attention_block = "self_attn"
 
-    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
+    def __init__(self, config, parallel, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
         super().__init__()
-        norm = dict(eps=config.rms_norm_eps, offset=True, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+        norm = dict(eps=config.rms_norm_eps, offset=True, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
                     device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
         self.self_attn = self_attn
@@ -38,9 +38,9 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
 
-    def forward(self, x, ctx):
+    def forward(self, x, batch):
         # the norms before attention and the MLP go to the projections after them, which fuse them where they can
-        attn_out = self.post_attention_layernorm(self.self_attn(x, ctx, norm=self.input_layernorm))
+        attn_out = self.post_attention_layernorm(self.self_attn(x, batch, norm=self.input_layernorm))
         out, x = self.mlp(attn_out, norm=self.pre_feedforward_layernorm, residual=x)  # x + attn_out
         return x + self.post_feedforward_layernorm(out)
 
@@ -51,10 +51,10 @@ class Gemma2ForCausalLM(DecoderModel):
     family = "gemma2"
     norm_options = {"offset": True}
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
         require(not getattr(config, "use_bidirectional_attention", False),
                 "use_bidirectional_attention=True (an encoder Gemma) is not supported")
-        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+        super().__init__(config, parallel, layer_ids, device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(rope_config(config, FULL), device=device)
         local = rope_config(config, SLIDING)
         self.local_rotary = RotaryEmbedding(local, device=device) if local is not config else None
@@ -65,25 +65,25 @@ class Gemma2ForCausalLM(DecoderModel):
     def attention_window(self, config) -> int | None:
         return None  # per layer: the full layers' causal mask is the batch's, sliding layers build theirs
 
-    def build_layer(self, layer_idx: int, config, pc, **kw) -> GemmaDecoderLayer:
-        return GemmaDecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
-                                 self.build_mlp(layer_idx, config, pc, **kw), **kw)
+    def build_layer(self, layer_idx: int, config, parallel, **kw) -> GemmaDecoderLayer:
+        return GemmaDecoderLayer(config, parallel, self.build_attention(layer_idx, config, parallel, **kw),
+                                 self.build_mlp(layer_idx, config, parallel, **kw), **kw)
 
     def attention_options(self, config, window) -> dict:
         return {"softcap": config.attn_logit_softcapping}
 
-    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         window = layer_window(config, layer_idx)
         return self.attention(layer_idx, window=window, scale=config.query_pre_attn_scalar ** -0.5,
                               rotary="local" if window is not None else "global",
                               **self.attention_options(config, window), **kw)
 
-    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation, bias=False,
-                        group=pc.tp_group, sequence_parallel=pc.sequence_parallel, **kw)
+                        group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel, **kw)
 
-    def embed(self, input_ids, ctx):
-        hidden = self.embed_tokens(input_ids, ctx.token_rows)
+    def embed(self, input_ids, batch):
+        hidden = self.embed_tokens(input_ids, batch.token_rows)
         # transformers rounds the normaliser to the activation dtype first (sqrt(3072) in bf16 is 55.5, not 55.4);
         # filled on the device, not copied from the host (a decode step replayed from a CUDA graph copies nothing)
         return hidden * hidden.new_full((), self.config.hidden_size ** 0.5)

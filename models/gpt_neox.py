@@ -24,10 +24,10 @@ from colozoo.models.family import TINY, Family, Tiny
 
 
 class GPTNeoXMLP(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
+    def __init__(self, config, parallel, device=None, dtype=None):
         super().__init__()
         h, inner = config.hidden_size, config.intermediate_size
-        kw = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        kw = dict(group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel, device=device, dtype=dtype)
         self.dense_h_to_4h = ColumnParallelLinear(h, inner, activation=config.hidden_act, **kw)
         self.dense_4h_to_h = RowParallelLinear(inner, h, **kw)
 
@@ -38,26 +38,26 @@ class GPTNeoXMLP(nn.Module):
 class GPTNeoXLayer(nn.Module):
     attention_block = "attention"  # what selective activation checkpointing recomputes
 
-    def __init__(self, config, layer_idx: int, pc, device=None, dtype=None):
+    def __init__(self, config, layer_idx: int, parallel, device=None, dtype=None):
         super().__init__()
-        norm = dict(eps=config.layer_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+        norm = dict(eps=config.layer_norm_eps, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
                     device=device, dtype=dtype)
         self.parallel_residual = config.use_parallel_residual
-        self.dropout_p, self.sharded_resid = config.hidden_dropout, pc.sequence_parallel
+        self.dropout_p, self.sharded_resid = config.hidden_dropout, parallel.sequence_parallel
         self.input_layernorm = LayerNorm(config.hidden_size, **norm)
         spec = AttentionSpec(config.hidden_size, config.num_attention_heads, qkv_bias=config.attention_bias,
                              out_bias=config.attention_bias, dropout=config.attention_dropout, rotary="global",
                              names=("qkv", "dense"))
-        self.attention = SelfAttention(spec, layer_idx=layer_idx, group=pc.tp_group,
-                                       sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+        self.attention = SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group,
+                                       sequence_parallel=parallel.sequence_parallel, device=device, dtype=dtype)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
-        self.mlp = GPTNeoXMLP(config, pc, device, dtype)
+        self.mlp = GPTNeoXMLP(config, parallel, device, dtype)
 
     def _dropout(self, x):
         return dropout(x, self.dropout_p, self.training, sharded=self.sharded_resid)
 
-    def forward(self, x, ctx):
-        attn_out = self._dropout(self.attention(self.input_layernorm(x), ctx))
+    def forward(self, x, batch):
+        attn_out = self._dropout(self.attention(self.input_layernorm(x), batch))
         if self.parallel_residual:  # both blocks read the layer's input
             return self._dropout(self.mlp(self.post_attention_layernorm(x))) + attn_out + x
         mlp_in, x = self.post_attention_layernorm(attn_out, residual=x)  # x + attn_out, and that normalised
@@ -68,29 +68,29 @@ class GPTNeoXForCausalLM(ParallelModel):
     family = "gpt_neox"
     input_embedding, tied_embedding = "embed_in", "embed_in.weight"
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        super().__init__(config, pc, layer_ids)
-        pc = self.pc
-        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
-        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, pc.tp_size)
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, parallel, layer_ids)
+        parallel = self.parallel
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, parallel.tp_size)
+        check_divisible("the MLP width (intermediate_size)", config.intermediate_size, parallel.tp_size)
         h = config.hidden_size
         kw = dict(device=device, dtype=dtype)
-        sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+        sp = dict(group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel)
         if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.embed_in = VocabParallelEmbedding(config.vocab_size, h, **sp, **kw)
-        self.layers = nn.ModuleDict({str(i): GPTNeoXLayer(config, i, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): GPTNeoXLayer(config, i, parallel, **kw) for i in self.layer_ids})
         if self.is_last:
             self.final_layer_norm = LayerNorm(h, eps=config.layer_norm_eps, **sp, **kw)
             tied = self.embed_in if config.tie_word_embeddings else None
             self.lm_head = VocabParallelLMHead(h, config.vocab_size, **sp, tied_embedding=tied, **kw)
         self.rotary = RotaryEmbedding(config, device=device)
 
-    def embed(self, input_ids, ctx):
-        return dropout(self.embed_in(input_ids, ctx.token_rows), self.config.hidden_dropout, self.training,
+    def embed(self, input_ids, batch):
+        return dropout(self.embed_in(input_ids, batch.token_rows), self.config.hidden_dropout, self.training,
                        sharded=self.sequence_parallel)
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
-        return self.lm_output(self.final_layer_norm(hidden), ctx, labels, logits)
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        return self.lm_output(self.final_layer_norm(hidden), batch, labels, logits)
 
 
 # the default rotary_pct (0.25): a quarter of each head's features rotate; weights large enough that a wrong rotation

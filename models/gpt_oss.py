@@ -59,14 +59,14 @@ class GptOssForCausalLM(MoEDecoderModel):
     def attention_window(self, config):
         return None  # per layer: full layers take the batch's causal mask, sliding layers build theirs
 
-    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         return self.attention(layer_idx, window=layer_window(config, layer_idx), sinks=True, **kw)
 
-    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         activation = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
         experts = GptOssExperts(self.experts(config), config.hidden_size, self.expert_width(config), activation,
-                                ep_group=pc.group("ep"), tp_group=pc.tp_group, **kw)
-        return self.moe(config, pc, router_bias=True, experts=experts, **kw)
+                                ep_group=parallel.group("ep"), tp_group=parallel.tp_group, **kw)
+        return self.moe(config, parallel, router_bias=True, experts=experts, **kw)
 
 
 # sinks, YaRN scaling 16 original positions by 4, biases on attention, router and experts, the clamped SwiGLU, and

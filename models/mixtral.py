@@ -19,13 +19,13 @@ class MixtralForCausalLM(MoEDecoderModel):
     family = "mixtral"
     num_experts_key = "num_local_experts"
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
         if getattr(config, "router_jitter_noise", 0.0):
             raise UnsupportedConfig("router_jitter_noise is not supported (set it to 0.0)")
-        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+        super().__init__(config, parallel, layer_ids, device=device, dtype=dtype)
 
-    def build_mlp(self, layer_idx, config, pc, **kw):
-        return self.moe(config, pc, capacity_factor=getattr(config, "capacity_factor", None), **kw)
+    def build_mlp(self, layer_idx, config, parallel, **kw):
+        return self.moe(config, parallel, capacity_factor=getattr(config, "capacity_factor", None), **kw)
 
 
 FAMILIES = (Family("mixtral", ("mixtral",), MixtralForCausalLM, gated_mlp=True, title="Mixtral",

@@ -22,17 +22,17 @@ class Olmo2DecoderLayer(nn.Module):
 
     attention_block = "self_attn"
 
-    def __init__(self, config, pc, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
+    def __init__(self, config, parallel, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
         super().__init__()
-        norm = dict(eps=config.rms_norm_eps, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+        norm = dict(eps=config.rms_norm_eps, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
                     device=device, dtype=dtype)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = mlp
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
 
-    def forward(self, x, ctx):
-        x = x + self.post_attention_layernorm(self.self_attn(x, ctx))
+    def forward(self, x, batch):
+        x = x + self.post_attention_layernorm(self.self_attn(x, batch))
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
@@ -42,11 +42,11 @@ class Olmo2ForCausalLM(DecoderModel):
     def attention_window(self, config):
         return None
 
-    def build_layer(self, layer_idx: int, config, pc, **kw) -> Olmo2DecoderLayer:
-        return Olmo2DecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
-                                 self.build_mlp(layer_idx, config, pc, **kw), **kw)
+    def build_layer(self, layer_idx: int, config, parallel, **kw) -> Olmo2DecoderLayer:
+        return Olmo2DecoderLayer(config, parallel, self.build_attention(layer_idx, config, parallel, **kw),
+                                 self.build_mlp(layer_idx, config, parallel, **kw), **kw)
 
-    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         return self.attention(layer_idx, qk_norm={"eps": config.rms_norm_eps, "over": "projection"}, **kw)
 
 

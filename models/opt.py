@@ -38,7 +38,7 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, weight)
 
 
-def opt_attention(config, layer_idx: int, pc, device=None, dtype=None) -> SelfAttention:
+def opt_attention(config, layer_idx: int, parallel, device=None, dtype=None) -> SelfAttention:
     h = config.hidden_size
     if h % config.num_attention_heads:
         raise UnsupportedConfig(f"hidden_size ({h}) must be divisible by num_attention_heads "
@@ -46,33 +46,33 @@ def opt_attention(config, layer_idx: int, pc, device=None, dtype=None) -> SelfAt
     # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
     spec = AttentionSpec(h, config.num_attention_heads, qkv_bias=config.enable_bias, out_bias=config.enable_bias,
                          dropout=config.attention_dropout, scale_query=True)
-    return SelfAttention(spec, layer_idx=layer_idx, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+    return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
                          device=device, dtype=dtype)
 
 
 class OPTDecoderLayer(TransformerLayer):
     """Pre-LayerNorm, or post-LayerNorm (each norm after its residual add) for models like opt-350m."""
 
-    def __init__(self, config, layer_idx: int, pc, device=None, dtype=None):
-        check_divisible("the MLP width (ffn_dim)", config.ffn_dim, pc.tp_size)
-        super().__init__(opt_attention(config, layer_idx, pc, device, dtype), config.hidden_size, config.ffn_dim,
+    def __init__(self, config, layer_idx: int, parallel, device=None, dtype=None):
+        check_divisible("the MLP width (ffn_dim)", config.ffn_dim, parallel.tp_size)
+        super().__init__(opt_attention(config, layer_idx, parallel, device, dtype), config.hidden_size, config.ffn_dim,
                          activation=config.activation_function, pre_norm=config.do_layer_norm_before,
                          dropout=config.dropout, bias=config.enable_bias,
-                         norm_affine=config.layer_norm_elementwise_affine, group=pc.tp_group,
-                         sequence_parallel=pc.sequence_parallel, device=device, dtype=dtype)
+                         norm_affine=config.layer_norm_elementwise_affine, group=parallel.tp_group,
+                         sequence_parallel=parallel.sequence_parallel, device=device, dtype=dtype)
 
 
 class OPTForCausalLM(ParallelModel):
     family = "opt"
     input_embedding, tied_embedding = "embed_tokens", "embed_tokens.weight"
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        super().__init__(config, pc, layer_ids)
-        pc = self.pc
-        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, pc.tp_size)
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, parallel, layer_ids)
+        parallel = self.parallel
+        check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, parallel.tp_size)
         h, proj_dim = config.hidden_size, config.word_embed_proj_dim
         kw = dict(device=device, dtype=dtype)
-        sp = dict(group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+        sp = dict(group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel)
         projected = proj_dim != h
         if self.is_first or (self.is_last and config.tie_word_embeddings):  # the last stage holds a tied copy
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, config.pad_token_id, **sp, **kw)
@@ -80,7 +80,7 @@ class OPTForCausalLM(ParallelModel):
             self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, h, **kw)
             if projected:
                 self.project_in = ReplicatedLinear(proj_dim, h, **sp, **kw)
-        self.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, i, pc, **kw) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, i, parallel, **kw) for i in self.layer_ids})
         if self.is_last:
             if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
                 self.final_layer_norm = LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine,
@@ -110,21 +110,21 @@ class OPTForCausalLM(ParallelModel):
             position_ids = mask.cumsum(dim=1) * mask - 1
         return default_positions(input_ids, position_ids)
 
-    def embed(self, input_ids, ctx):
-        positions = self.embed_positions(ctx.position_ids + POSITION_OFFSET)
+    def embed(self, input_ids, batch):
+        positions = self.embed_positions(batch.position_ids + POSITION_OFFSET)
         if self.sequence_parallel:
             positions = scatter_to_sequence(positions, self.tp_group)
-        tokens = self.embed_tokens(input_ids, ctx.token_rows)
+        tokens = self.embed_tokens(input_ids, batch.token_rows)
         if hasattr(self, "project_in"):
             tokens = self.project_in(tokens)
         return tokens + positions
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         if hasattr(self, "final_layer_norm"):
             hidden = self.final_layer_norm(hidden)
         if hasattr(self, "project_out"):
             hidden = self.project_out(hidden)
-        return self.lm_output(hidden, ctx, labels, logits)
+        return self.lm_output(hidden, batch, labels, logits)
 
 
 FAMILIES = (Family("opt", ("opt",), OPTForCausalLM, learned_positions=True, title="OPT",

@@ -15,9 +15,9 @@ from colozoo.models.family import TINY, Family, Tiny
 class Phi3ForCausalLM(DecoderModel):
     family = "phi3"
 
-    def build_layer(self, layer_idx: int, config, pc, **kw) -> DecoderLayer:
-        return DecoderLayer(config, pc, self.build_attention(layer_idx, config, pc, **kw),
-                            self.build_mlp(layer_idx, config, pc, **kw), resid_dropout=config.resid_pdrop, **kw)
+    def build_layer(self, layer_idx: int, config, parallel, **kw) -> DecoderLayer:
+        return DecoderLayer(config, parallel, self.build_attention(layer_idx, config, parallel, **kw),
+                            self.build_mlp(layer_idx, config, parallel, **kw), resid_dropout=config.resid_pdrop, **kw)
 
     @property
     def reencode_length(self) -> int:
@@ -26,15 +26,15 @@ class Phi3ForCausalLM(DecoderModel):
         Phi-3 drops its cache at this length whatever its RoPE type, so greedy decoding stays token-for-token equal)."""
         return self.config.original_max_position_embeddings + 1
 
-    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         return self.attention(layer_idx, qkv_bias=False, out_bias=False, **kw)
 
-    def build_mlp(self, layer_idx: int, config, pc, **kw) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False, group=pc.tp_group,
-                        sequence_parallel=pc.sequence_parallel, **kw)
+    def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False, group=parallel.tp_group,
+                        sequence_parallel=parallel.sequence_parallel, **kw)
 
-    def embed(self, input_ids, ctx):
-        return dropout(self.embed_tokens(input_ids, ctx.token_rows), self.config.embd_pdrop, self.training,
+    def embed(self, input_ids, batch):
+        return dropout(self.embed_tokens(input_ids, batch.token_rows), self.config.embd_pdrop, self.training,
                        sharded=self.sequence_parallel)
 
 

@@ -20,14 +20,14 @@ class Qwen2ForCausalLM(DecoderModel):
         windows = {layer_window(config, i) for i in range(config.num_hidden_layers)}
         return windows.pop() if len(windows) == 1 else None
 
-    def build_attention(self, layer_idx, config, pc, **kw):
+    def build_attention(self, layer_idx, config, parallel, **kw):
         return self.attention(layer_idx, qkv_bias=True, out_bias=False, window=layer_window(config, layer_idx), **kw)
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
     family = "qwen3"
 
-    def build_attention(self, layer_idx, config, pc, **kw):
+    def build_attention(self, layer_idx, config, parallel, **kw):
         return self.attention(layer_idx, window=layer_window(config, layer_idx), qk_norm={"eps": config.rms_norm_eps},
                               **kw)
 

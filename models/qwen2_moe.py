@@ -21,10 +21,10 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
     family = "qwen2_moe"
     num_experts_key = "num_experts"
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
         if getattr(config, "use_sliding_window", False):
             raise UnsupportedConfig("Qwen2-MoE with use_sliding_window=True is not supported")
-        super().__init__(config, pc, layer_ids, device=device, dtype=dtype)
+        super().__init__(config, parallel, layer_ids, device=device, dtype=dtype)
 
     @classmethod
     def expert_width(cls, config) -> int:
@@ -41,13 +41,13 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
     def attention_window(self, config):
         return None  # sliding layers are refused; the config's sliding_window (0 when unused) would mask everything
 
-    def build_attention(self, layer_idx, config, pc, **kw):
+    def build_attention(self, layer_idx, config, parallel, **kw):
         return self.attention(layer_idx, qkv_bias=config.qkv_bias, out_bias=False, **kw)
 
-    def build_mlp(self, layer_idx, config, pc, **kw):
+    def build_mlp(self, layer_idx, config, parallel, **kw):
         if not is_sparse(config, layer_idx):
-            return dense_mlp(config, pc, **kw)
-        return self.moe(config, pc, normalize_top_k=config.norm_topk_prob, **kw)
+            return dense_mlp(config, parallel, **kw)
+        return self.moe(config, parallel, normalize_top_k=config.norm_topk_prob, **kw)
 
 
 # layer 0 sparse with a gated shared expert and un-normalised top-k weights, layer 1 dense

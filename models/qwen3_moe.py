@@ -22,13 +22,13 @@ class Qwen3MoeForCausalLM(MoEDecoderModel):
     def sparse_layers(cls, config) -> int:
         return sum(is_sparse(config, i) for i in range(config.num_hidden_layers))
 
-    def build_attention(self, layer_idx, config, pc, **kw):
+    def build_attention(self, layer_idx, config, parallel, **kw):
         return self.attention(layer_idx, qk_norm={"eps": config.rms_norm_eps}, **kw)
 
-    def build_mlp(self, layer_idx, config, pc, **kw):
+    def build_mlp(self, layer_idx, config, parallel, **kw):
         if not is_sparse(config, layer_idx):
-            return dense_mlp(config, pc, **kw)
-        return self.moe(config, pc, normalize_top_k=config.norm_topk_prob, **kw)
+            return dense_mlp(config, parallel, **kw)
+        return self.moe(config, parallel, normalize_top_k=config.norm_topk_prob, **kw)
 
 
 # layers 0 and 2 sparse (top-2 of 4 experts, renormalised), layer 1 dense (mlp_only_layers), no shared expert;

@@ -30,7 +30,7 @@ class SmolLM3ForCausalLM(DecoderModel):
         windows = {smollm3_window(config, i) for i in range(config.num_hidden_layers)}
         return windows.pop() if len(windows) == 1 else None
 
-    def build_attention(self, layer_idx: int, config, pc, **kw) -> nn.Module:
+    def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         rotary = "global" if config.no_rope_layers[layer_idx] else None
         return self.attention(layer_idx, window=smollm3_window(config, layer_idx), rotary=rotary, **kw)
 

@@ -33,21 +33,21 @@ def num_patches(config) -> int:
 
 
 class ViTEmbeddings(nn.Module):
-    def __init__(self, config, pc, device=None, dtype=None):
+    def __init__(self, config, parallel, device=None, dtype=None):
         super().__init__()
         h, kw = config.hidden_size, dict(device=device, dtype=dtype)
-        self.group, self.sequence_parallel = pc.tp_group, pc.sequence_parallel
+        self.group, self.sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         patch = pair(config.patch_size)
         self.projection = nn.Conv2d(config.num_channels, h, kernel_size=patch, stride=patch, **kw)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, h, **kw))
         self.position_embeddings = nn.Parameter(torch.zeros(1, num_patches(config) + 1, h, **kw))
         self.dropout_p = config.hidden_dropout_prob
 
-    def forward(self, pixel_values, ctx: BatchContext):
+    def forward(self, pixel_values, batch: BatchContext):
         patches = self.projection(pixel_values.to(self.projection.weight.dtype)).flatten(2).transpose(1, 2)
         hidden = torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], dim=1)
         hidden = hidden + self.position_embeddings
-        pad = ctx.position_ids.shape[1] - hidden.shape[1]
+        pad = batch.position_ids.shape[1] - hidden.shape[1]
         if pad:
             hidden = nn.functional.pad(hidden, (0, 0, 0, pad))
         if self.sequence_parallel:
@@ -77,17 +77,17 @@ class ViTModel(EncoderModel):
     def image_input(cls, config) -> tuple[int, int]:
         return config.num_channels, config.image_size
 
-    def __init__(self, config, pc=None, layer_ids=None, device=None, dtype=None):
-        super().__init__(config, pc, layer_ids)
-        config, pc = self.config, self.pc
+    def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
+        super().__init__(config, parallel, layer_ids)
+        config, parallel = self.config, self.parallel
         kw = dict(device=device, dtype=dtype)
         if self.is_first:
-            self.embeddings = ViTEmbeddings(config, pc, **kw)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, pc, pre_norm=True, qkv_bias=config.qkv_bias,
+            self.embeddings = ViTEmbeddings(config, parallel, **kw)
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config, i, parallel, pre_norm=True, qkv_bias=config.qkv_bias,
                                                           **kw) for i in self.layer_ids})
         if self.is_last:
-            self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=pc.tp_group,
-                                       sequence_parallel=pc.sequence_parallel, **kw)
+            self.layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, group=parallel.tp_group,
+                                       sequence_parallel=parallel.sequence_parallel, **kw)
             self.build_head(config, **kw)
 
     def build_head(self, config, device=None, dtype=None):
@@ -122,26 +122,26 @@ class ViTModel(EncoderModel):
     def sequence_lengths(self) -> tuple[int, int]:
         """(CLS + patches, that padded to a multiple of tp under sequence parallelism)."""
         seq = num_patches(self.config) + 1
-        padded = seq + (-seq) % self.pc.tp_size if self.sequence_parallel else seq
+        padded = seq + (-seq) % self.parallel.tp_size if self.sequence_parallel else seq
         return seq, padded
 
     def stage_hidden_shape(self, batch: int, pixel_values) -> tuple[int, int, int]:
         """The hidden states between pipeline stages: the (padded) token sequence, this rank's share under SP."""
         padded = self.sequence_lengths()[1]
-        return batch, padded // self.pc.tp_size if self.sequence_parallel else padded, self.config.hidden_size
+        return batch, padded // self.parallel.tp_size if self.sequence_parallel else padded, self.config.hidden_size
 
-    def embed(self, pixel_values, ctx):
-        return self.embeddings(pixel_values, ctx)
+    def embed(self, pixel_values, batch):
+        return self.embeddings(pixel_values, batch)
 
-    def whole_sequence(self, hidden, ctx):
+    def whole_sequence(self, hidden, batch):
         """Whole on every rank, without the sequence-parallel padding."""
-        return super().whole_sequence(hidden, ctx)[:, :ctx.seq_len]
+        return super().whole_sequence(hidden, batch)[:, :batch.seq_len]
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
         # transformers' ViT keeps the last layer's output, before the final LayerNorm, in hidden_states
-        hidden = self.whole_sequence(self.layernorm(hidden), ctx)
+        hidden = self.whole_sequence(self.layernorm(hidden), batch)
         return ModelOutput(last_hidden_state=hidden, pooler_output=self.pooler(hidden),
-                           hidden_states=self.output_hidden_states(ctx))
+                           hidden_states=self.output_hidden_states(batch))
 
 
 class ViTForImageClassification(ViTModel):
@@ -153,10 +153,10 @@ class ViTForImageClassification(ViTModel):
         require(config.num_labels > 0, "ViTForImageClassification needs num_labels > 0")
         self.classifier = nn.Linear(config.hidden_size, config.num_labels, device=device, dtype=dtype)
 
-    def head(self, hidden, ctx, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
-        scores = self.classifier(self.whole_sequence(self.layernorm(hidden), ctx)[:, 0])
+    def head(self, hidden, batch, labels=None, logits: LogitsRequest = LogitsRequest()) -> ModelOutput:
+        scores = self.classifier(self.whole_sequence(self.layernorm(hidden), batch)[:, 0])
         loss = classification_loss(scores, labels, self.config) if labels is not None else None
-        return ModelOutput(loss=loss, logits=scores, hidden_states=self.output_hidden_states(ctx))
+        return ModelOutput(loss=loss, logits=scores, hidden_states=self.output_hidden_states(batch))
 
     def loss_token_count(self, labels) -> torch.Tensor:
         return torch.tensor(labels.numel(), device=labels.device)

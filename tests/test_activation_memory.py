@@ -72,8 +72,8 @@ def kept_bytes(mode: str, device=DEVICE, batch: int = 2, seq: int = 8) -> int:
     torch.manual_seed(0)
     model = build_model(config, device=device, dtype=torch.float32)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-    ctx = model.batch_context(ids)
-    shared = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *ctx.rope())}
+    batch_context = model.batch_context(ids)
+    shared = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *batch_context.rope())}
     kept = {}
 
     def pack(t):
@@ -84,7 +84,7 @@ def kept_bytes(mode: str, device=DEVICE, batch: int = 2, seq: int = 8) -> int:
 
     x = torch.randn(batch, seq, TINY["hidden"], device=device, requires_grad=True)
     with dispatch.use_kernels(mode), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model.layers["0"](x, ctx)
+        out = model.layers["0"](x, batch_context)
     with dispatch.use_kernels(mode):
         out.sum().backward()  # what was kept sufficed
     return sum(kept.values())

@@ -20,8 +20,8 @@ NEW = 4
 
 def fed_shapes(family="llama", tp=1, pp=1, **options):
     """The shapes of the ids the first stage's token embedding sees while generate runs."""
-    pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
-    config, _, model = ours_and_hf(family, pc)
+    parallel = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
+    config, _, model = ours_and_hf(family, parallel)
     ids, mask = prompts(config.vocab_size)
     shapes = []
     embedding = model.get_input_embeddings()

@@ -223,7 +223,7 @@ def _auto_plan_logits(path, gpu_memory):
     model = colozoo.from_pretrained(path, plan="auto", gpu_memory=gpu_memory)
     degrees = asdict(model.run.plan.degrees)
     assert degrees["tp"] * degrees["pp"] * degrees["dp"] * degrees["cp"] == 2
-    assert (model.pc.config.tp, model.pc.config.pp) == (degrees["tp"], degrees["pp"])
+    assert (model.parallel.config.tp, model.parallel.config.pp) == (degrees["tp"], degrees["pp"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     ids, mask = batch(hf.config.vocab_size)
     with torch.no_grad():

@@ -23,13 +23,13 @@ MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_
 GPT2 = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 
 
-def _build(config, reader, pc, compile, data_parallel, checkpointing, backend="inductor"):
+def _build(config, reader, parallel, compile, data_parallel, checkpointing, backend="inductor"):
     from colozoo.api import build_model
     from colozoo.checkpoint.load import load_hf_weights
     from colozoo.runtime.compile import compile_layers
     from colozoo.runtime.parallelize import parallelize
 
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, reader, device="cpu")
     parallelize(model, data_parallel=data_parallel, activation_checkpointing=checkpointing,
                 compile=compile and backend == "inductor")
@@ -70,14 +70,14 @@ def compiled_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence_
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.compile import is_compiled
 
-    pc = init_parallel(tp=tp, dp=dp, pp=pp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, dp=dp, pp=pp, sequence_parallel=sequence_parallel)
     config, hf = hf_causal_lm(model_type, config_kwargs)
     ids, mask, labels = batch(config.vocab_size, seq_len)
     data_parallel = "fsdp"
     with tempfile.TemporaryDirectory() as directory:  # MoE experts: read as saved (one rank here), not as in memory
         reader = _saved(hf, directory) if "num_local_experts" in config_kwargs else StateDictReader(hf.state_dict())
-        eager = _build(config, reader, pc, False, data_parallel, checkpointing)
-        compiled = _build(config, reader, pc, True, data_parallel, checkpointing, backend)
+        eager = _build(config, reader, parallel, False, data_parallel, checkpointing)
+        compiled = _build(config, reader, parallel, True, data_parallel, checkpointing, backend)
     assert all(is_compiled(layer) for layer in compiled.layers.values())
     assert not any(is_compiled(layer) for layer in eager.layers.values())
     expected, expected_grads, eager_calls = _step(eager, ids, mask, labels, pp)

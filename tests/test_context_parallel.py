@@ -48,8 +48,8 @@ def cp_attention_matches(cp_size, mode):
     from colozoo.layers.context_parallel import ContextParallel, gather_sequence, shard_sequence
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(cp=cp_size)
-    group = pc.group("cp")
+    parallel = init_parallel(cp=cp_size)
+    group = parallel.group("cp")
     q, k, v, dout, full_padding = _inputs()
     worst = {}
     for causal in (True, False):
@@ -110,7 +110,7 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     from colozoo.api import build_model
     from colozoo.core.mesh import coords_of, init_parallel
 
-    pc = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     config, hf = hf_causal_lm(family, tiny_kwargs(family, **(overrides or {})), attn_implementation=attn_implementation)
     if right_padding:
         ids, mask, labels = right_padded_batch(config.vocab_size, 16, right_padding)
@@ -120,7 +120,7 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
 
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     model.eval()
@@ -135,8 +135,8 @@ def cp_parity(tp, cp, mode, sequence_parallel=False, family="gpt2", overrides=No
     worst = 0.0
     for name, p in model.named_parameters():
         grad = p.grad.clone()
-        dist.all_reduce(grad, group=pc.group("cp"))  # each cp rank holds its share of every gradient
-        full = gather_tensor(grad, spec_of(p), shapes[name], pc.groups, coords_of(pc))
+        dist.all_reduce(grad, group=parallel.group("cp"))  # each cp rank holds its share of every gradient
+        full = gather_tensor(grad, spec_of(p), shapes[name], parallel.groups, coords_of(parallel))
         expected = GlobalTensor(hf_grads, sources[name], name).read()
         close(full, expected, ATOL, f"gradient of {name}")
         diff = (full - expected).abs().max().item()
@@ -177,15 +177,15 @@ def ring_bf16_close(cp_size):
     from colozoo.layers.context_parallel import ContextParallel, gather_sequence, shard_sequence
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(cp=cp_size)
+    parallel = init_parallel(cp=cp_size)
     q, k, v, dout, mask = (t.bfloat16().float() if t.is_floating_point() else t for t in _inputs())
     ref = _reference(q, k, v, dout, mask, True, None)  # on the inputs the ring sees, in fp64
-    cp = ContextParallel(pc.group("cp"), "ring", q.shape[2], mask)
-    local = [shard_sequence(t.bfloat16(), pc.group("cp"), dim=2).requires_grad_() for t in (q, k, v)]
+    cp = ContextParallel(parallel.group("cp"), "ring", q.shape[2], mask)
+    local = [shard_sequence(t.bfloat16(), parallel.group("cp"), dim=2).requires_grad_() for t in (q, k, v)]
     out = attention(*local, causal=True, cp=cp)
-    out.backward(shard_sequence(dout.bfloat16(), pc.group("cp"), dim=2))
+    out.backward(shard_sequence(dout.bfloat16(), parallel.group("cp"), dim=2))
     assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
-    got = [gather_sequence(out.detach(), pc.group("cp"), dim=2)] + [gather_sequence(t.grad, pc.group("cp"), dim=2)
+    got = [gather_sequence(out.detach(), parallel.group("cp"), dim=2)] + [gather_sequence(t.grad, parallel.group("cp"), dim=2)
                                                                     for t in local]
     # computed in fp32 and rounded once to bf16: within one bf16 ulp (2^-8 relative) of the exact result; blocks
     # computed in bf16 would be several ulps off
@@ -203,12 +203,12 @@ def cp_pipeline_forward_parity(family, mode):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(pp=2, cp=2)
+    parallel = init_parallel(pp=2, cp=2)
     config, hf = hf_causal_lm(family, FAMILIES[family])
     ids, mask, labels = batch(config.vocab_size, 16)
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask, labels=labels)
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.eval()
     with torch.no_grad():  # a pipeline evaluates without gradients
@@ -228,18 +228,18 @@ def cp_errors():
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(cp=2)
+    parallel = init_parallel(cp=2)
     config, _ = hf_causal_lm("gpt2", FAMILIES["gpt2"])
-    model = build_model(config, pc=pc)
+    model = build_model(config, parallel=parallel)
     with pytest.raises(ValueError, match=r"sequence length \(10\) divisible by 2\*cp = 4"):
         model(torch.zeros(1, 10, dtype=torch.long))
     with pytest.raises(ValueError, match="cp_mode must be one of"):
         model(torch.zeros(1, 8, dtype=torch.long), cp_mode="ulysses")
     q = torch.zeros(1, 3, 4, 8)
     with pytest.raises(ValueError, match=r"local attention heads \(3\) divisible by cp=2"):
-        attention(q, q, q, causal=True, cp=ContextParallel(pc.group("cp"), "all_to_all", 8, None))
+        attention(q, q, q, causal=True, cp=ContextParallel(parallel.group("cp"), "all_to_all", 8, None))
     with pytest.raises(ValueError, match="dropout is not supported with cp_mode='ring'"):
-        attention(q, q, q, causal=True, dropout_p=0.1, cp=ContextParallel(pc.group("cp"), "ring", 8, None))
+        attention(q, q, q, causal=True, dropout_p=0.1, cp=ContextParallel(parallel.group("cp"), "ring", 8, None))
 
 
 def test_context_parallel_errors_name_the_problem():
@@ -253,9 +253,9 @@ def cp_builds_no_dense_mask(family, builder):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(cp=2)
+    parallel = init_parallel(cp=2)
     config, _ = hf_causal_lm(family, FAMILIES[family])
-    model = build_model(config, pc=pc).eval()
+    model = build_model(config, parallel=parallel).eval()
     ids, mask, labels = batch(config.vocab_size, 16)
     with mock.patch(builder, side_effect=AssertionError("a dense (S, S) mask was built under cp")):
         for mode in ("ring", "all_to_all"):
@@ -330,7 +330,7 @@ def gpt2_upcast_ring_matches_cp1_bf16():
     logits = {}
     with torch.no_grad():
         for cp in (1, 2):
-            model = build_model(config, pc=init_parallel(cp=cp), device="meta", dtype=torch.bfloat16)
+            model = build_model(config, parallel=init_parallel(cp=cp), device="meta", dtype=torch.bfloat16)
             load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
             logits[cp] = model.eval()(ids, attention_mask=mask, return_logits=True).logits.float()
         without_upcast = hf_off(ids, attention_mask=mask).logits.float()

@@ -33,9 +33,9 @@ def test_conversion_builds_each_stage_once(tmp_path, monkeypatch):
     built = []
     original = colozoo.models.build_shard
 
-    def counting(config, pc=None, **kwargs):
-        built.append((pc.config.tp, pc.rank("pp")))
-        return original(config, pc=pc, **kwargs)
+    def counting(config, parallel=None, **kwargs):
+        built.append((parallel.config.tp, parallel.rank("pp")))
+        return original(config, parallel=parallel, **kwargs)
 
     monkeypatch.setattr(colozoo.models, "build_shard", counting)
     convert(hf, tmp_path / "out", tp=2, pp=2)

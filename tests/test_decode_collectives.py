@@ -17,15 +17,15 @@ def argmax_with_rows(tp):
     from colozoo.core.mesh import init_parallel
     from colozoo.layers.vocab import vocab_parallel_argmax
 
-    pc = init_parallel(tp=tp)
+    parallel = init_parallel(tp=tp)
     agree = []
     for vocab, dtype in ((10, torch.float32), (5, torch.bfloat16)):  # 5 over 4 ranks: the last holds only padding
         full = torch.randint(0, 3, (6, vocab), generator=torch.Generator().manual_seed(vocab)).float()  # many ties
         table = torch.randn(vocab, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
-        start, stop, per = vocab_range(vocab, pc.tp_group)
+        start, stop, per = vocab_range(vocab, parallel.tp_group)
         local, weight = torch.full((6, per), 100.0), torch.zeros(per, 8, dtype=dtype)
         local[:, : stop - start], weight[: stop - start] = full[:, start:stop], table[start:stop]
-        tokens, rows = vocab_parallel_argmax(local, vocab, pc.tp_group, weight)
+        tokens, rows = vocab_parallel_argmax(local, vocab, parallel.tp_group, weight)
         agree += [torch.equal(tokens, full.argmax(dim=-1)), torch.equal(rows, table[full.argmax(dim=-1)])]
     return agree
 

@@ -71,9 +71,9 @@ def split_after_compressions(sp: bool):
     from colozoo.layers.shard import spec_of
     from parity import hf_causal_lm
 
-    pc = init_parallel(tp=2, sequence_parallel=sp)
+    parallel = init_parallel(tp=2, sequence_parallel=sp)
     config, hf = hf_causal_lm("deepseek_v3", DENSE)
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     attn = model.layers["0"].self_attn
     replicated = (attn.q_a_proj.weight, attn.q_a_layernorm.weight, attn.kv_a_proj_with_mqa.weight,
@@ -128,17 +128,17 @@ def check_gradients(model, hf_grads, config, dp_sum: bool = False):
     from colozoo.layers.shard import gather_tensor, spec_of
     from parity import close
 
-    pc, sources, checked = model.pc, family_module("deepseek_v3").module_sources(config), []
-    dp = pc.size("dp") if dp_sum else 1
+    parallel, sources, checked = model.parallel, family_module("deepseek_v3").module_sources(config), []
+    dp = parallel.size("dp") if dp_sum else 1
     for name, p in model.named_parameters():
         if name.endswith("e_score_correction_bias"):
             assert not p.requires_grad and p.grad is None, name
             continue
         spec, grad = spec_of(p), p.grad.clone()
-        if dp_sum and not any(s.mesh_dim == "ep" for s in spec) and pc.group("dp_cp") is not None:
-            dist.all_reduce(grad, group=pc.group("dp_cp"))
+        if dp_sum and not any(s.mesh_dim == "ep" for s in spec) and parallel.group("dp_cp") is not None:
+            dist.all_reduce(grad, group=parallel.group("dp_cp"))
         expected = GlobalTensor(hf_grads, sources[name], name).read()
-        close(gather_tensor(grad / dp, spec, expected.shape, pc.groups, coords_of(pc)), expected, 1e-5,
+        close(gather_tensor(grad / dp, spec, expected.shape, parallel.groups, coords_of(parallel)), expected, 1e-5,
               f"gradient of {name}")
         checked.append(name)
     return checked
@@ -154,16 +154,16 @@ def moe_parity(tp=1, ep=1, cp=1, sp=False, cp_mode="ring", config=None, bias=Non
     from parity import check_hidden_states, close
     from test_mixtral import load_saved
 
-    pc = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sp)
+    parallel = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sp)
     config, hf = hf_moe(config or MOE, bias)
     ids, mask, labels = batch(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, labels=labels, output_hidden_states=True)
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
 
-    model, reader = load_saved(hf, config, pc)
-    owned = range(pc.rank("ep") * model.num_experts // ep, (pc.rank("ep") + 1) * model.num_experts // ep)
-    assert reader.experts_read() == set(owned), f"ep rank {pc.rank('ep')} read experts {reader.experts_read()}"
+    model, reader = load_saved(hf, config, parallel)
+    owned = range(parallel.rank("ep") * model.num_experts // ep, (parallel.rank("ep") + 1) * model.num_experts // ep)
+    assert reader.experts_read() == set(owned), f"ep rank {parallel.rank('ep')} read experts {reader.experts_read()}"
     model.eval()
     out = model(ids, attention_mask=mask, labels=labels, return_logits=True, output_hidden_states=cp == 1,
                 **({"cp_mode": cp_mode} if cp > 1 else {}))
@@ -209,16 +209,16 @@ def moe_pipeline(pp, tp, ep):
     from parity import close
     from test_mixtral import load_saved
 
-    pc = init_parallel(pp=pp, tp=tp, ep=ep)
+    parallel = init_parallel(pp=pp, tp=tp, ep=ep)
     config, hf = hf_moe({**MOE, "num_hidden_layers": 4})
-    model = load_saved(hf, config, pc)[0].eval()
+    model = load_saved(hf, config, parallel)[0].eval()
     ids, mask, labels = batch(config.vocab_size, 16, batch_size=4)
     ref = hf(ids, attention_mask=mask, labels=labels)
     ref.loss.backward()
     with torch.no_grad():
         out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
     close(out.logits[mask.bool()], ref.logits[mask.bool()], 1e-5, "logits")
-    close(out.loss, ref.loss, 1e-5, f"loss (pp rank {pc.rank('pp')})")
+    close(out.loss, ref.loss, 1e-5, f"loss (pp rank {parallel.rank('pp')})")
     parallelize(model.train(), data_parallel="ddp")
     close(model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2), ref.loss, 1e-5,
           "forward_backward loss")
@@ -270,8 +270,8 @@ def latent_cache_decoding(tp=1):
     from parity import close
     from test_generate import NEW, ours_and_hf, prompts
 
-    pc = init_parallel(tp=tp) if tp > 1 else single_process()
-    config, hf, model = ours_and_hf("deepseek_v3", pc, GENERATE["deepseek_v3"])
+    parallel = init_parallel(tp=tp) if tp > 1 else single_process()
+    config, hf, model = ours_and_hf("deepseek_v3", parallel, GENERATE["deepseek_v3"])
     ids, mask = prompts(config.vocab_size)
     options = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
                    return_dict_in_generate=True, output_logits=True)

@@ -65,8 +65,8 @@ def lora_generation(case: str, tp: int = 1):
     from test_generate import NEW, ours_and_hf, prompts
 
     lora_parity.CASES.update(CASES)
-    pc = init_parallel(tp=tp) if tp > 1 else single_process()
-    config, hf, model = ours_and_hf("deepseek_v3", pc, CASES[case][1])
+    parallel = init_parallel(tp=tp) if tp > 1 else single_process()
+    config, hf, model = ours_and_hf("deepseek_v3", parallel, CASES[case][1])
     apply_lora(model, r=lora_parity.R, alpha=lora_parity.ALPHA, targets=CASES[case][2])
     lora_parity.randomize_b(model)
     reference = lora_parity.peft_model(case, hf).eval()

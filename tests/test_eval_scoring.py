@@ -12,7 +12,7 @@ from colozoo.layers.vocab import VocabParallelLMHead
 def test_each_row_projects_only_its_own_positions_and_scores_as_a_whole_forward(monkeypatch):
     config = tiny_config("llama")
     torch.manual_seed(0)
-    model = build_model(config, pc=single_process()).eval()
+    model = build_model(config, parallel=single_process()).eval()
     ids = torch.randint(0, config.vocab_size, (3, 24))
     targets = torch.randint(0, config.vocab_size, (3, 24)).tolist()
     # row 0 one long continuation (positions 4..23), row 1 two short ones, row 2 the first two positions

@@ -12,11 +12,11 @@ FAMILIES = ("gpt2", "llama", "mixtral")  # their declared configs (Mixtral's wit
 TIMEOUT = 180
 
 
-def _fresh(family, pc=None):
+def _fresh(family, parallel=None):
     from colozoo.core.mesh import init_parallel
 
     config, hf = reference(family)
-    return config, load(hf, config, pc or init_parallel())[0]
+    return config, load(hf, config, parallel or init_parallel())[0]
 
 
 def _training_grads(model, ids, labels) -> dict:
@@ -32,11 +32,11 @@ def _after(what, family, tp=1):
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.training import parallelize
 
-    pc = init_parallel(tp=tp)
-    config, fresh = _fresh(family, pc)
+    parallel = init_parallel(tp=tp)
+    config, fresh = _fresh(family, parallel)
     ids, mask, labels = batch(config.vocab_size, 12, batch_size=4)
     expected = _training_grads(fresh, ids, labels)
-    _, model = _fresh(family, pc)
+    _, model = _fresh(family, parallel)
     if what == "generate":
         model.eval().generate(ids[:, :6], max_new_tokens=3, pad_token_id=0)
     elif what == "forward_backward":

@@ -238,7 +238,7 @@ def test_embedding_normaliser_is_rounded_to_the_activation_dtype():
     ids = batch(config.vocab_size, 12)[0]
     from colozoo.layers.batch import BatchContext
 
-    ctx = BatchContext(attention_mask=None, position_ids=None, seq_len=ids.shape[1])
-    ours, theirs = model.embed(ids, ctx), hf.model.embed_tokens(ids)
+    batch_context = BatchContext(attention_mask=None, position_ids=None, seq_len=ids.shape[1])
+    ours, theirs = model.embed(ids, batch_context), hf.model.embed_tokens(ids)
     assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
     assert not torch.equal(ours, (model.embed_tokens(ids).float() * 72 ** 0.5).to(torch.bfloat16))

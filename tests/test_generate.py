@@ -29,7 +29,7 @@ def prompts(vocab_size: int, lengths=(5, 9, 3)):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def ours_and_hf(family, pc, config_kwargs=None, attn_implementation=None, prepare=None):
+def ours_and_hf(family, parallel, config_kwargs=None, attn_implementation=None, prepare=None):
     """transformers' tiny model of `family` (its declared config unless `config_kwargs` is given; passed through
     `prepare` first, if given) and ours loaded from it."""
     from family_parity import load
@@ -38,17 +38,17 @@ def ours_and_hf(family, pc, config_kwargs=None, attn_implementation=None, prepar
                               attn_implementation=attn_implementation or attention(family))
     if prepare is not None:
         prepare(hf)
-    return config, hf, load(hf, config, pc)[0].eval()
+    return config, hf, load(hf, config, parallel)[0].eval()
 
 
 def greedy_matches_transformers(families, tp=1, pp=1, dp=1, ep=1, eos_from_step=None, configs=None, attention=None,
                                 new=NEW):
     """`configs`: family -> tiny config for families outside FAMILIES (other test files); `attention`: family ->
     transformers' attention implementation where SDPA will not do (Gemma 2's soft-capping)."""
-    pc = init_parallel(tp=tp, pp=pp, dp=dp, ep=ep) if tp * pp * dp > 1 else single_process()
+    parallel = init_parallel(tp=tp, pp=pp, dp=dp, ep=ep) if tp * pp * dp > 1 else single_process()
     results = {}
     for family in families:
-        config, hf, model = ours_and_hf(family, pc, (configs or {}).get(family), (attention or {}).get(family))
+        config, hf, model = ours_and_hf(family, parallel, (configs or {}).get(family), (attention or {}).get(family))
         ids, mask = prompts(config.vocab_size)
         options = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
         expected = hf.generate(ids, attention_mask=mask, **options)
@@ -90,8 +90,8 @@ def test_greedy_generate_moe_expert_parallel(family):
 
 
 def sampled(tp, seed):
-    pc = init_parallel(tp=tp) if tp > 1 else single_process()
-    config, hf, model = ours_and_hf("llama", pc)
+    parallel = init_parallel(tp=tp) if tp > 1 else single_process()
+    config, hf, model = ours_and_hf("llama", parallel)
     ids, mask = prompts(config.vocab_size)
     options = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2,
                    pad_token_id=0, eos_token_id=None, seed=seed)
@@ -110,8 +110,8 @@ def test_seeded_sampling_is_identical_on_every_rank_and_across_runs():
 def unseeded(tp):
     """Without a seed: the same tokens on every rank, and every rank's global generator advanced alike (dropout
     masks of replicated activations must keep agreeing across tp ranks after a generate during training)."""
-    pc = init_parallel(tp=tp)
-    config, hf, model = ours_and_hf("llama", pc)
+    parallel = init_parallel(tp=tp)
+    config, hf, model = ours_and_hf("llama", parallel)
     ids, mask = prompts(config.vocab_size)
     torch.manual_seed(11)
     greedy = model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=None)
@@ -129,8 +129,8 @@ def test_unseeded_sampling_agrees_across_ranks_and_keeps_their_generators_in_ste
 
 
 def cache_elements(tp, pp):
-    pc = init_parallel(tp=tp, pp=pp)
-    config, hf, model = ours_and_hf("llama", pc)
+    parallel = init_parallel(tp=tp, pp=pp)
+    config, hf, model = ours_and_hf("llama", parallel)
     ids, mask = prompts(config.vocab_size)
     stats = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
                            return_dict_in_generate=True)
@@ -197,14 +197,14 @@ def sharded_argmax(tp):
     from colozoo.core.groups import vocab_range
     from colozoo.layers.vocab import vocab_parallel_argmax
 
-    pc = init_parallel(tp=tp)
+    parallel = init_parallel(tp=tp)
     agree = []
     for vocab in (10, 5):  # uneven slices; 5 over 4 ranks leaves the last one only padding
         full = torch.randint(0, 3, (6, vocab), generator=torch.Generator().manual_seed(vocab)).float()  # many ties
-        start, stop, per = vocab_range(vocab, pc.tp_group)
+        start, stop, per = vocab_range(vocab, parallel.tp_group)
         local = torch.full((6, per), 100.0)  # padding columns would win if they were counted
         local[:, : stop - start] = full[:, start:stop]
-        agree.append(torch.equal(vocab_parallel_argmax(local, vocab, pc.tp_group)[0], full.argmax(dim=-1)))
+        agree.append(torch.equal(vocab_parallel_argmax(local, vocab, parallel.tp_group)[0], full.argmax(dim=-1)))
     return agree
 
 

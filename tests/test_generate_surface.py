@@ -29,9 +29,9 @@ SPREAD = {"gpt2": 0.3, "qwen3": 0.3, "gemma2": 0.06, "gemma3_text": 0.06}  # els
 MIN_DISTINCT = {"gemma2": 1, "gemma3_text": 1, "qwen3": 2}
 
 
-def _varied(family, pc):
+def _varied(family, parallel):
     """transformers' model with spread weights, and ours loaded from it."""
-    return ours_and_hf(family, pc, FAMILIES[family], attention(family),
+    return ours_and_hf(family, parallel, FAMILIES[family], attention(family),
                        prepare=lambda hf: vary_weights(hf, SPREAD.get(family, 0.5), seed=4 if "gemma" in family else 3))
 
 
@@ -49,9 +49,9 @@ BEAMS = [dict(num_beams=3), dict(num_beams=3, num_return_sequences=2, length_pen
 
 
 def beams_match_transformers(families, tp=1, pp=1):
-    pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
+    parallel = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
     for family in families:
-        config, hf, model = _varied(family, pc)
+        config, hf, model = _varied(family, parallel)
         ids, mask = prompts(config.vocab_size)
         greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                              eos_token_id=None)
@@ -85,8 +85,8 @@ def test_beam_search_at_tp2_and_pp2():
 def greedy_options_match_transformers(family, tp=1, pp=1, **ours):
     """Scores and logits of every step, a list of eos ids, max_length and min_new_tokens, as transformers'. `ours`:
     options for our generate only (test_static_decode: cache_implementation)."""
-    pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
-    config, hf, model = _varied(family, pc)
+    parallel = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
+    config, hf, model = _varied(family, parallel)
     ids, mask = prompts(config.vocab_size)
     plain = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                         eos_token_id=None)

@@ -62,8 +62,8 @@ def cache_against_formula(family, config_kwargs, attn_implementation="sdpa", tp=
 
     from colozoo.core.mesh import init_parallel, single_process
 
-    pc = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
-    config, _, model = ours_and_hf(family, pc, config_kwargs, attn_implementation)
+    parallel = init_parallel(tp=tp, pp=pp) if tp * pp > 1 else single_process()
+    config, _, model = ours_and_hf(family, parallel, config_kwargs, attn_implementation)
     ids, mask = prompts(config.vocab_size)
     out = model.eval().generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
                                 return_dict_in_generate=True)

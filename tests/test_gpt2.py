@@ -58,11 +58,11 @@ def test_gpt2_upcast_bf16_matches_eager_and_differs_without_it():
     """In fp32 the option changes nothing; in bf16 it keeps the scores and softmax in fp32. Large weights give
     large scores, where rounding them to bf16 visibly moves the logits, so the check can tell the option apart."""
     options = {**UPCAST, "initializer_range": 0.3}
-    pc = init_parallel(tp=1)
+    parallel = init_parallel(tp=1)
     config, hf_on = hf_causal_lm("gpt2", options, attn_implementation="eager")
     _, hf_off = hf_causal_lm("gpt2", {**options, "reorder_and_upcast_attn": False}, attn_implementation="eager")
     hf_on, hf_off = hf_on.to(torch.bfloat16), hf_off.to(torch.bfloat16)
-    model = build_model(config, pc=pc, device="meta", dtype=torch.bfloat16)
+    model = build_model(config, parallel=parallel, device="meta", dtype=torch.bfloat16)
     load_hf_weights(model, StateDictReader(hf_on.state_dict()), device="cpu")
     model.eval()
     ids, mask, labels = batch(config.vocab_size, 12)
@@ -90,7 +90,7 @@ def test_gpt2_upcast_bf16_matches_eager_and_differs_without_it():
 def test_gpt2_refuses_unsupported_options(option, message):
     config = transformers.GPT2Config(**BASE, **option)
     with pytest.raises(UnsupportedConfig if "add_cross_attention" in option else ValueError, match=message):
-        build_model(config, pc=init_parallel(tp=1), device="meta")
+        build_model(config, parallel=init_parallel(tp=1), device="meta")
 
 
 def test_upcast_attention_never_takes_the_triton_kernel(monkeypatch):

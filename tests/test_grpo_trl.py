@@ -85,7 +85,7 @@ def test_loss_metrics_and_gradients_equal_trl_for_every_loss_type(setup, beta, i
         if iterations > 1 and loss_type != "cispo":
             assert expected["clip_ratio/region_mean"] > 0, what  # the clipped regions are exercised
         if loss_type in ("dapo", "cispo"):
-            check_gradients(model, model.pc, StateDictReader(hf.state_dict()), StateDictReader(grads), ATOL)
+            check_gradients(model, model.parallel, StateDictReader(hf.state_dict()), StateDictReader(grads), ATOL)
 
 
 def test_loss_at_another_temperature_equals_trl(setup, tmp_path):

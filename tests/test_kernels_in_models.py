@@ -160,13 +160,13 @@ def _fused_loss_parity(model_type, config_kwargs, tp=1, sequence_parallel=False)
     from colozoo.api import build_model
     from colozoo.core.mesh import coords_of, init_parallel
 
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
 
     config, hf = hf_causal_lm(model_type, config_kwargs)
     ids, mask, labels = batch(config.vocab_size, 12)
     ref = hf(ids, attention_mask=mask, labels=labels)
     ref.loss.backward()
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     converter = family_module(model_type)
     if hasattr(converter, "module_sources"):  # transformers fuses experts in memory, not in its files
         with tempfile.TemporaryDirectory() as directory:
@@ -183,7 +183,7 @@ def _fused_loss_parity(model_type, config_kwargs, tp=1, sequence_parallel=False)
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
     for name, p in model.named_parameters():
         expected = GlobalTensor(hf_grads, sources[name], name).read()
-        full = gather_tensor(p.grad, spec_of(p), expected.shape, pc.groups, coords_of(pc))
+        full = gather_tensor(p.grad, spec_of(p), expected.shape, parallel.groups, coords_of(parallel))
         assert_close(full, expected, torch.float32, f"grad of {name}")
     return True
 

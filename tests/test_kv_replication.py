@@ -163,10 +163,10 @@ def train_step_against_hf(tp, dp=1, config_kwargs=KV2):
     from colozoo.layers.shard import spec_of
     from colozoo.runtime.training import build_optimizer, clip_grad_norm_, parallelize
 
-    pc = init_parallel(tp=tp, dp=dp)
+    parallel = init_parallel(tp=tp, dp=dp)
     config, hf = hf_causal_lm("llama", config_kwargs)
     hf.train()
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.train()
     parallelize(model)
@@ -185,16 +185,16 @@ def train_step_against_hf(tp, dp=1, config_kwargs=KV2):
     optimizer.step()
     hf_optimizer.step()
 
-    sources, coords, weights = family_module("llama").hf_sources(config), coords_of(pc), StateDictReader(hf.state_dict())
+    sources, coords, weights = family_module("llama").hf_sources(config), coords_of(parallel), StateDictReader(hf.state_dict())
     replicas_equal = []
     for name, p in model.named_parameters():
         expected = GlobalTensor(weights, sources[name], name).read()
         spec, p = spec_of(p), p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP: the dp shards first
-        close(gather_tensor(p.detach(), spec, expected.shape, pc.groups, coords), expected, PARAM_ATOL,
+        close(gather_tensor(p.detach(), spec, expected.shape, parallel.groups, coords), expected, PARAM_ATOL,
               f"parameter {name} after the step")
         for dim, l0, l1, replicas, _ in replicated_pieces(spec, coords):
             gathered = [torch.empty_like(p) for _ in range(tp)]
-            dist.all_gather(gathered, p.detach().contiguous(), group=pc.tp_group)
+            dist.all_gather(gathered, p.detach().contiguous(), group=parallel.tp_group)
             rows = [g.narrow(dim, l0, l1 - l0) for g in gathered]
             replicas_equal.append(all(torch.equal(rows[r], rows[r - r % replicas]) for r in range(tp)))
     return replicas_equal

@@ -31,16 +31,16 @@ def _close(actual, expected, what):
     close(actual, expected, ATOL, what)
 
 
-def _seq_chunk(t, pc, sequence_parallel: bool, dim=1):
+def _seq_chunk(t, parallel, sequence_parallel: bool, dim=1):
     """This rank's part of the sequence when sequence parallelism was asked for (the test's own flag, not the
     layer's: a mesh that dropped the flag must fail the shape checks)."""
-    return t.chunk(pc.tp_size, dim=dim)[pc.tp_rank] if sequence_parallel and pc.tp_size > 1 else t
+    return t.chunk(parallel.tp_size, dim=dim)[parallel.tp_rank] if sequence_parallel and parallel.tp_size > 1 else t
 
 
 # ---------------------------------------------------------------- vocab-parallel cross entropy
 
 def _cross_entropy(tp, vocab, label_smoothing):
-    pc = init_parallel(tp=tp)
+    parallel = init_parallel(tp=tp)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, vocab, generator=g) * 3
     target = torch.randint(0, vocab, (3, 7), generator=g)
@@ -53,11 +53,11 @@ def _cross_entropy(tp, vocab, label_smoothing):
                                label_smoothing=label_smoothing).view(3, 7)
     (expected * upstream).sum().backward()
 
-    start, stop, per = vocab_range(vocab, pc.tp_group)
+    start, stop, per = vocab_range(vocab, parallel.tp_group)
     local = torch.full((3, 7, per), 1e4)  # padded columns hold garbage that must never matter
     local[..., : stop - start] = logits[..., start:stop]
     local.requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, target, vocab, pc.tp_group, label_smoothing=label_smoothing)
+    loss = vocab_parallel_cross_entropy(local, target, vocab, parallel.tp_group, label_smoothing=label_smoothing)
     (loss * upstream).sum().backward()
     _close(loss, expected, "per-token loss")
     _close(local.grad[..., : stop - start], full.grad[..., start:stop], "logits gradient")
@@ -84,10 +84,10 @@ def _reference_linear(in_features, out_features, seed):
 
 
 def _column(tp, sequence_parallel, chunks, gather_output):
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
-    coords = coords_of(pc)
+    parallel = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
+    coords = coords_of(parallel)
     ref = _reference_linear(16, 24, seed=0)
-    layer = ColumnParallelLinear(16, 24, group=pc.tp_group, sequence_parallel=pc.sequence_parallel,
+    layer = ColumnParallelLinear(16, 24, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
                                  chunks=chunks, gather_output=gather_output)
     with torch.no_grad():
         layer.weight.copy_(shard_tensor(ref.weight, spec_of(layer.weight), coords))
@@ -100,7 +100,7 @@ def _column(tp, sequence_parallel, chunks, gather_output):
     y_ref = ref(x_ref)
     (y_ref * upstream).sum().backward()
 
-    x_local = _seq_chunk(x, pc, sequence_parallel).clone().requires_grad_()
+    x_local = _seq_chunk(x, parallel, sequence_parallel).clone().requires_grad_()
     y = layer(x_local)
     out_spec = (Split("tp", 2, chunks=chunks),)
     if gather_output:
@@ -109,10 +109,10 @@ def _column(tp, sequence_parallel, chunks, gather_output):
     else:
         _close(y, shard_tensor(y_ref.detach(), out_spec, coords), "local output")
         (y * shard_tensor(upstream, out_spec, coords)).sum().backward()
-    _close(x_local.grad, _seq_chunk(x_ref.grad, pc, sequence_parallel), "input gradient")
+    _close(x_local.grad, _seq_chunk(x_ref.grad, parallel, sequence_parallel), "input gradient")
     for name in ("weight", "bias"):
         p = getattr(layer, name)
-        full = gather_tensor(p.grad, spec_of(p), tuple(getattr(ref, name).shape), pc.groups, coords)
+        full = gather_tensor(p.grad, spec_of(p), tuple(getattr(ref, name).shape), parallel.groups, coords)
         _close(full, getattr(ref, name).grad, f"{name} gradient")
 
 
@@ -133,12 +133,12 @@ def test_column_parallel_linear_gather_output(tp):
 
 
 def _row(tp, sequence_parallel, bias):
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
-    coords = coords_of(pc)
+    parallel = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
+    coords = coords_of(parallel)
     ref = _reference_linear(24, 16, seed=2)
     if not bias:
         ref.bias = None
-    layer = RowParallelLinear(24, 16, bias=bias, group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+    layer = RowParallelLinear(24, 16, bias=bias, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel)
     with torch.no_grad():
         layer.weight.copy_(shard_tensor(ref.weight, spec_of(layer.weight), coords))
         if bias:
@@ -154,10 +154,10 @@ def _row(tp, sequence_parallel, bias):
     in_spec = (Split("tp", 2),)
     x_local = shard_tensor(x, in_spec, coords).requires_grad_()
     y = layer(x_local)
-    _close(y, _seq_chunk(y_ref.detach(), pc, sequence_parallel), "output")
-    (y * _seq_chunk(upstream, pc, sequence_parallel)).sum().backward()
+    _close(y, _seq_chunk(y_ref.detach(), parallel, sequence_parallel), "output")
+    (y * _seq_chunk(upstream, parallel, sequence_parallel)).sum().backward()
     _close(x_local.grad, shard_tensor(x_ref.grad, in_spec, coords), "input gradient")
-    full = gather_tensor(layer.weight.grad, spec_of(layer.weight), tuple(ref.weight.shape), pc.groups, coords)
+    full = gather_tensor(layer.weight.grad, spec_of(layer.weight), tuple(ref.weight.shape), parallel.groups, coords)
     _close(full, ref.weight.grad, "weight gradient")
     if bias:
         _close(layer.bias.grad, ref.bias.grad, "bias gradient")
@@ -176,13 +176,13 @@ def test_row_parallel_linear_without_bias():
 # ---------------------------------------------------------------- vocab-parallel embedding
 
 def _embedding(tp, sequence_parallel, vocab, padding_idx):
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
-    coords = coords_of(pc)
+    parallel = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
+    coords = coords_of(parallel)
     torch.manual_seed(4)
     ref = nn.Embedding(vocab, 8, padding_idx=padding_idx)
     with torch.no_grad():
         ref.weight.normal_()  # a non-zero padding row: its value is used, only its gradient is blocked
-    layer = VocabParallelEmbedding(vocab, 8, padding_idx, group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
+    layer = VocabParallelEmbedding(vocab, 8, padding_idx, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel)
     spec = spec_of(layer.weight)
     with torch.no_grad():
         layer.weight.copy_(shard_tensor(ref.weight, spec, coords))
@@ -196,12 +196,12 @@ def _embedding(tp, sequence_parallel, vocab, padding_idx):
     (out_ref * upstream).sum().backward()
 
     out = layer(ids)
-    _close(out, _seq_chunk(out_ref.detach(), pc, sequence_parallel), "output")
-    (out * _seq_chunk(upstream, pc, sequence_parallel)).sum().backward()
-    full = gather_tensor(layer.weight.grad, spec, (vocab, 8), pc.groups, coords)
+    _close(out, _seq_chunk(out_ref.detach(), parallel, sequence_parallel), "output")
+    (out * _seq_chunk(upstream, parallel, sequence_parallel)).sum().backward()
+    full = gather_tensor(layer.weight.grad, spec, (vocab, 8), parallel.groups, coords)
     _close(full, ref.weight.grad, "weight gradient")
     assert not full[padding_idx].any(), "the padding row got a gradient"
-    start, stop, _ = vocab_range(vocab, pc.tp_group)
+    start, stop, _ = vocab_range(vocab, parallel.tp_group)
     assert not layer.weight.grad[stop - start:].any(), "padded vocab rows got a gradient"
 
 
@@ -369,12 +369,12 @@ def test_load_shard_reads_only_its_slices():
 
 
 def _gather_round_trip(degrees):
-    pc = init_parallel(**degrees)
-    coords = coords_of(pc)
+    parallel = init_parallel(**degrees)
+    coords = coords_of(parallel)
     for name, (shape, spec) in SPECS.items():
         full = torch.randn(shape, generator=torch.Generator().manual_seed(len(name)))
         local = shard_tensor(full, spec, coords)
-        gathered = gather_tensor(local, spec, shape, pc.groups, coords)
+        gathered = gather_tensor(local, spec, shape, parallel.groups, coords)
         assert torch.equal(gathered, full), name
 
 

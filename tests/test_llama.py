@@ -68,10 +68,10 @@ def _build_at_tp(config_kwargs, tp):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(tp=tp)
+    parallel = init_parallel(tp=tp)
     config = transformers.LlamaConfig(**config_kwargs)
     try:
-        build_model(config, pc=pc, device="meta")
+        build_model(config, parallel=parallel, device="meta")
     except ValueError as e:
         return str(e)
     return None

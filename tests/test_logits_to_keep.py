@@ -14,8 +14,8 @@ KEEP = {"last": 1, "last 3": 3, "positions": torch.tensor([0, 2, 5])}
 
 
 def logits_to_keep_match_transformers(tp=1):
-    pc = init_parallel(tp=tp, sequence_parallel=True) if tp > 1 else single_process()
-    config, hf, model = ours_and_hf("llama", pc)
+    parallel = init_parallel(tp=tp, sequence_parallel=True) if tp > 1 else single_process()
+    config, hf, model = ours_and_hf("llama", parallel)
     ids, _ = prompts(config.vocab_size, lengths=(8, 8))
     for what, keep in KEEP.items():
         with torch.no_grad():

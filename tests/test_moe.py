@@ -56,7 +56,7 @@ def moe_matches_qwen(tp, ep, sequence_parallel):
     from colozoo.layers.shard import gather_tensor, shard_tensor, spec_of
     from colozoo.core.mesh import coords_of, init_parallel
 
-    pc = init_parallel(tp=tp, ep=ep, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, ep=ep, sequence_parallel=sequence_parallel)
     block = qwen_block()
     x = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(3))
     probe = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(4))
@@ -65,29 +65,29 @@ def moe_matches_qwen(tp, ep, sequence_parallel):
     (ref * probe).sum().backward()
 
     moe = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, normalize_top_k=False, shared_expert_size=SHARED),
-              ep_group=pc.group("ep"), tp_group=pc.tp_group, sequence_parallel=pc.sequence_parallel)
-    weights, coords = hf_weights(block), coords_of(pc)
+              ep_group=parallel.group("ep"), tp_group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel)
+    weights, coords = hf_weights(block), coords_of(parallel)
     with torch.no_grad():
         for name, p in moe.named_parameters():
             p.copy_(shard_tensor(weights[name].detach(), spec_of(p), coords))
     x_local = x.clone()
-    if pc.sequence_parallel:
-        x_local = split_to_parallel(x_local, pc.tp_group, dim=1)
+    if parallel.sequence_parallel:
+        x_local = split_to_parallel(x_local, parallel.tp_group, dim=1)
     x_local.requires_grad_()
     out, logits = moe(x_local)
-    if pc.sequence_parallel:
-        out = gather_from_parallel(out, pc.tp_group, dim=1)
+    if parallel.sequence_parallel:
+        out = gather_from_parallel(out, parallel.tp_group, dim=1)
     (out * probe).sum().backward()
-    dx = gather_from_parallel(x_local.grad, pc.tp_group, dim=1) if pc.sequence_parallel else x_local.grad
+    dx = gather_from_parallel(x_local.grad, parallel.tp_group, dim=1) if parallel.sequence_parallel else x_local.grad
 
     torch.testing.assert_close(out, ref, **FP32, msg=lambda m: f"output: {m}")
     torch.testing.assert_close(dx, x_ref.grad, **FP32, msg=lambda m: f"input gradient: {m}")
     expected = hf_grads(block)
-    dp = pc.size("dp")
+    dp = parallel.size("dp")
     for name, p in moe.named_parameters():
         # every rank fed the same tokens: the expert owner summed them over its ep group
         grad = p.grad / dp if any(s.mesh_dim == "ep" for s in spec_of(p)) else p.grad
-        full = gather_tensor(grad, spec_of(p), tuple(expected[name].shape), pc.groups, coords)
+        full = gather_tensor(grad, spec_of(p), tuple(expected[name].shape), parallel.groups, coords)
         torch.testing.assert_close(full, expected[name], **FP32, msg=lambda m, name=name: f"gradient of {name}: {m}")
     return logits.shape
 
@@ -188,17 +188,17 @@ def _capacity_under_expert_parallelism(factor):
     from colozoo.layers.shard import shard_tensor, spec_of
     from colozoo.core.mesh import coords_of, init_parallel
 
-    pc = init_parallel(ep=2)
+    parallel = init_parallel(ep=2)
     torch.manual_seed(0)
     full = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor))
     with torch.no_grad():
         full.gate.weight.normal_(std=1.0)  # skewed routing, so capacity bites
-    moe = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor), ep_group=pc.group("ep"))
+    moe = MoE(MoESpec(HIDDEN, INNER, EXPERTS, TOP_K, capacity_factor=factor), ep_group=parallel.group("ep"))
     weights = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in moe.named_parameters():
-            p.copy_(shard_tensor(weights[name], spec_of(p), coords_of(pc)))
-    x = torch.randn(2, 12, HIDDEN, generator=torch.Generator().manual_seed(10 + pc.rank("dp")))
+            p.copy_(shard_tensor(weights[name], spec_of(p), coords_of(parallel)))
+    x = torch.randn(2, 12, HIDDEN, generator=torch.Generator().manual_seed(10 + parallel.rank("dp")))
     out, _ = moe(x)
     close(out, _reference_with_capacity(full, x, factor), ATOL, f"MoE output at capacity factor {factor}")
     return (out - _reference_with_capacity(full, x, factor)).abs().max().item()

@@ -24,8 +24,8 @@ CONFIG = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4,
 SEQ, BATCH, STEPS, TIMEOUT = 8, 4, 2, 120
 
 
-def build(pc, hf, config):
-    model = build_model(config, pc=pc, device="meta")
+def build(parallel, hf, config):
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     return model.train()
 
@@ -49,12 +49,12 @@ def train(model, optimizer, ids, labels, mask):
 
 def offloaded_step_matches(offload, data_parallel):
     """Two steps with `offload` equal two steps without it: same losses and updated local shards."""
-    pc = init_parallel(dp=2)
+    parallel = init_parallel(dp=2)
     config, hf = hf_causal_lm("gpt2", CONFIG)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
     results = []
     for level in (None, offload):
-        model = build(pc, hf, config)
+        model = build(parallel, hf, config)
         parallelize(model, data_parallel=data_parallel, offload=level)
         optimizer = build_optimizer(model, lr=1e-2, eps=1e-6)
         assert isinstance(optimizer, OffloadedAdamW) == (level == "optimizer")

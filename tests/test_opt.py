@@ -84,8 +84,8 @@ def _build(config_kwargs, tp, training=False):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(tp=tp)
-    model = build_model(transformers.OPTConfig(**config_kwargs), pc=pc, device="meta")
+    parallel = init_parallel(tp=tp)
+    model = build_model(transformers.OPTConfig(**config_kwargs), parallel=parallel, device="meta")
     if training:
         model.train()
         model.batch_context(torch.zeros(1, 4, dtype=torch.long))
@@ -148,11 +148,11 @@ def _train_step_with_dropout(tp):
     from colozoo.core.rng import model_parallel_seed
     from parity import batch, check_sequence_sharding, hf_causal_lm, layer_input_lengths
 
-    pc = init_parallel(tp=tp, sequence_parallel=True)
+    parallel = init_parallel(tp=tp, sequence_parallel=True)
     config, hf = hf_causal_lm("opt", {**BASE, "dropout": 0.2, "attention_dropout": 0.2})
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
-    model_parallel_seed(0, pc)
+    model_parallel_seed(0, parallel)
     ids, mask, labels = batch(config.vocab_size, 12)
     with torch.no_grad():
         eval_loss = model.eval()(ids, attention_mask=mask, labels=labels).loss.item()
@@ -179,9 +179,9 @@ def _pipeline_parity(config_kwargs, pp, tp):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(pp=pp, tp=tp)
+    parallel = init_parallel(pp=pp, tp=tp)
     config, hf = hf_causal_lm("opt", config_kwargs)
-    model = load_hf_weights(build_model(config, pc=pc, device="meta"), StateDictReader(hf.state_dict()),
+    model = load_hf_weights(build_model(config, parallel=parallel, device="meta"), StateDictReader(hf.state_dict()),
                             device="cpu").eval()
     ids, mask, labels = batch(config.vocab_size, 12)
     with torch.no_grad():  # a pipeline evaluates without gradients

@@ -52,7 +52,7 @@ def _load(architecture, config_kwargs, task=None):
     model_type = getattr(transformers, architecture).config_class.model_type
     config = transformers.AutoConfig.for_model(model_type, architectures=[architecture], **config_kwargs)
     hf = hf_model(architecture, config)
-    model = build_model(config, pc=init_parallel(), device="meta", task=task)
+    model = build_model(config, parallel=init_parallel(), device="meta", task=task)
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     return hf, model.eval()
 
@@ -134,11 +134,11 @@ def _hidden_states_on_mesh(family, config_kwargs, cp=1, dp=1, fsdp=False):
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.training import parallelize
 
-    pc = init_parallel(cp=cp, dp=dp)
+    parallel = init_parallel(cp=cp, dp=dp)
     config, hf = hf_causal_lm(family, config_kwargs)
     ids, mask, labels = batch(config.vocab_size, 16)
     ref = hf(ids, attention_mask=mask, output_hidden_states=True)
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.eval()
     if fsdp:
@@ -157,9 +157,9 @@ def _refused_under_pp():
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(pp=2)
+    parallel = init_parallel(pp=2)
     config = transformers.AutoConfig.for_model("llama", **LLAMA)
-    model = build_model(config, pc=pc, device="cpu")
+    model = build_model(config, parallel=parallel, device="cpu")
     ids, mask, _ = batch(config.vocab_size, 8)
     with pytest.raises(ValueError, match="output_hidden_states=True is not supported with pipeline parallelism"):
         model(ids, attention_mask=mask, output_hidden_states=True)

@@ -45,15 +45,15 @@ def packed_batch(vocab_size: int, seed: int = 1):
     return ids, positions
 
 
-def build(pc, hf):
-    """Our model on `pc` with `hf`'s weights, and the sources its gradients compare by (family_parity.load)."""
+def build(parallel, hf):
+    """Our model on `parallel` with `hf`'s weights, and the sources its gradients compare by (family_parity.load)."""
     from family_parity import load
 
-    model, sources = load(hf, hf.config, pc)
+    model, sources = load(hf, hf.config, parallel)
     return model.eval(), sources
 
 
-def gradients_match(model, pc, sources, hf_grads):
+def gradients_match(model, parallel, sources, hf_grads):
     """Every gradient, gathered (over FSDP's shards, then tp), equals transformers' (by its in-memory names); a frozen
     parameter has none."""
     from colozoo.checkpoint.readers import GlobalTensor
@@ -67,7 +67,7 @@ def gradients_match(model, pc, sources, hf_grads):
         expected = GlobalTensor(hf_grads, sources[name], name).read()
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         scale = max(1.0, expected.abs().max().item())
-        close(gather_tensor(grad, spec_of(p), expected.shape, pc.groups, coords_of(pc)), expected, ATOL * scale,
+        close(gather_tensor(grad, spec_of(p), expected.shape, parallel.groups, coords_of(parallel)), expected, ATOL * scale,
               f"gradient of {name}")
 
 
@@ -106,7 +106,7 @@ def packed_parity(family: str, tp: int = 1, sequence_parallel: bool = False):
     from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
     config, hf = hf_reference(family)
     ids, positions = packed_batch(config.vocab_size)
     ref = hf(ids, position_ids=positions, labels=ids, use_cache=False)
@@ -122,12 +122,12 @@ def packed_parity(family: str, tp: int = 1, sequence_parallel: bool = False):
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
 
-    model, sources = build(pc, hf)
+    model, sources = build(parallel, hf)
     out = model(ids, position_ids=positions, labels=ids, return_logits=True, **options)
     close(out.logits, ref.logits, ATOL, "logits")
     close(out.loss, ref.loss, ATOL, "loss")
     out.loss.backward()
-    return gradients_match(model, pc, sources, hf_grads)
+    return gradients_match(model, parallel, sources, hf_grads)
 
 
 FAMILIES = CAUSAL
@@ -153,10 +153,10 @@ def no_leakage(family: str = "llama", tp: int = 1, sequence_parallel: bool = Fal
     from colozoo.kernels.dispatch import use_kernels
     from colozoo.runtime.training import parallelize
 
-    pc = init_parallel(tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel)
     config, hf = hf_reference(family)
     ids, positions = packed_batch(config.vocab_size)
-    model, sources = build(pc, hf)
+    model, sources = build(parallel, hf)
     with use_kernels(kernels):
         out = model(ids, position_ids=positions, return_logits=True, cp_mode=cp_mode)
     for row, start, length in DOCUMENTS:
@@ -175,7 +175,7 @@ def no_leakage(family: str = "llama", tp: int = 1, sequence_parallel: bool = Fal
     with use_kernels(kernels):
         loss = model.forward_backward(ids, ids, position_ids=positions, num_microbatches=2, cp_mode=cp_mode)
     close(loss, ref.loss, ATOL, "forward_backward loss")
-    return gradients_match(model, pc, sources, hf_grads)
+    return gradients_match(model, parallel, sources, hf_grads)
 
 
 def test_no_leakage_torch_path():
@@ -288,12 +288,12 @@ def test_attention_mask_or_cache_turns_packing_off():
     config, hf = hf_reference("llama")
     model, _ = build(init_parallel(), hf)
     ids, positions = packed_batch(config.vocab_size)
-    ctx = model.batch_context(ids, None, position_ids=positions)
-    assert ctx.documents is not None
+    batch = model.batch_context(ids, None, position_ids=positions)
+    assert batch.documents is not None
     assert model.batch_context(ids, torch.ones_like(ids), position_ids=positions).documents is None
-    ctx = model.batch_context(ids, None, position_ids=positions)
-    ctx.cache = object()
-    assert ctx.documents is None
+    batch = model.batch_context(ids, None, position_ids=positions)
+    batch.cache = object()
+    assert batch.documents is None
     with torch.no_grad():
         ours = model(ids, attention_mask=torch.ones_like(ids), position_ids=positions, return_logits=True).logits
         theirs = hf(ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False).logits

@@ -49,7 +49,7 @@ def test_models_are_balanced_by_default_and_take_layers_per_stage():
     config = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=5000, n_positions=32)  # embedding ~ 6.5 layers
 
     def layers(pp, **partition):
-        return [build_model(config, pc=ParallelContext.virtual(pp=pp, pp_rank=r), device="meta", **partition).layer_ids
+        return [build_model(config, parallel=ParallelContext.virtual(pp=pp, pp_rank=r), device="meta", **partition).layer_ids
                 for r in range(pp)]
 
     balanced = [run for (run,) in model_stage_layers(config, 3)]
@@ -61,7 +61,7 @@ def test_models_are_balanced_by_default_and_take_layers_per_stage():
     with pytest.raises(PartitionError, match="balance"):
         layers(2, balance="bytes")
     with pytest.raises(ValueError, match="either layer_ids or layers_per_stage"):
-        build_model(config, pc=ParallelContext.virtual(pp=2), layer_ids=[0], layers_per_stage=[6, 6], device="meta")
+        build_model(config, parallel=ParallelContext.virtual(pp=2), layer_ids=[0], layers_per_stage=[6, 6], device="meta")
 
 
 def test_virtual_stages_are_looped_over_ranks():
@@ -79,17 +79,17 @@ def test_schedule_names():
         schedule_name("looped_bfs")
 
 
-def load(pc, config, hf, virtual_stages=1):
-    layer_ids = rank_layers(config.num_hidden_layers, pc.config.pp, pc.rank("pp"), virtual_stages)
-    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+def load(parallel, config, hf, virtual_stages=1):
+    layer_ids = rank_layers(config.num_hidden_layers, parallel.config.pp, parallel.rank("pp"), virtual_stages)
+    model = build_model(config, parallel=parallel, layer_ids=layer_ids, device="meta")
     return load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu").eval()
 
 
 def eval_parity(pp, tp, sp=False, virtual_stages=1, dp=1, parallel=None):
     """model(...) through the pipeline: full logits and loss on every rank equal transformers'."""
-    pc = init_parallel(pp=pp, tp=tp, dp=dp, sequence_parallel=sp)
+    parallel_context = init_parallel(pp=pp, tp=tp, dp=dp, sequence_parallel=sp)
     config, hf = hf_causal_lm("gpt2", CONFIG)
-    model = load(pc, config, hf, virtual_stages)
+    model = load(parallel_context, config, hf, virtual_stages)
     if parallel is not None:
         parallelize(model, **parallel)
     ids, mask, labels = batch(config.vocab_size, 12)
@@ -127,15 +127,15 @@ def test_eval_forward_after_fsdp_wrapping():
 
 
 def bad_schedules():
-    pc = init_parallel(pp=2)
+    parallel = init_parallel(pp=2)
     config, hf = hf_causal_lm("gpt2", CONFIG)
     ids, mask, labels = batch(config.vocab_size, 12, batch_size=4)
-    model = load(pc, config, hf, virtual_stages=2)
+    model = load(parallel, config, hf, virtual_stages=2)
     with pytest.raises(PipelineError, match="unknown pipeline schedule .dualpipe."):
         model.forward_backward(ids, labels, num_microbatches=2, schedule="dualpipe")
     with pytest.raises(PipelineError, match="virtual stages per rank"):
         model.forward_backward(ids, labels, num_microbatches=2, schedule="1f1b")
-    single = load(pc, config, hf)
+    single = load(parallel, config, hf)
     with pytest.raises(PipelineError, match="at least as many micro-batches"):
         single.forward_backward(ids, labels, num_microbatches=1, schedule="1f1b")
     return True
@@ -146,13 +146,13 @@ def test_bad_schedules_are_clear_errors():
 
 
 def uneven_virtual_stages():
-    pc = init_parallel(pp=2)
+    parallel = init_parallel(pp=2)
     config, _ = hf_causal_lm("gpt2", CONFIG)
-    layer_ids = [0, 2, 3] if pc.rank("pp") == 0 else [1]  # two contiguous runs on one rank, one on the other
+    layer_ids = [0, 2, 3] if parallel.rank("pp") == 0 else [1]  # two contiguous runs on one rank, one on the other
     with pytest.raises(PipelineError, match="same number of virtual stages"):  # the run builds the stages
-        build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+        build_model(config, parallel=parallel, layer_ids=layer_ids, device="meta")
     with pytest.raises(PipelineError, match="not in stage order"):
-        build_model(config, pc=pc, layer_ids=[2, 3] if pc.rank("pp") == 0 else [0, 1], device="meta")
+        build_model(config, parallel=parallel, layer_ids=[2, 3] if parallel.rank("pp") == 0 else [0, 1], device="meta")
     return True
 
 
@@ -173,7 +173,7 @@ def test_layer_cost_equals_the_built_model(name):
     from colozoo.registry import get_config
 
     config = get_config(name)
-    stages = [build_shard(config, pc=ParallelContext.virtual(pp=2, pp_rank=r), device="meta") for r in range(2)]
+    stages = [build_shard(config, parallel=ParallelContext.virtual(pp=2, pp_rank=r), device="meta") for r in range(2)]
 
     def count(model, in_layers: bool):
         return sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") == in_layers)

@@ -53,7 +53,7 @@ def check_full_gradients(model, base, grads: dict, what: str):
     from parity import check_gradients
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    check_gradients(model, model.pc, StateDictReader(hf.state_dict()), StateDictReader(grads), ATOL)
+    check_gradients(model, model.parallel, StateDictReader(hf.state_dict()), StateDictReader(grads), ATOL)
 
 
 def check_adapter_gradients(model, grads: dict, what: str):

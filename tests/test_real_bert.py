@@ -49,9 +49,9 @@ def load_and_compare(path, batch, hidden, pooled, tp, sequence_parallel=False):
     from colozoo.api import build_model
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, sequence_parallel=sequence_parallel)
     config = transformers.AutoConfig.from_pretrained(path)
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, SafetensorsReader(path), device="cpu")
     word = model.embeddings.word_embeddings.weight
     assert word.shape[0] == -(-config.vocab_size // tp)  # the local slice of the padded vocabulary

@@ -12,9 +12,9 @@ X = torch.ones(4, 64)
 
 def _masks(degrees, seed=1234):
     """Dropout masks drawn on one rank: replicated (default generator) and sharded (tracked tp generator)."""
-    pc = init_parallel(**degrees)
-    model_parallel_seed(seed, pc)
-    out = {"coords": {d: pc.rank(d) for d in ("pp", "dp", "tp")}}
+    parallel = init_parallel(**degrees)
+    model_parallel_seed(seed, parallel)
+    out = {"coords": {d: parallel.rank(d) for d in ("pp", "dp", "tp")}}
     out["replicated"] = dropout(X, 0.5, True, sharded=False) == 0
     before = torch.get_rng_state()
     out["sharded"] = dropout(X, 0.5, True, sharded=True) == 0
@@ -81,10 +81,10 @@ def test_fork_restores_default_generator_on_error():
 
 
 def test_tracker_is_reproducible_and_rejects_duplicates():
-    pc = single_process()
-    model_parallel_seed(7, pc)
+    parallel = single_process()
+    model_parallel_seed(7, parallel)
     first = [dropout(X, 0.5, True, sharded=s) for s in (False, True)]
-    model_parallel_seed(7, pc)
+    model_parallel_seed(7, parallel)
     second = [dropout(X, 0.5, True, sharded=s) for s in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     with pytest.raises(ValueError, match="already exists"):

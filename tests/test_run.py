@@ -19,8 +19,8 @@ CONFIG = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4, re
 TIMEOUT = 120
 
 
-def loaded(pc, hf, config):
-    model = build_model(config, pc=pc, device="meta")
+def loaded(parallel, hf, config):
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     return model.train()
 
@@ -56,9 +56,9 @@ def test_a_model_without_a_run_refuses_what_needs_one():
 def _optimizer_before_data_parallel(mode):
     """The habit: an optimizer over model.parameters(), then forward_backward on a dp=2 mesh. Data parallelism
     would replace the parameters the optimizer holds, so the step refuses instead of training nothing."""
-    pc = init_parallel(dp=2)
+    parallel = init_parallel(dp=2)
     config, hf = hf_causal_lm("gpt2", CONFIG)
-    model = loaded(pc, hf, config)
+    model = loaded(parallel, hf, config)
     ids, mask, labels = batch(config.vocab_size, 8, batch_size=4)
     if mode == "refused":
         torch.optim.SGD(model.parameters(), lr=0.1)
@@ -82,10 +82,10 @@ def test_an_optimizer_built_before_data_parallelism_is_refused_not_silently_usel
 
 
 def _pipeline_needs_a_run():
-    pc = init_parallel(pp=2)
+    parallel = init_parallel(pp=2)
     config, _ = hf_causal_lm("gpt2", CONFIG)
     with pytest.raises(RuntimeError, match="has no Run"):
-        build_shard(config, pc=pc, device="meta")(torch.zeros(1, 4, dtype=torch.long))
+        build_shard(config, parallel=parallel, device="meta")(torch.zeros(1, 4, dtype=torch.long))
     return True
 
 

@@ -44,13 +44,13 @@ def test_for_world_rejects_mismatch():
 
 
 def test_init_parallel_on_one_process_is_all_ones():
-    pc = init_parallel()
-    assert pc.config == ParallelConfig()
-    assert pc.mesh is None and not dist.is_initialized()
+    parallel = init_parallel()
+    assert parallel.config == ParallelConfig()
+    assert parallel.mesh is None and not dist.is_initialized()
     for dim in (*MESH_DIMS, "ep", "dp_cp"):
-        assert pc.group(dim) is None and pc.size(dim) == 1 and pc.rank(dim) == 0
-    assert pc.is_first_stage and pc.is_last_stage and not pc.sequence_parallel
-    assert coords_of(pc) == {"tp": (0, 1), "ep": (0, 1)}
+        assert parallel.group(dim) is None and parallel.size(dim) == 1 and parallel.rank(dim) == 0
+    assert parallel.is_first_stage and parallel.is_last_stage and not parallel.sequence_parallel
+    assert coords_of(parallel) == {"tp": (0, 1), "ep": (0, 1)}
 
 
 def test_init_parallel_on_one_process_rejects_larger_mesh():
@@ -65,18 +65,18 @@ def test_sequence_parallel_needs_tp():
 
 
 def test_virtual_context():
-    pc = ParallelContext.virtual(pp=4, pp_rank=3)
-    assert pc.rank("pp") == 3 and pc.size("pp") == 4 and pc.size("tp") == 1
-    assert pc.is_last_stage and not pc.is_first_stage
+    parallel = ParallelContext.virtual(pp=4, pp_rank=3)
+    assert parallel.rank("pp") == 3 and parallel.size("pp") == 4 and parallel.size("tp") == 1
+    assert parallel.is_last_stage and not parallel.is_first_stage
 
 
 def _mesh_view(degrees):
-    pc = init_parallel(**degrees)
+    parallel = init_parallel(**degrees)
     view = {}
     for dim in (*MESH_DIMS, "ep", "dp_cp"):
-        group = pc.group(dim)
+        group = parallel.group(dim)
         ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        view[dim] = (pc.size(dim), pc.rank(dim), ranks)
+        view[dim] = (parallel.size(dim), parallel.rank(dim), ranks)
     return view, dist.get_rank()
 
 

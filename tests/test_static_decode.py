@@ -33,8 +33,8 @@ def compiled_steps(tp: int = 1, family: str = "llama", config=LLAMA, steps: int 
     from colozoo.layers.vocab import LogitsRequest
     from colozoo.runtime.static_decode import StaticStep, decode_step
 
-    pc = init_parallel(tp=tp) if tp > 1 else single_process()
-    config, hf, model = ours_and_hf(family, pc, config, "eager" if family == "gemma2" else "sdpa")
+    parallel = init_parallel(tp=tp) if tp > 1 else single_process()
+    config, hf, model = ours_and_hf(family, parallel, config, "eager" if family == "gemma2" else "sdpa")
     ids, mask = prompts(config.vocab_size)
     options = dict(GREEDY, max_new_tokens=steps + 1)
     expected = hf.generate(ids, attention_mask=mask, **options)

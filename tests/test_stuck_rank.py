@@ -10,7 +10,7 @@ SCRIPT = """
 import os, time
 import torch, torch.distributed as dist
 import colozoo
-pc = colozoo.init_parallel(dp=2)
+parallel = colozoo.init_parallel(dp=2)
 if dist.get_rank() == 1:
     time.sleep(120)          # stuck: never joins the all-reduce
 dist.all_reduce(torch.ones(4))

@@ -46,15 +46,15 @@ def _async_logged(fn, log):
 
 
 def _column_backward_order(sequence_parallel):
-    pc = init_parallel(tp=2, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=2, sequence_parallel=sequence_parallel)
     torch.manual_seed(0)
     full = torch.nn.Linear(16, 24)
-    layer = ColumnParallelLinear(16, 24, group=pc.tp_group, sequence_parallel=sequence_parallel)
+    layer = ColumnParallelLinear(16, 24, group=parallel.tp_group, sequence_parallel=sequence_parallel)
     with torch.no_grad():
-        layer.weight.copy_(full.weight.chunk(2)[pc.tp_rank])
-        layer.bias.copy_(full.bias.chunk(2)[pc.tp_rank])
+        layer.weight.copy_(full.weight.chunk(2)[parallel.tp_rank])
+        layer.bias.copy_(full.bias.chunk(2)[parallel.tp_rank])
     x = torch.randn(2, 8, 16)
-    local = (x.chunk(2, dim=1)[pc.tp_rank] if sequence_parallel else x).clone().requires_grad_()
+    local = (x.chunk(2, dim=1)[parallel.tp_rank] if sequence_parallel else x).clone().requires_grad_()
     upstream = torch.randn(2, 8, 24)
     y = layer(local)
     log = []
@@ -62,14 +62,14 @@ def _column_backward_order(sequence_parallel):
     dist.all_reduce, comm._reduce_scatter_single = (_async_logged(f, log) for f in saved)
     try:
         with _Events(log):
-            (y * upstream.chunk(2, dim=-1)[pc.tp_rank]).sum().backward()
+            (y * upstream.chunk(2, dim=-1)[parallel.tp_rank]).sum().backward()
     finally:
         dist.all_reduce, comm._reduce_scatter_single = saved
     reference = x.clone().requires_grad_()
     (full(reference) * upstream).sum().backward()
-    expected = reference.grad.chunk(2, dim=1)[pc.tp_rank] if sequence_parallel else reference.grad
+    expected = reference.grad.chunk(2, dim=1)[parallel.tp_rank] if sequence_parallel else reference.grad
     close(local.grad, expected, 1e-5, "input gradient")
-    close(layer.weight.grad, full.weight.grad.chunk(2)[pc.tp_rank], 1e-5, "weight gradient")
+    close(layer.weight.grad, full.weight.grad.chunk(2)[parallel.tp_rank], 1e-5, "weight gradient")
     return log
 
 
@@ -81,17 +81,17 @@ def test_column_parallel_backward_reduces_the_input_gradient_during_the_weight_g
 
 
 def _loss_collectives(label_smoothing):
-    pc = init_parallel(tp=2)
+    parallel = init_parallel(tp=2)
     vocab = 11  # padded to 12: rank 1 holds a padded column
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, vocab, generator=g) * 3
     target = torch.randint(0, vocab, (2, 5), generator=g)
-    start, stop, per = vocab_range(vocab, pc.tp_group)
+    start, stop, per = vocab_range(vocab, parallel.tp_group)
     local = torch.zeros(2, 5, per)
     local[..., : stop - start] = logits[..., start:stop]
     log = []
     with _Events(log):
-        loss = vocab_parallel_cross_entropy(local, target, vocab, pc.tp_group, label_smoothing=label_smoothing)
+        loss = vocab_parallel_cross_entropy(local, target, vocab, parallel.tp_group, label_smoothing=label_smoothing)
     expected = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none",
                                label_smoothing=label_smoothing).view(2, 5)
     close(loss, expected, 1e-5, "per-token loss")

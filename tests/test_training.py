@@ -29,9 +29,9 @@ LOSS_ATOL, NORM_RTOL, GRAD_ATOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6, 2e-6
 TIMEOUT = 150
 
 
-def build(pc, config, hf, virtual_stages=1, **parallel):
-    layer_ids = rank_layers(config.num_hidden_layers, pc.config.pp, pc.rank("pp"), virtual_stages)
-    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+def build(parallel_context, config, hf, virtual_stages=1, **parallel):
+    layer_ids = rank_layers(config.num_hidden_layers, parallel_context.config.pp, parallel_context.rank("pp"), virtual_stages)
+    model = build_model(config, parallel=parallel_context, layer_ids=layer_ids, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.train()
     parallelize(model, **parallel)
@@ -40,16 +40,16 @@ def build(pc, config, hf, virtual_stages=1, **parallel):
 
 def full_parameter(model, t, shape, spec=None):
     local = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP: gather the dp shards first
-    return gather_tensor(local.detach(), spec, shape, model.pc.groups, coords_of(model.pc))
+    return gather_tensor(local.detach(), spec, shape, model.parallel.groups, coords_of(model.parallel))
 
 
 def train_against_hf(dp, pp, tp, steps=1, microbatches=2, schedule="1f1b", virtual_stages=1, sp=False,
                      options=None):
     """Runs on every rank; returns the worst differences seen and the parameter names this rank checked."""
-    pc = init_parallel(tp=tp, pp=pp, dp=dp, sequence_parallel=sp) if dp * pp * tp > 1 else single_process()
+    parallel = init_parallel(tp=tp, pp=pp, dp=dp, sequence_parallel=sp) if dp * pp * tp > 1 else single_process()
     config, hf = hf_causal_lm("gpt2", CONFIG)
     hf.train()
-    model = build(pc, config, hf, virtual_stages, **(options or {}))
+    model = build(parallel, config, hf, virtual_stages, **(options or {}))
     optimizer = build_optimizer(model, lr=LR, eps=EPS)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS)
     sources = family_module("gpt2").hf_sources(config)
@@ -91,7 +91,7 @@ def compare(model, reference, sources, atol, what, grad=False):
     for name, p in model.named_parameters():
         expected = GlobalTensor(reference, sources[name], name).read()
         actual = full_parameter(model, p.grad if grad else p, expected.shape, spec_of(p))
-        close(actual, expected, atol, f"{what} {name} (pp rank {model.pc.rank('pp')})")
+        close(actual, expected, atol, f"{what} {name} (pp rank {model.parallel.rank('pp')})")
         diff = (actual - expected).abs().max().item()
         worst = max(worst, diff)
     return worst
@@ -105,7 +105,7 @@ def tied_copies_equal(model):
     p = dict(model.named_parameters())[tied[0]]
     mine = (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
     theirs = mine.clone()
-    src = torch.distributed.get_global_rank(model.pc.group("pp"), 0)
+    src = torch.distributed.get_global_rank(model.parallel.group("pp"), 0)
     torch.distributed.broadcast(theirs, src=src, group=tied[1])
     return torch.equal(mine, theirs)
 
@@ -129,14 +129,14 @@ def test_one_step_matches_single_process(dp, pp, tp, microbatches):
 def tied_copies_through_build_and_step():
     """Each stage draws other initial values: the copies of the tied embedding are made equal once, at build, and
     stay equal through parallelize and a training step."""
-    pc = init_parallel(pp=2)
+    parallel = init_parallel(pp=2)
     config = hf_causal_lm("gpt2", CONFIG)[0]
-    torch.manual_seed(pc.rank("pp"))
+    torch.manual_seed(parallel.rank("pp"))
     syncs = []
     count = lambda model: syncs.append(sync_tied_embedding(model))  # noqa: E731
     with mock.patch.object(run_module, "sync_tied_embedding", count), \
             mock.patch.object(parallelize_module, "sync_tied_embedding", count):
-        model = build_model(config, pc=pc, layer_ids=rank_layers(config.num_hidden_layers, 2, pc.rank("pp")))
+        model = build_model(config, parallel=parallel, layer_ids=rank_layers(config.num_hidden_layers, 2, parallel.rank("pp")))
         built = tied_copies_equal(model)
         parallelize(model)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
@@ -195,8 +195,8 @@ def full_model_gradients(model, config, hf):
     reader, sources = StateDictReader(hf.state_dict()), family_module("gpt2").hf_sources(config)
     mine = {name: full_parameter(model, p.grad, GlobalTensor(reader, sources[name], name).shape, spec_of(p))
             for name, p in model.named_parameters()}
-    every_stage = [None] * model.pc.config.pp
-    torch.distributed.all_gather_object(every_stage, mine, group=model.pc.group("pp"))
+    every_stage = [None] * model.parallel.config.pp
+    torch.distributed.all_gather_object(every_stage, mine, group=model.parallel.group("pp"))
     full = {}
     for grads in every_stage:
         for name, g in grads.items():
@@ -209,13 +209,13 @@ def full_model_gradients(model, config, hf):
 def schedules_agree(schedules, virtual_stages, tp=1, sp=False):
     """Loss and the whole model's gradients of one forward_backward per schedule, compared with the first
     schedule's (virtual stages place other layers on a rank, so only the gathered gradients compare)."""
-    pc = init_parallel(pp=2, tp=tp, sequence_parallel=sp)
+    parallel = init_parallel(pp=2, tp=tp, sequence_parallel=sp)
     config, hf = hf_causal_lm("gpt2", CONFIG)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
     first = None
     for schedule in schedules:
         multi = schedule in ("interleaved_1f1b", "zero_bubble")
-        model = build(pc, config, hf, virtual_stages if multi else 1)
+        model = build(parallel, config, hf, virtual_stages if multi else 1)
         loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=4, schedule=schedule)
         grads = full_model_gradients(model, config, hf)
         check_all_names([dict(names=grads)])
@@ -240,9 +240,9 @@ def test_zero_bubble_with_tensor_parallel():
 
 
 def indivisible_batch():
-    pc = init_parallel(pp=2)
+    parallel = init_parallel(pp=2)
     config, hf = hf_causal_lm("gpt2", CONFIG)
-    model = build(pc, config, hf)
+    model = build(parallel, config, hf)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=3)
     with pytest.raises(TrainingError, match="not divisible by dp \\* num_microbatches"):
         model.forward_backward(ids, labels, num_microbatches=2)
@@ -255,9 +255,9 @@ def test_indivisible_batch_is_a_clear_error():
 
 def mixed_precision_step(dp, pp, tp):
     """bf16 compute (FSDP2's policy when dp > 1, autocast otherwise) over fp32 master weights."""
-    pc = init_parallel(tp=tp, pp=pp, dp=dp)
+    parallel = init_parallel(tp=tp, pp=pp, dp=dp)
     config, hf = hf_causal_lm("gpt2", CONFIG)
-    model = build(pc, config, hf, mixed_precision="bf16")
+    model = build(parallel, config, hf, mixed_precision="bf16")
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
     with matmul_dtypes(model) as dtypes:
         loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
@@ -318,11 +318,11 @@ def test_bad_options_are_clear_errors():
 
 def dropout_gradients(mode, tp):
     """Gradients of one step with dropout everywhere, on seeded default and tensor-parallel generators."""
-    pc = init_parallel(tp=tp, sequence_parallel=True) if tp > 1 else single_process()
+    parallel = init_parallel(tp=tp, sequence_parallel=True) if tp > 1 else single_process()
     config, hf = hf_causal_lm("gpt2", {**CONFIG, "resid_pdrop": 0.3, "embd_pdrop": 0.3, "attn_pdrop": 0.3})
-    model = build(pc, config, hf, activation_checkpointing=mode)
+    model = build(parallel, config, hf, activation_checkpointing=mode)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)
-    model_parallel_seed(1234, pc)
+    model_parallel_seed(1234, parallel)
     with weight_calls(model) as calls:
         loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
     check_recomputation(calls, model, mode, microbatches=2)

@@ -43,8 +43,8 @@ def hf_module_sources(family, config, reader=None):
     return sources
 
 
-def build(pc, family, config, hf, options):
-    model = build_model(config, pc=pc, device="meta")
+def build(parallel, family, config, hf, options):
+    model = build_model(config, parallel=parallel, device="meta")
     if family == "gpt2":
         load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     else:  # from transformers' modules (stacked experts), not a checkpoint's per-expert tensors
@@ -54,7 +54,7 @@ def build(pc, family, config, hf, options):
         sources = hf_module_sources(family, config, reader)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(pc)))
+                p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(parallel)))
     model.train()
     options.pop("cp_mode", None)  # an argument of each step (step_against_hf's)
     parallelize(model, **options)
@@ -71,7 +71,7 @@ def compare(model, reference, sources, atol, what, grad=False):
         expected = GlobalTensor(reference, sources[name], name).read()
         local = p.grad if grad else p
         local = local.full_tensor() if hasattr(local, "full_tensor") else local
-        full = gather_tensor(local.detach(), spec_of(p), expected.shape, model.pc.groups, coords_of(model.pc))
+        full = gather_tensor(local.detach(), spec_of(p), expected.shape, model.parallel.groups, coords_of(model.parallel))
         diffs[name] = (full - expected).abs().max().item()
         if not torch.allclose(full, expected, rtol=RTOL[expected.dtype], atol=atol):
             bad[name] = diffs[name]
@@ -82,10 +82,10 @@ def compare(model, reference, sources, atol, what, grad=False):
 def step_against_hf(family, dp=1, cp=1, ep=1, tp=1, microbatches=1, options=None, steps=1, pp=1, param_atol=PARAM_ATOL):
     """Runs on every rank: `steps` training steps of ours and of transformers' model; returns the worst differences."""
     distributed = dp * cp * tp * pp > 1
-    pc = init_parallel(tp=tp, dp=dp, cp=cp, ep=ep, pp=pp) if distributed else single_process()
+    parallel = init_parallel(tp=tp, dp=dp, cp=cp, ep=ep, pp=pp) if distributed else single_process()
     config, hf = hf_causal_lm(family, CONFIGS[family])
     hf.train()
-    model = build(pc, family, config, hf, dict(options or {}))
+    model = build(parallel, family, config, hf, dict(options or {}))
     optimizer = build_optimizer(model, lr=LR, eps=EPS)
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS)
     sources = hf_module_sources(family, config, StateDictReader(hf.state_dict()))
@@ -151,9 +151,9 @@ def test_two_steps_of_mixtral_with_fsdp_over_dp_and_cp():
 
 
 def bad_sequence_length():
-    pc = init_parallel(cp=2)
+    parallel = init_parallel(cp=2)
     config, hf = hf_causal_lm("gpt2", GPT2)
-    model = build(pc, "gpt2", config, hf, {})
+    model = build(parallel, "gpt2", config, hf, {})
     ids, mask, labels = batch(config.vocab_size, 10, batch_size=2)
     with pytest.raises(TrainingError, match="not divisible by 2 \\* cp = 4"):
         model.forward_backward(ids, labels, attention_mask=mask)

@@ -116,7 +116,7 @@ def checkpointed_step(mode):
     load_hf_weights(model, StateDictReader(hf_model("ViTForImageClassification", config).state_dict()), device="cpu")
     parallelize(model.train(), activation_checkpointing=mode)
     inputs, labels = images_and_labels("ViTForImageClassification", BASE, batch_size=4)
-    model_parallel_seed(5, model.pc)  # the default and the tracked generator: earlier tests may have seeded it
+    model_parallel_seed(5, model.parallel)  # the default and the tracked generator: earlier tests may have seeded it
     with weight_calls(model) as calls:
         loss = model.forward_backward(inputs["pixel_values"], labels, num_microbatches=2)
     check_recomputation(calls, model, mode, microbatches=2)

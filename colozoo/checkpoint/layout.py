@@ -25,7 +25,7 @@ def build_virtual(config, pp: int = 1, pp_rank: int = 0, layer_ids: list[int] | 
     (tp, ep) (no job), which checks those degrees (heads, kv heads, ffn, experts divisible ...)."""
     from colozoo.models import build_shard
 
-    return build_shard(config, pc=ParallelContext.virtual(pp=pp, pp_rank=pp_rank, tp=tp, dp=ep, ep=ep),
+    return build_shard(config, parallel=ParallelContext.virtual(pp=pp, pp_rank=pp_rank, tp=tp, dp=ep, ep=ep),
                        layer_ids=layer_ids, device="meta")
 
 

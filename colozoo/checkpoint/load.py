@@ -78,12 +78,12 @@ class HFTensors:
 def load_global_tensors(model, lookup, device=None, layout: ModelLayout | None = None):
     """Materialise `model` with its local shards, reading only its slices of `lookup(global name)`."""
     aliases = layout.aliases if layout is not None else {}
-    device = torch.device(device) if device is not None else model.pc.device
+    device = torch.device(device) if device is not None else model.parallel.device
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         materialize(model, device)
         if hasattr(model, "reset_buffers"):
             model.reset_buffers()
-    coords = coords_of(model.pc)
+    coords = coords_of(model.parallel)
     for name, param in model.named_parameters():
         tensor = lookup(aliases.get(name, name))
         spec = spec_of(param)

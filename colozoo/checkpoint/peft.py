@@ -42,19 +42,19 @@ def peft_names(hf_module: str) -> tuple[str, str]:
     return f"{PREFIX}{hf_module}.lora_A.weight", f"{PREFIX}{hf_module}.lora_B.weight"
 
 
-def _full(t: torch.Tensor, spec, shape, pc) -> torch.Tensor:
+def _full(t: torch.Tensor, spec, shape, parallel) -> torch.Tensor:
     t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP: the dp shards first
-    return gather_tensor(t.detach(), spec, shape, pc.groups, coords_of(pc)).cpu()
+    return gather_tensor(t.detach(), spec, shape, parallel.groups, coords_of(parallel)).cpu()
 
 
 def gather_adapters(model) -> dict[str, torch.Tensor]:
     """This stage's adapters under PEFT's names, on the rank that owns them (tp rank 0 of the first data rank);
     collective over tp and FSDP's data ranks."""
-    pc, out = model.pc, {}
-    owner = pc.rank("tp") == 0 and pc.rank("dp_cp") == 0
+    parallel, out = model.parallel, {}
+    owner = parallel.rank("tp") == 0 and parallel.rank("dp_cp") == 0
     for lora in lora_modules(model).values():
         (a_shape, b_shape) = lora.global_shapes
-        a, b = _full(lora.A, lora.a_spec, a_shape, pc), _full(lora.B, lora.b_spec, b_shape, pc)
+        a, b = _full(lora.A, lora.a_spec, a_shape, parallel), _full(lora.B, lora.b_spec, b_shape, parallel)
         if owner:
             for hf, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0)):
                 name_a, name_b = peft_names(hf)
@@ -154,10 +154,10 @@ def load_peft(model, path):
     _load_trained_modules(model, reader, path)
     adapted = {hf for lora in lora_modules(model).values() for hf in lora.hf_modules}
     left = sorted({k.rsplit(".lora_", 1)[0].removeprefix(PREFIX) for k in adapters} - adapted)
-    if left and model.pc.config.pp == 1:  # (a pipeline stage sees only its own layers' adapters)
+    if left and model.parallel.config.pp == 1:  # (a pipeline stage sees only its own layers' adapters)
         raise CheckpointError(f"{path}: adapters of {left[:4]} have no tensor-parallel linear to attach to in colozoo "
                               f"(a pooler or head is a plain linear here)")
-    coords = coords_of(model.pc)
+    coords = coords_of(model.parallel)
     for lora in lora_modules(model).values():
         names = [peft_names(hf) for hf in lora.hf_modules]
         for param, spec, shape, which in ((lora.A, lora.a_spec, lora.global_shapes[0], 0),
@@ -186,4 +186,4 @@ def _load_trained_modules(model, reader, path):
                               f"does not have: {stray[:4]}")
     for name, hf in trained.items():
         copy_slices(GlobalTensor(reader, Source.of(f"{PREFIX}{hf}"), hf), params[name], spec_of(params[name]),
-                    coords_of(model.pc))
+                    coords_of(model.parallel))

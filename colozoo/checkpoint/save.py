@@ -52,16 +52,16 @@ def _write_own_shard(model, layout: ModelLayout, tmp: Path):
     gathering: the other ranks would wait in the next all-gather otherwise."""
     from torch.distributed.tensor import DTensor  # a second of imports that an offline conversion does not need
 
-    pc = model.pc
-    ep, dp_cp_rank = pc.size("ep"), pc.rank("dp_cp")
-    coords = {"tp": (pc.rank("tp"), pc.size("tp")), "ep": (dp_cp_rank % ep, ep)}  # experts fold over dp x cp
-    file = file_name(pc.rank("pp"), coords["tp"][0], coords["ep"][0])
+    parallel = model.parallel
+    ep, dp_cp_rank = parallel.size("ep"), parallel.rank("dp_cp")
+    coords = {"tp": (parallel.rank("tp"), parallel.size("tp")), "ep": (dp_cp_rank % ep, ep)}  # experts fold over dp x cp
+    file = file_name(parallel.rank("pp"), coords["tp"][0], coords["ep"][0])
     params = []  # (parameter, the pieces this rank writes of it), in the order every data rank gathers them
     for name, param in model.named_parameters():
         if name in layout.aliases:  # a tied copy: the owner of the weight saves it
             continue
         info = layout.tensors[name]
-        if info.stage != pc.rank("pp"):  # a tied copy on a later stage
+        if info.stage != parallel.rank("pp"):  # a tied copy on a later stage
             continue
         expert = any(s.mesh_dim == "ep" for s in info.spec)
         owner = (dp_cp_rank // ep if expert else dp_cp_rank) == 0
@@ -100,29 +100,29 @@ def _write_index(model, layout: ModelLayout, tmp: Path, shards: list):
     missing = [n for n in layout.tensors if n not in pieces]
     if missing:
         raise CheckpointError(f"no rank saved {missing[:8]}")
-    pc = model.pc
-    mesh = {d: pc.size(d) for d in ("tp", "pp", "dp", "cp", "ep")}
+    parallel = model.parallel
+    mesh = {d: parallel.size(d) for d in ("tp", "pp", "dp", "cp", "ep")}
     tensors = {n: tensor_entry(info, dtypes[n], pieces[n]) for n, info in layout.tensors.items()}
     write_index(tmp, make_index(layout, mesh, tensors, files))
 
 
 def _stage_layers(model) -> list[list[int]] | None:
     """Every pp rank's global layer indices (collective over pp): the model may be split other than by default."""
-    pp = model.pc.config.pp
+    pp = model.parallel.config.pp
     if pp == 1:
         return None
     every_rank = [None] * pp
-    dist.all_gather_object(every_rank, list(model.layer_ids), group=model.pc.group("pp"))
+    dist.all_gather_object(every_rank, list(model.layer_ids), group=model.parallel.group("pp"))
     return every_rank
 
 
 def lora_of_every_stage(model):
     """The LoRA settings of the whole model (collective over pp): each stage knows only its own adapted modules."""
     settings = lora_settings(model)
-    if model.pc.config.pp == 1:
+    if model.parallel.config.pp == 1:
         return settings
-    every_stage = [None] * model.pc.config.pp
-    dist.all_gather_object(every_stage, settings, group=model.pc.group("pp"))
+    every_stage = [None] * model.parallel.config.pp
+    dist.all_gather_object(every_stage, settings, group=model.parallel.group("pp"))
     found = [s for s in every_stage if s is not None]
     if not found:
         return None
@@ -134,7 +134,7 @@ def _save_colozoo(model, dst: Path, extra_files=(), replace: bool = True):
     """Every rank writes its own shard, rank 0 the index; an existing colozoo checkpoint at `dst` is replaced."""
     rank, _ = _world()
     tmp = dst.parent / f".{dst.name}.tmp-colozoo"
-    layout = ModelLayout(model.config, model.pc.config.pp, _stage_layers(model), lora=lora_of_every_stage(model))
+    layout = ModelLayout(model.config, model.parallel.config.pp, _stage_layers(model), lora=lora_of_every_stage(model))
     replace = replace and is_colozoo_checkpoint(dst)  # another kind of directory: refused, as before
     _collective(f"preparing {dst}", lambda: _prepare(dst, tmp, rank, replace))
 

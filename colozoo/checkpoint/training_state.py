@@ -64,15 +64,15 @@ def local_boxes(param, global_shape, spec, coords) -> list[tuple[tuple, tuple]]:
     return boxes
 
 
-def _writes(param, spec, pc) -> bool:
+def _writes(param, spec, parallel) -> bool:
     """One owner per datum: tp rank 0 of a tp-replicated tensor; among data replicas, FSDP's every rank (each
     writes its own rows), else the first replica (of those holding the same experts, for an expert)."""
     split = {s.mesh_dim for s in spec}
-    if "tp" not in split and pc.rank("tp") != 0:
+    if "tp" not in split and parallel.rank("tp") != 0:
         return False
     if isinstance(param, DTensor):
         return True
-    replica = pc.rank("dp_cp") // pc.size("ep") if "ep" in split else pc.rank("dp_cp")
+    replica = parallel.rank("dp_cp") // parallel.size("ep") if "ep" in split else parallel.rank("dp_cp")
     return replica == 0
 
 
@@ -80,13 +80,13 @@ def _writes(param, spec, pc) -> bool:
 def own_pieces(model, layout: ModelLayout, states: dict[str, dict[str, torch.Tensor]]):
     """[(global name, global slices, the data: a view of a local tensor)] this rank writes. `states[param name]`:
     {kind: tensor of the parameter's local shape} (optimizer states, masters)."""
-    pc, coords = model.pc, coords_of(model.pc)
+    parallel, coords = model.parallel, coords_of(model.parallel)
     out = []
     for name, param in model.named_parameters():
         info = layout.tensors.get(name)
-        if name in layout.aliases or info is None or info.stage != pc.rank("pp"):
+        if name in layout.aliases or info is None or info.stage != parallel.rank("pp"):
             continue  # a tied copy: the owner's values are the same
-        if not _writes(param, info.spec, pc):
+        if not _writes(param, info.spec, parallel):
             continue
         boxes = local_boxes(param, info.shape, info.spec, coords)
         for tensor_name, tensor in [(name, param), *((state_name(k, name), t) for k, t in states.get(name, {}).items())]:
@@ -163,7 +163,7 @@ class TrainingCheckpoint:
             raise CheckpointError(f"{self.path}: {source.name!r} has shape {tuple(source.shape)}, the model's "
                                   f"{name!r} has {info.shape}")
         local = local_part(param if target is None else target)
-        boxes = local_boxes(param, info.shape, info.spec, coords_of(model.pc))
+        boxes = local_boxes(param, info.shape, info.spec, coords_of(model.parallel))
         if sum(_numel(loc) for _, loc in boxes) != local.numel():
             local.zero_()  # vocabulary padding rows
         for g, loc in boxes:

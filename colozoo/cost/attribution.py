@@ -171,11 +171,11 @@ def tied_head_bytes(trace: Trace, params, prefix, module_unit, root) -> int:
     return total
 
 
-def global_params(params, pc: ParallelConfig) -> int:
+def global_params(params, degrees: ParallelConfig) -> int:
     """Global parameter count: local shards scaled back up along every split (vocab padding included)."""
     from colozoo.layers.shard import spec_of
 
-    sizes = {"tp": pc.tp, "ep": pc.ep}
+    sizes = {"tp": degrees.tp, "ep": degrees.ep}
     total = 0
     for p in params.values():
         n = p.numel()

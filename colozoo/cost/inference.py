@@ -51,7 +51,7 @@ def whole_model(config):
     from colozoo.core.mesh import ParallelContext
     from colozoo.models import build_shard
 
-    return build_shard(config, pc=ParallelContext.virtual(), device="meta")
+    return build_shard(config, parallel=ParallelContext.virtual(), device="meta")
 
 
 def attention_caches(config, model=None) -> list[tuple[int | None, object]]:

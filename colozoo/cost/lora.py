@@ -33,7 +33,7 @@ def adapter_params_per_layer(config, tp: int, lora: LoraSettings) -> dict[str, i
     targets = _targets(lora)
     key = (_config_key(config), tp, lora.r, targets)
     if key not in _CACHE:
-        model = build_shard(config, pc=ParallelContext.virtual(), device="meta")
+        model = build_shard(config, parallel=ParallelContext.virtual(), device="meta")
         try:
             apply_lora(model, r=lora.r, targets=targets)
         except ValueError as e:
@@ -59,7 +59,7 @@ def saved_params_per_unit(config, task: str | None, lora: LoraSettings) -> dict[
     saved = lora.modules_to_save if lora.modules_to_save is None else tuple(lora.modules_to_save)
     key = ("saved", _config_key(config), task, targets, saved)
     if key not in _CACHE:
-        model = build_shard(config, pc=ParallelContext.virtual(), device="meta", task=task)
+        model = build_shard(config, parallel=ParallelContext.virtual(), device="meta", task=task)
         try:
             apply_lora(model, r=1, targets=targets, modules_to_save=saved)
         except ValueError as e:

@@ -62,16 +62,16 @@ def _kinds(container) -> dict:
     return dict(groups)
 
 
-def _build_parallel_model(config, pc: ParallelConfig, dtype):
+def _build_parallel_model(config, degrees: ParallelConfig, dtype):
     """Our model of `config` on meta with fake tp/ep groups of the mesh's sizes (pp and cp are modelled), with the
     run that drives its forward."""
     from colozoo.core.mesh import ParallelContext
     from colozoo.models import build_shard
     from colozoo.runtime.run import Run
 
-    trace_config = ParallelConfig(tp=pc.tp, dp=pc.ep, ep=pc.ep, sequence_parallel=pc.sequence_parallel)
+    trace_config = ParallelConfig(tp=degrees.tp, dp=degrees.ep, ep=degrees.ep, sequence_parallel=degrees.sequence_parallel)
     context = ParallelContext(trace_config, device=torch.device("cpu"))
-    model = build_shard(config, pc=context, device="meta", dtype=dtype)
+    model = build_shard(config, parallel=context, device="meta", dtype=dtype)
     Run(model)
     return model, context
 
@@ -223,19 +223,19 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
     """Trace one micro-batch (one layer of each kind) at the mesh's tp, ep, sp and cp (as seq_len / cp).
 
     `batch_size` may be a list: the model is built once and traced at each size ({size: ModelTrace})."""
-    pc = parse_mesh(mesh)
+    degrees = parse_mesh(mesh)
     config, generic = _resolve(model_or_name)
     torch_dtype = DTYPES[dtype]
-    if seq_len % pc.cp:
-        raise ProfilerError(f"seq_len={seq_len} must be divisible by cp={pc.cp}")
-    if generic is not None and (pc.tp > 1 or pc.ep > 1 or pc.pp > 1):
+    if seq_len % degrees.cp:
+        raise ProfilerError(f"seq_len={seq_len} must be divisible by cp={degrees.cp}")
+    if generic is not None and (degrees.tp > 1 or degrees.ep > 1 or degrees.pp > 1):
         raise ProfilerError(f"{type(generic).__name__} is not a colozoo model: only dp and cp apply to it "
-                            f"(got tp={pc.tp}, pp={pc.pp}, ep={pc.ep})")
+                            f"(got tp={degrees.tp}, pp={degrees.pp}, ep={degrees.ep})")
     sizes = list(batch_size) if isinstance(batch_size, (list, tuple)) else [batch_size]
-    local_seq = seq_len // pc.cp
-    traced = _trace_sizes(config, generic, pc, torch_dtype, sizes, local_seq, target, inputs)
+    local_seq = seq_len // degrees.cp
+    traced = _trace_sizes(config, generic, degrees, torch_dtype, sizes, local_seq, target, inputs)
     name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
-    out = {size: _model_trace(traced, trace, name, size, local_seq, dtype, pc,
+    out = {size: _model_trace(traced, trace, name, size, local_seq, dtype, degrees,
                               config if generic is None else None) for size, trace in traced.traces.items()}
     return out if isinstance(batch_size, (list, tuple)) else out[batch_size]
 
@@ -251,21 +251,21 @@ class _Traced:
     renamed: dict                # traced key -> representative key, where the container was renumbered
 
 
-def _trace_sizes(config, generic, pc: ParallelConfig, torch_dtype, sizes, local_seq: int, target: str,
+def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, local_seq: int, target: str,
                  inputs: dict | None) -> _Traced:
     """Build the model once on meta in a fake world of the mesh's tp x ep ranks and trace a training step at each
     micro-batch size, one layer of each kind standing in for the others."""
     from colozoo.kernels import use_kernels
 
     traces = {}
-    with use_kernels("torch"), fake_world(max(pc.tp * pc.ep, 1)), warnings.catch_warnings():
+    with use_kernels("torch"), fake_world(max(degrees.tp * degrees.ep, 1)), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # c10d's deprecation notes on every traced collective
         if generic is not None:
             model, group_names = generic, {}
             params = {n: _meta_like(p, torch_dtype).requires_grad_(p.requires_grad and p.is_floating_point())
                       for n, p in model.named_parameters()}
         else:
-            model, context = _build_parallel_model(config, pc, torch_dtype)
+            model, context = _build_parallel_model(config, degrees, torch_dtype)
             params = dict(model.named_parameters())
             # tp sub-groups ("tp/2": replicated kv heads summing their gradients) are priced as tp traffic
             group_names = {g: name.split("/")[0] for name, g in context.groups.items()
@@ -297,7 +297,7 @@ def _step_of(model, generic, size: int, local_seq: int, torch_dtype, inputs: dic
 
 
 def _model_trace(traced: _Traced, trace: Trace, name: str, size: int, local_seq: int, dtype: str,
-                 pc: ParallelConfig, config) -> ModelTrace:
+                 degrees: ParallelConfig, config) -> ModelTrace:
     """One size's trace attributed to units (embedding, each kind of layer, head) with their parameters."""
     root, prefix, kinds = traced.root, traced.prefix, traced.kinds
     layer_prefix = f"{root}.{prefix}." if prefix else None
@@ -311,7 +311,7 @@ def _model_trace(traced: _Traced, trace: Trace, name: str, size: int, local_seq:
     units = units_of(trace, step_unit, layer_prefix, kinds, local_seq)
     assign_params(units, traced.params, prefix, kinds, module_unit, root)
     tied = tied_head_bytes(trace, traced.params, prefix, module_unit, root)
-    return ModelTrace(name, units, all_layers, global_params(traced.params, pc), tied, size, local_seq, dtype,
+    return ModelTrace(name, units, all_layers, global_params(traced.params, degrees), tied, size, local_seq, dtype,
                       config=config)
 
 

@@ -44,9 +44,9 @@ def check_model(model):
         task = getattr(model, "task", None)
         raise ValueError(f"lm-eval scores causal language models; {type(model).__name__} has no causal LM head "
                          f"({task or 'not a colozoo model'})")
-    if model.pc.config.cp > 1:
+    if model.parallel.config.cp > 1:
         raise ValueError(f"evaluation runs on cp=1 (requests are scored and generated whole), got "
-                         f"cp={model.pc.config.cp}")
+                         f"cp={model.parallel.config.cp}")
 
 
 @register_model("colozoo")
@@ -67,7 +67,7 @@ class ColozooLM(HFLM):
         model = _load(pretrained, tp=tp, pp=pp, dtype=dtype, adapter=adapter, device=device)
         check_model(model)
         self._model, self._config, self.backend = model, model.config, "causal"
-        self._device = model.pc.device
+        self._device = model.parallel.device
         self.tokenizer = configure_pad_token(_tokenizer(tokenizer, model, add_bos_token), model_config=model.config)
         self.batch_size_per_gpu = _batch_size(batch_size)
         self.add_bos_token, self.custom_prefix_token_id = add_bos_token, prefix_token_id
@@ -96,9 +96,9 @@ class ColozooLM(HFLM):
 
     def get_model_info(self) -> dict:
         """The model's description in the results (the HF backend's asks the Hub for a revision)."""
-        pc = self._model.pc
+        parallel = self._model.parallel
         return {"model_dtype": str(next(self._model.parameters()).dtype), "backend": "colozoo",
-                "mesh": {"tp": pc.config.tp, "pp": pc.config.pp}}
+                "mesh": {"tp": parallel.config.tp, "pp": parallel.config.pp}}
 
     # --- loglikelihood and loglikelihood_rolling (the HF backend's) score here --------------------------------
 

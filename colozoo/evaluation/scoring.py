@@ -34,21 +34,21 @@ class Span:
 def score_spans(model, input_ids: torch.Tensor, spans: list[Span]) -> list[tuple[float, bool]]:
     """(log-probability of each span's tokens, whether each is the greedy choice at its position) for the
     right-padded batch `input_ids` (batch, length), on every rank. Collective: every rank calls it alike."""
-    pc = model.pc
+    parallel = model.parallel
     keep, rows, columns, targets, owner = _kept_positions(input_ids.shape[0], spans)
-    input_ids = _padded_for_sequence_parallel(input_ids.to(pc.device), pc)
+    input_ids = _padded_for_sequence_parallel(input_ids.to(parallel.device), parallel)
     extra = {"output_router_logits": False} if model.router_stats_width() else {}
-    out = through_stages(model, input_ids, token_ids=input_ids, logits=LogitsRequest("vocab_slice", keep.to(pc.device)),
+    out = through_stages(model, input_ids, token_ids=input_ids, logits=LogitsRequest("vocab_slice", keep.to(parallel.device)),
                          **extra)
     sums = None
     if out is not None:  # the last stage's ranks
-        picked = out.logits[torch.tensor(rows, device=pc.device), torch.tensor(columns, device=pc.device)]
-        target = torch.tensor(targets, device=pc.device)
+        picked = out.logits[torch.tensor(rows, device=parallel.device), torch.tensor(columns, device=parallel.device)]
+        target = torch.tensor(targets, device=parallel.device)
         vocab = model.config.vocab_size
-        log_probs = -vocab_parallel_cross_entropy(picked[None], target[None], vocab, pc.tp_group)[0].double()
-        greedy, _ = vocab_parallel_argmax(picked, vocab, pc.tp_group)
-        who = torch.tensor(owner, device=pc.device)
-        sums = torch.zeros(2, len(spans), dtype=torch.float64, device=pc.device)
+        log_probs = -vocab_parallel_cross_entropy(picked[None], target[None], vocab, parallel.tp_group)[0].double()
+        greedy, _ = vocab_parallel_argmax(picked, vocab, parallel.tp_group)
+        who = torch.tensor(owner, device=parallel.device)
+        sums = torch.zeros(2, len(spans), dtype=torch.float64, device=parallel.device)
         sums[0].index_add_(0, who, log_probs)
         sums[1].index_add_(0, who, (greedy != target).double())  # tokens greedy decoding would not choose
     sums = from_last_stage(model, sums, (2, len(spans)), dtype=torch.float64)
@@ -72,9 +72,9 @@ def _kept_positions(batch: int, spans: list[Span]):
     return keep, rows, columns, targets, owner
 
 
-def _padded_for_sequence_parallel(input_ids: torch.Tensor, pc) -> torch.Tensor:
+def _padded_for_sequence_parallel(input_ids: torch.Tensor, parallel) -> torch.Tensor:
     """Sequence parallelism splits the sequence over the tp ranks: right padding to a multiple of tp changes no
     logit before it (the model is causal)."""
-    if not pc.sequence_parallel or input_ids.shape[1] % pc.tp_size == 0:
+    if not parallel.sequence_parallel or input_ids.shape[1] % parallel.tp_size == 0:
         return input_ids
-    return F.pad(input_ids, (0, -input_ids.shape[1] % pc.tp_size))
+    return F.pad(input_ids, (0, -input_ids.shape[1] % parallel.tp_size))

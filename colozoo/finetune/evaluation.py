@@ -89,13 +89,13 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
     accuracy for a classifier), the same on every rank and every mesh. Micro-batches of `micro_batch_size` (default:
     --micro-batch-size) go round the dp ranks; a rank left without one in the last round runs the first again
     without counting it, since a sharded (FSDP) forward is collective over the dp ranks."""
-    pc = model.pc
-    dp, rank = pc.size("dp"), pc.rank("dp")
+    parallel = model.parallel
+    dp, rank = parallel.size("dp"), parallel.rank("dp")
     micro = micro_batch_size or cfg.micro_batch_size
     rows = held_out_rows(data, cfg)
     batches = [range(start, min(start + micro, rows)) for start in range(0, rows, micro)]
     lm = cfg.task == "lm"
-    totals = torch.zeros(3, dtype=torch.float64, device=pc.device)  # weighted loss sum, weight, correct predictions
+    totals = torch.zeros(3, dtype=torch.float64, device=parallel.device)  # weighted loss sum, weight, correct predictions
     was_training = model.training
     model.eval()
     for turn in range(math.ceil(len(batches) / dp)):
@@ -104,8 +104,8 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
         rows_of = batches[index] if counted else batches[0]
         taken = data.take(list(rows_of))
         if lm and not cfg.pack:  # padded to the longest sample: every rank of a (tp, pp, cp) group cuts them alike
-            taken = D.trim_padding(taken, D.padding_multiple(pc))
-        batch = {k: v.to(pc.device, non_blocking=True) for k, v in taken.items()}
+            taken = D.trim_padding(taken, D.padding_multiple(parallel))
+        batch = {k: v.to(parallel.device, non_blocking=True) for k, v in taken.items()}
         out = model(**batch, return_logits=not lm)
         weight = int(data.tokens[list(rows_of)].sum()) if lm else len(rows_of)  # what the batch's mean loss averages
         if counted and weight:
@@ -114,7 +114,7 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
             if not lm:
                 totals[2] += (out.logits.argmax(-1) == batch["labels"]).sum()
     if dp > 1:
-        dist.all_reduce(totals, group=pc.group("dp"))
+        dist.all_reduce(totals, group=parallel.group("dp"))
     model.train(was_training)
     if totals[1] == 0:
         return {}

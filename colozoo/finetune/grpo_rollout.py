@@ -71,20 +71,20 @@ def cut_at_end(tokens: list[int], eos: list[int]) -> list[int]:
     return tokens
 
 
-def decodes_whole_length(pc) -> bool:
+def decodes_whole_length(parallel) -> bool:
     """Whether generation must run the whole --max-completion-length: under dp > 1 every replica must run as many
     forwards (FSDP gathers the weights in each, DDP syncs its buffers), whatever its sequences sampled."""
-    return pc.size("dp") > 1
+    return parallel.size("dp") > 1
 
 
 def sample(model, data: PromptData, indices: torch.Tensor, cfg, eos: list[int], pad: int, seed: int) -> Completions:
     """Every replica samples --num-generations completions of each of its prompts; every rank gets all of them."""
-    pc = model.pc
+    parallel = model.parallel
     rows = indices.repeat_interleave(cfg.num_generations)
     prompts = [data.prompt_ids(int(i)) for i in rows]
     mine = dp_rows(model, len(prompts))
     ids, mask = left_padded(prompts[mine], pad)
-    whole = decodes_whole_length(pc) or not eos
+    whole = decodes_whole_length(parallel) or not eos
     out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p,
                          top_k=0, repetition_penalty=1.0, min_length=0, max_new_tokens=cfg.max_completion_length,
                          eos_token_id=None if whole else list(eos), pad_token_id=pad, seed=seed)
@@ -97,11 +97,11 @@ def sample(model, data: PromptData, indices: torch.Tensor, cfg, eos: list[int], 
 
 def _all_rows(model, local: list) -> list:
     """The rows of every replica in global order (each replica holds its contiguous block)."""
-    pc = model.pc
-    if pc.size("dp") == 1:
+    parallel = model.parallel
+    if parallel.size("dp") == 1:
         return local
-    parts = [None] * pc.size("dp")
-    dist.all_gather_object(parts, local, group=pc.group("dp"))
+    parts = [None] * parallel.size("dp")
+    dist.all_gather_object(parts, local, group=parallel.group("dp"))
     return [row for part in parts for row in part]
 
 
@@ -118,10 +118,10 @@ def score(model, data: PromptData, completions: Completions, tokenizer, rewards:
           total_steps: int) -> tuple[torch.Tensor, dict, dict]:
     """(rewards (rows, functions), the metrics the functions logged, the columns they added) of every row on every
     rank: each replica's first rank scores the replica's rows, every rank gets them all."""
-    pc = model.pc
+    parallel = model.parallel
     prompts, texts = decoded(data, completions, tokenizer)
     mine = dp_rows(model, len(texts))
-    leader = pc.rank("tp") == 0 and pc.rank("pp") == 0
+    leader = parallel.rank("tp") == 0 and parallel.rank("pp") == 0
     outcome = None
     if leader:
         rows = completions.indices[mine].tolist()
@@ -132,9 +132,9 @@ def score(model, data: PromptData, completions: Completions, tokenizer, rewards:
             outcome = str(e)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (pc.rank("dp"), outcome) if leader else None)
+        dist.all_gather_object(every, (parallel.rank("dp"), outcome) if leader else None)
         parts = dict(item for item in every if item is not None)
-        outcomes = [parts[r] for r in range(pc.size("dp"))]
+        outcomes = [parts[r] for r in range(parallel.size("dp"))]
     else:
         outcomes = [outcome]
     failed = next((o for o in outcomes if isinstance(o, str)), None)

@@ -81,7 +81,7 @@ class GrpoTraining:
         """Sample and score the batch of step `number` (its prompts: the sampler's batch of the cycle), with the
         old and reference log-probs it needs; returns it and TRL's rollout metrics."""
         indices = self.sampler.global_indices((number - 1) // self.cfg.num_iterations)
-        seed = rollout_seed(self.cfg.seed, number, model.pc.rank("dp"))
+        seed = rollout_seed(self.cfg.seed, number, model.parallel.rank("dp"))
         completions = sample(model, self.data, indices, self.cfg, self.eos, self.pad, seed)
         rollout, metrics = self.scored(model, completions, number)
         micro = step_options.get("num_microbatches", 1)
@@ -105,7 +105,7 @@ class GrpoTraining:
     def token_logps(self, model, rollout: Rollout, num_microbatches: int = 1, reference: bool = False) -> torch.Tensor:
         """`model`'s per-token log-probs of the rollout's completions (no gradients), at the sampling temperature;
         `reference`: the reference's (the frozen copy, or `model` with its adapters off)."""
-        device = model.pc.device
+        device = model.parallel.device
         forward = functools.partial(reference_forward_logps, model, self.reference_model) if reference else \
             functools.partial(forward_logps, model)
         out = forward(rollout.input_ids.to(device), rollout.labels.to(device),
@@ -123,7 +123,7 @@ class GrpoTraining:
         if self.rollout is None or self.rollout.step != self.first_step_of_cycle(number):
             self.rollout, self.unlogged = self.make_rollout(model, number, step_options)
         metrics, self.unlogged = self.unlogged, {}
-        r, device = self.rollout, model.pc.device
+        r, device = self.rollout, model.parallel.device
         mask = r.labels != -100
         objective = self.loss.objective(global_rows=len(r.labels), global_tokens=int(mask.sum()))
         loss, values = forward_backward_logps(
@@ -209,7 +209,7 @@ class GrpoTraining:
         shown = []
         for n, start in enumerate(range(0, prompts, per_pass)):
             index = torch.tensor([i % prompts for i in range(start, start + per_pass)])
-            seed = rollout_seed(self.cfg.seed, n, model.pc.rank("dp"), stream=1)
+            seed = rollout_seed(self.cfg.seed, n, model.parallel.rank("dp"), stream=1)
             completions = sample(model, data, index, self.cfg, self.eos, self.pad, seed)
             rewards, _, _ = score(model, data, completions, self.tokenizer, self.rewards, step, self.total_steps)
             kept = group * min(per_pass, prompts - start)

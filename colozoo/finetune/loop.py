@@ -117,7 +117,7 @@ class Trainer:
         elif self.rl is not None:
             loss, metrics = self.rl.step(self.model, number, loss_scale, self.step_options)
         else:
-            batch = _to(batch, self.model.pc.device)
+            batch = _to(batch, self.model.parallel.device)
             loss, metrics = runtime.forward_backward(self.model, batch, grad_scale=loss_scale, **self.step_options), {}
         overflow = self.scaler.unscale_(self.model)  # every rank agrees; clipping then sees the true gradients
         grad_norm = None if overflow else runtime.clip_grad_norm(self.model, self.cfg.grad_clip)
@@ -145,11 +145,11 @@ def load(cfg: FinetuneConfig, inputs: Inputs) -> Trainer:
     """This rank's shard of the model, its config naming the data's classes, prepared for training on the mesh
     (data parallelism, mixed precision, checkpointing: collective), with its sampler, optimizer and schedule."""
     model, fresh = runtime.load_model(cfg, cfg.task, inputs.plan, labels=inputs.train.label_names)
-    pc, plan = model.pc, inputs.plan
-    sampler = D.BatchSampler(len(inputs.train), cfg.samples_per_step(inputs.global_batch), pc.rank("dp"),
+    parallel, plan = model.parallel, inputs.plan
+    sampler = D.BatchSampler(len(inputs.train), cfg.samples_per_step(inputs.global_batch), parallel.rank("dp"),
                              inputs.mesh.dp, cfg.seed)
     total_steps = cfg.steps or sampler.total_steps(cfg.epochs) * (cfg.num_iterations if cfg.method == "grpo" else 1)
-    model_parallel_seed(cfg.seed, pc)
+    model_parallel_seed(cfg.seed, parallel)
     planned_step = runtime.prepare_training(model, cfg)
     step_options = planned_step if plan else {"num_microbatches": cfg.num_microbatches(inputs.mesh.dp)}
     model.train(cfg.method == "sft")  # preference tuning and RL train with dropout off (TRL's disable_dropout)
@@ -255,10 +255,10 @@ def open_reporter(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, mesh: d
     n_params, trainable = runtime.parameter_count(model), runtime.parameter_count(model, trainable=True)
     reporter = Reporter(Path(cfg.output), trainer.total_steps, start,
                         flops_per_token=training_flops_per_token(n_params, trainable),
-                        peak=peak_flops(model.pc.device, cfg.dtype, cfg.peak_tflops),
+                        peak=peak_flops(model.parallel.device, cfg.dtype, cfg.peak_tflops),
                         world_size=inputs.mesh.world_size, enabled=_is_rank0(), progress=cfg.progress,
                         tensorboard=cfg.tensorboard)
-    reporter.print(f"{device_notice(model.pc.device)}; {n_params:,} parameters ({trainable:,} trained) on mesh "
+    reporter.print(f"{device_notice(model.parallel.device)}; {n_params:,} parameters ({trainable:,} trained) on mesh "
                    f"{' x '.join(f'{k}={v}' for k, v in mesh.items() if v > 1) or 'of one process'}; "
                    f"{len(inputs.train)} training samples, {trainer.total_steps} steps of {inputs.global_batch} "
                    f"({trainer.step_options['num_microbatches']} micro-batches of {trainer.micro_batch_size} per dp "
@@ -315,7 +315,7 @@ def train(cfg: FinetuneConfig, inputs: Inputs, trainer: Trainer, checkpoints: Ch
                 watchdog.at(step, "evaluation")
                 evaluate_at(step)
             watchdog.at(step, "agreeing whether to stop")
-            interrupted = interrupt.agreed(trainer.model.pc.device)
+            interrupted = interrupt.agreed(trainer.model.parallel.device)
             stopped = interrupted or step == cfg.stop_after
             if stopped or (cfg.save_interval and step % cfg.save_interval == 0) or step == total:
                 watchdog.at(step, "saving")
@@ -346,7 +346,7 @@ def step_tokens(inputs: Inputs, trainer: Trainer, batch: dict | None, indices) -
 def unpacked_width(cfg: FinetuneConfig, model, batch: dict) -> dict:
     """--no-pack (a causal LM): the batch padded to its longest sample (rounded up), not to --seq-len."""
     unpacked = cfg.task == "lm" and cfg.method == "sft" and not cfg.pack  # dpo's pairs come trimmed already
-    return D.trim_padding(batch, D.padding_multiple(model.pc)) if unpacked else batch
+    return D.trim_padding(batch, D.padding_multiple(model.parallel)) if unpacked else batch
 
 
 # --- the end: final evaluation, exports, summary -----------------------------------------------------------------
@@ -410,7 +410,7 @@ def export(model, cfg: FinetuneConfig, output: Path, data: D.TensorData, tokeniz
     with torch.no_grad():
         batch = data.take(range(min(cfg.micro_batch_size, len(data))))
         batch = pair_rows(batch) if "input_ids" in batch and batch["input_ids"].dim() == 3 else batch  # pairs: rows
-        logits = model(**_to(runtime.model_inputs(batch), model.pc.device), return_logits=True).logits
+        logits = model(**_to(runtime.model_inputs(batch), model.parallel.device), return_logits=True).logits
     model.train(was_training)
     if _is_rank0():
         if tokenizer is not None:

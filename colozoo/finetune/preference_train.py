@@ -67,8 +67,8 @@ class PreferenceTraining:
     def __init__(self, cfg, model, reference_model=None):
         self.cfg, self.loss, self.reference_model = cfg, cfg.preference_loss(), reference_model
         self.precomputed: dict[str, torch.Tensor] | None = None  # "train" / "eval": (pairs, 2)
-        pc, limit = model.pc, model.position_limit()
-        self.multiple = padding_multiple(pc)
+        parallel, limit = model.parallel, model.position_limit()
+        self.multiple = padding_multiple(parallel)
         self.pack = cfg.pack and (limit is None or 2 * cfg.sequence_length() <= limit)
 
     def rows(self, batch: dict, device) -> dict:
@@ -103,19 +103,19 @@ class PreferenceTraining:
         out = []
         for start in range(0, len(data), pairs_per_pass):
             index = [i % len(data) for i in range(start, start + pairs_per_pass)]
-            rows = self.rows(data.take(index), model.pc.device)
+            rows = self.rows(data.take(index), model.parallel.device)
             out.append(self.reference_logps(model, rows).view(-1, 2)[: len(data) - start].float().cpu())
         return torch.cat(out)
 
     def _reference(self, model, rows, indices, role: str, num_microbatches: int = 1) -> torch.Tensor | None:
         if self.precomputed is not None and self.cfg.needs_reference():
-            return self.precomputed[role][torch.as_tensor(indices)].flatten().to(model.pc.device)
+            return self.precomputed[role][torch.as_tensor(indices)].flatten().to(model.parallel.device)
         return self.reference_logps(model, rows, num_microbatches)
 
     # --- training and evaluation --------------------------------------------------------------------------------
     def step(self, model, batch: dict, indices, grad_scale: float, step_options: dict):
         """One forward and backward of the global batch of pairs: (its loss, TRL's metrics of it)."""
-        rows = self.rows(batch, model.pc.device)
+        rows = self.rows(batch, model.parallel.device)
         reference = self._reference(model, rows, indices, "train", step_options.get("num_microbatches", 1))
         objective = self.loss.objective(global_pairs=len(indices))
         loss, values = forward_backward_logps(model, rows["input_ids"], rows["labels"], objective,
@@ -126,11 +126,11 @@ class PreferenceTraining:
     def evaluate(self, model, data, rows: int, micro_batch_size: int) -> dict[str, float]:
         """TRL's metrics over the first `rows` held-out pairs, eval_-prefixed, the same on every mesh: passes of
         micro batch x dp pairs, the last filled up with the first pairs, whose values are dropped."""
-        per_pass = micro_batch_size * model.pc.size("dp")
+        per_pass = micro_batch_size * model.parallel.size("dp")
         values: dict[str, list] = {}
         for start in range(0, rows, per_pass):
             index = [i % rows for i in range(start, start + per_pass)]
-            batch = self.rows(data.take(index), model.pc.device)
+            batch = self.rows(data.take(index), model.parallel.device)
             reference = self._reference(model, batch, index, "eval")
             out = forward_logps(model, batch["input_ids"], batch["labels"], self.loss.objective(per_pass),
                                 **self._inputs(batch, reference))
@@ -187,7 +187,7 @@ def prepare_reference(cfg, inputs, trainer, resumed, reporter, rank0: bool) -> P
                           f"moved the weights the reference log-probs come from: resume without "
                           f"--precompute-ref-logps (a frozen copy of --model is the reference), or pass --no-resume")
     else:
-        per_pass = trainer.micro_batch_size * trainer.model.pc.size("dp")
+        per_pass = trainer.micro_batch_size * trainer.model.parallel.size("dp")
         logps = {role: trainer.preference.precompute(trainer.model, data, per_pass, reporter, role)
                  for role, data in sets.items()}
     path = Path(cfg.output) / REFERENCE_FILE

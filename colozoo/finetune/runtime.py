@@ -35,7 +35,7 @@ def plan_training(cfg, config, global_batch: int):
 
 def load_model(cfg, task: str, plan=None, labels: dict[int, str] | None = None):
     """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.run.plan) asks for;
-    returns (model, names of the parameters initialised fresh because the checkpoint lacks them); model.pc is the
+    returns (model, names of the parameters initialised fresh because the checkpoint lacks them); model.parallel is the
     mesh. A classifier's config names its classes `labels` (id -> name, as the data names them), so saved
     checkpoints and the export do too. Weights stay fp32: a lower --dtype becomes mixed precision in
     prepare_training. Checksums are verified."""
@@ -98,14 +98,14 @@ def _load_with_task_head(cfg, task, degrees, dtype, labels: dict[int, str] | Non
     from colozoo.checkpoint.load import load_global_tensors
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(**degrees)
+    parallel = init_parallel(**degrees)
     source = resolve(cfg.model, verify=True)
     config = copy.deepcopy(source.config)
     if cfg.num_labels is not None:
         config.num_labels = cfg.num_labels
     if labels:
         config.id2label, config.label2id = dict(labels), {name: i for i, name in labels.items()}
-    model = build_model(config, pc=pc, device="meta", dtype=dtype, task=TASK_HEADS[task])
+    model = build_model(config, parallel=parallel, device="meta", dtype=dtype, task=TASK_HEADS[task])
     layout = ModelLayout(model.config)
     std = getattr(config, "initializer_range", 0.02)
     fresh = []
@@ -117,7 +117,7 @@ def _load_with_task_head(cfg, task, degrees, dtype, labels: dict[int, str] | Non
             fresh.append(name)
             return FreshTensor(layout.tensors[name].shape, std, cfg.seed + len(fresh))
 
-    load_global_tensors(model, lookup, device=pc.device)
+    load_global_tensors(model, lookup, device=parallel.device)
     return model, fresh
 
 
@@ -151,13 +151,13 @@ def clip_grad_norm(model, max_norm: float) -> float:
 def parameter_count(model, trainable: bool = False) -> int:
     """Parameters of the whole model (every stage, unsharded), counted from the local shards (collective);
     `trainable`: only those that train (LoRA: the adapters, and a classifier's head)."""
-    pc = model.pc
-    local = sum(p.numel() if spec_of(p) else p.numel() / pc.size("tp") for p in model.parameters()
+    parallel = model.parallel
+    local = sum(p.numel() if spec_of(p) else p.numel() / parallel.size("tp") for p in model.parameters()
                 if p.requires_grad or not trainable)
-    total = torch.tensor(float(local), dtype=torch.float64, device=pc.device)
+    total = torch.tensor(float(local), dtype=torch.float64, device=parallel.device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
-        total /= pc.size("dp_cp")
+        total /= parallel.size("dp_cp")
     return int(round(total.item()))
 
 

@@ -30,8 +30,8 @@ def held_out_prompts(data, count: int, prompt_tokens: int, until_answer: bool = 
 
 
 def why_no_samples(model) -> str | None:
-    pc = model.pc
-    if pc.config.cp > 1 or pc.sequence_parallel:
+    parallel = model.parallel
+    if parallel.config.cp > 1 or parallel.sequence_parallel:
         return "samples need cp=1 and no sequence parallelism (generation runs one token at a time)"
     return None
 

@@ -129,11 +129,11 @@ def complete_checkpoints(root) -> list[Path]:
 
 def _stage_layers(model) -> list[list[int]] | None:
     """Every pp rank's global layer indices (collective over pp): a model may be split other than by default."""
-    pp = model.pc.size("pp")
+    pp = model.parallel.size("pp")
     if pp == 1:
         return None
     every_rank = [None] * pp
-    dist.all_gather_object(every_rank, list(model.layer_ids), group=model.pc.group("pp"))
+    dist.all_gather_object(every_rank, list(model.layer_ids), group=model.parallel.group("pp"))
     return every_rank
 
 
@@ -159,7 +159,7 @@ def snapshot_training_state(root, step: int, model, optimizer, scheduler, mesh: 
     written (an asynchronous save); otherwise they are views of the live state. `side_files`: files the checkpoint
     carries beside the model (colozoo.checkpoint.convert.SIDE_FILES of the model directory), so that it loads and
     generates on its own. `job`: the id of the job saving (its temp directory is named by it)."""
-    layout = ModelLayout(model.config, model.pc.size("pp"), _stage_layers(model), lora=lora_of_every_stage(model))
+    layout = ModelLayout(model.config, model.parallel.size("pp"), _stage_layers(model), lora=lora_of_every_stage(model))
     states, hyper = optimizer_tensors(model, optimizer, layout.canonical)
     pieces = own_pieces(model, layout, states)
     if copy:

@@ -50,7 +50,7 @@ class DynamicLossScaler:
             if p.grad is not None:
                 g = local_part(p.grad)
                 by_device[(g.device, g.dtype)].append(g)
-        device = model.pc.device if hasattr(model, "pc") else torch.device("cpu")
+        device = model.parallel.device if hasattr(model, "parallel") else torch.device("cpu")
         found_inf = torch.zeros(1, device=device)
         for (where, _), grads in by_device.items():
             found, inv_scale = torch.zeros(1, device=where), torch.full((1,), 1.0 / self.scale, device=where)

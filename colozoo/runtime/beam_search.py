@@ -119,11 +119,11 @@ def _take(tensor: torch.Tensor, beams: torch.Tensor) -> torch.Tensor:
 
 
 def beam_search(model, input_ids, mask, decoding: Decoding, stop, num_microbatches):
-    pc, beams = model.pc, decoding.num_beams
+    parallel, beams = model.parallel, decoding.num_beams
     input_ids = input_ids.repeat_interleave(beams, dim=0)
     steps = DecodeSteps(model, mask.repeat_interleave(beams, dim=0), decoding.max_length, num_microbatches,
                         decoding.use_cache)
-    state = BeamState(input_ids, decoding) if pc.is_last_stage else None
+    state = BeamState(input_ids, decoding) if parallel.is_last_stage else None
     keep_scores = decoding.return_dict_in_generate and decoding.output_scores
     keep_logits = decoding.return_dict_in_generate and decoding.output_logits
     scores, raw_logits = [], []
@@ -146,7 +146,7 @@ def beam_search(model, input_ids, mask, decoding: Decoding, stop, num_microbatch
         steps.extend()
         steps.reorder(rows)
     found = state.result() if state is not None else None
-    shape = from_last_stage(model, torch.tensor(found[0].shape, device=pc.device) if found else None, (2,))
+    shape = from_last_stage(model, torch.tensor(found[0].shape, device=parallel.device) if found else None, (2,))
     n = decoding.num_return_sequences * (input_ids.shape[0] // beams)
     out = from_last_stage(model, found[0] if found else None, tuple(shape.tolist()))
     if not decoding.return_dict_in_generate:

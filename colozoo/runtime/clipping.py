@@ -17,23 +17,23 @@ def global_grad_norm(model, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the full model's gradient: every element counted once, whatever holds it (tp/ep shards,
     FSDP dp shards, pipeline stages; tp-replicated, dp-replicated and tied-copy gradients only once)."""
     setup = training_setup(model)
-    pc = model.pc
+    parallel = model.parallel
     if norm_type not in (2.0, math.inf):
         raise TrainingError(f"norm_type must be 2 or inf, got {norm_type!r}")
     tied = setup.tied
-    acc = torch.zeros((), dtype=torch.float32, device=pc.device)
+    acc = torch.zeros((), dtype=torch.float32, device=parallel.device)
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
         if tied is not None and name == tied[0] and not model.is_first:
             continue  # the last stage's copy of the tied embedding
         dims = {split.mesh_dim for split in setup.specs[name]}
-        if "tp" not in dims and pc.rank("tp") != 0:
+        if "tp" not in dims and parallel.rank("tp") != 0:
             continue
         replicated_over = "edp" if name in setup.experts else "dp_cp"
-        if not setup.sharded and pc.rank(replicated_over) != 0:
+        if not setup.sharded and parallel.rank(replicated_over) != 0:
             continue
-        g = _counted_here(p.grad, setup.specs[name], coords_of(pc)).float()
+        g = _counted_here(p.grad, setup.specs[name], coords_of(parallel)).float()
         acc = torch.maximum(acc, g.abs().max()) if norm_type == math.inf else acc + g.pow(2).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)

@@ -44,11 +44,11 @@ def _compiled_forward(cls: type, backend: str, mode: str | None, dynamic: bool |
 
 
 def _layer_forward(layer, compiled, eager, *args, **kwargs):
-    ctx = args[1] if len(args) > 1 else kwargs.get("ctx")
-    if getattr(ctx, "cache", None) is not None:  # decoding: the eager body (generate's output says so)
+    batch = args[1] if len(args) > 1 else kwargs.get("batch")
+    if getattr(batch, "cache", None) is not None:  # decoding: the eager body (generate's output says so)
         return eager(*args, **kwargs)
-    if ctx is not None:
-        ctx.prepare()  # what layers would build on first use, so the first layer does not get a graph of its own
+    if batch is not None:
+        batch.prepare()  # what layers would build on first use, so the first layer does not get a graph of its own
     return compiled(layer, *args, **kwargs)
 
 

@@ -48,10 +48,10 @@ class DecodeSteps:
 
     def __init__(self, model, attention_mask: torch.Tensor, max_length: int, num_microbatches: int | None = None,
                  use_cache: bool = True):
-        pc = model.pc
+        parallel = model.parallel
         self.model, self.mask, self.use_cache = model, attention_mask, use_cache
         batch = attention_mask.shape[0]
-        micro = num_microbatches or (min(batch, pc.config.pp) if pc.config.pp > 1 else 1)
+        micro = num_microbatches or (min(batch, parallel.config.pp) if parallel.config.pp > 1 else 1)
         self.micro_rows = [slice(int(r[0]), int(r[-1]) + 1) for r in torch.arange(batch).tensor_split(micro) if len(r)]
         self.cache = KVCache(attention_mask, max_len=max_length)
         self.extra = {"output_router_logits": False} if model.router_stats_width() else {}
@@ -93,11 +93,11 @@ class DecodeSteps:
 
 def from_last_stage(model, value: torch.Tensor | None, shape, dtype=torch.long) -> torch.Tensor:
     """The tensor the last pipeline stage computed (`shape`, `dtype`), on every pp rank."""
-    if model.pc.config.pp == 1:
+    if model.parallel.config.pp == 1:
         return value
-    buffer = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=model.pc.device)
-    group = model.pc.group("pp")
-    dist.broadcast(buffer, src=dist.get_global_rank(group, model.pc.config.pp - 1), group=group)
+    buffer = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=model.parallel.device)
+    group = model.parallel.group("pp")
+    dist.broadcast(buffer, src=dist.get_global_rank(group, model.parallel.config.pp - 1), group=group)
     return buffer
 
 
@@ -105,7 +105,7 @@ def token_embedding(model) -> torch.Tensor | None:
     """This rank's slice of the token embedding's weight when the ranks choosing tokens also embed them (pp == 1),
     as a plain tensor (not sharded further by FSDP); None otherwise."""
     name = model.tied_embedding
-    if model.pc.config.pp > 1 or name is None:
+    if model.parallel.config.pp > 1 or name is None:
         return None
     module = model.get_submodule(name.rsplit(".", 1)[0])
     if not isinstance(module, VocabParallelEmbedding) or type(module.weight.data) is not torch.Tensor:
@@ -113,13 +113,13 @@ def token_embedding(model) -> torch.Tensor | None:
     return module.weight.detach()
 
 
-def shared_seed(pc) -> int:
+def shared_seed(parallel) -> int:
     """Without a seed, sampling draws from torch's global generator as transformers' does: one draw on every rank
     (so generators that agree across ranks keep agreeing, as dropout under tensor parallelism needs), and rank 0's
     value for all, so every rank samples the same tokens."""
     seed = torch.randint(2 ** 62, (1,))
     if dist.is_available() and dist.is_initialized():
-        seed = seed.to(pc.device)
+        seed = seed.to(parallel.device)
         dist.broadcast(seed, src=0)
     return int(seed.item())
 
@@ -128,7 +128,7 @@ def steps_from_last_stage(model, per_step: list, kept: bool, batch: int, vocab: 
     """Each step's (batch, vocab) scores, on every pp rank; None when they were not asked for."""
     if not kept:
         return None
-    count = from_last_stage(model, torch.tensor(len(per_step), device=model.pc.device) if per_step else None, ())
+    count = from_last_stage(model, torch.tensor(len(per_step), device=model.parallel.device) if per_step else None, ())
     stacked = torch.stack(per_step) if per_step else None
     stacked = from_last_stage(model, stacked, (int(count), batch, vocab), dtype=torch.float32)
     return tuple(stacked.unbind(0))

@@ -50,8 +50,8 @@ def check_inputs(model, input_ids, attention_mask, decoding: Decoding):
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
                          f"{tuple(input_ids.shape)}")
-    pc = model.pc
-    if pc.config.cp > 1 or pc.sequence_parallel:
+    parallel = model.parallel
+    if parallel.config.cp > 1 or parallel.sequence_parallel:
         raise ValueError("generate runs one token at a time: build the model with cp=1 and sequence_parallel=False")
     if not model.can_generate():
         raise ValueError(f"{type(model).__name__} has no language-model head to generate with")
@@ -87,9 +87,9 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     decoding = resolve(model, input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0, generation_config,
                        **options)
     check_inputs(model, input_ids, attention_mask, decoding)
-    pc = model.pc
-    input_ids = input_ids.to(pc.device)
-    mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(pc.device)).long()
+    parallel = model.parallel
+    input_ids = input_ids.to(parallel.device)
+    mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(parallel.device)).long()
     stop = stop_string_criteria(decoding, tokenizer)
     path, why = decode_path(model, decoding, num_microbatches)  # refuses a static cache it cannot take, asked by name
     if decoding.num_beams > 1:
@@ -114,22 +114,22 @@ def _copies(input_ids, mask, decoding: Decoding):
 
 def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_microbatches):
     """Greedy or sampled decoding, one token per step, until every sequence ended or max_length."""
-    pc = model.pc
+    parallel = model.parallel
     batch, prompt = input_ids.shape
     steps = DecodeSteps(model, mask, decoding.max_length, num_microbatches, decoding.use_cache)
     generator = None
     if decoding.do_sample:  # greedy decoding draws nothing: training's random state stays as it was
-        generator = torch.Generator(device=pc.device)
-        generator.manual_seed(decoding.seed if decoding.seed is not None else shared_seed(pc))
+        generator = torch.Generator(device=parallel.device)
+        generator.manual_seed(decoding.seed if decoding.seed is not None else shared_seed(parallel))
     keep_scores = decoding.return_dict_in_generate and decoding.output_scores
     keep_logits = decoding.return_dict_in_generate and decoding.output_logits
     # greedy and nothing else wanted: each vocab slice's best logit is enough, not the gathered logits
-    sharded_argmax = pc.tp_size > 1 and not decoding.processes_scores and not (keep_scores or keep_logits)
+    sharded_argmax = parallel.tp_size > 1 and not decoding.processes_scores and not (keep_scores or keep_logits)
     wanted = LogitsRequest("vocab_slice" if sharded_argmax else "full", keep=1)
     embedding = token_embedding(model) if sharded_argmax else None
-    sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=pc.device)
+    sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=parallel.device)
     padding = (mask != 0).int().argmax(dim=1)  # left padding, which the repetition penalty leaves out
-    eos = eos_ids(decoding, pc.device)
+    eos = eos_ids(decoding, parallel.device)
     rows = None  # the embedding rows of the newest tokens, gathered with them: the step's embedding needs no all-reduce
     scores, raw_logits = [], []
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
@@ -139,9 +139,9 @@ def _sample(model, input_ids, mask, decoding: Decoding, stop, streamer, num_micr
         started = time.perf_counter()
         logits = steps.logits(sequences, wanted, token_rows=rows)
         tokens, rows = None, None
-        if pc.is_last_stage and sharded_argmax:
-            tokens, rows = vocab_parallel_argmax(logits, model.config.vocab_size, pc.tp_group, embedding)
-        elif pc.is_last_stage:
+        if parallel.is_last_stage and sharded_argmax:
+            tokens, rows = vocab_parallel_argmax(logits, model.config.vocab_size, parallel.tp_group, embedding)
+        elif parallel.is_last_stage:
             processed = process(logits, sequences, decoding, padding, eos)
             tokens = choose(processed, decoding, generator)
             scores += [processed] if keep_scores else []

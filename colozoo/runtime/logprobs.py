@@ -114,29 +114,29 @@ def _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scal
           entropy=False):
     """The ObjectiveStep of the global batch's `rows`, and the indices of all its rows (which travel with the rows
     through the split over dp ranks and micro-batches)."""
-    pc = model.pc
-    rows = {k: v.to(pc.device) for k, v in (rows or {}).items()}
+    parallel = model.parallel
+    rows = {k: v.to(parallel.device) for k, v in (rows or {}).items()}
     check_batch(model, input_ids, labels, num_microbatches, rows)
-    step = ObjectiveStep(objective, rows, pc.size("dp_cp"), grad_scale, pc.group("dp_cp"), pc.size("dp"),
+    step = ObjectiveStep(objective, rows, parallel.size("dp_cp"), grad_scale, parallel.group("dp_cp"), parallel.size("dp"),
                          temperature, entropy)
-    return step, torch.arange(input_ids.shape[0], device=pc.device)
+    return step, torch.arange(input_ids.shape[0], device=parallel.device)
 
 
 def gather_reported(model, step: ObjectiveStep) -> dict[str, torch.Tensor]:
     """The per-row values the objective reported, for every row of the global batch in order, on every rank:
     gathered over dp from the last stage's micro-batches, then sent to the other pipeline stages."""
-    pc = model.pc
+    parallel = model.parallel
     values = None
     if step.reported:
         order = torch.cat([row_ids for row_ids, _ in step.reported]).argsort()
         values = {k: torch.cat([v[k] for _, v in step.reported])[order] for k in step.reported[0][1]}
-        if pc.size("dp") > 1:
-            values = {k: _all_gather(v, pc.group("dp"), pc.size("dp")) for k, v in values.items()}
-    if pc.config.pp > 1:
+        if parallel.size("dp") > 1:
+            values = {k: _all_gather(v, parallel.group("dp"), parallel.size("dp")) for k, v in values.items()}
+    if parallel.config.pp > 1:
         box = [None if values is None else {k: v.cpu() for k, v in values.items()}]
-        group = pc.group("pp")
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, pc.config.pp - 1), group=group)
-        values = {k: v.to(pc.device) for k, v in box[0].items()}
+        group = parallel.group("pp")
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, parallel.config.pp - 1), group=group)
+        values = {k: v.to(parallel.device) for k, v in box[0].items()}
     return values or {}
 
 

@@ -33,8 +33,8 @@ class TrainingSetup:
 def tied_embedding(model):
     """(name, process group) of an embedding tied to an LM head on another pipeline stage, or None.
     Collective: every rank creates the first+last stage groups (one per dp/cp/tp coordinate)."""
-    pc = model.pc
-    if pc.config.pp == 1 or not getattr(model.config, "tie_word_embeddings", False):
+    parallel = model.parallel
+    if parallel.config.pp == 1 or not getattr(model.config, "tie_word_embeddings", False):
         return None
     name = getattr(model, "tied_embedding", None)
     if name is None and not any(getattr(m, "tied", False) for m in model.modules() if isinstance(m, VocabParallelLMHead)):
@@ -42,9 +42,9 @@ def tied_embedding(model):
     if name is None:
         raise TrainingError(f"{type(model).__name__} ties its LM head to the input embedding but does not declare "
                             f"`tied_embedding` (the parameter the first and last pipeline stages share)")
-    mine = pc.stage_ends_group()
+    mine = parallel.stage_ends_group()
     if (model.is_first or model.is_last) and name not in dict(model.named_parameters()):
-        raise TrainingError(f"{type(model).__name__} on pipeline stage {pc.rank('pp')} lacks the tied parameter "
+        raise TrainingError(f"{type(model).__name__} on pipeline stage {parallel.rank('pp')} lacks the tied parameter "
                             f"{name!r}: the last stage must hold its own copy of the tied embedding")
     return name, mine
 
@@ -103,7 +103,7 @@ def _checked(model, data_parallel, mixed_precision, activation_checkpointing, of
     offload = offload or "none"
     if offload not in OFFLOAD:
         raise TrainingError(f"offload must be one of {OFFLOAD}, got {offload!r}")
-    replicas = model.pc.size("dp_cp")
+    replicas = model.parallel.size("dp_cp")
     if offload == "params" and (data_parallel != "fsdp" or replicas == 1):
         raise TrainingError(f"offload='params' needs FSDP2 (data_parallel='fsdp' over dp*cp > 1 ranks; here "
                             f"data_parallel={data_parallel!r}, dp*cp={replicas}): its CPUOffloadPolicy "
@@ -118,7 +118,7 @@ def sync_tied_embedding(model):
     tied = tied_embedding(model)
     if tied is not None and (model.is_first or model.is_last):
         with torch.no_grad():
-            src = dist.get_global_rank(model.pc.group("pp"), 0)
+            src = dist.get_global_rank(model.parallel.group("pp"), 0)
             dist.broadcast(dict(model.named_parameters())[tied[0]], src=src, group=tied[1])
 
 
@@ -127,7 +127,7 @@ def decide_setup(model, data_parallel: str = "fsdp", mixed_precision: str | None
     """What parallelize decides for `model` with these options; nothing is wrapped or changed here."""
     experts = _expert_parameters(model) if experts is None else experts
     tied = tied_embedding(model)
-    replicas = model.pc.size("dp_cp")
+    replicas = model.parallel.size("dp_cp")
     return TrainingSetup(data_parallel=data_parallel if replicas > 1 else None,
                          sharded=replicas > 1 and data_parallel == "fsdp", mixed_precision=mixed_precision, tied=tied,
                          specs={name: spec_of(p) for name, p in model.named_parameters()}, offload=offload,
@@ -137,7 +137,7 @@ def decide_setup(model, data_parallel: str = "fsdp", mixed_precision: str | None
 def _wrapped(model, stage, sharded: bool, experts: set[int], compute_dtype, reshard_after_forward: bool, offload: str):
     """The stage wrapped for data parallelism over dp*cp: FSDP2 (each layer, its expert modules over the edp group,
     then the stage), or DDP (experts left to the step, which reduces them over edp), or as it is on one data rank."""
-    pc, replicas = model.pc, model.pc.size("dp_cp")
+    parallel, replicas = model.parallel, model.parallel.size("dp_cp")
     if sharded:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -145,27 +145,27 @@ def _wrapped(model, stage, sharded: bool, experts: set[int], compute_dtype, resh
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward,
                   offload_policy=fsdp2_offload_policy(offload))
-        expert_mesh = DeviceMesh.from_group(pc.group("edp"), pc.device.type) if experts else None
+        expert_mesh = DeviceMesh.from_group(parallel.group("edp"), parallel.device.type) if experts else None
         for layer in stage.layers.values():
             for module in _expert_modules(layer, experts):  # nested first: the layer's FSDP leaves them out
                 fully_shard(module, mesh=expert_mesh, **kw)
                 module.set_gradient_divide_factor(replicas)  # the divisor of every other gradient
-                if pc.size("edp") > 1:  # gloo lacks PREMUL_SUM; on one rank torch would divide twice
+                if parallel.size("edp") > 1:  # gloo lacks PREMUL_SUM; on one rank torch would divide twice
                     module.set_force_sum_reduction_for_comms(True)
-            fully_shard(layer, mesh=pc.dp_cp_mesh, **kw)
-        fully_shard(stage, mesh=pc.dp_cp_mesh, **kw)
+            fully_shard(layer, mesh=parallel.dp_cp_mesh, **kw)
+        fully_shard(stage, mesh=parallel.dp_cp_mesh, **kw)
         return stage
     if replicas > 1:
         DDP = torch.nn.parallel.DistributedDataParallel  # experts are reduced over edp by hand
         DDP._set_params_and_buffers_to_ignore_for_model(
             stage, [n for n, p in stage.named_parameters() if id(p) in experts])
-        return DDP(stage, process_group=pc.group("dp_cp"), broadcast_buffers=False)
+        return DDP(stage, process_group=parallel.group("dp_cp"), broadcast_buffers=False)
     return stage
 
 
 def _expert_parameters(model) -> set[int]:
     """ids of the parameters split over ep (each rank holds other experts), when ep > 1."""
-    if model.pc.size("ep") == 1:
+    if model.parallel.size("ep") == 1:
         return set()
     return {id(p) for p in model.parameters() if any(s.mesh_dim == "ep" for s in spec_of(p))}
 
@@ -191,8 +191,8 @@ def training_setup(model) -> TrainingSetup:
     run = model.run
     if run.setup is not None:
         return run.setup
-    if model.pc.size("dp_cp") > 1:
+    if model.parallel.size("dp_cp") > 1:
         raise TrainingError(f"call colozoo.runtime.training.parallelize(model) before training on dp*cp = "
-                            f"{model.pc.size('dp_cp')} ranks, and build the optimizer after it: data parallelism "
+                            f"{model.parallel.size('dp_cp')} ranks, and build the optimizer after it: data parallelism "
                             f"replaces the parameters an optimizer built before would hold")
     return decide_setup(model)

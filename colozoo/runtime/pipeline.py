@@ -72,15 +72,15 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
     stages = stages_of(model)
     kwargs = _batch_kwargs(input_ids, labels, attention_mask, dict(position_ids=position_ids, **inputs))
     step = step or StepScales()
-    if model.pc.config.pp == 1:
+    if model.parallel.config.pp == 1:
         stage, = stages
         return _one_after_another(stage, input_ids, kwargs, num_microbatches, step)
     if schedule not in MULTI_STAGE_SCHEDULES and len(stages) > 1:
         raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but this model holds {len(stages)} "
                             f"virtual stages per rank; use one of {sorted(MULTI_STAGE_SCHEDULES)}")
-    if schedule != "gpipe" and num_microbatches < model.pc.config.pp:
+    if schedule != "gpipe" and num_microbatches < model.parallel.config.pp:
         raise PipelineError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline ranks "
-                            f"({model.pc.config.pp}), got {num_microbatches}; raise num_microbatches or use 'gpipe'")
+                            f"({model.parallel.config.pp}), got {num_microbatches}; raise num_microbatches or use 'gpipe'")
     carry = model.carries_router_stats(inputs.get("output_router_logits"))
     runner = _runner(model, stages, schedule, num_microbatches, input_ids, carry)
     losses: list[torch.Tensor] = []
@@ -131,7 +131,7 @@ def _runner(model, stages, schedule, num_microbatches, input_ids, carry: bool):
         inputs = (first_input,) if inner.is_first else between
         outputs = (torch.empty((), device=device, requires_grad=True),) if inner.is_last else between
         pipe_stages.append(PipelineStage(stage, inner.index, inner.num_stages, device, input_args=inputs,
-                                         output_args=outputs, group=model.pc.group("pp")))
+                                         output_args=outputs, group=model.parallel.group("pp")))
     # the last stage already returns its loss scaled for the global batch: no loss_fn work, no grad scaling
     stage_arg = pipe_stages if schedule in MULTI_STAGE_SCHEDULES else pipe_stages[0]
     return SCHEDULES[schedule](stage_arg, num_microbatches, loss_fn=_take_loss, scale_grads=False)
@@ -142,7 +142,7 @@ def _take_loss(output, target):
 
 
 def _p2p_peer(model, stage_index: int) -> int:
-    return dist.get_global_rank(model.pc.group("pp"), stage_index % model.pc.config.pp)
+    return dist.get_global_rank(model.parallel.group("pp"), stage_index % model.parallel.config.pp)
 
 
 def pipeline_forward(model, input_ids, **kwargs) -> ModelOutput:
@@ -151,7 +151,7 @@ def pipeline_forward(model, input_ids, **kwargs) -> ModelOutput:
     the stages (the caller runs it without gradients)."""
     carry = model.carries_router_stats(kwargs.get("output_router_logits"))
     out = through_stages(model, input_ids, carry=carry, token_ids=input_ids, **kwargs)
-    if model.pc.config.pp == 1:
+    if model.parallel.config.pp == 1:
         return out
     values = None if out is None else tuple(getattr(out, f.name) for f in fields(ModelOutput))
     return ModelOutput(*_from_last_stage(model, values))
@@ -189,8 +189,8 @@ def _receive(model, stage, input_ids, carry: bool) -> tuple[torch.Tensor, ...]:
 
 def _from_last_stage(model, values):
     """Broadcast the tuple of tensors (or Nones) the last stage computed to every pp rank."""
-    group = model.pc.group("pp")
-    src = dist.get_global_rank(group, model.pc.config.pp - 1)
+    group = model.parallel.group("pp")
+    src = dist.get_global_rank(group, model.parallel.config.pp - 1)
     meta = [None if values is None else [(tuple(v.shape), v.dtype) if v is not None else None for v in values]]
     dist.broadcast_object_list(meta, src=src, group=group)
     received = []
@@ -199,7 +199,7 @@ def _from_last_stage(model, values):
             received.append(None)
             continue
         value = values[i].contiguous() if values is not None else \
-            torch.empty(shape_dtype[0], dtype=shape_dtype[1], device=model.pc.device)
+            torch.empty(shape_dtype[0], dtype=shape_dtype[1], device=model.parallel.device)
         dist.broadcast(value, src=src, group=group)
         received.append(value)
     return tuple(received)

@@ -32,12 +32,12 @@ class Run:
         """`save(model, path, format, **options)`: how the model's files are written (colozoo.build_model passes
         colozoo.checkpoint's, which sits above the runtime); `plan`: the colozoo.cost plan the model was built for."""
         self.model = model
-        self.pc = model.pc
+        self.parallel = model.parallel
         self.plan = plan                 # the colozoo.cost plan the model was built for, if any
         self.setup = None                # a TrainingSetup once colozoo.runtime.parallelize.parallelize ran
         self._save = save
         self.stages = build_stages(model)  # collective over pp; parallelize wraps them, once
-        if model.pc.config.pp > 1 and model.pc.mesh is not None and not any(p.is_meta for p in model.parameters()):
+        if model.parallel.config.pp > 1 and model.parallel.mesh is not None and not any(p.is_meta for p in model.parameters()):
             sync_tied_embedding(model)  # built on a device: both copies of a tied embedding start alike
         model.run = self
 
@@ -67,10 +67,10 @@ class Run:
             return_logits = labels is None or not model.training
         logits = LogitsRequest("full" if return_logits else "none", logits_to_keep)
         model.wants_hidden_states(inputs.get("output_hidden_states"))  # refused under pp on every rank, before p2p
-        pipelined = self.pc.config.pp > 1
+        pipelined = self.parallel.config.pp > 1
         if pipelined:
             if labels is not None and torch.is_grad_enabled():
-                raise RuntimeError(f"a forward with labels under gradients at pp={self.pc.config.pp} would return a "
+                raise RuntimeError(f"a forward with labels under gradients at pp={self.parallel.config.pp} would return a "
                                    f"loss whose backward cannot cross the pipeline stages: train with "
                                    f"model.forward_backward(input_ids, labels, num_microbatches=...), or run the "
                                    f"forward under torch.no_grad() to evaluate")

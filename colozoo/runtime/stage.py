@@ -98,53 +98,53 @@ class Stage(nn.Module):
         with torch.autocast(x.device.type, dtype=self.autocast_dtype) if autocast else contextlib.nullcontext():
             if step is not None or cache is not None:  # hidden states are outputs of a plain forward only
                 inputs["output_hidden_states"] = False
-            ctx = model.context(token_ids, attention_mask, **inputs)
-            ctx.cache = cache
-            ctx.data_group = step.data_group if step is not None else None
+            batch = model.context(token_ids, attention_mask, **inputs)
+            batch.cache = cache
+            batch.data_group = step.data_group if step is not None else None
             if router_stats is not None:
-                ctx.router_stats_in = router_stats
-            if model.pc.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
-                sp_tp = model.pc.tp_size if model.sequence_parallel else 1
-                ctx = ctx.shard_sequence(model.pc.group("cp"), cp_mode, sp_tp)
-                x = ctx.cp.shard(x) if self.is_first else x
-                token_rows = ctx.cp.shard(token_rows) if token_rows is not None and self.is_first else None
-            ctx.token_rows = token_rows
-            hidden = model.embed(x, ctx) if self.is_first else x
-            hidden = model.forward_layers(hidden, ctx, self.layers)
+                batch.router_stats_in = router_stats
+            if model.parallel.config.cp > 1:  # context parallel: this rank's zigzag share of the sequence
+                sp_tp = model.parallel.tp_size if model.sequence_parallel else 1
+                batch = batch.shard_sequence(model.parallel.group("cp"), cp_mode, sp_tp)
+                x = batch.cp.shard(x) if self.is_first else x
+                token_rows = batch.cp.shard(token_rows) if token_rows is not None and self.is_first else None
+            batch.token_rows = token_rows
+            hidden = model.embed(x, batch) if self.is_first else x
+            hidden = model.forward_layers(hidden, batch, self.layers)
             if not self.is_last:
                 hidden = hidden.to(self.activation_dtype or hidden.dtype).contiguous()  # p2p sends need contiguous
-                if model.carries_router_stats(ctx.output_router_logits):
-                    return hidden, model.router_statistics(ctx, hidden.device)
+                if model.carries_router_stats(batch.output_router_logits):
+                    return hidden, model.router_statistics(batch, hidden.device)
                 return hidden
             on_logps = step is not None and step.objective is not None
             if on_logps:  # the loss is the step's, from the log-probs of the labels on this rank's vocab slice
-                out = model.head(hidden, ctx, logits=LogitsRequest("vocab_slice"))
+                out = model.head(hidden, batch, logits=LogitsRequest("vocab_slice"))
             else:
-                out = model.head(hidden, ctx, labels=labels, logits=logits if step is None else LogitsRequest("none"))
+                out = model.head(hidden, batch, labels=labels, logits=logits if step is None else LogitsRequest("none"))
         if step is None:
             return out
         if on_logps:
-            return step.objective_loss(model.get_output_embeddings(), out.logits, labels, row_ids, cp=ctx.cp)
+            return step.objective_loss(model.get_output_embeddings(), out.logits, labels, row_ids, cp=batch.cp)
         return step.scaled_loss(out, model.loss_token_count(labels))
 
 
 def build_stages(model) -> list[Stage]:
     """This rank's (virtual) stages of `model` (collective over the pp group)."""
-    pp = model.pc.config.pp
+    pp = model.parallel.config.pp
     runs = layer_runs(model.layer_ids)
     every_rank = [runs]
-    if pp > 1 and model.pc.mesh is None:  # a virtual context (a meta model built offline): no ranks to ask
+    if pp > 1 and model.parallel.mesh is None:  # a virtual context (a meta model built offline): no ranks to ask
         every_rank = None
     elif pp > 1:
         every_rank = [None] * pp
-        dist.all_gather_object(every_rank, runs, group=model.pc.group("pp"))
+        dist.all_gather_object(every_rank, runs, group=model.parallel.group("pp"))
     if every_rank is not None:
         _check_placement(model, every_rank)
     if model._parameters:
         raise PipelineError(f"{type(model).__name__} holds parameters directly ({list(model._parameters)}); "
                             f"stages only place whole child modules")
     num_stages = pp * len(runs)
-    rank = model.pc.rank("pp")
+    rank = model.parallel.rank("pp")
     return [Stage(model, rank + k * pp, num_stages, layers) for k, layers in enumerate(runs)]
 
 

@@ -50,9 +50,9 @@ CHECK_EVERY = 8  # steps between the host's looks at whether every sequence ende
 
 def static_refusal(model, decoding: Decoding, num_microbatches: int | None = None) -> str | None:
     """Why the static step cannot decode this call, or None."""
-    pc = model.pc
-    if pc.config.pp > 1:
-        return f"pipeline parallelism (pp={pc.config.pp}) hands micro-batches between stages from the host"
+    parallel = model.parallel
+    if parallel.config.pp > 1:
+        return f"pipeline parallelism (pp={parallel.config.pp}) hands micro-batches between stages from the host"
     if num_microbatches not in (None, 1):
         return f"num_microbatches={num_microbatches} runs the batch as micro-batches one after another"
     if decoding.num_beams > 1:
@@ -67,7 +67,7 @@ def static_refusal(model, decoding: Decoding, num_microbatches: int | None = Non
         return "its RoPE scaling (dynamic or LongRoPE) chooses the frequencies by the longest position"
     if model.reencode_length is not None and decoding.max_length >= model.reencode_length:
         return f"{model.family} encodes the whole sequence again at {model.reencode_length} tokens"
-    if any(type(p.data) is not torch.Tensor or p.device.type != pc.device.type for p in model.parameters()):
+    if any(type(p.data) is not torch.Tensor or p.device.type != parallel.device.type for p in model.parameters()):
         return "its weights are sharded (FSDP) or offloaded: hooks around every forward gather them"
     return None
 
@@ -84,7 +84,7 @@ def decode_path(model, decoding: Decoding, num_microbatches: int | None = None) 
     if refusal is not None and asked:
         raise ValueError(f"cache_implementation={decoding.cache_implementation!r} cannot decode this call: {refusal}; "
                          f"leave cache_implementation unset")
-    cuda = model.pc.device.type == "cuda"
+    cuda = model.parallel.device.type == "cuda"
     if refusal is not None or not (asked or cuda) or (decoding.disable_compile and not asked):
         return "eager", refusal or ("disable_compile=True" if cuda else "not on CUDA")
     if decoding.disable_compile:
@@ -195,13 +195,13 @@ def _synchronize(device):
 def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, path: str):
     """transformers' greedy / sampled decoding (colozoo.runtime.generate's loop, token for token) on the static
     step, replayed from a CUDA graph when `path` is "cuda_graph"."""
-    pc, device = model.pc, input_ids.device
+    parallel, device = model.parallel, input_ids.device
     batch, prompt = input_ids.shape
     keep_scores = decoding.return_dict_in_generate and decoding.output_scores
     keep_logits = decoding.return_dict_in_generate and decoding.output_logits
-    sharded_argmax = pc.tp_size > 1 and not decoding.processes_scores and not (keep_scores or keep_logits)
+    sharded_argmax = parallel.tp_size > 1 and not decoding.processes_scores and not (keep_scores or keep_logits)
     step = StaticStep(model, mask, decoding.max_length, LogitsRequest("vocab_slice" if sharded_argmax else "full", 1))
-    generator = _generator(decoding, pc, device)
+    generator = _generator(decoding, parallel, device)
     eos, stops = eos_ids(decoding, device), decoding.eos_token_id is not None or stop is not None
     padding = (mask != 0).int().argmax(dim=1)
     sequences = torch.cat([input_ids, input_ids.new_zeros(batch, decoding.max_length - prompt)], dim=1)
@@ -219,7 +219,7 @@ def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, pa
         if length > prompt:
             logits = run()
         if sharded_argmax:
-            tokens = vocab_parallel_argmax(logits, model.config.vocab_size, pc.tp_group)[0]
+            tokens = vocab_parallel_argmax(logits, model.config.vocab_size, parallel.tp_group)[0]
         else:
             processed = process(logits, sequences[:, :length], decoding, padding, eos)
             tokens = choose(processed, decoding, generator)
@@ -255,12 +255,12 @@ def static_sample(model, input_ids, mask, decoding: Decoding, stop, streamer, pa
                            cache_elements=step.cache.numel(), decode_path=path)
 
 
-def _generator(decoding: Decoding, pc, device):
+def _generator(decoding: Decoding, parallel, device):
     """Sampling's random numbers: seeded alike on every rank (or by the caller's seed); None when greedy."""
     if not decoding.do_sample:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(decoding.seed if decoding.seed is not None else shared_seed(pc))
+    generator.manual_seed(decoding.seed if decoding.seed is not None else shared_seed(parallel))
     return generator
 
 

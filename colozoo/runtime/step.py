@@ -27,13 +27,13 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
     attention ("ring", the default, or "all_to_all"), as in the forward.
     `inputs`: further model inputs (e.g. BERT's token_type_ids); tensors, like input_ids, hold one row per
     sample and are split over dp ranks and micro-batches."""
-    pc = model.pc
+    parallel = model.parallel
     check_batch(model, input_ids, labels, num_microbatches, inputs)
     total_tokens = int(model.loss_token_count(labels))
     # each micro-batch mean is weighted by its tokens / global tokens; * dp*cp undoes FSDP/DDP's dp*cp average
-    replicas = pc.size("dp_cp")
+    replicas = parallel.size("dp_cp")
     step = StepScales(loss_scale=replicas / max(total_tokens, 1), router_loss_scale=replicas / num_microbatches,
-                      grad_scale=grad_scale, data_group=pc.group("dp_cp"), data_ranks=pc.size("dp"))
+                      grad_scale=grad_scale, data_group=parallel.group("dp_cp"), data_ranks=parallel.size("dp"))
     local_sum = run_step(model, input_ids, labels, attention_mask, position_ids, num_microbatches, schedule, step,
                          dict(inputs, cp_mode=cp_mode))
     if local_sum is not None and grad_scale != 1.0:
@@ -47,15 +47,15 @@ def forward_backward(model, input_ids, labels, attention_mask=None, num_microbat
 def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
     """One clear error for a batch the mesh cannot split: rows over dp x micro-batches, the sequence over cp, labels
     and other inputs of another batch size."""
-    pc = model.pc
-    dp, m = pc.size("dp"), num_microbatches
+    parallel = model.parallel
+    dp, m = parallel.size("dp"), num_microbatches
     if not isinstance(m, int) or m < 1:
         raise TrainingError(f"num_microbatches must be a positive integer, got {m!r}")
     batch = input_ids.shape[0]
     if batch % (dp * m):
         raise TrainingError(f"global batch size {batch} is not divisible by dp * num_microbatches = {dp} * {m}; "
                             f"every data-parallel rank needs {m} equal micro-batches")
-    cp = pc.size("cp")
+    cp = parallel.size("cp")
     if cp > 1 and input_ids.shape[1] % (2 * cp):
         raise TrainingError(f"sequence length {input_ids.shape[1]} is not divisible by 2 * cp = {2 * cp}: context "
                             f"parallelism gives every cp rank two equal chunks of the sequence")
@@ -69,7 +69,7 @@ def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
 
 def dp_rows(model, batch: int) -> slice:
     """The rows of a global batch of `batch` rows this data-parallel rank trains on."""
-    dp, rank = model.pc.size("dp"), model.pc.rank("dp")
+    dp, rank = model.parallel.size("dp"), model.parallel.rank("dp")
     return slice(rank * batch // dp, (rank + 1) * batch // dp)
 
 
@@ -133,14 +133,14 @@ def _reduce_expert_grads(model, setup, stash):
     """Sum this step's expert gradients over the ranks holding the same experts, divided like the others."""
     if stash is None:
         return
-    pc = model.pc
+    parallel = model.parallel
     for name, p in model.named_parameters():
         if name not in stash:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=pc.group("edp"))
-        p.grad /= pc.size("dp_cp")
+        dist.all_reduce(p.grad, group=parallel.group("edp"))
+        p.grad /= parallel.size("dp_cp")
         if stash[name] is not None:
             p.grad += stash[name]
 
@@ -148,12 +148,12 @@ def _reduce_expert_grads(model, setup, stash):
 def global_loss(model, local_sum) -> torch.Tensor:
     """Sum of the weighted micro-batch losses over dp, undoing the * dp*cp (cp ranks hold the same value; router
     losses count 1/dp on each data rank, see StepScales.scaled_loss), then sent from the last stage to all."""
-    pc = model.pc
+    parallel = model.parallel
     if local_sum is None:
-        local_sum = torch.zeros((), device=pc.device)
-    loss = local_sum.float() / pc.size("dp_cp")
-    if pc.size("dp") > 1:
-        dist.all_reduce(loss, group=pc.group("dp"))
-    if pc.config.pp > 1:
-        dist.broadcast(loss, src=dist.get_global_rank(pc.group("pp"), pc.config.pp - 1), group=pc.group("pp"))
+        local_sum = torch.zeros((), device=parallel.device)
+    loss = local_sum.float() / parallel.size("dp_cp")
+    if parallel.size("dp") > 1:
+        dist.all_reduce(loss, group=parallel.group("dp"))
+    if parallel.config.pp > 1:
+        dist.broadcast(loss, src=dist.get_global_rank(parallel.group("pp"), parallel.config.pp - 1), group=parallel.group("pp"))
     return loss

@@ -54,7 +54,7 @@ class RecordingReader:
         return experts
 
 
-def load_saved(hf, config, pc):
+def load_saved(hf, config, parallel):
     """Our model loaded from what transformers' save_pretrained writes (per-expert tensors; saved by global rank 0
     only), and the reader that recorded which tensors were read."""
     from colozoo.api import build_model
@@ -71,7 +71,7 @@ def load_saved(hf, config, pc):
     if distributed:
         dist.barrier()
     reader = RecordingReader(SafetensorsReader(directory[0]))
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     load_hf_weights(model, reader, device="cpu")
     if distributed:
         dist.barrier()
@@ -86,8 +86,8 @@ def reference(name: str, overrides: dict | None = None, seed: int = 0):
                         attn_implementation=attention(name))
 
 
-def load(hf, config, pc):
-    """Ours on `pc` with `hf`'s weights, and the sources its gradients are compared by (transformers' in-memory
+def load(hf, config, parallel):
+    """Ours on `parallel` with `hf`'s weights, and the sources its gradients are compared by (transformers' in-memory
     names). A model whose experts transformers stacks in memory but saves one per expert is read from what its
     save_pretrained writes, each ep rank checked to read only its own experts."""
     from colozoo.api import build_model
@@ -97,13 +97,13 @@ def load(hf, config, pc):
 
     converter = family_module(config.model_type)
     if hasattr(converter, "module_sources"):
-        model, reader = load_saved(hf, config, pc)
+        model, reader = load_saved(hf, config, parallel)
         if any(".experts." in name for name, _ in model.named_parameters()):  # this stage holds MoE layers
-            ep, rank = pc.size("ep"), pc.rank("ep")
+            ep, rank = parallel.size("ep"), parallel.rank("ep")
             owned = set(range(rank * model.num_experts // ep, (rank + 1) * model.num_experts // ep))
             assert reader.experts_read() == owned, f"ep rank {rank} read experts {sorted(reader.experts_read())}"
         return model, converter.module_sources(config)
-    model = build_model(config, pc=pc, device="meta")
+    model = build_model(config, parallel=parallel, device="meta")
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     return model, resolved_sources(model, weights)
@@ -117,18 +117,18 @@ def check_gradients(model, sources, hf_grads, whole_batch: bool = True) -> float
     from colozoo.core.mesh import coords_of
     from colozoo.layers.shard import gather_tensor, spec_of
 
-    pc, worst = model.pc, 0.0
-    dp = pc.size("dp") if whole_batch else 1
+    parallel, worst = model.parallel, 0.0
+    dp = parallel.size("dp") if whole_batch else 1
     for name, p in model.named_parameters():
         if not p.requires_grad:  # DeepSeek-V3's routing bias: a buffer in transformers
             assert p.grad is None, f"frozen {name} got a gradient"
             continue
         spec, grad = spec_of(p), p.grad.clone()
-        by_expert = pc.size("ep") > 1 and any(s.mesh_dim == "ep" for s in spec)  # summed over ep by the all-to-all
-        if whole_batch and not by_expert and pc.group("dp_cp") is not None:
-            dist.all_reduce(grad, group=pc.group("dp_cp"))
+        by_expert = parallel.size("ep") > 1 and any(s.mesh_dim == "ep" for s in spec)  # summed over ep by the all-to-all
+        if whole_batch and not by_expert and parallel.group("dp_cp") is not None:
+            dist.all_reduce(grad, group=parallel.group("dp_cp"))
         expected = GlobalTensor(hf_grads, sources[name], name).read()
-        full = gather_tensor(grad / dp, spec, expected.shape, pc.groups, coords_of(pc))
+        full = gather_tensor(grad / dp, spec, expected.shape, parallel.groups, coords_of(parallel))
         close(full, expected, ATOL, f"gradient of {name}")
         worst = max(worst, (full - expected).abs().max().item())
     return worst
@@ -141,14 +141,14 @@ def family_parity(family: str, tp: int = 1, ep: int = 1, cp: int = 1, sequence_p
     from colozoo.checkpoint.readers import StateDictReader
     from colozoo.core.mesh import init_parallel
 
-    pc = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
     config, hf = reference(family, overrides)
     ids, mask, labels = batch(config.vocab_size, seq_len)
     ref = hf(ids, attention_mask=mask, labels=labels, output_hidden_states=True)
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters() if p.grad is not None})
 
-    model, sources = load(hf, config, pc)
+    model, sources = load(hf, config, parallel)
     model.eval()
     with layer_input_lengths(model) as lengths:
         out = model(ids, attention_mask=mask, labels=labels, return_logits=True, output_hidden_states=cp == 1,
@@ -200,12 +200,12 @@ def family_pipeline_parity(family: str, pp: int = 2, tp: int = 1, ep: int = 1, s
     from colozoo.core.mesh import init_parallel
     from colozoo.runtime.training import parallelize
 
-    pc = init_parallel(pp=pp, tp=tp, ep=ep, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(pp=pp, tp=tp, ep=ep, sequence_parallel=sequence_parallel)
     config, hf = reference(family, overrides)
-    model, sources = load(hf, config, pc)
+    model, sources = load(hf, config, parallel)
     model.eval()
     ids, mask, labels = batch(config.vocab_size, 16, batch_size=4)
-    where = f"{family} (pp rank {pc.rank('pp')})"
+    where = f"{family} (pp rank {parallel.rank('pp')})"
     with torch.no_grad(), layer_input_lengths(model) as lengths:
         ref = hf(ids, attention_mask=mask, labels=labels)
         out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
@@ -215,7 +215,7 @@ def family_pipeline_parity(family: str, pp: int = 2, tp: int = 1, ep: int = 1, s
             close(out.aux_loss, ref.aux_loss, ATOL, f"load-balancing loss of {where}")
     check_sequence_sharding(lengths, ids.shape[1], tp, sequence_parallel)
     if getattr(ref, "aux_loss", None) is not None:
-        ref_loss = _microbatched_reference(hf, config, ids, mask, labels, pc.size("dp"), 2)
+        ref_loss = _microbatched_reference(hf, config, ids, mask, labels, parallel.size("dp"), 2)
     else:
         ref_loss = hf(ids, attention_mask=mask, labels=labels).loss
     ref_loss.backward()

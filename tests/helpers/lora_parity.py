@@ -99,7 +99,7 @@ def full_adapter(model, lora, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         t = p.grad if grad else p
         assert t is not None, "an adapter got no gradient"
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        out.append(gather_tensor(t.detach(), spec, shape, model.pc.groups, coords_of(model.pc)))
+        out.append(gather_tensor(t.detach(), spec, shape, model.parallel.groups, coords_of(model.parallel)))
     return tuple(out)
 
 
@@ -109,7 +109,7 @@ def chunks_of(lora, a, b):
             for n, a_i, b_i in zip(lora.hf_modules, a.split(lora.r, 0), b.split(lora.pair_sizes, 0))}
 
 
-def load_base(model, hf, pc):
+def load_base(model, hf, parallel):
     """The transformers model's weights into ours (MoE families: from its stacked in-memory experts)."""
     conv = family_module(model.config.model_type)
     if not hasattr(conv, "module_sources"):
@@ -119,7 +119,7 @@ def load_base(model, hf, pc):
     reader, sources = StateDictReader(hf.state_dict()), conv.module_sources(model.config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(pc)))
+            p.copy_(shard_tensor(GlobalTensor(reader, sources[name], name).read(), spec_of(p), coords_of(parallel)))
     return model
 
 
@@ -128,10 +128,10 @@ def lora_parity(family: str, tp: int = 1, pp: int = 1, dp: int = 1, data_paralle
                 sequence_parallel: bool = False) -> int:
     """Loss (and logits where the model gives them), every adapter and its gradient against PEFT; base weights
     without gradient, the optimizer holding adapters only. Returns how many HF modules this rank checked."""
-    pc = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel) \
+    parallel = init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel) \
         if tp * pp * dp * cp > 1 else single_process()
     config, hf, inputs, labels = hf_and_batch(family, overrides)
-    model = load_base(build_model(config, pc=pc, device="meta"), hf, pc)
+    model = load_base(build_model(config, parallel=parallel, device="meta"), hf, parallel)
     if ep > 1:  # each rank holds its share of the experts
         experts = model.experts(config)
         stacked = [p for n, p in model.named_parameters() if n.endswith("experts.down_proj")]

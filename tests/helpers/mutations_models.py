@@ -40,7 +40,7 @@ MODELS = {
     # multi-head latent attention: the latent cache and the decoding steps that attend over it
     "mla_absorbed_decode_off": Mutation(
         "MLA decoding steps expand the cached latent through kv_b_proj instead of attending over it",
-        Rewrite(MLA + "forward", ("if ctx.cache is not None and q.shape[2]", "if False and q.shape[2]")),
+        Rewrite(MLA + "forward", ("if batch.cache is not None and q.shape[2]", "if False and q.shape[2]")),
         (DEEPSEEK + "test_latent_cache[1]",)),
     "mla_absorbed_decode_without_rotary_key": Mutation(
         "MLA's absorbed decoding step drops the cached rotary key from its keys",
@@ -134,7 +134,7 @@ MODELS = {
     "olmo2_attention_post_norm_dropped": Mutation(
         "OLMo 2 adds attention's output unnormalised",
         Rewrite("colozoo.models.olmo2:Olmo2DecoderLayer.forward",
-                ("x + self.post_attention_layernorm(self.self_attn(x, ctx))", "x + self.self_attn(x, ctx)")),
+                ("x + self.post_attention_layernorm(self.self_attn(x, batch))", "x + self.self_attn(x, batch)")),
         (OLMO2_SMOLLM3 + "test_single_process[olmo2-False]",)),
     "olmo2_mlp_norm_before": Mutation(
         "OLMo 2 normalises the MLP's input instead of its output",

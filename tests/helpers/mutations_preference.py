@@ -23,7 +23,7 @@ PREFERENCE = {
         (TRL + "test_first_step_equals_trl_for_every_loss[strings-True-True]",)),
     "dpo_values_not_gathered_over_dp": Mutation(
         "the per-row values a preference step reports (log-probs, rewards) are not gathered over dp",
-        Rewrite("colozoo.runtime.logprobs:gather_reported", ('if pc.size("dp") > 1:', "if False:")),
+        Rewrite("colozoo.runtime.logprobs:gather_reported", ('if parallel.size("dp") > 1:', "if False:")),
         (TRL + "test_first_step_is_the_same_on_every_mesh[dp2 ddp]",)),
     "dpo_packed_pair_summed_whole": Mutation(
         "a row packing a pair sums all its tokens into the chosen sequence (the rejected one's sum 0)",
@@ -40,7 +40,7 @@ PREFERENCE = {
     "eval_cross_entropy_without_tp_group": Mutation(
         "colozoo eval's log-probabilities taken over each rank's vocab slice alone (no tensor-parallel group)",
         Rewrite("colozoo.evaluation.scoring:score_spans",
-                ("target[None], vocab, pc.tp_group)", "target[None], vocab, None)")),
+                ("target[None], vocab, parallel.tp_group)", "target[None], vocab, None)")),
         (EVAL + "test_colozoo_eval_on_a_mesh_matches_the_hf_backend[llama-2-1]",)),
     "eval_spans_one_token_early": Mutation(
         "colozoo eval scores each continuation one position early",

@@ -133,7 +133,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
                      padded: bool = True, seq_len: int = 12, logits_atol=LOGITS_ATOL, grad_atol=GRAD_ATOL,
                      attn_implementation: str = "sdpa", device="cpu", dtype=torch.float32):
     """`device`/`dtype`: both models there (tests/test_gpu.py runs it on CUDA, where the Triton kernels compile)."""
-    pc = init_parallel(tp=tp, sequence_parallel=sequence_parallel, device=torch.device(device))
+    parallel = init_parallel(tp=tp, sequence_parallel=sequence_parallel, device=torch.device(device))
     config, hf = hf_causal_lm(model_type, config_kwargs, attn_implementation=attn_implementation)
     hf = hf.to(device, dtype)
     ids, mask, labels = (None if t is None else t.to(device) for t in batch(config.vocab_size, seq_len, padded=padded))
@@ -142,7 +142,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters()})
 
-    model = build_model(config, pc=pc, device="meta", dtype=dtype)
+    model = build_model(config, parallel=parallel, device="meta", dtype=dtype)
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device=device)
     model.eval()
@@ -161,7 +161,7 @@ def causal_lm_parity(model_type: str, config_kwargs: dict, tp: int = 1, sequence
     close(out.loss, ref.loss, logits_atol, "loss")
     report["hidden_states"] = check_hidden_states(out.hidden_states, ref.hidden_states, keep, logits_atol)
 
-    report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol, grows_past_one=False)
+    report["grad"] = check_gradients(model, parallel, weights, hf_grads, grad_atol, grows_past_one=False)
     return report
 
 
@@ -187,16 +187,16 @@ def resolved_sources(model, reader):
     return resolve_sources(reader, conv, conv.hf_sources(model.config))
 
 
-def check_gradients(model, pc, weights, hf_grads, grad_atol=GRAD_ATOL, grows_past_one=True) -> float:
+def check_gradients(model, parallel, weights, hf_grads, grad_atol=GRAD_ATOL, grows_past_one=True) -> float:
     """Every local gradient, gathered to its global HF layout, equals the HF gradient; returns the worst diff.
     `grows_past_one`: the absolute tolerance grows with the gradient past 1."""
     sources = resolved_sources(model, weights)  # as the loader read them (in-memory names, e.g. GPT-NeoX's lm_head)
     shapes = global_shapes(model, sources, weights)
-    coords = coords_of(pc)
+    coords = coords_of(parallel)
     worst = 0.0
     for name, p in model.named_parameters():
         assert p.grad is not None, f"no gradient for {name}"
-        full = gather_tensor(p.grad, spec_of(p), shapes[name], pc.groups, coords)
+        full = gather_tensor(p.grad, spec_of(p), shapes[name], parallel.groups, coords)
         expected = GlobalTensor(hf_grads, sources[name], name).read()
         scale = max(1.0, expected.abs().max().item()) if grows_past_one else 1.0
         close(full, expected, grad_atol * scale, f"gradient of {name}")
@@ -228,7 +228,7 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
                 tp: int = 1, sequence_parallel: bool = False, pp: int = 1, atol=LOGITS_ATOL, grad_atol=GRAD_ATOL):
     """HF `architecture` vs our model for `task` on the same weights and `inputs` (HF keyword names): logits,
     hidden states, pooled output and loss (a probe loss when there are no labels), then every gradient."""
-    pc = init_parallel(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
     model_type = getattr(transformers, architecture).config_class.model_type
     config = transformers.AutoConfig.for_model(model_type, architectures=[architecture], **config_kwargs)
     hf = hf_model(architecture, config)
@@ -240,7 +240,7 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
     ref_loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters() if p.grad is not None})
 
-    model = build_model(config, pc=pc, device="meta", task=task)
+    model = build_model(config, parallel=parallel, device="meta", task=task)
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     model.eval()
@@ -263,7 +263,7 @@ def task_parity(architecture: str, config_kwargs: dict, inputs: dict, labels=Non
     report["loss"] = abs(loss.item() - ref_loss.item())
     close(loss, ref_loss, atol * max(1.0, abs(ref_loss.item())), "loss")
     loss.backward()
-    report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol)
+    report["grad"] = check_gradients(model, parallel, weights, hf_grads, grad_atol)
     return report
 
 
@@ -277,7 +277,7 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
 
     from colozoo.checkpoint.safetensors_io import SafetensorsReader
 
-    pc = init_parallel(tp=tp)
+    parallel = init_parallel(tp=tp)
     arch = dict(architectures=[architecture]) if architecture else {}
     config = transformers.AutoConfig.for_model(model_type, **arch, **config_kwargs)
     hf = (hf_model(architecture, config) if architecture else hf_causal_lm(model_type, config_kwargs, attn_implementation=attn_implementation)[1])
@@ -292,15 +292,15 @@ def hf_round_trip(model_type: str, config_kwargs: dict, tp: int = 1, architectur
             directory = shared[0]
         saved = load_file(f"{directory}/model.safetensors")
         reader = SafetensorsReader(directory)
-        model = build_model(config, pc=pc, device="meta", task=task)
+        model = build_model(config, parallel=parallel, device="meta", task=task)
         load_hf_weights(model, reader, device="cpu")
         sources = family_module(model.family).hf_sources(model.config)
-        coords = coords_of(pc)
+        coords = coords_of(parallel)
         exported = {}
         for name, p in model.named_parameters():
             source = sources[name]
             tensor = GlobalTensor(reader, source, name)
-            full = gather_tensor(p.data, spec_of(p), tensor.shape, pc.groups, coords)
+            full = gather_tensor(p.data, spec_of(p), tensor.shape, parallel.groups, coords)
             first = tensor.items[0] if source.stack else tensor  # stacked experts: every item has these parts
             sizes = [shape[source.cat_dim] for shape in first.part_shapes]
             for hf_name, part in source.split(full, sizes).items():  # what the HF export does
@@ -321,7 +321,7 @@ def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, p
     from colozoo.core.partition import rank_layers
     from colozoo.runtime.training import parallelize
 
-    pc = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
     model_type = getattr(transformers, architecture).config_class.model_type
     config = transformers.AutoConfig.for_model(model_type, architectures=[architecture], **config_kwargs)
     hf = hf_model(architecture, config)
@@ -329,8 +329,8 @@ def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, p
     ref.loss.backward()
     hf_grads = StateDictReader({n: p.grad for n, p in hf.named_parameters() if p.grad is not None})
 
-    layer_ids = rank_layers(config.num_hidden_layers, pp, pc.rank("pp"))
-    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+    layer_ids = rank_layers(config.num_hidden_layers, pp, parallel.rank("pp"))
+    model = build_model(config, parallel=parallel, layer_ids=layer_ids, device="meta")
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     parallelize(model)
@@ -344,7 +344,7 @@ def pipeline_parity(architecture: str, config_kwargs: dict, ids, mask, labels, p
     loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=num_microbatches)
     report["train_loss"] = abs(loss.item() - ref.loss.item())
     close(loss, ref.loss, atol, "forward_backward loss")
-    report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol)
+    report["grad"] = check_gradients(model, parallel, weights, hf_grads, grad_atol)
     return report
 
 
@@ -357,14 +357,14 @@ def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, l
     from colozoo.core.partition import rank_layers
     from colozoo.runtime.training import parallelize
 
-    pc = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
+    parallel = init_parallel(pp=pp, tp=tp, sequence_parallel=sequence_parallel)
     model_type = getattr(transformers, architecture).config_class.model_type
     config = transformers.AutoConfig.for_model(model_type, architectures=[architecture], **config_kwargs)
     hf = hf_model(architecture, config)
     ref = hf(**inputs, labels=labels)
 
-    layer_ids = rank_layers(config.num_hidden_layers, pp, pc.rank("pp"))
-    model = build_model(config, pc=pc, layer_ids=layer_ids, device="meta")
+    layer_ids = rank_layers(config.num_hidden_layers, pp, parallel.rank("pp"))
+    model = build_model(config, parallel=parallel, layer_ids=layer_ids, device="meta")
     weights = StateDictReader(hf.state_dict())
     load_hf_weights(model, weights, device="cpu")
     parallelize(model)
@@ -379,7 +379,7 @@ def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, l
         if theirs is not None:
             assert ours.shape == theirs.shape, (name, ours.shape, theirs.shape)
             report[name] = (ours - theirs).abs().max().item()
-            close(ours, theirs, atol, f"{name} (pp rank {pc.rank('pp')})")
+            close(ours, theirs, atol, f"{name} (pp rank {parallel.rank('pp')})")
     if labels is None:
         return report
     ref.loss.backward()
@@ -389,7 +389,7 @@ def task_pipeline_parity(architecture: str, config_kwargs: dict, inputs: dict, l
                                   **{k: inputs[k] for k in others})
     report["train_loss"] = abs(loss.item() - ref.loss.item())
     close(loss, ref.loss, atol, "forward_backward loss")
-    report["grad"] = check_gradients(model, pc, weights, hf_grads, grad_atol)
+    report["grad"] = check_gradients(model, parallel, weights, hf_grads, grad_atol)
     return report
 
 
