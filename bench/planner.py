@@ -247,7 +247,8 @@ def predictions(cpu, plans):
     for name, mesh, m, data_parallel in plans:
         degrees = parse_mesh(mesh)
         zero = 3 if data_parallel == "fsdp" and degrees.dp > 1 else 0
-        plan = plan_of(degrees, micro_batch_size=BATCH // (degrees.dp * m), num_microbatches=m, schedule=schedule_for(mesh, m),
+        plan = plan_of(degrees, micro_batch_size=BATCH // (degrees.dp * m), num_microbatches=m,
+                       schedule=schedule_for(mesh, m),
                        zero=zero)
         report = profile(config(), plan, workload)
         step, _, _ = estimate(report, plan, workload, cpu)

@@ -139,7 +139,8 @@ def from_pretrained(name_or_path, tp: int = 1, pp: int = 1, dp: int | None = Non
     if isinstance(source, ColozooCheckpoint):
         source.check_against(layout)
     dtype = dtype or source.tensor(next(iter(layout.tensors))).dtype
-    model = build_model(config, parallel=parallel, device="meta", dtype=dtype, layers_per_stage=layers_per_stage, balance=balance,
+    model = build_model(config, parallel=parallel, device="meta", dtype=dtype, layers_per_stage=layers_per_stage,
+                        balance=balance,
                         plan=chosen)
     if lora is not None:
         lora.apply(model)

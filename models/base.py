@@ -133,7 +133,8 @@ class ParallelModel(nn.Module):
         if limit is not None and seq_len > limit:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings={limit}")
         if self.sequence_parallel and seq_len % self.parallel.tp_size:
-            raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by tp={self.parallel.tp_size}")
+            raise ValueError(f"sequence parallel needs the sequence length ({seq_len}) divisible by "
+                             f"tp={self.parallel.tp_size}")
 
     def positions(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """The batch's position ids: given, else 0..seq-1 (OPT counts them over the attention mask)."""

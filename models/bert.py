@@ -76,7 +76,8 @@ class BertEmbeddings(nn.Module):
         h, kw = config.hidden_size, dict(device=device, dtype=dtype)
         self.group, self.sequence_parallel = parallel.tp_group, parallel.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, padding_idx=config.pad_token_id,
-                                                      group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel, **kw)
+                                                      group=parallel.tp_group,
+                                                      sequence_parallel=parallel.sequence_parallel, **kw)
         self.position_embeddings = Embedding(config.max_position_embeddings, h, **kw)
         self.token_type_embeddings = Embedding(config.type_vocab_size, h, **kw)
         self.LayerNorm = LayerNorm(h, eps=config.layer_norm_eps, group=parallel.tp_group,
@@ -97,7 +98,8 @@ class EncoderLayer(TransformerLayer):
     """A layer of BERT (post-LayerNorm: attention -> + -> LayerNorm -> MLP -> + -> LayerNorm) or of ViT (pre-LayerNorm:
     LayerNorm -> attention -> + -> LayerNorm -> MLP -> +), built from the config fields the two share."""
 
-    def __init__(self, config, layer_idx: int, parallel, pre_norm: bool, qkv_bias: bool = True, device=None, dtype=None):
+    def __init__(self, config, layer_idx: int, parallel, pre_norm: bool, qkv_bias: bool = True, device=None,
+                 dtype=None):
         check_divisible("the attention heads (num_attention_heads)", config.num_attention_heads, parallel.tp_size)
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, parallel.tp_size)
         kw = dict(group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel, device=device, dtype=dtype)

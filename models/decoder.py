@@ -90,7 +90,8 @@ class DecoderModel(ParallelModel):
             raise UnsupportedConfig(f"tp={parallel.tp_size} must divide the key/value heads (num_key_value_heads="
                                     f"{kv_heads}) or be a multiple of them (each kv head then replicated over "
                                     f"tp / num_key_value_heads ranks)")
-        parallel.tp_subgroup(max(parallel.tp_size // kv_heads, 1))  # collective: here, where every rank of every stage passes
+        parallel.tp_subgroup(max(parallel.tp_size // kv_heads,
+                                 1))  # collective: here, where every rank of every stage passes
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, parallel.tp_size)
         self.sliding_window = self.attention_window(config)
         h = config.hidden_size
@@ -131,7 +132,8 @@ class DecoderModel(ParallelModel):
                         dropout=c.attention_dropout, names=("qkv", "o_proj"))
         settings.update(options)
         spec = AttentionSpec(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c), **settings)
-        return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
+        return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group,
+                             sequence_parallel=parallel.sequence_parallel,
                              replica_group=parallel.tp_subgroup(max(parallel.tp_size // c.num_key_value_heads, 1)),
                              device=device, dtype=dtype)
 

@@ -29,7 +29,8 @@ class GemmaDecoderLayer(nn.Module):
 
     def __init__(self, config, parallel, self_attn: nn.Module, mlp: nn.Module, device=None, dtype=None):
         super().__init__()
-        norm = dict(eps=config.rms_norm_eps, offset=True, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
+        norm = dict(eps=config.rms_norm_eps, offset=True, group=parallel.tp_group,
+                    sequence_parallel=parallel.sequence_parallel,
                     device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, **norm)
         self.self_attn = self_attn

@@ -22,7 +22,8 @@ def gpt2_attention(config, layer_idx: int, parallel, device=None, dtype=None) ->
         scale /= float(layer_idx + 1)
     spec = AttentionSpec(h, config.num_attention_heads, scale=scale, upcast=config.reorder_and_upcast_attn,
                          dropout=config.attn_pdrop, names=("c_attn", "c_proj"))
-    return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
+    return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group,
+                         sequence_parallel=parallel.sequence_parallel,
                          device=device, dtype=dtype)
 
 
@@ -45,7 +46,8 @@ class GPT2Block(nn.Module):
 
     def __init__(self, config, layer_idx, parallel, device=None, dtype=None):
         super().__init__()
-        norm = dict(eps=config.layer_norm_epsilon, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
+        norm = dict(eps=config.layer_norm_epsilon, group=parallel.tp_group,
+                    sequence_parallel=parallel.sequence_parallel,
                     device=device, dtype=dtype)
         self.resid_pdrop, self.sharded_resid = config.resid_pdrop, parallel.sequence_parallel
         self.ln_1 = LayerNorm(config.hidden_size, **norm)

@@ -46,7 +46,8 @@ def opt_attention(config, layer_idx: int, parallel, device=None, dtype=None) -> 
     # OPT scales q after the projection (bias included) and attends with scale 1; same order, same rounding
     spec = AttentionSpec(h, config.num_attention_heads, qkv_bias=config.enable_bias, out_bias=config.enable_bias,
                          dropout=config.attention_dropout, scale_query=True)
-    return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel,
+    return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group,
+                         sequence_parallel=parallel.sequence_parallel,
                          device=device, dtype=dtype)
 
 

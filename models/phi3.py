@@ -30,7 +30,8 @@ class Phi3ForCausalLM(DecoderModel):
         return self.attention(layer_idx, qkv_bias=False, out_bias=False, **kw)
 
     def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False, group=parallel.tp_group,
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False,
+                        group=parallel.tp_group,
                         sequence_parallel=parallel.sequence_parallel, **kw)
 
     def embed(self, input_ids, batch):

@@ -185,7 +185,8 @@ def ring_bf16_close(cp_size):
     out = attention(*local, causal=True, cp=cp)
     out.backward(shard_sequence(dout.bfloat16(), parallel.group("cp"), dim=2))
     assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
-    got = [gather_sequence(out.detach(), parallel.group("cp"), dim=2)] + [gather_sequence(t.grad, parallel.group("cp"), dim=2)
+    got = [gather_sequence(out.detach(), parallel.group("cp"), dim=2)] + [gather_sequence(t.grad, parallel.group("cp"),
+                                                                                          dim=2)
                                                                     for t in local]
     # computed in fp32 and rounded once to bf16: within one bf16 ulp (2^-8 relative) of the exact result; blocks
     # computed in bf16 would be several ulps off

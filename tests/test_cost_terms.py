@@ -82,11 +82,16 @@ def test_collectives_per_link_and_algorithm():
     assert collective_seconds(GPU, "all_gather", 8e9, 8, 8, calls=2) == pytest.approx(7e9 / 300e9 + 2 * 7 * 1e-5)
     # across nodes (8 ranks one per node, 64 consecutive ranks): each GPU's own adapter, network latency
     assert collective_seconds(GPU, "all_gather", 8e9, 8, 64, calls=1) == pytest.approx(7e9 / 25e9 + 7 * 2e-5)
-    # an all-reduce over 512 ranks on 64 nodes takes NCCL's tree: 2 log2(64) + 2 (8 - 1) steps, not 2 x 511
-    assert latency_steps("all_reduce", 512, 8) == 2 * 6 + 2 * 7
-    assert latency_steps("all_reduce", 8, 8) == 14 and latency_steps("reduce_scatter", 512, 8) == 511
+    # an all-reduce over 512 ranks on 64 nodes takes NCCL's tree: 2 log2(64) steps between nodes and 2 (8 - 1)
+    # inside them, not 2 x 511
+    assert latency_steps("all_reduce", 512, 8) == (2 * 7, 2 * 6)
+    assert latency_steps("all_reduce", 8, 8) == (14, 0)
+    # a ring over 64 nodes of 8 leaves a node on 64 of its 512 hops: that share of its 511 steps waits on the network
+    assert latency_steps("reduce_scatter", 512, 8) == pytest.approx((511 * 7 / 8, 511 / 8))
     assert collective_seconds(GPU, "all_reduce", 1e9, 512, 512, calls=1) == pytest.approx(
-        2 * 511 / 512 * 1e9 / 25e9 + 26 * 2e-5)
+        2 * 511 / 512 * 1e9 / 25e9 + 14 * 1e-5 + 12 * 2e-5)
+    assert collective_seconds(GPU, "all_gather", 1e9, 512, 512, calls=1) == pytest.approx(
+        511 / 512 * 1e9 / 25e9 + 511 * 7 / 8 * 1e-5 + 511 / 8 * 2e-5)
     assert collective_seconds(GPU, "all_reduce", 1e9, 1, 1) == 0.0
 
 

@@ -64,7 +64,8 @@ def test_chat_loss_only_on_assistant_turns(tok, tmp_path):
 
 
 def test_prompt_completion_and_text_records(tok, tmp_path):
-    path = write_jsonl(tmp_path / "parallel.jsonl", [{"prompt": "What did the fox eat?", "completion": "The fox ate berries."},
+    path = write_jsonl(tmp_path / "prompt_completion.jsonl", [{"prompt": "What did the fox eat?",
+                                                      "completion": "The fox ate berries."},
                                                {"text": "The bear slept near the river."}])
     data = sft.sft_dataset(path, tok, seq_len=32, pack_samples=False)
     prompt, answer = tok("What did the fox eat?")["input_ids"], ids_of(tok, "The fox ate berries.") + [tok.eos_token_id]

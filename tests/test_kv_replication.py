@@ -185,7 +185,8 @@ def train_step_against_hf(tp, dp=1, config_kwargs=KV2):
     optimizer.step()
     hf_optimizer.step()
 
-    sources, coords, weights = family_module("llama").hf_sources(config), coords_of(parallel), StateDictReader(hf.state_dict())
+    sources, coords = family_module("llama").hf_sources(config), coords_of(parallel)
+    weights = StateDictReader(hf.state_dict())
     replicas_equal = []
     for name, p in model.named_parameters():
         expected = GlobalTensor(weights, sources[name], name).read()

@@ -182,7 +182,8 @@ def _embedding(tp, sequence_parallel, vocab, padding_idx):
     ref = nn.Embedding(vocab, 8, padding_idx=padding_idx)
     with torch.no_grad():
         ref.weight.normal_()  # a non-zero padding row: its value is used, only its gradient is blocked
-    layer = VocabParallelEmbedding(vocab, 8, padding_idx, group=parallel.tp_group, sequence_parallel=parallel.sequence_parallel)
+    layer = VocabParallelEmbedding(vocab, 8, padding_idx, group=parallel.tp_group,
+                                   sequence_parallel=parallel.sequence_parallel)
     spec = spec_of(layer.weight)
     with torch.no_grad():
         layer.weight.copy_(shard_tensor(ref.weight, spec, coords))

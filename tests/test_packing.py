@@ -67,7 +67,8 @@ def gradients_match(model, parallel, sources, hf_grads):
         expected = GlobalTensor(hf_grads, sources[name], name).read()
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         scale = max(1.0, expected.abs().max().item())
-        close(gather_tensor(grad, spec_of(p), expected.shape, parallel.groups, coords_of(parallel)), expected, ATOL * scale,
+        close(gather_tensor(grad, spec_of(p), expected.shape, parallel.groups, coords_of(parallel)), expected,
+              ATOL * scale,
               f"gradient of {name}")
 
 

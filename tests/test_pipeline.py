@@ -49,7 +49,8 @@ def test_models_are_balanced_by_default_and_take_layers_per_stage():
     config = GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=5000, n_positions=32)  # embedding ~ 6.5 layers
 
     def layers(pp, **partition):
-        return [build_model(config, parallel=ParallelContext.virtual(pp=pp, pp_rank=r), device="meta", **partition).layer_ids
+        return [build_model(config, parallel=ParallelContext.virtual(pp=pp, pp_rank=r), device="meta",
+                            **partition).layer_ids
                 for r in range(pp)]
 
     balanced = [run for (run,) in model_stage_layers(config, 3)]
@@ -61,7 +62,8 @@ def test_models_are_balanced_by_default_and_take_layers_per_stage():
     with pytest.raises(PartitionError, match="balance"):
         layers(2, balance="bytes")
     with pytest.raises(ValueError, match="either layer_ids or layers_per_stage"):
-        build_model(config, parallel=ParallelContext.virtual(pp=2), layer_ids=[0], layers_per_stage=[6, 6], device="meta")
+        build_model(config, parallel=ParallelContext.virtual(pp=2), layer_ids=[0], layers_per_stage=[6, 6],
+                    device="meta")
 
 
 def test_virtual_stages_are_looped_over_ranks():

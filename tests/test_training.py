@@ -30,7 +30,8 @@ TIMEOUT = 150
 
 
 def build(parallel_context, config, hf, virtual_stages=1, **parallel):
-    layer_ids = rank_layers(config.num_hidden_layers, parallel_context.config.pp, parallel_context.rank("pp"), virtual_stages)
+    layer_ids = rank_layers(config.num_hidden_layers, parallel_context.config.pp, parallel_context.rank("pp"),
+                            virtual_stages)
     model = build_model(config, parallel=parallel_context, layer_ids=layer_ids, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.train()
@@ -136,7 +137,8 @@ def tied_copies_through_build_and_step():
     count = lambda model: syncs.append(sync_tied_embedding(model))  # noqa: E731
     with mock.patch.object(run_module, "sync_tied_embedding", count), \
             mock.patch.object(parallelize_module, "sync_tied_embedding", count):
-        model = build_model(config, parallel=parallel, layer_ids=rank_layers(config.num_hidden_layers, 2, parallel.rank("pp")))
+        model = build_model(config, parallel=parallel, layer_ids=rank_layers(config.num_hidden_layers, 2,
+                                                                             parallel.rank("pp")))
         built = tied_copies_equal(model)
         parallelize(model)
     ids, mask, labels = batch(config.vocab_size, SEQ, batch_size=BATCH)

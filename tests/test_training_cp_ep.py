@@ -71,7 +71,8 @@ def compare(model, reference, sources, atol, what, grad=False):
         expected = GlobalTensor(reference, sources[name], name).read()
         local = p.grad if grad else p
         local = local.full_tensor() if hasattr(local, "full_tensor") else local
-        full = gather_tensor(local.detach(), spec_of(p), expected.shape, model.parallel.groups, coords_of(model.parallel))
+        full = gather_tensor(local.detach(), spec_of(p), expected.shape, model.parallel.groups,
+                             coords_of(model.parallel))
         diffs[name] = (full - expected).abs().max().item()
         if not torch.allclose(full, expected, rtol=RTOL[expected.dtype], atol=atol):
             bad[name] = diffs[name]

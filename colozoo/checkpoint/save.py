@@ -54,7 +54,8 @@ def _write_own_shard(model, layout: ModelLayout, tmp: Path):
 
     parallel = model.parallel
     ep, dp_cp_rank = parallel.size("ep"), parallel.rank("dp_cp")
-    coords = {"tp": (parallel.rank("tp"), parallel.size("tp")), "ep": (dp_cp_rank % ep, ep)}  # experts fold over dp x cp
+    # experts fold over dp x cp
+    coords = {"tp": (parallel.rank("tp"), parallel.size("tp")), "ep": (dp_cp_rank % ep, ep)}
     file = file_name(parallel.rank("pp"), coords["tp"][0], coords["ep"][0])
     params = []  # (parameter, the pieces this rank writes of it), in the order every data rank gathers them
     for name, param in model.named_parameters():

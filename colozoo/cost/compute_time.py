@@ -6,9 +6,10 @@ output in tiles (Hardware.gemm_tile) spread over the streaming multiprocessors i
 tile multiples (tile quantization) and a last wave left part empty (wave quantization) waste the rest (NVIDIA, Matrix
 Multiplication Background User's Guide, ch. 3); a product of a few rows runs on the vector units instead. Small per-GPU batches and narrow tensor-parallel slices make few
 tiles: those GEMMs run slower than big ones. No GEMM beats its own memory traffic either: bytes over the bandwidth
-a large copy reaches (the roofline). A fused attention kernel runs at Hardware.attention_efficiency of peak on the
-(query, key) pairs it computes: half of them under a causal mask (the kernels skip the masked blocks, FLOP counters
-count them all). Every other kernel is memory-bound. A kernel takes at least Hardware.kernel_floor_s, and the host
+a large copy reaches (the roofline). A fused attention kernel runs on the (query, key) pairs it computes: half of
+them under a causal mask (the kernels skip the masked blocks, FLOP counters count them all), at the rate its
+implementation was measured at on this GPU for its head dimension and sequence length (Hardware.attention_speed,
+colozoo.cost.attention_speed), else at Hardware.attention_efficiency of peak. Every other kernel is memory-bound. A kernel takes at least Hardware.kernel_floor_s, and the host
 must issue them: a unit takes at least its kernel count x Hardware.launch_s.
 
 Units keep their kernels as colozoo.cost.trace.kernel_key -> [count, FLOPs, bytes] (colozoo.cost.report.UnitCost).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from colozoo.cost.attention_speed import pass_tflops
 from colozoo.cost.hardware import Hardware
 
 
@@ -44,42 +46,50 @@ def gemm_seconds(flops: float, nbytes: float, shape, hw: Hardware) -> float:
     return max(min(tiles, skinny), hw.kernel_floor_s)
 
 
-def attention_seconds(flops: float, nbytes: float, causal: bool, hw: Hardware) -> float:
-    """One fused attention kernel (flash / memory-efficient), forward or backward."""
+def attention_seconds(flops: float, nbytes: float, causal: bool, hw: Hardware, phase: str = "fwd", shape=(),
+                      kernel: str = "flash2") -> float:
+    """One fused attention kernel, forward or backward (`phase`), of `shape` (batch x heads, query length, key
+    length, head dim), run by the implementation `kernel` ("flash2", "flash1")."""
     computed = flops / 2 if causal else flops
-    return max(computed / (hw.peak_flops * hw.attention_efficiency), nbytes / hw.memory_bandwidth,
-               hw.kernel_floor_s)
+    measured = pass_tflops(hw.attention_speed, kernel, shape[3], causal, shape[2], phase) if shape else None
+    rate = measured * 1e12 if measured else hw.peak_flops * hw.attention_efficiency
+    return max(computed / rate, nbytes / hw.memory_bandwidth, hw.kernel_floor_s)
 
 
 def memory_seconds(nbytes: float, hw: Hardware) -> float:
     return max(nbytes / hw.memory_bandwidth, hw.kernel_floor_s)
 
 
-def kernel_seconds(key: str, count: float, flops: float, nbytes: float, hw: Hardware) -> float:
-    """All `count` kernels of one kernel_key, whose FLOPs and bytes are totals."""
+def kernel_seconds(key: str, count: float, flops: float, nbytes: float, hw: Hardware,
+                   attention: str = "flash2") -> float:
+    """All `count` kernels of one kernel_key, whose FLOPs and bytes are totals; `attention` names the fused
+    attention kernels' implementation."""
     if count <= 0:
         return 0.0
-    _, kind, _, shape, causal = key.split("|")
+    phase, kind, _, shape, causal = key.split("|")
+    dims = tuple(int(d) for d in shape.split("x")) if shape else ()
     each_flops, each_bytes = flops / count, nbytes / count
     if kind == "gemm":
-        one = gemm_seconds(each_flops, each_bytes, tuple(int(d) for d in shape.split("x")), hw)
+        one = gemm_seconds(each_flops, each_bytes, dims, hw)
     elif kind == "attention":
-        one = attention_seconds(each_flops, each_bytes, causal == "causal", hw)
+        one = attention_seconds(each_flops, each_bytes, causal == "causal", hw, phase, dims, attention)
     else:
         one = memory_seconds(each_bytes, hw)
     return count * one
 
 
-def unit_seconds(kernels: dict, hw: Hardware, phase: str, core_only: bool = False, core_scale: float = 1.0) -> float:
+def unit_seconds(kernels: dict, hw: Hardware, phase: str, core_only: bool = False, core_scale: float = 1.0,
+                 attention: str = "flash2") -> float:
     """Seconds of one unit's `phase` ("fwd" or "bwd") kernels; `core_only`: just the attention core's (what
     selective recomputation repeats); `core_scale` multiplies the core (ring attention: a context-parallel rank's
-    queries meet the keys of every chunk, cp times its local core)."""
+    queries meet the keys of every chunk, cp times its local core); `attention`: the fused attention kernels'
+    implementation."""
     gpu, count = 0.0, 0.0
     for key, (n, flops, nbytes) in kernels.items():
         kernel_phase, _, core, _, _ = key.split("|")
         if kernel_phase != phase or (core_only and not core):
             continue
         scale = core_scale if core else 1.0
-        gpu += scale * kernel_seconds(key, n, flops, nbytes, hw)
+        gpu += scale * kernel_seconds(key, n, flops, nbytes, hw, attention)
         count += scale * n
     return max(gpu, count * hw.launch_s)

@@ -16,6 +16,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from colozoo.cost import attention_speed
 from colozoo.cost.hardware_sources import DEFAULT_SOURCES, ESTIMATE, NOT_SOURCED, PRESET_SOURCES, TILE
 
 GB, GiB = 10 ** 9, 2 ** 30
@@ -41,7 +42,10 @@ class Hardware:
     gemm_tile: tuple = (256, 128)  # the output tile of cuBLAS's large bf16 GEMMs
     vector_flops: float = 0.0    # non-tensor FP32 FLOP/s (GEMV kernels of skinny products; 0: none)
     matmul_efficiency: float = 0.7  # fraction of peak the best-shaped large bf16 GEMMs sustain (measured)
-    attention_efficiency: float = 0.5  # fraction of peak a fused attention kernel reaches on the pairs it computes
+    attention_efficiency: float = 0.5  # fraction of peak a fused attention kernel reaches on the pairs it computes,
+    #                                    where attention_speed has no measurement of its implementation
+    attention_speed: dict = field(default_factory=dict)  # measured fused attention TFLOP/s by implementation, head
+    #                                    dim, mask and sequence (colozoo.cost.attention_speed)
     hbm_efficiency: float = 0.85  # fraction of hbm_bw a large copy reaches (memory-bound kernels)
     kernel_floor_s: float = 3e-6  # the shortest a kernel takes (launch and tail)
     launch_s: float = 0.0        # host time to issue one kernel: a unit takes at least its kernels x this
@@ -110,6 +114,7 @@ A100_SOURCES = {
                          "'A100 frequency drop due to the power limit'): 0.869 x 1200 / 1410",
     "attention_efficiency": "liangan1/GPU_travel performance/flash-attn/README.md: FlashAttention-2 forward on A100, "
                             "177-187 TFLOP/s without a mask (57-60%), 37-60% causal; the backward is slower",
+    "attention_speed": attention_speed.A100_SOURCE,
     "hbm_efficiency": ESTIMATE,
     "intra_node_bw": "NVIDIA A100 datasheet: NVLink 600 GB/s (300 GB/s a direction)",
     "intra_node_efficiency": NCCL_A100,
@@ -125,6 +130,7 @@ H100_SOURCES = {
     "matmul_efficiency": MSMF + " (71.1% of 989; " + MAMF + ": the H100 SXM bursts as the H200)",
     "attention_efficiency": ESTIMATE + ", between FlashAttention-2's 35% and FlashAttention-3's 75% of an H100's "
                                        "peak (Shah et al. 2024, arXiv 2407.08608, abstract)",
+    "attention_speed": attention_speed.H100_SOURCE,
     "hbm_bw": "NVIDIA H100 datasheet: 3.35 TB/s (SXM)",
     "hbm_efficiency": ESTIMATE,
     "intra_node_bw": "NVIDIA H100 datasheet: NVLink 900 GB/s (450 GB/s a direction)",
@@ -138,16 +144,18 @@ NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, c
 PRESETS = {
     "A100-40GB": _nvidia("A100-40GB", 40 * GiB, 312e12, 19.5e12, 1555 * GB, 108, 0.739, 300 * GB, 25 * GB,
                          {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 1,555 GB/s (40GB SXM)"},
-                         attention_efficiency=0.5, **NVIDIA_DEFAULTS),
+                         attention_efficiency=0.5, attention_speed=attention_speed.A100, **NVIDIA_DEFAULTS),
     "A100-80GB": _nvidia("A100-80GB", 80 * GiB, 312e12, 19.5e12, 2039 * GB, 108, 0.739, 300 * GB, 25 * GB,
                          {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 2,039 GB/s (80GB SXM)"},
-                         attention_efficiency=0.5, **NVIDIA_DEFAULTS),
+                         attention_efficiency=0.5, attention_speed=attention_speed.A100, **NVIDIA_DEFAULTS),
     "H100-80GB": _nvidia("H100-80GB", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 450 * GB, 50 * GB, H100_SOURCES,
-                         pcie_bw=55 * GB, attention_efficiency=0.5, intra_node_efficiency=0.8,
+                         pcie_bw=55 * GB, attention_efficiency=0.5, attention_speed=attention_speed.H100,
+                         intra_node_efficiency=0.8,
                          inter_node_efficiency=0.96, comm_contention=20 / 132),
     "H200": _nvidia("H200", 141 * GB, 989e12, 67e12, 4800 * GB, 132, 0.711, 450 * GB, 50 * GB,
                     {**H100_SOURCES, "hbm_bw": "NVIDIA H200 datasheet: 4.8 TB/s"}, pcie_bw=55 * GB,
-                    attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
+                    attention_efficiency=0.5, attention_speed=attention_speed.H100, intra_node_efficiency=0.8,
+                    inter_node_efficiency=0.96,
                     comm_contention=20 / 132),
     "L40S": Hardware("L40S", 48 * GiB, 362e12, intra_node_bw=25 * GB, inter_node_bw=25 * GB, pcie_bw=25 * GB,
                      hbm_bw=864 * GB, cpu_memory=512 * GiB, sm_count=142,

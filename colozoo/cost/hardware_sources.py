@@ -22,6 +22,7 @@ DEFAULT_SOURCES = {
     "vector_flops": "0: skinny products are priced on the tensor cores (no vector rate given)",
     "matmul_efficiency": ESTIMATE,
     "attention_efficiency": ESTIMATE,
+    "attention_speed": "none: fused attention runs at attention_efficiency of the matmul rate (no measured speeds)",
     "hbm_efficiency": ESTIMATE,
     "kernel_floor_s": ESTIMATE + " (a few microseconds: a CUDA kernel's launch and tail)",
     "launch_s": "0 on a GPU: the host issues kernels ahead of the stream (the CPU bench, bench/planner.py, fits it)",

@@ -69,7 +69,8 @@ def _build_parallel_model(config, degrees: ParallelConfig, dtype):
     from colozoo.models import build_shard
     from colozoo.runtime.run import Run
 
-    trace_config = ParallelConfig(tp=degrees.tp, dp=degrees.ep, ep=degrees.ep, sequence_parallel=degrees.sequence_parallel)
+    trace_config = ParallelConfig(tp=degrees.tp, dp=degrees.ep, ep=degrees.ep,
+                                  sequence_parallel=degrees.sequence_parallel)
     context = ParallelContext(trace_config, device=torch.device("cpu"))
     model = build_shard(config, parallel=context, device="meta", dtype=dtype)
     Run(model)

@@ -4,8 +4,10 @@ a latency for every step of its algorithm.
 Bus bytes are what each rank puts on the wire per payload byte (ring algorithms: 2(n-1)/n for an all-reduce,
 (n-1)/n for an all-gather or a reduce-scatter). A group within one node rides NVLink; a group that leaves the node is
 limited by each GPU's own network adapter (rail-optimised fabrics give every GPU one): Hardware.bandwidth. Latency:
-a ring takes n-1 steps (all-reduce 2(n-1)); across nodes NCCL all-reduces over a tree when that is shorter, 2
-log2(nodes) steps between nodes plus the ring inside each node.
+a ring takes n-1 steps (all-reduce 2(n-1)), each at the latency of its hop: a ring over several nodes leaves a node
+on one hop in n/nodes, and only those steps wait on the network (NCCL's own tuning model prices ring steps inside a
+node and between nodes apart); across nodes NCCL all-reduces over a tree when that is shorter, 2 log2(nodes) steps
+between nodes plus the ring inside each node.
 """
 from __future__ import annotations
 
@@ -31,14 +33,21 @@ RING_STEPS = {  # latency-bound steps of each collective, ring algorithms
 }
 
 
-def latency_steps(collective: str, n: int, per_node: int) -> int:
-    """Steps of one call over a group of n ranks, `per_node` of them in each node: the ring's, or for an all-reduce
-    across nodes NCCL's tree when shorter."""
+def latency_steps(collective: str, n: int, per_node: int) -> tuple[float, float]:
+    """(steps inside nodes, steps between nodes) of one call over a group of n ranks, `per_node` of them in each
+    node: a ring crosses between nodes on `nodes` of its n hops, so that share of its steps waits on the network;
+    an all-reduce across nodes runs NCCL's tree when shorter, 2 log2(nodes) steps between nodes plus the ring inside
+    each node."""
     steps = RING_STEPS.get(collective, lambda n: 1)(n)
-    if collective == "all_reduce" and n > per_node:
-        nodes = math.ceil(n / per_node)
-        steps = min(steps, 2 * math.ceil(math.log2(nodes)) + 2 * (per_node - 1))
-    return steps
+    nodes = math.ceil(n / max(1, per_node))
+    if nodes <= 1:
+        return float(steps), 0.0
+    if collective == "all_reduce":
+        tree = 2 * math.ceil(math.log2(nodes))
+        if tree + 2 * (per_node - 1) < steps:
+            return float(2 * (per_node - 1)), float(tree)
+    between = steps * nodes / n
+    return steps - between, between
 
 
 def collective_seconds(hw: Hardware, collective: str, nbytes: float, n: int, span: int, calls: float = 0) -> float:
@@ -50,5 +59,7 @@ def collective_seconds(hw: Hardware, collective: str, nbytes: float, n: int, spa
     inside = span <= hw.gpus_per_node
     seconds = nbytes * BUS_FACTOR.get(collective, lambda n: 1.0)(n) / hw.bandwidth(collective, span)
     per_node = min(n, max(1, hw.gpus_per_node * n // max(span, 1)))
-    latency = hw.collective_latency_s if inside else hw.inter_node_latency_s
-    return seconds + calls * latency_steps(collective, n, per_node) * latency
+    if inside:
+        per_node = n
+    within, between = latency_steps(collective, n, per_node)
+    return seconds + calls * (within * hw.collective_latency_s + between * hw.inter_node_latency_s)

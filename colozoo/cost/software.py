@@ -27,6 +27,9 @@ class Software:
     pipeline_scatter_gather: bool = False
     # share of tensor-parallel collectives hidden behind the GEMMs (Megatron-Core's --tp-comm-overlap)
     tp_comm_overlap: float = 0.0
+    # the fused attention kernels' implementation (colozoo.cost.attention_speed): PyTorch's SDPA runs
+    # FlashAttention-2 on A100 and H100; one without a measurement there runs at Hardware.attention_efficiency
+    attention_kernel: str = "flash2"
     # expert-parallel ranks laid out across the tensor-parallel ones (Megatron-Core's MoE parallel folding with an
     # expert tensor-parallel size of 1): an ep group spans ep consecutive ranks, not tp x ep (colozoo.cost.experts)
     expert_tp_folded: bool = False

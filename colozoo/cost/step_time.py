@@ -148,18 +148,20 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
                 itemsize: int) -> tuple:
     """(forward, backward with recomputation, tp, ep, exposed ring attention, ZeRO-3 terms or None) of one unit,
     seconds per micro-batch."""
-    kernels, cp, o = u["kernels"], plan.cp, hw.comm_overlap
+    kernels, cp, o, kernel = u["kernels"], plan.cp, hw.comm_overlap, software.attention_kernel
     scale = cp * causal_balance(cp)  # ring attention: a rank's queries meet every chunk's keys, balanced zigzag
-    fwd = unit_seconds(kernels, hw, "fwd", core_scale=scale) + hw.layer_overhead_s * is_layer
-    bwd = unit_seconds(kernels, hw, "bwd", core_scale=scale)
+    fwd = unit_seconds(kernels, hw, "fwd", core_scale=scale, attention=kernel) + hw.layer_overhead_s * is_layer
+    bwd = unit_seconds(kernels, hw, "bwd", core_scale=scale, attention=kernel)
     bwd += fwd if policy == "full" else (
-        unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=scale) if policy == "selective" else 0.0)
+        unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=scale, attention=kernel) if policy == "selective"
+        else 0.0)
     repeat = 1.5 if policy == "full" else 1.0  # a recomputed layer repeats its forward collectives
     tp = (1 - software.tp_comm_overlap) * _group_seconds(u["comm"], u["comm_calls"], "tp", plan, hw, repeat)
     ep = expert_exchange_seconds(u["comm"], u["comm_calls"], plan, hw, software.expert_tp_folded, repeat)
     ring = 0.0
     if cp > 1 and is_layer:  # keys and values pass the ring behind the attention core's blocks
-        core = [unit_seconds(kernels, hw, phase, core_only=True, core_scale=scale) for phase in ("fwd", "bwd")]
+        core = [unit_seconds(kernels, hw, phase, core_only=True, core_scale=scale, attention=kernel)
+                for phase in ("fwd", "bwd")]
         kv = u.get("kv_bytes") or 2 * u["input_bytes"]  # without a config: as wide as the hidden state
         ring = sum(n * (overlapped(c, m, o, hw.comm_contention) - c)
                    for c, m, n in ring_steps(*core, kv, cp, hw, _spans(plan)["cp"], policy == "full"))

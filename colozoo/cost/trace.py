@@ -194,10 +194,10 @@ def kernel_of(func, args, kwargs, out, flops: int) -> Kernel | None:
         batch = out.numel() // (m * n)
         return Kernel("gemm", read + written, (batch, m, n, max(1, flops // (2 * batch * m * n))))
     if "attention" in name and flops:
-        names = [a.name for a in func._schema.arguments]
-        i = names.index("is_causal") if "is_causal" in names else None
-        causal = bool(kwargs.get("is_causal", args[i] if i is not None and i < len(args) else False))
-        return Kernel("attention", read + written, causal=causal)
+        given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+        q, k = given.get("query"), given.get("key")  # shape: (batch x heads, q length, k length, head dim)
+        shape = (q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3]) if getattr(q, "ndim", 0) == 4 else ()
+        return Kernel("attention", read + written, shape, causal=bool(given.get("is_causal", False)))
     return Kernel("memory", read + written)
 
 

@@ -38,8 +38,8 @@ def score_spans(model, input_ids: torch.Tensor, spans: list[Span]) -> list[tuple
     keep, rows, columns, targets, owner = _kept_positions(input_ids.shape[0], spans)
     input_ids = _padded_for_sequence_parallel(input_ids.to(parallel.device), parallel)
     extra = {"output_router_logits": False} if model.router_stats_width() else {}
-    out = through_stages(model, input_ids, token_ids=input_ids, logits=LogitsRequest("vocab_slice", keep.to(parallel.device)),
-                         **extra)
+    request = LogitsRequest("vocab_slice", keep.to(parallel.device))
+    out = through_stages(model, input_ids, token_ids=input_ids, logits=request, **extra)
     sums = None
     if out is not None:  # the last stage's ranks
         picked = out.logits[torch.tensor(rows, device=parallel.device), torch.tensor(columns, device=parallel.device)]

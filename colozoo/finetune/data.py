@@ -202,9 +202,10 @@ PAD_MULTIPLE = 8  # unpacked batches are cut to a multiple of this: few shapes t
 
 
 def padding_multiple(parallel) -> int:
-    """What an unpacked batch's width must be a multiple of on the mesh `parallel`: PAD_MULTIPLE and what the mesh needs to
-    split a sequence (context_parallel.sequence_multiple)."""
-    return math.lcm(PAD_MULTIPLE, sequence_multiple(parallel.size("cp"), parallel.tp_size if parallel.sequence_parallel else 1))
+    """What an unpacked batch's width must be a multiple of on the mesh `parallel`: PAD_MULTIPLE and what the mesh
+    needs to split a sequence (context_parallel.sequence_multiple)."""
+    return math.lcm(PAD_MULTIPLE, sequence_multiple(parallel.size("cp"),
+                                                    parallel.tp_size if parallel.sequence_parallel else 1))
 
 
 def trim_padding(batch: dict[str, torch.Tensor], multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:

@@ -95,7 +95,8 @@ def evaluate(model, data, cfg: FinetuneConfig, micro_batch_size: int | None = No
     rows = held_out_rows(data, cfg)
     batches = [range(start, min(start + micro, rows)) for start in range(0, rows, micro)]
     lm = cfg.task == "lm"
-    totals = torch.zeros(3, dtype=torch.float64, device=parallel.device)  # weighted loss sum, weight, correct predictions
+    # weighted loss sum, weight, correct predictions
+    totals = torch.zeros(3, dtype=torch.float64, device=parallel.device)
     was_training = model.training
     model.eval()
     for turn in range(math.ceil(len(batches) / dp)):

@@ -117,7 +117,8 @@ def _step(model, input_ids, labels, objective, rows, num_microbatches, grad_scal
     parallel = model.parallel
     rows = {k: v.to(parallel.device) for k, v in (rows or {}).items()}
     check_batch(model, input_ids, labels, num_microbatches, rows)
-    step = ObjectiveStep(objective, rows, parallel.size("dp_cp"), grad_scale, parallel.group("dp_cp"), parallel.size("dp"),
+    step = ObjectiveStep(objective, rows, parallel.size("dp_cp"), grad_scale, parallel.group("dp_cp"),
+                         parallel.size("dp"),
                          temperature, entropy)
     return step, torch.arange(input_ids.shape[0], device=parallel.device)
 

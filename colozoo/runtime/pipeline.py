@@ -80,7 +80,8 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
                             f"virtual stages per rank; use one of {sorted(MULTI_STAGE_SCHEDULES)}")
     if schedule != "gpipe" and num_microbatches < model.parallel.config.pp:
         raise PipelineError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline ranks "
-                            f"({model.parallel.config.pp}), got {num_microbatches}; raise num_microbatches or use 'gpipe'")
+                            f"({model.parallel.config.pp}), got {num_microbatches}; raise num_microbatches or use "
+                            f"'gpipe'")
     carry = model.carries_router_stats(inputs.get("output_router_logits"))
     runner = _runner(model, stages, schedule, num_microbatches, input_ids, carry)
     losses: list[torch.Tensor] = []

@@ -37,7 +37,8 @@ class Run:
         self.setup = None                # a TrainingSetup once colozoo.runtime.parallelize.parallelize ran
         self._save = save
         self.stages = build_stages(model)  # collective over pp; parallelize wraps them, once
-        if model.parallel.config.pp > 1 and model.parallel.mesh is not None and not any(p.is_meta for p in model.parameters()):
+        on_device = not any(p.is_meta for p in model.parameters())
+        if model.parallel.config.pp > 1 and model.parallel.mesh is not None and on_device:
             sync_tied_embedding(model)  # built on a device: both copies of a tied embedding start alike
         model.run = self
 
@@ -70,8 +71,8 @@ class Run:
         pipelined = self.parallel.config.pp > 1
         if pipelined:
             if labels is not None and torch.is_grad_enabled():
-                raise RuntimeError(f"a forward with labels under gradients at pp={self.parallel.config.pp} would return a "
-                                   f"loss whose backward cannot cross the pipeline stages: train with "
+                raise RuntimeError(f"a forward with labels under gradients at pp={self.parallel.config.pp} would "
+                                   f"return a loss whose backward cannot cross the pipeline stages: train with "
                                    f"model.forward_backward(input_ids, labels, num_microbatches=...), or run the "
                                    f"forward under torch.no_grad() to evaluate")
         with torch.no_grad() if pipelined else contextlib.nullcontext():

@@ -155,5 +155,6 @@ def global_loss(model, local_sum) -> torch.Tensor:
     if parallel.size("dp") > 1:
         dist.all_reduce(loss, group=parallel.group("dp"))
     if parallel.config.pp > 1:
-        dist.broadcast(loss, src=dist.get_global_rank(parallel.group("pp"), parallel.config.pp - 1), group=parallel.group("pp"))
+        dist.broadcast(loss, src=dist.get_global_rank(parallel.group("pp"), parallel.config.pp - 1),
+                       group=parallel.group("pp"))
     return loss

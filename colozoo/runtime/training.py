@@ -54,7 +54,8 @@ def apply_plan(model, plan: Plan | None = None, mixed_precision: str | None = No
         raise TrainingError(f"ZeRO-{plan.zero} is priced by the profiler but not run; a plan to run has zero in {ZERO} "
                             f"(0: DDP, 3: FSDP2)")
     parallel = model.parallel
-    wrong = {k: (getattr(plan, k), parallel.size(k)) for k in ("tp", "pp", "dp", "cp", "ep") if getattr(plan, k) != parallel.size(k)}
+    wrong = {k: (getattr(plan, k), parallel.size(k)) for k in ("tp", "pp", "dp", "cp", "ep")
+             if getattr(plan, k) != parallel.size(k)}
     if wrong:
         raise TrainingError(f"the plan's degrees differ from the model's mesh (plan, mesh): {wrong}; build the "
                             f"model on the plan's mesh (from_pretrained(..., plan='auto') does)")

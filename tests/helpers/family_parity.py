@@ -124,7 +124,8 @@ def check_gradients(model, sources, hf_grads, whole_batch: bool = True) -> float
             assert p.grad is None, f"frozen {name} got a gradient"
             continue
         spec, grad = spec_of(p), p.grad.clone()
-        by_expert = parallel.size("ep") > 1 and any(s.mesh_dim == "ep" for s in spec)  # summed over ep by the all-to-all
+        # summed over ep by the all-to-all
+        by_expert = parallel.size("ep") > 1 and any(s.mesh_dim == "ep" for s in spec)
         if whole_batch and not by_expert and parallel.group("dp_cp") is not None:
             dist.all_reduce(grad, group=parallel.group("dp_cp"))
         expected = GlobalTensor(hf_grads, sources[name], name).read()

@@ -39,10 +39,11 @@ from mutations_generate import GENERATE
 from mutations_kernels import KERNELS
 from mutations_models import MODELS
 from mutations_parallel import PARALLEL
+from mutations_planner import PLANNER
 from mutations_preference import PREFERENCE
 
 ENV = "COLOZOO_MUTATION"
-MUTATIONS = {**PARALLEL, **MODELS, **GENERATE, **FINETUNE, **KERNELS, **FAULTS, **PREFERENCE}
+MUTATIONS = {**PARALLEL, **MODELS, **GENERATE, **FINETUNE, **KERNELS, **FAULTS, **PREFERENCE, **PLANNER}
 HELPERS = Path(__file__).resolve().parent
 ROOT = HELPERS.parents[1]
 AUDIT = HELPERS / "mutations_audit.json"  # the last whole audit: fingerprints and seconds per test

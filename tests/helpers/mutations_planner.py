@@ -1,0 +1,69 @@
+"""Switch-offs of the planner's named terms and hardware sources, the plan's one mesh, and the mends of the review
+(tests/helpers/mutations.py runs them)."""
+from __future__ import annotations
+
+from mutation_tools import Mutation, Rewrite
+
+RUNS = "tests/test_published_runs.py::test_every_run_is_predicted_within_tolerance"
+PARALLEL_TERMS = "tests/test_cost_parallel_terms.py::"
+SOURCES = "tests/test_hardware_sources.py::"
+
+PLANNER = {
+    "ring_sends_hidden_states": Mutation(
+        "context-parallel ring attention passes hidden-state-wide blocks instead of the family's keys and values",
+        Rewrite("colozoo.cost.context_parallel:kv_bytes_per_token",
+                ("return width * local / kv * itemsize", "return None")),
+        (RUNS,)),
+    "expert_group_spans_tp": Mutation(
+        "Megatron-Core's folded expert layout is priced as colozoo's tp x ep span",
+        Rewrite("colozoo.cost.experts:expert_span", ("return ep if folded else tp * ep", "return tp * ep")),
+        (RUNS,)),
+    "reduce_behind_last_backward_only": Mutation(
+        "under the interleaved schedule the gradient reduction hides behind one micro-batch's backward only",
+        Rewrite("colozoo.cost.step_time:reduce_window",
+                ("return backward * (1 + min(plan.pp, plan.num_microbatches) * (v - 1) / v)", "return backward")),
+        (PARALLEL_TERMS + "test_reduce_window_of_the_interleaved_cool_down",)),
+    "expert_gemms_not_grouped": Mutation(
+        "grouped expert GEMMs are traced as one product, not one per expert",
+        Rewrite("colozoo.cost.experts:grouped_gemm_shape",
+                ('if op != "_grouped_mm" or not flops', 'if True or op != "_grouped_mm" or not flops')),
+        (PARALLEL_TERMS + "test_traced_expert_gemms_are_grouped_per_expert",)),
+    "attention_backward_as_fast_as_forward": Mutation(
+        "fused attention's backward is priced at its forward's speed",
+        Rewrite("colozoo.cost.attention_speed:pass_tflops",
+                ('return bwd * FWD_OVER_BWD if phase == "fwd" else bwd', "return both")),
+        ("tests/test_attention_speed.py::test_backward_slower_than_forward_and_the_sum_as_measured",)),
+    "every_ring_step_on_the_network": Mutation(
+        "a ring leaving the node pays the network's latency on every step, NVLink hops included",
+        Rewrite("colozoo.cost.network:latency_steps", ("between = steps * nodes / n", "between = steps")),
+        ("tests/test_cost_terms.py::test_collectives_per_link_and_algorithm",)),
+    "tile_fit_takes_the_first": Mutation(
+        "the measured GEMM grid does not choose the tile: the first candidate always",
+        Rewrite("colozoo.cost.measure:fit_tile", ("best = min(TILES, key=error)", "best = TILES[0]")),
+        (SOURCES + "test_the_tile_fit_recovers_the_tile_a_grid_was_made_with",)),
+    "datasheet_preset_unknown": Mutation(
+        "a GPU's name finds no datasheet preset (its measured fields then replace the datasheet's peaks)",
+        Rewrite("colozoo.cost.measure:datasheet_preset",
+                ('if any(part in upper for part in ("PCIE", "NVL")):', "if True:")),
+        (SOURCES + "test_datasheet_presets_by_device_name",)),
+    "plan_json_nested": Mutation(
+        "a plan's JSON nests its degrees instead of the flat form config.json and plan --json hold",
+        Rewrite("colozoo.runtime.plan:Plan.to_dict", ('return {**settings.pop("degrees"), **settings}',
+                                                      "return settings")),
+        ("tests/test_cost_terms.py::test_plan_holds_its_mesh_as_a_parallel_config",)),
+    "sequence_multiple_ignores_tp": Mutation(
+        "the sequence multiple under cp x sequence parallelism forgets that each cp share splits over tp",
+        Rewrite("colozoo.core.sequence:sequence_multiple",
+                ("return math.lcm(2 * cp if cp > 1 else 1, cp * sequence_parallel_tp)",
+                 "return 2 * cp if cp > 1 else 1")),
+        ("tests/test_finetune_honest.py::test_padding_multiple_is_what_the_layers_split",)),
+    "grpo_draws_an_sft_batch": Mutation(
+        "each GRPO step also draws an SFT batch it never trains on",
+        Rewrite("colozoo.finetune.loop:next_batch", ("if trainer.rl is not None:", "if False:")),
+        ("tests/test_finetune_grpo.py::test_stopped_run_resumes_exactly_between_two_uses_of_its_rollouts",)),
+    "scoring_at_the_union_of_positions": Mutation(
+        "evaluation projects every row's logits at the longest row's count of positions plus one",
+        Rewrite("colozoo.evaluation.scoring:_kept_positions",
+                ("width = max(map(len, needed))", "width = max(map(len, needed)) + 1")),
+        ("tests/test_eval_scoring.py::test_each_row_projects_only_its_own_positions_and_scores_as_a_whole_forward",)),
+}
