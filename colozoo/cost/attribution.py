@@ -93,6 +93,9 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
         u.ops[saved.op]["saved_bytes"] += saved.nbytes
         if len(saved.shape) >= 2 and saved.shape[-1] == saved.shape[-2] == local_seq:
             u.attention_core_bytes += saved.nbytes
+        if layer_prefix and saved.module.startswith(layer_prefix):  # "mlp.experts|mul|2880": module, op, width
+            key = f"{saved.module[len(layer_prefix):].partition('.')[2]}|{saved.op}|{saved.shape[-1:]}"
+            u.module_saved[key] = u.module_saved.get(key, 0) + saved.nbytes
     for c in trace.collectives:
         u = unit(step_unit[c.step])
         if u is None:
@@ -104,6 +107,9 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
         for name, u in units.items():
             if name.startswith("layer:"):
                 u.input_bytes = trace.module_inputs.get(layer_prefix + name.split(":", 1)[1], 0)
+                inside = layer_prefix + name.split(":", 1)[1] + "."
+                u.norm_inputs = {m[len(inside):]: n for m, n in trace.module_inputs.items()
+                                 if m.startswith(inside) and m.endswith("norm")}
     return units
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -50,12 +50,14 @@ class _ModelStates:
     lora_params: int = 0         # trainable adapter (and saved-module) parameters under LoRA
 
 
-def assemble(traced: ModelTrace, plan: Plan, workload: Workload) -> ProfileReport:
-    """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch."""
+def assemble(traced: ModelTrace, plan: Plan, workload: Workload, software=None) -> ProfileReport:
+    """Per-rank memory, FLOPs and communication of a training step run by `plan`, from a traced micro-batch;
+    `software` (colozoo.cost.software.Software): what its framework saves differently from colozoo's layers."""
     check_priced(plan)
     workload.check()
     if traced.batch_size != plan.micro_batch_size:
         traced = traced.scaled(plan.micro_batch_size)
+    traced = _as_saved_by(traced, plan, software)
     n_layers = len(traced.layers)
     if plan.pp > n_layers:
         raise ProfilerError(f"pp={plan.pp} exceeds the {n_layers} layers of the model")
@@ -73,6 +75,30 @@ def assemble(traced: ModelTrace, plan: Plan, workload: Workload) -> ProfileRepor
         stages=[asdict(s) for s in stage_costs], comm=busiest.comm, comm_calls=busiest.comm_calls,
         peak_memory=max(s.peak for s in stage_costs),
         step_flops=(busiest.fwd_flops + busiest.bwd_flops) * plan.num_microbatches, profile_seconds=0.0)
+
+
+def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
+    """The trace with each layer's saved bytes as `software` keeps them (colozoo.cost.saved_layout)."""
+    from colozoo.cost import saved_layout as layout
+
+    sp = plan.sequence_parallel and plan.tp > 1
+    modules = tuple(getattr(software, "recompute_modules", ()))
+    hidden = getattr(traced.config, "hidden_size", 0) if sp and getattr(software, "expert_tp_folded", False) else 0
+    fused = bool(getattr(software, "fused_norm", False))
+    shard = sp and getattr(software, "sequence_parallel_saves_shard", False)
+    if not (modules or hidden or fused or shard):
+        return traced
+
+    def dropped(u):
+        return (layout.dropped_bytes(u.module_saved, modules, hidden, plan.tp)
+                + (layout.fused_norm_bytes(u.module_saved, u.norm_inputs) if fused else 0)
+                + (layout.sequence_shard_bytes(u.module_saved, plan.tp) if shard else 0))
+
+    def build():
+        units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u))) for k, u in traced.units.items()}
+        return replace(traced, units=units, memo={})
+
+    return traced.memoized(("saved by", modules, hidden, fused, shard, plan.tp), build)
 
 
 def _unit_dicts(traced: ModelTrace, tp: int, itemsize: int) -> list[dict]:

@@ -209,6 +209,8 @@ class ModelTrace:
                          "transient_bytes", "fwd_transient_bytes", "bwd_transient_bytes"):
                 setattr(v, attr, int(round(getattr(u, attr) * f)))
             v.comm = {k: n * f for k, n in u.comm.items()}
+            v.module_saved = {k: int(round(n * f)) for k, n in u.module_saved.items()}
+            v.norm_inputs = {k: int(round(n * f)) for k, n in u.norm_inputs.items()}
             v.ops = {op: {k: (n if k == "calls" else int(round(n * f))) for k, n in st.items()}
                      for op, st in u.ops.items()}
             v.kernels = {key: [count * f, flops * f, nbytes * f] for key, (count, flops, nbytes) in u.kernels.items()}

@@ -257,7 +257,7 @@ def _best_recompute(traced, layout: Plan, workload: Workload, hw: Hardware, sear
     """The fastest checkpointing choice that fits this layout, with CPU offload only when nothing else does."""
     def evaluate(checkpointing, k=None, offload="none"):
         candidate = replace(layout, checkpointing=checkpointing, checkpoint_layers=k, offload=offload)
-        return assemble(traced, candidate, workload), candidate
+        return assemble(traced, candidate, workload, software), candidate
 
     candidates = []
     for checkpointing in ("none", "selective"):

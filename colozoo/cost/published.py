@@ -149,7 +149,8 @@ def _run(row: dict, software: dict, networks: dict) -> PublishedRun:
         raise PublishedRunError(f"{rid}: tp*pp*dp*cp = {plan.world_size} != gpus = {gpus}")
     sw = row.get("software", {})
     base = software.get(sw.get("base", "colozoo"), {})
-    runs_software = Software(**{**base, **{k: v for k, v in sw.items() if k != "base"}})
+    fields = {**base, **{k: v for k, v in sw.items() if k != "base"}}
+    runs_software = Software(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     workload = Workload(seq_len=row["model"]["seq"], dtype=row.get("dtype", "bfloat16"),
                         target=row.get("attention", "cuda"))
     return PublishedRun(rid, row["source"], row["model"], hw, plan, workload, runs_software, layout["global_batch"],

@@ -22,6 +22,8 @@ class UnitCost:
     saved_bytes: int = 0
     attention_core_bytes: int = 0        # saved tensors of (..., s, s) shape: what selective recompute drops
     input_bytes: int = 0                 # what full recompute keeps
+    module_saved: dict = field(default_factory=dict)  # "module path|op|(width,)" inside a layer -> saved bytes
+    norm_inputs: dict = field(default_factory=dict)   # a layer's norm modules -> bytes of their input
     transient_bytes: int = 0             # temporaries alive at the worst op (forward or backward)
     fwd_transient_bytes: int = 0
     bwd_transient_bytes: int = 0

@@ -33,6 +33,15 @@ class Software:
     # expert-parallel ranks laid out across the tensor-parallel ones (Megatron-Core's MoE parallel folding with an
     # expert tensor-parallel size of 1): an ep group spans ep consecutive ranks, not tp x ep (colozoo.cost.experts)
     expert_tp_folded: bool = False
+    # modules recomputed inside each layer when the plan checkpoints none (Megatron-Core's --recompute-modules, e.g.
+    # ("layernorm", "moe_act")): priced only, their saved activations dropped (colozoo.cost.saved_layout)
+    recompute_modules: tuple = ()
+    # norm kernels keep only their input and a statistic per row (Apex / Transformer Engine fused RMSNorm and
+    # LayerNorm), where colozoo's norm keeps an fp32 copy of its input and its normalized output
+    fused_norm: bool = False
+    # with sequence parallelism a column-parallel linear keeps its input as the sequence shard and all-gathers it
+    # again in backward (Korthikanti et al. 2022, section 4.2.2), where colozoo's keeps the gathered input
+    sequence_parallel_saves_shard: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -82,7 +82,7 @@ class TraceCache:
 
 
 def validate_run(run: PublishedRun, cache: TraceCache) -> Validation:
-    report = assemble(cache.get(run), run.plan, run.workload)
+    report = assemble(cache.get(run), run.plan, run.workload, run.software)
     seconds, breakdown, _ = estimate(report, run.plan, run.workload, run.hardware, software=run.software)
     return Validation(run, seconds, run.measured_seconds(), report.peak_memory, breakdown)
 
@@ -111,7 +111,8 @@ def planner_choice(run: PublishedRun, search=None):
 
     search = search or SearchSpace(micro_batch_sizes=tuple(sorted({1, 2, run.plan.micro_batch_size})),
                                    schedules=("1f1b", "interleaved_1f1b"), zero_levels=(0, 1, 3),
-                                   virtual_stages=(1, 2, 4), allow_offload=False)
+                                   virtual_stages=tuple(sorted({1, 2, 4, run.plan.virtual_stages})),
+                                   allow_offload=False)
     workload = replace(run.workload)
     return plan(run.config(), run.hardware, workload, search, global_batch=run.global_batch,
                 software=run.software).best

@@ -1,0 +1,73 @@
+"""Saved activations a framework keeps differently from colozoo's own layers, term by term, from the trace's saved
+bytes by module, op and width (UnitCost.module_saved, keys "module path|op|(width,)"):
+
+- module recompute (Megatron-Core's --recompute-modules, Software.recompute_modules): "layernorm" drops what the
+  norms save, "moe_act" what the experts save besides their GEMM inputs (the gated activation's inputs). Priced
+  only: colozoo's runtime checkpoints whole layers (colozoo.runtime.options.CHECKPOINTING); the recomputed norm and
+  activation are memory-bound elementwise passes, a few % of a layer's forward, not added to its FLOPs;
+- folded experts (Software.expert_tp_folded, with sequence parallelism): Megatron-Core routes each rank's own
+  sequence shard to whole experts (expert tp 1), where colozoo's MoE routes the tensor-parallel group's gathered
+  tokens to experts split over tp; the ffn-wide expert activations are the same bytes either way (tp x the rows,
+  1/tp the width), the hidden-wide ones (router input, dispatched rows, the weighted combine) are 1/tp of
+  colozoo's;
+- fused norms (Software.fused_norm): a norm keeps its input (and a statistic per row), not an fp32 copy and its
+  normalized output;
+- the sequence shard kept for backward (Software.sequence_parallel_saves_shard): a column-parallel linear under
+  sequence parallelism keeps 1/tp of the gathered input colozoo's keeps.
+"""
+from __future__ import annotations
+
+GEMMS = ("mm", "addmm", "bmm", "grouped_mm", "_grouped_mm", "matmul", "linear")
+MODULES = ("layernorm", "moe_act")  # the --recompute-modules priced
+
+
+def _parts(key: str) -> tuple[str, str, str]:
+    module, op, width = key.split("|")
+    return module, op, width
+
+
+def recomputed(module_saved: dict, modules) -> dict:
+    """The saved tensors (module_saved entries) that recomputing `modules` (of MODULES) drops from one layer."""
+    unknown = set(modules) - set(MODULES)
+    if unknown:
+        raise ValueError(f"recompute_modules {sorted(unknown)} not priced; the cost model prices {MODULES}")
+    out = {}
+    for key, nbytes in module_saved.items():
+        module, op, _ = _parts(key)
+        if ("layernorm" in modules and module.rsplit(".", 1)[-1].endswith("norm")) or \
+                ("moe_act" in modules and module.endswith("experts") and op not in GEMMS):
+            out[key] = nbytes
+    return out
+
+
+def dropped_bytes(module_saved: dict, modules=(), folded_hidden: int = 0, tp: int = 1) -> float:
+    """Saved bytes per micro-batch of one layer that the framework does not keep: recomputed modules, then the
+    folded expert layout's share of what is left (folded_hidden: the model's hidden size; 0: not folded)."""
+    gone = recomputed(module_saved, modules)
+    kept = {k: n for k, n in module_saved.items() if k not in gone}
+    return sum(gone.values()) + folded_expert_bytes(kept, folded_hidden, tp)
+
+
+def fused_norm_bytes(module_saved: dict, norm_inputs: dict) -> float:
+    """Saved bytes a fused norm kernel does not keep: each norm's saved tensors beyond its input."""
+    saved = {}
+    for key, nbytes in module_saved.items():
+        module = _parts(key)[0]
+        if module in norm_inputs:
+            saved[module] = saved.get(module, 0) + nbytes
+    return sum(max(0.0, n - norm_inputs[m]) for m, n in saved.items())
+
+
+def sequence_shard_bytes(module_saved: dict, tp: int) -> float:
+    """Saved bytes of the column-parallel linears' gathered inputs beyond the sequence shard."""
+    return sum(n for key, n in module_saved.items() if _parts(key)[1] == "_ColumnParallel") * (1 - 1 / tp)
+
+
+def folded_expert_bytes(module_saved: dict, hidden: int, tp: int) -> float:
+    """Saved bytes per micro-batch that the folded expert layout does not keep: (1 - 1/tp) of the MoE block's
+    hidden-wide saved tensors (router input, dispatched rows, weighted combine)."""
+    if tp <= 1 or not hidden:
+        return 0.0
+    wide = sum(n for key, n in module_saved.items()
+               if _parts(key)[0].split(".")[0] == "mlp" and _parts(key)[2] == f"({hidden},)")
+    return wide * (1 - 1 / tp)

@@ -1,0 +1,70 @@
+"""What a framework saves differently from colozoo's layers: module recompute (layer norms, the experts'
+activation) and Megatron-Core's folded experts, on a tiny Mixtral traced at tp 2 with sequence parallelism."""
+import warnings
+
+import pytest
+
+from colozoo.cost.saved_layout import (dropped_bytes, folded_expert_bytes, fused_norm_bytes, recomputed,
+                                       sequence_shard_bytes)
+from colozoo.cost.software import Software
+from colozoo.runtime.plan import Plan
+from tests.helpers.family_cases import tiny_config
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+SAVED = {"input_layernorm|mul|(64,)": 30, "self_attn.qkv|_ColumnParallel|(64,)": 20, "mlp.experts|grouped_mm|(64,)": 40,
+         "mlp.experts|grouped_mm|(128,)": 50, "mlp.experts|mul|(128,)": 70, "mlp|index_add|(64,)": 40}
+
+
+def test_module_recompute_drops_norms_and_the_experts_activation():
+    assert set(recomputed(SAVED, ("layernorm",))) == {"input_layernorm|mul|(64,)"}
+    # the activation's inputs go, the expert GEMMs' inputs stay
+    assert set(recomputed(SAVED, ("moe_act",))) == {"mlp.experts|mul|(128,)"}
+    with pytest.raises(ValueError, match="not priced"):
+        recomputed(SAVED, ("mlp",))
+
+
+def test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows():
+    # hidden 64 at tp 2: half of the dispatched rows and the combine (40 + 40), nothing outside the MoE block
+    assert folded_expert_bytes(SAVED, 64, 2) == 40
+    assert folded_expert_bytes(SAVED, 64, 1) == 0
+    assert dropped_bytes(SAVED, ("layernorm", "moe_act"), 64, 2) == 30 + 70 + 40
+
+
+def test_fused_norms_keep_their_input_and_sp_linears_their_shard():
+    assert fused_norm_bytes(SAVED, {"input_layernorm": 10}) == 20  # 30 saved, of which its input 10
+    assert fused_norm_bytes(SAVED, {}) == 0
+    assert sequence_shard_bytes(SAVED, 4) == 15  # the gathered 20 kept as a quarter
+
+
+@pytest.fixture(scope="module")
+def mixtral_trace():
+    from colozoo.core.mesh import ParallelConfig
+    from colozoo.cost.model_trace import trace_model
+
+    mesh = ParallelConfig(tp=2, dp=2, ep=2, sequence_parallel=True)
+    return trace_model(tiny_config("mixtral"), 1, 32, mesh, "bfloat16", "cuda")
+
+
+def test_assemble_saves_as_the_software_does(mixtral_trace):
+    from colozoo.cost.cost_model import assemble
+    from colozoo.cost.setup import Workload
+
+    plan = Plan(tp=2, dp=2, ep=2, sequence_parallel=True, micro_batch_size=1)
+    w = Workload(seq_len=32)
+
+    def activations(software=None):
+        return sum(s["activations"] for s in assemble(mixtral_trace, plan, w, software).stages)
+
+    unit = mixtral_trace.units["layer:0"]
+    assert sum(unit.module_saved.values()) == unit.saved_bytes  # every saved byte has its module
+    base = activations()
+    hidden = mixtral_trace.config.hidden_size
+    n = len(mixtral_trace.layers)
+    for software, drop in ((Software(recompute_modules=("layernorm", "moe_act")),
+                            dropped_bytes(unit.module_saved, ("layernorm", "moe_act"))),
+                           (Software(expert_tp_folded=True), dropped_bytes(unit.module_saved, (), hidden, 2)),
+                           (Software(fused_norm=True), fused_norm_bytes(unit.module_saved, unit.norm_inputs)),
+                           (Software(sequence_parallel_saves_shard=True), sequence_shard_bytes(unit.module_saved, 2))):
+        assert drop > 0, software
+        assert activations(software) == pytest.approx(base - n * drop, rel=1e-6)
