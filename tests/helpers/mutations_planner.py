@@ -66,4 +66,15 @@ PLANNER = {
         Rewrite("colozoo.evaluation.scoring:_kept_positions",
                 ("width = max(map(len, needed))", "width = max(map(len, needed)) + 1")),
         ("tests/test_eval_scoring.py::test_each_row_projects_only_its_own_positions_and_scores_as_a_whole_forward",)),
+    "saved_as_colozoo_saves": Mutation(
+        "the memory model keeps colozoo's saved activations whatever the framework the run used",
+        Rewrite("colozoo.cost.cost_model:_as_saved_by", ("if not (modules or hidden or fused or shard):", "if True:")),
+        ("tests/test_saved_layout.py::test_assemble_saves_as_the_software_does",)),
+    "sequence_parallel_saves_whole": Mutation(
+        "a sequence-parallel column linear is counted keeping its gathered input, not its 1/tp shard",
+        Rewrite("colozoo.cost.saved_layout:sequence_shard_bytes",
+                ('return sum(n for key, n in module_saved.items() if _parts(key)[1] == "_ColumnParallel") '
+                 '* (1 - 1 / tp)',
+                 "return 0.0")),
+        ("tests/test_saved_layout.py::test_fused_norms_keep_their_input_and_sp_linears_their_shard",)),
 }
