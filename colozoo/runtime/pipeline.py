@@ -94,11 +94,11 @@ def run_schedule(model, input_ids, labels, attention_mask=None, position_ids=Non
 
 def _one_after_another(stage, input_ids, kwargs: dict, num_microbatches: int, step: StepScales) -> torch.Tensor:
     """The schedule of one stage (pp = 1): each micro-batch forward, then its backward, one after another."""
-    m = num_microbatches
-    chunks = {k: v.tensor_split(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in kwargs.items()}
+    chunks = {k: v.tensor_split(num_microbatches) if isinstance(v, torch.Tensor) else [v] * num_microbatches
+              for k, v in kwargs.items()}
     total = torch.zeros((), device=input_ids.device)
-    for i, ids in enumerate(input_ids.tensor_split(m)):
-        with _gradient_sync(stage, last=i == m - 1):
+    for i, ids in enumerate(input_ids.tensor_split(num_microbatches)):
+        with _gradient_sync(stage, last=i == num_microbatches - 1):
             loss = stage(ids, step=step, **{k: v[i] for k, v in chunks.items()})
             loss.backward()
         total += loss.detach()

@@ -67,7 +67,7 @@ def layer_runs(layer_ids: list[int]) -> list[list[int]]:
 class Stage(nn.Module):
     def __init__(self, model, index: int, num_stages: int, layer_ids: list[int]):
         super().__init__()
-        self._model = [model]  # not a child: each stage owns only its part of the model's parameters
+        self.__dict__["model"] = model  # a plain attribute, not a child: a stage owns only its part of the model
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
@@ -77,10 +77,6 @@ class Stage(nn.Module):
         self.autocast_dtype = None    # mixed precision by autocast (parallelize without FSDP's policy)
         self.activation_dtype = None  # dtype of the hidden states sent between stages (None: the parameters')
         self.compiled = None          # the torch.compile backend its layers' bodies run with (runtime.compile)
-
-    @property
-    def model(self):
-        return self._model[0]
 
     def forward(self, x, router_stats=None, *, token_ids, labels=None, attention_mask=None,
                 logits: LogitsRequest = LogitsRequest(), cp_mode: str = "ring", step: StepScales | None = None,

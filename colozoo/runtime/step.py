@@ -48,13 +48,14 @@ def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
     """One clear error for a batch the mesh cannot split: rows over dp x micro-batches, the sequence over cp, labels
     and other inputs of another batch size."""
     parallel = model.parallel
-    dp, m = parallel.size("dp"), num_microbatches
-    if not isinstance(m, int) or m < 1:
-        raise TrainingError(f"num_microbatches must be a positive integer, got {m!r}")
+    dp = parallel.size("dp")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise TrainingError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     batch = input_ids.shape[0]
-    if batch % (dp * m):
-        raise TrainingError(f"global batch size {batch} is not divisible by dp * num_microbatches = {dp} * {m}; "
-                            f"every data-parallel rank needs {m} equal micro-batches")
+    if batch % (dp * num_microbatches):
+        raise TrainingError(f"global batch size {batch} is not divisible by dp * num_microbatches = {dp} * "
+                            f"{num_microbatches}; every data-parallel rank needs {num_microbatches} equal "
+                            f"micro-batches")
     cp = parallel.size("cp")
     if cp > 1 and input_ids.shape[1] % (2 * cp):
         raise TrainingError(f"sequence length {input_ids.shape[1]} is not divisible by 2 * cp = {2 * cp}: context "
