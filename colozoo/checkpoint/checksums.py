@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from colozoo.core.errors import CheckpointError
+from colozoo.core.files import fsync_write
 
 CHECKSUMS = "checksums.json"
 FORMAT = "colozoo-checksums/1"
@@ -49,12 +49,8 @@ def write_checksums(directory) -> Path:
     for path in sorted(directory.iterdir()):
         if path.is_file() and path.name != CHECKSUMS and not path.name.endswith(".partial"):
             files[path.name] = {"sha256": known.get(path.name) or file_sha256(path), "size": path.stat().st_size}
-    target, tmp = directory / CHECKSUMS, directory / (CHECKSUMS + ".partial")
-    with open(tmp, "w") as f:
-        json.dump({"format": FORMAT, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    target = directory / CHECKSUMS
+    fsync_write(target, lambda f: f.write(json.dumps({"format": FORMAT, "files": files}, indent=1).encode()))
     return target
 
 

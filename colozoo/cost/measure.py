@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from colozoo.core.files import fsync_write
 from colozoo.cost.compute_time import gemm_seconds
 from colozoo.cost.hardware import PRESETS, Hardware
 
@@ -263,7 +263,5 @@ def write_measured(path, measured: dict) -> Path:
     """The measured hardware as JSON at `path`, written whole or not at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(measured, indent=1) + "\n")
-    os.replace(partial, path)
+    fsync_write(path, lambda f: f.write((json.dumps(measured, indent=1) + "\n").encode()))
     return path

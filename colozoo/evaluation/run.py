@@ -143,7 +143,7 @@ def write_results(results: dict, path) -> Path:
     """The results as the harness's CLI writes them (JSON, what is not JSON as text), whole or not at all."""
     from lm_eval.utils import handle_non_serializable
 
-    from colozoo.finetune.state import fsync_write
+    from colozoo.core.files import fsync_write
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -167,7 +167,7 @@ class GrpoTraining:
             return []
         from safetensors.torch import save
 
-        from colozoo.finetune.state import fsync_write
+        from colozoo.core.files import fsync_write
 
         path = output / ROLLOUT_FILE
         if rank0:

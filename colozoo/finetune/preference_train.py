@@ -146,7 +146,7 @@ def save_reference(path: Path, logps: dict[str, torch.Tensor], digest: str):
     """Rank 0 writes the precomputed reference log-probs (atomically: a temp file renamed into place)."""
     from safetensors.torch import save
 
-    from colozoo.finetune.state import fsync_write
+    from colozoo.core.files import fsync_write
 
     fsync_write(path, lambda f: f.write(save({k: v.contiguous() for k, v in logps.items()}, metadata={"data": digest})))
 

@@ -36,6 +36,7 @@ from colozoo.checkpoint.save import lora_of_every_stage
 from colozoo.checkpoint.layout import ModelLayout
 from colozoo.checkpoint.training_state import TrainingCheckpoint, own_pieces, write_indexes, write_rank_file
 from colozoo.core.errors import CheckpointError, naming
+from colozoo.core.files import fsync_write
 from colozoo.core.rng import get_rng_tracker
 from colozoo.finetune.optimizer_state import optimizer_tensors, restore_optimizer
 
@@ -100,19 +101,6 @@ def set_rng_state(state: dict):
     get_rng_tracker().set_states({(name, device): _unb64(s) for name, device, s in state["tracker"]})
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(_unb64(state["cuda"]))
-
-
-def fsync_write(path: Path, write):
-    """Write via a temp file + fsync + rename, so `path` is either absent or whole."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise naming(e, path) from None
 
 
 def _write_json(path: Path, value):
