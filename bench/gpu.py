@@ -50,6 +50,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from colozoo.cost.measure import synchronize  # noqa: E402
+
 MODELS = {"llama": "Llama-3.2-1B", "qwen3": "Qwen3-1.7B", "gemma2": "gemma-2-2b"}
 CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 TRAIN_SHAPES = ((4, 2048), (8, 4096), (1, 16384))
@@ -148,10 +150,6 @@ def build_pair(family: str, args, device, dtype, liger: bool, train: bool):
     load_hf_weights(ours, StateDictReader({k: v.detach() for k, v in hf.state_dict().items()}), device=device)
     return ours, hf
 
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def seconds(fn, device):

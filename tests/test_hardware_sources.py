@@ -3,13 +3,12 @@ on a device (colozoo.cost.measure, here on the CPU at tiny sizes) load as a pres
 and plan; the tile fit recovers the tile a grid was made with."""
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from colozoo.cost.hardware import PRESETS, Hardware, get_hardware, unsourced, with_all_sources
-from colozoo.cost.measure import TILES, Sizes, datasheet_preset, fit_tile, measure, modelled_rate, write_measured
+from colozoo.cost.measure import Sizes, datasheet_preset, fit_tile, measure, modelled_rate, write_measured
 
 TINY = Sizes(64, (8, 48), (16, 96), 32, 1 << 16, 1 << 16, (1, 1, 32, 16), 0.05, sample_s=0.001)
 
@@ -42,7 +41,8 @@ def test_show_hardware_prints_each_number_with_its_source(capsys):
 def test_datasheet_presets_by_device_name():
     names = {"NVIDIA H100 80GB HBM3": "H100-80GB", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-40GB": "A100-40GB",
              "NVIDIA A100-SXM4-80GB": "A100-80GB", "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None,
-             "Tesla V100-SXM2-32GB": "V100-32GB", "NVIDIA GeForce RTX 4090": "RTX4090", "AMD Instinct MI300X": None}
+             "Tesla V100-SXM2-32GB": "V100-32GB", "NVIDIA GeForce RTX 4090": "RTX4090", "AMD Instinct MI300X": None,
+             "NVIDIA GH200 480GB": None}
     assert {name: datasheet_preset(name) for name in names} == names
 
 
@@ -52,7 +52,6 @@ def test_the_tile_fit_recovers_the_tile_a_grid_was_made_with():
     for tile in ((128, 128), (256, 128)):
         made = [{**r, "flops_per_s": modelled_rate(r, hw.with_(gemm_tile=tile), 2)} for r in rows]
         assert fit_tile(made, hw, 2) == (tile, pytest.approx(0.0, abs=1e-12))
-    assert len(TILES) > 2
 
 
 def test_measured_on_the_cpu_it_names_the_cpu_loads_as_a_preset_and_plans(tmp_path, capsys):
@@ -60,12 +59,13 @@ def test_measured_on_the_cpu_it_names_the_cpu_loads_as_a_preset_and_plans(tmp_pa
     path = write_measured(tmp_path / "cpu.json", found)
     hw = get_hardware(str(path), gpus=1)
     assert hw.name.startswith("cpu") and "GB" not in hw.name.split(",")[0]  # no GPU's name on a CPU's figures
-    assert hw.peak_flops == found["peak_flops"] < 1e14 and hw.sm_count is None and hw.matmul_efficiency <= 1
+    assert hw.peak_flops == found["peak_flops"] < 1e14 and hw.sm_count is None and hw.matmul_efficiency > 0
     measured = [k for k in found if k not in ("preset", "name", "sources", "evidence")]
     assert {"peak_flops", "hbm_bw", "matmul_efficiency", "attention_efficiency", "kernel_floor_s"} <= set(measured)
     for key in measured:
         assert hw.sources[key].startswith("measured by colozoo.cost.measure on cpu"), key
     assert unsourced(hw) == [] and "datasheet" in hw.sources["intra_node_bw"]  # the links stay the preset's
+    assert hw.attention_speed == {}  # attention priced by what was measured, not the links preset's paper table
     assert len(found["evidence"]["gemm_grid"]) == 4 and all(r["of_peak"] > 0 for r in found["evidence"]["gemm_grid"])
     from colozoo.cli import main
 
@@ -85,8 +85,8 @@ def test_against_a_datasheet_the_efficiencies_are_of_its_peaks(tmp_path):
     assert math.isclose(found["hbm_efficiency"], seen["copy_bytes_per_s"] / PRESETS["A100-80GB"].hbm_bw)
 
 
-def test_the_gpu_bench_writes_the_preset_file(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+def test_the_gpu_bench_writes_the_preset_file(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import gpu
     import torch
 

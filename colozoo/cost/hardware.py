@@ -141,7 +141,7 @@ H100_SOURCES = {
 }
 NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, comm_contention=20 / 108)
 
-PRESETS = {
+_DATASHEETS = {
     "A100-40GB": _nvidia("A100-40GB", 40 * GiB, 312e12, 19.5e12, 1555 * GB, 108, 0.739, 300 * GB, 25 * GB,
                          {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 1,555 GB/s (40GB SXM)"},
                          attention_efficiency=0.5, attention_speed=attention_speed.A100, **NVIDIA_DEFAULTS),
@@ -209,7 +209,7 @@ def _shown(name: str, value) -> str:
     return f"{value:.3g}"
 
 
-PRESETS = {name: with_all_sources(hw, PRESET_SOURCES.get(name)) for name, hw in PRESETS.items()}
+PRESETS = {name: with_all_sources(hw, PRESET_SOURCES.get(name)) for name, hw in _DATASHEETS.items()}
 
 
 def parse_bytes(value) -> float:
@@ -257,7 +257,7 @@ def load_measured(path, base: Hardware | None = None) -> Hardware:
     for key, value in data.items():
         if key in METADATA:
             continue
-        optional = value is None and "None" in str(known[key].type)
+        optional = value is None and _default(known[key]) is None
         if isinstance(getattr(hw, key), (int, float)) and not isinstance(value, (int, float)) and not optional:
             raise HardwareError(f"{path}: {key} must be a number, got {value!r}")
         changes[key] = tuple(value) if isinstance(value, list) else value

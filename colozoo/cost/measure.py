@@ -59,7 +59,7 @@ def datasheet_preset(name: str) -> str | None:
     """The preset whose datasheet describes a CUDA device of this name (SXM parts; PCIe and NVL parts have other
     peaks: None)."""
     upper = name.upper()
-    if any(part in upper for part in ("PCIE", "NVL")):
+    if any(part in upper for part in ("PCIE", "NVL", "GH200")):
         return None
     for key, preset in (("H200", "H200"), ("H100", "H100-80GB"), ("L40S", "L40S"), ("V100", "V100-32GB"),
                         ("4090", "RTX4090"), ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB")):
@@ -204,6 +204,8 @@ def measure(device, preset: str | None = None, sizes: Sizes | None = None, by: s
     attention = attention_rate(device, dtype, sizes.attention)
     record.set("attention_efficiency", attention / hw.peak_flops, "scaled_dot_product_attention forward + backward, "
                f"{'x'.join(map(str, sizes.attention))} (batch x heads x seq x dim), no mask")
+    record.set("attention_speed", {}, "none: the attention_efficiency measured here prices attention (a preset's "
+               "table of published speeds would take precedence over it)")
     host = host_bandwidth(device, sizes.host_bytes)
     if host:
         record.set("pcie_bw", min(host.values()), f"pinned {sizes.host_bytes >> 20} MiB copies, the slower direction")
