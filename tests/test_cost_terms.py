@@ -154,6 +154,10 @@ def test_plan_holds_its_mesh_as_a_parallel_config():
     assert plan.degrees == ParallelConfig(tp=2, dp=2, ep=2, sequence_parallel=True)
     assert (plan.tp, plan.dp, plan.world_size) == (2, 2, 4) and plan == Plan(plan.degrees, micro_batch_size=2)
     assert replace(plan, tp=4).degrees.tp == 4 and replace(plan, degrees=ParallelConfig()).tp == 1
+    from colozoo.cost.planner import RankedPlan
+
+    ranked = RankedPlan(tp=2, step_seconds=1.0)  # the planner's subclass takes the degrees as keywords too
+    assert replace(ranked, tp=4).tp == 4 and replace(ranked, tp=4).step_seconds == 1.0 and ranked.why == []
     with pytest.raises(ParallelConfigError, match="ep=2 must divide dp\\*cp=1"):  # ParallelConfig's own check
         Plan(ep=2)
     with pytest.raises(AttributeError):

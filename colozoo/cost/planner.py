@@ -36,7 +36,7 @@ class PlanError(ValueError):
     pass
 
 
-@dataclass
+@dataclass(init=False)  # Plan's __init__: degrees as keywords, for replace(ranked, tp=...) too
 class RankedPlan(Plan):
     """A Plan with what the planner predicts for it."""
     memory: float = 0.0                  # predicted peak bytes on the fullest GPU

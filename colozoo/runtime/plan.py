@@ -3,7 +3,7 @@
 the rest (data parallelism, activation checkpointing, offload) and `colozoo finetune --plan auto` trains with it."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from colozoo.core.mesh import ParallelConfig
 from colozoo.runtime.options import CHECKPOINTING, MULTI_STAGE_SCHEDULES, OFFLOAD, SCHEDULES, ZERO_LEVELS
@@ -33,17 +33,19 @@ class Plan:
                  sequence_parallel: bool | None = None, **choices):
         """The degrees given as keywords replace those of `degrees` (default: every degree 1); `choices`: the
         other fields."""
-        unknown = sorted(choices.keys() - {f.name for f in fields(Plan)})
+        known = fields(type(self))  # a subclass's fields too (the planner's RankedPlan)
+        unknown = sorted(choices.keys() - {f.name for f in known})
         if unknown:
-            raise TypeError(f"Plan() got unknown settings {unknown}; it takes {[f.name for f in fields(Plan)]} and "
-                            f"the degrees {list(DEGREES)}")
+            raise TypeError(f"{type(self).__name__}() got unknown settings {unknown}; it takes "
+                            f"{[f.name for f in known]} and the degrees {list(DEGREES)}")
         given = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
         self.degrees = degrees if degrees is not None else ParallelConfig()
         if isinstance(self.degrees, ParallelConfig):
             self.degrees = replace(self.degrees, **{k: v for k, v in given.items() if v is not None})
-        for f in fields(Plan):
+        for f in known:
             if f.name != "degrees":
-                setattr(self, f.name, choices[f.name] if f.name in choices else f.default)
+                default = f.default_factory() if f.default is MISSING else f.default
+                setattr(self, f.name, choices[f.name] if f.name in choices else default)
         self.__post_init__()
 
     def __post_init__(self):
