@@ -1,6 +1,7 @@
 """The switch-off audit's own pieces (tests/helpers/mutations.py): a Rewrite changes one function where it is defined
 and where it was imported by name, and refuses a snippet it does not find once; the CI form's rotation slots hold
-every mutation once, each within the budget; every named test is one pytest collects."""
+every mutation once, each within the budget; every named test is one pytest collects; every patch applies to the
+source as it is."""
 import importlib
 import sys
 
@@ -43,3 +44,9 @@ def test_every_named_test_is_collected():
     assert mutations.uncollected([t for m in mutations.MUTATIONS.values() for t in m.tests]) == []
     assert mutations.uncollected(["tests/test_sampling.py::test_no_such_test"]) == [
         "tests/test_sampling.py::test_no_such_test"]
+
+
+def test_every_patch_applies_to_todays_source():
+    """A source edit that leaves a switch-off patch pointing at text no longer there fails here, in the test run,
+    and not only later in the mutation step."""
+    assert mutations.patches_apply(list(mutations.MUTATIONS)) == []
