@@ -68,3 +68,19 @@ def test_assemble_saves_as_the_software_does(mixtral_trace):
                            (Software(sequence_parallel_saves_shard=True), sequence_shard_bytes(unit.module_saved, 2))):
         assert drop > 0, software
         assert activations(software) == pytest.approx(base - n * drop, rel=1e-6)
+
+
+def test_what_assemble_keeps_with_a_trace_follows_the_plan_and_dtype(mixtral_trace):
+    """The trace's memo holds what assemble derived from it; a second plan or dtype gets its own entry, not the
+    first call's (the keys and values ring attention passes are sized by tp and the dtype)."""
+    from colozoo.cost.cost_model import assemble
+    from colozoo.cost.setup import Workload
+
+    def kv_bytes(tp, dtype):
+        plan = Plan(tp=tp, dp=4 // tp, ep=2, sequence_parallel=True, micro_batch_size=1)
+        return [u["kv_bytes"] for u in assemble(mixtral_trace, plan, Workload(seq_len=32, dtype=dtype)).units]
+
+    bf16 = kv_bytes(2, "bfloat16")
+    assert max(bf16) > 0
+    assert kv_bytes(2, "float32") == [2 * b for b in bf16]
+    assert kv_bytes(1, "bfloat16") == [2 * b for b in bf16]

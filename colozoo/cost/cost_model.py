@@ -71,7 +71,8 @@ def assemble(traced: ModelTrace, plan: Plan, workload: Workload, software=None) 
     return ProfileReport(
         model=traced.name, mesh=mesh, plan=plan.choices().to_dict(), workload=workload.to_dict(), num_layers=n_layers,
         total_params=traced.total_params,
-        units=traced.memoized("unit dicts", lambda: _unit_dicts(traced, plan.tp, _itemsize(workload))),
+        units=traced.memoized(("unit dicts", plan.tp, _itemsize(workload)),
+                              lambda: _unit_dicts(traced, plan.tp, _itemsize(workload))),
         stages=[asdict(s) for s in stage_costs], comm=busiest.comm, comm_calls=busiest.comm_calls,
         peak_memory=max(s.peak for s in stage_costs),
         step_flops=(busiest.fwd_flops + busiest.bwd_flops) * plan.num_microbatches, profile_seconds=0.0)
