@@ -12,7 +12,8 @@ import transformers
 from colozoo.cost.compute_time import attention_seconds, gemm_seconds, unit_seconds, wave_efficiency
 from colozoo.cost.hardware import GB, Hardware, HardwareError, get_hardware
 from colozoo.cost.network import collective_seconds, latency_steps
-from colozoo.cost.step_time import _zero3_chain, chain_exposure, overlapped, pipeline_seconds
+from colozoo.cost.step_time import _layer_chain, chain_exposure, overlapped, pipeline_seconds
+from colozoo.cost.zero3_submodules import held_share, submodule_ops, submodules
 from colozoo.runtime.plan import Plan
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -99,6 +100,9 @@ def test_overlap_hides_traffic_but_takes_sms():
     assert overlapped(10.0, 4.0, 1.0) == 10.0 and overlapped(10.0, 4.0, 0.0) == 14.0
     assert overlapped(3.0, 4.0, 1.0) == 4.0
     assert overlapped(10.0, 4.0, 1.0, contention=0.25) == 11.0  # 4 s of it ran on 3/4 of the SMs
+    # behind longer traffic the compute loses its share and still ends first: the traffic alone sets the time
+    assert overlapped(2.0, 4.0, 1.0, contention=0.25) == 4.0
+    assert overlapped(3.5, 4.0, 1.0, contention=0.25) == 4.5  # 3.5 s of work on 3/4 of the SMs for 4 s: 0.5 late
     # a cyclic chain: each step's traffic runs during the step before it
     ops = [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5)]
     assert chain_exposure(ops, 1.0) == pytest.approx(0 + (3.0 - 1.0) + 0)
@@ -112,12 +116,42 @@ def test_zero3_gathers_that_prefetching_cannot_hide():
     unit 1's gather (1.5) + unit 2's reduce-scatter (1) behind unit 2's backward (2 s): 0.5; the last
     reduce-scatter rides with the next forward's first gather: 2.5 behind unit 1's backward (2 s): 0.5."""
     units = [(1.0, 2.0, 1.5, 1.0, 1), (1.0, 2.0, 1.5, 1.0, 1)]
-    assert _zero3_chain(units, True, 1.0, 0.0) == pytest.approx(0.5 + 0.5 + 0.5 + 0.5)
+    assert _layer_chain(units, True, 1.0, 0.0) == pytest.approx(0.5 + 0.5 + 0.5 + 0.5)
     # gathered once more for a recomputed layer's backward (DeepSpeed under Megatron's checkpointing)
     again = [(1.0, 2.0, 1.5, 1.0, 2), (1.0, 2.0, 1.5, 1.0, 2)]
-    assert _zero3_chain(again, True, 1.0, 0.0) == pytest.approx(0.5 + 0.5 + 2.0 + 2.0)
+    assert _layer_chain(again, True, 1.0, 0.0) == pytest.approx(0.5 + 0.5 + 2.0 + 2.0)
     # nothing overlaps: every byte waits
-    assert _zero3_chain(units, True, 0.0, 0.0) == pytest.approx(2 * 1.5 + 2 * 1.5 + 2 * 1.0)
+    assert _layer_chain(units, True, 0.0, 0.0) == pytest.approx(2 * 1.5 + 2 * 1.5 + 2 * 1.0)
+
+
+def _flat(pairs):
+    return [x for pair in pairs for x in pair]
+
+
+def test_zero3_gathered_by_submodule(monkeypatch):
+    """DeepSpeed's stage 3 gathers each linear's weight one submodule ahead: a layer of a 3-unit query/key/value
+    weight, the attention core, a 1-unit output projection and a 4-unit MLP weight."""
+    kernels = {"fwd|memory|||": [2, 0, 0], "fwd|gemm||1x10x30x10|": [1, 1, 0], "fwd|gemm|core|4x10x10x5|": [1, 1, 0],
+               "fwd|gemm||1x10x10x10|": [1, 1, 0], "fwd|gemm||1x10x40x10|": [1, 1, 0], "bwd|gemm||1x10x10x40|": [1, 1, 0]}
+    seconds = {"fwd|memory|||": 0.5, "fwd|gemm||1x10x30x10|": 3.0, "fwd|gemm|core|4x10x10x5|": 1.0,
+               "fwd|gemm||1x10x10x10|": 1.0, "fwd|gemm||1x10x40x10|": 4.0}
+    monkeypatch.setattr("colozoo.cost.zero3_submodules.kernel_seconds", lambda key, *args: seconds[key])
+    subs = submodules(kernels, GPU)
+    # the norms' 0.5 s spread over the linears by their time (8 s); the core carries no weights
+    assert _flat(subs) == pytest.approx([3 * 17 / 16, 3 / 8, 1.0, 0.0, 17 / 16, 1 / 8, 4 * 17 / 16, 4 / 8])
+    assert held_share(kernels) == pytest.approx(5 / 8)  # the output projection and the MLP weight after it
+    # one unit, forward 2 s, backward 4 s, gathers of 1 s per unit share, no recomputation, gathered again once
+    unit = ([(1.0, 0.5), (1.0, 0.5)], 2.0, 4.0, lambda w: 1.0 * w, lambda w: 0.0, lambda w: 0.0, False, 1)
+    ops, fills = submodule_ops([unit], reduce=False)
+    assert ops == [(1.0, 0.5), (1.0, 0.5), (2.0, 0.5), (2.0, 0.5)] and fills == 0.0
+    # recomputed and gathered again for it (DeepSpeed under Megatron's checkpointing), buffers zeroed at 0.1 s a
+    # unit share, each submodule's gradients reduce-scattered (2 s a unit) behind the next backward
+    unit = ([(1.0, 0.5), (1.0, 0.5)], 2.0, 4.0, lambda w: w, lambda w: 2 * w, lambda w: 0.1 * w, True, 2)
+    ops, fills = submodule_ops([unit], reduce=True)
+    assert _flat(ops) == pytest.approx([1.05, 0.5 + 1.0, 1.05, 0.5, 1.05, 0.5, 1.05, 0.5, 2.05, 0.5, 2.05, 0.5 + 1.0])
+    assert fills == pytest.approx(6 * 0.05)
+    # every gather shorter than the compute before it (the first behind the last backward): all hidden
+    assert chain_exposure(ops, 1.0) == 0.0 and chain_exposure(ops, 0.0) == pytest.approx(5.0)
 
 
 def test_pipelines_with_virtual_stages_and_uneven_ranks():

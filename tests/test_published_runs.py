@@ -39,23 +39,23 @@ def test_every_run_is_predicted_within_tolerance(results):
 
 
 def test_every_run_fits_its_gpus(results):
-    """Each published layout fits at its micro-batch and recompute; over are the run the paper itself reports at
-    the edge (530B under ZeRO-3 at micro-batch 4 did not fit 560 GPUs, and ran on 640) and the runs whose table
-    says why (memory_miss: a recomputation the source does not publish or the memory model cannot express)."""
+    """Each published layout fits at its micro-batch and recompute; over are only the runs whose table says why
+    (memory_miss, with the breakdown: the 530B under ZeRO-3 at micro-batch 4, which the paper reports at the edge,
+    and the runs whose recomputation the source does not publish or the memory model cannot express)."""
     over = {r.run.id for r in results if not r.fits}
     explained = {r.run.id for r in results if r.run.memory_miss}
-    assert over == {"narayanan2021-table2-zero3-530b-640"} | explained, over
-    # a reason must not outlive the miss, nor excuse more than 3x the GPU's memory
-    assert all(r.memory <= 3 * r.run.hardware.memory_limit for r in results if r.run.memory_miss)
+    assert over == explained, over ^ explained
+    # a reason must not excuse more than twice the GPU's memory
+    assert all(r.memory <= 2 * r.run.hardware.memory_limit for r in results if r.run.memory_miss)
 
 
 def test_layouts_compared_on_the_same_gpus_rank_as_measured(results):
+    """Every pair of layouts a paper ran on the same GPUs and batch is ranked as measured: PTD-P ahead of ZeRO-3 by
+    69-231%, and at 384 GPUs by 6%, where DeepSpeed's per-submodule gathers (one ahead) leave the MLP's weights
+    exposed behind the attention's."""
     pairs = comparisons(results)
     assert len(pairs) == 5
-    # every pair whose measured gap exceeds the model's tolerance is ranked as measured (PTD-P ahead of ZeRO-3 by
-    # 69-231%); at 384 GPUs the two are 6% apart, inside the model's error
-    assert all(p["agree"] for p in pairs if p["measured_gap"] > TOLERANCE)
-    assert sum(p["measured_gap"] > TOLERANCE for p in pairs) == 4
+    assert all(p["agree"] for p in pairs), [p for p in pairs if not p["agree"]]
 
 
 def test_free_planner_leaves_zero3_for_pipelines_on_3072_gpus():

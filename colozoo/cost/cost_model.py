@@ -63,7 +63,7 @@ def assemble(traced: ModelTrace, plan: Plan, workload: Workload, software=None) 
         raise ProfilerError(f"pp={plan.pp} exceeds the {n_layers} layers of the model")
     stages = traced.memoized(("stages", plan.pp, plan.virtual_stages, plan.layers_per_stage),
                          lambda: _rank_layers(traced, plan, n_layers))
-    stage_costs = [_stage_cost(traced, plan, workload, s, [traced.layers[i] for i in idx], len(stages))
+    stage_costs = [_stage_cost(traced, plan, workload, s, [traced.layers[i] for i in idx], len(stages), software)
                    for s, idx in enumerate(stages)]
     busiest = max(stage_costs, key=lambda c: c.fwd_flops + c.bwd_flops)
     mesh = {k: getattr(plan, k) for k in ("tp", "pp", "dp", "cp", "ep")}
@@ -108,7 +108,8 @@ def _unit_dicts(traced: ModelTrace, tp: int, itemsize: int) -> list[dict]:
     return [{**asdict(u), "kv_bytes": per_token * traced.batch_size * traced.local_seq} for u in traced.units.values()]
 
 
-def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys: list, n_stages: int) -> StageCost:
+def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys: list, n_stages: int,
+                software=None) -> StageCost:
     """Memory, FLOPs and communication of one rank of pipeline stage `s`, which runs layers `keys`."""
     layers, ends = _stage_parts(traced, keys, s, n_stages)
     parts = layers + ends
@@ -122,7 +123,7 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     policies = ["none"] * len(before) + recompute + ["none"] * len(head)
     dynamic = _dynamic_peak(in_order, policies, saved, inflight, states.grads, states.param_bytes,
                             plan.num_microbatches)
-    fsdp = _fsdp_buffers(plan, layers)
+    fsdp = _fsdp_buffers(plan, layers, getattr(software, "zero3_gather_unit", "layer"))
     peak = states.weights + states.master + states.optimizer + fsdp + dynamic
     grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained
     cost = StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(states.param_bytes // _itemsize(workload)),
@@ -187,9 +188,12 @@ def _model_states(traced: ModelTrace, plan: Plan, workload: Workload, keys, part
     return states
 
 
-def _fsdp_buffers(plan: Plan, layers: list) -> float:
+def _fsdp_buffers(plan: Plan, layers: list, unit: str = "layer") -> float:
     """Bytes of gathered (unsharded) layers a ZeRO-3 rank holds: the one computing and the one prefetched, or every
-    layer from forward to backward without resharding; under parameter offload, the working copies."""
+    layer from forward to backward without resharding; gathered by submodule (`unit`, DeepSpeed's), a submodule
+    and the next one (colozoo.cost.zero3_submodules.held_share); under parameter offload, the working copies."""
+    from colozoo.cost.zero3_submodules import held_share
+
     if plan.offload == "params":
         return 2.0 * max([u.param_bytes for u in layers] or [0])
     shard = plan.dp * plan.cp
@@ -198,6 +202,8 @@ def _fsdp_buffers(plan: Plan, layers: list) -> float:
     edp = max(1, shard // plan.ep)
     gathered = [(u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard) + u.expert_param_bytes * (1 - 1 / edp)
                 for u in layers] or [0]
+    if unit == "submodule" and plan.reshard_after_forward:
+        return max([g * held_share(u.kernels) for g, u in zip(gathered, layers)] or [0.0])
     return 2.0 * max(gathered) if plan.reshard_after_forward else float(sum(gathered))
 
 

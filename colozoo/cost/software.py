@@ -13,6 +13,12 @@ class Software:
     regather_for_recompute: bool = False
     # ZeRO-3 reduce-scatters every micro-batch's gradients (DeepSpeed, FSDP1) instead of only the last's (colozoo)
     reduce_every_microbatch: bool = False
+    # what a ZeRO-3 gather fetches: a layer (FSDP's wrapped units) or each submodule as it runs, one ahead
+    # (DeepSpeed's stage 3 with its default prefetch bucket; colozoo.cost.zero3_submodules)
+    zero3_gather_unit: str = "layer"
+    # each gathered weight's buffer is allocated zeroed on the compute stream before the gather (torch.zeros in the
+    # DeepSpeed of 2021), a memory-bound write of the whole weight per gather
+    gather_buffer_zeroed: bool = False
     # data-parallel gradient reduction overlaps the backward (DDP buckets); Megatron's "local" DDP of 2021 reduced
     # after the backward
     grad_reduce_overlap: bool = True

@@ -30,15 +30,17 @@ from colozoo.cost.offload import MemoryNeed, decide_offload
 from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.setup import Workload
 from colozoo.cost.software import COLOZOO, Software
+from colozoo.cost.zero3_submodules import submodule_ops, submodules
 from colozoo.runtime.plan import Plan
 
 
 def overlapped(compute: float, comm: float, overlap: float, contention: float = 0.0) -> float:
     """Seconds of work whose traffic can run behind it: the longer of the two when the links have engines of their
-    own (overlap 1), their sum when they share the cores (overlap 0). While both run, the collective's kernels
-    hold a `contention` share of the GPU, which the compute loses."""
-    hidden = overlap * min(compute, comm)
-    return compute + comm - hidden + contention * hidden
+    own (overlap 1), their sum when they share the cores (overlap 0). While the collective runs, its kernels hold a
+    `contention` share of the GPU, which the compute loses: a compute shorter than the traffic still ends behind it
+    unless what it lost makes it the longer, a longer one ends `contention x comm` late."""
+    together = max(comm, compute + contention * comm)
+    return (1 - overlap) * (compute + comm) + overlap * together
 
 
 def chain_exposure(ops: list[tuple[float, float]], overlap: float, contention: float = 0.0) -> float:
@@ -117,22 +119,49 @@ def _parts(report, st: dict, index: int) -> list[tuple[dict, bool]]:
 
 
 def _zero3(u: dict, policy: str, plan: Plan, hw: Hardware, software: Software, itemsize: int):
-    """(gather, reduce-scatter, gathers in backward) of one ZeRO-3 unit, seconds per micro-batch."""
+    """(gather, reduce-scatter, gathers in backward) of one ZeRO-3 unit per micro-batch: the first two as seconds
+    of a share of the unit's weights (1: all of them, in one call)."""
     shard = plan.dp * plan.cp
     span = _spans(plan)["dp_cp"]
     weights = (software.gather_bytes or itemsize) / itemsize
     grads = (software.grad_reduce_bytes or itemsize) / itemsize
     expert = u["expert_param_bytes"]
     edp = max(1, shard // plan.ep)
-    gather = (collective_seconds(hw, "all_gather", weights * (u["param_bytes"] - expert), shard, span, 1)
-              + collective_seconds(hw, "all_gather", weights * expert, edp, span, 1 if expert else 0))
     trained = u["param_bytes"] - u["frozen_param_bytes"]
-    reduce = collective_seconds(hw, "reduce_scatter", grads * trained, shard, span, 1)
+
+    def gather(share: float = 1.0) -> float:
+        return (collective_seconds(hw, "all_gather", share * weights * (u["param_bytes"] - expert), shard, span, 1)
+                + collective_seconds(hw, "all_gather", share * weights * expert, edp, span, 1 if expert else 0))
+
+    def reduce(share: float = 1.0) -> float:
+        return collective_seconds(hw, "reduce_scatter", share * grads * trained, shard, span, 1)
+
     again = int(plan.reshard_after_forward) + int(policy == "full" and software.regather_for_recompute)
     return gather, reduce, again
 
 
-def _zero3_chain(units: list, reduce: bool, overlap: float, contention: float) -> float:
+def _zero3_chain(units: list, reduce: bool, overlap: float, contention: float, hw: Hardware,
+                 software: Software) -> float:
+    """Exposed ZeRO-3 traffic of one micro-batch, gathered by layer (FSDP's units) or by submodule (DeepSpeed's,
+    colozoo.cost.zero3_submodules)."""
+    if software.zero3_gather_unit == "submodule":
+        steps = [(submodules(u["kernels"], hw, software.attention_kernel), f, b - f * (policy == "full"), gather,
+                  reduce_scatter, _buffer_fill(u, hw, software), policy == "full", again)
+                 for f, b, gather, reduce_scatter, again, (u, policy) in units]
+        ops, fills = submodule_ops(steps, reduce)
+        return fills + chain_exposure(ops, overlap, contention)
+    return _layer_chain([(f, b, gather(), reduce_scatter(), again)
+                         for f, b, gather, reduce_scatter, again, _ in units], reduce, overlap, contention)
+
+
+def _buffer_fill(u: dict, hw: Hardware, software: Software):
+    """Seconds the compute stream spends zeroing a gather's buffer, for a share of the unit's weights."""
+    if not software.gather_buffer_zeroed:
+        return lambda share: 0.0
+    return lambda share: share * u["param_bytes"] / hw.memory_bandwidth
+
+
+def _layer_chain(units: list, reduce: bool, overlap: float, contention: float) -> float:
     """Exposed ZeRO-3 traffic of one micro-batch: units' forwards in order, each prefetching its gather, then their
     backwards in reverse, each gathering again as needed and reduce-scattering the gradients of the unit before."""
     fwd = [(f, gather) for f, _, gather, _, _ in units]
@@ -186,13 +215,13 @@ def stage_time(report, index: int, plan: Plan, hw: Hardware, software: Software 
         out.backward += bwd
         out.tp, out.ep, out.cp = out.tp + tp, out.ep + ep, out.cp + ring
         if zero3 is not None:
-            zero.append((fwd, bwd, *zero3))
+            zero.append((fwd, bwd, *zero3, (u, policy)))
     if zero:
         o, c = hw.comm_overlap, hw.comm_contention
-        every = _zero3_chain(zero, software.reduce_every_microbatch, o, c)
+        every = _zero3_chain(zero, software.reduce_every_microbatch, o, c, hw, software)
         out.zero = every
         if not software.reduce_every_microbatch:  # reduced once a step, in the last micro-batch's backward
-            out.zero_last = _zero3_chain(zero, True, o, c) - every
+            out.zero_last = _zero3_chain(zero, True, o, c, hw, software) - every
     if plan.pp > 1:
         sends = 2 * plan.virtual_stages - (index == 0) - (index == len(report.stages) - 1)
         boundary = max((u["input_bytes"] for u, is_layer in parts if is_layer), default=0)
