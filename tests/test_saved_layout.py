@@ -4,8 +4,8 @@ import warnings
 
 import pytest
 
-from colozoo.cost.saved_layout import (dropped_bytes, folded_expert_bytes, fused_norm_bytes, recomputed,
-                                       sequence_shard_bytes)
+from colozoo.cost.saved_layout import (dropped_bytes, folded_expert_bytes, fused_norm_bytes, fused_swiglu_bytes,
+                                       recomputed, sequence_shard_bytes)
 from colozoo.cost.software import Software
 from colozoo.runtime.plan import Plan
 from tests.helpers.family_cases import tiny_config
@@ -35,6 +35,13 @@ def test_fused_norms_keep_their_input_and_sp_linears_their_shard():
     assert fused_norm_bytes(SAVED, {"input_layernorm": 10}) == 20  # 30 saved, of which its input 10
     assert fused_norm_bytes(SAVED, {}) == 0
     assert sequence_shard_bytes(SAVED, 4) == 15  # the gathered 20 kept as a quarter
+
+
+def test_fused_swiglu_keeps_only_its_two_inputs():
+    # the gated activation saves gate, up and the activated gate (3 x 10); the down projection's input is 10 wide
+    dense = {"mlp|mul|(32,)": 30, "mlp|mm|(32,)": 10, "mlp.experts|mul|(32,)": 30}
+    assert fused_swiglu_bytes(dense) == 10  # the experts' activation is moe_act's (recompute_modules)
+    assert fused_swiglu_bytes(SAVED) == 0  # no dense MLP down projection: nothing to drop
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,9 @@ bytes by module, op and width (UnitCost.module_saved, keys "module path|op|(widt
   colozoo's;
 - fused norms (Software.fused_norm): a norm keeps its input (and a statistic per row), not an fp32 copy and its
   normalized output;
+- the fused gated activation (Software.fused_swiglu: Megatron-Core's SwiGLUFunction in
+  megatron/core/fusions/fused_bias_swiglu.py saves its input, gate and up, and recomputes the activation in
+  backward): the dense MLP keeps its two ffn-wide inputs, not also the activated gate;
 - the sequence shard kept for backward (Software.sequence_parallel_saves_shard): a column-parallel linear under
   sequence parallelism keeps 1/tp of the gathered input colozoo's keeps.
 """
@@ -56,6 +59,14 @@ def fused_norm_bytes(module_saved: dict, norm_inputs: dict) -> float:
         if module in norm_inputs:
             saved[module] = saved.get(module, 0) + nbytes
     return sum(max(0.0, n - norm_inputs[m]) for m, n in saved.items())
+
+
+def fused_swiglu_bytes(module_saved: dict) -> float:
+    """Saved bytes of the dense MLP's gated activation beyond its two inputs (gate and up, each as wide as the
+    down projection's saved input)."""
+    elementwise = sum(n for key, n in module_saved.items() if _parts(key)[0] == "mlp" and _parts(key)[1] not in GEMMS)
+    down = sum(n for key, n in module_saved.items() if _parts(key)[0] == "mlp" and _parts(key)[1] in GEMMS)
+    return max(0.0, elementwise - 2 * down) if down else 0.0
 
 
 def sequence_shard_bytes(module_saved: dict, tp: int) -> float:

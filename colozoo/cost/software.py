@@ -48,6 +48,9 @@ class Software:
     # with sequence parallelism a column-parallel linear keeps its input as the sequence shard and all-gathers it
     # again in backward (Korthikanti et al. 2022, section 4.2.2), where colozoo's keeps the gathered input
     sequence_parallel_saves_shard: bool = False
+    # the gated MLP activation saves only its inputs and recomputes itself in backward (Megatron-Core's fused
+    # SwiGLU, on unless --no-bias-swiglu-fusion), where colozoo's keeps the activated gate too
+    fused_swiglu: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
