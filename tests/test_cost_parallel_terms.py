@@ -1,6 +1,6 @@
 """The cost model's terms for context and expert parallelism and the interleaved schedule's gradient reduction, each
 against a hand count: the keys and values ring attention passes (grouped-query and MLA heads, kv heads copied when
-fewer than the tp ranks), the zigzag balance of causal pairs, a ring hidden behind long blocks and exposed by short
+fewer than the tp ranks), a ring hidden behind long blocks and exposed by short
 ones, where an expert group lies and what its all-to-all costs on the links it crosses, grouped expert GEMMs priced
 per expert, the window the interleaved cool-down gives the gradient reduction, and attention with sinks traced as
 the fused kernel a GPU runs."""
@@ -12,10 +12,10 @@ import torch
 import transformers
 
 from colozoo.cost.compute_time import gemm_seconds
-from colozoo.cost.context_parallel import causal_balance, kv_bytes_per_token, ring_steps
+from colozoo.cost.context_parallel import kv_bytes_per_token, ring_steps
 from colozoo.cost.experts import dispatch_combine_seconds, expert_span, grouped_gemm_shape
 from colozoo.cost.hardware import get_hardware
-from colozoo.cost.network import collective_seconds
+from colozoo.cost.network import collective_seconds, latency_seconds
 from colozoo.cost.step_time import reduce_window
 from colozoo.runtime.plan import Plan
 
@@ -37,12 +37,6 @@ def test_kv_bytes_per_token():
     mla = transformers.AutoConfig.for_model("deepseek_v3")  # the published attention: 128 heads
     assert kv_bytes_per_token(mla, 8, 2) == 16 * (192 + 128) * 2
     assert kv_bytes_per_token(SimpleNamespace(), 8, 2) is None
-
-
-def test_causal_balance():
-    assert causal_balance(16) == 1.0
-    assert causal_balance(16, zigzag=False) == pytest.approx(31 / 16)
-    assert causal_balance(1, zigzag=False) == 1.0
 
 
 def test_ring_steps_hide_behind_long_blocks_only():
@@ -72,6 +66,11 @@ def test_expert_groups_and_their_all_to_all():
     everything_over_the_adapter = collective_seconds(H100, "all_to_all", 1e9, 16, 32, 4)
     adapter_share = 1e9 * 12 / 16 / H100.bandwidth("all_to_all", 32)
     assert adapter_share < across < everything_over_the_adapter
+    # every step at its hop's latency: 15 steps, 4 in 16 of them (a ring leaves each node once) between nodes
+    nvlink_share = 1e9 * 3 / 16 / H100.bandwidth("all_to_all", 8)
+    assert across == pytest.approx(max(nvlink_share, adapter_share) + latency_seconds(H100, "all_to_all", 16, 4, 4))
+    assert latency_seconds(H100, "all_to_all", 16, 4, 4) == pytest.approx(
+        4 * (11.25 * H100.collective_latency_s + 3.75 * H100.inter_node_latency_s))
     assert dispatch_combine_seconds(H100, 1e9, 1, 8, 4) == 0.0
 
 

@@ -8,8 +8,7 @@ Engine's context parallelism; the Llama 3 report, §3.3.2):
 - a step's transfer runs behind the step's block of attention (a stream of its own), so a ring is exposed only
   where one block's transfer outlasts one block's compute (`ring_steps`): long sequences hide it, short ones don't;
 - under a causal mask the chunks are placed zigzag (rank r holds chunks r and 2cp - 1 - r), so every rank computes
-  the same share of the (query, key) pairs; contiguous chunks leave the last rank (2cp - 1)/cp of the mean
-  (`causal_balance`).
+  the same share of the (query, key) pairs: a rank's core is cp times its local one, no rank busier than the mean.
 """
 from __future__ import annotations
 
@@ -31,11 +30,6 @@ def kv_bytes_per_token(config, tp: int, itemsize: int) -> float | None:
     width = family.attention_size(config)[1] * kv / heads  # K and V of every kv head
     local = max(1, kv // tp)  # fewer key/value heads than tp ranks: each rank keeps a copy of one
     return width * local / kv * itemsize
-
-
-def causal_balance(cp: int, zigzag: bool = True) -> float:
-    """The busiest context-parallel rank's share of the causal (query, key) pairs over the mean share."""
-    return 1.0 if zigzag or cp <= 1 else (2 * cp - 1) / cp
 
 
 def ring_steps(core_fwd: float, core_bwd: float, kv_bytes: float, cp: int, hw: Hardware, span: int,

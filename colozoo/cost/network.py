@@ -61,5 +61,11 @@ def collective_seconds(hw: Hardware, collective: str, nbytes: float, n: int, spa
     per_node = min(n, max(1, hw.gpus_per_node * n // max(span, 1)))
     if inside:
         per_node = n
+    return seconds + latency_seconds(hw, collective, n, per_node, calls)
+
+
+def latency_seconds(hw: Hardware, collective: str, n: int, per_node: int, calls: float) -> float:
+    """The latency of `calls` calls over n ranks, `per_node` of them in each node: every step at its hop's latency
+    (latency_steps)."""
     within, between = latency_steps(collective, n, per_node)
-    return seconds + calls * (within * hw.collective_latency_s + between * hw.inter_node_latency_s)
+    return calls * (within * hw.collective_latency_s + between * hw.inter_node_latency_s)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colozoo.cost.compute_time import unit_seconds
-from colozoo.cost.context_parallel import causal_balance, ring_steps
+from colozoo.cost.context_parallel import ring_steps
 from colozoo.cost.cost_model import _recompute_plan
 from colozoo.cost.experts import expert_exchange_seconds
 from colozoo.cost.hardware import Hardware
@@ -86,11 +86,11 @@ class StageTime:
 
 def _spans(plan: Plan) -> dict:
     return {"tp": plan.tp, "cp": plan.tp * plan.cp, "dp_cp": plan.tp * plan.cp * plan.dp,
-            "ep": plan.tp * plan.cp * plan.dp, "pp": plan.tp * plan.cp * plan.dp + 1}
+            "pp": plan.tp * plan.cp * plan.dp + 1}
 
 
 def _group_seconds(comm: dict, calls: dict, group: str, plan: Plan, hw: Hardware, scale: float = 1.0) -> float:
-    sizes = {"tp": plan.tp, "cp": plan.cp, "dp_cp": plan.dp * plan.cp, "ep": plan.ep}
+    sizes = {"tp": plan.tp, "cp": plan.cp, "dp_cp": plan.dp * plan.cp}
     out = 0.0
     for key, nbytes in comm.items():
         g, _, collective = key.partition(".")
@@ -178,7 +178,7 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
     """(forward, backward with recomputation, tp, ep, exposed ring attention, ZeRO-3 terms or None) of one unit,
     seconds per micro-batch."""
     kernels, cp, o, kernel = u["kernels"], plan.cp, hw.comm_overlap, software.attention_kernel
-    scale = cp * causal_balance(cp)  # ring attention: a rank's queries meet every chunk's keys, balanced zigzag
+    scale = cp  # ring attention: a rank's queries meet every chunk's keys, the causal pairs balanced zigzag
     fwd = unit_seconds(kernels, hw, "fwd", core_scale=scale, attention=kernel) + hw.layer_overhead_s * is_layer
     bwd = unit_seconds(kernels, hw, "bwd", core_scale=scale, attention=kernel)
     bwd += fwd if policy == "full" else (
