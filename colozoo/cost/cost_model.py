@@ -85,15 +85,15 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
     sp = plan.sequence_parallel and plan.tp > 1
     modules = tuple(getattr(software, "recompute_modules", ()))
     hidden = getattr(traced.config, "hidden_size", 0) if sp and getattr(software, "expert_tp_folded", False) else 0
-    fused = bool(getattr(software, "fused_norm", False))
+    norm, swiglu = bool(getattr(software, "fused_norm", False)), bool(getattr(software, "fused_swiglu", False))
+    fused = norm or swiglu  # fused kernels that save less than colozoo's
     shard = sp and getattr(software, "sequence_parallel_saves_shard", False)
-    swiglu = bool(getattr(software, "fused_swiglu", False))
-    if not (modules or hidden or fused or shard or swiglu):
+    if not (modules or hidden or fused or shard):
         return traced
 
     def dropped(u):
         return (layout.dropped_bytes(u.module_saved, modules, hidden, plan.tp)
-                + (layout.fused_norm_bytes(u.module_saved, u.norm_inputs) if fused else 0)
+                + (layout.fused_norm_bytes(u.module_saved, u.norm_inputs) if norm else 0)
                 + (layout.sequence_shard_bytes(u.module_saved, plan.tp) if shard else 0)
                 + (layout.fused_swiglu_bytes(u.module_saved) if swiglu else 0))
 
@@ -101,7 +101,7 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
         units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u))) for k, u in traced.units.items()}
         return replace(traced, units=units, memo={})
 
-    return traced.memoized(("saved by", modules, hidden, fused, shard, swiglu, plan.tp), build)
+    return traced.memoized(("saved by", modules, hidden, norm, swiglu, shard, plan.tp), build)
 
 
 def _unit_dicts(traced: ModelTrace, tp: int, itemsize: int) -> list[dict]:
