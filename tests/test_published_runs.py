@@ -45,8 +45,8 @@ def test_every_run_fits_its_gpus(results):
     over = {r.run.id for r in results if not r.fits}
     explained = {r.run.id for r in results if r.run.memory_miss}
     assert over == explained, over ^ explained
-    # a reason must not excuse more than twice the GPU's memory
-    assert all(r.memory <= 2 * r.run.hardware.memory_limit for r in results if r.run.memory_miss)
+    # a reason must not excuse more than it explains: the fullest, Llama 3 405B on 8192 GPUs, is 1.28x the GPU's
+    assert all(r.memory <= 1.3 * r.run.hardware.memory_limit for r in results if r.run.memory_miss)
 
 
 def test_layouts_compared_on_the_same_gpus_rank_as_measured(results):
