@@ -9,6 +9,30 @@ PARALLEL_TERMS = "tests/test_cost_parallel_terms.py::"
 SOURCES = "tests/test_hardware_sources.py::"
 
 PLANNER = {
+    "zero3_gathers_whole_layers": Mutation(
+        "DeepSpeed ZeRO-3 is priced gathering whole layers ahead, not one submodule ahead of the one computing",
+        Rewrite("colozoo.cost.step_time:_zero3_chain",
+                ('if software.zero3_gather_unit == "submodule":', "if False:")),
+        ("tests/test_published_runs.py::test_layouts_compared_on_the_same_gpus_rank_as_measured",)),
+    "gather_buffers_free": Mutation(
+        "zeroing each gathered buffer on the compute stream costs nothing",
+        Rewrite("colozoo.cost.step_time:_buffer_fill", ("if not software.gather_buffer_zeroed:", "if True:")),
+        ("tests/test_published_runs.py::test_layouts_compared_on_the_same_gpus_rank_as_measured",)),
+    "compute_behind_traffic_adds": Mutation(
+        "compute shorter than the traffic beside it still adds its SM contention to the step",
+        Rewrite("colozoo.cost.step_time:overlapped",
+                ("together = max(comm, compute + contention * comm)",
+                 "together = max(comm, compute) + contention * min(compute, comm)")),
+        ("tests/test_cost_terms.py::test_overlap_hides_traffic_but_takes_sms",)),
+    "fused_swiglu_saves_all": Mutation(
+        "a fused SwiGLU is priced saving its product as well as its two inputs",
+        Rewrite("colozoo.cost.saved_layout:fused_swiglu_bytes",
+                ("return max(0.0, elementwise - 2 * down) if down else 0.0", "return 0.0")),
+        ("tests/test_saved_layout.py::test_fused_swiglu_keeps_only_its_two_inputs",)),
+    "zero3_holds_whole_units": Mutation(
+        "ZeRO-3 per submodule is priced holding a whole layer's gathered weights",
+        Rewrite("colozoo.cost.zero3_submodules:held_share", ("return max(pairs) / sum(sizes)", "return 1.0")),
+        ("tests/test_cost_terms.py::test_zero3_gathered_by_submodule",)),
     "ring_sends_hidden_states": Mutation(
         "context-parallel ring attention passes hidden-state-wide blocks instead of the family's keys and values",
         Rewrite("colozoo.cost.context_parallel:kv_bytes_per_token",
