@@ -180,7 +180,7 @@ def test_colozoo_eval_matches_the_hf_backend_at_tp1(setup, tmp_path, capsys):
     assert "|colozoo_mc |" in out and "acc_norm" in out and "tokens/s" in out
     ours = json.loads((tmp_path / "results.json").read_text())
     assert_same_results(ours, setup["reference"]["llama"])
-    assert ours["colozoo"]["seconds"] > 0 and ours["config"]["mesh"] == {"tp": 1, "pp": 1}
+    assert ours["colozoo"]["seconds"] > 0 and ours["config"]["mesh"] == {"tp": 1, "pp": 1, "dp": 1}
 
 
 def colozoo_eval_on_ranks(argv):
