@@ -45,13 +45,17 @@ def peer(model):
     return {n: {kind: getattr(hf, kind)(requests) for kind, requests in instances(n).items()} for n in (None, 1, 3)}
 
 
-def answers_and_counts(model_dir, n, tp=1):
+def answers_and_counts(model_dir, n, tp=1, fsdp=False):
     """Every kind's answers on this rank, and the requests its model scored: token requests (rolling windows for
-    loglikelihood_rolling) and generated rows."""
+    loglikelihood_rolling) and generated rows. `fsdp`: the model sharded over dp, as fine-tuning holds it."""
     from colozoo.api import from_pretrained
     from colozoo.evaluation import ColozooLM
+    from colozoo.runtime.parallelize import parallelize
 
-    lm = ColozooLM(from_pretrained(model_dir, tp=tp), batch_size=BATCH, progress=False)
+    model = from_pretrained(model_dir, tp=tp)
+    if fsdp:
+        parallelize(model, data_parallel="fsdp")
+    lm = ColozooLM(model, batch_size=BATCH, progress=False)
     counted = {"rows": 0}
     score, generate = lm._loglikelihood_tokens, lm._model_generate
 
@@ -112,3 +116,11 @@ def test_fewer_requests_than_replicas_do_not_hang(model, peer, world, n):
     for answers, counts, dp, _ in run_distributed(answers_and_counts, world, str(model), n, timeout=60):
         assert dp == world
         assert_same_answers(answers, peer[n])
+
+
+def test_a_model_sharded_over_dp_scores_every_request_on_every_replica(model, peer):
+    """FSDP gathers the parameters from every replica in each forward: the replicas cannot score apart."""
+    _, single, _, _ = answers_and_counts(str(model), 3)
+    for answers, counts, dp, _ in run_distributed(answers_and_counts, 2, str(model), 3, fsdp=True, timeout=60):
+        assert dp == 2 and counts == single
+        assert_same_answers(answers, peer[3])
