@@ -21,8 +21,8 @@ from colozoo.generate_cli import add_mesh_arguments, on_ranks
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "eval", help="score a model on lm-evaluation-harness tasks, on any mesh (needs lm-eval: colozoo[eval])",
-        description="Run lm-evaluation-harness tasks on a model sharded over tp x pp ranks (ranks beyond tp x pp are dp "
-                    "replicas, each scoring a share of the requests): the same requests, batches "
+        description="Run lm-evaluation-harness tasks on a model sharded over tp x pp ranks (ranks beyond tp x pp are "
+                    "dp replicas, each scoring a share of the requests): the same requests, batches "
                     "and metrics as `lm_eval --model hf`. Ships colozoo_mc (multiple choice), colozoo_ppl (perplexity) "
                     "and colozoo_gen (generation, exact match), which need no download; the harness's own tasks need "
                     "their datasets in the local Hugging Face cache (HF_DATASETS_OFFLINE=1 to never download), or a "
