@@ -1,7 +1,8 @@
-"""lm-eval requests dealt over the dp replicas (colozoo.evaluation.replicas): on a tiny LLaMA of 32 positions at dp=2
-and dp=2 x tp=2, every rank returns the answers of lm-eval's own HF backend to every loglikelihood (greedy flags
-too), loglikelihood_rolling and generate_until request, while each replica's model saw only its share (the tp
-ranks of a replica the same share); shares of one request, or none, do not hang."""
+"""lm-eval requests dealt over the dp replicas (colozoo.evaluation.replicas): on a tiny LLaMA of 32 positions at dp=2,
+dp=2 x tp=2 and dp=2 x pp=2, every rank returns the answers of lm-eval's own HF backend to every loglikelihood
+(greedy flags too), loglikelihood_rolling and generate_until request, while each replica's model saw only its share
+(the tp and pp ranks of a replica the same share); shares of one request, or none, do not hang; a model sharded over
+dp by FSDP scores every request on every replica."""
 import json
 from pathlib import Path
 
@@ -45,14 +46,14 @@ def peer(model):
     return {n: {kind: getattr(hf, kind)(requests) for kind, requests in instances(n).items()} for n in (None, 1, 3)}
 
 
-def answers_and_counts(model_dir, n, tp=1, fsdp=False):
+def answers_and_counts(model_dir, n, tp=1, pp=1, fsdp=False):
     """Every kind's answers on this rank, and the requests its model scored: token requests (rolling windows for
     loglikelihood_rolling) and generated rows. `fsdp`: the model sharded over dp, as fine-tuning holds it."""
     from colozoo.api import from_pretrained
     from colozoo.evaluation import ColozooLM
     from colozoo.runtime.parallelize import parallelize
 
-    model = from_pretrained(model_dir, tp=tp)
+    model = from_pretrained(model_dir, tp=tp, pp=pp)
     if fsdp:
         parallelize(model, data_parallel="fsdp")
     lm = ColozooLM(model, batch_size=BATCH, progress=False)
@@ -94,17 +95,17 @@ def test_deal_gives_the_longest_first_round_robin():
     assert deal([4], 4) == [[0], [], [], []]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_each_replica_scores_its_share_and_every_rank_gets_the_hf_backends_answers(model, peer, tp):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_each_replica_scores_its_share_and_every_rank_gets_the_hf_backends_answers(model, peer, tp, pp):
     _, single, _, _ = answers_and_counts(str(model), None)
-    ranks = run_distributed(answers_and_counts, 2 * tp, str(model), None, tp=tp, timeout=120)
+    ranks = run_distributed(answers_and_counts, 2 * tp * pp, str(model), None, tp=tp, pp=pp, timeout=120)
     assert {dp for _, _, dp, _ in ranks} == {2}
     for answers, _, _, _ in ranks:
         assert_same_answers(answers, peer[None])
     for kind in KINDS:
         by_replica = {}
         for _, counts, _, replica in ranks:
-            assert by_replica.setdefault(replica, counts[kind]) == counts[kind], kind  # a replica's tp ranks alike
+            assert by_replica.setdefault(replica, counts[kind]) == counts[kind], kind  # a replica's ranks alike
         assert sum(by_replica.values()) == single[kind] and 0 < min(by_replica.values()), (kind, by_replica)
         assert max(by_replica.values()) < single[kind], (kind, by_replica)
 
