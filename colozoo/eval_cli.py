@@ -1,7 +1,8 @@
-"""`colozoo eval`: lm-evaluation-harness scores of a model on any tp x pp mesh, as `lm_eval --model hf` gives them.
+"""`colozoo eval`: lm-evaluation-harness scores of a model on any tp x pp x dp mesh, as `lm_eval --model hf` gives them.
 
     colozoo eval ./my-model --tasks colozoo_mc,colozoo_ppl,colozoo_gen
     colozoo eval ./ckpt --tasks hellaswag --num-fewshot 10 --nproc-per-node 4 --tp 2 --pp 2 --output results.json
+    colozoo eval ./ckpt --tasks hellaswag --nproc-per-node 8 --tp 2      # 4 dp replicas, each scoring a quarter
 
 Every rank runs it; rank 0 prints the harness's table, the time and tokens per second, and writes the results JSON.
 Everything that needs no model (lm-eval installed, the model's causal LM head against its config, the mesh, the
@@ -20,7 +21,8 @@ from colozoo.generate_cli import add_mesh_arguments, on_ranks
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "eval", help="score a model on lm-evaluation-harness tasks, on any mesh (needs lm-eval: colozoo[eval])",
-        description="Run lm-evaluation-harness tasks on a model sharded over tp x pp ranks: the same requests, batches "
+        description="Run lm-evaluation-harness tasks on a model sharded over tp x pp ranks (ranks beyond tp x pp are "
+                    "dp replicas, each scoring a share of the requests): the same requests, batches "
                     "and metrics as `lm_eval --model hf`. Ships colozoo_mc (multiple choice), colozoo_ppl (perplexity) "
                     "and colozoo_gen (generation, exact match), which need no download; the harness's own tasks need "
                     "their datasets in the local Hugging Face cache (HF_DATASETS_OFFLINE=1 to never download), or a "
@@ -39,7 +41,7 @@ def add_parser(subparsers):
     p.add_argument("--log-samples", action="store_true", help="with --output: every request, response and score")
     p.add_argument("--adapter", help="a PEFT LoRA adapter directory to attach")
     p.add_argument("--seed", type=int, default=1234, help="the harness's seeds (few-shot choice, sampling)")
-    add_mesh_arguments(p)
+    add_mesh_arguments(p, nproc="N = tp x pp x dp: the dp replicas share the requests")
     p.set_defaults(func=run, command_parser=p)
     return p
 
@@ -81,7 +83,7 @@ class Prepared:
 
 def run(args) -> int:
     check_options(args)
-    return on_ranks(args, Prepared, evaluate)
+    return on_ranks(args, Prepared, evaluate, dp=None)  # ranks beyond tp x pp: dp replicas sharing the requests
 
 
 def evaluate(args, prepared: Prepared) -> int:
@@ -104,7 +106,8 @@ def evaluate(args, prepared: Prepared) -> int:
         stats = results["colozoo"]
         rate = f"{stats['tokens_per_s']:,.0f} tokens/s" if stats["tokens_per_s"] else "no tokens"
         print(f"evaluated in {stats['seconds']:.1f} s: the model read and wrote {stats['tokens']:,} tokens in "
-              f"{stats['model_seconds']:.1f} s ({rate}) on mesh tp={args.tp} x pp={args.pp}")
+              f"{stats['model_seconds']:.1f} s ({rate}) on mesh tp={args.tp} x pp={args.pp} x "
+              f"dp={model.parallel.config.dp}")
         if args.output is not None:
             print(f"results written to {write_results(results, args.output)}", file=sys.stderr)
     return 0

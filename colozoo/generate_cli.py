@@ -53,13 +53,13 @@ def add_parser(subparsers):
     return p
 
 
-def add_mesh_arguments(p):
+def add_mesh_arguments(p, nproc: str = "N = tp x pp"):
     """--tp, --pp, --dtype and --nproc-per-node, as every command that runs a model on a tp x pp mesh offers them."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--dtype", choices=FLOAT_CHOICES, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N processes on this machine (torchrun "
-                                                                   "--standalone, in this process); N = tp x pp")
+                                                                   f"--standalone, in this process); {nproc}")
 
 
 # --- checks that need no model ------------------------------------------------------------------------------------
@@ -208,20 +208,20 @@ def run(args) -> int:
         return 130
 
 
-def on_ranks(args, prepare, work) -> int:
-    """`work(args, prepare(args))` on every rank of a tp x pp job. With --nproc-per-node (outside torchrun) this
-    process checks the mesh and `prepare`s first, so bad input is one line before any rank starts, then starts the
-    ranks, which run the same command."""
+def on_ranks(args, prepare, work, dp: int | None = 1) -> int:
+    """`work(args, prepare(args))` on every rank of a tp x pp job (dp=None: tp x pp x dp, dp the ranks left). With
+    --nproc-per-node (outside torchrun) this process checks the mesh and `prepare`s first, so bad input is one line
+    before any rank starts, then starts the ranks, which run the same command."""
     from colozoo.core.mesh import ParallelConfig
     from colozoo.finetune import launch
 
     command = args.command
     if args.nproc_per_node and not launch.under_torchrun():
-        ParallelConfig.for_world(args.nproc_per_node, tp=args.tp, pp=args.pp, dp=1)
+        ParallelConfig.for_world(args.nproc_per_node, tp=args.tp, pp=args.pp, dp=dp)
         prepare(args)
         return launch.launch(args.nproc_per_node, [command, *launch.command_line(args.command_parser, args)],
                              module="colozoo.cli", command=command)
-    ParallelConfig.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tp, pp=args.pp, dp=1)
+    ParallelConfig.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tp, pp=args.pp, dp=dp)
     return work(args, prepare(args))
 
 

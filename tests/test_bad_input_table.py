@@ -277,6 +277,9 @@ CASES = {
     "eval heads over tp, before launching": (
         lambda m, w: ["eval", str(m["gpt2"]), "--tasks", "colozoo_mc", "--nproc-per-node", "3", "--tp", "3"],
         r"tp=3 must divide the attention heads"),
+    "eval ranks not a multiple of tp x pp": (
+        lambda m, w: ["eval", str(m["gpt2"]), "--tasks", "colozoo_mc", "--nproc-per-node", "3", "--tp", "2"],
+        r"world size 3 is not divisible by tp\*pp\*cp = 2\*1\*1"),
     "eval tasks unknown in finetune": (lambda m, w: finetune(m, w, "--eval-tasks", "nope"), r"unknown task 'nope'"),
     # convert
     "convert source missing": (lambda m, w: ["convert", str(w / "no" / "such"), str(w / "dst")],

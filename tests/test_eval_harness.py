@@ -3,7 +3,7 @@ checkpoints: tiny LLaMA, GPT-2 and Qwen3 models of 32 positions (so few-shot pro
 left-truncated and perplexity runs over several rolling windows), the shipped tasks, and `stop_gen` (the shipped
 generation task with stop sequences a random model meets: "e", "\\n" and "."). Every metric and every response
 agree: accuracy, exact match and the generated text identical, log-likelihoods to 1e-4; at tp=1 through the Python
-API (a model object, and by name), and through `colozoo eval` at tp=1, tp=2, pp=2 and tp2 x pp2."""
+API (a model object, and by name), and through `colozoo eval` at tp=1, tp=2, pp=2, tp2 x pp2 and dp=2."""
 import json
 import sys
 from pathlib import Path
@@ -180,7 +180,7 @@ def test_colozoo_eval_matches_the_hf_backend_at_tp1(setup, tmp_path, capsys):
     assert "|colozoo_mc |" in out and "acc_norm" in out and "tokens/s" in out
     ours = json.loads((tmp_path / "results.json").read_text())
     assert_same_results(ours, setup["reference"]["llama"])
-    assert ours["colozoo"]["seconds"] > 0 and ours["config"]["mesh"] == {"tp": 1, "pp": 1}
+    assert ours["colozoo"]["seconds"] > 0 and ours["config"]["mesh"] == {"tp": 1, "pp": 1, "dp": 1}
 
 
 def colozoo_eval_on_ranks(argv):
@@ -196,11 +196,13 @@ def colozoo_eval_on_ranks(argv):
     return json.loads(output.read_text()) if torch.distributed.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 1), ("gpt2", 1, 2), ("qwen3", 2, 2)])
-def test_colozoo_eval_on_a_mesh_matches_the_hf_backend(setup, tmp_path, family, tp, pp):
+@pytest.mark.parametrize("family,tp,pp,dp", [("llama", 2, 1, 1), ("gpt2", 1, 2, 1), ("qwen3", 2, 2, 1),
+                                             ("gpt2", 1, 1, 2)])
+def test_colozoo_eval_on_a_mesh_matches_the_hf_backend(setup, tmp_path, family, tp, pp, dp):
+    """dp > 1: the ranks beyond tp x pp are replicas, each scoring a share of the requests."""
     argv = eval_argv(setup, family, tmp_path / "results.json", "--tp", str(tp), "--pp", str(pp))
-    ours = run_distributed(colozoo_eval_on_ranks, tp * pp, argv, timeout=240)[0]
-    assert ours["config"]["mesh"] == {"tp": tp, "pp": pp}
+    ours = run_distributed(colozoo_eval_on_ranks, tp * pp * dp, argv, timeout=240)[0]
+    assert ours["config"]["mesh"] == {"tp": tp, "pp": pp, "dp": dp}
     assert_same_results(ours, setup["reference"][family])
     if tp > 1:  # greedy flags, true and false, from the vocabulary slices
         from lm_eval.models.huggingface import HFLM

@@ -11,9 +11,10 @@
 It is the harness's HF backend (`lm_eval.models.huggingface.HFLM`) with the model calls replaced, so requests are
 tokenized, sorted, batched, truncated and cut into rolling windows exactly as `lm_eval --model hf` does; only the
 scoring (`colozoo.evaluation.scoring`: the continuation's log-probabilities from each rank's vocabulary slice) and the
-generation (the model's own `generate`, with the request's stop sequences) run on the mesh. Every rank runs every
-request (the harness sees one process: rank 0 of a world of 1), so the pipeline stages and the tensor-parallel
-ranks work together on each batch; `simple_evaluate` returns the results on rank 0.
+generation (the model's own `generate`, with the request's stop sequences) run on the mesh. The harness sees one
+process (rank 0 of a world of 1) and hands every rank every request; each dp replica scores a share of them (the
+pipeline stages and the tensor-parallel ranks of a replica work together on each batch) and every rank gets every
+answer back (colozoo.evaluation.replicas); `simple_evaluate` returns the results on rank 0.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import Collator, configure_pad_token
 from tqdm import tqdm
 
+from colozoo.evaluation.replicas import on_replicas
 from colozoo.evaluation.scoring import Span, score_spans
 from colozoo.generate_cli import stops_early
 
@@ -80,15 +82,30 @@ class ColozooLM(HFLM):
         self.show_progress = progress and global_rank() == 0
         self.counts = {"tokens": 0, "model_s": 0.0}  # what the model read and wrote, and its time (stats only)
 
-    # progress on rank 0 only (the harness sees every rank as its rank 0)
+    # each dp replica scores its share of the requests (colozoo.evaluation.replicas); progress on rank 0 only
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.show_progress)
+        # one context's continuations go together: the logits cache scores one-token answers by one row
+        return self._on_replicas(super().loglikelihood, requests, disable_tqdm, lambda r: len(r.args[0] + r.args[1]),
+                                 together=lambda r: r.args[0])
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or not self.show_progress)
+        return self._on_replicas(super().loglikelihood_rolling, requests, disable_tqdm, lambda r: len(r.args[0]))
 
     def generate_until(self, requests, disable_tqdm: bool = False):
-        return super().generate_until(requests, disable_tqdm=disable_tqdm or not self.show_progress)
+        return self._on_replicas(super().generate_until, requests, disable_tqdm, lambda r: len(r.args[0]))
+
+    def _on_replicas(self, method, requests, disable_tqdm: bool, length, together=None) -> list:
+        """`method` (the HF backend's) on this replica's share, dealt by `length` (characters: the backend counts
+        the tokens); every answer on every rank, and the tokens every replica's model read and wrote counted."""
+        def score(share):
+            before = self.counts["tokens"]
+            answers = method(share, disable_tqdm=disable_tqdm or not self.show_progress)
+            return answers, self.counts["tokens"] - before
+
+        start = self.counts["tokens"]
+        answers, tokens = on_replicas(self._model, requests, length, score, together)
+        self.counts["tokens"] = start + sum(tokens)
+        return answers
 
     @property
     def max_gen_toks(self) -> int:
@@ -98,7 +115,7 @@ class ColozooLM(HFLM):
         """The model's description in the results (the HF backend's asks the Hub for a revision)."""
         parallel = self._model.parallel
         return {"model_dtype": str(next(self._model.parameters()).dtype), "backend": "colozoo",
-                "mesh": {"tp": parallel.config.tp, "pp": parallel.config.pp}}
+                "mesh": {"tp": parallel.config.tp, "pp": parallel.config.pp, "dp": parallel.config.dp}}
 
     # --- loglikelihood and loglikelihood_rolling (the HF backend's) score here --------------------------------
 

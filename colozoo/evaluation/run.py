@@ -92,9 +92,10 @@ def load_tasks(names: list[str], manager) -> list:
 def evaluate(lm, tasks: list, manager, num_fewshot: int | None = None, limit: float | None = None,
              log_samples: bool = False, seed: int = 1234, environment: bool = True) -> dict | None:
     """lm_eval.simple_evaluate of `lm` on `tasks` (load_tasks' from `manager`), on every rank of the job; the harness's
-    results on rank 0 with a "colozoo" entry (seconds, tokens the model read and wrote, tokens per second of its time),
-    None on the other ranks. `environment=False` leaves out the harness's description of the machine (torch's
-    collect_env, which runs `pip list` and more: seconds at every call), for scores logged during training."""
+    results on rank 0 with a "colozoo" entry (seconds, tokens the model read and wrote on every dp replica, tokens per
+    second of rank 0's model time), None on the other ranks. `environment=False` leaves out the harness's description of
+    the machine (torch's collect_env, which runs `pip list` and more: seconds at every call), for scores logged during
+    training."""
     import lm_eval
     import lm_eval.evaluator
 

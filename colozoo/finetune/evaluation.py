@@ -149,7 +149,7 @@ def leaf_tasks(tasks: list) -> list:
 
 def task_scores(model, tokenizer, cfg: FinetuneConfig, manager, batch_size: int) -> dict:
     """The harness's scores of the model as it is, flat (TASK/METRIC), on rank 0 ({} elsewhere), with the seconds
-    they took (collective: every rank runs every request)."""
+    they took (collective: every rank calls it; the dp replicas split the requests unless FSDP shards the model)."""
     from colozoo.evaluation import ColozooLM, evaluate
     from colozoo.evaluation.run import load_tasks, scores
 
