@@ -101,7 +101,8 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
         router = GroupLimitedRouter(config.hidden_size, self.experts(config), config.num_experts_per_tok,
                                     groups=config.n_group, topk_group=config.topk_group,
                                     normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor, **kw)
-        return self.moe(config, parallel, router=router, shared_expert_gate=False, **kw)
+        return self.moe(config, parallel, router=router, normalize_top_k=config.norm_topk_prob, shared_expert_gate=False,
+                        **kw)
 
     def router_stats_width(self) -> int:
         return 0  # no router losses to carry between pipeline stages (see head)

@@ -66,7 +66,7 @@ class GptOssForCausalLM(MoEDecoderModel):
         activation = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
         experts = GptOssExperts(self.experts(config), config.hidden_size, self.expert_width(config), activation,
                                 ep_group=parallel.group("ep"), tp_group=parallel.tp_group, **kw)
-        return self.moe(config, parallel, router_bias=True, experts=experts, **kw)
+        return self.moe(config, parallel, router_bias=True, experts=experts, activation=activation, **kw)
 
 
 # sinks, YaRN scaling 16 original positions by 4, biases on attention, router and experts, the clamped SwiGLU, and
