@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from colozoo.core.sequence import sequence_multiple
+
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
@@ -46,6 +48,11 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a sequence's length must be a multiple of for this mesh to split it (core.sequence)."""
+        return sequence_multiple(self.cp, self.tp if self.sequence_parallel else 1)
 
     @classmethod
     def for_world(cls, world_size: int, *, tp=1, pp=1, dp=None, cp=1, ep=1, sequence_parallel=False) -> "ParallelConfig":

@@ -147,6 +147,7 @@ class GroupedExperts(nn.Module):
         if inner_size % tp:
             raise ValueError(f"tp={tp} must divide the expert width (intermediate size {inner_size})")
         self.num_experts, self.num_local = num_experts, num_experts // ep
+        self.inner_size, self.activation = inner_size, activation
         self.first = group_rank(ep_group) * self.num_local
         self.tp_group = tp_group
         self.gated_act = get_gated_activation(activation) if isinstance(activation, str) else activation
@@ -230,19 +231,39 @@ class MoESpec:
     router_bias: bool = False
 
 
+_UNSAID = object()  # a module that does not say (no such attribute): nothing to compare
+
+
+def _check_agrees(role: str, spec: MoESpec, **said):
+    """The router or experts module given to MoE says what the spec says, where it says anything."""
+    for field, value in said.items():
+        if value is not _UNSAID and value != getattr(spec, field):
+            raise ValueError(f"MoE: the {role} given has {field}={value!r}, the MoESpec {field}="
+                             f"{getattr(spec, field)!r}: give a module and a spec that agree")
+
+
 class MoE(nn.Module):
     """Router + experts for input (batch, seq, hidden); returns (output, router logits (tokens, experts)).
 
     The family's `spec` (MoESpec) says what kind; `router`: a router module to use instead of the softmax top-k one
     (DeepSeek-V3's GroupLimitedRouter), called as TopKRouter is; `experts`: an experts module to use instead of
-    GroupedExperts, called as it is (gpt-oss's layout); the `ep_group`, `tp_group` and `sequence_parallel` say where
-    it sits."""
+    GroupedExperts, called as it is (gpt-oss's layout). The spec describes the layer whole: a module given must agree
+    with it where it says (num_experts, top_k, normalize and bias of a router; num_experts, inner_size and activation
+    of experts), else ValueError. The `ep_group`, `tp_group` and `sequence_parallel` say where it sits."""
 
     def __init__(self, spec: MoESpec, *, router: nn.Module | None = None, experts: nn.Module | None = None,
                  ep_group=None, tp_group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if spec.capacity_factor is not None and spec.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive or None (dropless), got {spec.capacity_factor}")
+        if router is not None:
+            _check_agrees("router", spec, num_experts=getattr(router, "num_experts", _UNSAID),
+                          top_k=getattr(router, "top_k", _UNSAID), normalize_top_k=getattr(router, "normalize", _UNSAID),
+                          router_bias=getattr(router, "bias", None) is not None)
+        if experts is not None:
+            _check_agrees("experts", spec, num_experts=getattr(experts, "num_experts", _UNSAID),
+                          inner_size=getattr(experts, "inner_size", _UNSAID),
+                          activation=getattr(experts, "activation", _UNSAID))
         h, activation, kw = spec.hidden_size, spec.activation, dict(device=device, dtype=dtype)
         self.num_experts, self.top_k, self.capacity_factor = spec.num_experts, spec.top_k, spec.capacity_factor
         self.ep_group, self.tp_group, self.sequence_parallel = ep_group, tp_group, sequence_parallel

@@ -90,8 +90,9 @@ class DecoderModel(ParallelModel):
             raise UnsupportedConfig(f"tp={parallel.tp_size} must divide the key/value heads (num_key_value_heads="
                                     f"{kv_heads}) or be a multiple of them (each kv head then replicated over "
                                     f"tp / num_key_value_heads ranks)")
-        parallel.tp_subgroup(max(parallel.tp_size // kv_heads,
-                                 1))  # collective: here, where every rank of every stage passes
+        # the tp ranks holding one kv head (tp > kv heads replicates each); collective: built here, where every rank
+        # of every stage passes
+        self.kv_replica_group = parallel.tp_subgroup(max(parallel.tp_size // kv_heads, 1))
         check_divisible("the MLP width (intermediate_size)", config.intermediate_size, parallel.tp_size)
         self.sliding_window = self.attention_window(config)
         h = config.hidden_size
@@ -134,7 +135,7 @@ class DecoderModel(ParallelModel):
         spec = AttentionSpec(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim_of(c), **settings)
         return SelfAttention(spec, layer_idx=layer_idx, group=parallel.tp_group,
                              sequence_parallel=parallel.sequence_parallel,
-                             replica_group=parallel.tp_subgroup(max(parallel.tp_size // c.num_key_value_heads, 1)),
+                             replica_group=self.kv_replica_group,
                              device=device, dtype=dtype)
 
     def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
@@ -157,6 +158,8 @@ class MoEDecoderModel(DecoderModel):
     expert (dropless without)."""
 
     num_experts_key = ""  # the config attribute holding the number of experts (each MoE family names its own)
+    expert_width_key = ""  # the config attribute holding one routed expert's width ("": the dense MLP's)
+    sparse_layer_rule = None  # (config, layer index) -> whether the layer holds experts (None: every layer does)
 
     def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
         from colozoo.core.mesh import single_process
@@ -167,11 +170,35 @@ class MoEDecoderModel(DecoderModel):
         super().__init__(config, parallel, layer_ids, device=device, dtype=dtype)
         self.num_experts, self.top_k = experts, config.num_experts_per_tok
 
+    @classmethod
+    def expert_width(cls, config) -> int:
+        return getattr(config, cls.expert_width_key) if cls.expert_width_key else cls.mlp_width(config)
+
+    @classmethod
+    def is_sparse_layer(cls, config, layer_idx: int) -> bool:
+        return cls.sparse_layer_rule is None or cls.sparse_layer_rule(config, layer_idx)
+
+    @classmethod
+    def sparse_layers(cls, config) -> int:
+        return sum(cls.is_sparse_layer(config, i) for i in range(cls.num_layers(config)))
+
+    def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
+        """A MoE layer (moe, with the family's moe_options), or the dense MLP where the family's rule says so."""
+        if not self.is_sparse_layer(config, layer_idx):
+            return dense_mlp(config, parallel, **kw)
+        return self.moe(config, parallel, **self.moe_options(config, parallel, **kw), **kw)
+
+    def moe_options(self, config, parallel, **kw) -> dict:
+        """What the family's MoE layers set beyond moe's defaults: fields of layers.MoESpec, and `router` / `experts`
+        modules (built with `kw`, the device and dtype) replacing the default ones."""
+        return {}
+
     def moe(self, config, parallel, router=None, experts=None, device=None, dtype=None, **options) -> MoE:
         """A MoE layer of this family: its sizes from the family's hooks (experts, expert_width, shared_expert_width),
-        top-k and activation from the config, `options` (fields of layers.MoESpec) overriding them; `router` and
-        `experts`: modules replacing the default ones (see layers.MoE)."""
-        settings = dict(activation=config.hidden_act, shared_expert_size=self.shared_expert_width(config) or None)
+        top-k, activation and capacity_factor (if set) from the config, `options` (fields of layers.MoESpec)
+        overriding them; `router` and `experts`: modules replacing the default ones (see layers.MoE)."""
+        settings = dict(activation=config.hidden_act, shared_expert_size=self.shared_expert_width(config) or None,
+                        capacity_factor=getattr(config, "capacity_factor", None))
         settings.update(options)
         spec = MoESpec(config.hidden_size, self.expert_width(config), self.experts(config), config.num_experts_per_tok,
                        **settings)

@@ -24,7 +24,7 @@ from colozoo.layers.moe import GroupLimitedRouter
 from colozoo.layers.rope import rope_parameters
 from colozoo.layers.vocab import LogitsRequest
 from colozoo.models.base import ModelOutput, UnsupportedConfig
-from colozoo.models.decoder import DecoderModel, MoEDecoderModel, dense_mlp
+from colozoo.models.decoder import DecoderModel, MoEDecoderModel
 from colozoo.models.family import TINY, Family, Tiny
 
 
@@ -57,6 +57,8 @@ def is_sparse(config, layer_idx: int) -> bool:
 class DeepseekV3ForCausalLM(MoEDecoderModel):
     family = "deepseek_v3"
     num_experts_key = "n_routed_experts"
+    expert_width_key = "moe_intermediate_size"
+    sparse_layer_rule = staticmethod(is_sparse)
 
     def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
         if config.num_key_value_heads != config.num_attention_heads:
@@ -77,16 +79,8 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
         return q + kv + heads * v * h, heads * (qk + v)
 
     @classmethod
-    def expert_width(cls, config) -> int:
-        return config.moe_intermediate_size
-
-    @classmethod
     def shared_expert_width(cls, config) -> int:
         return config.moe_intermediate_size * (config.n_shared_experts or 0)
-
-    @classmethod
-    def sparse_layers(cls, config) -> int:
-        return sum(is_sparse(config, i) for i in range(config.num_hidden_layers))
 
     def attention_window(self, config):
         return None
@@ -95,13 +89,11 @@ class DeepseekV3ForCausalLM(MoEDecoderModel):
         return LatentAttention(latent_attention_spec(config), layer_idx=layer_idx, group=parallel.tp_group,
                                sequence_parallel=parallel.sequence_parallel, **kw)
 
-    def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
-        if not is_sparse(config, layer_idx):
-            return dense_mlp(config, parallel, **kw)
+    def moe_options(self, config, parallel, **kw) -> dict:
         router = GroupLimitedRouter(config.hidden_size, self.experts(config), config.num_experts_per_tok,
                                     groups=config.n_group, topk_group=config.topk_group,
                                     normalize=config.norm_topk_prob, scaling=config.routed_scaling_factor, **kw)
-        return self.moe(config, parallel, router=router, shared_expert_gate=False, **kw)
+        return dict(router=router, normalize_top_k=config.norm_topk_prob, shared_expert_gate=False)
 
     def router_stats_width(self) -> int:
         return 0  # no router losses to carry between pipeline stages (see head)

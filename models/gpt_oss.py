@@ -62,11 +62,11 @@ class GptOssForCausalLM(MoEDecoderModel):
     def build_attention(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
         return self.attention(layer_idx, window=layer_window(config, layer_idx), sinks=True, **kw)
 
-    def build_mlp(self, layer_idx: int, config, parallel, **kw) -> nn.Module:
+    def moe_options(self, config, parallel, **kw) -> dict:
         activation = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
         experts = GptOssExperts(self.experts(config), config.hidden_size, self.expert_width(config), activation,
                                 ep_group=parallel.group("ep"), tp_group=parallel.tp_group, **kw)
-        return self.moe(config, parallel, router_bias=True, experts=experts, **kw)
+        return dict(router_bias=True, experts=experts, activation=activation)
 
 
 # sinks, YaRN scaling 16 original positions by 4, biases on attention, router and experts, the clamped SwiGLU, and

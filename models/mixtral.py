@@ -24,9 +24,6 @@ class MixtralForCausalLM(MoEDecoderModel):
             raise UnsupportedConfig("router_jitter_noise is not supported (set it to 0.0)")
         super().__init__(config, parallel, layer_ids, device=device, dtype=dtype)
 
-    def build_mlp(self, layer_idx, config, parallel, **kw):
-        return self.moe(config, parallel, capacity_factor=getattr(config, "capacity_factor", None), **kw)
-
 
 FAMILIES = (Family("mixtral", ("mixtral",), MixtralForCausalLM, gated_mlp=True, title="Mixtral",
                    features="causal LM with mixture-of-experts (top-k softmax routing, load-balancing and z losses, "

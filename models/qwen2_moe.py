@@ -8,7 +8,7 @@ with un-normalised top-k weights (unless norm_topk_prob) plus a shared expert ga
 from __future__ import annotations
 
 from colozoo.models.base import UnsupportedConfig
-from colozoo.models.decoder import MoEDecoderModel, dense_mlp
+from colozoo.models.decoder import MoEDecoderModel
 from colozoo.models.family import TINY, Family, Tiny
 
 
@@ -20,6 +20,8 @@ def is_sparse(config, layer_idx: int) -> bool:
 class Qwen2MoeForCausalLM(MoEDecoderModel):
     family = "qwen2_moe"
     num_experts_key = "num_experts"
+    expert_width_key = "moe_intermediate_size"
+    sparse_layer_rule = staticmethod(is_sparse)
 
     def __init__(self, config, parallel=None, layer_ids=None, device=None, dtype=None):
         if getattr(config, "use_sliding_window", False):
@@ -27,16 +29,8 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
         super().__init__(config, parallel, layer_ids, device=device, dtype=dtype)
 
     @classmethod
-    def expert_width(cls, config) -> int:
-        return config.moe_intermediate_size
-
-    @classmethod
     def shared_expert_width(cls, config) -> int:
         return config.shared_expert_intermediate_size or 0
-
-    @classmethod
-    def sparse_layers(cls, config) -> int:
-        return sum(is_sparse(config, i) for i in range(config.num_hidden_layers))
 
     def attention_window(self, config):
         return None  # sliding layers are refused; the config's sliding_window (0 when unused) would mask everything
@@ -44,10 +38,8 @@ class Qwen2MoeForCausalLM(MoEDecoderModel):
     def build_attention(self, layer_idx, config, parallel, **kw):
         return self.attention(layer_idx, qkv_bias=config.qkv_bias, out_bias=False, **kw)
 
-    def build_mlp(self, layer_idx, config, parallel, **kw):
-        if not is_sparse(config, layer_idx):
-            return dense_mlp(config, parallel, **kw)
-        return self.moe(config, parallel, normalize_top_k=config.norm_topk_prob, **kw)
+    def moe_options(self, config, parallel, **kw) -> dict:
+        return dict(normalize_top_k=config.norm_topk_prob)
 
 
 # layer 0 sparse with a gated shared expert and un-normalised top-k weights, layer 1 dense

@@ -4,7 +4,7 @@ mlp_only_layers), top-k routing renormalised when norm_topk_prob, no shared expe
 """
 from __future__ import annotations
 
-from colozoo.models.decoder import MoEDecoderModel, dense_mlp
+from colozoo.models.decoder import MoEDecoderModel
 from colozoo.models.family import TINY, Family, Tiny
 
 from .qwen2_moe import is_sparse
@@ -13,22 +13,14 @@ from .qwen2_moe import is_sparse
 class Qwen3MoeForCausalLM(MoEDecoderModel):
     family = "qwen3_moe"
     num_experts_key = "num_experts"
-
-    @classmethod
-    def expert_width(cls, config) -> int:
-        return config.moe_intermediate_size
-
-    @classmethod
-    def sparse_layers(cls, config) -> int:
-        return sum(is_sparse(config, i) for i in range(config.num_hidden_layers))
+    expert_width_key = "moe_intermediate_size"
+    sparse_layer_rule = staticmethod(is_sparse)
 
     def build_attention(self, layer_idx, config, parallel, **kw):
         return self.attention(layer_idx, qk_norm={"eps": config.rms_norm_eps}, **kw)
 
-    def build_mlp(self, layer_idx, config, parallel, **kw):
-        if not is_sparse(config, layer_idx):
-            return dense_mlp(config, parallel, **kw)
-        return self.moe(config, parallel, normalize_top_k=config.norm_topk_prob, **kw)
+    def moe_options(self, config, parallel, **kw) -> dict:
+        return dict(normalize_top_k=config.norm_topk_prob)
 
 
 # layers 0 and 2 sparse (top-2 of 4 experts, renormalised), layer 1 dense (mlp_only_layers), no shared expert;

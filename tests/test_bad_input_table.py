@@ -219,6 +219,9 @@ CASES = {
                                          r"cannot split 2 layers over 3 stages"),
     "seq-len past positions, before launching": (lambda m, w: finetune(m, w, "--nproc-per-node", "2", "--seq-len",
                                                                       "64"), r"--seq-len 64 is longer"),  # issue 29
+    "seq-len over cp, before launching": (lambda m, w: finetune(m, w, "--nproc-per-node", "2", "--cp", "2",
+                                                                 "--seq-len", "30"),
+                                          r"--seq-len 30 must be a multiple of 4 \(cp=2, tp=1\)"),
     "resume onto another base": (resumable, r"continues a run that started from other weights"),  # issue 29
     # generate
     "no prompt": (lambda m, w: generate(m, w), r"give at least one --prompt or a --prompt-file"),

@@ -145,28 +145,40 @@ def test_throughput_counts_tokens_computed_and_trained_and_mfu_what_lora_compute
     assert step["mfu"] == pytest.approx((4 * total + 2 * trained) * step["tokens_per_s"] / 1e12)
 
 
-def test_padding_multiple_is_what_the_layers_split():
-    """SFT's unpacked batches and DPO's pair rows are cut to widths that context parallelism (zigzag_index: 2 x cp
-    chunks) and sequence parallelism (shard_sequence: each cp rank's share over tp) both split; DPO's --max-length
-    check asks for the smallest such length, no more."""
+def test_padding_multiple_is_what_the_layers_split(monkeypatch):
+    """SFT's unpacked batches and DPO's pair rows are cut to widths that context parallelism (shard_sequence: 2 x cp
+    zigzag chunks, each cp rank's share over tp under sequence parallelism) and, at cp=1, sequence parallelism (the
+    model's check_sequence) both split; DPO's --max-length check asks for the smallest such length, no more."""
     from types import SimpleNamespace
 
+    from colozoo.core.mesh import ParallelConfig
     from colozoo.core.sequence import sequence_multiple
     from colozoo.finetune import data as D
-    from colozoo.layers.context_parallel import zigzag_index
+    from colozoo.layers import context_parallel
+    from colozoo.layers.batch import BatchContext
+    from colozoo.models.base import ParallelModel
 
-    def split(length, cp, tp):
+    # shard_sequence on rank 0 of a stand-in cp group: the group is its size
+    monkeypatch.setattr(context_parallel, "group_size", lambda group: group)
+    monkeypatch.setattr(context_parallel, "group_rank", lambda group: 0)
+
+    def layers_split(length, cp, tp):
         try:
-            cp > 1 and zigzag_index(length, cp, 0)
+            if cp > 1:
+                BatchContext(None, torch.arange(length)[None], length).shard_sequence(cp, "ring", tp)
+            else:
+                model = SimpleNamespace(position_limit=lambda: None, sequence_parallel=True,
+                                        parallel=SimpleNamespace(tp_size=tp))
+                ParallelModel.check_sequence(model, length)
         except ValueError:
             return False
-        return length % cp == 0 and (length // cp) % tp == 0  # BatchContext.shard_sequence's check
+        return True
 
     for cp, tp in itertools.product((1, 2, 3, 4), (1, 2, 4, 8)):
-        mesh = SimpleNamespace(size={"cp": cp}.get, tp_size=tp, sequence_parallel=True)
+        mesh = SimpleNamespace(config=ParallelConfig(cp=cp, tp=tp, sequence_parallel=True))
         width = D.padding_multiple(mesh)
-        assert width % D.PAD_MULTIPLE == 0 and split(width, cp, tp) and split(3 * width, cp, tp), (cp, tp)
-        assert sequence_multiple(cp, tp) == next(n for n in itertools.count(1) if split(n, cp, tp)), (cp, tp)
+        assert width % D.PAD_MULTIPLE == 0 and layers_split(width, cp, tp) and layers_split(3 * width, cp, tp)
+        assert sequence_multiple(cp, tp) == next(n for n in itertools.count(1) if layers_split(n, cp, tp)), (cp, tp)
 
 
 def test_no_pack_pads_each_batch_to_its_longest_sample_and_trains_as_full_padding(chat, tmp_path, monkeypatch):
@@ -175,9 +187,10 @@ def test_no_pack_pads_each_batch_to_its_longest_sample_and_trains_as_full_paddin
     padding; the tokens computed are fewer."""
     from types import SimpleNamespace
 
+    from colozoo.core.mesh import ParallelConfig
     from colozoo.finetune import data as D
 
-    mesh = lambda cp=1, tp=1, sp=False: SimpleNamespace(size={"cp": cp}.get, tp_size=tp, sequence_parallel=sp)  # noqa
+    mesh = lambda cp=1, tp=1, sp=False: SimpleNamespace(config=ParallelConfig(cp=cp, tp=tp, sequence_parallel=sp))  # noqa
     assert [D.padding_multiple(mesh(**m)) for m in ({}, {"cp": 2}, {"cp": 8}, {"tp": 3, "sp": True})] == [8, 8, 16, 24]
     runs = {}
     for name in ("full", "longest"):

@@ -81,3 +81,21 @@ def test_moe_pipeline_parallel(family, pp, tp, ep):
                             timeout=90)
     layers = {n.split(".")[1] for ranks in names for n in ranks if n.startswith("layers.")}
     assert layers == {"0", "1"}  # both stages' layers were checked
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_every_moe_family_reads_capacity_factor_and_its_sparse_layers(family):
+    """A capacity_factor set on the config caps every MoE family's experts (the option MoEDecoderModel documents),
+    and each family's MoE layers are those its sparse_layers counts."""
+    import transformers
+
+    from colozoo.layers.moe import MoE
+    from colozoo.models import build_shard
+
+    tiny = family_of(family)
+    config = transformers.AutoConfig.for_model(tiny.model_types[0], **tiny.tiny.config)
+    config.capacity_factor = 1.5
+    model = build_shard(config, device="meta")
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(moes) == tiny.model.sparse_layers(config) > 0
+    assert all(m.capacity_factor == 1.5 for m in moes)

@@ -145,6 +145,31 @@ def test_bad_configurations_are_named():
         TopKRouter(HIDDEN, EXPERTS, 5)
 
 
+@pytest.mark.parametrize("module, said", [
+    ("router", dict(top_k=1)), ("router", dict(normalize_top_k=False)), ("router", dict(router_bias=True)),
+    ("router", dict(num_experts=2)), ("experts", dict(inner_size=8)), ("experts", dict(activation="gelu")),
+    ("experts", dict(num_experts=2)),
+])
+def test_a_module_given_to_moe_that_disagrees_with_the_spec_is_refused(module, said):
+    """The spec's fields that build the default router and experts are not dropped when a module replaces them."""
+    from colozoo.layers.moe import GroupedExperts, MoE, MoESpec, TopKRouter
+
+    spec = MoESpec(HIDDEN, INNER, EXPERTS, TOP_K)
+    agreeing = {"router": TopKRouter(HIDDEN, EXPERTS, TOP_K), "experts": GroupedExperts(EXPERTS, HIDDEN, INNER)}
+    MoE(spec, **agreeing)  # the defaults' own settings agree
+    fields = dict(num_experts=EXPERTS, top_k=TOP_K, normalize_top_k=True, router_bias=False) if module == "router" \
+        else dict(num_experts=EXPERTS, inner_size=INNER, activation="silu")
+    fields.update(said)
+    if module == "router":
+        given = TopKRouter(HIDDEN, fields["num_experts"], fields["top_k"], fields["normalize_top_k"],
+                           fields["router_bias"])
+    else:
+        given = GroupedExperts(fields["num_experts"], HIDDEN, fields["inner_size"], fields["activation"])
+    field = next(iter(said))
+    with pytest.raises(ValueError, match=f"the {module} given has {field}="):
+        MoE(spec, **{module: given})
+
+
 def test_losses_match_their_formulas():
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 

@@ -29,13 +29,14 @@ LOSS_ATOL, NORM_RTOL, GRAD_ATOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6, 2e-6
 TIMEOUT = 150
 
 
-def build(parallel_context, config, hf, virtual_stages=1, **parallel):
-    layer_ids = rank_layers(config.num_hidden_layers, parallel_context.config.pp, parallel_context.rank("pp"),
-                            virtual_stages)
-    model = build_model(config, parallel=parallel_context, layer_ids=layer_ids, device="meta")
+def build(mesh, config, hf, virtual_stages=1, **parallelize_options):
+    """This rank's shard of `hf` on `mesh` (a ParallelContext), in train mode, wrapped by
+    parallelize(model, **parallelize_options)."""
+    layer_ids = rank_layers(config.num_hidden_layers, mesh.config.pp, mesh.rank("pp"), virtual_stages)
+    model = build_model(config, parallel=mesh, layer_ids=layer_ids, device="meta")
     load_hf_weights(model, StateDictReader(hf.state_dict()), device="cpu")
     model.train()
-    parallelize(model, **parallel)
+    parallelize(model, **parallelize_options)
     return model
 
 

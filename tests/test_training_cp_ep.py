@@ -151,18 +151,22 @@ def test_two_steps_of_mixtral_with_fsdp_over_dp_and_cp():
                     timeout=TIMEOUT)
 
 
-def bad_sequence_length():
-    parallel = init_parallel(cp=2)
+def bad_sequence_length(mesh: dict, seq: int, multiple: int):
+    parallel = init_parallel(**mesh)
     config, hf = hf_causal_lm("gpt2", GPT2)
     model = build(parallel, "gpt2", config, hf, {})
-    ids, mask, labels = batch(config.vocab_size, 10, batch_size=2)
-    with pytest.raises(TrainingError, match="not divisible by 2 \\* cp = 4"):
+    ids, mask, labels = batch(config.vocab_size, seq, batch_size=2)
+    with pytest.raises(TrainingError, match=f"sequence length {seq} is not a multiple of {multiple}"):
         model.forward_backward(ids, labels, attention_mask=mask)
     return True
 
 
-def test_sequence_not_divisible_by_2cp_is_a_clear_error():
-    assert all(run_distributed(bad_sequence_length, 2, timeout=TIMEOUT))
+@pytest.mark.parametrize("mesh, seq, multiple", [
+    (dict(cp=2), 10, 4),                              # 2 x cp zigzag chunks
+    (dict(tp=2, sequence_parallel=True), 9, 2),       # the sequence over the tp ranks
+])
+def test_sequence_the_mesh_cannot_split_is_a_clear_error(mesh, seq, multiple):
+    assert all(run_distributed(bad_sequence_length, 2, mesh=mesh, seq=seq, multiple=multiple, timeout=TIMEOUT))
 
 
 def test_router_loss_counts_once_per_micro_batch():

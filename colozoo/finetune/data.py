@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from colozoo.finetune.records import DataError, existing, iter_records
-from colozoo.core.sequence import sequence_multiple
 
 IGNORE_INDEX = -100
 CHUNK_RECORDS = 1024  # records tokenized together (one call of a fast tokenizer)
@@ -203,9 +202,8 @@ PAD_MULTIPLE = 8  # unpacked batches are cut to a multiple of this: few shapes t
 
 def padding_multiple(parallel) -> int:
     """What an unpacked batch's width must be a multiple of on the mesh `parallel`: PAD_MULTIPLE and what the mesh
-    needs to split a sequence (context_parallel.sequence_multiple)."""
-    return math.lcm(PAD_MULTIPLE, sequence_multiple(parallel.size("cp"),
-                                                    parallel.tp_size if parallel.sequence_parallel else 1))
+    needs to split a sequence (core.sequence.sequence_multiple)."""
+    return math.lcm(PAD_MULTIPLE, parallel.config.sequence_multiple)
 
 
 def trim_padding(batch: dict[str, torch.Tensor], multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:

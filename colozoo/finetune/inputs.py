@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from colozoo.checkpoint import layout
@@ -14,7 +14,7 @@ from colozoo.finetune import data as D
 from colozoo.finetune import grpo_data, preference_data, runtime, sft, token_cache
 from colozoo.finetune.config import FinetuneConfig
 from colozoo.finetune.metrics import tensorboard_writer_class
-from colozoo.runtime.plan import DEGREES, Plan
+from colozoo.runtime.plan import Plan
 
 
 @dataclass
@@ -71,6 +71,7 @@ def check_model_and_mesh(cfg: FinetuneConfig, world: int | None = None) -> tuple
         config.num_labels = cfg.num_labels
     if cfg.plan is None:
         layout.check_mesh(config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)  # heads over tp, layers over pp, experts over ep
+        check_sequence_split(cfg, mesh)
     if cfg.method in ("dpo", "grpo") and getattr(config, "output_router_logits", False):
         raise ValueError(f"--method {cfg.method} does not add MoE router losses to its loss yet, and {cfg.model}'s "
                          f"config sets output_router_logits: set it to false to train without them")
@@ -115,8 +116,19 @@ def world_size() -> int:
 def check_mesh(cfg: FinetuneConfig, plan: Plan | None = None, world: int | None = None) -> ParallelConfig:
     """The mesh of the config's degrees, or of the plan's under --plan auto, for `world` processes (default:
     torchrun's WORLD_SIZE)."""
-    degrees = asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
-    return ParallelConfig.for_world(world or world_size(), **degrees)
+    return ParallelConfig.for_world(world or world_size(), **runtime.mesh_degrees(cfg, plan))
+
+
+def check_sequence_split(cfg: FinetuneConfig, mesh: ParallelConfig):
+    """A row's length (--seq-len; --max-length of --method dpo) splits over the mesh: 2 x cp chunks, and each cp
+    rank's share over tp under sequence parallelism (an image's sequence is padded by the model itself)."""
+    multiple = mesh.sequence_multiple
+    if cfg.task != "imgcls" and cfg.sequence_length() % multiple:
+        flag = "--max-length" if cfg.method == "dpo" and cfg.max_length is not None else "--seq-len"
+        raise ValueError(f"{flag} {cfg.sequence_length()} must be a multiple of {multiple} (cp={mesh.cp}, tp={mesh.tp}"
+                         f"{', sequence parallel' if mesh.sequence_parallel else ''}): "
+                         f"context parallelism cuts a row into 2 x cp equal chunks, sequence parallelism each cp "
+                         f"rank's share over tp")
 
 
 def plan_run(cfg: FinetuneConfig, config) -> tuple[Plan, ParallelConfig, int]:
@@ -124,6 +136,7 @@ def plan_run(cfg: FinetuneConfig, config) -> tuple[Plan, ParallelConfig, int]:
     global_batch = cfg.global_batch_size or cfg.micro_batch_size * world_size()
     plan = runtime.plan_training(cfg, config, global_batch)
     mesh = check_mesh(cfg, plan)
+    check_sequence_split(cfg, mesh)
     if plan.dp * plan.micro_batch_size * plan.num_microbatches != global_batch:
         raise ValueError(f"the plan {plan} does not split the global batch of {global_batch} into dp x micro batch "
                          f"x micro-batches")

@@ -9,7 +9,6 @@ SimPO need none. The model trains with dropout off, as DPOTrainer's disable_drop
 """
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,12 +31,10 @@ def load_reference(cfg, plan=None):
     """A frozen copy of the starting weights on the run's mesh, sharded over the data-parallel ranks (FSDP), in the
     run's mixed precision, for full fine-tuning without --precompute-ref-logps."""
     from colozoo.api import from_pretrained
-    from colozoo.finetune.runtime import MIXED_PRECISION
-    from colozoo.runtime.plan import DEGREES
+    from colozoo.finetune.runtime import MIXED_PRECISION, mesh_degrees
     from colozoo.runtime.training import parallelize
 
-    degrees = asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
-    reference = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **degrees)
+    reference = from_pretrained(cfg.model, dtype=torch.float32, verify=True, **mesh_degrees(cfg, plan))
     reference.requires_grad_(False)
     parallelize(reference, data_parallel="fsdp", mixed_precision=MIXED_PRECISION[cfg.dtype])
     return reference.eval()

@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 import types
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -47,7 +48,8 @@ def load_reward(spec):
         raise ValueError(f"--reward-funcs {spec!r}: name each reward function as module:function or "
                          f"path/to/file.py:function")
     try:
-        loaded = _import_file(module) if module.endswith(".py") else _import_module(module)
+        with searched_first(reward_directory(spec)):
+            loaded = _import_file(module) if module.endswith(".py") else importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - whatever importing the user's module raises is reported as one line
         raise ValueError(f"--reward-funcs {spec}: cannot import {module}: {type(e).__name__}: {e}") from None
     func = getattr(loaded, name, None)
@@ -58,18 +60,29 @@ def load_reward(spec):
     return func
 
 
-def _import_module(module: str):
-    """The module, found where `python -m` would find it: the working directory first (for this import only: later
-    imports of the process do not find the working directory's files first)."""
-    here = os.getcwd()
-    added = here not in sys.path
+def reward_directory(spec) -> str | None:
+    """Where the modules beside a reward function are found, as `python -m module` or `python file.py` finds them:
+    the working directory for module:function, the file's directory for path/to/file.py:function (None: a callable
+    given from Python, imported by its caller)."""
+    if callable(spec):
+        return None
+    module = str(spec).rpartition(":")[0]
+    return str(Path(module).resolve().parent) if module.endswith(".py") else os.getcwd()
+
+
+@contextmanager
+def searched_first(directory: str | None):
+    """`directory` first on sys.path inside the block only (for a reward's imports, when it is imported and whenever
+    it is called: a module it imports lazily is found too), so later imports of the process do not find the user's
+    files first."""
+    added = directory is not None and directory not in sys.path
     if added:
-        sys.path.insert(0, here)
+        sys.path.insert(0, directory)
     try:
-        return importlib.import_module(module)
+        yield
     finally:
         if added:
-            sys.path.remove(here)
+            sys.path.remove(directory)
 
 
 def _import_file(path: str):
@@ -96,6 +109,7 @@ class RewardFunctions:
     def __init__(self, specs: list, weights: tuple[float, ...]):
         self.specs = [reward_name(s) for s in specs]
         self.funcs = [load_reward(s) for s in specs]
+        self.directories = [reward_directory(s) for s in specs]
         self.names = [metric_name(f) for f in self.funcs]
         self.weights = torch.tensor(weights, dtype=torch.float32)
 
@@ -107,11 +121,14 @@ class RewardFunctions:
         logged_columns: dict[str, list] = {}
         state = SimpleNamespace(global_step=step - 1, max_steps=total_steps)
         out = torch.zeros(len(completions), len(self.funcs))
-        for i, (func, spec) in enumerate(zip(self.funcs, self.specs)):
+        for i, (func, spec, directory) in enumerate(zip(self.funcs, self.specs, self.directories)):
             try:
-                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                              trainer_state=state, log_extra=lambda c, v: logged_columns.setdefault(c, []).extend(v),
-                              log_metric=lambda n, v: logged_metrics.setdefault(n, []).append(float(v)), **columns)
+                with searched_first(directory):
+                    values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                  trainer_state=state,
+                                  log_extra=lambda c, v: logged_columns.setdefault(c, []).extend(v),
+                                  log_metric=lambda n, v: logged_metrics.setdefault(n, []).append(float(v)),
+                                  **columns)
             except Exception as e:  # noqa: BLE001 - the user's function: one line naming it
                 hint = " (reward functions take **kwargs: every column of the records is passed)" \
                     if isinstance(e, TypeError) and "unexpected keyword" in str(e) else ""

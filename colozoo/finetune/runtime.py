@@ -33,6 +33,11 @@ def plan_training(cfg, config, global_batch: int):
     return best_plan_for_world(config, init_distributed(), workload, global_batch=global_batch)
 
 
+def mesh_degrees(cfg, plan=None) -> dict:
+    """tp, pp, dp, cp, ep and sequence_parallel of the run: the plan's under --plan auto, else the options'."""
+    return asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+
+
 def load_model(cfg, task: str, plan=None, labels: dict[int, str] | None = None):
     """Build this rank's shard of the model on the mesh the config (or `plan`, kept on model.run.plan) asks for;
     returns (model, names of the parameters initialised fresh because the checkpoint lacks them); model.parallel is the
@@ -41,7 +46,7 @@ def load_model(cfg, task: str, plan=None, labels: dict[int, str] | None = None):
     prepare_training. Checksums are verified."""
     from colozoo.api import from_pretrained
 
-    degrees = asdict(plan.degrees) if plan is not None else {k: getattr(cfg, k) for k in DEGREES}
+    degrees = mesh_degrees(cfg, plan)
     fresh = []
     if TASK_HEADS[task]:
         model, fresh = _load_with_task_head(cfg, task, degrees, torch.float32, labels)

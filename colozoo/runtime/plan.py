@@ -88,13 +88,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        """The plan `to_dict` wrote (a subclass's extra entries ignored), or one whose degrees sit under
-        "degrees"."""
-        data = dict(data)
-        known = {f.name for f in fields(Plan)} | set(DEGREES)
-        degrees = data.pop("degrees", None)
-        return Plan(ParallelConfig(**degrees) if isinstance(degrees, dict) else degrees,
-                    **{k: v for k, v in data.items() if k in known})
+        """The plan `to_dict` wrote (a subclass's extra entries, e.g. the planner's predictions, ignored)."""
+        known = {f.name for f in fields(Plan) if f.name != "degrees"} | set(DEGREES)
+        return Plan(**{k: v for k, v in data.items() if k in known})
 
     def mesh(self) -> str:
         text = f"tp={self.tp},pp={self.pp},dp={self.dp},cp={self.cp},ep={self.ep}"

@@ -56,10 +56,11 @@ def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
         raise TrainingError(f"global batch size {batch} is not divisible by dp * num_microbatches = {dp} * "
                             f"{num_microbatches}; every data-parallel rank needs {num_microbatches} equal "
                             f"micro-batches")
-    cp = parallel.size("cp")
-    if cp > 1 and input_ids.shape[1] % (2 * cp):
-        raise TrainingError(f"sequence length {input_ids.shape[1]} is not divisible by 2 * cp = {2 * cp}: context "
-                            f"parallelism gives every cp rank two equal chunks of the sequence")
+    multiple = parallel.config.sequence_multiple
+    if input_ids.shape[1] % multiple:
+        raise TrainingError(f"sequence length {input_ids.shape[1]} is not a multiple of {multiple}: context "
+                            f"parallelism cuts a sequence into 2 x cp equal chunks, sequence parallelism each cp "
+                            f"rank's share over tp")
     if labels is None or labels.shape[:1] != input_ids.shape[:1]:
         raise TrainingError(f"labels must have the batch size of the inputs ({batch}), got "
                             f"{None if labels is None else tuple(labels.shape)}")
