@@ -240,3 +240,15 @@ def test_best_plan_for_world_and_cli(capsys):
     assert chosen["hardware"]["collective_latency_s"] == 0.5 and chosen["hardware"]["comm_overlap"] == 0
     assert chosen["plans"][0]["tp"] == 1  # half a second a collective step: tp's many collectives lose
     assert main(args + ["--set", "nvlink=1"]) == 1 and "no field 'nvlink'" in capsys.readouterr().err
+
+
+def test_meshes_the_sequence_cannot_split_are_rejected_with_the_users_length():
+    """The planner runs sequence parallelism wherever tp > 1: a sequence that is no multiple of the layers' split
+    (core.sequence.sequence_multiple) is no mesh to trace, and the reason names the user's length."""
+    from colozoo.cost.planner import _meshes
+
+    reasons = []
+    meshes = list(_meshes(8, get_hardware("H100-80GB"), 8, None, 1028, True, SearchSpace(), reasons.append))
+    assert (2, 2, 1) in meshes and (4, 1, 1) in meshes
+    assert (4, 2, 1) not in meshes and (8, 1, 1) not in meshes  # 1028 = 4 x 257: not 8 at tp 4 x cp 2, nor tp 8
+    assert "seq_len=1028 is not a multiple of 8 (tp=4, cp=2)" in reasons

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from colozoo.cost.hardware import Hardware, get_hardware
 from colozoo.core.mesh import ParallelConfig
+from colozoo.core.sequence import sequence_multiple
 from colozoo.core.dtypes import human_bytes as human
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import default_seq_len, trace_model
@@ -166,7 +167,10 @@ def _meshes(gpus: int, hw: Hardware, heads: int, experts, seq_len: int, use_cp: 
             reject(f"tp={tp} does not divide {heads} heads")
             continue
         for cp in (divisors(gpus // tp) if use_cp else [1]):
-            if seq_len % (2 * cp if cp > 1 else 1) or not search.allows(cp=cp):
+            if not search.allows(cp=cp):
+                continue
+            if seq_len % sequence_multiple(cp, tp):  # the planner runs sequence parallelism wherever tp > 1
+                reject(f"seq_len={seq_len} is not a multiple of {sequence_multiple(cp, tp)} (tp={tp}, cp={cp})")
                 continue
             for ep in (divisors(gpus // (tp * cp)) if experts else [1]):
                 if not (experts and experts % ep) and search.allows(ep=ep):

@@ -73,8 +73,6 @@ def _kept_positions(batch: int, spans: list[Span]):
 
 
 def _padded_for_sequence_parallel(input_ids: torch.Tensor, parallel) -> torch.Tensor:
-    """Sequence parallelism splits the sequence over the tp ranks: right padding to a multiple of tp changes no
-    logit before it (the model is causal)."""
-    if not parallel.sequence_parallel or input_ids.shape[1] % parallel.tp_size == 0:
-        return input_ids
-    return F.pad(input_ids, (0, -input_ids.shape[1] % parallel.tp_size))
+    """Right padding to the multiple the mesh splits a sequence into (sequence parallelism over tp) changes no logit
+    before it (the model is causal)."""
+    return F.pad(input_ids, (0, -input_ids.shape[1] % parallel.config.sequence_multiple))
