@@ -32,6 +32,17 @@ def _data_fingerprint_constant():
 
 
 FINETUNE = {
+    "reward_neighbours_not_found": Mutation(
+        "a reward function cannot import the modules beside it when it is called",
+        Rewrite("colozoo.finetune.rewards:searched_first",
+                ("added = directory is not None and directory not in sys.path", "added = False")),
+        ("tests/test_rewards.py::test_a_file_reward_imports_the_module_beside_it[True]",)),
+    "sequence_split_checked_on_the_ranks": Mutation(
+        "a --seq-len the mesh cannot split is found only by the launched ranks",
+        Rewrite("colozoo.finetune.inputs:check_sequence_split",
+                ('if cfg.task != "imgcls" and cfg.sequence_length() % multiple:', "if False:")),
+        ("tests/test_bad_input_table.py::test_bad_input_is_one_line_exit_1_and_leaves_nothing"
+         "[seq-len over cp, before launching]",)),
     "resume_weights_unchecked": Mutation(
         "a resume takes any base weights (their fingerprint is the same for all)", _weights_fingerprint_constant,
         (RESUME,)),

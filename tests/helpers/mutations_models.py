@@ -37,6 +37,17 @@ def _training_forward_keeps_logits():
 
 
 MODELS = {
+    "moe_module_disagrees_silently": Mutation(
+        "a router or experts module given to MoE that disagrees with its MoESpec is taken silently",
+        Rewrite("colozoo.layers.moe:_check_agrees",
+                ("if value is not _UNSAID and value != getattr(spec, field):", "if False:")),
+        ("tests/test_moe.py::test_a_module_given_to_moe_that_disagrees_with_the_spec_is_refused[router-said0]",)),
+    "capacity_factor_unread": Mutation(
+        "an MoE family ignores its config's capacity_factor",
+        Rewrite("colozoo.models.decoder:MoEDecoderModel.moe",
+                ('capacity_factor=getattr(config, "capacity_factor", None)', "capacity_factor=None")),
+        ("tests/test_mixtral.py::test_every_moe_family_reads_capacity_factor_and_its_sparse_layers"
+         "[qwen2_moe]",)),
     # multi-head latent attention: the latent cache and the decoding steps that attend over it
     "mla_absorbed_decode_off": Mutation(
         "MLA decoding steps expand the cached latent through kv_b_proj instead of attending over it",

@@ -42,6 +42,18 @@ PREFERENCE = {
         Rewrite("colozoo.evaluation.scoring:score_spans",
                 ("target[None], vocab, parallel.tp_group)", "target[None], vocab, None)")),
         (EVAL + "test_colozoo_eval_on_a_mesh_matches_the_hf_backend[llama-2-1]",)),
+    "eval_every_replica_scores_all": Mutation(
+        "every dp replica scores every lm-eval request (no dealing over the replicas)",
+        Rewrite("colozoo.evaluation.replicas:replica_group",
+                ('if parallel.size("edp") == 1 or sharded_over_replicas(model):', "if True:")),
+        ("tests/test_eval_replicas.py::test_each_replica_scores_its_share_and_every_rank_gets_the_hf_backends_answers"
+         "[1-1]",)),
+    "eval_answers_in_dealing_order": Mutation(
+        "the replicas' answers are joined in the order they were dealt, not the requests' order",
+        Rewrite("colozoo.evaluation.replicas:on_replicas",
+                ("ordered[i] = answer", "ordered[ordered.index(None)] = answer")),
+        ("tests/test_eval_replicas.py::test_each_replica_scores_its_share_and_every_rank_gets_the_hf_backends_answers"
+         "[1-1]",)),
     "eval_spans_one_token_early": Mutation(
         "colozoo eval scores each continuation one position early",
         Rewrite("colozoo.evaluation.harness:ColozooLM._loglikelihood_tokens",
