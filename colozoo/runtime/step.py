@@ -57,7 +57,7 @@ def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
                             f"{num_microbatches}; every data-parallel rank needs {num_microbatches} equal "
                             f"micro-batches")
     multiple = parallel.config.sequence_multiple
-    if input_ids.shape[1] % multiple:
+    if not input_ids.is_floating_point() and input_ids.shape[1] % multiple:  # images: the model pads its patches
         raise TrainingError(f"sequence length {input_ids.shape[1]} is not a multiple of {multiple}: context "
                             f"parallelism cuts a sequence into 2 x cp equal chunks, sequence parallelism each cp "
                             f"rank's share over tp")

@@ -41,7 +41,7 @@ PREFERENCE = {
         "colozoo eval's log-probabilities taken over each rank's vocab slice alone (no tensor-parallel group)",
         Rewrite("colozoo.evaluation.scoring:score_spans",
                 ("target[None], vocab, parallel.tp_group)", "target[None], vocab, None)")),
-        (EVAL + "test_colozoo_eval_on_a_mesh_matches_the_hf_backend[llama-2-1]",)),
+        (EVAL + "test_colozoo_eval_on_a_mesh_matches_the_hf_backend[llama-2-1-1]",)),
     "eval_every_replica_scores_all": Mutation(
         "every dp replica scores every lm-eval request (no dealing over the replicas)",
         Rewrite("colozoo.evaluation.replicas:replica_group",
