@@ -10,7 +10,8 @@ each rank holds different heads. `colozoo.layers.attention` adds attention acros
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,25 @@ from colozoo.core.rng import get_rng_tracker
 
 from .decode import decode_attention
 from .dispatch import use_triton
+
+
+# the device a symbolic trace (colozoo.cost) prices: tensors on the meta device then take that device's kernels
+_PRICED_DEVICE: ContextVar[str | None] = ContextVar("priced_device", default=None)
+
+
+@contextmanager
+def priced_as(device: str):
+    """Inside the block, attention on meta tensors takes the path `device` ("cuda", "cpu", "eager") would run: the
+    fused kernels' saved set, not the torch path's (for this context only; nothing global changes)."""
+    token = _PRICED_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _PRICED_DEVICE.reset(token)
+
+
+def _priced_on_cuda(q) -> bool:
+    return q.is_meta and _PRICED_DEVICE.get() == "cuda"
 
 
 def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
@@ -47,6 +67,8 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     # 'auto' takes the kernel where torch has none: capped scores and packed documents. A padded batch keeps the
     # capped scores on torch, since transformers' eager attention spreads a row that sees no key over all keys.
     only_kernel = documents is not None or sinks is not None or (softcap is not None and mask is None)
+    if kernel and sinks is not None and _priced_on_cuda(q):
+        return _fused_sink_stand_in(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks)
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v, auto=only_kernel):
         from .attention_triton import flash_attention_triton
 
@@ -84,8 +106,9 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
 def _flash_takes_groups(q, mask) -> bool:
     """Whether SDPA runs grouped-query attention in its flash kernel (CUDA, sm80 or later, fp16 / bf16, no mask):
     elsewhere a grouped SDPA falls back to its math kernel, slower than the repeat."""
-    return (q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16)
-            and torch.cuda.get_device_properties(q.device).major >= 8)  # constant to torch.compile
+    if mask is not None or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return _priced_on_cuda(q) or (q.is_cuda and torch.cuda.get_device_properties(q.device).major >= 8)
 
 
 def _dropout_rng(q, dropout_p: float):
@@ -139,6 +162,16 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
     and the output is zero there anyway)."""
     weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
     return (out.float() * weight[..., None]).to(out.dtype)
+
+
+def _fused_sink_stand_in(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """What a trace prices for the flash kernel with sinks (which rescales each row of its output by
+    sigmoid(lse - sink)): SDPA, which the trace routes to a fused kernel, and a rescale of its output."""
+    grouped = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=causal and mask is None, scale=scale, enable_gqa=grouped)
+    return out * torch.sigmoid(sinks.float()).to(out.dtype).view(1, -1, 1, 1)
 
 
 def _sink_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,

@@ -17,6 +17,7 @@ from colozoo.core.dtypes import NAMES as DTYPES
 from colozoo.cost.attribution import (assign_params, global_params, module_units, rename_layers,
                                       tied_head_bytes, unit_of_steps, units_of)
 from colozoo.cost.trace import Trace, trace_step
+from colozoo.kernels.attention import priced_as
 from colozoo.cost.setup import ProfilerError, get_config, parse_mesh
 
 
@@ -92,28 +93,6 @@ def balanced_routing(model: nn.Module):
     finally:
         for m, routing in zip(layers, before):
             m.routing = routing
-
-
-@contextlib.contextmanager
-def fused_sinks(target: str):
-    """GPUs run attention with sinks (gpt-oss) in the flash kernel, which rescales each row of its output by
-    sigmoid(lse - sink) (colozoo.kernels.attention), while the torch path the trace takes computes the (s, s)
-    scores. On the cuda target, trace the kernel's stand-in: SDPA (which the trace routes to a fused kernel) and a
-    rescale of its output."""
-    from colozoo.kernels import attention as kernels
-
-    eager = kernels._sink_attention
-
-    def fused(q, k, v, mask, *, causal, scale, dropout_p, sinks):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                               is_causal=causal and mask is None, scale=scale)
-        return out * torch.sigmoid(sinks.float()).to(out.dtype).view(1, -1, 1, 1)
-
-    kernels._sink_attention = fused if target == "cuda" else eager
-    try:
-        yield
-    finally:
-        kernels._sink_attention = eager
 
 
 def _meta_like(p: torch.Tensor, dtype) -> torch.Tensor:
@@ -278,7 +257,7 @@ def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, l
                 run = _step_of(model, generic, size, local_seq, torch_dtype, inputs)
                 for p in params.values():
                     p.grad = None
-                with balanced_routing(model), fused_sinks(target):
+                with balanced_routing(model), priced_as(target):
                     stages = model.run.stages if getattr(model, "run", None) is not None else ()
                     traces[size] = trace_step(model, run, target=target, group_names=group_names, wrappers=stages)
     return _Traced(traces, params, type(model).__name__, prefix, kinds, renamed)

@@ -257,7 +257,7 @@ class _SdpaKernel(TorchFunctionMode):
         if self.target == "cpu" and dropout_p > 0:  # CPU runs dropout attention on the math path
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        if enable_gqa and k.shape[1] != q.shape[1]:  # slight overestimate: GQA kernels keep k/v unrepeated
+        if enable_gqa and k.shape[1] != q.shape[1] and self.target == "cpu":  # CUDA's kernels keep k/v unrepeated
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernels take an additive float mask
