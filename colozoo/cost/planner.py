@@ -169,8 +169,9 @@ def _meshes(gpus: int, hw: Hardware, heads: int, experts, seq_len: int, use_cp: 
         for cp in (divisors(gpus // tp) if use_cp else [1]):
             if not search.allows(cp=cp):
                 continue
-            if seq_len % sequence_multiple(cp, tp):  # the planner runs sequence parallelism wherever tp > 1
-                reject(f"seq_len={seq_len} is not a multiple of {sequence_multiple(cp, tp)} (tp={tp}, cp={cp})")
+            multiple = sequence_multiple(cp, tp)  # the planner runs sequence parallelism wherever tp > 1
+            if seq_len % multiple:
+                reject(f"seq_len={seq_len} is not a multiple of {multiple} (tp={tp}, cp={cp})")
                 continue
             for ep in (divisors(gpus // (tp * cp)) if experts else [1]):
                 if not (experts and experts % ep) and search.allows(ep=ep):

@@ -75,4 +75,5 @@ def _kept_positions(batch: int, spans: list[Span]):
 def _padded_for_sequence_parallel(input_ids: torch.Tensor, parallel) -> torch.Tensor:
     """Right padding to the multiple the mesh splits a sequence into (sequence parallelism over tp) changes no logit
     before it (the model is causal)."""
-    return F.pad(input_ids, (0, -input_ids.shape[1] % parallel.config.sequence_multiple))
+    padding = -input_ids.shape[1] % parallel.config.sequence_multiple
+    return F.pad(input_ids, (0, padding)) if padding else input_ids
