@@ -28,6 +28,23 @@ def test_measured_points_and_between_them():
     assert fwd_bwd_tflops(attention_speed.H100, "flash2", 128, True, 2048) == 265
 
 
+def test_the_published_tables_are_read_only():
+    """A caller changing a table it was given (the module's, a preset's, a dict given to Hardware) is refused, and
+    every later answer stays the paper's (Figure 4: 189 TFLOP/s at d128, causal, 16k on the A100)."""
+    import pickle
+
+    from colozoo.cost.hardware import Hardware
+
+    given = Hardware("mine", 1e9, 1e12, attention_speed={"flash2/d128/causal": {16384: 100}})
+    for table in (A100, get_hardware("A100-80GB").attention_speed, given.attention_speed):
+        with pytest.raises(TypeError):
+            table["flash2/d128/causal"][16384] = 1
+        with pytest.raises(TypeError):
+            table["flash3/d128/causal"] = {}
+    assert fwd_bwd_tflops(get_hardware("A100-80GB").attention_speed, "flash2", 128, True, 16384) == 189
+    assert pickle.loads(pickle.dumps(get_hardware("H100-80GB"))) == get_hardware("H100-80GB")  # a spawned planner
+
+
 def test_backward_slower_than_forward_and_the_sum_as_measured():
     both = fwd_bwd_tflops(A100, "flash2", 128, False, 16384)
     fwd = pass_tflops(A100, "flash2", 128, False, 16384, "fwd")

@@ -19,6 +19,7 @@ its legend are left out.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 FWD_OVER_BWD = 73 / 63  # FlashAttention-2's best forward over its best backward share of peak (paper, §1, §4.1)
 
@@ -28,11 +29,38 @@ H100_SOURCE = f"{_FA2_PAPER} Figure 7, H100 80GB SXM5, forward + backward (no Ho
 SEQ = (512, 1024, 2048, 4096, 8192, 16384)
 
 
+class Table(Mapping):
+    """A read-only mapping: the published tables are shared by every preset, and a caller changing one must not
+    change every later answer (types.MappingProxyType would do, but cannot be pickled: the planner sends its
+    hardware to a spawned process)."""
+    __slots__ = ("_items",)
+
+    def __init__(self, items=()):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __repr__(self):
+        return f"Table({self._items!r})"
+
+
+def frozen(table: Mapping) -> Table:
+    """`table` ({kernel key: {sequence: TFLOP/s}}) as read-only Tables, both levels."""
+    return Table({key: Table(series) for key, series in table.items()})
+
+
 def _series(*values) -> dict:
     return {s: v for s, v in zip(SEQ, values) if v is not None}
 
 
-A100 = {  # "kernel/d<head dim>/causal|full" -> {sequence: TFLOP/s forward + backward}
+A100 = frozen({  # "kernel/d<head dim>/causal|full" -> {sequence: TFLOP/s forward + backward}
     "flash2/d64/full": _series(132, None, 162, 171, 175, 176),
     "flash2/d128/full": _series(None, 173, 187, 196, 201, 203),
     "flash2/d64/causal": _series(88, 119, 140, 156, 165, 171),
@@ -41,8 +69,8 @@ A100 = {  # "kernel/d<head dim>/causal|full" -> {sequence: TFLOP/s forward + bac
     "flash1/d128/full": _series(76, 72, 76, 80, 82, 83),
     "flash1/d64/causal": _series(58, 70, 77, 87, 92, 97),
     "flash1/d128/causal": _series(55, 62, 69, 76, 80, 83),
-}
-H100 = {
+})
+H100 = frozen({
     "flash2/d64/full": _series(215, 254, 274, 288, 294, 296),
     "flash2/d128/full": _series(248, 294, 320, 326, 335, 338),
     "flash2/d64/causal": _series(141, 192, 232, 257, 273, 284),
@@ -51,7 +79,7 @@ H100 = {
     "flash1/d128/full": _series(127, 127, 128, 131, 137, 139),
     "flash1/d64/causal": _series(104, 123, 136, 138, 149, 156),
     "flash1/d128/causal": _series(98, 109, 108, 126, 135, 137),
-}
+})
 
 
 def _along(points: dict, x: float, log: bool) -> float:

@@ -62,6 +62,9 @@ class Hardware:
     collective_efficiency: dict = field(default_factory=dict)  # collective -> fraction of the link it reaches
     sources: dict = field(default_factory=dict, compare=False)  # field -> where its number comes from
 
+    def __post_init__(self):  # a table given as a dict (a measured file, a caller) is shared no less than a preset's
+        object.__setattr__(self, "attention_speed", attention_speed.frozen(self.attention_speed))
+
     def bandwidth(self, collective: str, span: int) -> float:
         """Bytes/s one collective reaches in a group whose ranks lie within `span` consecutive ranks: NVLink
         when that fits in a node, else each GPU's network adapter."""
@@ -87,7 +90,8 @@ class Hardware:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(replace(self, attention_speed={})),
+                "attention_speed": {key: dict(series) for key, series in self.attention_speed.items()}}
 
 
 def _nvidia(name, memory, peak, vector, hbm, sms, matmul, nvlink, network, sources, **extra) -> Hardware:
