@@ -13,9 +13,10 @@ import transformers
 
 from colozoo.cost.compute_time import gemm_seconds
 from colozoo.cost.context_parallel import kv_bytes_per_token, ring_steps
-from colozoo.cost.experts import dispatch_combine_seconds, expert_span, grouped_gemm_shape
+from colozoo.cost.experts import dispatch_combine_seconds, expert_span
 from colozoo.cost.hardware import get_hardware
 from colozoo.cost.network import collective_seconds, latency_seconds
+from colozoo.cost.op_flops import grouped_gemm_shape
 from colozoo.cost.step_time import reduce_window
 from colozoo.runtime.plan import Plan
 
@@ -89,6 +90,20 @@ def test_grouped_expert_gemms_are_priced_per_expert():
     assert grouped_gemm_shape("mm", (x, w, offs), {}, out, flops) is None
     nbytes = 2 * (x.numel() + w.numel() + out.numel())
     assert gemm_seconds(flops, nbytes, shape, H100) > 1.15 * gemm_seconds(flops, nbytes, (1, 4800, 4096, 4096), H100)
+
+
+def test_the_tracer_imports_no_pricing_module():
+    """The tracer records shapes, FLOPs and bytes; pricing them (anything built on colozoo.cost.hardware) comes
+    after it: none of the cost modules it imports, directly or through others, is one."""
+    from test_architecture import graph
+
+    edges, seen, todo = graph(), set(), ["colozoo.cost.trace"]
+    while todo:
+        for module in edges[todo.pop()] - seen:
+            if module.startswith("colozoo.cost."):
+                seen.add(module)
+                todo.append(module)
+    assert not seen & {"colozoo.cost.hardware", "colozoo.cost.experts"}, sorted(seen)
 
 
 def test_reduce_window_of_the_interleaved_cool_down():

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from colozoo.kernels.dispatch import use_kernels
 from colozoo.api import build_model
-from colozoo.cost.trace import EXTRA_FLOP_FORMULAS
+from colozoo.cost.op_flops import EXTRA_FLOP_FORMULAS
 from colozoo.cost.profiler import profile_for
 from colozoo.cost.setup import ProfilerError, get_config
 

@@ -38,19 +38,6 @@ def dispatch_combine_seconds(hw: Hardware, nbytes: float, ep: int, span: int, ca
     return max(inside, across) + latency_seconds(hw, "all_to_all", ep, per_node, calls)
 
 
-def grouped_gemm_shape(op: str, args: tuple, kwargs: dict, out, flops: int) -> tuple | None:
-    """(batch, m, n, k) of a grouped GEMM (torch._grouped_mm) with a 2-D output (tokens, n) over the experts its
-    offsets end: each expert's tokens are a GEMM of their own (balanced routing: tokens / experts each); None for
-    any other op (the weight gradient's (experts, k, n) output is a batched GEMM already)."""
-    if op != "_grouped_mm" or not flops or getattr(out, "dim", lambda: 0)() != 2:
-        return None
-    offs = args[2] if len(args) > 2 else kwargs.get("offs")
-    if offs is None:
-        return None
-    (tokens, n), groups = out.shape, max(1, len(offs))
-    return (groups, max(1, tokens // groups), n, max(1, flops // (2 * tokens * n)))
-
-
 def expert_exchange_seconds(comm: dict, calls: dict, plan, hw: Hardware, folded: bool = False,
                             scale: float = 1.0) -> float:
     """Seconds of one unit's expert-parallel collectives per micro-batch ("ep.<collective>" bytes and calls of a

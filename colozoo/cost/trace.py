@@ -13,7 +13,6 @@ import gc
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from math import prod
 
 import torch
 import torch.distributed as dist
@@ -22,38 +21,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 from torch.utils.module_tracker import ModuleTracker
 
-from colozoo.cost.experts import grouped_gemm_shape
+from colozoo.cost.op_flops import FLOP_REGISTRY, grouped_gemm_shape
 
 aten = torch.ops.aten
 
-
-def _cpu_flash_flops(query, key, value, *args, out_shape=None, **kwargs):
-    return sdpa_flop_count(query, key, value)
-
-
-def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
-    """torch._grouped_mm (MoE experts in bf16): (tokens, k) x (experts, k, n) forward; in the weight gradient
-    (k, tokens) x (tokens, n) -> (experts, k, n), each token counts in one group only."""
-    if len(a_shape) == 2 and len(b_shape) == 2:
-        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-    return 2 * prod(out_shape) * a_shape[-1]
-
-
-# flop_counter knows the CUDA attention kernels but not the CPU flash kernel; same formula (full s x s, as
-# flop_counter counts the CUDA ones). Pass these to FlopCounterMode(custom_mapping=...) to compare.
-EXTRA_FLOP_FORMULAS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
-    aten._grouped_mm: _grouped_mm_flops,
-}
-FLOP_REGISTRY = {**flop_registry, **{op: shape_wrapper(f) for op, f in EXTRA_FLOP_FORMULAS.items()}}
 
 # c10d op -> (collective name, which tensor argument's bytes are the payload)
 COLLECTIVES = {

@@ -49,7 +49,7 @@ PLANNER = {
         (PARALLEL_TERMS + "test_reduce_window_of_the_interleaved_cool_down",)),
     "expert_gemms_not_grouped": Mutation(
         "grouped expert GEMMs are traced as one product, not one per expert",
-        Rewrite("colozoo.cost.experts:grouped_gemm_shape",
+        Rewrite("colozoo.cost.op_flops:grouped_gemm_shape",
                 ('if op != "_grouped_mm" or not flops', 'if True or op != "_grouped_mm" or not flops')),
         (PARALLEL_TERMS + "test_traced_expert_gemms_are_grouped_per_expert",)),
     "attention_backward_as_fast_as_forward": Mutation(
