@@ -4,8 +4,8 @@ import warnings
 
 import pytest
 
-from colozoo.cost.saved_layout import (dropped_bytes, folded_expert_bytes, fused_norm_bytes, fused_swiglu_bytes,
-                                       recomputed, sequence_shard_bytes)
+from colozoo.cost.saved_layout import (LAYERNORM, MOE_ACT, dropped_bytes, folded_expert_bytes, fused_norm_bytes,
+                                       fused_swiglu_bytes, recomputed, sequence_shard_bytes)
 from colozoo.cost.software import Software
 from colozoo.runtime.plan import Plan
 from tests.helpers.family_cases import tiny_config
@@ -17,9 +17,9 @@ SAVED = {"input_layernorm|mul|(64,)": 30, "self_attn.qkv|_ColumnParallel|(64,)":
 
 
 def test_module_recompute_drops_norms_and_the_experts_activation():
-    assert set(recomputed(SAVED, ("layernorm",))) == {"input_layernorm|mul|(64,)"}
+    assert set(recomputed(SAVED, (LAYERNORM,))) == {"input_layernorm|mul|(64,)"}
     # the activation's inputs go, the expert GEMMs' inputs stay
-    assert set(recomputed(SAVED, ("moe_act",))) == {"mlp.experts|mul|(128,)"}
+    assert set(recomputed(SAVED, (MOE_ACT,))) == {"mlp.experts|mul|(128,)"}
     with pytest.raises(ValueError, match="not priced"):
         recomputed(SAVED, ("mlp",))
 
@@ -28,7 +28,7 @@ def test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows():
     # hidden 64 at tp 2: half of the dispatched rows and the combine (40 + 40), nothing outside the MoE block
     assert folded_expert_bytes(SAVED, 64, 2) == 40
     assert folded_expert_bytes(SAVED, 64, 1) == 0
-    assert dropped_bytes(SAVED, ("layernorm", "moe_act"), 64, 2) == 30 + 70 + 40
+    assert dropped_bytes(SAVED, (LAYERNORM, MOE_ACT), 64, 2) == 30 + 70 + 40
 
 
 def test_fused_norms_keep_their_input_and_sp_linears_their_shard():
@@ -42,6 +42,19 @@ def test_fused_swiglu_keeps_only_its_two_inputs():
     dense = {"mlp|mul|(32,)": 30, "mlp|mm|(32,)": 10, "mlp.experts|mul|(32,)": 30}
     assert fused_swiglu_bytes(dense) == 10  # the experts' activation is moe_act's (recompute_modules)
     assert fused_swiglu_bytes(SAVED) == 0  # no dense MLP down projection: nothing to drop
+
+
+def test_recompute_module_names_are_spelled_once():
+    """The module names the cost model prices are written once, where saved_layout defines them: every other
+    module of colozoo/ (and saved_layout itself) uses the constants."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "colozoo"
+    spelled = [(str(path.relative_to(root)), node.value) for path in root.rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and node.value in ("layernorm", "moe_act")]
+    assert sorted(spelled) == [("cost/saved_layout.py", "layernorm"), ("cost/saved_layout.py", "moe_act")]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +81,8 @@ def test_assemble_saves_as_the_software_does(mixtral_trace):
     base = activations()
     hidden = mixtral_trace.config.hidden_size
     n = len(mixtral_trace.layers)
-    for software, drop in ((Software(recompute_modules=("layernorm", "moe_act")),
-                            dropped_bytes(unit.module_saved, ("layernorm", "moe_act"))),
+    for software, drop in ((Software(recompute_modules=(LAYERNORM, MOE_ACT)),
+                            dropped_bytes(unit.module_saved, (LAYERNORM, MOE_ACT))),
                            (Software(expert_tp_folded=True), dropped_bytes(unit.module_saved, (), hidden, 2)),
                            (Software(fused_norm=True), fused_norm_bytes(unit.module_saved, unit.norm_inputs)),
                            (Software(sequence_parallel_saves_shard=True), sequence_shard_bytes(unit.module_saved, 2))):

@@ -21,7 +21,11 @@ bytes by module, op and width (UnitCost.module_saved, keys "module path|op|(widt
 from __future__ import annotations
 
 GEMMS = ("mm", "addmm", "bmm", "grouped_mm", "_grouped_mm", "matmul", "linear")
-MODULES = ("layernorm", "moe_act")  # the --recompute-modules priced
+LAYERNORM, MOE_ACT = "layernorm", "moe_act"  # Megatron-Core's --recompute-modules names
+MODULES = (LAYERNORM, MOE_ACT)  # the --recompute-modules priced
+# what the keys' parts are matched against: a norm module's name ends so, the experts' module, the MLP block (dense,
+# or the MoE block the experts are in)
+NORM_SUFFIX, EXPERTS, MLP_BLOCK = "norm", "experts", "mlp"
 
 
 def _parts(key: str) -> tuple[str, str, str]:
@@ -37,8 +41,8 @@ def recomputed(module_saved: dict, modules) -> dict:
     out = {}
     for key, nbytes in module_saved.items():
         module, op, _ = _parts(key)
-        if ("layernorm" in modules and module.rsplit(".", 1)[-1].endswith("norm")) or \
-                ("moe_act" in modules and module.endswith("experts") and op not in GEMMS):
+        if (LAYERNORM in modules and module.rsplit(".", 1)[-1].endswith(NORM_SUFFIX)) or \
+                (MOE_ACT in modules and module.endswith(EXPERTS) and op not in GEMMS):
             out[key] = nbytes
     return out
 
@@ -64,8 +68,9 @@ def fused_norm_bytes(module_saved: dict, norm_inputs: dict) -> float:
 def fused_swiglu_bytes(module_saved: dict) -> float:
     """Saved bytes of the dense MLP's gated activation beyond its two inputs (gate and up, each as wide as the
     down projection's saved input)."""
-    elementwise = sum(n for key, n in module_saved.items() if _parts(key)[0] == "mlp" and _parts(key)[1] not in GEMMS)
-    down = sum(n for key, n in module_saved.items() if _parts(key)[0] == "mlp" and _parts(key)[1] in GEMMS)
+    dense = [(_parts(key)[1], n) for key, n in module_saved.items() if _parts(key)[0] == MLP_BLOCK]
+    elementwise = sum(n for op, n in dense if op not in GEMMS)
+    down = sum(n for op, n in dense if op in GEMMS)
     return max(0.0, elementwise - 2 * down) if down else 0.0
 
 
@@ -80,5 +85,5 @@ def folded_expert_bytes(module_saved: dict, hidden: int, tp: int) -> float:
     if tp <= 1 or not hidden:
         return 0.0
     wide = sum(n for key, n in module_saved.items()
-               if _parts(key)[0].split(".")[0] == "mlp" and _parts(key)[2] == f"({hidden},)")
+               if _parts(key)[0].split(".")[0] == MLP_BLOCK and _parts(key)[2] == f"({hidden},)")
     return wide * (1 - 1 / tp)

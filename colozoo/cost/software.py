@@ -40,7 +40,7 @@ class Software:
     # expert tensor-parallel size of 1): an ep group spans ep consecutive ranks, not tp x ep (colozoo.cost.experts)
     expert_tp_folded: bool = False
     # modules recomputed inside each layer when the plan checkpoints none (Megatron-Core's --recompute-modules, e.g.
-    # ("layernorm", "moe_act")): priced only, their saved activations dropped (colozoo.cost.saved_layout)
+    # saved_layout.MODULES): priced only, their saved activations dropped (colozoo.cost.saved_layout)
     recompute_modules: tuple = ()
     # norm kernels keep only their input and a statistic per row (Apex / Transformer Engine fused RMSNorm and
     # LayerNorm), where colozoo's norm keeps an fp32 copy of its input and its normalized output
