@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from colozoo.cost.hardware import PRESETS, Hardware, get_hardware, unsourced, with_all_sources
+from colozoo.cost.hardware import PRESETS, Hardware, HardwareError, get_hardware, unsourced, with_all_sources
 from colozoo.cost.measure import Sizes, datasheet_preset, fit_tile, measure, modelled_rate, write_measured
 
 TINY = Sizes(64, (8, 48), (16, 96), 32, 1 << 16, 1 << 16, (1, 1, 32, 16), 0.05, sample_s=0.001)
@@ -36,6 +36,18 @@ def test_show_hardware_prints_each_number_with_its_source(capsys):
     assert main(["plan", "--show-hardware", "--set", "inter_node_bw=1e11", "--gpu-memory", "40GB"]) == 0
     given = [line for line in capsys.readouterr().out.splitlines() if "given by the caller" in line]
     assert [line.split()[0] for line in given] == ["gpu_memory", "inter_node_bw"]
+
+
+def test_an_override_of_none_is_a_value_or_refused():
+    """sm_count takes None (no wave quantization): given, it is set; a field that takes a number refuses None (it
+    was dropped as "not given", the preset's 0.711 kept); an unknown field is refused by name."""
+    hw = get_hardware("H100-80GB", sm_count=None)
+    assert hw.sm_count is None and "given by the caller" in hw.sources["sm_count"]
+    assert get_hardware("H100-80GB").sm_count == 132  # the H100 SXM5 whitepaper's SMs
+    with pytest.raises(HardwareError, match=r"matmul_efficiency=None\): matmul_efficiency takes a number"):
+        get_hardware("H100-80GB", matmul_efficiency=None)
+    with pytest.raises(HardwareError, match="no field 'matmul_eficiency'"):
+        get_hardware("H100-80GB", matmul_eficiency=0.5)
 
 
 def test_datasheet_presets_by_device_name():

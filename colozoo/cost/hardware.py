@@ -280,7 +280,8 @@ def get_hardware(name_or_hw=None, *, gpus: int | None = None, gpu_memory=None, g
         hw = _preset(name_or_hw) if name_or_hw is not None or measured is None else None
     if measured is not None:
         hw = load_measured(measured, hw)
-    hw = _given(hw, gpu_memory=None if gpu_memory is None else parse_bytes(gpu_memory), gpus_per_node=gpus_per_node)
+    sizes = {"gpu_memory": None if gpu_memory is None else parse_bytes(gpu_memory), "gpus_per_node": gpus_per_node}
+    hw = _given(hw, **{k: v for k, v in sizes.items() if v is not None})  # None: the parameter not given
     if gpus is not None:
         if gpus < 1:
             raise HardwareError(f"gpus must be >= 1, got {gpus}")
@@ -295,6 +296,14 @@ GIVEN = "given by the caller (get_hardware's arguments; colozoo plan --set, --gp
 
 
 def _given(hw: Hardware, **changes) -> Hardware:
-    """`hw` with the fields a caller set (None: kept), whose source is then the caller."""
-    changes = {k: v for k, v in changes.items() if v is not None}
-    return replace(hw.with_(**changes), sources={**hw.sources, **dict.fromkeys(changes, GIVEN)})
+    """`hw` with every field a caller set, whose source is then the caller. None is a value only where the field
+    takes one (sm_count=None: no wave quantization); elsewhere it is refused, never read as "not given"."""
+    known = {f.name: f for f in fields(Hardware)}
+    for key, value in changes.items():
+        if key not in known or key == "sources":
+            raise HardwareError(f"get_hardware({key}=...): the hardware has no field {key!r} to set; fields: "
+                                f"{', '.join(k for k in known if k != 'sources')}")
+        if value is None and _default(known[key]) is not None:
+            raise HardwareError(f"get_hardware({key}=None): {key} takes a number (the preset's is "
+                                f"{getattr(hw, key)!r}); leave it out to keep the preset's")
+    return replace(hw, **changes, sources={**hw.sources, **dict.fromkeys(changes, GIVEN)})
