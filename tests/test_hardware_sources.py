@@ -78,6 +78,9 @@ def test_measured_on_the_cpu_it_names_the_cpu_loads_as_a_preset_and_plans(tmp_pa
         assert hw.sources[key].startswith("measured by colozoo.cost.measure on cpu"), key
     assert unsourced(hw) == [] and "datasheet" in hw.sources["intra_node_bw"]  # the links stay the preset's
     assert hw.attention_speed == {}  # attention priced by what was measured, not the links preset's paper table
+    import os  # the machine's memory, read apart from measure (POSIX): not the links preset's H100 80 GB
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert hw.gpu_memory == found["gpu_memory"] == pytest.approx(machine, rel=0.01) and machine != 80 * 2**30
     assert len(found["evidence"]["gemm_grid"]) == 4 and all(r["of_peak"] > 0 for r in found["evidence"]["gemm_grid"])
     from colozoo.cli import main
 

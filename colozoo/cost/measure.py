@@ -9,13 +9,15 @@ attention forward and backward (`attention_efficiency`); a large device copy (`h
 bandwidth; a large read beside it); pinned host-device copies each way (`pcie_bw`: the slower); one tiny kernel in
 a stream of them (`kernel_floor_s`). A device with no datasheet preset (a CPU, an unknown GPU) gets its measured peak
 and bandwidth as `peak_flops` and `hbm_bw`; the other fields (links, network) stay those of the `links` preset, named
-in the file. Every field written names the device it ran on and the date: a CPU's figures are never a GPU's.
+in the file; `gpu_memory` is always the measured device's (a CPU's: the machine's memory), never a preset's. Every
+field written names the device it ran on and the date: a CPU's figures are never a GPU's.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -26,7 +28,7 @@ import torch
 
 from colozoo.core.files import fsync_write
 from colozoo.cost.compute_time import gemm_seconds
-from colozoo.cost.hardware import PRESETS, Hardware
+from colozoo.cost.hardware import PRESETS, Hardware, HardwareError
 
 TILES = ((256, 128), (128, 128), (128, 64), (64, 64))  # candidate cuBLAS output tiles for the grid's fit
 
@@ -195,14 +197,16 @@ def measure(device, preset: str | None = None, sizes: Sizes | None = None, by: s
     copy, read = copy_bandwidth(device, sizes.copy_bytes), read_bandwidth(device, sizes.copy_bytes)
     burst = matmul_rate(device, dtype, sizes.square, sizes.square, sizes.square, sizes.sample_s)
     sustained = sustained_rate(device, dtype, sizes.square, sizes.sustain_s)
-    hw = peaks(record, PRESETS[preset] if preset else None, dict(burst=burst, sustained=sustained, copy=copy),
-               sizes, dtype)
-    hw = device_fields(record, device, replace(PRESETS[preset or links], **hw))
+    rates = dict(burst_flops_per_s=burst, sustained_flops_per_s=sustained, copy_bytes_per_s=copy)
+    peak, hbm = record_sustained_efficiencies(record, PRESETS[preset] if preset else None, rates, sizes, dtype)
+    at_burst = replace(PRESETS[preset or links], peak_flops=peak, hbm_bw=hbm, matmul_efficiency=burst / peak,
+                       hbm_efficiency=copy / hbm)  # the grid's products are timed in bursts too
+    at_burst = device_fields(record, device, at_burst)
     note(f"{name}: a grid of {len(sizes.grid_m) * len(sizes.grid_n)} products")
-    rows = gemm_grid(record, device, dtype, sizes, hw, burst)
+    rows = gemm_grid(record, device, dtype, sizes, at_burst)
     note(f"{name}: attention, pinned host copies, tiny kernels")
     attention = attention_rate(device, dtype, sizes.attention)
-    record.set("attention_efficiency", attention / hw.peak_flops, "scaled_dot_product_attention forward + backward, "
+    record.set("attention_efficiency", attention / peak, "scaled_dot_product_attention forward + backward, "
                f"{'x'.join(map(str, sizes.attention))} (batch x heads x seq x dim), no mask")
     record.set("attention_speed", {}, "none: the attention_efficiency measured here prices attention (a preset's "
                "table of published speeds would take precedence over it)")
@@ -218,36 +222,56 @@ def measure(device, preset: str | None = None, sizes: Sizes | None = None, by: s
             **record.fields, "sources": record.sources, "evidence": evidence}
 
 
-def peaks(record: Record, datasheet: Hardware | None, rates: dict, sizes: Sizes, dtype) -> dict:
-    """matmul and HBM efficiency of the datasheet's peaks, or with none, the measured peaks (efficiency 1 in
-    bursts); returns the peak fields the rest is modelled with."""
-    peak = datasheet.peak_flops if datasheet else max(rates["burst"], rates["sustained"])
-    hbm = datasheet.hbm_bw if datasheet else rates["copy"]
+def record_sustained_efficiencies(record: Record, datasheet: Hardware | None, rates: dict, sizes: Sizes,
+                                  dtype) -> tuple[float, float]:
+    """Records matmul_efficiency (the sustained rate: a training step is sustained load) and hbm_efficiency, of the
+    datasheet's peaks, or with no datasheet of the measured ones (the better matmul rate, the copy), recorded as
+    peak_flops and hbm_bw; returns (peak FLOP/s, HBM bytes/s)."""
+    sustained, copy = rates["sustained_flops_per_s"], rates["copy_bytes_per_s"]
+    peak = datasheet.peak_flops if datasheet else max(rates["burst_flops_per_s"], sustained)
+    hbm = datasheet.hbm_bw if datasheet else copy
     square, copied = f"{sizes.square}^3 {str(dtype)[6:]} products", f"a {sizes.copy_bytes >> 20} MiB copy"
-    record.set("matmul_efficiency", rates["sustained"] / peak, f"{square} held {sizes.sustain_s:g} s, "
-               f"{rates['sustained'] / 1e12:.4g} TFLOP/s of {peak / 1e12:.4g}")
-    record.set("hbm_efficiency", rates["copy"] / hbm, f"{copied}, {rates['copy'] / 1e9:.4g} GB/s read + written of "
-               f"{hbm / 1e9:.4g}")
+    record.set("matmul_efficiency", sustained / peak, f"{square} held {sizes.sustain_s:g} s, "
+               f"{sustained / 1e12:.4g} TFLOP/s of {peak / 1e12:.4g}")
+    record.set("hbm_efficiency", copy / hbm, f"{copied}, {copy / 1e9:.4g} GB/s read + written of {hbm / 1e9:.4g}")
     if not datasheet:
         record.set("peak_flops", peak, f"no datasheet preset: the best rate of {square}")
         record.set("hbm_bw", hbm, f"no datasheet preset: {copied}, read + written")
-    return dict(peak_flops=peak, hbm_bw=hbm, matmul_efficiency=rates["burst"] / peak,
-                hbm_efficiency=rates["copy"] / hbm)
+    return peak, hbm
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory (psutil where installed, else POSIX sysconf); refused where neither can tell."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        raise HardwareError("cannot read this machine's memory (no psutil, no os.sysconf); a measured preset takes "
+                            "its memory from the device it measured and does not guess") from None
 
 
 def device_fields(record: Record, device, hw: Hardware) -> Hardware:
-    """The SMs and memory of a GPU; a CPU has no SM waves and no vector units apart."""
+    """The SMs and memory of a GPU; a CPU has the machine's memory, no SM waves and no vector units apart. The
+    memory is always the measured device's (a links preset's GPU memory is not this device's)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         record.set("sm_count", props.multi_processor_count, "torch.cuda.get_device_properties")
         record.set("gpu_memory", props.total_memory, "torch.cuda.get_device_properties")
-        return replace(hw, sm_count=props.multi_processor_count)
+        return replace(hw, sm_count=props.multi_processor_count, gpu_memory=props.total_memory)
+    if device.type != "cpu":
+        raise HardwareError(f"measure({device.type!r}): only CUDA devices and the CPU are measured")
+    memory = host_memory_bytes()
+    record.set("gpu_memory", memory, "the machine's memory (a CPU run's tensors live there)")
     record.set("sm_count", None, "a CPU (no SM waves)")
     record.set("vector_flops", 0.0, "a CPU (no vector units apart)")
-    return replace(hw, sm_count=None, vector_flops=0.0)
+    return replace(hw, gpu_memory=memory, sm_count=None, vector_flops=0.0)
 
 
-def gemm_grid(record: Record, device, dtype, sizes: Sizes, hw: Hardware, burst: float) -> list[dict]:
+def gemm_grid(record: Record, device, dtype, sizes: Sizes, hw: Hardware) -> list[dict]:
     """The grid's rates against the model's at burst efficiency (`hw`); on a GPU the tile that fits them best."""
     rows, itemsize = grid(device, dtype, sizes), torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
