@@ -160,22 +160,34 @@ def seconds(fn, device):
     return time.perf_counter() - start, out
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes read + written per second by a device-to-device copy of 1 GiB (64 MiB on CPU)."""
-    from colozoo.cost.measure import copy_bandwidth as measured
+class CopyRate:
+    """Bytes read + written per second by a device-to-device copy, which the decode roofline divides by: measured
+    once a run, by the hardware case when it runs (colozoo.cost.measure: 1 GiB on a GPU), else at first use (1 GiB,
+    64 MiB on CPU)."""
 
-    return measured(device, (1 << 30) if device.type == "cuda" else (1 << 26))
+    def __init__(self, device):
+        self.device, self.bytes_per_s = device, None
+
+    def __call__(self) -> float:
+        if self.bytes_per_s is None:
+            from colozoo.cost.measure import copy_bandwidth
+
+            self.bytes_per_s = copy_bandwidth(self.device, (1 << 30) if self.device.type == "cuda" else (1 << 26))
+        return self.bytes_per_s
 
 
-def hardware_case(args, device) -> dict:
+def hardware_case(args, device, copy: CopyRate | None = None) -> dict:
     """The hardware fields the planner prices with, measured on this device (colozoo.cost.measure) and written as
-    a preset file for `colozoo plan --hardware`; ratio: the measured sustained matmul rate over the preset's."""
+    a preset file for `colozoo plan --hardware`; ratio: the measured sustained matmul rate over the preset's. Its
+    copy bandwidth serves the run's decode rooflines (`copy`)."""
     from colozoo.cost.hardware import PRESETS
     from colozoo.cost.measure import measure, write_measured
 
     found = measure(device, by="bench/gpu.py", progress=lambda line: print(line, file=sys.stderr, flush=True))
     write_measured(args.hardware_out, found)
     seen, preset = found["evidence"], PRESETS[found["preset"]]
+    if copy is not None:
+        copy.bytes_per_s = seen["copy_bytes_per_s"]
     grid = [{"mnk": [r["m"], r["n"], r["k"]], "of_peak": r["of_peak"], "model_of_peak": r["model_of_peak"]}
             for r in seen["gemm_grid"]]
     metrics = {"preset_file": str(args.hardware_out), "over": seen["over"],
@@ -264,7 +276,7 @@ def roofline(ours, batch: int, args, bandwidth: float) -> float:
     return batch / ((weights + cache) / bandwidth)
 
 
-def decode_case(family, shape, args, device, dtype, bandwidth, compiled: bool = False) -> dict:
+def decode_case(family, shape, args, device, dtype, copy: CopyRate, compiled: bool = False) -> dict:
     ours, hf = build_pair(family, args, device, dtype, liger=False, train=False)
     batch, = shape
     ids = torch.randint(3, ours.config.vocab_size, (batch, args.prompt), device=device)
@@ -276,6 +288,7 @@ def decode_case(family, shape, args, device, dtype, bandwidth, compiled: bool = 
         for name, generate in (("colozoo", lambda n: ours.generate(ids, max_new_tokens=n, **options)),
                                ("peer", lambda n: hf.eval().generate(ids, max_new_tokens=n, **options, **peer))):
             rates[name], tokens[name] = decode_rate(generate, args, device, batch)
+    bandwidth = copy()
     bound = roofline(ours, batch, args, bandwidth)
     metrics = {"colozoo_decode_tokens_per_s": rounded(rates["colozoo"]),
                "peer_decode_tokens_per_s": rounded(rates["peer"]), "roofline_tokens_per_s": round(bound, 1),
@@ -287,10 +300,12 @@ def decode_case(family, shape, args, device, dtype, bandwidth, compiled: bool = 
                 ratio=rates["colozoo"] and rates["peer"] and round(rates["colozoo"] / rates["peer"], 3))
 
 
-def run_case(kind, family, shape, args, device, dtype, bandwidth) -> dict:
+def run_case(kind, family, shape, args, device, dtype, copy: CopyRate) -> dict:
+    if kind == "hardware":
+        return hardware_case(args, device, copy)
     if kind == "train":
         return train_case(family, shape, args, device, dtype)
-    return decode_case(family, shape, args, device, dtype, bandwidth, compiled=kind == "decode_compiled")
+    return decode_case(family, shape, args, device, dtype, copy, compiled=kind == "decode_compiled")
 
 
 def liger_missing(device) -> str | None:
@@ -303,19 +318,15 @@ def liger_missing(device) -> str | None:
     return None
 
 
-def measured_line(args, device, name, clock) -> dict:
-    line = {"bench": "gpu/hardware", "config": {"device": name, "dtype": "bfloat16" if device.type == "cuda"
-                                                else "float32"}}
-    skipped = clock.refusal("hardware")
-    if skipped:
-        return {**line, "skipped": skipped}
-    started = time.monotonic()
-    try:
-        line.update(hardware_case(args, device))
-    except Exception as e:  # the cases after it still run
-        line["error"] = f"{type(e).__name__}: {e}"[:500]
-    clock.record("hardware", time.monotonic() - started)
-    return line
+def case_line(kind, family, shape, args, device_name: str, dtype) -> dict:
+    """A case's JSON line before it runs: its bench name and config."""
+    config = {"device": device_name, "dtype": str(dtype).split(".")[-1]}
+    if kind == "hardware":
+        return {"bench": "gpu/hardware", "config": config}
+    shown = "x".join(map(str, shape)) if kind == "train" else f"b{shape[0]}"
+    return {"bench": f"gpu/{kind}/{MODELS[family].lower()}/{shown}",
+            "config": {"model": MODELS[family], "shape": list(shape), **config, "repeats": args.repeats,
+                       "prompt": args.prompt, "new": args.new}}
 
 
 def main(argv=None) -> int:
@@ -341,22 +352,17 @@ def main(argv=None) -> int:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     args.prompt, args.new = sizes(args)["prompt"], sizes(args)["new"]
     args.repeats = 1 if args.dry_run else args.repeats
-    clock, bandwidth, no_liger = Clock(args.budget), copy_bandwidth(device), liger_missing(device)
+    clock, copy, no_liger = Clock(args.budget), CopyRate(device), liger_missing(device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
-    if args.hardware_out:
-        print(json.dumps(measured_line(args, device, name, clock)), flush=True)
-    for kind, family, shape in cases(args):
-        line = {"bench": f"gpu/{kind}/{MODELS[family].lower()}/" + ("x".join(map(str, shape)) if kind == "train"
-                                                                      else f"b{shape[0]}"),
-                "config": {"model": MODELS[family], "shape": list(shape), "dtype": str(dtype).split(".")[-1],
-                           "device": name, "repeats": args.repeats, "prompt": args.prompt, "new": args.new}}
+    for kind, family, shape in ([("hardware", None, ())] if args.hardware_out else []) + cases(args):
+        line = case_line(kind, family, shape, args, name, dtype)
         skipped = clock.refusal(kind) or (no_liger if kind == "train" else None)
         if skipped:
             print(json.dumps({**line, "skipped": skipped}), flush=True)
             continue
         started = time.monotonic()
         try:
-            line.update(run_case(kind, family, shape, args, device, dtype, bandwidth))
+            line.update(run_case(kind, family, shape, args, device, dtype, copy))
         except Exception as e:  # one case's failure (a peer's version, memory) is its line, not the run's end
             line["error"] = f"{type(e).__name__}: {e}"[:500]
         clock.record(kind, time.monotonic() - started)

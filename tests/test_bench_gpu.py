@@ -16,20 +16,28 @@ def lines(capsys, *argv) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
-def test_the_dry_run_runs_every_case_once(capsys):
-    """Gemma 2: transformers' eager attention (it refuses sdpa), its window and caps; decoding, training steps and the
-    compiled peer."""
+def test_the_dry_run_runs_every_case_once(capsys, tmp_path, monkeypatch):
+    """Gemma 2: transformers' eager attention (it refuses sdpa), its window and caps; the hardware case first, then
+    decoding, training steps and the compiled peer, in one loop; the device copy is measured once a run (the hardware
+    case's copy serves the decode roofline)."""
+    from colozoo.cost import measure
+
+    copies, copy_bandwidth = [], measure.copy_bandwidth
+    monkeypatch.setattr(measure, "copy_bandwidth", lambda *a, **k: copies.append(a) or copy_bandwidth(*a, **k))
     args = gpu.argparse.Namespace(models="gemma2", dry_run=True, prompt=8, new=4)
-    expected = [f"gpu/{kind}/gemma-2-2b/" + ("x".join(map(str, shape)) if kind == "train" else f"b{shape[0]}")
-                for kind, _, shape in gpu.cases(args)]
-    printed = lines(capsys, "--dry-run", "--models", "gemma2")
+    expected = ["gpu/hardware"] + [
+        f"gpu/{kind}/gemma-2-2b/" + ("x".join(map(str, shape)) if kind == "train" else f"b{shape[0]}")
+        for kind, _, shape in gpu.cases(args)]
+    printed = lines(capsys, "--dry-run", "--models", "gemma2", "--hardware-out", str(tmp_path / "hw.json"))
     assert [line["bench"] for line in printed] == expected
     for line in printed:
         assert "error" not in line and "skipped" not in line, line
         assert line["config"]["device"] == "cpu (dry run)" and "ratio" in line
-    decode = printed[0]["metrics"]
+    assert len(copies) == 1
+    decode = printed[1]["metrics"]
     assert decode["same_tokens"] and decode["roofline_tokens_per_s"] > 0
-    assert {"colozoo_ms", "peer_ms", "loss_diff"} <= set(printed[2]["metrics"])
+    assert decode["copy_gb_per_s"] == printed[0]["metrics"]["copy_gb_per_s"]
+    assert {"colozoo_ms", "peer_ms", "loss_diff"} <= set(printed[3]["metrics"])
 
 
 def test_cases_that_do_not_fit_the_budget_are_skipped_with_a_reason(capsys):
