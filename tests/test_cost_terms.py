@@ -43,7 +43,7 @@ def test_gemm_tiles_fill_waves_of_sms():
 def test_causal_attention_computes_half_the_pairs():
     full = attention_seconds(1e12, 1e6, False, GPU)
     assert full == pytest.approx(1e12 / (300e12 * 0.5))
-    assert attention_seconds(1e12, 1e6, True, GPU) == pytest.approx(full / 2)
+    assert attention_seconds(1e12, 1e6, True, GPU) == pytest.approx(1e12 / 2 / (300e12 * 0.5))
 
 
 def test_unit_seconds_adds_its_kernels():
@@ -64,7 +64,9 @@ def test_unit_seconds_adds_its_kernels():
 
 def test_traced_layer_records_its_gemm_shapes():
     """A GPT-2 layer at 2 x 16 tokens and hidden 64: q/k/v (64 -> 192), the projection (64 -> 64), the MLP
-    (64 -> 256 -> 64) forward, with the kernels' FLOPs adding up to the layer's."""
+    (64 -> 256 -> 64) forward, with the kernels' FLOPs adding up to the layer's hand count: 2 x 32 tokens x 64 x
+    (192 + 64 + 256) + 2 x 32 x 256 x 64 in the GEMMs, 2 products of 4 x 8 heads x 16 x 16 x 16 in attention
+    (131072: flop_counter counts the full square); backward twice the GEMMs and 2.5 x attention's forward."""
     from colozoo.cost.model_trace import trace_model
 
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=16,
@@ -72,8 +74,10 @@ def test_traced_layer_records_its_gemm_shapes():
     unit = trace_model(config, 2, 16, None, "bfloat16", "cuda").units["layer:0"]
     shapes = {key.split("|")[3] for key, (n, _, _) in unit.kernels.items() if key.startswith("fwd|gemm")}
     assert {"1x32x192x64", "1x32x64x64", "1x32x256x64", "1x32x64x256"} <= shapes
-    for phase, flops in (("fwd", unit.fwd_flops), ("bwd", unit.bwd_flops)):
+    gemms, attention = 2 * 32 * 64 * (192 + 64 + 256) + 2 * 32 * 256 * 64, 4 * 8 * 16 * 16 * 16
+    for phase, flops in (("fwd", gemms + attention), ("bwd", 2 * gemms + 2.5 * attention)):
         assert sum(f for key, (_, f, _) in unit.kernels.items() if key.startswith(phase)) == flops
+    assert (unit.fwd_flops, unit.bwd_flops) == (gemms + attention, 2 * gemms + 2.5 * attention)
     assert any(key.startswith("fwd|attention|core") and key.endswith("causal") for key in unit.kernels)
 
 
