@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from colozoo.cost.compute_time import unit_seconds
 from colozoo.cost.context_parallel import ring_steps
-from colozoo.cost.cost_model import _recompute_plan
+from colozoo.cost.cost_model import _itemsize, _recompute_plan
 from colozoo.cost.experts import expert_exchange_seconds
 from colozoo.cost.hardware import Hardware
 from colozoo.cost.network import collective_seconds
@@ -98,11 +98,6 @@ def _group_seconds(comm: dict, calls: dict, group: str, plan: Plan, hw: Hardware
             out += collective_seconds(hw, collective, scale * nbytes, sizes[group], _spans(plan)[group],
                                       scale * calls.get(key, 0))
     return out
-
-
-def _itemsize(report) -> int:
-    """Bytes of one element of the report's dtype (every name Workload takes: "half" too)."""
-    return Workload.from_dict(report.workload).torch_dtype.itemsize
 
 
 def _parts(report, st: dict, index: int) -> list[tuple[dict, bool]]:
@@ -202,14 +197,14 @@ def stage_time(report, index: int, plan: Plan, hw: Hardware, software: Software 
                cache: dict | None = None) -> StageTime:
     """One micro-batch on pipeline rank `index`; `cache` keeps each unit's terms across ranks of one estimate."""
     st, out, cache = report.stages[index], StageTime(), {} if cache is None else cache
-    parts = _parts(report, st, index)
+    parts, itemsize = _parts(report, st, index), _itemsize(Workload.from_dict(report.workload))
     policies = iter(_recompute_plan(plan, sum(is_layer for _, is_layer in parts)))
     zero = []  # (forward, backward, gather, reduce-scatter, gathers in backward) of each ZeRO-3 unit
     for u, is_layer in parts:
         policy = next(policies) if is_layer else "none"
         key = (u["name"], policy, is_layer)
         if key not in cache:
-            cache[key] = _unit_terms(u, policy, is_layer, plan, hw, software, _itemsize(report))
+            cache[key] = _unit_terms(u, policy, is_layer, plan, hw, software, itemsize)
         fwd, bwd, tp, ep, ring, zero3 = cache[key]
         out.compute += fwd + bwd
         out.backward += bwd
@@ -255,13 +250,13 @@ def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, so
     """(step seconds, breakdown, offload decision or None) of a profile of `plan` on this hardware; `base` is the
     same plan's report without offload, to price what offload moves."""
     m = plan.num_microbatches
-    cache = {}
+    cache, itemsize = {}, _itemsize(Workload.from_dict(report.workload))
     times = [stage_time(report, i, plan, hw, software, cache) for i in range(len(report.stages))]
     slowest = max(range(len(times)), key=lambda i: times[i].total)
     t = times[slowest]
     pipeline = pipeline_seconds([x.total for x in times], m, plan.virtual_stages)
     tails = [x.zero_last + _data_parallel(report.stages[i], plan, hw, software, x.backward,
-                                          len(report.stages[i]["layers"]), _itemsize(report))
+                                          len(report.stages[i]["layers"]), itemsize)
              for i, x in enumerate(times)]
     dp = max(tails)
     st = report.stages[slowest]
