@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
+# An AdamW step's memory traffic in passes of the fused kernel, which touches an element of each state 7 times (reads
+# the parameter, the gradient and both moments, writes the parameter and the moments). torch's foreach and
+# single-tensor steps touch them 21 times in eight kernels: the weight decay (2), the first moment's lerp (3), the
+# second's mul and addcmul (2 + 4), its sqrt, bias correction and eps (2 + 2 + 2) and the addcdiv into the parameter
+# (4) (torch/optim/adamw.py); Composer's DecoupledAdamW (v0.16, composer/optim/decoupled_weight_decay.py) as many,
+# with no decay pass at weight decay 0 and the first moment as mul_ + add_ (2 + 3).
+OPTIMIZER_PASSES = {"fused": 1.0, "foreach": 3.0, "single_tensor": 3.0}
+
+
 @dataclass(frozen=True)
 class Software:
     name: str = "colozoo"
@@ -51,6 +60,15 @@ class Software:
     # the gated MLP activation saves only its inputs and recomputes itself in backward (Megatron-Core's fused
     # SwiGLU, on unless --no-bias-swiglu-fusion), where colozoo's keeps the activated gate too
     fused_swiglu: bool = False
+    # the optimizer's kernels, priced by the memory traffic of one AdamW step (OPTIMIZER_PASSES):
+    # "fused" reads and writes each state once (torch's fused=True, Apex and DeepSpeed FusedAdam); "foreach" (torch's
+    # default for CUDA tensors, what colozoo's build_optimizer runs) and "single_tensor" (torch's default on CPU,
+    # Composer's DecoupledAdamW) pass over the states in eight elementwise kernels
+    optimizer_kernels: str = "foreach"
+
+    def __post_init__(self):
+        if self.optimizer_kernels not in OPTIMIZER_PASSES:
+            raise ValueError(f"optimizer_kernels {self.optimizer_kernels!r} not priced; one of {sorted(OPTIMIZER_PASSES)}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -29,7 +29,7 @@ from colozoo.cost.network import collective_seconds
 from colozoo.cost.offload import MemoryNeed, decide_offload
 from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.setup import Workload
-from colozoo.cost.software import COLOZOO, Software
+from colozoo.cost.software import COLOZOO, OPTIMIZER_PASSES, Software
 from colozoo.cost.zero3_submodules import submodule_ops, submodules
 from colozoo.runtime.plan import Plan
 
@@ -269,8 +269,9 @@ def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, so
                           num_microbatches=m)
         decision = decide_offload(need, hw, allowed=("none", plan.offload))
         offload = decision.exposed_seconds
-    else:  # the optimizer reads and writes weights, gradients, master weights and states once
-        optimizer_step = (st["weights"] + st["grads"] + 2 * (st["master"] + st["optimizer"])) / hw.memory_bandwidth
+    else:  # a fused optimizer reads and writes weights, gradients, master weights and states once
+        fused_pass = st["weights"] + st["grads"] + 2 * (st["master"] + st["optimizer"])
+        optimizer_step = fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels] / hw.memory_bandwidth
     step = pipeline + dp + offload + optimizer_step
     breakdown = {"compute": t.compute * m, "bubble": pipeline - t.total * m, "tp": t.tp * m, "cp": t.cp * m,
                  "pp": t.pp * m, "ep": t.ep * m, "dp": t.zero * m + dp, "offload": offload,
