@@ -101,4 +101,24 @@ PLANNER = {
                  '* (1 - 1 / tp)',
                  "return 0.0")),
         ("tests/test_saved_layout.py::test_fused_norms_keep_their_input_and_sp_linears_their_shard",)),
+    "optimizer_priced_fused": Mutation(
+        "every optimizer step is priced as one fused pass, whatever kernels the software runs",
+        Rewrite("colozoo.cost.step_time:estimate",
+                ("fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels] / hw.memory_bandwidth",
+                 "fused_pass / hw.memory_bandwidth")),
+        ("tests/test_optimizer_traffic.py::test_step_prices_the_optimizer_kernels_the_software_runs",)),
+    "hardware_table_shared": Mutation(
+        "a hardware's attention-speed table given as a dict stays writable (shared by every later answer)",
+        Rewrite("colozoo.cost.hardware:Hardware.__post_init__",
+                ('object.__setattr__(self, "attention_speed", attention_speed.frozen(self.attention_speed))', "pass")),
+        ("tests/test_attention_speed.py::test_the_published_tables_are_read_only",)),
+    "hardware_none_override_dropped": Mutation(
+        "an override of None on a field that takes a number is not refused",
+        Rewrite("colozoo.cost.hardware:_given",
+                ("if value is None and _default(known[key]) is not None:", "if False:")),
+        (SOURCES + "test_an_override_of_none_is_a_value_or_refused",)),
+    "measured_memory_from_preset": Mutation(
+        "a measured CPU preset keeps the links preset's 80 GB instead of the machine's memory",
+        Rewrite("colozoo.cost.measure:device_fields", ("memory = host_memory_bytes()", "memory = hw.gpu_memory")),
+        (SOURCES + "test_measured_on_the_cpu_it_names_the_cpu_loads_as_a_preset_and_plans",)),
 }
