@@ -2,9 +2,10 @@
 cross entropy that never builds fp32 logits, alone or fused with the LM-head matmul.
 
 Each rank holds the logits of its own vocab slice (`colozoo.core.groups.vocab_range`; padded columns past
-the logical vocabulary are ignored). A kernel reduces every row of the slice to four fp32 numbers (sum of exp
-relative to the slice's max, that max, the target's logit if this slice holds it, and the sum of logits for label
-smoothing), packed as `head_loss.slice_stats` packs them; the ranks then combine them with one all-gather
+the logical vocabulary are ignored). A kernel reduces every row of the slice to a few fp32 numbers (sum of exp
+relative to the slice's max, that max, the target's logit if this slice holds it, the sum of logits for label
+smoothing and, for the entropy, the sum of exps times the logits relative to the max), packed as
+`head_loss.slice_stats` packs them; the ranks then combine them with one all-gather
 (`head_loss.combine_stats`). The gradient kernel writes softmax - one-hot straight in the logits' dtype, over them
 if asked. Both kernels can cap the logits first (Gemma's final soft-cap), the gradient then times the cap's slope.
 
@@ -36,7 +37,7 @@ def _tanh(x):
 
 @triton.jit
 def _row_stats(LOGITS, TARGET, STATS, stride, n_rows, valid, vocab_start, ignore_index, cap,
-               SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+               SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     LOGITS += row * stride
     # per-lane running max and sum of exp, reduced across lanes at the end (lanes that saw only
@@ -44,6 +45,7 @@ def _row_stats(LOGITS, TARGET, STATS, stride, n_rows, valid, vocab_start, ignore
     m_lane = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
     s_lane = tl.zeros((BLOCK_V,), dtype=tl.float32)
     t_lane = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    w_lane = tl.zeros((BLOCK_V,), dtype=tl.float32)  # sum of exp(x - m) * (x - m), for the entropy
     for start in range(0, valid, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(LOGITS + cols, mask=cols < valid, other=0.0).to(tl.float32)
@@ -52,7 +54,10 @@ def _row_stats(LOGITS, TARGET, STATS, stride, n_rows, valid, vocab_start, ignore
         x = tl.where(cols < valid, x, float("-inf"))
         m_new = tl.maximum(m_lane, x)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_lane = s_lane * tl.exp(m_lane - m_safe) + tl.exp(x - m_safe)
+        e = tl.exp(x - m_safe)
+        if ENTROPY:  # w moved to the new max: exp(m - m') * (w + s * (m - m')); a lane that saw nothing adds 0
+            w_lane = _rescaled(w_lane, s_lane, m_lane, m_safe) + tl.where(cols < valid, e * (x - m_safe), 0.0)
+        s_lane = s_lane * tl.exp(m_lane - m_safe) + e
         m_lane = m_new
         if SMOOTHING:
             t_lane += tl.where(cols < valid, x, 0.0)
@@ -69,6 +74,18 @@ def _row_stats(LOGITS, TARGET, STATS, stride, n_rows, valid, vocab_start, ignore
     tl.store(STATS + 2 * n_rows + row, tl.where(hit, pred, 0.0))
     if SMOOTHING:
         tl.store(STATS + 3 * n_rows + row, tl.sum(t_lane, axis=0))
+    if ENTROPY:  # the last row of the statistics
+        w = tl.sum(_rescaled(w_lane, s_lane, m_lane, tl.where(m == float("-inf"), 0.0, m)), axis=0)
+        if SMOOTHING:
+            tl.store(STATS + 4 * n_rows + row, w)
+        else:
+            tl.store(STATS + 3 * n_rows + row, w)
+
+
+@triton.jit
+def _rescaled(w, s, m, m_new):
+    """w = sum exp(x - m) * (x - m) of a lane as the sum relative to m_new >= m (0 where the lane saw no column)."""
+    return tl.where(m == float("-inf"), 0.0, tl.exp(m - m_new) * (w + s * (m - m_new)))
 
 
 @triton.jit
@@ -98,14 +115,14 @@ def _row_grad(LOGITS, DLOGITS, TARGET, LSE, DLOSS, stride, dstride, width, valid
         tl.store(DLOGITS + cols, (g * scale).to(DLOGITS.dtype.element_ty), mask=cols < width)
 
 
-def _stats(logits, target, valid, vocab_start, ignore_index, smoothing, softcap):
+def _stats(logits, target, valid, vocab_start, ignore_index, smoothing, softcap, entropy=False):
     """(k, rows) fp32 statistics of this rank's slice, packed as head_loss.slice_stats packs them."""
     rows = logits.shape[0]
-    stats = torch.empty((4 if smoothing > 0 else 3, rows), device=logits.device, dtype=torch.float32)
+    stats = torch.empty((3 + (smoothing > 0) + entropy, rows), device=logits.device, dtype=torch.float32)
     if rows:
         _row_stats[(rows,)](logits, target, stats, logits.stride(0), rows, valid, vocab_start, ignore_index,
-                            softcap or 1.0, SMOOTHING=smoothing > 0, SOFTCAP=softcap is not None, BLOCK_V=BLOCK_V,
-                            num_warps=4)
+                            softcap or 1.0, SMOOTHING=smoothing > 0, SOFTCAP=softcap is not None, ENTROPY=entropy,
+                            BLOCK_V=BLOCK_V, num_warps=4)
     return stats
 
 
@@ -129,26 +146,30 @@ def _slice(vocab_size, local_width, group):
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, group, ignore_index, smoothing):
+    def forward(ctx, logits, target, vocab_size, group, ignore_index, smoothing, entropy):
         shape = target.shape
         logits = logits.reshape(-1, logits.shape[-1])
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         target = target.reshape(-1).contiguous()
         start, valid = _slice(vocab_size, logits.shape[1], group)
-        stats = _stats(logits, target, valid, start, ignore_index, smoothing, None)
-        loss, lse = combine_stats(stats, group, vocab_size, smoothing)
+        stats = _stats(logits, target, valid, start, ignore_index, smoothing, None, entropy)
+        loss, lse, *by_product = combine_stats(stats, group, vocab_size, smoothing, entropy=entropy)
         ctx.save_for_backward(logits, target, lse)
         ctx.args = (valid, start, ignore_index, smoothing, vocab_size)
         ctx.logits_shape = shape + (logits.shape[1],)
-        return loss.masked_fill(target == ignore_index, 0.0).view(shape)
+        loss = loss.masked_fill(target == ignore_index, 0.0).view(shape)
+        if not entropy:
+            return loss
+        ctx.mark_non_differentiable(by_product[0])
+        return loss, by_product[0].view(shape)
 
     @staticmethod
-    def backward(ctx, dloss):
+    def backward(ctx, dloss, dentropy=None):  # the entropy is a metric: its gradient is not taken
         logits, target, lse = ctx.saved_tensors
         dlogits = torch.empty_like(logits)
         _grad(logits, dlogits, target, lse, dloss.reshape(-1).float().contiguous(), *ctx.args, None)
-        return dlogits.view(ctx.logits_shape), None, None, None, None, None
+        return dlogits.view(ctx.logits_shape), None, None, None, None, None, None
 
 
 def _chunk_loss(logits, target, grad: bool, *, vocab_start, valid, vocab_size, group, ignore_index, smoothing,
@@ -165,10 +186,12 @@ def _chunk_loss(logits, target, grad: bool, *, vocab_start, valid, vocab_size, g
 
 
 def cross_entropy_triton(logits_local, target, vocab_size: int, group=None, ignore_index: int = -100,
-                         label_smoothing: float = 0.0):
+                         label_smoothing: float = 0.0, entropy: bool = False):
     """Per-token loss from this rank's vocab slice of the logits; same contract as
-    `colozoo.kernels.cross_entropy.vocab_parallel_cross_entropy`."""
-    return _CrossEntropy.apply(logits_local, target, vocab_size, group, ignore_index, float(label_smoothing))
+    `colozoo.kernels.cross_entropy.vocab_parallel_cross_entropy` (with `entropy`: as
+    `vocab_parallel_cross_entropy_and_entropy`, (loss, entropy))."""
+    return _CrossEntropy.apply(logits_local, target, vocab_size, group, ignore_index, float(label_smoothing),
+                               entropy)
 
 
 def linear_cross_entropy_triton(hidden, weight, target, vocab_size: int, bias=None, group=None,

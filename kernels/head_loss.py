@@ -1,13 +1,15 @@
 """What the cross-entropy ops share: the statistics of a vocab slice's softmax combined over the tensor-parallel group,
 and the LM head walked chunk of tokens by chunk of tokens with its gradients taken in the forward.
 
-    slice_stats(logits, local_target, outside, valid, label_smoothing, out=None)     -> (k, ...) fp32 statistics
-    combine_stats(stats, group, vocab_size, label_smoothing)                         -> (loss, log-sum-exp) per row
+    slice_stats(logits, local_target, outside, valid, label_smoothing, out=None, entropy=False)
+                                                                                     -> (k, ...) fp32 statistics
+    combine_stats(stats, group, vocab_size, label_smoothing, entropy=False)          -> (loss, log-sum-exp[, entropy])
     chunked_linear_loss(hidden, weight, bias, target, chunk_loss, chunk_size=None)   -> summed loss
 
 A row's softmax over a vocabulary split across ranks needs only a few numbers from each rank: its sum of exps
 relative to its own max, that max, the target's logit where the slice holds it, and for label smoothing the sum of
-its logits. They are packed in one (k, rows) tensor and all-gathered once.
+its logits, and for the entropy of the softmax (a metric) the sum of exps times the logits relative to the max.
+They are packed in one (k, rows) tensor and all-gathered once.
 
 `chunked_linear_loss` is the fused LM head + loss, as Liger-Kernel's fused linear cross entropy: each chunk's
 logits are made, turned into their own gradient by `chunk_loss` (softmax - one-hot, the softmax combined over the
@@ -46,21 +48,38 @@ def _next_power_of_two(n: int) -> int:
 
 
 def slice_stats(logits: torch.Tensor, local_target: torch.Tensor, outside: torch.Tensor, valid: int,
-                label_smoothing: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                label_smoothing: float, out: torch.Tensor | None = None,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(stats, exps) of fp32 logits of this rank's vocab slice (columns past `valid` already -inf): stats stacks, per
     row, the sum of exps relative to the slice's max, that max (a slice of padding alone: the lowest finite number,
-    so that its exps are 0, not nan), the target's logit (0 where `outside` the slice) and, with label smoothing,
-    the sum of the valid logits; exps = exp(logits - max), written into `out` (which may be `logits`)."""
+    so that its exps are 0, not nan), the target's logit (0 where `outside` the slice), with label smoothing the sum
+    of the valid logits and, last, with `entropy` the sum of exps times the logits relative to the max;
+    exps = exp(logits - max), written into `out` (which may be `logits`)."""
     local_max = logits.amax(dim=-1).clamp(min=torch.finfo(logits.dtype).min)
     target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
     extra = [logits[..., :valid].sum(dim=-1)] if label_smoothing > 0 else []
     exps = torch.sub(logits, local_max.unsqueeze(-1), out=out).exp_()
+    if entropy:  # e * (z - max) = e * log(e), and 0 where e is 0 (padding, underflow): no second tensor of z - max
+        extra.append(row_sums(lambda e: torch.xlogy(e, e), exps))
     return torch.stack([exps.sum(dim=-1), local_max, target_logit, *extra]), exps
 
 
-def combine_stats(stats: torch.Tensor, group, vocab_size: int, label_smoothing: float):
-    """(per-row loss, log-sum-exp) over the whole vocabulary from every rank's `slice_stats` (one all-gather). The
-    loss is not yet masked where the target is ignored."""
+# The most elements a by-product's row sums (row_sums) make at once: a chunk of rows, not another whole vocab slice
+ROW_SUM_ELEMENTS = 1 << 24
+
+
+def row_sums(elementwise, x: torch.Tensor) -> torch.Tensor:
+    """elementwise(x) summed over the last dim, a chunk of rows at a time: its temporaries at most ROW_SUM_ELEMENTS
+    elements, whatever the size of x."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = max(1, ROW_SUM_ELEMENTS // max(x.shape[-1], 1))
+    return torch.cat([elementwise(chunk).sum(dim=-1) for chunk in flat.split(rows)]).view(x.shape[:-1])
+
+
+def combine_stats(stats: torch.Tensor, group, vocab_size: int, label_smoothing: float, entropy: bool = False):
+    """(per-row loss, log-sum-exp) over the whole vocabulary from every rank's `slice_stats` (one all-gather), and with
+    `entropy` (stats made with entropy=True) the entropy of the softmax too: (loss, log-sum-exp, entropy). The loss
+    is not yet masked where the target is ignored."""
     gathered = all_gather(stats.unsqueeze(0), 0, group)  # (tp, k, ...)
     sums, maxes = gathered[:, 0], gathered[:, 1]
     global_max = maxes.amax(dim=0)
@@ -69,7 +88,19 @@ def combine_stats(stats: torch.Tensor, group, vocab_size: int, label_smoothing: 
     if label_smoothing > 0:
         mean_log_prob = gathered[:, 3].sum(dim=0) / vocab_size - log_sum_exp
         loss = (1 - label_smoothing) * loss - label_smoothing * mean_log_prob
+    if entropy:
+        return loss, log_sum_exp, _entropy(sums, maxes, gathered[:, -1], global_max)
     return loss, log_sum_exp
+
+
+def _entropy(sums, maxes, weighted, global_max):
+    """H = log S - E[z - global max] from each rank's sum of exps, max (-inf or the lowest number: padding alone) and
+    sum of exps times (z - its max), S the sum of exp(z - global max)."""
+    offset = maxes.clamp(min=torch.finfo(maxes.dtype).min) - global_max
+    rescale = offset.exp()
+    total = (sums * rescale).sum(dim=0)
+    expected = (rescale * (weighted + sums * offset)).sum(dim=0) / total
+    return total.log() - expected
 
 
 def chunked_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,

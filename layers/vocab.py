@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colozoo.core.groups import vocab_range
-from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy
+from colozoo.kernels.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_and_entropy
 from colozoo.kernels.linear_cross_entropy import linear_cross_entropy
 
 from .comm import (all_gather, gather_from_parallel, group_size, reduce_from_parallel, reduce_scatter_to_sequence,
@@ -115,29 +115,11 @@ def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=Non
 
 @torch.no_grad()
 def vocab_parallel_entropy(logits_local: torch.Tensor, vocab_size: int, group=None) -> torch.Tensor:
-    """The entropy of softmax over the full vocabulary at every position (fp32), from each rank's padded slice: each
-    rank's max, its sum of exps relative to it and their logit-weighted sum are gathered, then rescaled to the global
-    max (H = log S - E[z - max], S the sum of exp(z - max))."""
-    start, stop, _ = vocab_range(vocab_size, group)
-    logits = logits_local[..., : max(stop - start, 0)].float()
-    if group_size(group) == 1:
-        log_probs = logits.log_softmax(dim=-1)
-        return -(log_probs.exp() * log_probs).sum(dim=-1)
-    floor = torch.finfo(logits.dtype).min
-    if logits.shape[-1]:
-        local_max = logits.max(dim=-1).values.clamp(min=floor)
-    else:  # this rank holds only padding: nothing of the distribution
-        local_max = logits.new_full(logits.shape[:-1], floor)
-    shifted = logits - local_max[..., None]
-    exp = shifted.exp()
-    stats = all_gather(torch.stack([local_max, exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])[None], 0, group)
-    maxes, sums, weighted = stats[:, 0], stats[:, 1], stats[:, 2]
-    global_max = maxes.max(dim=0).values
-    offset = maxes - global_max
-    rescale = offset.exp()
-    total = (sums * rescale).sum(dim=0)
-    expected = (rescale * (weighted + sums * offset)).sum(dim=0) / total  # E[z - global max]
-    return total.log() - expected
+    """The entropy of softmax over the full vocabulary at every position (fp32), from each rank's padded slice: the
+    cross entropy's statistics of each rank's slice (its max, its sum of exps relative to it and their logit-weighted
+    sum) gathered once, then rescaled to the global max (H = log S - E[z - max], S the sum of exp(z - max))."""
+    no_targets = torch.full(logits_local.shape[:-1], -100, dtype=torch.long, device=logits_local.device)
+    return vocab_parallel_cross_entropy_and_entropy(logits_local, no_targets, vocab_size, group)[1]
 
 
 LOGITS = ("full", "vocab_slice", "none")
@@ -252,11 +234,7 @@ class VocabParallelLMHead(nn.Module):
         keeps this rank's share)."""
         targets = self._next_tokens(labels, ignore_index, cp)
         logps = -vocab_parallel_cross_entropy(logits_local, targets, self.vocab_size, self.group, ignore_index)
-        if cp is not None:
-            from .context_parallel import gather_sequence
-
-            logps = gather_sequence(logps, cp.group)
-        return F.pad(logps[..., :-1], (1, 0))
+        return self._laid_out(logps, cp)
 
     @torch.no_grad()
     def label_entropy(self, logits_local, labels, ignore_index=-100, cp=None) -> torch.Tensor:
@@ -265,11 +243,28 @@ class VocabParallelLMHead(nn.Module):
         holds the entropy of the distribution that predicts labels[t], 0 where labels is ignore_index and at t = 0.
         No gradient (a metric)."""
         entropy = vocab_parallel_entropy(logits_local, self.vocab_size, self.group)
+        return self._laid_out(entropy, cp).masked_fill(labels == ignore_index, 0.0)
+
+    def label_log_probs_and_entropy(self, logits_local, labels, ignore_index=-100,
+                                    cp=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(label_log_probs, label_entropy) of the same arguments from one pass over the vocab slice: one set of
+        softmax statistics per position and one all-gather of them over the tensor-parallel group. The log-probs and
+        their gradients are label_log_probs'; the entropy has no gradient (a metric)."""
+        targets = self._next_tokens(labels, ignore_index, cp)
+        loss, entropy = vocab_parallel_cross_entropy_and_entropy(logits_local, targets, self.vocab_size, self.group,
+                                                                 ignore_index)
+        entropy = self._laid_out(entropy, cp).masked_fill(labels == ignore_index, 0.0)
+        return self._laid_out(-loss, cp), entropy
+
+    @staticmethod
+    def _laid_out(per_position, cp):
+        """A per-position value of the logits (this cp rank's share) laid out like the labels: the whole sequence,
+        shifted one to the right (position t: the value of the distribution that predicts labels[t]; 0 at t = 0)."""
         if cp is not None:
             from .context_parallel import gather_sequence
 
-            entropy = gather_sequence(entropy, cp.group)
-        return F.pad(entropy[..., :-1], (1, 0)).masked_fill(labels == ignore_index, 0.0)
+            per_position = gather_sequence(per_position, cp.group)
+        return F.pad(per_position[..., :-1], (1, 0))
 
     @staticmethod
     def _next_tokens(labels, ignore_index, cp):

@@ -321,6 +321,21 @@ def test_cross_entropy(small_vocab_blocks, smoothing, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_and_entropy(small_vocab_blocks, dtype):
+    """The entropy from the loss's own pass (three blocks: its running sum moved to each new max); the loss unchanged."""
+    ce = small_vocab_blocks
+    target, logits = _targets(12, 37).view(3, 4), randn(3, 4, 37, seed=1, scale=3).to(DEVICE, dtype)
+    loss, entropy = ce.cross_entropy_triton(logits, target, 37, entropy=True)
+    assert torch.equal(loss, ce.cross_entropy_triton(logits, target, 37))
+    assert_close(entropy, _entropy(logits), torch.float32, "entropy")
+
+
+def _entropy(logits):
+    log_probs = logits.detach().float().log_softmax(-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("smoothing,softcap", [(0.0, None), (0.1, None), (0.1, 2.0)])
 def test_linear_cross_entropy(small_vocab_blocks, smoothing, softcap, dtype):
     """The summed loss with its gradients taken in the forward, 3 chunks the last one short (the tensor-parallel and
@@ -358,6 +373,8 @@ def _vocab_parallel_cross_entropy_task(smoothing: float):
     hidden, weight, local_weight = (t.to(DEVICE).requires_grad_() for t in (hidden, weight, local_weight))
     loss = ce.cross_entropy_triton(hidden @ local_weight.t(), target, vocab, group=group, label_smoothing=smoothing)
     ref = torch_cross_entropy(hidden @ weight.t(), target, vocab, label_smoothing=smoothing)
+    _, entropy = ce.cross_entropy_triton(hidden @ local_weight.t(), target, vocab, group, -100, smoothing, entropy=True)
+    assert_close(entropy, _entropy(hidden @ weight.t()), torch.float32, "vocab-parallel entropy")
     grad = torch.linspace(0.5, 1.5, 11, device=DEVICE)
     dh, dw = torch.autograd.grad(loss, (hidden, local_weight), grad)
     dist.all_reduce(dh, group=group)  # what copy_to_parallel's backward does in the LM head

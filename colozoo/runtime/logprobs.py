@@ -48,10 +48,11 @@ class ObjectiveStep(StepScales):
         and the fp16 loss scale."""
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        logps = head.label_log_probs(logits, labels, cp=cp)
         rows = {k: v[row_ids] for k, v in self.rows.items()}
-        if self.entropy:
-            rows["entropy"] = head.label_entropy(logits.detach(), labels, cp=cp)
+        if self.entropy:  # from the same pass over the vocab slice as the log-probs
+            logps, rows["entropy"] = head.label_log_probs_and_entropy(logits, labels, cp=cp)
+        else:
+            logps = head.label_log_probs(logits, labels, cp=cp)
         with torch.autocast(logps.device.type, enabled=False):
             share, values = self.objective(logps.float(), labels, rows)
         self.reported.append((row_ids, {k: v.detach() for k, v in values.items()}))
