@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "helpers"))
+
+from _peak import add_device_arguments, device_and_dtype, peak_bytes  # noqa: E402
 
 
 def fused(hidden, weight, target, vocab):
@@ -48,18 +49,7 @@ def step(loss_fn, hidden, weight, target, vocab):
 
 def measured_step(loss_fn, inputs, device):
     """(peak bytes, (loss, grads)) of one forward + backward."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        results = step(loss_fn, *inputs)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start, results
-    from live_bytes import LiveBytes
-
-    with LiveBytes() as counted:
-        results = step(loss_fn, *inputs)
-    return counted.peak, results
+    return peak_bytes(lambda: step(loss_fn, *inputs), device)
 
 
 def timed(loss_fn, inputs, device) -> tuple[float, float]:
@@ -78,12 +68,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    add_device_arguments(parser)
     args = parser.parse_args()
-    device = args.device
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    device, dtype = device_and_dtype(args)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, generator=g).to(device, dtype).requires_grad_()
     weight = (torch.randn(args.vocab, args.hidden, generator=g) * 0.02).to(device, dtype).requires_grad_()

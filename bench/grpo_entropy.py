@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "helpers"))
+
+from _peak import add_device_arguments, device_and_dtype, peak_bytes  # noqa: E402
 
 TEMPERATURE = 0.7
 
@@ -59,18 +60,7 @@ def step(side, head, logits, labels):
 
 def measured_step(side, inputs, device):
     """(peak bytes, results) of one forward + backward."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        results = step(side, *inputs)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start, results
-    from live_bytes import LiveBytes
-
-    with LiveBytes() as counted:
-        results = step(side, *inputs)
-    return counted.peak, results
+    return peak_bytes(lambda: step(side, *inputs), device)
 
 
 def timed(side, inputs, device) -> float:
@@ -88,14 +78,11 @@ def main():
     parser.add_argument("--rows", type=int, default=2, help="completions")
     parser.add_argument("--tokens", type=int, default=256, help="tokens of each")
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    add_device_arguments(parser)
     args = parser.parse_args()
     from colozoo.layers.vocab import VocabParallelLMHead
 
-    device = args.device
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    device, dtype = device_and_dtype(args)
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(args.rows, args.tokens, args.vocab, generator=g) * 3).to(device, dtype).requires_grad_()
     labels = torch.randint(0, args.vocab, (args.rows, args.tokens), generator=g)
