@@ -8,7 +8,8 @@
                           swiglu_linear (fused with down_proj: the product is not kept)
     attention             local_attention: SDPA, GPT-2's upcast order, capped scores, packed documents, dropout
     decode                decode_attention: one new token per sequence against a KV cache
-    cross_entropy         vocab_parallel_cross_entropy
+    cross_entropy         vocab_parallel_cross_entropy; vocab_parallel_cross_entropy_and_entropy (the entropy of the
+                          softmax from the same pass: a metric)
     linear_cross_entropy  linear_cross_entropy: the LM head fused with its summed loss, gradients taken in the forward
     head_loss             shared by both cross entropies: softmax statistics of vocab slices, the chunked head
     moe                   permute / unpermute: MoE tokens grouped by expert and combined back

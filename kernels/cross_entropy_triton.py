@@ -161,8 +161,9 @@ class _CrossEntropy(torch.autograd.Function):
         loss = loss.masked_fill(target == ignore_index, 0.0).view(shape)
         if not entropy:
             return loss
-        ctx.mark_non_differentiable(by_product[0])
-        return loss, by_product[0].view(shape)
+        entropy = by_product[0].view(shape)
+        ctx.mark_non_differentiable(entropy)
+        return loss, entropy
 
     @staticmethod
     def backward(ctx, dloss, dentropy=None):  # the entropy is a metric: its gradient is not taken

@@ -117,7 +117,8 @@ def vocab_parallel_argmax(logits_local: torch.Tensor, vocab_size: int, group=Non
 def vocab_parallel_entropy(logits_local: torch.Tensor, vocab_size: int, group=None) -> torch.Tensor:
     """The entropy of softmax over the full vocabulary at every position (fp32), from each rank's padded slice: the
     cross entropy's statistics of each rank's slice (its max, its sum of exps relative to it and their logit-weighted
-    sum) gathered once, then rescaled to the global max (H = log S - E[z - max], S the sum of exp(z - max))."""
+    sum) gathered once, then rescaled to the global max (H = log S - E[z - max], S the sum of exp(z - max)); the
+    log-softmax where one rank holds the whole vocabulary."""
     no_targets = torch.full(logits_local.shape[:-1], -100, dtype=torch.long, device=logits_local.device)
     return vocab_parallel_cross_entropy_and_entropy(logits_local, no_targets, vocab_size, group)[1]
 

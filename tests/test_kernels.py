@@ -322,11 +322,14 @@ def test_cross_entropy(small_vocab_blocks, smoothing, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cross_entropy_and_entropy(small_vocab_blocks, dtype):
-    """The entropy from the loss's own pass (three blocks: its running sum moved to each new max); the loss unchanged."""
+    """The entropy from the loss's own pass (three blocks: its running sum moved to each new max); the loss and its
+    gradient unchanged."""
     ce = small_vocab_blocks
-    target, logits = _targets(12, 37).view(3, 4), randn(3, 4, 37, seed=1, scale=3).to(DEVICE, dtype)
+    target, logits = _targets(12, 37).view(3, 4), randn(3, 4, 37, seed=1, scale=3).to(DEVICE, dtype).requires_grad_()
     loss, entropy = ce.cross_entropy_triton(logits, target, 37, entropy=True)
-    assert torch.equal(loss, ce.cross_entropy_triton(logits, target, 37))
+    alone = ce.cross_entropy_triton(logits, target, 37)
+    assert torch.equal(loss, alone) and not entropy.requires_grad
+    assert torch.equal(*(torch.autograd.grad(out.sum(), logits)[0] for out in (loss, alone)))
     assert_close(entropy, _entropy(logits), torch.float32, "entropy")
 
 
