@@ -8,6 +8,7 @@ from mutation_tools import Mutation, Rewrite, replace, switches
 
 HEAD = "tests/test_linear_cross_entropy.py::"
 MEMORY = "tests/test_activation_memory.py::"
+ENTROPY = "tests/test_label_entropy.py::"
 REFERENCE = "colozoo.kernels.linear_cross_entropy:linear_cross_entropy_reference"
 
 
@@ -89,4 +90,24 @@ KERNELS = {
     "norm_recomputed_as_zeros": Mutation(
         "the fused norm + projection's backward normalises the rows again as zeros (the weight's gradient lost)",
         _normalised_again_as_zeros, (MEMORY + "test_rms_norm_linear[plain-dtype0]",)),
+    "entropy_second_pass": Mutation(
+        "GRPO's entropy metric makes its own fp32 pass over the vocab slice after the log-probs'",
+        Rewrite("colozoo.runtime.logprobs:ObjectiveStep.objective_loss",
+                ('logps, rows["entropy"] = head.label_log_probs_and_entropy(logits, labels, cp=cp)',
+                 'logps, rows["entropy"] = (head.label_log_probs(logits, labels, cp=cp), '
+                 'head.label_entropy(logits.detach(), labels, cp=cp))')),
+        (ENTROPY + "test_softmax_of_the_vocab_slice_is_made_once",)),
+    "entropy_sums_unchunked": Mutation(
+        "the entropy's row sums make a whole vocab slice of temporaries at once",
+        Rewrite("colozoo.kernels.head_loss:row_sums",
+                ("rows = max(1, ROW_SUM_ELEMENTS // max(x.shape[-1], 1))", "rows = flat.shape[0] or 1")),
+        (ENTROPY + "test_softmax_of_the_vocab_slice_is_made_once",)),
+    "entropy_slices_not_rescaled": Mutation(
+        "each rank's entropy statistics are added without moving them to the global max",
+        Rewrite("colozoo.kernels.head_loss:_entropy", ("rescale = offset.exp()", "rescale = offset * 0 + 1")),
+        (ENTROPY + "test_entropy_of_the_log_probs_pass_at_tp2_and_cp2",)),
+    "entropy_differentiable": Mutation(
+        "the entropy by-product of the cross entropy is left differentiable",
+        Rewrite("colozoo.kernels.cross_entropy:_outputs", ("ctx.mark_non_differentiable(*by_product)", "pass")),
+        (ENTROPY + "test_entropy_of_the_log_probs_pass_at_tp1",)),
 }
