@@ -368,3 +368,20 @@ def test_an_all_masked_batch_is_nan_as_in_transformers_and_weighs_nothing_within
     half[: BATCH // 2] = -100  # the first of two micro-batches has no label
     loss = model.forward_backward(ids, half, attention_mask=mask, num_microbatches=2)
     close(loss, hf(ids, attention_mask=mask, labels=half).loss, LOSS_ATOL, "half-masked batch")
+
+
+def test_optimizer_runs_the_fused_kernel_unless_told_otherwise():
+    """build_optimizer's AdamW takes one fused pass over its states where the device has the kernel (the cost model
+    prices it so: colozoo.cost.software.COLOZOO); its step is torch's single-tensor AdamW's to rounding."""
+    config, hf = hf_causal_lm("gpt2", CONFIG)
+    models = [build(single_process(), config, hf) for _ in range(2)]
+    ids, _, labels = batch(config.vocab_size, SEQ, padded=False, batch_size=BATCH)
+    optimizers = [build_optimizer(models[0], lr=LR, eps=EPS),
+                  build_optimizer(models[1], lr=LR, eps=EPS, foreach=False)]
+    assert optimizers[0].defaults["fused"] and not optimizers[1].defaults["fused"]
+    assert not build_optimizer(models[1], lr=LR, foreach=True).defaults["fused"]  # the caller's choice stands
+    for model, optimizer in zip(models, optimizers):
+        model.forward_backward(ids, labels)
+        optimizer.step()
+    for (name, fused), (_, single) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(fused, single, rtol=1e-6, atol=1e-7, msg=name)

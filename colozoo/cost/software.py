@@ -61,10 +61,10 @@ class Software:
     # SwiGLU, on unless --no-bias-swiglu-fusion), where colozoo's keeps the activated gate too
     fused_swiglu: bool = False
     # the optimizer's kernels, priced by the memory traffic of one AdamW step (OPTIMIZER_PASSES):
-    # "fused" reads and writes each state once (torch's fused=True, Apex and DeepSpeed FusedAdam); "foreach" (torch's
-    # default for CUDA tensors, what colozoo's build_optimizer runs) and "single_tensor" (torch's default on CPU,
+    # "fused" reads and writes each state once (torch's fused=True, what colozoo's build_optimizer runs; Apex and
+    # DeepSpeed FusedAdam); "foreach" (torch's default for CUDA tensors) and "single_tensor" (its default on CPU,
     # Composer's DecoupledAdamW) pass over the states in eight elementwise kernels
-    optimizer_kernels: str = "foreach"
+    optimizer_kernels: str = "fused"
 
     def __post_init__(self):
         if self.optimizer_kernels not in OPTIMIZER_PASSES:

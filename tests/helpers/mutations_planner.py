@@ -121,4 +121,8 @@ PLANNER = {
         "a measured CPU preset keeps the links preset's 80 GB instead of the machine's memory",
         Rewrite("colozoo.cost.measure:device_fields", ("memory = host_memory_bytes()", "memory = hw.gpu_memory")),
         (SOURCES + "test_measured_on_the_cpu_it_names_the_cpu_loads_as_a_preset_and_plans",)),
+    "optimizer_unfused": Mutation(
+        "build_optimizer leaves torch to pick its default (foreach) AdamW where the fused kernel runs",
+        Rewrite("colozoo.runtime.training:build_optimizer", ('kwargs["fused"] = _fused_kernel_runs(trainable)', "pass")),
+        ("tests/test_training.py::test_optimizer_runs_the_fused_kernel_unless_told_otherwise",)),
 }
