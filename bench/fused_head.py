@@ -17,14 +17,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _peak import add_device_arguments, device_and_dtype, peak_bytes  # noqa: E402
+from _peak import add_device_arguments, device_and_dtype, elapsed_ms, peak_bytes  # noqa: E402
 
 
 def fused(hidden, weight, target, vocab):
@@ -54,13 +53,7 @@ def measured_step(loss_fn, inputs, device):
 
 def timed(loss_fn, inputs, device) -> tuple[float, float]:
     """(wall, process CPU) milliseconds of one forward + backward."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter(), time.process_time()
-    step(loss_fn, *inputs)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+    return elapsed_ms(lambda: step(loss_fn, *inputs), device)
 
 
 def main():

@@ -19,14 +19,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _peak import add_device_arguments, device_and_dtype, peak_bytes  # noqa: E402
+from _peak import add_device_arguments, device_and_dtype, elapsed_ms, peak_bytes  # noqa: E402
 
 TEMPERATURE = 0.7
 
@@ -64,13 +63,9 @@ def measured_step(side, inputs, device):
 
 
 def timed(side, inputs, device) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter() if device == "cuda" else time.process_time()
-    step(side, *inputs)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return ((time.perf_counter() if device == "cuda" else time.process_time()) - start) * 1e3
+    """Milliseconds of one forward + backward: wall on CUDA, process CPU time on CPU."""
+    wall, cpu = elapsed_ms(lambda: step(side, *inputs), device)
+    return wall if device == "cuda" else cpu
 
 
 def main():

@@ -14,6 +14,7 @@ from colozoo.cost.report import ProfileReport, StageCost, UnitCost
 from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.setup import DDP_BUCKET_BYTES, ProfilerError, Workload, check_priced
 from colozoo.cost.trace import is_core_op
+from colozoo.cost.zero3_submodules import held_share
 from colozoo.runtime.plan import Plan
 
 
@@ -194,8 +195,6 @@ def _fsdp_buffers(plan: Plan, layers: list, unit: str = "layer") -> float:
     """Bytes of gathered (unsharded) layers a ZeRO-3 rank holds: the one computing and the one prefetched, or every
     layer from forward to backward without resharding; gathered by submodule (`unit`, DeepSpeed's), a submodule
     and the next one (colozoo.cost.zero3_submodules.held_share); under parameter offload, the working copies."""
-    from colozoo.cost.zero3_submodules import held_share
-
     if plan.offload == "params":
         return 2.0 * max([u.param_bytes for u in layers] or [0])
     shard = plan.dp * plan.cp

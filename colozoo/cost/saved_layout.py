@@ -26,6 +26,7 @@ MODULES = (LAYERNORM, MOE_ACT)  # the --recompute-modules priced
 # what the keys' parts are matched against: a norm module's name ends so, the experts' module, the MLP block (dense,
 # or the MoE block the experts are in)
 NORM_SUFFIX, EXPERTS, MLP_BLOCK = "norm", "experts", "mlp"
+COLUMN_PARALLEL = "_ColumnParallel"  # the op a column-parallel linear's saved input is recorded under
 
 
 def _parts(key: str) -> tuple[str, str, str]:
@@ -76,7 +77,7 @@ def fused_swiglu_bytes(module_saved: dict) -> float:
 
 def sequence_shard_bytes(module_saved: dict, tp: int) -> float:
     """Saved bytes of the column-parallel linears' gathered inputs beyond the sequence shard."""
-    return sum(n for key, n in module_saved.items() if _parts(key)[1] == "_ColumnParallel") * (1 - 1 / tp)
+    return sum(n for key, n in module_saved.items() if _parts(key)[1] == COLUMN_PARALLEL) * (1 - 1 / tp)
 
 
 def folded_expert_bytes(module_saved: dict, hidden: int, tp: int) -> float:

@@ -30,8 +30,7 @@ def submodules(kernels: dict, hw, attention: str = "flash2") -> list[tuple[float
             else:
                 subs.append((seconds, 0))
         elif kind == "gemm":
-            batch, _, out, inner = (int(d) for d in shape.split("x"))
-            subs.append((seconds, batch * out * inner))
+            subs.append((seconds, _weight_elements(shape)))
         else:
             rest += seconds
     weights = sum(w for _, w in subs)
@@ -44,12 +43,17 @@ def submodules(kernels: dict, hw, attention: str = "flash2") -> list[tuple[float
 def held_share(kernels: dict) -> float:
     """The largest share of a unit's weights gathered at once: a submodule's and the next one's, prefetched while
     it computes (1 for a unit without linears)."""
-    shapes = [key.split("|")[3] for key in kernels if key.startswith("fwd|gemm||")]
-    sizes = [b * n * k for b, _, n, k in ((int(d) for d in shape.split("x")) for shape in shapes)]
+    sizes = [_weight_elements(key.split("|")[3]) for key in kernels if key.startswith("fwd|gemm||")]
     if not sizes:
         return 1.0
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
     return max(pairs) / sum(sizes)
+
+
+def _weight_elements(shape: str) -> int:
+    """Elements of the weight of a forward GEMM of kernel shape "batch x m x n x k" (batch x n x k)."""
+    batch, _, out, inner = (int(d) for d in shape.split("x"))
+    return batch * out * inner
 
 
 def submodule_ops(units: list, reduce: bool) -> tuple[list[tuple[float, float]], float]:

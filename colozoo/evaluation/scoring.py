@@ -36,7 +36,7 @@ def score_spans(model, input_ids: torch.Tensor, spans: list[Span]) -> list[tuple
     right-padded batch `input_ids` (batch, length), on every rank. Collective: every rank calls it alike."""
     parallel = model.parallel
     keep, rows, columns, targets, owner = _kept_positions(input_ids.shape[0], spans)
-    input_ids = _padded_for_sequence_parallel(input_ids.to(parallel.device), parallel)
+    input_ids = _padded_to_the_split(input_ids.to(parallel.device), parallel)
     extra = {"output_router_logits": False} if model.router_stats_width() else {}
     request = LogitsRequest("vocab_slice", keep.to(parallel.device))
     out = through_stages(model, input_ids, token_ids=input_ids, logits=request, **extra)
@@ -72,8 +72,8 @@ def _kept_positions(batch: int, spans: list[Span]):
     return keep, rows, columns, targets, owner
 
 
-def _padded_for_sequence_parallel(input_ids: torch.Tensor, parallel) -> torch.Tensor:
-    """Right padding to the multiple the mesh splits a sequence into (sequence parallelism over tp) changes no logit
-    before it (the model is causal)."""
+def _padded_to_the_split(input_ids: torch.Tensor, parallel) -> torch.Tensor:
+    """Right padding to the multiple the mesh splits a sequence into (core.sequence) changes no logit before it (the
+    model is causal)."""
     padding = -input_ids.shape[1] % parallel.config.sequence_multiple
     return F.pad(input_ids, (0, padding)) if padding else input_ids

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from colozoo.checkpoint import layout
 from colozoo.core.mesh import ParallelConfig
+from colozoo.core.sequence import SPLIT_REASON
 from colozoo.finetune import data as D
 from colozoo.finetune import grpo_data, preference_data, runtime, sft, token_cache
 from colozoo.finetune.config import FinetuneConfig
@@ -126,9 +127,7 @@ def check_sequence_split(cfg: FinetuneConfig, mesh: ParallelConfig):
     if cfg.task != "imgcls" and cfg.sequence_length() % multiple:
         flag = "--max-length" if cfg.method == "dpo" and cfg.max_length is not None else "--seq-len"
         raise ValueError(f"{flag} {cfg.sequence_length()} must be a multiple of {multiple} (cp={mesh.cp}, tp={mesh.tp}"
-                         f"{', sequence parallel' if mesh.sequence_parallel else ''}): "
-                         f"context parallelism cuts a row into 2 x cp equal chunks, sequence parallelism each cp "
-                         f"rank's share over tp")
+                         f"{', sequence parallel' if mesh.sequence_parallel else ''}): {SPLIT_REASON}")
 
 
 def plan_run(cfg: FinetuneConfig, config) -> tuple[Plan, ParallelConfig, int]:

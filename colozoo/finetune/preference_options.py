@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from colozoo.core.sequence import sequence_multiple
+from colozoo.core.sequence import SPLIT_REASON, sequence_multiple
 
 METHODS = ("sft", "dpo", "grpo")
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "simpo")
@@ -53,9 +53,7 @@ class PreferenceOptions:
                              "forward) is not planned yet: give the mesh (--tp, --pp, --dp, ...)")
         split = sequence_multiple(self.cp, self.tp if self.sequence_parallel else 1)
         if self.sequence_length() % split:
-            raise ValueError(f"--max-length {self.sequence_length()} must be a multiple of {split}: context "
-                             f"parallelism cuts a sequence into 2 x cp equal chunks, sequence parallelism each cp "
-                             f"rank's share over tp")
+            raise ValueError(f"--max-length {self.sequence_length()} must be a multiple of {split}: {SPLIT_REASON}")
         if self.lora_dropout:
             raise ValueError("--lora-dropout: --method dpo trains with dropout off, as TRL's DPOTrainer "
                              "(disable_dropout)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from colozoo.core.sequence import SPLIT_REASON
 from colozoo.layers.shard import local_part
 from colozoo.runtime.errors import TrainingError
 from colozoo.runtime.parallelize import training_setup
@@ -58,9 +59,7 @@ def check_batch(model, input_ids, labels, num_microbatches, inputs: dict):
                             f"micro-batches")
     multiple = parallel.config.sequence_multiple
     if not input_ids.is_floating_point() and input_ids.shape[1] % multiple:  # images: the model pads its patches
-        raise TrainingError(f"sequence length {input_ids.shape[1]} is not a multiple of {multiple}: context "
-                            f"parallelism cuts a sequence into 2 x cp equal chunks, sequence parallelism each cp "
-                            f"rank's share over tp")
+        raise TrainingError(f"sequence length {input_ids.shape[1]} is not a multiple of {multiple}: {SPLIT_REASON}")
     if labels is None or labels.shape[:1] != input_ids.shape[:1]:
         raise TrainingError(f"labels must have the batch size of the inputs ({batch}), got "
                             f"{None if labels is None else tuple(labels.shape)}")

@@ -97,8 +97,8 @@ PLANNER = {
     "sequence_parallel_saves_whole": Mutation(
         "a sequence-parallel column linear is counted keeping its gathered input, not its 1/tp shard",
         Rewrite("colozoo.cost.saved_layout:sequence_shard_bytes",
-                ('return sum(n for key, n in module_saved.items() if _parts(key)[1] == "_ColumnParallel") '
-                 '* (1 - 1 / tp)',
+                ("return sum(n for key, n in module_saved.items() if _parts(key)[1] == COLUMN_PARALLEL) "
+                 "* (1 - 1 / tp)",
                  "return 0.0")),
         ("tests/test_saved_layout.py::test_fused_norms_keep_their_input_and_sp_linears_their_shard",)),
     "optimizer_priced_fused": Mutation(
