@@ -2,7 +2,6 @@
 recomputation), model-state and activation memory with the peak of the schedule, communication per collective."""
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
@@ -12,7 +11,8 @@ from colozoo.cost.context_parallel import kv_bytes_per_token
 from colozoo.cost.model_trace import ModelTrace
 from colozoo.cost.report import ProfileReport, StageCost, UnitCost
 from colozoo.cost.priced import OPTIMIZER_BYTES
-from colozoo.cost.setup import DDP_BUCKET_BYTES, ProfilerError, Workload, check_priced
+from colozoo.cost.setup import ProfilerError, Workload, check_priced
+from colozoo.cost.software import COLOZOO
 from colozoo.cost.trace import is_core_op
 from colozoo.cost.zero3_submodules import held_share
 from colozoo.runtime.plan import Plan
@@ -132,7 +132,9 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     cost = StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(states.param_bytes // _itemsize(workload)),
                      states.weights, states.grads, states.master, states.optimizer, fsdp, saved * inflight, transient,
                      peak, states.cpu, inflight, int(fwd), int(bwd),
-                     *_stage_comm(parts, keys, plan, states.param_bytes, s, n_stages, grad_bytes))
+                     *_stage_comm(parts, keys, plan, states.param_bytes, s, n_stages, grad_bytes,
+                                  (software or COLOZOO).grad_reduce_calls(grad_bytes, _itemsize(workload),
+                                                                          plan.dp * plan.cp)))
     if workload.lora or states.trained < states.param_bytes:
         cost.trainable = states.lora_params if workload.lora else int(states.trained // _itemsize(workload))
     return cost
@@ -301,7 +303,7 @@ def _recompute_flops(u: UnitCost, policy: str, traced: ModelTrace) -> int:
     return 0
 
 
-def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages, grad_bytes=None) -> tuple[dict, dict]:
+def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages, grad_bytes, buckets: int) -> tuple[dict, dict]:
     """Bytes each rank of stage `s` moves per step, and how many collective calls carry them, by group and
     collective (the calls are what latency costs: many small collectives are slow on any network)."""
     m = plan.num_microbatches
@@ -326,10 +328,8 @@ def _stage_comm(parts, keys, plan: Plan, param_bytes, s, n_stages, grad_bytes=No
     if plan.cp > 1:  # ring attention: K and V of every other cp rank pass by, forward and twice in backward
         add("cp.send_recv", 3 * 2 * boundary * (plan.cp - 1) * len(keys) * m, 3 * (plan.cp - 1) * len(keys) * m)
     shard = plan.dp * plan.cp
-    grad_bytes = param_bytes if grad_bytes is None else grad_bytes  # LoRA: only the adapters' gradients
     if shard > 1:
         units = len(keys) + 1  # FSDP wraps every layer and the stage (embeddings, head) around them
-        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
         if plan.zero >= 3:  # gathered for forward and (resharded) again for backward; reduced after the last one
             gathers = 2 if plan.reshard_after_forward else 1
             add("dp_cp.all_gather", gathers * param_bytes * m, (gathers * units - 1) * m)

@@ -15,9 +15,6 @@ from colozoo.runtime.lora import ALL_LINEAR, LoraSettings
 from colozoo.runtime.plan import Plan
 
 
-DDP_BUCKET_BYTES = 25 * 2 ** 20  # DistributedDataParallel's default bucket_cap_mb
-
-
 class ProfilerError(ValueError):
     pass
 

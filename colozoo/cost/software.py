@@ -2,7 +2,10 @@
 describe colozoo's runtime (FSDP2, DDP, torch.distributed.pipelining); a published run names its framework's."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DistributedDataParallel's default bucket_cap_mb
 
 
 # An AdamW step's memory traffic in passes of the fused kernel, which touches an element of each state 7 times (reads
@@ -12,6 +15,12 @@ from dataclasses import asdict, dataclass
 # (4) (torch/optim/adamw.py); Composer's DecoupledAdamW (v0.16, composer/optim/decoupled_weight_decay.py) as many,
 # with no decay pass at weight decay 0 and the first moment as mul_ + add_ (2 + 3).
 OPTIMIZER_PASSES = {"fused": 1.0, "foreach": 3.0, "single_tensor": 3.0}
+
+GRAD_BUCKETS = {  # (gradient bytes, bytes an element, data-parallel ranks) -> calls
+    "ddp": lambda nbytes, itemsize, dp: nbytes / DDP_BUCKET_BYTES,
+    "megatron_core": lambda nbytes, itemsize, dp: nbytes / itemsize / max(40_000_000, 1_000_000 * dp),
+    "whole": lambda nbytes, itemsize, dp: 1,
+}
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,22 @@ class Software:
     # DeepSpeed FusedAdam); "foreach" (torch's default for CUDA tensors) and "single_tensor" (its default on CPU,
     # Composer's DecoupledAdamW) pass over the states in eight elementwise kernels
     optimizer_kernels: str = "fused"
+    # how a data-parallel gradient reduction is cut into calls, each paying the collective's latency (GRAD_BUCKETS):
+    # "ddp", torch DDP's buckets of 25 MiB; "megatron_core", Megatron-Core's of max(40M, 1M x dp) elements
+    # (core_r0.8.0 megatron/core/distributed/distributed_data_parallel.py: "large enough to remain bandwidth-bound
+    # rather than latency-bound"); "whole", one call for all of them (Megatron-LM's local DDP of 2021 all-reduces
+    # its flattened gradients once per dtype: megatron/model/distributed.py, allreduce_gradients)
+    grad_buckets: str = "ddp"
 
     def __post_init__(self):
         if self.optimizer_kernels not in OPTIMIZER_PASSES:
             raise ValueError(f"optimizer_kernels {self.optimizer_kernels!r} not priced; one of {sorted(OPTIMIZER_PASSES)}")
+        if self.grad_buckets not in GRAD_BUCKETS:
+            raise ValueError(f"grad_buckets {self.grad_buckets!r} not priced; one of {sorted(GRAD_BUCKETS)}")
+
+    def grad_reduce_calls(self, grad_bytes: float, itemsize: int, dp: int) -> int:
+        """Collective calls that carry `grad_bytes` of gradients (`itemsize` bytes an element) over dp ranks."""
+        return max(1, math.ceil(GRAD_BUCKETS[self.grad_buckets](grad_bytes, itemsize, dp)))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -125,4 +125,10 @@ PLANNER = {
         "build_optimizer leaves torch to pick its default (foreach) AdamW where the fused kernel runs",
         Rewrite("colozoo.runtime.training:build_optimizer", ('kwargs["fused"] = _fused_kernel_runs(trainable)', "pass")),
         ("tests/test_training.py::test_optimizer_runs_the_fused_kernel_unless_told_otherwise",)),
+    "grad_buckets_all_ddp": Mutation(
+        "every software's gradient reduction is cut into torch DDP's 25 MiB buckets, whatever its own buckets",
+        Rewrite("colozoo.cost.software:Software.grad_reduce_calls",
+                ("GRAD_BUCKETS[self.grad_buckets](grad_bytes, itemsize, dp)",
+                 'GRAD_BUCKETS["ddp"](grad_bytes, itemsize, dp)')),
+        ("tests/test_grad_buckets.py::test_reduction_calls_follow_the_software_buckets[8]",)),
 }
