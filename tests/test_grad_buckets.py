@@ -62,3 +62,13 @@ def test_published_software_names_its_buckets():
     assert Software().grad_buckets == "ddp"  # colozoo's data parallelism is torch's
     with pytest.raises(ValueError, match="'fsdp' not priced"):
         Software(grad_buckets="fsdp")
+
+
+def test_megatron_core_sizes_buckets_by_data_parallel_ranks_without_context_parallel():
+    """get_data_parallel_world_size() (without context parallelism) sets Megatron-Core's bucket: at dp 32 and cp 2
+    the reduction over 64 ranks goes in buckets of 40M elements (4 for GPT-2's 124M), not 64M (2)."""
+    traced = trace_model("gpt2", 1, WORKLOAD.seq_len // 2, "cp=2")
+    plan = Plan(dp=32, cp=2, zero=1)
+    st = assemble(traced, plan, WORKLOAD, Software(grad_buckets="megatron_core")).stages[0]
+    grad_elements = st["comm"]["dp_cp.reduce_scatter"] / 2
+    assert st["comm_calls"]["dp_cp.reduce_scatter"] == math.ceil(grad_elements / 40e6) == 4

@@ -134,7 +134,7 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
                      peak, states.cpu, inflight, int(fwd), int(bwd),
                      *_stage_comm(parts, keys, plan, states.param_bytes, s, n_stages, grad_bytes,
                                   (software or COLOZOO).grad_reduce_calls(grad_bytes, _itemsize(workload),
-                                                                          plan.dp * plan.cp)))
+                                                                          plan.dp)))
     if workload.lora or states.trained < states.param_bytes:
         cost.trainable = states.lora_params if workload.lora else int(states.trained // _itemsize(workload))
     return cost

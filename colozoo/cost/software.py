@@ -88,7 +88,9 @@ class Software:
             raise ValueError(f"grad_buckets {self.grad_buckets!r} not priced; one of {sorted(GRAD_BUCKETS)}")
 
     def grad_reduce_calls(self, grad_bytes: float, itemsize: int, dp: int) -> int:
-        """Collective calls that carry `grad_bytes` of gradients (`itemsize` bytes an element) over dp ranks."""
+        """Collective calls that carry `grad_bytes` of gradients (`itemsize` bytes an element) when data parallelism
+        has dp ranks (context parallelism's not counted: Megatron-Core sizes its buckets by
+        get_data_parallel_world_size(), without them)."""
         return max(1, math.ceil(GRAD_BUCKETS[self.grad_buckets](grad_bytes, itemsize, dp)))
 
     def to_dict(self) -> dict:
