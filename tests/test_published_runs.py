@@ -1,6 +1,7 @@
 """The planner against published training runs (colozoo/cost/published_runs.json: Megatron-LM's Tables 1 and 2 of
 Narayanan et al. 2021, MosaicML's MPT benchmarks under FSDP, BLOOM-176B, Llama 3 405B with context parallelism,
-Mixtral and gpt-oss with expert parallelism on H100): each run's layout priced on its hardware
+Mixtral and gpt-oss with expert parallelism on H100, Megatron-Core's weak scaling, Nemotron-4 340B and MT-NLG 530B on
+long pipelines): each run's layout priced on its hardware
 within 15% of its measured step time, fitting in its GPUs' memory at its micro-batch and recompute; runs compared
 on the same GPUs ranked as measured; and the planner, free to choose, no longer prefers ZeRO-3 where the paper
 measured it falling behind pipelines."""
