@@ -51,6 +51,10 @@ class Software:
     pipeline_scatter_gather: bool = False
     # share of tensor-parallel collectives hidden behind the GEMMs (Megatron-Core's --tp-comm-overlap)
     tp_comm_overlap: float = 0.0
+    # a column-parallel linear's backward all-reduces its input gradient (reduce-scatters it under sequence
+    # parallelism) while it computes its weight gradient: Megatron-LM's async tensor-parallel all-reduce, on by
+    # default since 2022 (megatron/mpu/layers.py, LinearWithGradAccumulationAndAsyncAllreduce)
+    tp_wgrad_overlap: bool = False
     # the fused attention kernels' implementation (colozoo.cost.attention_speed): PyTorch's SDPA runs
     # FlashAttention-2 on A100 and H100; one without a measurement there runs at Hardware.attention_efficiency
     attention_kernel: str = "flash2"

@@ -181,6 +181,8 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
         else 0.0)
     repeat = 1.5 if policy == "full" else 1.0  # a recomputed layer repeats its forward collectives
     tp = (1 - software.tp_comm_overlap) * _group_seconds(u["comm"], u["comm_calls"], "tp", plan, hw, repeat)
+    if software.tp_wgrad_overlap and is_layer:  # the embedding and head keep their own collectives
+        tp -= (1 - software.tp_comm_overlap) * _wgrad_hidden(u, plan, hw, bwd - (fwd if policy == "full" else 0.0))
     ep = expert_exchange_seconds(u["comm"], u["comm_calls"], plan, hw, software.expert_tp_folded, repeat)
     ring = 0.0
     if cp > 1 and is_layer:  # keys and values pass the ring behind the attention core's blocks
@@ -191,6 +193,21 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
                    for c, m, n in ring_steps(*core, kv, cp, hw, _spans(plan)["cp"], policy == "full"))
     zero = _zero3(u, policy, plan, hw, software, itemsize) if plan.zero >= 3 and plan.dp * plan.cp > 1 else None
     return fwd, bwd, tp, ep, ring, zero
+
+
+def _wgrad_hidden(u: dict, plan: Plan, hw: Hardware, backward: float) -> float:
+    """Seconds of a unit's tensor-parallel traffic hidden behind its column-parallel linears' weight gradients:
+    their backward collective, half of the backward's (the other half: the row-parallel linears' gather of the
+    output gradient under sequence parallelism; none without it), i.e. half the all-reduces without sequence
+    parallelism (two in the forward, two in the backward) and half the reduce-scatters with it. The weight-gradient
+    GEMMs it runs behind are taken as a quarter of the backward (half of it weight gradients, half of those the
+    column-parallel linears'); this is what it takes when the collective is the longer."""
+    key = "tp.reduce_scatter" if plan.sequence_parallel else "tp.all_reduce"
+    if plan.tp <= 1 or key not in u["comm"]:
+        return 0.0
+    traffic = _group_seconds({key: u["comm"][key] / 2}, {key: u["comm_calls"].get(key, 0) / 2}, "tp", plan, hw)
+    window = backward / 4
+    return traffic - (overlapped(window, traffic, hw.comm_overlap, hw.comm_contention) - window)
 
 
 def stage_time(report, index: int, plan: Plan, hw: Hardware, software: Software = COLOZOO,
