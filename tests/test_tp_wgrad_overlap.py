@@ -35,6 +35,19 @@ def test_half_the_backward_collective_hides(sp, hidden_key):
     assert seconds[True] > 0  # the forward's collectives (and the gathers under sp) still show
 
 
+def test_a_narrow_model_hides_only_what_its_weight_gradients_last():
+    """GPT-2's 768-wide GEMMs at tp 4 are shorter than the collective they would hide: less than the half hides."""
+    traced = trace_model("gpt2", 8, WORKLOAD.seq_len, "tp=4")
+    plan = Plan(tp=4, dp=2)
+    report = assemble(traced, plan, WORKLOAD, Software())
+    seconds = {flag: stage_time(report, 0, plan, HW, Software(tp_wgrad_overlap=flag)).tp for flag in (False, True)}
+    layer = next(u for u in report.units if u["name"].startswith("layer"))
+    half = _group_seconds({"tp.all_reduce": layer["comm"]["tp.all_reduce"] / 2},
+                          {"tp.all_reduce": layer["comm_calls"]["tp.all_reduce"] / 2}, "tp", plan, HW)
+    hidden = seconds[False] - seconds[True]
+    assert 0 < hidden < 0.5 * len(report.stages[0]["layers"]) * half * (1 - HW.comm_contention)
+
+
 def test_nothing_to_hide_without_tensor_parallelism():
     traced = trace_model("gpt2", 8, WORKLOAD.seq_len)
     plan = Plan(dp=8)

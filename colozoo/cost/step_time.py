@@ -175,14 +175,14 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
     kernels, cp, o, kernel = u["kernels"], plan.cp, hw.comm_overlap, software.attention_kernel
     scale = cp  # ring attention: a rank's queries meet every chunk's keys, the causal pairs balanced zigzag
     fwd = unit_seconds(kernels, hw, "fwd", core_scale=scale, attention=kernel) + hw.layer_overhead_s * is_layer
-    bwd = unit_seconds(kernels, hw, "bwd", core_scale=scale, attention=kernel)
-    bwd += fwd if policy == "full" else (
+    gradients = unit_seconds(kernels, hw, "bwd", core_scale=scale, attention=kernel)  # without recomputation
+    bwd = gradients + (fwd if policy == "full" else (
         unit_seconds(kernels, hw, "fwd", core_only=True, core_scale=scale, attention=kernel) if policy == "selective"
-        else 0.0)
+        else 0.0))
     repeat = 1.5 if policy == "full" else 1.0  # a recomputed layer repeats its forward collectives
     tp = (1 - software.tp_comm_overlap) * _group_seconds(u["comm"], u["comm_calls"], "tp", plan, hw, repeat)
     if software.tp_wgrad_overlap and is_layer:  # the embedding and head keep their own collectives
-        tp -= (1 - software.tp_comm_overlap) * _wgrad_hidden(u, plan, hw, bwd - (fwd if policy == "full" else 0.0))
+        tp -= (1 - software.tp_comm_overlap) * _wgrad_hidden(u, plan, hw, gradients)
     ep = expert_exchange_seconds(u["comm"], u["comm_calls"], plan, hw, software.expert_tp_folded, repeat)
     ring = 0.0
     if cp > 1 and is_layer:  # keys and values pass the ring behind the attention core's blocks
@@ -203,7 +203,7 @@ def _wgrad_hidden(u: dict, plan: Plan, hw: Hardware, backward: float) -> float:
     GEMMs it runs behind are taken as a quarter of the backward (half of it weight gradients, half of those the
     column-parallel linears'); this is what it takes when the collective is the longer."""
     key = "tp.reduce_scatter" if plan.sequence_parallel else "tp.all_reduce"
-    if plan.tp <= 1 or key not in u["comm"]:
+    if key not in u["comm"]:  # no tensor parallelism
         return 0.0
     traffic = _group_seconds({key: u["comm"][key] / 2}, {key: u["comm_calls"].get(key, 0) / 2}, "tp", plan, hw)
     window = backward / 4
