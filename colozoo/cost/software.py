@@ -78,6 +78,11 @@ class Software:
     # DeepSpeed FusedAdam); "foreach" (torch's default for CUDA tensors) and "single_tensor" (its default on CPU,
     # Composer's DecoupledAdamW) pass over the states in eight elementwise kernels
     optimizer_kernels: str = "fused"
+    # passes over the gradients the global-norm clipping before the optimizer step makes: colozoo's clip_grad_norm_
+    # (colozoo.runtime.clipping) and torch's read them once for the norm and scale them in place always (3);
+    # Megatron-LM and DeepSpeed scale only when the norm exceeds the threshold (megatron/optimizer/clip_grads.py,
+    # "if clip_coeff < 1.0"; DeepSpeed v0.5 runtime/utils.py), in a long run rarely: the norm's read (1)
+    grad_clip_passes: float = 3.0
     # how a data-parallel gradient reduction is cut into calls, each paying the collective's latency (GRAD_BUCKETS):
     # "ddp", torch DDP's buckets of 25 MiB; "megatron_core", Megatron-Core's of max(40M, 1M x dp) elements
     # (core_r0.8.0 megatron/core/distributed/distributed_data_parallel.py: "large enough to remain bandwidth-bound

@@ -288,7 +288,8 @@ def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, so
         offload = decision.exposed_seconds
     else:  # a fused optimizer reads and writes weights, gradients, master weights and states once
         fused_pass = st["weights"] + st["grads"] + 2 * (st["master"] + st["optimizer"])
-        optimizer_step = fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels] / hw.memory_bandwidth
+        optimizer_step = (fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels]
+                          + st["grads"] * software.grad_clip_passes) / hw.memory_bandwidth
     step = pipeline + dp + offload + optimizer_step
     breakdown = {"compute": t.compute * m, "bubble": pipeline - t.total * m, "tp": t.tp * m, "cp": t.cp * m,
                  "pp": t.pp * m, "ep": t.ep * m, "dp": t.zero * m + dp, "offload": offload,

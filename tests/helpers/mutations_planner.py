@@ -104,8 +104,7 @@ PLANNER = {
     "optimizer_priced_fused": Mutation(
         "every optimizer step is priced as one fused pass, whatever kernels the software runs",
         Rewrite("colozoo.cost.step_time:estimate",
-                ("fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels] / hw.memory_bandwidth",
-                 "fused_pass / hw.memory_bandwidth")),
+                ("fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels]", "fused_pass")),
         ("tests/test_optimizer_traffic.py::test_step_prices_the_optimizer_kernels_the_software_runs",)),
     "hardware_table_shared": Mutation(
         "a hardware's attention-speed table given as a dict stays writable (shared by every later answer)",
@@ -136,4 +135,9 @@ PLANNER = {
         Rewrite("colozoo.cost.step_time:_unit_terms",
                 ("if software.tp_wgrad_overlap and is_layer:", "if False:")),
         ("tests/test_tp_wgrad_overlap.py::test_half_the_backward_collective_hides[False-tp.all_reduce]",)),
+    "grad_clip_unpriced": Mutation(
+        "the gradient clipping's passes over the gradients cost nothing",
+        Rewrite("colozoo.cost.step_time:estimate",
+                ('+ st["grads"] * software.grad_clip_passes)', "+ 0)")),
+        ("tests/test_clipping_traffic.py::test_step_prices_the_clipping_passes_the_software_makes",)),
 }
