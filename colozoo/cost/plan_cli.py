@@ -55,6 +55,8 @@ def add_parser(subparsers):
     p.add_argument("--choose", action="store_true", help="with --validate: also the planner's own best plan for "
                                                          "each run's model, GPUs and batch (a search per run: slow)")
     p.add_argument("--runs", default=None, metavar="JSON", help="with --validate: another table of runs")
+    p.add_argument("--plot", default=None, metavar="PNG", help="with --validate: also draw each run's error against "
+                                                              "its measured step time into this PNG")
     p.set_defaults(func=_main)
 
 
@@ -143,4 +145,8 @@ def _validate(args) -> int:
         print(json.dumps([r.row() for r in results], indent=1))
     else:
         print(table(results))
+    if args.plot:
+        from colozoo.cost.validate_plot import plot_validation
+
+        print(f"plot: {plot_validation(results, args.plot)}", file=sys.stderr)
     return int(any(abs(r.error) > TOLERANCE and not r.run.known_miss for r in results))
