@@ -3,9 +3,8 @@ real model (one read of every gradient for the norm, one read and write to scale
 the software that clips so and for the software that scales only when the norm exceeds the threshold."""
 import pytest
 import torch
+from op_traffic import OpTraffic
 from parity import hf_causal_lm
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from colozoo.api import build_model
 from colozoo.checkpoint.load import load_hf_weights
@@ -23,30 +22,8 @@ from colozoo.runtime.training import clip_grad_norm_, parallelize
 CONFIG = dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 
 
-class BytesMoved(TorchDispatchMode):
-    """Bytes every aten op reads and writes of tensors with more than one element (an in-place argument is read and
-    written; the norm's scalars are left out)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
-        for arg, value in zip(func._schema.arguments, values):
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            self.bytes += _nbytes(value) * (2 if written else 1)
-        for ret, value in zip(func._schema.returns, out if isinstance(out, tuple) else (out,)):
-            if ret.alias_info is None:
-                self.bytes += _nbytes(value)
-        return out
-
-
-def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(value)
-               if isinstance(t, torch.Tensor) and t.numel() > 1)
+def _nbytes(t) -> int:  # the norm's scalars left out
+    return t.numel() * t.element_size() if t.numel() > 1 else 0
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and not: torch's rule scales either way
@@ -58,9 +35,9 @@ def test_clipping_reads_each_gradient_once_and_scales_it_in_place(max_norm):
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-    with BytesMoved() as moved:
+    with OpTraffic(_nbytes) as moved:
         clip_grad_norm_(model, max_norm)
-    assert moved.bytes == Software().grad_clip_passes * grad_bytes  # an fp32 copy or a squared temporary: 5 passes
+    assert moved.total == Software().grad_clip_passes * grad_bytes  # an fp32 copy or a squared temporary: 5 passes
 
 
 def test_step_prices_the_clipping_passes_the_software_makes():

@@ -2,8 +2,7 @@
 access by element access on a real step, and the step time's optimizer term for fused and unfused kernels."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from op_traffic import OpTraffic
 
 from colozoo.cost.hardware import get_hardware
 from colozoo.cost.profiler import profile_for
@@ -13,33 +12,11 @@ from colozoo.cost.software import OPTIMIZER_PASSES, Software
 from colozoo.cost.step_time import estimate
 from colozoo.runtime.plan import Plan
 
-N = 1000  # elements of the one parameter: the states are the only tensors this large
+N = 1000  # elements of the one parameter
 
 
-class ElementAccesses(TorchDispatchMode):
-    """Reads and writes of N-element tensors by every aten op (an in-place argument is read and written)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        schema = func._schema
-        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
-        for arg, value in zip(schema.arguments, values):
-            # the fused kernel's schema marks the gradients writable (it unscales them under a grad scaler): read here
-            written = arg.alias_info is not None and arg.alias_info.is_write and arg.name != "grads"
-            self.count += sum(1 for t in tree_leaves(value) if _state(t)) * (2 if written else 1)
-        for ret, value in zip(schema.returns, out if isinstance(out, tuple) else (out,)):
-            if ret.alias_info is None:
-                self.count += sum(1 for t in tree_leaves(value) if _state(t))
-        return out
-
-
-def _state(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.numel() == N
+def _state(t) -> int:
+    return int(t.numel() == N)  # the states are the only tensors this large
 
 
 @pytest.mark.parametrize("kernels, options", [("single_tensor", dict(foreach=False)), ("foreach", dict(foreach=True)),
@@ -49,10 +26,11 @@ def test_adamw_touches_each_state_as_often_as_priced(kernels, options):
     param.grad = torch.randn(N)
     optimizer = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, **options)
     optimizer.step()  # the first step creates the moments
-    with ElementAccesses() as accesses:
+    # the fused kernel's schema marks the gradients writable (it unscales them under a grad scaler): read here
+    with OpTraffic(_state, read_only=("grads",)) as accesses:
         optimizer.step()
     # the fused kernel: read the parameter, gradient and both moments, write the parameter and both moments
-    assert accesses.count == 7 * OPTIMIZER_PASSES[kernels]
+    assert accesses.total == 7 * OPTIMIZER_PASSES[kernels]
 
 
 def test_step_prices_the_optimizer_kernels_the_software_runs():
