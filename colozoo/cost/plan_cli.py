@@ -51,10 +51,13 @@ def add_parser(subparsers):
     p.add_argument("--batch-size", type=int, default=1, help="with --generate: sequences decoded together")
     p.add_argument("--validate", action="store_true",
                    help="instead of planning: price the published training runs (colozoo/cost/published_runs.json: "
-                        "Megatron-LM, MosaicML MPT, BLOOM) as they ran and print predicted against measured")
+                        "Megatron-LM, Megatron-Core, DeepSpeed, MosaicML MPT, BLOOM, Llama 3, Nemotron-4) as they ran "
+                        "and print predicted against measured")
     p.add_argument("--choose", action="store_true", help="with --validate: also the planner's own best plan for "
                                                          "each run's model, GPUs and batch (a search per run: slow)")
-    p.add_argument("--runs", default=None, metavar="JSON", help="with --validate: another table of runs")
+    p.add_argument("--runs", default=None, metavar="JSON",
+                   help="with --validate: your own table of runs instead (the same JSON layout; its rows may name the "
+                        "package's software presets and networks; keys: colozoo/cost/published_schema.py)")
     p.add_argument("--plot", default=None, metavar="PNG", help="with --validate: also draw each run's error against "
                                                               "its measured step time into this PNG")
     p.set_defaults(func=_main)

@@ -19,15 +19,12 @@ from functools import cache
 from pathlib import Path
 
 from colozoo.cost.hardware import Hardware, get_hardware
+from colozoo.cost.published_schema import PublishedRunError, check_shape, check_table
 from colozoo.cost.setup import Workload
 from colozoo.cost.software import Software
 from colozoo.runtime.plan import Plan
 
 RUNS_FILE = Path(__file__).with_name("published_runs.json")
-
-
-class PublishedRunError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -144,11 +141,11 @@ def _run(row: dict, software: dict, networks: dict) -> PublishedRun:
         hw = replace(hw, name=f"{hw.name} ({row['network']})",
                      sources={**hw.sources, **{k: net["source"] for k in net.get("fields", {})}})
     layout = row["layout"]
-    plan = _plan(layout, row["model"].get("layers", 0), rid)
+    plan = _plan(layout, row["model"].get("layers", 0), f"run {rid!r}")
     if plan.world_size != gpus:
-        raise PublishedRunError(f"{rid}: tp*pp*dp*cp = {plan.world_size} != gpus = {gpus}")
+        raise PublishedRunError(f"run {rid!r}: tp*pp*dp*cp = {plan.world_size} != gpus = {gpus}")
     sw = row.get("software", {})
-    base = software.get(sw.get("base", "colozoo"), {})
+    base = software.get(sw.get("base", "colozoo"), {})  # colozoo: Software's defaults
     fields = {**base, **{k: v for k, v in sw.items() if k != "base"}}
     runs_software = Software(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     workload = Workload(seq_len=row["model"]["seq"], dtype=row.get("dtype", "bfloat16"),
@@ -160,10 +157,20 @@ def _run(row: dict, software: dict, networks: dict) -> PublishedRun:
 
 @cache
 def published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
-    """Every run of the table (the package's, or the JSON file at `path`)."""
-    data = json.loads(Path(path or RUNS_FILE).read_text())
-    software = {name: {k: v for k, v in spec.items() if k != "source"} for name, spec in data["software"].items()}
-    ids = [row["id"] for row in data["runs"]]
-    if len(set(ids)) != len(ids):
-        raise PublishedRunError(f"published run ids repeat: {sorted(i for i in ids if ids.count(i) > 1)}")
-    return tuple(_run(row, software, data.get("networks", {})) for row in data["runs"])
+    """Every run of the table: the package's, or the JSON file at `path`, whose rows may name the package's software
+    presets and networks as well as any the file adds (same layout as colozoo/cost/published_runs.json)."""
+    package = json.loads(RUNS_FILE.read_text())
+    data = _read_table(path) if path else package
+    check_shape(data)
+    software = {name: {k: v for k, v in spec.items() if k != "source"}
+                for name, spec in {**package["software"], **data.get("software", {})}.items()}
+    networks = {**package["networks"], **data.get("networks", {})}
+    check_table(data, software, networks)
+    return tuple(_run(row, software, networks) for row in data["runs"])
+
+
+def _read_table(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise PublishedRunError(f"{path}: not JSON ({e})") from None

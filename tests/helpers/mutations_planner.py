@@ -135,6 +135,10 @@ PLANNER = {
         Rewrite("colozoo.cost.step_time:_unit_terms",
                 ("if software.tp_wgrad_overlap and is_layer:", "if False:")),
         ("tests/test_tp_wgrad_overlap.py::test_half_the_backward_collective_hides[False-tp.all_reduce]",)),
+    "published_keys_unchecked": Mutation(
+        "a misspelt key of a published run is ignored, its default priced in silence",
+        Rewrite("colozoo.cost.published_schema:_keys", ("if unknown:", "if False:")),
+        ("tests/test_published_schema.py::test_a_wrong_entry_is_an_error_naming_the_run_and_key[micro_batch_size]",)),
     "grad_clip_unpriced": Mutation(
         "the gradient clipping's passes over the gradients cost nothing",
         Rewrite("colozoo.cost.step_time:estimate",
