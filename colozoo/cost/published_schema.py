@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from colozoo.cost.software import Software
+
 
 class PublishedRunError(ValueError):
     pass
@@ -56,7 +58,7 @@ def check_row(row, software: dict, networks: dict, where: str) -> None:
         raise PublishedRunError(f"{where} measured: unit {measured['unit']!r} is not one of {', '.join(UNITS)}")
     if not _positive(measured["value"]):
         raise PublishedRunError(f"{where} measured: value {measured['value']!r} is not a positive number")
-    if not isinstance(row["gpus"], int) or row["gpus"] < 1:
+    if not _whole(row["gpus"]):
         raise PublishedRunError(f"{where}: gpus {row['gpus']!r} is not a positive whole number")
     if row.get("network") is not None and row["network"] not in networks:
         raise PublishedRunError(f"{where}: network {row['network']!r} is none of {sorted(networks)}")
@@ -66,7 +68,7 @@ def check_row(row, software: dict, networks: dict, where: str) -> None:
 def _layout(layout: dict, where: str) -> None:
     degrees = {k: layout.get(k, 1) for k in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages")}
     for name, value in {**degrees, "global_batch": layout["global_batch"]}.items():
-        if not isinstance(value, int) or value < 1:
+        if not _whole(value):
             raise PublishedRunError(f"{where} layout: {name} {value!r} is not a positive whole number")
     if layout.get("balance", "layers") not in ("layers", "model"):
         raise PublishedRunError(f"{where} layout: balance {layout['balance']!r} is not 'layers' (as many layers a "
@@ -79,8 +81,6 @@ def _layout(layout: dict, where: str) -> None:
 
 
 def _software(spec: dict, software: dict, where: str) -> None:
-    from colozoo.cost.software import Software
-
     base = spec.get("base", "colozoo")
     if base != "colozoo" and base not in software:
         raise PublishedRunError(f"{where} software: base {base!r} is none of {sorted(software) + ['colozoo']}")
@@ -99,6 +99,10 @@ def _keys(obj, required, allowed, where: str) -> None:
     unknown = sorted(set(obj) - set(allowed))
     if unknown:
         raise PublishedRunError(f"{where}: unknown keys {unknown}; the keys a run may give: {', '.join(allowed)}")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _positive(value) -> bool:

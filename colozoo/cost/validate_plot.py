@@ -33,10 +33,10 @@ def plot_validation(results: list[Validation], png_path) -> Path:
                 ax.scatter([p["measured_seconds"] for p in mine], [100 * p["error"] for p in mine], s=36,
                            color=colors[group], facecolors=marker_face, linewidths=1.2,
                            label=group + (" (held out)" if held_out else ""))
-    for p in data:
-        if p["miss"]:
-            ax.annotate(p["id"], (p["measured_seconds"], 100 * p["error"]), fontsize=6, xytext=(4, 2),
-                        textcoords="offset points")
+    misses = sorted((p for p in data if p["miss"]), key=lambda p: p["error"])
+    for i, p in enumerate(misses):  # neighbours' names alternate above and below their points
+        ax.annotate(p["id"], (p["measured_seconds"], 100 * p["error"]), fontsize=6, xytext=(5, 3 if i % 2 else -8),
+                    textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("measured seconds a step")
     ax.set_ylabel("predicted / measured - 1 (%)")
