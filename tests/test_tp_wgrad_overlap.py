@@ -17,19 +17,23 @@ WORKLOAD = Workload(seq_len=256)
 HW = get_hardware("A100-80GB", gpus=8)
 
 
-@pytest.mark.parametrize("sp, hidden_key", [(False, "tp.all_reduce"), (True, "tp.reduce_scatter")])
-def test_half_the_backward_collective_hides(sp, hidden_key):
-    mesh = "tp=2,sp" if sp else "tp=2"
-    traced = trace_model("opt-6.7b", 2, WORKLOAD.seq_len, mesh)  # wide enough that the weight gradients outlast it
-    plan = Plan(tp=2, dp=4, sequence_parallel=sp)
-    report = assemble(traced, plan, WORKLOAD, Software())
+def _tp_seconds(model: str, batch: int, plan: Plan, key: str):
+    """The first stage's tensor-parallel seconds without and with the async all-reduce, its layer count, and the
+    seconds of half a layer's `key` collectives (the column-parallel linears' backward ones)."""
+    mesh = f"tp={plan.tp}" + (",sp" if plan.sequence_parallel else "")
+    report = assemble(trace_model(model, batch, WORKLOAD.seq_len, mesh), plan, WORKLOAD, Software())
     seconds = {flag: stage_time(report, 0, plan, HW, Software(tp_wgrad_overlap=flag)).tp for flag in (False, True)}
     layer = next(u for u in report.units if u["name"].startswith("layer"))
-    layers = len(report.stages[0]["layers"])
+    half = _group_seconds({key: layer["comm"][key] / 2}, {key: layer["comm_calls"][key] / 2}, "tp", plan, HW)
+    return seconds, len(report.stages[0]["layers"]), half
+
+
+@pytest.mark.parametrize("sp, hidden_key", [(False, "tp.all_reduce"), (True, "tp.reduce_scatter")])
+def test_half_the_backward_collective_hides(sp, hidden_key):
+    # opt-6.7b: wide enough that the weight gradients outlast the collective
+    seconds, layers, half = _tp_seconds("opt-6.7b", 2, Plan(tp=2, dp=4, sequence_parallel=sp), hidden_key)
     # two forward and two backward collectives of each kind a layer; the column-parallel linears' backward ones hide
     # behind weight gradients that outlast them, which lose the SMs the collective takes while both run
-    half = _group_seconds({hidden_key: layer["comm"][hidden_key] / 2},
-                          {hidden_key: layer["comm_calls"][hidden_key] / 2}, "tp", plan, HW)
     hidden = half * HW.comm_overlap * (1 - HW.comm_contention)
     assert 0 < seconds[False] - seconds[True] == pytest.approx(layers * hidden, rel=1e-6)
     assert seconds[True] > 0  # the forward's collectives (and the gathers under sp) still show
@@ -37,15 +41,9 @@ def test_half_the_backward_collective_hides(sp, hidden_key):
 
 def test_a_narrow_model_hides_only_what_its_weight_gradients_last():
     """GPT-2's 768-wide GEMMs at tp 4 are shorter than the collective they would hide: less than the half hides."""
-    traced = trace_model("gpt2", 8, WORKLOAD.seq_len, "tp=4")
-    plan = Plan(tp=4, dp=2)
-    report = assemble(traced, plan, WORKLOAD, Software())
-    seconds = {flag: stage_time(report, 0, plan, HW, Software(tp_wgrad_overlap=flag)).tp for flag in (False, True)}
-    layer = next(u for u in report.units if u["name"].startswith("layer"))
-    half = _group_seconds({"tp.all_reduce": layer["comm"]["tp.all_reduce"] / 2},
-                          {"tp.all_reduce": layer["comm_calls"]["tp.all_reduce"] / 2}, "tp", plan, HW)
+    seconds, layers, half = _tp_seconds("gpt2", 8, Plan(tp=4, dp=2), "tp.all_reduce")
     hidden = seconds[False] - seconds[True]
-    assert 0 < hidden < 0.5 * len(report.stages[0]["layers"]) * half * (1 - HW.comm_contention)
+    assert 0 < hidden < 0.5 * layers * half * (1 - HW.comm_contention)
 
 
 def test_nothing_to_hide_without_tensor_parallelism():

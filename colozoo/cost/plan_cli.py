@@ -140,7 +140,7 @@ def _validate(args) -> int:
     import sys
 
     from colozoo.cost.published import published_runs
-    from colozoo.cost.validate import TOLERANCE, table, validate
+    from colozoo.cost.validate import table, validate
 
     runs = published_runs(args.runs)
     results = validate(runs, choose=args.choose, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -152,4 +152,4 @@ def _validate(args) -> int:
         from colozoo.cost.validate_plot import plot_validation
 
         print(f"plot: {plot_validation(results, args.plot)}", file=sys.stderr)
-    return int(any(abs(r.error) > TOLERANCE and not r.run.known_miss for r in results))
+    return int(any(not r.within and not r.run.known_miss for r in results))

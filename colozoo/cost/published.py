@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 
 from colozoo.cost.hardware import Hardware, get_hardware
-from colozoo.cost.published_schema import PublishedRunError, check_shape, check_table
+from colozoo.cost.published_schema import FAMILIES, PublishedRunError, check_shape, check_table
 from colozoo.cost.setup import Workload
 from colozoo.cost.software import Software
 from colozoo.runtime.plan import Plan
@@ -109,7 +109,7 @@ def model_config(model: dict):
                                         num_key_value_heads=model.get("kv_heads", model["heads"]),
                                         vocab_size=model["vocab"], max_position_embeddings=model["seq"],
                                         tie_word_embeddings=model.get("tied", False))
-    raise PublishedRunError(f"published model family {model['family']!r} is not one of gpt2, llama")
+    raise PublishedRunError(f"published model family {model['family']!r} is not one of {', '.join(FAMILIES)}")
 
 
 def _plan(layout: dict, layers: int, row: str) -> Plan:

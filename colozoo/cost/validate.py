@@ -35,6 +35,11 @@ class Validation:
         return self.predicted_seconds / self.measured_seconds - 1
 
     @property
+    def within(self) -> bool:
+        """The prediction is within the tolerance of the measurement."""
+        return abs(self.error) <= TOLERANCE
+
+    @property
     def fits(self) -> bool:
         return self.memory <= self.run.hardware.memory_limit
 
@@ -150,7 +155,7 @@ def table(results: list[Validation]) -> str:
     lines.append("")
     for name, part in (("all", results), ("tuned against", [r for r in results if not r.run.held_out]),
                        ("held out", [r for r in results if r.run.held_out])):
-        within = sum(abs(r.error) <= TOLERANCE for r in part)
+        within = sum(r.within for r in part)
         mean = sum(abs(r.error) for r in part) / max(1, len(part))
         lines.append(f"{name}: {within}/{len(part)} runs within {TOLERANCE:.0%}, mean |error| {mean:.1%}")
     for r in results:

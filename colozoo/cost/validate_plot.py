@@ -11,7 +11,7 @@ def points(results: list[Validation]) -> list[dict]:
     """One point a run: measured seconds a step, the prediction's error, its group, whether held out, and whether
     it misses the tolerance (the plot names those)."""
     return [{"id": r.run.id, "group": r.run.group, "measured_seconds": r.measured_seconds, "error": r.error,
-             "held_out": r.run.held_out, "miss": abs(r.error) > TOLERANCE} for r in results]
+             "held_out": r.run.held_out, "miss": not r.within} for r in results]
 
 
 def plot_validation(results: list[Validation], png_path) -> Path:
