@@ -199,8 +199,9 @@ class ModelTrace:
 
 
 def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str = "bfloat16",
-                target: str = "cuda", inputs: dict | None = None):
+                target: str = "cuda", inputs: dict | None = None, fused_head: bool = True):
     """Trace one micro-batch (one layer of each kind) at the mesh's tp, ep, sp and cp (as seq_len / cp).
+    `fused_head=False` runs a causal LM's head as the logits projected and then the loss (Software.fused_head).
 
     `batch_size` may be a list: the model is built once and traced at each size ({size: ModelTrace})."""
     degrees = parse_mesh(mesh)
@@ -213,7 +214,7 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
                             f"(got tp={degrees.tp}, pp={degrees.pp}, ep={degrees.ep})")
     sizes = list(batch_size) if isinstance(batch_size, (list, tuple)) else [batch_size]
     local_seq = seq_len // degrees.cp
-    traced = _trace_sizes(config, generic, degrees, torch_dtype, sizes, local_seq, target, inputs)
+    traced = _trace_sizes(config, generic, degrees, torch_dtype, sizes, local_seq, target, inputs, fused_head)
     name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
     out = {size: _model_trace(traced, trace, name, size, local_seq, dtype, degrees,
                               config if generic is None else None) for size, trace in traced.traces.items()}
@@ -232,7 +233,7 @@ class _Traced:
 
 
 def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, local_seq: int, target: str,
-                 inputs: dict | None) -> _Traced:
+                 inputs: dict | None, fused_head: bool = True) -> _Traced:
     """Build the model once on meta in a fake world of the mesh's tp x ep ranks and trace a training step at each
     micro-batch size, one layer of each kind standing in for the others."""
     from colozoo.kernels import use_kernels
@@ -254,7 +255,7 @@ def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, l
         kinds = _kinds(container) if container is not None else {}
         with _representatives_only(model, prefix, container, kinds) as renamed:
             for size in sizes:
-                run = _step_of(model, generic, size, local_seq, torch_dtype, inputs)
+                run = _step_of(model, generic, size, local_seq, torch_dtype, inputs, fused_head)
                 for p in params.values():
                     p.grad = None
                 with balanced_routing(model), priced_as(target):
@@ -263,8 +264,10 @@ def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, l
     return _Traced(traces, params, type(model).__name__, prefix, kinds, renamed)
 
 
-def _step_of(model, generic, size: int, local_seq: int, torch_dtype, inputs: dict | None):
-    """The training step traced at one micro-batch size: model -> loss on its inputs (token ids by default)."""
+def _step_of(model, generic, size: int, local_seq: int, torch_dtype, inputs: dict | None, fused_head: bool = True):
+    """The training step traced at one micro-batch size: model -> loss on its inputs (token ids by default). Without
+    `fused_head` a causal LM's head projects this rank's vocabulary slice of the logits and takes the loss from them,
+    as frameworks without a fused head do."""
     batch = inputs
     if batch is None and hasattr(model, "example_inputs"):  # images, per-example labels (bert, vit)
         batch = model.example_inputs(size, local_seq, device="meta")
@@ -273,6 +276,12 @@ def _step_of(model, generic, size: int, local_seq: int, torch_dtype, inputs: dic
         batch = {"input_ids": ids, "labels": ids}
     if generic is not None:
         return _meta_copy_run(model, batch, torch_dtype)
+    if not fused_head and set(batch) == {"input_ids", "labels"}:
+        from colozoo.layers.vocab import LogitsRequest
+        from colozoo.runtime.pipeline import pipeline_forward
+
+        return lambda m: _loss_of(pipeline_forward(m, batch["input_ids"], labels=batch["labels"],
+                                                   logits=LogitsRequest("vocab_slice")))
     return lambda m: _loss_of(m(**batch))
 
 

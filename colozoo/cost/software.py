@@ -89,6 +89,11 @@ class Software:
     # rather than latency-bound"); "whole", one call for all of them (Megatron-LM's local DDP of 2021 all-reduces
     # its flattened gradients once per dtype: megatron/model/distributed.py, allreduce_gradients)
     grad_buckets: str = "ddp"
+    # the LM head and its loss run as one kernel, chunk by chunk, that never keeps the logits (colozoo's
+    # kernels.linear_cross_entropy, as Liger-Kernel's fused linear cross-entropy); where the software projects the
+    # logits and then takes the loss (Megatron's output_layer and vocab_parallel_cross_entropy, which upcasts them to
+    # fp32 and keeps their softmax for the backward), the trace runs the head that way (colozoo.cost.model_trace)
+    fused_head: bool = True
 
     def __post_init__(self):
         if self.optimizer_kernels not in OPTIMIZER_PASSES:

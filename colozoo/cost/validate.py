@@ -2,8 +2,8 @@
 and compared with what it measured; its memory against the GPU's; the planner's own choice for the same model, GPUs
 and batch. `colozoo plan --validate` prints the table.
 
-Traces are shared across runs: one per (model, tp, cp, ep, sequence parallelism, sequence, dtype, attention), every
-micro-batch size the runs need traced at once.
+Traces are shared across runs: one per (model, tp, cp, ep, sequence parallelism, sequence, dtype, attention, the
+software's head), every micro-batch size the runs need traced at once.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class TraceCache:
         plan = plan or run.plan
         w = run.workload
         return (json.dumps(run.model, sort_keys=True), plan.tp, plan.cp, plan.ep, plan.sequence_parallel, w.seq_len,
-                w.dtype, w.target)
+                w.dtype, w.target, run.software.fused_head)
 
     def want(self, run: PublishedRun):
         self.wanted.setdefault(self.key(run), set()).add(run.plan.micro_batch_size)
@@ -82,7 +82,8 @@ class TraceCache:
             mesh = ParallelConfig(tp=p.tp, dp=p.ep, ep=p.ep, sequence_parallel=p.sequence_parallel)
             w = run.workload
             self.traces.setdefault(key, {}).update(
-                trace_model(run.config(), sizes, w.seq_len // p.cp, mesh, w.dtype, w.target))
+                trace_model(run.config(), sizes, w.seq_len // p.cp, mesh, w.dtype, w.target,
+                            fused_head=run.software.fused_head))
         return self.traces[key][mbs]
 
 

@@ -144,4 +144,19 @@ PLANNER = {
         Rewrite("colozoo.cost.step_time:estimate",
                 ('+ st["grads"] * software.grad_clip_passes)', "+ 0)")),
         ("tests/test_clipping_traffic.py::test_step_prices_the_clipping_passes_the_software_makes",)),
+    "head_always_fused": Mutation(
+        "every framework's LM head is priced as colozoo's fused linear cross-entropy",
+        Rewrite("colozoo.cost.model_trace:_step_of",
+                ('if not fused_head and set(batch) == {"input_ids", "labels"}:', "if False:")),
+        ("tests/test_fused_head_pricing.py::test_the_head_decides_a_small_model_with_a_large_vocabulary", RUNS)),
+    "validation_traces_ignore_the_head": Mutation(
+        "the validation's trace cache serves one software's head to another",
+        Rewrite("colozoo.cost.validate:TraceCache.key",
+                ("w.dtype, w.target, run.software.fused_head)", "w.dtype, w.target)")),
+        ("tests/test_fused_head_pricing.py::test_the_head_decides_a_small_model_with_a_large_vocabulary",)),
+    "planner_traces_ignore_the_head": Mutation(
+        "the planner's trace cache serves one software's head to another",
+        Rewrite("colozoo.cost.planner:_traces",
+                ("workload.dtype, workload.target, fused_head)", "workload.dtype, workload.target)")),
+        ("tests/test_fused_head_pricing.py::test_the_planner_traces_the_head_its_software_runs",)),
 }
