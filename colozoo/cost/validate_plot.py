@@ -33,10 +33,10 @@ def plot_validation(results: list[Validation], png_path) -> Path:
                 ax.scatter([p["measured_seconds"] for p in mine], [100 * p["error"] for p in mine], s=36,
                            color=colors[group], facecolors=marker_face, linewidths=1.2,
                            label=group + (" (held out)" if held_out else ""))
-    misses = sorted((p for p in data if p["miss"]), key=lambda p: p["error"])
-    for i, p in enumerate(misses):  # neighbours' names alternate above and below their points
-        ax.annotate(p["id"], (p["measured_seconds"], 100 * p["error"]), fontsize=6, xytext=(5, 3 if i % 2 else -8),
-                    textcoords="offset points")
+    misses = [p for p in data if p["miss"]]
+    for p in misses:
+        ax.annotate(p["id"], (p["measured_seconds"], 100 * p["error"]), fontsize=6,
+                    xytext=(5, 3 if _above_neighbour(p, misses) else -8), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("measured seconds a step")
     ax.set_ylabel("predicted / measured - 1 (%)")
@@ -48,3 +48,16 @@ def plot_validation(results: list[Validation], png_path) -> Path:
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return Path(png_path)
+
+
+def _above_neighbour(p: dict, misses: list[dict]) -> bool:
+    """Whether a miss lies above its nearest other miss (log seconds against error): its name goes above its point,
+    the neighbour's below, so that the two do not overlap."""
+    import math
+
+    others = [q for q in misses if q is not p]
+    if not others:
+        return True
+    nearest = min(others, key=lambda q: math.hypot(math.log10(q["measured_seconds"] / p["measured_seconds"]),
+                                                   (q["error"] - p["error"]) * 5))
+    return p["error"] >= nearest["error"]
