@@ -67,9 +67,8 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     total = global_grad_norm(model, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device = defaultdict(list)  # offloaded gradients live on the CPU
-    for p in model.parameters():
-        if p.grad is not None:
-            by_device[local_part(p.grad).device].append(local_part(p.grad))
+    for grad in (local_part(p.grad) for p in model.parameters() if p.grad is not None):
+        by_device[grad.device].append(grad)
     for device, grads in by_device.items():
         torch._foreach_mul_(grads, coef.to(device))
     return total
