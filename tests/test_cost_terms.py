@@ -82,20 +82,26 @@ def test_traced_layer_records_its_gemm_shapes():
 
 
 def test_collectives_per_link_and_algorithm():
-    # inside a node: a ring all-gather of 8 ranks moves 7/8 of the payload over NVLink, 7 latency steps a call
-    assert collective_seconds(GPU, "all_gather", 8e9, 8, 8, calls=2) == pytest.approx(7e9 / 300e9 + 2 * 7 * 1e-5)
+    # inside a node: a ring all-gather of 8 ranks moves 7/8 of the payload over NVLink in 7 steps a call; a
+    # gigabyte's steps (1.7 ms each) hide the hop's 10 us latency, a kilobyte's (0.4 ns) wait on it
+    assert collective_seconds(GPU, "all_gather", 8e9, 8, 8, calls=2) == pytest.approx(7e9 / 300e9)
+    assert collective_seconds(GPU, "all_gather", 8e3, 8, 8, calls=2) == pytest.approx(2 * 7 * 1e-5)
     # across nodes (8 ranks one per node, 64 consecutive ranks): each GPU's own adapter, network latency
-    assert collective_seconds(GPU, "all_gather", 8e9, 8, 64, calls=1) == pytest.approx(7e9 / 25e9 + 7 * 2e-5)
+    assert collective_seconds(GPU, "all_gather", 8e9, 8, 64, calls=1) == pytest.approx(7e9 / 25e9)
+    assert collective_seconds(GPU, "all_gather", 8e3, 8, 64, calls=1) == pytest.approx(7 * 2e-5)
     # an all-reduce over 512 ranks on 64 nodes takes NCCL's tree: 2 log2(64) steps between nodes and 2 (8 - 1)
     # inside them, not 2 x 511
     assert latency_steps("all_reduce", 512, 8) == (2 * 7, 2 * 6)
     assert latency_steps("all_reduce", 8, 8) == (14, 0)
     # a ring over 64 nodes of 8 leaves a node on 64 of its 512 hops: that share of its 511 steps waits on the network
     assert latency_steps("reduce_scatter", 512, 8) == pytest.approx((511 * 7 / 8, 511 / 8))
-    assert collective_seconds(GPU, "all_reduce", 1e9, 512, 512, calls=1) == pytest.approx(
-        2 * 511 / 512 * 1e9 / 25e9 + 14 * 1e-5 + 12 * 2e-5)
-    assert collective_seconds(GPU, "all_gather", 1e9, 512, 512, calls=1) == pytest.approx(
-        511 / 512 * 1e9 / 25e9 + 511 * 7 / 8 * 1e-5 + 511 / 8 * 2e-5)
+    assert collective_seconds(GPU, "all_reduce", 1e3, 512, 512, calls=1) == pytest.approx(14 * 1e-5 + 12 * 2e-5)
+    assert collective_seconds(GPU, "all_gather", 1e3, 512, 512, calls=1) == pytest.approx(
+        511 * 7 / 8 * 1e-5 + 511 / 8 * 2e-5)
+    # 16 us a step of a 200 MB ring over 512 ranks: past the NVLink hop's 10 us, short of the network's 20 us
+    step = 511 / 512 * 2e8 / 25e9 / 511
+    assert collective_seconds(GPU, "all_gather", 2e8, 512, 512, calls=1) == pytest.approx(
+        511 * 7 / 8 * step + 511 / 8 * 2e-5)
     assert collective_seconds(GPU, "all_reduce", 1e9, 1, 1) == 0.0
 
 

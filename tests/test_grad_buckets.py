@@ -1,6 +1,6 @@
 """A data-parallel gradient reduction is cut into as many collective calls as the software's buckets make, and each
-call pays the collective's latency: torch DDP's 25 MiB buckets, Megatron-Core's max(40M, 1M x dp) elements, one call
-for Megatron-LM's local DDP of 2021."""
+call's steps pay the collective's latency where they are shorter than it: torch DDP's 25 MiB buckets, Megatron-Core's
+max(40M, 1M x dp) elements, one call for Megatron-LM's local DDP of 2021."""
 import math
 
 import pytest
@@ -43,16 +43,28 @@ def test_reduction_calls_follow_the_software_buckets(traced, dp):
     assert plain.stages[0]["comm_calls"]["dp_cp.all_reduce"] == calls["megatron_core"]
 
 
-def test_fewer_calls_pay_less_latency(traced):
-    hw = get_hardware("H100-80GB", gpus=64)
-    dp_seconds = {}
+def _dp_seconds(traced, hw):
+    out = {}
     for rule in ("ddp", "whole"):
         plan, report = _stage(traced, 64, 0, rule)
-        dp_seconds[rule] = estimate(report, plan, WORKLOAD, hw, software=Software(grad_buckets=rule,
-                                                                                 grad_reduce_overlap=False))[1]["dp"]
+        out[rule] = estimate(report, plan, WORKLOAD, hw, software=Software(grad_buckets=rule,
+                                                                           grad_reduce_overlap=False))[1]["dp"]
+    return out
+
+
+def test_fewer_calls_pay_less_latency(traced):
+    # hops of a millisecond: every step of a 25 MiB bucket's all-reduce waits on its hop
+    hw = get_hardware("H100-80GB", gpus=64).with_(collective_latency_s=1e-3, inter_node_latency_s=2e-3)
+    dp_seconds = _dp_seconds(traced, hw)
     # the same bytes; nine calls fewer of an all-reduce over 8 nodes (tree between them, ring inside each)
     latency = 9 * (2 * 7 * hw.collective_latency_s + 2 * 3 * hw.inter_node_latency_s)
     assert dp_seconds["ddp"] - dp_seconds["whole"] == pytest.approx(latency)
+
+
+def test_long_steps_hide_their_latency(traced):
+    # an H100's hops (microseconds) are shorter than a 25 MiB bucket's steps: the buckets cost what the bytes do
+    dp_seconds = _dp_seconds(traced, get_hardware("H100-80GB", gpus=64))
+    assert dp_seconds["ddp"] == pytest.approx(dp_seconds["whole"])
 
 
 def test_published_software_names_its_buckets():

@@ -7,7 +7,7 @@
 - the token dispatch and combine (`dispatch_combine_seconds`): an all-to-all in which each rank keeps 1/ep of its
   tokens, sends to the ep - 1 others; of those, the ranks of its own node are reached over NVLink and the others
   over its network adapter, both at once, so the slower share sets the time (not all of it at the slower link),
-  plus each step's latency at its hop's (colozoo.cost.network.latency_seconds);
+  each step taking the longer of its hop's latency and its share of that (colozoo.cost.network.pipelined_seconds);
 - the experts' GEMMs run grouped: one kernel over each local expert's tokens (torch._grouped_mm, Megatron's
   grouped GEMM), whose output tiles fill the GPU per expert (colozoo.cost.trace records a grouped product as
   (experts, tokens per expert, n, k), and colozoo.cost.compute_time.wave_efficiency prices its tiles); the
@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from colozoo.cost.hardware import Hardware
-from colozoo.cost.network import collective_seconds, latency_seconds
+from colozoo.cost.network import collective_seconds, pipelined_seconds
 
 
 def expert_span(tp: int, ep: int, folded: bool = False) -> int:
@@ -35,7 +35,7 @@ def dispatch_combine_seconds(hw: Hardware, nbytes: float, ep: int, span: int, ca
     per_node = max(1, hw.gpus_per_node * ep // span)  # the group's ranks in one node
     inside = nbytes * (per_node - 1) / ep / hw.bandwidth("all_to_all", hw.gpus_per_node)
     across = nbytes * (ep - per_node) / ep / hw.bandwidth("all_to_all", span)
-    return max(inside, across) + latency_seconds(hw, "all_to_all", ep, per_node, calls)
+    return pipelined_seconds(hw, "all_to_all", max(inside, across), ep, per_node, calls)
 
 
 def expert_exchange_seconds(comm: dict, calls: dict, plan, hw: Hardware, folded: bool = False,

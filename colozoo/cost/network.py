@@ -7,7 +7,11 @@ limited by each GPU's own network adapter (rail-optimised fabrics give every GPU
 a ring takes n-1 steps (all-reduce 2(n-1)), each at the latency of its hop: a ring over several nodes leaves a node
 on one hop in n/nodes, and only those steps wait on the network (NCCL's own tuning model prices ring steps inside a
 node and between nodes apart); across nodes NCCL all-reduces over a tree when that is shorter, 2 log2(nodes) steps
-between nodes plus the ring inside each node.
+between nodes plus the ring inside each node. A step's latency and its transfer overlap: NCCL moves each step's chunk
+in slices through a FIFO of NCCL_STEPS (8) buffers (ring collectives: two slices a chunk, ALLGATHER_SLICESTEPS =
+NCCL_STEPS / 4 in src/include/collectives.h), so a slice goes out while the one before it is on the wire and a step
+takes the longer of its hop's latency and its share of the transfer (`pipelined_seconds`): small calls pay the
+latency, large ones the bandwidth, never both.
 """
 from __future__ import annotations
 
@@ -61,7 +65,19 @@ def collective_seconds(hw: Hardware, collective: str, nbytes: float, n: int, spa
     per_node = min(n, max(1, hw.gpus_per_node * n // max(span, 1)))
     if inside:
         per_node = n
-    return seconds + latency_seconds(hw, collective, n, per_node, calls)
+    return pipelined_seconds(hw, collective, seconds, n, per_node, calls)
+
+
+def pipelined_seconds(hw: Hardware, collective: str, transfer: float, n: int, per_node: int, calls: float) -> float:
+    """Seconds of `calls` calls whose payload takes `transfer` seconds on the slowest link, over n ranks, `per_node`
+    of them in each node: each step (latency_steps) takes the longer of its hop's latency and its even share of the
+    transfer, since NCCL pipelines a step's slices behind the latency (module docstring). Without calls, the
+    transfer alone."""
+    within, between = latency_steps(collective, n, per_node)
+    if calls <= 0 or within + between <= 0:
+        return transfer
+    step = transfer / (calls * (within + between))
+    return calls * (within * max(hw.collective_latency_s, step) + between * max(hw.inter_node_latency_s, step))
 
 
 def latency_seconds(hw: Hardware, collective: str, n: int, per_node: int, calls: float) -> float:

@@ -61,6 +61,13 @@ PLANNER = {
         "a ring leaving the node pays the network's latency on every step, NVLink hops included",
         Rewrite("colozoo.cost.network:latency_steps", ("between = steps * nodes / n", "between = steps")),
         ("tests/test_cost_terms.py::test_collectives_per_link_and_algorithm",)),
+    "latency_beside_the_transfer": Mutation(
+        "a collective pays every step's latency on top of its transfer, as if NCCL did not pipeline a step's slices",
+        Rewrite("colozoo.cost.network:pipelined_seconds",
+                ("max(hw.collective_latency_s, step) + between * max(hw.inter_node_latency_s, step))",
+                 "hw.collective_latency_s + between * hw.inter_node_latency_s) + transfer")),
+        ("tests/test_cost_terms.py::test_collectives_per_link_and_algorithm",
+         "tests/test_grad_buckets.py::test_long_steps_hide_their_latency")),
     "tile_fit_takes_the_first": Mutation(
         "the measured GEMM grid does not choose the tile: the first candidate always",
         Rewrite("colozoo.cost.measure:fit_tile", ("best = min(TILES, key=error)", "best = TILES[0]")),
