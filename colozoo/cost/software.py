@@ -83,7 +83,7 @@ class Software:
     # Megatron-LM and DeepSpeed scale only when the norm exceeds the threshold (megatron/optimizer/clip_grads.py,
     # "if clip_coeff < 1.0"; DeepSpeed v0.5 runtime/utils.py), in a long run rarely: the norm's read (1)
     grad_clip_passes: float = 3.0
-    # how a data-parallel gradient reduction is cut into calls, whose steps pay the latency where shorter (GRAD_BUCKETS):
+    # how a data-parallel gradient reduction is cut into calls, whose short steps pay the latency (GRAD_BUCKETS):
     # "ddp", torch DDP's buckets of 25 MiB; "megatron_core", Megatron-Core's of max(40M, 1M x dp) elements
     # (core_r0.8.0 megatron/core/distributed/distributed_data_parallel.py: "large enough to remain bandwidth-bound
     # rather than latency-bound"); "whole", one call for all of them (Megatron-LM's local DDP of 2021 all-reduces
