@@ -1,5 +1,5 @@
-"""How long a collective takes on the hardware's links: its bus bytes over the bandwidth of the slowest hop, plus
-a latency for every step of its algorithm.
+"""How long a collective takes on the hardware's links: its bus bytes over the bandwidth of the slowest hop, each
+step of its algorithm taking at least its hop's latency.
 
 Bus bytes are what each rank puts on the wire per payload byte (ring algorithms: 2(n-1)/n for an all-reduce,
 (n-1)/n for an all-gather or a reduce-scatter). A group within one node rides NVLink; a group that leaves the node is
