@@ -54,7 +54,7 @@ def test_datasheet_presets_by_device_name():
     names = {"NVIDIA H100 80GB HBM3": "H100-80GB", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-40GB": "A100-40GB",
              "NVIDIA A100-SXM4-80GB": "A100-80GB", "NVIDIA H100 PCIe": None, "NVIDIA H100 NVL": None,
              "Tesla V100-SXM2-32GB": "V100-32GB", "NVIDIA GeForce RTX 4090": "RTX4090", "AMD Instinct MI300X": None,
-             "NVIDIA GH200 480GB": None}
+             "NVIDIA GH200 480GB": None, "NVIDIA H800": "H800", "NVIDIA B200": "B200", "NVIDIA GB200": None}
     assert {name: datasheet_preset(name) for name in names} == names
 
 

@@ -144,6 +144,26 @@ H100_SOURCES = {
     "comm_contention": SMS_FOR_COMM + " (20 of 132)",
 }
 NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, comm_contention=20 / 108)
+DEEPSEEK_H800 = "DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2: on H800 nodes NVLink reaches 160 GB/s, IB 50 GB/s"
+H800_SOURCES = {**H100_SOURCES,
+                "intra_node_bw": "NVIDIA H800 SXM5 datasheet: NVLink 400 GB/s (200 GB/s a direction)",
+                "intra_node_efficiency": DEEPSEEK_H800 + " (160 of 200)", "inter_node_efficiency": DEEPSEEK_H800}
+B200_SOURCES = {
+    "peak_flops": "NVIDIA HGX B200 datasheet: 36 PFLOP/s FP16/BF16 with sparsity for 8 GPUs, 2.25 dense a GPU",
+    "sm_count": "Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' (2025): 74 SMs on each of its "
+                "two dies, 148",
+    "gemm_tile": TILE,
+    "matmul_efficiency": MAMF + ": B200 SXM 1745.0 of 2250 TFLOP/s in bursts (77.6%), times the H200's sustained over "
+                         "burst rate (" + MSMF + ", 702.9 / 828.0): 65.9%",
+    "attention_efficiency": H100_SOURCES["attention_efficiency"] + " (no B200 figure)",
+    "hbm_bw": "NVIDIA DGX B200 datasheet: 64 TB/s HBM3e for 8 GPUs (8 TB/s a GPU)",
+    "hbm_efficiency": ESTIMATE,
+    "intra_node_bw": "NVIDIA DGX B200 datasheet: fifth-generation NVLink, 1.8 TB/s a GPU (900 GB/s a direction)",
+    "intra_node_efficiency": ESTIMATE + " (the H100's)",
+    "inter_node_bw": "NVIDIA DGX B200 datasheet: 8 single-port ConnectX-7 at 400 Gb/s a node, one adapter a GPU",
+    "inter_node_efficiency": IB,
+    "comm_contention": SMS_FOR_COMM + " (20 of 148)",
+}
 
 _DATASHEETS = {
     "A100-40GB": _nvidia("A100-40GB", 40 * GiB, 312e12, 19.5e12, 1555 * GB, 108, 0.739, 300 * GB, 25 * GB,
@@ -161,6 +181,12 @@ _DATASHEETS = {
                     attention_efficiency=0.5, attention_speed=attention_speed.H100, intra_node_efficiency=0.8,
                     inter_node_efficiency=0.96,
                     comm_contention=20 / 132),
+    "H800": _nvidia("H800", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 200 * GB, 50 * GB, H800_SOURCES,
+                    pcie_bw=55 * GB, attention_efficiency=0.5, attention_speed=attention_speed.H100,
+                    intra_node_efficiency=0.8, inter_node_efficiency=0.96, comm_contention=20 / 132),
+    "B200": _nvidia("B200", 180 * GB, 2250e12, 0.0, 8000 * GB, 148, 0.659, 900 * GB, 50 * GB, B200_SOURCES,
+                    pcie_bw=55 * GB, attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
+                    comm_contention=20 / 148),
     "L40S": Hardware("L40S", 48 * GiB, 362e12, intra_node_bw=25 * GB, inter_node_bw=25 * GB, pcie_bw=25 * GB,
                      hbm_bw=864 * GB, cpu_memory=512 * GiB, sm_count=142,
                      sources={"peak_flops": "NVIDIA L40S datasheet: 362 TFLOP/s BF16", "hbm_bw": "datasheet: 864 GB/s",
