@@ -110,3 +110,17 @@ def test_the_gpu_bench_writes_the_preset_file(tmp_path, monkeypatch):
     written = json.loads((tmp_path / "hw.json").read_text())
     assert line["metrics"]["preset_file"] == str(tmp_path / "hw.json") and line["ratio"] is None
     assert written["sources"]["matmul_efficiency"].startswith("measured by bench/gpu.py on cpu")
+
+
+def test_newer_presets_keep_their_datasheet_links():
+    """H800: the H100 with half its NVLink; B200: 8 a node; GB200 NVL72: a 64-rank group stays on NVLink, where on
+    B200s it leaves for the network adapter."""
+    from colozoo.cost.network import collective_seconds
+
+    h100, h800 = get_hardware("H100-80GB", gpus=16), get_hardware("H800", gpus=16)
+    assert h800.peak_flops == h100.peak_flops and h800.intra_node_bw == h100.intra_node_bw / 2.25
+    b200, gb200 = get_hardware("B200", gpus=144), get_hardware("GB200-NVL72", gpus=144)
+    assert (b200.gpus_per_node, b200.nodes, gb200.gpus_per_node, gb200.nodes) == (8, 18, 72, 2)
+    on_b200, on_gb200 = (collective_seconds(hw, "all_gather", 1e9, 64, 64, 1) for hw in (b200, gb200))
+    assert on_gb200 == pytest.approx(63 / 64 * 1e9 / gb200.bandwidth("all_gather", 64))
+    assert on_gb200 < on_b200 / 10

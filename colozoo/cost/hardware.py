@@ -164,6 +164,20 @@ B200_SOURCES = {
     "inter_node_efficiency": IB,
     "comm_contention": SMS_FOR_COMM + " (20 of 148)",
 }
+GB200_SOURCES = {
+    **B200_SOURCES,
+    "gpus_per_node": "NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs in one NVLink domain (a 'node' here)",
+    "peak_flops": "NVIDIA GB200 NVL72 datasheet: 360 PFLOP/s FP16/BF16 with sparsity for 72 GPUs, 2.5 dense a GPU",
+    "sm_count": B200_SOURCES["sm_count"] + " (the same GPU, assumed)",
+    "matmul_efficiency": MAMF + ": GB200 SXM 1822.0 of 2500 TFLOP/s in bursts (72.9%), times the H200's sustained over "
+                         "burst rate (702.9 / 828.0): 61.9%",
+    "hbm_bw": "NVIDIA GB200 NVL72 datasheet: 576 TB/s HBM3e for 72 GPUs (8 TB/s a GPU)",
+    "intra_node_bw": "NVIDIA GB200 NVL72 datasheet: 130 TB/s NVLink for 72 GPUs (1.8 TB/s a GPU, 900 GB/s a direction)",
+    "inter_node_bw": ESTIMATE + " (one 400 Gb/s ConnectX-7 a GPU between racks, as DGX B200)",
+    "cpu_memory": "NVIDIA GB200 NVL72 datasheet: 17 TB LPDDR5X on 36 Grace CPUs (480 GB each) a rack",
+    "pcie_bw": ESTIMATE + " (NVLink-C2C: 900 GB/s both ways for a Grace and its two GPUs, 225 GB/s a GPU a direction)",
+}
+
 
 _DATASHEETS = {
     "A100-40GB": _nvidia("A100-40GB", 40 * GiB, 312e12, 19.5e12, 1555 * GB, 108, 0.739, 300 * GB, 25 * GB,
@@ -187,6 +201,10 @@ _DATASHEETS = {
     "B200": _nvidia("B200", 180 * GB, 2250e12, 0.0, 8000 * GB, 148, 0.659, 900 * GB, 50 * GB, B200_SOURCES,
                     pcie_bw=55 * GB, attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
                     comm_contention=20 / 148),
+    "GB200-NVL72": _nvidia("GB200-NVL72", 186 * GB, 2500e12, 0.0, 8000 * GB, 148, 0.619, 900 * GB, 50 * GB,
+                           GB200_SOURCES, gpus_per_node=72, cpu_memory=17000 * GB, pcie_bw=225 * GB,
+                           attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
+                           comm_contention=20 / 148),
     "L40S": Hardware("L40S", 48 * GiB, 362e12, intra_node_bw=25 * GB, inter_node_bw=25 * GB, pcie_bw=25 * GB,
                      hbm_bw=864 * GB, cpu_memory=512 * GiB, sm_count=142,
                      sources={"peak_flops": "NVIDIA L40S datasheet: 362 TFLOP/s BF16", "hbm_bw": "datasheet: 864 GB/s",

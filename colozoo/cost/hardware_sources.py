@@ -51,6 +51,7 @@ PRESET_SOURCES = {
              "cpu_memory": "DGX H100's 2 TB system memory (1 TB assumed a node)"},
     "B200": {"gpu_memory": "NVIDIA DGX B200 datasheet: 1,440 GB HBM3e for 8 GPUs (180 GB a GPU)", "pcie_bw": PCIE5,
              "cpu_memory": "NVIDIA DGX B200 datasheet: 2 TB system memory (1 TB assumed a node)"},
+    "GB200-NVL72": {"gpu_memory": "NVIDIA GB200 NVL72 datasheet: 13.4 TB HBM3e for 72 GPUs (186 GB a GPU)"},
     "L40S": {"gpu_memory": "NVIDIA L40S datasheet: 48 GB GDDR6", "intra_node_bw": NO_NVLINK,
              "inter_node_bw": ESTIMATE + " (one 200 Gb/s adapter a GPU)",
              "sm_count": "NVIDIA Ada Lovelace architecture whitepaper: L40S 142 SMs",
