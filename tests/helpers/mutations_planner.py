@@ -75,7 +75,7 @@ PLANNER = {
     "datasheet_preset_unknown": Mutation(
         "a GPU's name finds no datasheet preset (its measured fields then replace the datasheet's peaks)",
         Rewrite("colozoo.cost.measure:datasheet_preset",
-                ('if any(part in upper for part in ("PCIE", "NVL", "GH200")):', "if True:")),
+                ('if any(part in upper for part in ("PCIE", "NVL", "GH200", "GB200")):', "if True:")),
         (SOURCES + "test_datasheet_presets_by_device_name",)),
     "plan_json_nested": Mutation(
         "a plan's JSON nests its degrees instead of the flat form config.json and plan --json hold",
