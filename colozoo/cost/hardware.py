@@ -144,7 +144,8 @@ H100_SOURCES = {
     "comm_contention": SMS_FOR_COMM + " (20 of 132)",
 }
 NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, comm_contention=20 / 108)
-DEEPSEEK_H800 = "DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2: on H800 nodes NVLink reaches 160 GB/s, IB 50 GB/s"
+DEEPSEEK_H800 = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2: on H800 nodes NVLink reaches 160 GB/s, "
+                 "IB 50 GB/s")
 H800_SOURCES = {**H100_SOURCES,
                 "intra_node_bw": "NVIDIA H800 SXM5 datasheet: NVLink 400 GB/s (200 GB/s a direction)",
                 "intra_node_efficiency": DEEPSEEK_H800 + " (160 of 200)", "inter_node_efficiency": DEEPSEEK_H800}

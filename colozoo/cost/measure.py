@@ -63,8 +63,9 @@ def datasheet_preset(name: str) -> str | None:
     upper = name.upper()
     if any(part in upper for part in ("PCIE", "NVL", "GH200", "GB200")):
         return None
-    for key, preset in (("H200", "H200"), ("H100", "H100-80GB"), ("H800", "H800"), ("B200", "B200"), ("L40S", "L40S"), ("V100", "V100-32GB"),
-                        ("4090", "RTX4090"), ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB")):
+    for key, preset in (("H200", "H200"), ("H100", "H100-80GB"), ("H800", "H800"), ("B200", "B200"), ("L40S", "L40S"),
+                        ("V100", "V100-32GB"), ("4090", "RTX4090"), ("A100-SXM4-40GB", "A100-40GB"),
+                        ("A100", "A100-80GB")):
         if key in upper.replace(" ", "-"):
             return preset
     return None
