@@ -33,6 +33,8 @@ def test_show_hardware_prints_each_number_with_its_source(capsys):
     out = capsys.readouterr().out
     assert out.startswith("A100-80GB: 8 GPUs a node x 2 node(s)")
     assert "312 TFLOP/s  NVIDIA A100 datasheet: 312 TFLOP/s dense BF16" in out and "(no source)" not in out
+    speed = next(line for line in out.splitlines() if line.startswith("attention_speed"))
+    assert "measured series" in speed and "flash2/d64" not in out  # the table's series, not their numbers
     assert main(["plan", "--show-hardware", "--set", "inter_node_bw=1e11", "--gpu-memory", "40GB"]) == 0
     given = [line for line in capsys.readouterr().out.splitlines() if "given by the caller" in line]
     assert [line.split()[0] for line in given] == ["gpu_memory", "inter_node_bw"]

@@ -148,7 +148,8 @@ DEEPSEEK_H800 = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2: on H8
                  "IB 50 GB/s")
 H800_SOURCES = {**H100_SOURCES,
                 "intra_node_bw": "NVIDIA H800 SXM5 datasheet: NVLink 400 GB/s (200 GB/s a direction)",
-                "intra_node_efficiency": DEEPSEEK_H800 + " (160 of 200)", "inter_node_efficiency": DEEPSEEK_H800}
+                "intra_node_efficiency": DEEPSEEK_H800 + " (160 of 200)",
+                "inter_node_bw": DEEPSEEK_H800 + " (one 400 Gb/s adapter a GPU)", "inter_node_efficiency": IB}
 B200_SOURCES = {
     "peak_flops": "NVIDIA HGX B200 datasheet: 36 PFLOP/s FP16/BF16 with sparsity for 8 GPUs, 2.25 dense a GPU",
     "sm_count": "Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' (2025): 74 SMs on each of its "
@@ -247,6 +248,8 @@ def describe(hw: Hardware) -> str:
 
 
 def _shown(name: str, value) -> str:
+    if name == "attention_speed":  # its series are many numbers each: `--json` prints them
+        return f"{len(value)} measured series" if value else "none"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return str(value)
     if name.endswith("_bw"):

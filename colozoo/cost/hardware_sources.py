@@ -47,7 +47,6 @@ PRESET_SOURCES = {
     "H200": {"gpu_memory": "NVIDIA H200 datasheet: 141 GB HBM3e", "pcie_bw": PCIE5,
              "cpu_memory": "NVIDIA DGX H200 datasheet: 2 TB system memory (1 TB assumed a node)"},
     "H800": {"gpu_memory": "NVIDIA H800 SXM5 datasheet: 80 GB HBM3", "pcie_bw": PCIE5,
-             "inter_node_bw": "DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2: 50 GB/s IB a GPU",
              "cpu_memory": "DGX H100's 2 TB system memory (1 TB assumed a node)"},
     "B200": {"gpu_memory": "NVIDIA DGX B200 datasheet: 1,440 GB HBM3e for 8 GPUs (180 GB a GPU)", "pcie_bw": PCIE5,
              "cpu_memory": "NVIDIA DGX B200 datasheet: 2 TB system memory (1 TB assumed a node)"},
