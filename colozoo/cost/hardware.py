@@ -144,6 +144,7 @@ H100_SOURCES = {
     "comm_contention": SMS_FOR_COMM + " (20 of 132)",
 }
 NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, comm_contention=20 / 108)
+HOPPER_ON = dict(attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96)  # H100 and after
 DEEPSEEK_H800 = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2: on H800 nodes NVLink reaches 160 GB/s, "
                  "IB 50 GB/s")
 H800_SOURCES = {**H100_SOURCES,
@@ -189,24 +190,17 @@ _DATASHEETS = {
                          {**A100_SOURCES, "hbm_bw": "NVIDIA A100 datasheet: 2,039 GB/s (80GB SXM)"},
                          attention_efficiency=0.5, attention_speed=attention_speed.A100, **NVIDIA_DEFAULTS),
     "H100-80GB": _nvidia("H100-80GB", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 450 * GB, 50 * GB, H100_SOURCES,
-                         pcie_bw=55 * GB, attention_efficiency=0.5, attention_speed=attention_speed.H100,
-                         intra_node_efficiency=0.8,
-                         inter_node_efficiency=0.96, comm_contention=20 / 132),
+                         pcie_bw=55 * GB, attention_speed=attention_speed.H100, comm_contention=20 / 132, **HOPPER_ON),
     "H200": _nvidia("H200", 141 * GB, 989e12, 67e12, 4800 * GB, 132, 0.711, 450 * GB, 50 * GB,
                     {**H100_SOURCES, "hbm_bw": "NVIDIA H200 datasheet: 4.8 TB/s"}, pcie_bw=55 * GB,
-                    attention_efficiency=0.5, attention_speed=attention_speed.H100, intra_node_efficiency=0.8,
-                    inter_node_efficiency=0.96,
-                    comm_contention=20 / 132),
+                    attention_speed=attention_speed.H100, comm_contention=20 / 132, **HOPPER_ON),
     "H800": _nvidia("H800", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 200 * GB, 50 * GB, H800_SOURCES,
-                    pcie_bw=55 * GB, attention_efficiency=0.5, attention_speed=attention_speed.H100,
-                    intra_node_efficiency=0.8, inter_node_efficiency=0.96, comm_contention=20 / 132),
+                    pcie_bw=55 * GB, attention_speed=attention_speed.H100, comm_contention=20 / 132, **HOPPER_ON),
     "B200": _nvidia("B200", 180 * GB, 2250e12, 0.0, 8000 * GB, 148, 0.659, 900 * GB, 50 * GB, B200_SOURCES,
-                    pcie_bw=55 * GB, attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
-                    comm_contention=20 / 148),
+                    pcie_bw=55 * GB, comm_contention=20 / 148, **HOPPER_ON),
     "GB200-NVL72": _nvidia("GB200-NVL72", 186 * GB, 2500e12, 0.0, 8000 * GB, 148, 0.619, 900 * GB, 50 * GB,
                            GB200_SOURCES, gpus_per_node=72, cpu_memory=17000 * GB, pcie_bw=225 * GB,
-                           attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96,
-                           comm_contention=20 / 148),
+                           comm_contention=20 / 148, **HOPPER_ON),
     "L40S": Hardware("L40S", 48 * GiB, 362e12, intra_node_bw=25 * GB, inter_node_bw=25 * GB, pcie_bw=25 * GB,
                      hbm_bw=864 * GB, cpu_memory=512 * GiB, sm_count=142,
                      sources={"peak_flops": "NVIDIA L40S datasheet: 362 TFLOP/s BF16", "hbm_bw": "datasheet: 864 GB/s",

@@ -82,6 +82,5 @@ def pipelined_seconds(hw: Hardware, collective: str, transfer: float, n: int, pe
 
 def latency_seconds(hw: Hardware, collective: str, n: int, per_node: int, calls: float) -> float:
     """The latency of `calls` calls over n ranks, `per_node` of them in each node: every step at its hop's latency
-    (latency_steps)."""
-    within, between = latency_steps(collective, n, per_node)
-    return calls * (within * hw.collective_latency_s + between * hw.inter_node_latency_s)
+    (latency_steps), what `pipelined_seconds` gives a payload too small to outlast it."""
+    return pipelined_seconds(hw, collective, 0.0, n, per_node, calls)
