@@ -12,6 +12,7 @@ for the exact GeLU). Every GeLU variant takes the one bias-GeLU kernel, exact or
 fuses where that saves memory, a training forward (grad enabled, no autocast) on the Triton path: one function that
 keeps gate | up and computes the product again in backward, where the linear after it would keep the product too;
 elsewhere it is `swiglu` and then `linear` (F.linear or the caller's, e.g. `colozoo.layers.matmul.linear`).
+Priced on meta tensors (`priced.pricing_fusions`), the fused one takes `priced`'s stand-in.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import priced
 from .dispatch import autocasting, use_triton
 
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -37,7 +39,10 @@ def swiglu_linear(gate_up, weight, bias=None, linear=F.linear):
     """linear(silu(gate) * up, weight, bias) for gate, up = gate_up.chunk(2, dim=-1) (a fused gate | up
     projection's output)."""
     same_dtype = weight.dtype == gate_up.dtype and (bias is None or bias.dtype == gate_up.dtype)
-    if torch.is_grad_enabled() and not autocasting(gate_up) and same_dtype and use_triton(gate_up, elementwise=True):
+    fused = torch.is_grad_enabled() and not autocasting(gate_up) and same_dtype
+    if fused and priced.priced(gate_up):
+        return priced.swiglu_linear(gate_up, weight, bias)
+    if fused and use_triton(gate_up, elementwise=True):
         from .activations_triton import swiglu_linear_triton
 
         return swiglu_linear_triton(gate_up, weight, bias)

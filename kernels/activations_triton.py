@@ -5,11 +5,13 @@ for backward."""
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .fused_functions import swiglu_linear_function
 
 BLOCK = 1024
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -123,37 +125,7 @@ class _SwiGLU(torch.autograd.Function):
         return dgate.view(ctx.shape), dup.view(ctx.shape)
 
 
-class _SwiGLULinear(torch.autograd.Function):
-    """linear(silu(gate) * up, weight, bias) of one gate | up tensor: keeps gate_up, not the product the linear
-    multiplies (which backward computes again, the same kernel on the same inputs: the same bits)."""
-
-    @staticmethod
-    def forward(ctx, gate_up, weight, bias):
-        n = gate_up.shape[-1] // 2
-        rows = gate_up.reshape(-1, 2 * n).contiguous()
-        product = torch.empty(*gate_up.shape[:-1], n, device=rows.device, dtype=rows.dtype)
-        _swiglu_into(rows[:, :n], rows[:, n:], product.view(-1, n))
-        ctx.save_for_backward(rows, weight)
-        ctx.shape, ctx.has_bias = gate_up.shape, bias is not None
-        return F.linear(product, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dout):
-        rows, weight = ctx.saved_tensors
-        n = rows.shape[1] // 2
-        gate, up = rows[:, :n], rows[:, n:]
-        dout = dout.reshape(-1, dout.shape[-1])
-        dweight = dbias = None
-        if ctx.needs_input_grad[1]:
-            product = _swiglu_into(gate, up, torch.empty(rows.shape[0], n, device=rows.device, dtype=rows.dtype))
-            dweight = dout.t().mm(product)
-            del product
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = dout.sum(0)
-        dproduct = dout.mm(weight)
-        dgate_up = torch.empty_like(rows)
-        _swiglu_grad_into(gate, up, dproduct, dgate_up[:, :n], dgate_up[:, n:])
-        return dgate_up.view(ctx.shape), dweight, dbias
+_SwiGLULinear = swiglu_linear_function(sys.modules[__name__])
 
 
 class _BiasGelu(torch.autograd.Function):

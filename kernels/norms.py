@@ -12,23 +12,43 @@ otherwise its torch reference, the `*_reference` function here. `rms_norm_linear
 memory, a training forward (grad enabled, no autocast) on the Triton path: one function that keeps x and the fp32
 statistic and normalises again in backward, where the linear after the norm would keep the normed tensor too.
 Elsewhere it is `rms_norm` and then `linear` (F.linear or the caller's, e.g. `colozoo.layers.matmul.linear`).
+Priced on meta tensors (`priced.pricing_fusions`), the Triton path takes `priced`'s stand-ins.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from . import priced
 from .dispatch import autocasting, use_triton
 
 
 def _kernel_fits(x, residual, *params) -> bool:
     same_dtype = all(t is None or t.dtype == x.dtype for t in (residual, *params))
-    return same_dtype and use_triton(x, residual, elementwise=True)
+    return same_dtype and (priced.priced(x) or use_triton(x, residual, elementwise=True))
+
+
+def _rms_norm_kernel(x):
+    if priced.priced(x):
+        return priced.rms_norm
+    from .norms_triton import rms_norm_triton
+
+    return rms_norm_triton
+
+
+def _rms_norm_linear_kernel(x):
+    if priced.priced(x):
+        return priced.rms_norm_linear
+    from .norms_triton import rms_norm_linear_triton
+
+    return rms_norm_linear_triton
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, residual=None):
     """LayerNorm of x; given `residual`, of x + residual, returning (normed, x + residual)."""
     if _kernel_fits(x, residual, weight, bias):
+        if priced.priced(x):
+            return priced.layer_norm(x, weight, bias, eps, residual)
         from .norms_triton import layer_norm_triton
 
         return layer_norm_triton(x, weight, bias, eps, residual)
@@ -41,10 +61,8 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, residual=None):
 def rms_norm(x, weight=None, eps: float = 1e-6, residual=None, *, offset: bool = False):
     """RMSNorm of x (see rms_norm_reference); given `residual`, of x + residual, returning (normed, x + residual)."""
     if _kernel_fits(x, residual, *(() if offset else (weight,))):
-        from .norms_triton import rms_norm_triton
-
         # the kernel multiplies in fp32 too, so an fp32 (1 + weight) is exact whatever x's dtype
-        return rms_norm_triton(x, 1 + weight.float() if offset else weight, eps, residual)
+        return _rms_norm_kernel(x)(x, 1 + weight.float() if offset else weight, eps, residual)
     if residual is not None:
         summed = x + residual
         return rms_norm(summed, weight, eps, offset=offset), summed
@@ -57,10 +75,8 @@ def rms_norm_linear(x, norm_weight, eps: float, weight, bias=None, residual=None
     (that, x + residual)."""
     fused = torch.is_grad_enabled() and not autocasting(x)
     if fused and _kernel_fits(x, residual, weight, bias, *(() if offset else (norm_weight,))):
-        from .norms_triton import rms_norm_linear_triton
-
-        return rms_norm_linear_triton(x, 1 + norm_weight.float() if offset else norm_weight, eps, weight, bias,
-                                      residual)
+        return _rms_norm_linear_kernel(x)(x, 1 + norm_weight.float() if offset else norm_weight, eps, weight, bias,
+                                          residual)
     if residual is None:
         return linear(rms_norm(x, norm_weight, eps, offset=offset), weight, bias)
     normed, summed = rms_norm(x, norm_weight, eps, residual, offset=offset)

@@ -15,10 +15,13 @@ with the saved rstd (the same kernel, the same bits).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .fused_functions import norm_function, rms_norm_linear_function
 
 MAX_FEATURES = 65536
 
@@ -179,47 +182,8 @@ def _backward(h, weight, bias, mean, rstd, dy, dh):
     return dx, dweight, dbias
 
 
-class _Norm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, is_rms):
-        ctx.set_materialize_grads(False)  # a post-norm layer drops the sum h: backward then skips its gradient
-        y, h, h_rows, mean, rstd = _forward(x, residual, weight, bias, eps, is_rms)
-        ctx.save_for_backward(h_rows, weight, bias, mean, rstd)
-        ctx.has_residual, ctx.shape = residual is not None, x.shape
-        return y if residual is None else (y, h)
-
-    @staticmethod
-    def backward(ctx, dy, dh=None):
-        h, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = _backward(h, weight, bias, mean, rstd, dy, dh)
-        dx = dx.view(ctx.shape)
-        return dx, (dx if ctx.has_residual else None), dweight, dbias, None, None
-
-
-class _RMSNormLinear(torch.autograd.Function):
-    """linear(rms_norm(x [+ residual], norm_weight), weight, bias) [, x + residual]. Keeps the rows it normalised
-    (x, or the sum) and rstd, not the normed rows the linear multiplies: the backward normalises again."""
-
-    @staticmethod
-    def forward(ctx, x, residual, norm_weight, eps, weight, bias):
-        normed, h, h_rows, _, rstd = _forward(x, residual, norm_weight, None, eps, True)
-        out = F.linear(normed, weight, bias)
-        ctx.save_for_backward(h_rows, norm_weight, rstd, weight)
-        ctx.has_residual, ctx.has_bias, ctx.shape = residual is not None, bias is not None, x.shape
-        return out if residual is None else (out, h)
-
-    @staticmethod
-    def backward(ctx, dout, dh=None):
-        h, norm_weight, rstd, weight = ctx.saved_tensors
-        dout = dout.reshape(-1, dout.shape[-1])
-        dweight = dbias = None
-        if ctx.needs_input_grad[4]:
-            dweight = dout.t().mm(_normalise_again(h, norm_weight, None, None, rstd))
-        if ctx.has_bias and ctx.needs_input_grad[5]:
-            dbias = dout.sum(0)
-        dx, dnorm_weight, _ = _backward(h, norm_weight, None, None, rstd, dout.mm(weight), dh)
-        dx = dx.view(ctx.shape)
-        return dx, (dx if ctx.has_residual else None), dnorm_weight, None, dweight, dbias
+_Norm = norm_function(sys.modules[__name__])
+_RMSNormLinear = rms_norm_linear_function(sys.modules[__name__])
 
 
 def layer_norm_triton(x, weight=None, bias=None, eps: float = 1e-5, residual=None):

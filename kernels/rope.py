@@ -9,13 +9,23 @@ Features past `rotary_dim` pass through (partial rotary, as in GPT-NeoX). The op
 (`rope_triton`, which takes one angle per rotated pair) where `dispatch.use_triton` says so for an elementwise op,
 otherwise `apply_rotary_reference`. `rotary_qkv` on the Triton path rotates q and k in place inside the projection
 (`rope_triton.rotate_qk_in_place_triton`: what the backward keeps is then the projection alone, q, k and v being
-views of it, and the angles); otherwise it splits the heads and applies `apply_rotary` to q and k.
+views of it, and the angles); otherwise it splits the heads and applies `apply_rotary` to q and k. Priced on meta
+tensors (`priced.pricing_fusions`), the in-place rotation takes `priced`'s stand-in.
 """
 from __future__ import annotations
 
 import torch
 
+from . import priced
 from .dispatch import use_triton
+
+
+def _rotate_in_place(qkv):
+    if priced.priced(qkv):
+        return priced.rotate_qk_in_place
+    from .rope_triton import rotate_qk_in_place_triton
+
+    return rotate_qk_in_place_triton
 
 
 def apply_rotary(x, cos, sin):
@@ -37,11 +47,9 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
 
 def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
     """q, k, v (as `split_heads`) of a fused projection, q and k rotated by cos/sin (as `apply_rotary`)."""
-    if use_triton(qkv, elementwise=True) and qkv.is_contiguous():
-        from .rope_triton import rotate_qk_in_place_triton
-
+    if (priced.priced(qkv) or use_triton(qkv, elementwise=True)) and qkv.is_contiguous():
         half = cos.shape[-1] // 2
-        qkv = rotate_qk_in_place_triton(qkv, cos[..., :half], sin[..., :half], heads, kv_heads)
+        qkv = _rotate_in_place(qkv)(qkv, cos[..., :half], sin[..., :half], heads, kv_heads)
         return split_heads(qkv, heads, kv_heads, head_dim)
     q, k, v = split_heads(qkv, heads, kv_heads, head_dim)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

@@ -11,9 +11,13 @@ tensors keeps the projection for v and the rotated q and k besides).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
+
+from .fused_functions import checked_angles, rotary_in_place_function
 
 
 @triton.jit
@@ -44,25 +48,6 @@ def _rotate(X, COS, SIN, Y, sxb, sxh, sxs, sxd, syb, syh, sys, syd, scb, scs, sc
         tl.store(Y + rest[None, :] * syd, tl.load(X + rest[None, :] * sxd, mask=keep, other=0.0), mask=keep)
 
 
-def _angles(t: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    if t.dim() == 2:
-        t = t.unsqueeze(0)
-    if t.dim() != 3 or t.shape[1] != s or t.shape[0] not in (1, b):
-        raise ValueError(f"rotary cos/sin must be (seq, rotary_dim/2) or (batch, seq, rotary_dim/2) with seq={s}, "
-                         f"batch={b}; got {tuple(t.shape)}")
-    return t.expand(b, s, t.shape[2])
-
-
-def _checked_angles(x, cos, sin):
-    if x.dim() != 4:
-        raise ValueError(f"rotary embedding takes (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
-    b, _, s, d = x.shape
-    cos, sin = _angles(cos, b, s), _angles(sin, b, s)
-    if cos.shape != sin.shape or 2 * cos.shape[-1] > d:
-        raise ValueError(f"rotary cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit head_dim {d}")
-    return cos, sin
-
-
 def _launch(x, cos, sin, conjugate: bool, out=None):
     """x rotated into `out` (a new contiguous tensor by default; `out` may be x itself: each element is read before
     it is written, by the same program)."""
@@ -82,7 +67,7 @@ def _launch(x, cos, sin, conjugate: bool, out=None):
 class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
-        cos, sin = _checked_angles(x, cos, sin)
+        cos, sin = checked_angles(x, cos, sin)
         ctx.save_for_backward(cos, sin)
         return _launch(x, cos, sin, False)
 
@@ -92,34 +77,7 @@ class _Rotary(torch.autograd.Function):
         return _launch(grad, cos, sin, True), None, None
 
 
-def _qk_heads(qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """The q and k heads of a contiguous (batch, seq, (heads + 2 kv_heads) * head_dim) projection, as a
-    (batch, heads + kv_heads, seq, head_dim) view."""
-    b, s, width = qkv.shape
-    return qkv.view(b, s, heads + 2 * kv_heads, width // (heads + 2 * kv_heads))[:, :, :heads + kv_heads].transpose(1, 2)
-
-
-class _RotaryQKInPlace(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qkv, cos, sin, heads, kv_heads):
-        if qkv.dim() != 3 or not qkv.is_contiguous() or qkv.shape[-1] % (heads + 2 * kv_heads):
-            raise ValueError(f"a fused qkv projection of {heads} + 2 x {kv_heads} heads must be a contiguous (batch, "
-                             f"seq, heads * head_dim) tensor, got shape {tuple(qkv.shape)}")
-        qk = _qk_heads(qkv, heads, kv_heads)
-        cos, sin = _checked_angles(qk, cos, sin)
-        _launch(qk, cos, sin, False, out=qk)
-        ctx.mark_dirty(qkv)
-        ctx.save_for_backward(cos, sin)
-        ctx.heads, ctx.kv_heads = heads, kv_heads
-        return qkv
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        dqkv = grad.clone(memory_format=torch.contiguous_format)  # the values' part as it is; autograd owns `grad`
-        dqk = _qk_heads(dqkv, ctx.heads, ctx.kv_heads)
-        _launch(dqk, cos, sin, True, out=dqk)
-        return dqkv, None, None, None, None
+_RotaryQKInPlace = rotary_in_place_function(sys.modules[__name__])
 
 
 def apply_rotary_triton(x, cos, sin):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colozoo.kernels.activations import GELU_APPROXIMATION, linear_gelu, swiglu, swiglu_linear
+from colozoo.kernels.priced import pricing
 
 from .activations import get_activation
 from .comm import (SEQ_DIM, all_gather, copy_to_parallel, gather_from_parallel, gather_from_sequence, group_rank,
@@ -67,10 +68,12 @@ class _ColumnParallel(torch.autograd.Function):
 
 
 def _watched(module: nn.Module) -> bool:
-    """Whether forward hooks watch `module` (its own or global ones): they see its output, so it runs on its own."""
+    """Whether forward hooks watch `module` (its own or global ones): they see its output, so it runs on its own.
+    While the profiler prices the fusions (kernels.priced), its own global hooks (which track modules) do not count."""
     hooks = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
-                or hooks._global_forward_pre_hooks)
+    if module._forward_hooks or module._forward_pre_hooks:
+        return True
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks) and not pricing()
 
 
 def enter_parallel(x, group, sequence_parallel: bool):

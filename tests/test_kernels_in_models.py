@@ -31,6 +31,7 @@ KERNEL_MODULES = ("norms_triton", "attention_triton", "rope_triton", "activation
                   "moe_triton")
 LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
+QWEN2 = dict(LLAMA, pad_token_id=None)  # its qkv projection has a bias
 MIXTRAL = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
                output_router_logits=True, router_aux_loss_coef=0.05)
@@ -203,6 +204,18 @@ def test_llama_on_triton_path_matches_transformers(monkeypatch):
     calls.clear()
     _fused_loss_parity("llama", LLAMA)
     assert calls["linear_cross_entropy_triton"] == 1 and "cross_entropy_triton" not in calls, calls
+
+
+@CPU_PARITY
+def test_qwen2_biased_qkv_on_triton_path_matches_transformers(monkeypatch):
+    """A qkv projection with a bias (Qwen2, gpt-oss) fused with its norm: the rotary turns q and k in place in the
+    fused function's output, which must be a tensor of its own (F.linear with a bias returns a view of its 2-D
+    product, and autograd refuses to change a custom function's view output in place): logits, loss and gradients
+    of transformers' Qwen2."""
+    calls = count_kernel_calls(monkeypatch)
+    _parity_on_kernels("triton", "qwen2", QWEN2)
+    layers = QWEN2["num_hidden_layers"]
+    assert calls["rms_norm_linear_triton"] == 2 * layers and calls["rotate_qk_in_place_triton"] == layers, calls
 
 
 @CPU_PARITY

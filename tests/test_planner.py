@@ -116,9 +116,10 @@ def test_partial_checkpointing_beats_recomputing_every_layer():
 
 
 def test_long_sequences_choose_context_parallel():
-    # 32k tokens of a 1B LLaMA on two 60 GB GPUs: splitting the sequence (cp=2) fits without recompute, plain data
-    # parallelism has to recompute layers; the planner sees cp only when it may use it
-    kw = dict(gpus=2, gpu_memory="60GB", seq_len=32768, global_batch=2, micro_batch_sizes=(1,), zero_levels=(3,),
+    # 32k tokens of a 1B LLaMA on two 30 GB GPUs: splitting the sequence (cp=2) fits without recompute, plain data
+    # parallelism has to recompute layers (each keeps 1.7 GB a layer on colozoo's fused CUDA path); the planner sees
+    # cp only when it may use it
+    kw = dict(gpus=2, gpu_memory="30GB", seq_len=32768, global_batch=2, micro_batch_sizes=(1,), zero_levels=(3,),
               schedules=("1f1b",))
     with_cp = plan_for("Llama-3.2-1B", **kw)
     assert (with_cp.best.cp, with_cp.best.checkpointing) == (2, "none"), with_cp.best.mesh()

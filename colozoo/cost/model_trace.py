@@ -18,6 +18,7 @@ from colozoo.cost.attribution import (assign_params, global_params, module_units
                                       tied_head_bytes, unit_of_steps, units_of)
 from colozoo.cost.trace import Trace, trace_step
 from colozoo.kernels.attention import priced_as
+from colozoo.kernels.priced import pricing_fusions
 from colozoo.cost.setup import ProfilerError, get_config, parse_mesh
 
 
@@ -199,9 +200,11 @@ class ModelTrace:
 
 
 def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str = "bfloat16",
-                target: str = "cuda", inputs: dict | None = None, fused_head: bool = True):
+                target: str = "cuda", inputs: dict | None = None, fused_head: bool = True, fusions: bool = True):
     """Trace one micro-batch (one layer of each kind) at the mesh's tp, ep, sp and cp (as seq_len / cp).
     `fused_head=False` runs a causal LM's head as the logits projected and then the loss (Software.fused_head).
+    `fusions` (Software.triton_fusions): on "cuda" the norms, the in-place rotary and the fused SwiGLU keep what
+    colozoo's Triton functions keep (colozoo.kernels.priced); without, what their torch composition keeps.
 
     `batch_size` may be a list: the model is built once and traced at each size ({size: ModelTrace})."""
     degrees = parse_mesh(mesh)
@@ -214,7 +217,8 @@ def trace_model(model_or_name, batch_size, seq_len: int, mesh=None, dtype: str =
                             f"(got tp={degrees.tp}, pp={degrees.pp}, ep={degrees.ep})")
     sizes = list(batch_size) if isinstance(batch_size, (list, tuple)) else [batch_size]
     local_seq = seq_len // degrees.cp
-    traced = _trace_sizes(config, generic, degrees, torch_dtype, sizes, local_seq, target, inputs, fused_head)
+    traced = _trace_sizes(config, generic, degrees, torch_dtype, sizes, local_seq, target, inputs, fused_head,
+                          fusions and target == "cuda")
     name = model_or_name if isinstance(model_or_name, str) else type(model_or_name).__name__
     out = {size: _model_trace(traced, trace, name, size, local_seq, dtype, degrees,
                               config if generic is None else None) for size, trace in traced.traces.items()}
@@ -233,7 +237,7 @@ class _Traced:
 
 
 def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, local_seq: int, target: str,
-                 inputs: dict | None, fused_head: bool = True) -> _Traced:
+                 inputs: dict | None, fused_head: bool = True, fusions: bool = False) -> _Traced:
     """Build the model once on meta in a fake world of the mesh's tp x ep ranks and trace a training step at each
     micro-batch size, one layer of each kind standing in for the others."""
     from colozoo.kernels import use_kernels
@@ -258,7 +262,7 @@ def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, l
                 run = _step_of(model, generic, size, local_seq, torch_dtype, inputs, fused_head)
                 for p in params.values():
                     p.grad = None
-                with balanced_routing(model), priced_as(target):
+                with balanced_routing(model), priced_as(target), pricing_fusions(fusions):
                     stages = model.run.stages if getattr(model, "run", None) is not None else ()
                     traces[size] = trace_step(model, run, target=target, group_names=group_names, wrappers=stages)
     return _Traced(traces, params, type(model).__name__, prefix, kinds, renamed)

@@ -132,16 +132,18 @@ class SearchSpace:
                           if schedule in MULTI_STAGE_SCHEDULES else (1,))]
 
 
-def _traces(model, workload: Workload, tp, cp, ep, batch_sizes, cache, fused_head: bool = True) -> dict | str:
+def _traces(model, workload: Workload, tp, cp, ep, batch_sizes, cache, fused_head: bool = True,
+            fusions: bool = True) -> dict | str:
     """{micro-batch size: ModelTrace} at this tp/ep (sequence parallel under tp) and cp's local sequence (traced
     once per size: the worst op's temporaries are not linear in the batch), or why the degrees do not apply.
-    Cached per (tp, cp, ep), the sizes, the workload's sequence, dtype and target, and the software's head."""
-    key = (tp, cp, ep, tuple(batch_sizes), workload.seq_len, workload.dtype, workload.target, fused_head)
+    Cached per (tp, cp, ep), the sizes, the workload's sequence, dtype and target, and the software's head and
+    fusions."""
+    key = (tp, cp, ep, tuple(batch_sizes), workload.seq_len, workload.dtype, workload.target, fused_head, fusions)
     if key not in cache:
         try:
             mesh = ParallelConfig(tp=tp, dp=ep, ep=ep, sequence_parallel=tp > 1)
             cache[key] = trace_model(model, list(batch_sizes), workload.seq_len // cp, mesh, workload.dtype,
-                                     workload.target, fused_head=fused_head)
+                                     workload.target, fused_head=fused_head, fusions=fusions)
         except (ValueError, RuntimeError) as e:
             cache[key] = f"tp={tp}: {str(e).splitlines()[0][:80]}"
     return cache[key]
@@ -222,7 +224,8 @@ def plan(model, hardware: Hardware, workload: Workload, search: SearchSpace = Se
         rejected[reason] = rejected.get(reason, 0) + 1
 
     for tp, cp, ep in _meshes(gpus, hw, heads, experts, seq_len, use_cp, search, reject):
-        found = _traces(model, workload, tp, cp, ep, search.micro_batch_sizes, cache, software.fused_head)
+        found = _traces(model, workload, tp, cp, ep, search.micro_batch_sizes, cache, software.fused_head,
+                        software.triton_fusions)
         if isinstance(found, str):
             reject(found)
             continue

@@ -94,6 +94,11 @@ class Software:
     # logits and then takes the loss (Megatron's output_layer and vocab_parallel_cross_entropy, which upcasts them to
     # fp32 and keeps their softmax for the backward), the trace runs the head that way (colozoo.cost.model_trace)
     fused_head: bool = True
+    # colozoo's Triton fusions on CUDA (colozoo.kernels.priced): each norm keeps the rows it normalised and fp32
+    # statistics, a norm fused with the projection after it not the normed rows, q and k rotate in place inside the
+    # qkv projection, SwiGLU fused with the down projection keeps gate | up and not their product; without, the
+    # trace keeps what the torch composition of those ops does (the base the other fields here adjust)
+    triton_fusions: bool = True
 
     def __post_init__(self):
         if self.optimizer_kernels not in OPTIMIZER_PASSES:

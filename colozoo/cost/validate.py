@@ -69,7 +69,7 @@ class TraceCache:
         plan = plan or run.plan
         w = run.workload
         return (json.dumps(run.model, sort_keys=True), plan.tp, plan.cp, plan.ep, plan.sequence_parallel, w.seq_len,
-                w.dtype, w.target, run.software.fused_head)
+                w.dtype, w.target, run.software.fused_head, run.software.triton_fusions)
 
     def want(self, run: PublishedRun):
         self.wanted.setdefault(self.key(run), set()).add(run.plan.micro_batch_size)
@@ -83,7 +83,7 @@ class TraceCache:
             w = run.workload
             self.traces.setdefault(key, {}).update(
                 trace_model(run.config(), sizes, w.seq_len // p.cp, mesh, w.dtype, w.target,
-                            fused_head=run.software.fused_head))
+                            fused_head=run.software.fused_head, fusions=run.software.triton_fusions))
         return self.traces[key][mbs]
 
 

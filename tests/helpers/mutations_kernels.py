@@ -9,6 +9,7 @@ from mutation_tools import Mutation, Rewrite, replace, switches
 HEAD = "tests/test_linear_cross_entropy.py::"
 MEMORY = "tests/test_activation_memory.py::"
 ENTROPY = "tests/test_label_entropy.py::"
+PRICED = "tests/test_priced_fusions.py::"
 REFERENCE = "colozoo.kernels.linear_cross_entropy:linear_cross_entropy_reference"
 
 
@@ -72,7 +73,7 @@ KERNELS = {
     "swiglu_product_kept": Mutation(
         "SwiGLU and down_proj are not fused (the product silu(gate) * up is kept for backward)",
         Rewrite("colozoo.kernels.activations:swiglu_linear",
-                ("if torch.is_grad_enabled() and not autocasting(gate_up)", "if False and not autocasting(gate_up)")),
+                ("fused = torch.is_grad_enabled() and not autocasting(gate_up) and same_dtype", "fused = False")),
         (MEMORY + "test_cuda_path_keeps_its_budget",)),
     "norm_not_fused_with_its_projection": Mutation(
         "an RMSNorm and the projection after it are not fused (the normed tensor is kept for backward)",
@@ -82,11 +83,22 @@ KERNELS = {
     "rotary_into_copies": Mutation(
         "q and k are rotated into copies instead of in place inside the qkv projection",
         Rewrite("colozoo.kernels.rope:rotary_qkv",
-                ("if use_triton(qkv, elementwise=True) and qkv.is_contiguous():", "if False:")),
+                ("if (priced.priced(qkv) or use_triton(qkv, elementwise=True)) and qkv.is_contiguous():", "if False:")),
         (MEMORY + "test_cuda_path_keeps_its_budget",)),
     "hooked_norm_fused": Mutation(
         "a norm watched by a forward hook still fuses with its projection (the hook never sees its output)",
         _hooks_unseen, (MEMORY + "test_a_hooked_norm_runs_on_its_own",)),
+    "fusions_priced_as_torch": Mutation(
+        "the profiler prices a GPU run's layers as the torch composition keeps them, not colozoo's Triton fusions",
+        Rewrite("colozoo.cost.model_trace:trace_model", ('fusions and target == "cuda")', "False)")),
+        (PRICED + "test_the_traced_layer_keeps_what_the_triton_layer_keeps",)),
+    "fused_projection_output_a_view": Mutation(
+        "the fused norm + projection returns F.linear's output, a view where it adds a bias (the rotary then cannot "
+        "turn q and k in place)",
+        Rewrite("colozoo.kernels.fused_functions:rms_norm_linear_function",
+                ("out = linear_of_its_own(normed, weight, bias)", "out = torch.nn.functional.linear(normed, weight, "
+                 "bias)")),
+        ("tests/test_kernels_in_models.py::test_qwen2_biased_qkv_on_triton_path_matches_transformers",)),
     "norm_recomputed_as_zeros": Mutation(
         "the fused norm + projection's backward normalises the rows again as zeros (the weight's gradient lost)",
         _normalised_again_as_zeros, (MEMORY + "test_rms_norm_linear[plain-dtype0]",)),

@@ -159,11 +159,12 @@ PLANNER = {
     "validation_traces_ignore_the_head": Mutation(
         "the validation's trace cache serves one software's head to another",
         Rewrite("colozoo.cost.validate:TraceCache.key",
-                ("w.dtype, w.target, run.software.fused_head)", "w.dtype, w.target)")),
+                ("w.dtype, w.target, run.software.fused_head, run.software.triton_fusions)",
+                 "w.dtype, w.target, run.software.triton_fusions)")),
         ("tests/test_fused_head_pricing.py::test_the_head_decides_a_small_model_with_a_large_vocabulary",)),
     "planner_traces_ignore_the_head": Mutation(
         "the planner's trace cache serves one software's head to another",
         Rewrite("colozoo.cost.planner:_traces",
-                ("workload.dtype, workload.target, fused_head)", "workload.dtype, workload.target)")),
+                ("workload.dtype, workload.target, fused_head, fusions)", "workload.dtype, workload.target, fusions)")),
         ("tests/test_fused_head_pricing.py::test_the_planner_traces_the_head_its_software_runs",)),
 }
