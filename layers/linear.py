@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colozoo.kernels.activations import GELU_APPROXIMATION, linear_gelu, swiglu, swiglu_linear
+from colozoo.kernels.fused_functions import linear_of_its_own
 from colozoo.kernels.priced import pricing
 
 from .activations import get_activation
@@ -51,7 +52,7 @@ class _ColumnParallel(torch.autograd.Function):
             x = all_gather(x, SEQ_DIM, group)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel, ctx.bias = group, sequence_parallel, bias is not None
-        return F.linear(x, weight, bias)
+        return linear_of_its_own(x, weight, bias)  # not a view: the rotary may turn a qkv projection in place
 
     @staticmethod
     def backward(ctx, grad):

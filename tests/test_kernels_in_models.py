@@ -241,6 +241,14 @@ def test_llama_fused_loss_tp2_sequence_parallel():
 
 
 @CPU_PARITY
+def test_qwen2_biased_qkv_tp2_sequence_parallel_on_triton_path():
+    """The column-parallel qkv projection with a bias on two ranks: its function's output is a tensor of its own too,
+    which the rotary turns in place (a view there failed the first training step at tp > 1)."""
+    assert run_distributed(_fused_loss_parity, 2, model_type="qwen2", config_kwargs=QWEN2, tp=2,
+                           sequence_parallel=True, timeout=150) == [True, True]
+
+
+@CPU_PARITY
 def test_mixtral_on_triton_path_matches_transformers(monkeypatch):
     """The MoE layer on Triton too: permute/unpermute around SwiGLU experts, router weights' gradients included."""
     calls = count_kernel_calls(monkeypatch)

@@ -99,6 +99,13 @@ KERNELS = {
                 ("out = linear_of_its_own(normed, weight, bias)", "out = torch.nn.functional.linear(normed, weight, "
                  "bias)")),
         ("tests/test_kernels_in_models.py::test_qwen2_biased_qkv_on_triton_path_matches_transformers",)),
+    "column_parallel_output_a_view": Mutation(
+        "a column-parallel projection's function returns F.linear's output, a view where it adds a bias (the rotary "
+        "then cannot turn q and k in place at tp > 1)",
+        Rewrite("colozoo.layers.linear:_ColumnParallel.forward",
+                ("return linear_of_its_own(x, weight, bias)", "return F.linear(x, weight, bias)")),
+        ("tests/test_kernels_in_models.py::test_qwen2_biased_qkv_tp2_sequence_parallel_on_triton_path",
+         PRICED + "test_every_family_traces_on_the_fused_gpu_path[qwen2-tp=2,sp]")),
     "norm_recomputed_as_zeros": Mutation(
         "the fused norm + projection's backward normalises the rows again as zeros (the weight's gradient lost)",
         _normalised_again_as_zeros, (MEMORY + "test_rms_norm_linear[plain-dtype0]",)),
