@@ -40,12 +40,8 @@ def swiglu_linear(gate_up, weight, bias=None, linear=F.linear):
     projection's output)."""
     same_dtype = weight.dtype == gate_up.dtype and (bias is None or bias.dtype == gate_up.dtype)
     fused = torch.is_grad_enabled() and not autocasting(gate_up) and same_dtype
-    if fused and priced.priced(gate_up):
-        return priced.swiglu_linear(gate_up, weight, bias)
-    if fused and use_triton(gate_up, elementwise=True):
-        from .activations_triton import swiglu_linear_triton
-
-        return swiglu_linear_triton(gate_up, weight, bias)
+    if fused and (priced.priced(gate_up) or use_triton(gate_up, elementwise=True)):
+        return priced.fused(gate_up, "activations_triton", "swiglu_linear")(gate_up, weight, bias)
     return linear(swiglu(*gate_up.chunk(2, dim=-1)), weight, bias)
 
 

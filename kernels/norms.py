@@ -28,30 +28,10 @@ def _kernel_fits(x, residual, *params) -> bool:
     return same_dtype and (priced.priced(x) or use_triton(x, residual, elementwise=True))
 
 
-def _rms_norm_kernel(x):
-    if priced.priced(x):
-        return priced.rms_norm
-    from .norms_triton import rms_norm_triton
-
-    return rms_norm_triton
-
-
-def _rms_norm_linear_kernel(x):
-    if priced.priced(x):
-        return priced.rms_norm_linear
-    from .norms_triton import rms_norm_linear_triton
-
-    return rms_norm_linear_triton
-
-
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, residual=None):
     """LayerNorm of x; given `residual`, of x + residual, returning (normed, x + residual)."""
     if _kernel_fits(x, residual, weight, bias):
-        if priced.priced(x):
-            return priced.layer_norm(x, weight, bias, eps, residual)
-        from .norms_triton import layer_norm_triton
-
-        return layer_norm_triton(x, weight, bias, eps, residual)
+        return priced.fused(x, "norms_triton", "layer_norm")(x, weight, bias, eps, residual)
     if residual is not None:  # summed by torch; its norm alone may still fit the kernel
         summed = x + residual
         return layer_norm(summed, weight, bias, eps), summed
@@ -62,7 +42,7 @@ def rms_norm(x, weight=None, eps: float = 1e-6, residual=None, *, offset: bool =
     """RMSNorm of x (see rms_norm_reference); given `residual`, of x + residual, returning (normed, x + residual)."""
     if _kernel_fits(x, residual, *(() if offset else (weight,))):
         # the kernel multiplies in fp32 too, so an fp32 (1 + weight) is exact whatever x's dtype
-        return _rms_norm_kernel(x)(x, 1 + weight.float() if offset else weight, eps, residual)
+        return priced.fused(x, "norms_triton", "rms_norm")(x, 1 + weight.float() if offset else weight, eps, residual)
     if residual is not None:
         summed = x + residual
         return rms_norm(summed, weight, eps, offset=offset), summed
@@ -75,8 +55,8 @@ def rms_norm_linear(x, norm_weight, eps: float, weight, bias=None, residual=None
     (that, x + residual)."""
     fused = torch.is_grad_enabled() and not autocasting(x)
     if fused and _kernel_fits(x, residual, weight, bias, *(() if offset else (norm_weight,))):
-        return _rms_norm_linear_kernel(x)(x, 1 + norm_weight.float() if offset else norm_weight, eps, weight, bias,
-                                          residual)
+        fused_op = priced.fused(x, "norms_triton", "rms_norm_linear")
+        return fused_op(x, 1 + norm_weight.float() if offset else norm_weight, eps, weight, bias, residual)
     if residual is None:
         return linear(rms_norm(x, norm_weight, eps, offset=offset), weight, bias)
     normed, summed = rms_norm(x, norm_weight, eps, residual, offset=offset)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import sys
 
 import torch
@@ -41,6 +42,14 @@ def pricing() -> bool:
 def priced(x: torch.Tensor) -> bool:
     """True where an op on `x` is priced as colozoo's Triton path runs it (meta tensors under pricing_fusions)."""
     return x.is_meta and _PRICING.get()
+
+
+def fused(x: torch.Tensor, module: str, name: str):
+    """The fusion `name` an op on `x` takes on the Triton path: this module's stand-in where `x` is priced, else
+    `colozoo.kernels.<module>.<name>_triton` (imported only then, so pricing needs no triton)."""
+    if priced(x):
+        return globals()[name]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), f"{name}_triton")
 
 
 # The launches' stand-ins: each reads what its kernel reads and writes what it writes, in one op and the tensors'

@@ -20,14 +20,6 @@ from . import priced
 from .dispatch import use_triton
 
 
-def _rotate_in_place(qkv):
-    if priced.priced(qkv):
-        return priced.rotate_qk_in_place
-    from .rope_triton import rotate_qk_in_place_triton
-
-    return rotate_qk_in_place_triton
-
-
 def apply_rotary(x, cos, sin):
     if use_triton(x, elementwise=True):
         from .rope_triton import apply_rotary_triton
@@ -49,7 +41,8 @@ def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
     """q, k, v (as `split_heads`) of a fused projection, q and k rotated by cos/sin (as `apply_rotary`)."""
     if (priced.priced(qkv) or use_triton(qkv, elementwise=True)) and qkv.is_contiguous():
         half = cos.shape[-1] // 2
-        qkv = _rotate_in_place(qkv)(qkv, cos[..., :half], sin[..., :half], heads, kv_heads)
+        rotate_in_place = priced.fused(qkv, "rope_triton", "rotate_qk_in_place")
+        qkv = rotate_in_place(qkv, cos[..., :half], sin[..., :half], heads, kv_heads)
         return split_heads(qkv, heads, kv_heads, head_dim)
     q, k, v = split_heads(qkv, heads, kv_heads, head_dim)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

@@ -18,7 +18,7 @@ from family_cases import NAMES, tiny_config  # noqa: E402
 from test_activation_memory import TINY, kept_bytes  # noqa: E402
 from test_kernels import DEVICE, kernel_module, randn  # noqa: E402
 
-from colozoo.kernels import activations, norms, priced  # noqa: E402
+from colozoo.kernels import activations, dispatch, norms, priced  # noqa: E402
 
 def saved_storages(fn, *tensors) -> list[int]:
     """Bytes of each distinct storage `fn(*tensors)` saves for backward (parameters given as tensors count too)."""
@@ -101,20 +101,24 @@ def test_rotary_stand_in_rotates_in_place(rotary_dim):
     assert shapes(run(priced.rotate_qk_in_place), [qkv]) == shapes(run(rope_triton.rotate_qk_in_place_triton), [qkv])
 
 
+def _function_of(out):
+    """The autograd function that made `out` (None for a built-in op)."""
+    return getattr(out.grad_fn, "_forward_cls", None)
+
+
 def test_stand_ins_only_on_meta_while_pricing():
     """The ops take the stand-ins for meta tensors inside pricing_fusions, nowhere else: a CPU tensor under
-    pricing, or a meta tensor outside it, takes the op's usual path."""
+    pricing, or a meta tensor outside it, takes the op's usual path (here the torch reference)."""
     x, w = torch.randn(2, 3, 8, requires_grad=True), torch.ones(8, requires_grad=True)
-    with priced.pricing_fusions():
-        assert not priced.priced(x)
-        assert "Priced" not in type(norms.rms_norm(x, w).grad_fn).__name__
-        meta = x.detach().to("meta").requires_grad_()
-        assert priced.priced(meta)
-        assert type(norms.rms_norm(meta, w.detach().to("meta")).grad_fn).__module__ == "torch.autograd.function"
-        gate_up = torch.empty(2, 3, 16, device="meta", requires_grad=True)
-        out = activations.swiglu_linear(gate_up, torch.empty(4, 8, device="meta"))
-        assert "_SwiGLULinear" in type(out.grad_fn).__name__
-    assert not priced.priced(torch.empty(1, device="meta"))
+    meta, meta_w = x.detach().to("meta").requires_grad_(), w.detach().to("meta")
+    gate_up, down = torch.empty(2, 3, 16, device="meta", requires_grad=True), torch.empty(4, 8, device="meta")
+    with dispatch.use_kernels("torch"):
+        with priced.pricing_fusions():
+            assert not priced.priced(x) and _function_of(norms.rms_norm(x, w)) is None
+            assert priced.priced(meta) and _function_of(norms.rms_norm(meta, meta_w)) is priced._Norm
+            assert _function_of(activations.swiglu_linear(gate_up, down)) is priced._SwiGLULinear
+        assert not priced.priced(meta) and _function_of(norms.rms_norm(meta, meta_w)) is None
+        assert _function_of(activations.swiglu_linear(gate_up, down)) is None
 
 
 def tiny_llama():
