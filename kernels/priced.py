@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import sys
 
 import torch
@@ -46,10 +45,14 @@ def priced(x: torch.Tensor) -> bool:
 
 def fused(x: torch.Tensor, module: str, name: str):
     """The fusion `name` an op on `x` takes on the Triton path: this module's stand-in where `x` is priced, else
-    `colozoo.kernels.<module>.<name>_triton` (imported only then, so pricing needs no triton)."""
+    `colozoo.kernels.<module>.<name>_triton` (imported only then, so pricing needs no triton; by import statements,
+    which torch.compile traces, where importlib would break the graph)."""
     if priced(x):
         return globals()[name]
-    return getattr(importlib.import_module(f"{__package__}.{module}"), f"{name}_triton")
+    from . import activations_triton, norms_triton, rope_triton
+
+    modules = {"activations_triton": activations_triton, "norms_triton": norms_triton, "rope_triton": rope_triton}
+    return getattr(modules[module], f"{name}_triton")
 
 
 # The launches' stand-ins: each reads what its kernel reads and writes what it writes, in one op and the tensors'

@@ -184,3 +184,16 @@ def test_every_family_traces_on_the_fused_gpu_path(family, mesh):
 
     report = profile_for(tiny_config(family), batch_size=1, seq_len=32, dtype="bfloat16", target="cuda", mesh=mesh)
     assert report.peak_memory > 0
+
+
+def test_the_dispatch_compiles_into_one_graph():
+    """Choosing between a stand-in and a Triton function adds no graph break under torch.compile (the layers compile
+    whole on a GPU): the Triton modules are imported by statements, which dynamo traces, not by importlib."""
+    def pick(x):
+        chosen = [priced.fused(x, module, name) for module, name in (("norms_triton", "rms_norm_linear"),
+                                                                      ("rope_triton", "rotate_qk_in_place"),
+                                                                      ("activations_triton", "swiglu_linear"))]
+        return x + 1, [fn.__name__ for fn in chosen]
+
+    _, names = torch.compile(pick, fullgraph=True)(torch.ones(2))
+    assert names == ["rms_norm_linear_triton", "rotate_qk_in_place_triton", "swiglu_linear_triton"]
