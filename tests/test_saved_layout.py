@@ -104,3 +104,33 @@ def test_what_assemble_keeps_with_a_trace_follows_the_plan_and_dtype(mixtral_tra
     assert max(bf16) > 0
     assert kv_bytes(2, "float32") == [2 * b for b in bf16]
     assert kv_bytes(1, "bfloat16") == [2 * b for b in bf16]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_attention_keeps_the_whole_projection_for_v_unless_its_kernel_copies_it(tp):
+    """On the torch composition q and k are rotated into tensors of their own while v stays a slice of the fused qkv
+    projection's output, which SDPA saves, and with it the whole output: what no saved view covers is the output
+    less v. Colozoo's fused path rotates q and k in place, so the three views cover it all. Transformer Engine's
+    attention copies the three into tensors of their own (Software.attention_copies_views): the layer keeps v alone."""
+    from colozoo.core.mesh import ParallelConfig
+    from colozoo.cost.cost_model import assemble
+    from colozoo.cost.model_trace import trace_model
+    from colozoo.cost.setup import Workload
+
+    config, seq = tiny_config("llama"), 32
+    mesh = ParallelConfig(tp=tp, sequence_parallel=tp > 1)
+    heads, kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
+    head_dim = config.hidden_size // config.num_attention_heads
+    projection, v = (heads + 2 * kv_heads) * head_dim * 2 * seq, kv_heads * head_dim * 2 * seq
+    composed = trace_model(config, 1, seq, mesh, "bfloat16", "cuda", fusions=False)
+    assert composed.units["layer:0"].attention_unviewed_bytes == projection - v
+    fused = trace_model(config, 1, seq, mesh, "bfloat16", "cuda", fusions=True)
+    assert fused.units["layer:0"].attention_unviewed_bytes == 0
+
+    plan, w = Plan(tp=tp, sequence_parallel=tp > 1, micro_batch_size=1), Workload(seq_len=seq)
+
+    def activations(software=None):
+        return sum(s["activations"] for s in assemble(composed, plan, w, software).stages)
+
+    layers = len(composed.layers)
+    assert activations(Software(attention_copies_views=True)) == activations() - layers * (projection - v)

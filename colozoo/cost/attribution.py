@@ -6,6 +6,8 @@ from colozoo.core.mesh import ParallelConfig
 from colozoo.cost.report import UnitCost
 from colozoo.cost.trace import Trace, kernel_key
 
+ATTENTION_KERNEL = "scaled_dot_product"  # in the op names of the fused attention kernels the trace runs (trace.py)
+
 
 def rename_layers(trace: Trace, layer_prefix: str, renamed: dict):
     """Module names of a renumbered ModuleList back to the representative layer keys."""
@@ -93,6 +95,8 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
         u.ops[saved.op]["saved_bytes"] += saved.nbytes
         if len(saved.shape) >= 2 and saved.shape[-1] == saved.shape[-2] == local_seq:
             u.attention_core_bytes += saved.nbytes
+        if ATTENTION_KERNEL in saved.op:  # v, a slice of the fused qkv projection, keeps all of its output
+            u.attention_unviewed_bytes += saved.nbytes - saved.viewed_bytes
         if layer_prefix and saved.module.startswith(layer_prefix):  # "mlp.experts|mul|2880": module, op, width
             key = f"{saved.module[len(layer_prefix):].partition('.')[2]}|{saved.op}|{saved.shape[-1:]}"
             u.module_saved[key] = u.module_saved.get(key, 0) + saved.nbytes

@@ -89,20 +89,22 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
     norm, swiglu = bool(getattr(software, "fused_norm", False)), bool(getattr(software, "fused_swiglu", False))
     fused = norm or swiglu  # fused kernels that save less than colozoo's
     shard = sp and getattr(software, "sequence_parallel_saves_shard", False)
-    if not (modules or hidden or fused or shard):
+    copies = bool(getattr(software, "attention_copies_views", False))
+    if not (modules or hidden or fused or shard or copies):
         return traced
 
     def dropped(u):
         return (layout.dropped_bytes(u.module_saved, modules, hidden, plan.tp)
                 + (layout.fused_norm_bytes(u.module_saved, u.norm_inputs) if norm else 0)
                 + (layout.sequence_shard_bytes(u.module_saved, plan.tp) if shard else 0)
-                + (layout.fused_swiglu_bytes(u.module_saved) if swiglu else 0))
+                + (layout.fused_swiglu_bytes(u.module_saved) if swiglu else 0)
+                + (u.attention_unviewed_bytes if copies else 0))
 
     def build():
         units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u))) for k, u in traced.units.items()}
         return replace(traced, units=units, memo={})
 
-    return traced.memoized(("saved by", modules, hidden, norm, swiglu, shard, plan.tp), build)
+    return traced.memoized(("saved by", modules, hidden, norm, swiglu, shard, copies, plan.tp), build)
 
 
 def _unit_dicts(traced: ModelTrace, tp: int, itemsize: int) -> list[dict]:

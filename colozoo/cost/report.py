@@ -21,6 +21,7 @@ class UnitCost:
     bwd_flops: int = 0
     saved_bytes: int = 0
     attention_core_bytes: int = 0        # saved tensors of (..., s, s) shape: what selective recompute drops
+    attention_unviewed_bytes: int = 0    # of the storages the attention kernel saves views of, the bytes no view covers
     input_bytes: int = 0                 # what full recompute keeps
     module_saved: dict = field(default_factory=dict)  # "module path|op|(width,)" inside a layer -> saved bytes
     norm_inputs: dict = field(default_factory=dict)   # a layer's norm modules -> bytes of their input

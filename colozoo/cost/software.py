@@ -73,6 +73,11 @@ class Software:
     # the gated MLP activation saves only its inputs and recomputes itself in backward (Megatron-Core's fused
     # SwiGLU, on unless --no-bias-swiglu-fusion), where colozoo's keeps the activated gate too
     fused_swiglu: bool = False
+    # the attention kernel keeps q, k and v as tensors of their own: Transformer Engine's DotProductAttention copies
+    # inputs whose memory layout it cannot take (get_qkv_layout: k rotated into a tensor of its own and v, a slice
+    # of the fused qkv projection's output, of unequal strides), where torch's SDPA saves v as the slice it is and
+    # with it the projection's whole output (UnitCost.attention_unviewed_bytes)
+    attention_copies_views: bool = False
     # the optimizer's kernels, priced by the memory traffic of one AdamW step (OPTIMIZER_PASSES):
     # "fused" reads and writes each state once (torch's fused=True, what colozoo's build_optimizer runs; Apex and
     # DeepSpeed FusedAdam); "foreach" (torch's default for CUDA tensors) and "single_tensor" (its default on CPU,

@@ -86,6 +86,12 @@ class SavedTensor:
     shape: tuple
     dtype: torch.dtype
     op: str = "?"
+    views: set = field(default_factory=set)  # (offset, shape, stride, bytes) of each distinct view saved of it
+
+    @property
+    def viewed_bytes(self) -> int:
+        """Bytes of the storage the saved views cover (at most the storage: views may overlap)."""
+        return min(self.nbytes, sum(nbytes for *_, nbytes in self.views))
 
 
 @dataclass
@@ -388,10 +394,11 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
             return t
         if key in param_keys:
             trace.params_used_by[param_keys[key]].add(recorder.module())
-        elif (rid := recorder.record_id(t, len(trace.steps))) not in trace.saved:
-            storage = t.untyped_storage()
-            trace.saved[rid] = SavedTensor(recorder.module(), len(trace.steps), storage.nbytes(), tuple(t.shape),
-                                           t.dtype)
+        else:
+            if (rid := recorder.record_id(t, len(trace.steps))) not in trace.saved:
+                trace.saved[rid] = SavedTensor(recorder.module(), len(trace.steps), t.untyped_storage().nbytes(),
+                                               tuple(t.shape), t.dtype)
+            trace.saved[rid].views.add((t.storage_offset(), tuple(t.shape), t.stride(), t.numel() * t.element_size()))
         return t
 
     def remember_input(mod, args):

@@ -99,8 +99,18 @@ PLANNER = {
         ("tests/test_eval_scoring.py::test_each_row_projects_only_its_own_positions_and_scores_as_a_whole_forward",)),
     "saved_as_colozoo_saves": Mutation(
         "the memory model keeps colozoo's saved activations whatever the framework the run used",
-        Rewrite("colozoo.cost.cost_model:_as_saved_by", ("if not (modules or hidden or fused or shard):", "if True:")),
+        Rewrite("colozoo.cost.cost_model:_as_saved_by", ("if not (modules or hidden or fused or shard or copies):", "if True:")),
         ("tests/test_saved_layout.py::test_assemble_saves_as_the_software_does",)),
+    "attention_keeps_projection_views": Mutation(
+        "an attention kernel that copies q, k and v is priced keeping the whole qkv projection v is a slice of",
+        Rewrite("colozoo.cost.cost_model:_as_saved_by",
+                ("+ (u.attention_unviewed_bytes if copies else 0))", "+ 0)")),
+        ("tests/test_saved_layout.py::test_attention_keeps_the_whole_projection_for_v_unless_its_kernel_copies_it[2]",)),
+    "saved_views_cover_the_storage": Mutation(
+        "a saved view is counted covering its whole storage",
+        Rewrite("colozoo.cost.trace:SavedTensor.viewed_bytes",
+                ("return min(self.nbytes, sum(nbytes for *_, nbytes in self.views))", "return self.nbytes")),
+        ("tests/test_saved_layout.py::test_attention_keeps_the_whole_projection_for_v_unless_its_kernel_copies_it[2]",)),
     "sequence_parallel_saves_whole": Mutation(
         "a sequence-parallel column linear is counted keeping its gathered input, not its 1/tp shard",
         Rewrite("colozoo.cost.saved_layout:sequence_shard_bytes",
