@@ -268,3 +268,28 @@ def test_apply_plan_refuses_stages_the_model_was_not_built_with():
         apply_plan(model, Plan(schedule="interleaved_1f1b", virtual_stages=2))
     with pytest.raises(TrainingError, match="layers_per_stage"):
         apply_plan(model, Plan(layers_per_stage=(1,)))
+
+
+def test_optimizer_states_kept_in_the_softwares_dtype():
+    """NeMo's distributed_fused_adam with `dtype: bf16` keeps its master weights and both moments in bf16
+    (Software.optimizer_state_bytes = 2): half the fp32 bytes on every rank, the weights and gradients unchanged, and
+    the optimizer step reads and writes less. Other widths are refused."""
+    from colozoo.core.mesh import ParallelConfig
+    from colozoo.cost.cost_model import assemble
+    from colozoo.cost.model_trace import trace_model
+    from colozoo.cost.setup import Workload
+    from colozoo.cost.software import Software
+    from colozoo.cost.step_time import estimate
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    traced = trace_model(config, 1, 32, ParallelConfig(dp=2), "bfloat16", "cuda")
+    plan, workload, h100 = Plan(dp=2, zero=1, micro_batch_size=1), Workload(seq_len=32), get_hardware("H100-80GB")
+    fp32, bf16 = (assemble(traced, plan, workload, Software(optimizer_state_bytes=b)) for b in (4, 2))
+    full, half = fp32.stages[0], bf16.stages[0]
+    assert half["master"] == full["master"] / 2 and half["optimizer"] == full["optimizer"] / 2 > 0
+    assert (half["weights"], half["grads"]) == (full["weights"], full["grads"]) and half["peak"] < full["peak"]
+    steps = [estimate(report, plan, workload, h100, software=Software(optimizer_state_bytes=b))[1]["optimizer"]
+             for report, b in ((fp32, 4), (bf16, 2))]
+    assert 0 < steps[1] < steps[0]
+    with pytest.raises(ValueError, match="optimizer_state_bytes"):
+        Software(optimizer_state_bytes=1)

@@ -1,7 +1,8 @@
 """The planner against published training runs (colozoo/cost/published_runs.json: Megatron-LM's Tables 1 and 2 of
 Narayanan et al. 2021, MosaicML's MPT benchmarks under FSDP, BLOOM-176B, Llama 3 405B with context parallelism,
 Mixtral and gpt-oss with expert parallelism on H100, Megatron-Core's weak scaling, Nemotron-4 340B and MT-NLG 530B on
-long pipelines, sequence parallelism and selective recomputation up to 1T): each run's layout priced on its hardware
+long pipelines, sequence parallelism and selective recomputation up to 1T, NVIDIA's DGX Cloud benchmark recipes of
+NeMo on H100s): each run's layout priced on its hardware
 within 15% of its measured step time, fitting in its GPUs' memory at its micro-batch and recompute; runs compared
 on the same GPUs ranked as measured; and the planner, free to choose, no longer prefers ZeRO-3 where the paper
 measured it falling behind pipelines."""

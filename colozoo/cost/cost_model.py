@@ -118,7 +118,8 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     """Memory, FLOPs and communication of one rank of pipeline stage `s`, which runs layers `keys`."""
     layers, ends = _stage_parts(traced, keys, s, n_stages)
     parts = layers + ends
-    states = _model_states(traced, plan, workload, keys, parts, s, n_stages)
+    states = _model_states(traced, plan, workload, keys, parts, s, n_stages,
+                           getattr(software, "optimizer_state_bytes", 4))
     recompute = _recompute_plan(plan, len(keys))
     saved, fwd, bwd, transient = _compute(traced, plan, parts, recompute)
     inflight = in_flight(plan, s)
@@ -158,15 +159,16 @@ def _stage_parts(traced: ModelTrace, keys: list, s: int, n_stages: int) -> tuple
 
 
 def _model_states(traced: ModelTrace, plan: Plan, workload: Workload, keys, parts, s: int,
-                  n_stages: int) -> _ModelStates:
-    """Weights, gradients, master weights and optimizer states one rank of stage `s` keeps."""
+                  n_stages: int, state_bytes: int = 4) -> _ModelStates:
+    """Weights, gradients, master weights and optimizer states one rank of stage `s` keeps; `state_bytes`: bytes
+    an element of the master weights and of the optimizer's states takes (Software.optimizer_state_bytes)."""
     itemsize = _itemsize(workload)
     tied = traced.tied_bytes if plan.pp > 1 and s == n_stages - 1 else 0
     param_bytes = sum(p.param_bytes for p in parts) + tied
     trained = param_bytes - sum(p.frozen_param_bytes for p in parts)
-    master = 4.0 * (trained // itemsize) if workload.torch_dtype != torch.float32 else 0.0
+    master = float(state_bytes * (trained // itemsize)) if workload.torch_dtype != torch.float32 else 0.0
     states = _ModelStates(param_bytes, trained, float(param_bytes), float(trained), master,
-                          float(OPTIMIZER_BYTES[workload.optimizer] * (trained // itemsize)))
+                          OPTIMIZER_BYTES[workload.optimizer] * state_bytes / 4 * (trained // itemsize))
     shard = plan.dp * plan.cp  # FSDP / ZeRO shard over the data and context ranks
     # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the same
     # experts (the "edp" group), everything else (frozen parameters too) over all dp*cp

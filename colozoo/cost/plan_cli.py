@@ -51,8 +51,8 @@ def add_parser(subparsers):
     p.add_argument("--batch-size", type=int, default=1, help="with --generate: sequences decoded together")
     p.add_argument("--validate", action="store_true",
                    help="instead of planning: price the published training runs (colozoo/cost/published_runs.json: "
-                        "Megatron-LM, Megatron-Core, DeepSpeed, MosaicML MPT, BLOOM, Llama 3, Nemotron-4) as they ran "
-                        "and print predicted against measured")
+                        "Megatron-LM, Megatron-Core, DeepSpeed, MosaicML MPT, BLOOM, Llama 3, Nemotron-4, NeMo's "
+                        "DGX Cloud benchmarks) as they ran and print predicted against measured")
     p.add_argument("--choose", action="store_true", help="with --validate: also the planner's own best plan for "
                                                          "each run's model, GPUs and batch (a search per run: slow)")
     p.add_argument("--runs", default=None, metavar="JSON",

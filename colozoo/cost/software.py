@@ -83,6 +83,10 @@ class Software:
     # DeepSpeed FusedAdam); "foreach" (torch's default for CUDA tensors) and "single_tensor" (its default on CPU,
     # Composer's DecoupledAdamW) pass over the states in eight elementwise kernels
     optimizer_kernels: str = "fused"
+    # bytes an element of the master weights and of each optimizer state takes: 4 (fp32); NeMo's
+    # distributed_fused_adam with `dtype: bf16` keeps both in bf16 (Apex DistributedFusedAdam's `dtype` is the
+    # optimizer state's, and its store_params, on by default, keeps the rank's shard of the parameters in it)
+    optimizer_state_bytes: int = 4
     # passes over the gradients the global-norm clipping before the optimizer step makes: colozoo's clip_grad_norm_
     # (colozoo.runtime.clipping) and torch's read them once for the norm and scale them in place always (3);
     # Megatron-LM and DeepSpeed scale only when the norm exceeds the threshold (megatron/optimizer/clip_grads.py,
@@ -108,6 +112,8 @@ class Software:
     def __post_init__(self):
         if self.optimizer_kernels not in OPTIMIZER_PASSES:
             raise ValueError(f"optimizer_kernels {self.optimizer_kernels!r} not priced; one of {sorted(OPTIMIZER_PASSES)}")
+        if self.optimizer_state_bytes not in (2, 4):
+            raise ValueError(f"optimizer_state_bytes {self.optimizer_state_bytes!r} not priced; 2 (bf16) or 4 (fp32)")
         if self.grad_buckets not in GRAD_BUCKETS:
             raise ValueError(f"grad_buckets {self.grad_buckets!r} not priced; one of {sorted(GRAD_BUCKETS)}")
 

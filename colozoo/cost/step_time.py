@@ -282,7 +282,7 @@ def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, so
         b = base.stages[slowest]
         need = MemoryNeed(weights=b["weights"], grads=b["grads"], master=b["master"], optimizer=b["optimizer"],
                           activations=b["activations"], transient=b["transient"], fsdp_buffers=b["fsdp_buffers"],
-                          params=_optimizer_params(b, plan, workload), compute_seconds=t.compute * m,
+                          params=_optimizer_params(b, plan, workload, software), compute_seconds=t.compute * m,
                           num_microbatches=m)
         decision = decide_offload(need, hw, allowed=("none", plan.offload))
         offload = decision.exposed_seconds
@@ -297,9 +297,9 @@ def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, so
     return step, breakdown, decision
 
 
-def _optimizer_params(stage: dict, plan: Plan, workload: Workload) -> int:
+def _optimizer_params(stage: dict, plan: Plan, workload: Workload, software: Software = COLOZOO) -> int:
     """Parameters this rank's optimizer updates: its ZeRO shard (experts shard over dp*cp/ep ranks only)."""
-    per_param = OPTIMIZER_BYTES[workload.optimizer]
+    per_param = OPTIMIZER_BYTES[workload.optimizer] * software.optimizer_state_bytes / 4
     if per_param:
         return int(stage["optimizer"] / per_param)
     return stage["params"] // max(1, plan.dp * plan.cp if plan.zero >= 1 else 1)

@@ -106,6 +106,11 @@ PLANNER = {
         Rewrite("colozoo.cost.cost_model:_as_saved_by",
                 ("+ (u.attention_unviewed_bytes if copies else 0))", "+ 0)")),
         ("tests/test_saved_layout.py::test_attention_keeps_the_whole_projection_for_v_unless_its_kernel_copies_it[2]",)),
+    "optimizer_states_always_fp32": Mutation(
+        "master weights and optimizer states are priced in fp32 whatever dtype the software keeps them in",
+        Rewrite("colozoo.cost.cost_model:_stage_cost", ('getattr(software, "optimizer_state_bytes", 4))', "4)")),
+        ("tests/test_cost_terms.py::test_optimizer_states_kept_in_the_softwares_dtype",
+         "tests/test_published_runs.py::test_every_run_fits_its_gpus")),
     "saved_views_cover_the_storage": Mutation(
         "a saved view is counted covering its whole storage",
         Rewrite("colozoo.cost.trace:SavedTensor.viewed_bytes",
