@@ -77,6 +77,22 @@ def test_expert_groups_and_their_all_to_all():
     assert dispatch_combine_seconds(H100, 1e9, 1, 8, 4) == 0.0
 
 
+def test_megatron_dispatch_moves_a_ranks_part_of_each_token():
+    """Under sequence parallelism colozoo's MoE gathers the sequence and every tp rank dispatches whole tokens;
+    Megatron-Core's all-to-all dispatcher sends 1/tp of those bytes (each token's slice of the hidden state, or the
+    rank's own shard to folded experts). Without sequence parallelism, tp 1 or colozoo's own dispatcher: all of them.
+    The exchange is priced on the bytes that travel: a gigabyte's all-to-all over 4 nodes takes a quarter as long."""
+    from colozoo.cost.experts import dispatched_share, expert_exchange_seconds
+
+    sp = Plan(tp=4, dp=8, ep=8, sequence_parallel=True)
+    assert dispatched_share(sp, True) == 1 / 4
+    assert dispatched_share(sp, False) == dispatched_share(Plan(tp=4, dp=8, ep=8), True) == 1.0
+    assert dispatched_share(Plan(dp=8, ep=8), True) == 1.0
+    comm, calls = {"ep.all_to_all": 4e9}, {"ep.all_to_all": 4}
+    whole = expert_exchange_seconds(comm, calls, sp, H100)
+    assert expert_exchange_seconds(comm, calls, sp, H100, share=1 / 4) == pytest.approx(whole / 4, rel=1e-3)
+
+
 def test_grouped_expert_gemms_are_priced_per_expert():
     """torch._grouped_mm over 16 experts of 300 tokens each: (16, 300, n, k), each expert's rows filling three
     128-row tiles at best (78%), slower than one GEMM of the 4800 tokens; the weight gradient (a 3-D output) and

@@ -82,3 +82,18 @@ def test_the_readmes_example_table_is_valid(tmp_path):
     assert run.plan.mesh() == "tp=2,pp=1,dp=8,cp=1,ep=1,sp" and run.software.name == "Megatron-Core r0.8.0"
     assert main(["plan", "--validate", "--runs", str(path), "--plot", str(tmp_path / "my_runs.png")]) in (0, 1)
     assert (tmp_path / "my_runs.png").exists()
+
+
+def test_sizes_beside_a_registry_name_replace_its_config():
+    """A row may price a model of a registered family at other sizes (Grok-1 as Mixtral's MoE): each size given
+    beside the registry name replaces its config's field, the head width derived again; none given, the registry's
+    config as it is."""
+    from colozoo.cost.published import model_config
+    from colozoo.cost.setup import get_config
+
+    sized = model_config({"registry": "Mixtral-8x7B-v0.1", "hidden": 6144, "heads": 48, "layers": 8, "ffn": 32768,
+                          "vocab": 128256, "experts_per_token": 2})
+    assert (sized.hidden_size, sized.num_attention_heads, sized.num_hidden_layers, sized.intermediate_size,
+            sized.vocab_size, sized.num_experts_per_tok) == (6144, 48, 8, 32768, 128256, 2)
+    assert (getattr(sized, "head_dim", None) or 128) == 128 and sized.num_local_experts == 8
+    assert model_config({"registry": "Mixtral-8x7B-v0.1"}).to_dict() == get_config("Mixtral-8x7B-v0.1").to_dict()

@@ -28,6 +28,11 @@ def test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows():
     # hidden 64 at tp 2: half of the dispatched rows and the combine (40 + 40), nothing outside the MoE block
     assert folded_expert_bytes(SAVED, 64, 2) == 40
     assert folded_expert_bytes(SAVED, 64, 1) == 0
+    # experts split over tp (Megatron-Core's dispatcher, unfolded) gather each dispatched row whole again: only the
+    # MoE block's own hidden-wide tensors (here the combine) stay on the shard
+    assert folded_expert_bytes(SAVED, 64, 2, experts_whole=False) == 20
+    # a dense layer's MLP is not routed: its hidden-wide inputs stay as they are
+    assert folded_expert_bytes({"mlp.gate_up|_ColumnParallel|(64,)": 30, "mlp|mm|(64,)": 10}, 64, 2) == 0
     assert dropped_bytes(SAVED, (LAYERNORM, MOE_ACT), 64, 2) == 30 + 70 + 40
 
 
@@ -84,6 +89,8 @@ def test_assemble_saves_as_the_software_does(mixtral_trace):
     for software, drop in ((Software(recompute_modules=(LAYERNORM, MOE_ACT)),
                             dropped_bytes(unit.module_saved, (LAYERNORM, MOE_ACT))),
                            (Software(expert_tp_folded=True), dropped_bytes(unit.module_saved, (), hidden, 2)),
+                           (Software(expert_dispatch_sharded=True),
+                            dropped_bytes(unit.module_saved, (), hidden, 2, experts_whole=False)),
                            (Software(fused_norm=True), fused_norm_bytes(unit.module_saved, unit.norm_inputs)),
                            (Software(sequence_parallel_saves_shard=True), sequence_shard_bytes(unit.module_saved, 2))):
         assert drop > 0, software

@@ -85,7 +85,9 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
 
     sp = plan.sequence_parallel and plan.tp > 1
     modules = tuple(getattr(software, "recompute_modules", ()))
-    hidden = getattr(traced.config, "hidden_size", 0) if sp and getattr(software, "expert_tp_folded", False) else 0
+    folded = bool(getattr(software, "expert_tp_folded", False))
+    sharded = sp and (folded or getattr(software, "expert_dispatch_sharded", False))  # MoE kept on the sequence shard
+    hidden = getattr(traced.config, "hidden_size", 0) if sharded else 0
     norm, swiglu = bool(getattr(software, "fused_norm", False)), bool(getattr(software, "fused_swiglu", False))
     fused = norm or swiglu  # fused kernels that save less than colozoo's
     shard = sp and getattr(software, "sequence_parallel_saves_shard", False)
@@ -94,7 +96,7 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
         return traced
 
     def dropped(u):
-        return (layout.dropped_bytes(u.module_saved, modules, hidden, plan.tp)
+        return (layout.dropped_bytes(u.module_saved, modules, hidden, plan.tp, experts_whole=folded)
                 + (layout.fused_norm_bytes(u.module_saved, u.norm_inputs) if norm else 0)
                 + (layout.sequence_shard_bytes(u.module_saved, plan.tp) if shard else 0)
                 + (layout.fused_swiglu_bytes(u.module_saved) if swiglu else 0)
@@ -104,7 +106,7 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
         units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u))) for k, u in traced.units.items()}
         return replace(traced, units=units, memo={})
 
-    return traced.memoized(("saved by", modules, hidden, norm, swiglu, shard, copies, plan.tp), build)
+    return traced.memoized(("saved by", modules, hidden, folded, norm, swiglu, shard, copies, plan.tp), build)
 
 
 def _unit_dicts(traced: ModelTrace, tp: int, itemsize: int) -> list[dict]:

@@ -38,10 +38,21 @@ def dispatch_combine_seconds(hw: Hardware, nbytes: float, ep: int, span: int, ca
     return pipelined_seconds(hw, "all_to_all", max(inside, across), ep, per_node, calls)
 
 
+def dispatched_share(plan, sharded: bool) -> float:
+    """The share of colozoo's dispatched bytes a rank sends when the dispatcher moves only the rank's own part of
+    each token (Software.expert_dispatch_sharded): under sequence parallelism colozoo's MoE gathers the sequence and
+    every tensor-parallel rank dispatches whole tokens; Megatron-Core's all-to-all dispatcher sends a rank's own
+    sequence shard (folded experts) or each token's 1/tp slice of the hidden state, gathered again in the tensor-
+    parallel group after the all-to-all (core_r0.8.0 megatron/core/transformer/moe/token_dispatcher.py,
+    MoEAlltoAllTokenDispatcher: all_to_all_sp2hp, the expert all-to-all, all_gather_last_dim): 1/tp either way."""
+    return 1 / plan.tp if sharded and plan.sequence_parallel and plan.tp > 1 else 1.0
+
+
 def expert_exchange_seconds(comm: dict, calls: dict, plan, hw: Hardware, folded: bool = False,
-                            scale: float = 1.0) -> float:
+                            scale: float = 1.0, share: float = 1.0) -> float:
     """Seconds of one unit's expert-parallel collectives per micro-batch ("ep.<collective>" bytes and calls of a
-    traced unit, times `scale` for a recomputed forward), over the group's links."""
+    traced unit, times `scale` for a recomputed forward, the all-to-alls' bytes times `share`: dispatched_share),
+    over the group's links."""
     span = expert_span(plan.tp, plan.ep, folded)
     out = 0.0
     for key, nbytes in comm.items():
@@ -49,6 +60,6 @@ def expert_exchange_seconds(comm: dict, calls: dict, plan, hw: Hardware, folded:
         if group != "ep":
             continue
         n = scale * calls.get(key, 0)
-        out += dispatch_combine_seconds(hw, scale * nbytes, plan.ep, span, n) if collective == "all_to_all" else \
-            collective_seconds(hw, collective, scale * nbytes, plan.ep, span, n)
+        out += dispatch_combine_seconds(hw, share * scale * nbytes, plan.ep, span, n) if collective == "all_to_all" \
+            else collective_seconds(hw, collective, scale * nbytes, plan.ep, span, n)
     return out

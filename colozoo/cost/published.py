@@ -88,15 +88,29 @@ def step_flops(model: dict, batch: int, seq: int, unit: str) -> float | None:
     return None
 
 
+# sizes a row may give beside a registry name, each replacing its config's field (the sequence stays the run's)
+REGISTRY_SIZES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                  "kv_heads": "num_key_value_heads", "ffn": "intermediate_size", "vocab": "vocab_size",
+                  "tied": "tie_word_embeddings", "experts_per_token": "num_experts_per_tok"}
+
+
 def model_config(model: dict):
     """A transformers config of a published model: GPT ("gpt2": learned positions, LayerNorm, GeLU, tied
-    embeddings, as Megatron's GPT) or LLaMA from its sizes, or a registry name."""
+    embeddings, as Megatron's GPT) or LLaMA from its sizes, or a registry name (the sizes given beside it
+    replacing its config's)."""
     import transformers
 
     if "registry" in model:
         from colozoo.cost.setup import get_config
 
-        return get_config(model["registry"])
+        config = get_config(model["registry"])
+        given = {REGISTRY_SIZES[k]: v for k, v in model.items() if k in REGISTRY_SIZES}
+        if not given:
+            return config
+        fields = config.to_dict()
+        if {"hidden_size", "num_attention_heads"} & set(given):
+            fields.pop("head_dim", None)  # derived again from the sizes given
+        return type(config)(**{**fields, **given})
     h, ffn, dropout = model["hidden"], model.get("ffn", 4 * model["hidden"]), model.get("dropout", 0.0)
     if model["family"] == "gpt2":
         from colozoo.models import model_class

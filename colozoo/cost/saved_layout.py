@@ -9,7 +9,8 @@ bytes by module, op and width (UnitCost.module_saved, keys "module path|op|(widt
   sequence shard to whole experts (expert tp 1), where colozoo's MoE routes the tensor-parallel group's gathered
   tokens to experts split over tp; the ffn-wide expert activations are the same bytes either way (tp x the rows,
   1/tp the width), the hidden-wide ones (router input, dispatched rows, the weighted combine) are 1/tp of
-  colozoo's;
+  colozoo's; with the experts split over tp (Software.expert_dispatch_sharded without folding) the router input
+  and the weighted combine are, the dispatched rows gathered whole again;
 - fused norms (Software.fused_norm): a norm keeps its input (and a statistic per row), not an fp32 copy and its
   normalized output;
 - the fused gated activation (Software.fused_swiglu: Megatron-Core's SwiGLUFunction in
@@ -48,12 +49,14 @@ def recomputed(module_saved: dict, modules) -> dict:
     return out
 
 
-def dropped_bytes(module_saved: dict, modules=(), folded_hidden: int = 0, tp: int = 1) -> float:
+def dropped_bytes(module_saved: dict, modules=(), folded_hidden: int = 0, tp: int = 1, experts_whole: bool = True
+                  ) -> float:
     """Saved bytes per micro-batch of one layer that the framework does not keep: recomputed modules, then the
-    folded expert layout's share of what is left (folded_hidden: the model's hidden size; 0: not folded)."""
+    sequence-shard share of what is left of the MoE block (folded_hidden: the model's hidden size; 0: none; see
+    folded_expert_bytes for `experts_whole`)."""
     gone = recomputed(module_saved, modules)
     kept = {k: n for k, n in module_saved.items() if k not in gone}
-    return sum(gone.values()) + folded_expert_bytes(kept, folded_hidden, tp)
+    return sum(gone.values()) + folded_expert_bytes(kept, folded_hidden, tp, experts_whole)
 
 
 def fused_norm_bytes(module_saved: dict, norm_inputs: dict) -> float:
@@ -80,11 +83,14 @@ def sequence_shard_bytes(module_saved: dict, tp: int) -> float:
     return sum(n for key, n in module_saved.items() if _parts(key)[1] == COLUMN_PARALLEL) * (1 - 1 / tp)
 
 
-def folded_expert_bytes(module_saved: dict, hidden: int, tp: int) -> float:
-    """Saved bytes per micro-batch that the folded expert layout does not keep: (1 - 1/tp) of the MoE block's
-    hidden-wide saved tensors (router input, dispatched rows, weighted combine)."""
-    if tp <= 1 or not hidden:
-        return 0.0
+def folded_expert_bytes(module_saved: dict, hidden: int, tp: int, experts_whole: bool = True) -> float:
+    """Saved bytes per micro-batch that Megatron-Core's MoE keeps on the rank's sequence shard where colozoo's keeps
+    the tensor-parallel group's gathered tokens: (1 - 1/tp) of the MoE block's hidden-wide saved tensors (router
+    input, weighted combine, and with the experts whole (folded, expert tp 1) the dispatched rows too; experts split
+    over tp gather each dispatched row whole again: Software.expert_dispatch_sharded)."""
+    if tp <= 1 or not hidden or not any(_parts(key)[0].endswith(EXPERTS) for key in module_saved):
+        return 0.0  # a dense layer's MLP is not routed
     wide = sum(n for key, n in module_saved.items()
-               if _parts(key)[0].split(".")[0] == MLP_BLOCK and _parts(key)[2] == f"({hidden},)")
+               if _parts(key)[0].split(".")[0] == MLP_BLOCK and _parts(key)[2] == f"({hidden},)"
+               and (experts_whole or not _parts(key)[0].endswith(EXPERTS)))
     return wide * (1 - 1 / tp)

@@ -61,6 +61,10 @@ class Software:
     # expert-parallel ranks laid out across the tensor-parallel ones (Megatron-Core's MoE parallel folding with an
     # expert tensor-parallel size of 1): an ep group spans ep consecutive ranks, not tp x ep (colozoo.cost.experts)
     expert_tp_folded: bool = False
+    # the expert all-to-all moves each rank's own part of a token under sequence parallelism (Megatron-Core's
+    # MoEAlltoAllTokenDispatcher), where colozoo's MoE gathers the sequence first and every tensor-parallel rank
+    # dispatches whole tokens: 1/tp of the bytes (colozoo.cost.experts.dispatched_share)
+    expert_dispatch_sharded: bool = False
     # modules recomputed inside each layer when the plan checkpoints none (Megatron-Core's --recompute-modules, e.g.
     # saved_layout.MODULES): priced only, their saved activations dropped (colozoo.cost.saved_layout)
     recompute_modules: tuple = ()

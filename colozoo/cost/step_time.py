@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from colozoo.cost.compute_time import unit_seconds
 from colozoo.cost.context_parallel import ring_steps
 from colozoo.cost.cost_model import _itemsize, _recompute_plan
-from colozoo.cost.experts import expert_exchange_seconds
+from colozoo.cost.experts import dispatched_share, expert_exchange_seconds
 from colozoo.cost.hardware import Hardware
 from colozoo.cost.network import collective_seconds
 from colozoo.cost.offload import MemoryNeed, decide_offload
@@ -183,7 +183,8 @@ def _unit_terms(u: dict, policy: str, is_layer: bool, plan: Plan, hw: Hardware, 
     tp = (1 - software.tp_comm_overlap) * _group_seconds(u["comm"], u["comm_calls"], "tp", plan, hw, repeat)
     if software.tp_wgrad_overlap and is_layer:  # the embedding and head keep their own collectives
         tp -= (1 - software.tp_comm_overlap) * _wgrad_hidden(u, plan, hw, gradients)
-    ep = expert_exchange_seconds(u["comm"], u["comm_calls"], plan, hw, software.expert_tp_folded, repeat)
+    ep = expert_exchange_seconds(u["comm"], u["comm_calls"], plan, hw, software.expert_tp_folded, repeat,
+                                 dispatched_share(plan, software.expert_dispatch_sharded))
     ring = 0.0
     if cp > 1 and is_layer:  # keys and values pass the ring behind the attention core's blocks
         core = [unit_seconds(kernels, hw, phase, core_only=True, core_scale=scale, attention=kernel)

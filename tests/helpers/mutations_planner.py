@@ -106,6 +106,23 @@ PLANNER = {
         Rewrite("colozoo.cost.cost_model:_as_saved_by",
                 ("+ (u.attention_unviewed_bytes if copies else 0))", "+ 0)")),
         ("tests/test_saved_layout.py::test_attention_keeps_the_whole_projection_for_v_unless_its_kernel_copies_it[2]",)),
+    "expert_dispatch_whole_tokens": Mutation(
+        "Megatron-Core's expert all-to-all is priced carrying whole tokens from every tensor-parallel rank",
+        Rewrite("colozoo.cost.experts:dispatched_share",
+                ("return 1 / plan.tp if sharded and plan.sequence_parallel and plan.tp > 1 else 1.0", "return 1.0")),
+        (PARALLEL_TERMS + "test_megatron_dispatch_moves_a_ranks_part_of_each_token", RUNS)),
+    "split_experts_keep_rows_on_the_shard": Mutation(
+        "experts split over tp are priced keeping their dispatched rows on the sequence shard",
+        Rewrite("colozoo.cost.saved_layout:folded_expert_bytes",
+                ("and (experts_whole or not _parts(key)[0].endswith(EXPERTS)))", ")")),
+        ("tests/test_saved_layout.py::test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows",)),
+    "dense_mlp_kept_as_routed": Mutation(
+        "a dense layer's MLP inputs are priced on the sequence shard, as a routed MoE block's",
+        Rewrite("colozoo.cost.saved_layout:folded_expert_bytes",
+                ("if tp <= 1 or not hidden or not any(_parts(key)[0].endswith(EXPERTS) for key in module_saved):",
+                 "if tp <= 1 or not hidden:")),
+        ("tests/test_saved_layout.py::test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows",
+         "tests/test_published_runs.py::test_every_run_fits_its_gpus")),
     "optimizer_states_always_fp32": Mutation(
         "master weights and optimizer states are priced in fp32 whatever dtype the software keeps them in",
         Rewrite("colozoo.cost.cost_model:_stage_cost", ('getattr(software, "optimizer_state_bytes", 4))', "4)")),
