@@ -41,7 +41,7 @@ PLANNER = {
     "expert_group_spans_tp": Mutation(
         "Megatron-Core's folded expert layout is priced as colozoo's tp x ep span",
         Rewrite("colozoo.cost.experts:expert_span", ("return ep if folded else tp * ep", "return tp * ep")),
-        (RUNS,)),
+        (PARALLEL_TERMS + "test_expert_groups_and_their_all_to_all",)),
     "reduce_behind_last_backward_only": Mutation(
         "under the interleaved schedule the gradient reduction hides behind one micro-batch's backward only",
         Rewrite("colozoo.cost.step_time:reduce_window",
