@@ -40,7 +40,7 @@ def swiglu_linear(gate_up, weight, bias=None, linear=F.linear):
     projection's output)."""
     same_dtype = weight.dtype == gate_up.dtype and (bias is None or bias.dtype == gate_up.dtype)
     fused = torch.is_grad_enabled() and not autocasting(gate_up) and same_dtype
-    if fused and (priced.priced(gate_up) or use_triton(gate_up, elementwise=True)):
+    if fused and priced.on_fused_path(gate_up):
         return priced.fused(gate_up, "activations_triton", "swiglu_linear")(gate_up, weight, bias)
     return linear(swiglu(*gate_up.chunk(2, dim=-1)), weight, bias)
 

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from . import priced
-from .dispatch import autocasting, use_triton
+from .dispatch import autocasting
 
 
 def _kernel_fits(x, residual, *params) -> bool:
     same_dtype = all(t is None or t.dtype == x.dtype for t in (residual, *params))
-    return same_dtype and (priced.priced(x) or use_triton(x, residual, elementwise=True))
+    return same_dtype and priced.on_fused_path(x, residual)
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, residual=None):

@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from .dispatch import use_triton
 from .fused_functions import norm_function, rms_norm_linear_function, rotary_in_place_function, swiglu_linear_function
 
 _PRICING = contextvars.ContextVar("colozoo_pricing_fusions", default=False)
@@ -43,16 +44,25 @@ def priced(x: torch.Tensor) -> bool:
     return x.is_meta and _PRICING.get()
 
 
+def on_fused_path(x: torch.Tensor, *others) -> bool:
+    """Whether an op on `x` (and `others`) takes colozoo's fused path: the Triton kernels where dispatch.use_triton
+    says so for an elementwise op, or their stand-ins where `x` is priced."""
+    return priced(x) or use_triton(x, *others, elementwise=True)
+
+
 def fused(x: torch.Tensor, module: str, name: str):
     """The fusion `name` an op on `x` takes on the Triton path: this module's stand-in where `x` is priced, else
-    `colozoo.kernels.<module>.<name>_triton` (imported only then, so pricing needs no triton; by import statements,
-    which torch.compile traces, where importlib would break the graph)."""
+    `colozoo.kernels.<module>.<name>_triton` (imported only then, so pricing needs no triton; by an import
+    statement, which torch.compile traces, where importlib would break the graph)."""
     if priced(x):
         return globals()[name]
-    from . import activations_triton, norms_triton, rope_triton
-
-    modules = {"activations_triton": activations_triton, "norms_triton": norms_triton, "rope_triton": rope_triton}
-    return getattr(modules[module], f"{name}_triton")
+    if module == "norms_triton":
+        from . import norms_triton as triton_module
+    elif module == "rope_triton":
+        from . import rope_triton as triton_module
+    else:
+        from . import activations_triton as triton_module
+    return getattr(triton_module, f"{name}_triton")
 
 
 # The launches' stand-ins: each reads what its kernel reads and writes what it writes, in one op and the tensors'

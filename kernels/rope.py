@@ -39,7 +39,7 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
 
 def rotary_qkv(qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
     """q, k, v (as `split_heads`) of a fused projection, q and k rotated by cos/sin (as `apply_rotary`)."""
-    if (priced.priced(qkv) or use_triton(qkv, elementwise=True)) and qkv.is_contiguous():
+    if priced.on_fused_path(qkv) and qkv.is_contiguous():
         half = cos.shape[-1] // 2
         rotate_in_place = priced.fused(qkv, "rope_triton", "rotate_qk_in_place")
         qkv = rotate_in_place(qkv, cos[..., :half], sin[..., :half], heads, kv_heads)

@@ -4,8 +4,8 @@ import warnings
 
 import pytest
 
-from colozoo.cost.saved_layout import (LAYERNORM, MOE_ACT, dropped_bytes, folded_expert_bytes, fused_norm_bytes,
-                                       fused_swiglu_bytes, recomputed, sequence_shard_bytes)
+from colozoo.cost.saved_layout import (LAYERNORM, MOE_ACT, dropped_bytes, fused_norm_bytes, fused_swiglu_bytes,
+                                       moe_shard_bytes, recomputed, sequence_shard_bytes)
 from colozoo.cost.software import Software
 from colozoo.runtime.plan import Plan
 from tests.helpers.family_cases import tiny_config
@@ -26,13 +26,13 @@ def test_module_recompute_drops_norms_and_the_experts_activation():
 
 def test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows():
     # hidden 64 at tp 2: half of the dispatched rows and the combine (40 + 40), nothing outside the MoE block
-    assert folded_expert_bytes(SAVED, 64, 2) == 40
-    assert folded_expert_bytes(SAVED, 64, 1) == 0
+    assert moe_shard_bytes(SAVED, 64, 2) == 40
+    assert moe_shard_bytes(SAVED, 64, 1) == 0
     # experts split over tp (Megatron-Core's dispatcher, unfolded) gather each dispatched row whole again: only the
     # MoE block's own hidden-wide tensors (here the combine) stay on the shard
-    assert folded_expert_bytes(SAVED, 64, 2, experts_whole=False) == 20
+    assert moe_shard_bytes(SAVED, 64, 2, experts_whole=False) == 20
     # a dense layer's MLP is not routed: its hidden-wide inputs stay as they are
-    assert folded_expert_bytes({"mlp.gate_up|_ColumnParallel|(64,)": 30, "mlp|mm|(64,)": 10}, 64, 2) == 0
+    assert moe_shard_bytes({"mlp.gate_up|_ColumnParallel|(64,)": 30, "mlp|mm|(64,)": 10}, 64, 2) == 0
     assert dropped_bytes(SAVED, (LAYERNORM, MOE_ACT), 64, 2) == 30 + 70 + 40
 
 

@@ -49,14 +49,14 @@ def recomputed(module_saved: dict, modules) -> dict:
     return out
 
 
-def dropped_bytes(module_saved: dict, modules=(), folded_hidden: int = 0, tp: int = 1, experts_whole: bool = True
+def dropped_bytes(module_saved: dict, modules=(), moe_hidden: int = 0, tp: int = 1, experts_whole: bool = True
                   ) -> float:
     """Saved bytes per micro-batch of one layer that the framework does not keep: recomputed modules, then the
-    sequence-shard share of what is left of the MoE block (folded_hidden: the model's hidden size; 0: none; see
-    folded_expert_bytes for `experts_whole`)."""
+    sequence-shard share of what is left of the MoE block (moe_hidden: the model's hidden size; 0: none; see
+    moe_shard_bytes for `experts_whole`)."""
     gone = recomputed(module_saved, modules)
     kept = {k: n for k, n in module_saved.items() if k not in gone}
-    return sum(gone.values()) + folded_expert_bytes(kept, folded_hidden, tp, experts_whole)
+    return sum(gone.values()) + moe_shard_bytes(kept, moe_hidden, tp, experts_whole)
 
 
 def fused_norm_bytes(module_saved: dict, norm_inputs: dict) -> float:
@@ -83,7 +83,7 @@ def sequence_shard_bytes(module_saved: dict, tp: int) -> float:
     return sum(n for key, n in module_saved.items() if _parts(key)[1] == COLUMN_PARALLEL) * (1 - 1 / tp)
 
 
-def folded_expert_bytes(module_saved: dict, hidden: int, tp: int, experts_whole: bool = True) -> float:
+def moe_shard_bytes(module_saved: dict, hidden: int, tp: int, experts_whole: bool = True) -> float:
     """Saved bytes per micro-batch that Megatron-Core's MoE keeps on the rank's sequence shard where colozoo's keeps
     the tensor-parallel group's gathered tokens: (1 - 1/tp) of the MoE block's hidden-wide saved tensors (router
     input, weighted combine, and with the experts whole (folded, expert tp 1) the dispatched rows too; experts split

@@ -10,6 +10,7 @@ Everything is attributed to the innermost module running, in forward and in back
 from __future__ import annotations
 
 import gc
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -86,12 +87,12 @@ class SavedTensor:
     shape: tuple
     dtype: torch.dtype
     op: str = "?"
-    views: set = field(default_factory=set)  # (offset, shape, stride, bytes) of each distinct view saved of it
+    views: set = field(default_factory=set)  # (offset, shape, stride) of each distinct view saved of it
 
     @property
     def viewed_bytes(self) -> int:
         """Bytes of the storage the saved views cover (at most the storage: views may overlap)."""
-        return min(self.nbytes, sum(nbytes for *_, nbytes in self.views))
+        return min(self.nbytes, sum(math.prod(shape) for _, shape, _ in self.views) * self.dtype.itemsize)
 
 
 @dataclass
@@ -398,7 +399,7 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
             if (rid := recorder.record_id(t, len(trace.steps))) not in trace.saved:
                 trace.saved[rid] = SavedTensor(recorder.module(), len(trace.steps), t.untyped_storage().nbytes(),
                                                tuple(t.shape), t.dtype)
-            trace.saved[rid].views.add((t.storage_offset(), tuple(t.shape), t.stride(), t.numel() * t.element_size()))
+            trace.saved[rid].views.add((t.storage_offset(), tuple(t.shape), t.stride()))
         return t
 
     def remember_input(mod, args):

@@ -83,7 +83,7 @@ KERNELS = {
     "rotary_into_copies": Mutation(
         "q and k are rotated into copies instead of in place inside the qkv projection",
         Rewrite("colozoo.kernels.rope:rotary_qkv",
-                ("if (priced.priced(qkv) or use_triton(qkv, elementwise=True)) and qkv.is_contiguous():", "if False:")),
+                ("if priced.on_fused_path(qkv) and qkv.is_contiguous():", "if False:")),
         (MEMORY + "test_cuda_path_keeps_its_budget",)),
     "hooked_norm_fused": Mutation(
         "a norm watched by a forward hook still fuses with its projection (the hook never sees its output)",

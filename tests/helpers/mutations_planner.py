@@ -113,12 +113,12 @@ PLANNER = {
         (PARALLEL_TERMS + "test_megatron_dispatch_moves_a_ranks_part_of_each_token", RUNS)),
     "split_experts_keep_rows_on_the_shard": Mutation(
         "experts split over tp are priced keeping their dispatched rows on the sequence shard",
-        Rewrite("colozoo.cost.saved_layout:folded_expert_bytes",
+        Rewrite("colozoo.cost.saved_layout:moe_shard_bytes",
                 ("and (experts_whole or not _parts(key)[0].endswith(EXPERTS)))", ")")),
         ("tests/test_saved_layout.py::test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows",)),
     "dense_mlp_kept_as_routed": Mutation(
         "a dense layer's MLP inputs are priced on the sequence shard, as a routed MoE block's",
-        Rewrite("colozoo.cost.saved_layout:folded_expert_bytes",
+        Rewrite("colozoo.cost.saved_layout:moe_shard_bytes",
                 ("if tp <= 1 or not hidden or not any(_parts(key)[0].endswith(EXPERTS) for key in module_saved):",
                  "if tp <= 1 or not hidden:")),
         ("tests/test_saved_layout.py::test_folded_experts_keep_a_tp_share_of_the_hidden_wide_rows",
@@ -131,7 +131,8 @@ PLANNER = {
     "saved_views_cover_the_storage": Mutation(
         "a saved view is counted covering its whole storage",
         Rewrite("colozoo.cost.trace:SavedTensor.viewed_bytes",
-                ("return min(self.nbytes, sum(nbytes for *_, nbytes in self.views))", "return self.nbytes")),
+                ("return min(self.nbytes, sum(math.prod(shape) for _, shape, _ in self.views) * self.dtype.itemsize)",
+                 "return self.nbytes")),
         ("tests/test_saved_layout.py::test_attention_keeps_the_whole_projection_for_v_unless_its_kernel_copies_it[2]",)),
     "sequence_parallel_saves_whole": Mutation(
         "a sequence-parallel column linear is counted keeping its gathered input, not its 1/tp shard",
