@@ -293,3 +293,52 @@ def test_optimizer_states_kept_in_the_softwares_dtype():
     assert 0 < steps[1] < steps[0]
     with pytest.raises(ValueError, match="optimizer_state_bytes"):
         Software(optimizer_state_bytes=1)
+
+
+def _gpt2_stage(software, zero=1, dp=2, micro_batches=1):
+    """Stage 0 of a tiny bf16 GPT-2 assembled under `software` (its states, activations and peak)."""
+    from colozoo.core.mesh import ParallelConfig
+    from colozoo.cost.cost_model import assemble
+    from colozoo.cost.model_trace import trace_model
+    from colozoo.cost.setup import Workload
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    traced = trace_model(config, 1, 32, ParallelConfig(dp=dp), "bfloat16", "cuda")
+    plan = Plan(dp=dp, zero=zero, micro_batch_size=1, num_microbatches=micro_batches)
+    return assemble(traced, plan, Workload(seq_len=32), software).stages[0]
+
+
+def test_gradients_kept_in_the_buffer_the_software_reduces_them_in():
+    """Megatron-Core accumulates a bf16 model's gradients in an fp32 buffer allocated once, whole on every rank
+    under its distributed optimizer (Software.grads_in_reduce_dtype): 6 + 12/d bytes a parameter with the fp32 master
+    weights and moments sharded over d ranks, as Megatron-LM's docs count them; the buffer is there from the start,
+    so one micro-batch's forward already holds it. Without the flag the gradients are the parameters' dtype, and a
+    buffer of a half-width reduction is half-width."""
+    from colozoo.cost.software import Software
+
+    megatron = Software(grad_reduce_bytes=4, grads_in_reduce_dtype=True)
+    buffered, plain = _gpt2_stage(megatron), _gpt2_stage(Software(grad_reduce_bytes=4))
+    assert buffered["grads"] == 2 * plain["grads"] > 0 and buffered["weights"] == plain["weights"]
+    for d in (2, 4):
+        stage = _gpt2_stage(megatron, dp=d)
+        states = stage["weights"] + stage["grads"] + stage["master"] + stage["optimizer"]
+        assert states / stage["params"] == pytest.approx(6 + 12 / d)
+    assert _gpt2_stage(Software(grad_reduce_bytes=2, grads_in_reduce_dtype=True))["grads"] == plain["grads"]
+    # one micro-batch: colozoo's gradients grow through the backward, the buffer is whole before the first forward
+    grown = _gpt2_stage(Software(grad_reduce_bytes=4))["peak"] - plain["grads"]
+    whole = _gpt2_stage(Software(grad_reduce_bytes=2, grads_in_reduce_dtype=True))["peak"] - plain["grads"]
+    assert whole > grown
+
+
+def test_master_weights_kept_as_the_software_keeps_them():
+    """NeMo's distributed_fused_adam keeps no master weights when its states share the model's dtype and only the
+    16-bit remainders of fp32 ones beside bf16 parameters (Software.master_weight_bytes 0 and 2); by default they
+    take the optimizer states' width. The moments are unchanged; other widths are refused."""
+    from colozoo.cost.software import Software
+
+    fp32, remainders, none = (_gpt2_stage(Software(master_weight_bytes=b)) for b in (None, 2, 0))
+    assert remainders["master"] == fp32["master"] / 2 > 0 and none["master"] == 0
+    assert fp32["optimizer"] == remainders["optimizer"] == none["optimizer"] > 0
+    assert _gpt2_stage(Software(optimizer_state_bytes=2))["master"] == remainders["master"]
+    with pytest.raises(ValueError, match="master_weight_bytes"):
+        Software(master_weight_bytes=1)

@@ -120,8 +120,9 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     """Memory, FLOPs and communication of one rank of pipeline stage `s`, which runs layers `keys`."""
     layers, ends = _stage_parts(traced, keys, s, n_stages)
     parts = layers + ends
-    states = _model_states(traced, plan, workload, keys, parts, s, n_stages,
-                           getattr(software, "optimizer_state_bytes", 4))
+    software = software or COLOZOO
+    states = _model_states(traced, plan, workload, keys, parts, s, n_stages, software.optimizer_state_bytes,
+                           software.grad_bytes(_itemsize(workload)), software.master_weight_bytes)
     recompute = _recompute_plan(plan, len(keys))
     saved, fwd, bwd, transient = _compute(traced, plan, parts, recompute)
     inflight = in_flight(plan, s)
@@ -130,16 +131,15 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     in_order = before + layers + head
     policies = ["none"] * len(before) + recompute + ["none"] * len(head)
     dynamic = _dynamic_peak(in_order, policies, saved, inflight, states.grads, states.param_bytes,
-                            plan.num_microbatches)
-    fsdp = _fsdp_buffers(plan, layers, getattr(software, "zero3_gather_unit", "layer"))
+                            plan.num_microbatches, software.grads_in_reduce_dtype)
+    fsdp = _fsdp_buffers(plan, layers, software.zero3_gather_unit)
     peak = states.weights + states.master + states.optimizer + fsdp + dynamic
     grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained
     cost = StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(states.param_bytes // _itemsize(workload)),
                      states.weights, states.grads, states.master, states.optimizer, fsdp, saved * inflight, transient,
                      peak, states.cpu, inflight, int(fwd), int(bwd),
                      *_stage_comm(parts, keys, plan, states.param_bytes, s, n_stages, grad_bytes,
-                                  (software or COLOZOO).grad_reduce_calls(grad_bytes, _itemsize(workload),
-                                                                          plan.dp)))
+                                  software.grad_reduce_calls(grad_bytes, _itemsize(workload), plan.dp)))
     if workload.lora or states.trained < states.param_bytes:
         cost.trainable = states.lora_params if workload.lora else int(states.trained // _itemsize(workload))
     return cost
@@ -161,15 +161,20 @@ def _stage_parts(traced: ModelTrace, keys: list, s: int, n_stages: int) -> tuple
 
 
 def _model_states(traced: ModelTrace, plan: Plan, workload: Workload, keys, parts, s: int,
-                  n_stages: int, state_bytes: int = 4) -> _ModelStates:
+                  n_stages: int, state_bytes: int = 4, grad_bytes: int | None = None,
+                  master_bytes: int | None = None) -> _ModelStates:
     """Weights, gradients, master weights and optimizer states one rank of stage `s` keeps; `state_bytes`: bytes
-    an element of the master weights and of the optimizer's states takes (Software.optimizer_state_bytes)."""
+    an element of the optimizer's states takes (Software.optimizer_state_bytes), `master_bytes` one of the master
+    weights (Software.master_weight_bytes; None: state_bytes), `grad_bytes` a gradient's (Software.grad_bytes; None:
+    the parameters')."""
     itemsize = _itemsize(workload)
     tied = traced.tied_bytes if plan.pp > 1 and s == n_stages - 1 else 0
     param_bytes = sum(p.param_bytes for p in parts) + tied
     trained = param_bytes - sum(p.frozen_param_bytes for p in parts)
-    master = float(state_bytes * (trained // itemsize)) if workload.torch_dtype != torch.float32 else 0.0
-    states = _ModelStates(param_bytes, trained, float(param_bytes), float(trained), master,
+    master_bytes = state_bytes if master_bytes is None else master_bytes
+    master = float(master_bytes * (trained // itemsize)) if workload.torch_dtype != torch.float32 else 0.0
+    grads = float(trained) * (grad_bytes or itemsize) / itemsize
+    states = _ModelStates(param_bytes, trained, float(param_bytes), grads, master,
                           OPTIMIZER_BYTES[workload.optimizer] * state_bytes / 4 * (trained // itemsize))
     shard = plan.dp * plan.cp  # FSDP / ZeRO shard over the data and context ranks
     # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the same
@@ -259,13 +264,14 @@ def in_flight(plan: Plan, stage: int) -> float:
     return min(m, (2 * (p - stage - 1) + (v - 1) * p + 1) / v)
 
 
-def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m) -> float:
+def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_buffer=False) -> float:
     """Worst activations + temporaries + gradients over one micro-batch's forward and backward, walking the
     stage's units in order. Other micro-batches in flight keep their saved activations throughout; with
-    more than one micro-batch the gradients exist from the first backward on, else they grow as it runs."""
+    more than one micro-batch, or in a buffer allocated once (`grad_buffer`), the gradients exist from the first
+    backward on, else they grow as it runs."""
     others = (inflight - 1) * saved
     grad_per_byte = grads / param_bytes if param_bytes else 0.0
-    accumulated = grads if m > 1 else 0.0
+    accumulated = grads if m > 1 or grad_buffer else 0.0
     live, worst = 0.0, 0.0
     for p, policy in zip(parts, policies):
         kept = _saved_under(p, policy)

@@ -44,6 +44,12 @@ class Software:
     param_gather_overlap: bool = False
     # bytes a gradient element takes on the wire in data-parallel reductions (None: the parameters' dtype)
     grad_reduce_bytes: int | None = None
+    # the backward accumulates gradients into a buffer of the reduction's dtype, allocated for the whole run
+    # (Megatron's main_grad: its DistributedDataParallel's grad buffer is fp32 when gradients are reduced in fp32,
+    # which Megatron-LM forces for bf16, megatron/training/arguments.py "bfloat16 requires gradient accumulation and
+    # all-reduce to be done in fp32"; DeepSpeed's BF16_Optimizer likewise), where colozoo's are the parameters' dtype
+    # and grow as the first backward runs
+    grads_in_reduce_dtype: bool = False
     # bytes a weight element takes in ZeRO-3 gathers (None: the parameters' dtype; FSDP1 with fp32 parameters: 4)
     gather_bytes: int | None = None
     # pipeline stages exchange 1/tp of a boundary activation over the network and all-gather it over NVLink
@@ -91,6 +97,11 @@ class Software:
     # distributed_fused_adam with `dtype: bf16` keeps both in bf16 (Apex DistributedFusedAdam's `dtype` is the
     # optimizer state's, and its store_params, on by default, keeps the rank's shard of the parameters in it)
     optimizer_state_bytes: int = 4
+    # bytes an element of the master weights takes (None: optimizer_state_bytes); NeMo's distributed_fused_adam
+    # (nemo/collections/nlp/models/language_modeling/megatron_base_model.py, setup_optimization) keeps none when
+    # the optimizer's dtype is the model's (0: the bf16 parameters are the master) and, with fp32 states beside bf16
+    # parameters, only the 16 bits the parameters lack (Apex's store_param_remainders: 2)
+    master_weight_bytes: int | None = None
     # passes over the gradients the global-norm clipping before the optimizer step makes: colozoo's clip_grad_norm_
     # (colozoo.runtime.clipping) and torch's read them once for the norm and scale them in place always (3);
     # Megatron-LM and DeepSpeed scale only when the norm exceeds the threshold (megatron/optimizer/clip_grads.py,
@@ -118,6 +129,8 @@ class Software:
             raise ValueError(f"optimizer_kernels {self.optimizer_kernels!r} not priced; one of {sorted(OPTIMIZER_PASSES)}")
         if self.optimizer_state_bytes not in (2, 4):
             raise ValueError(f"optimizer_state_bytes {self.optimizer_state_bytes!r} not priced; 2 (bf16) or 4 (fp32)")
+        if self.master_weight_bytes not in (None, 0, 2, 4):
+            raise ValueError(f"master_weight_bytes {self.master_weight_bytes!r} not priced; 0, 2 or 4")
         if self.grad_buckets not in GRAD_BUCKETS:
             raise ValueError(f"grad_buckets {self.grad_buckets!r} not priced; one of {sorted(GRAD_BUCKETS)}")
 
@@ -126,6 +139,10 @@ class Software:
         has dp ranks (context parallelism's not counted: Megatron-Core sizes its buckets by
         get_data_parallel_world_size(), without them)."""
         return max(1, math.ceil(GRAD_BUCKETS[self.grad_buckets](grad_bytes, itemsize, dp)))
+
+    def grad_bytes(self, itemsize: int) -> int:
+        """Bytes a gradient element takes where a rank keeps it (parameters of `itemsize` bytes)."""
+        return (self.grad_reduce_bytes or itemsize) if self.grads_in_reduce_dtype else itemsize
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -287,8 +287,10 @@ def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, so
                           num_microbatches=m)
         decision = decide_offload(need, hw, allowed=("none", plan.offload))
         offload = decision.exposed_seconds
-    else:  # a fused optimizer reads and writes weights, gradients, master weights and states once
-        fused_pass = st["weights"] + st["grads"] + 2 * (st["master"] + st["optimizer"])
+    else:  # a fused optimizer reads and writes the weights it updates (its ZeRO shard), their gradients, master
+        # weights and states once
+        updated = _optimizer_params(st, plan, workload, software)
+        fused_pass = updated * (itemsize + software.grad_bytes(itemsize)) + 2 * (st["master"] + st["optimizer"])
         optimizer_step = (fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels]
                           + st["grads"] * software.grad_clip_passes) / hw.memory_bandwidth
     step = pipeline + dp + offload + optimizer_step

@@ -125,9 +125,24 @@ PLANNER = {
          "tests/test_published_runs.py::test_every_run_fits_its_gpus")),
     "optimizer_states_always_fp32": Mutation(
         "master weights and optimizer states are priced in fp32 whatever dtype the software keeps them in",
-        Rewrite("colozoo.cost.cost_model:_stage_cost", ('getattr(software, "optimizer_state_bytes", 4))', "4)")),
-        ("tests/test_cost_terms.py::test_optimizer_states_kept_in_the_softwares_dtype",
-         "tests/test_published_runs.py::test_every_run_fits_its_gpus")),
+        Rewrite("colozoo.cost.cost_model:_stage_cost", ("n_stages, software.optimizer_state_bytes,", "n_stages, 4,")),
+        ("tests/test_cost_terms.py::test_optimizer_states_kept_in_the_softwares_dtype",)),
+    "grads_in_the_parameters_dtype": Mutation(
+        "gradients are priced in the parameters' dtype whatever buffer the software accumulates them in",
+        Rewrite("colozoo.cost.software:Software.grad_bytes",
+                ("return (self.grad_reduce_bytes or itemsize) if self.grads_in_reduce_dtype else itemsize",
+                 "return itemsize")),
+        ("tests/test_cost_terms.py::test_gradients_kept_in_the_buffer_the_software_reduces_them_in",)),
+    "grad_buffer_grows_with_the_backward": Mutation(
+        "a gradient buffer allocated once is priced growing through the first backward like autograd's gradients",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("accumulated = grads if m > 1 or grad_buffer else 0.0", "accumulated = grads if m > 1 else 0.0")),
+        ("tests/test_cost_terms.py::test_gradients_kept_in_the_buffer_the_software_reduces_them_in",)),
+    "master_weights_as_wide_as_the_states": Mutation(
+        "master weights are priced at the optimizer states' width whatever the software keeps of them",
+        Rewrite("colozoo.cost.cost_model:_model_states",
+                ("master_bytes = state_bytes if master_bytes is None else master_bytes", "master_bytes = state_bytes")),
+        ("tests/test_cost_terms.py::test_master_weights_kept_as_the_software_keeps_them",)),
     "saved_views_cover_the_storage": Mutation(
         "a saved view is counted covering its whole storage",
         Rewrite("colozoo.cost.trace:SavedTensor.viewed_bytes",
