@@ -9,7 +9,8 @@ The vocabulary is padded to a multiple of the group size and split into equal sl
 padded columns never count. The op runs the Triton kernels (`cross_entropy_triton`) where `dispatch.use_triton`
 says so, otherwise the torch reference below: the loss in fp32 from one all-gather of each rank's max, sum of exps
 and target logit (`head_loss.slice_stats`, `combine_stats`; log-softmax alone when one rank holds the whole
-vocabulary). The entropy comes out of the same pass and the same all-gather: one more statistic per row.
+vocabulary), the softmax written into the fp32 copy of half-precision logits rather than beside it. The entropy
+comes out of the same pass and the same all-gather: one more statistic per row.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, valid, group, ignore_index, label_smoothing, vocab_size,
                 entropy=False):
+        owned = logits.dtype != torch.float32  # .float() copies: the softmax is written into the copy
         logits = logits.float()
         ignored = target == ignore_index
         local_target = target - vocab_start
@@ -66,7 +68,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.valid, ctx.label_smoothing, ctx.vocab_size = valid, label_smoothing, vocab_size
         ctx.log_space = group_size(group) == 1
         if ctx.log_space:  # the whole vocabulary is here: torch's fused log_softmax is the fastest path
-            log_probs = torch.log_softmax(logits, dim=-1)
+            log_probs = torch.log_softmax(logits, dim=-1, out=logits if owned else None)
             loss = -log_probs.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
             if label_smoothing > 0:
                 loss = (1 - label_smoothing) * loss - label_smoothing * log_probs.mean(dim=-1)
@@ -75,9 +77,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             return _outputs(ctx, loss.masked_fill(ignored, 0.0), by_product)
 
         if valid < logits.shape[-1]:
-            logits = logits.clone()
+            logits, owned = logits.clone(), True
             logits[..., valid:] = float("-inf")
-        stats, exps = slice_stats(logits, local_target, outside, valid, label_smoothing, entropy=entropy)
+        stats, exps = slice_stats(logits, local_target, outside, valid, label_smoothing, out=logits if owned else None,
+                                  entropy=entropy)
         loss, log_sum_exp, *by_product = combine_stats(stats, group, vocab_size, label_smoothing, entropy=entropy)
         loss = loss.masked_fill(ignored, 0.0)
         softmax = exps.mul_((stats[1] - log_sum_exp).exp().unsqueeze(-1))

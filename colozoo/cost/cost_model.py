@@ -131,7 +131,7 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     in_order = before + layers + head
     policies = ["none"] * len(before) + recompute + ["none"] * len(head)
     dynamic = _dynamic_peak(in_order, policies, saved, inflight, states.grads, states.param_bytes,
-                            plan.num_microbatches, software.grads_in_reduce_dtype)
+                            plan.num_microbatches, software.grads_in_reduce_dtype, software.wgrad_accumulation_fused)
     fsdp = _fsdp_buffers(plan, layers, software.zero3_gather_unit)
     peak = states.weights + states.master + states.optimizer + fsdp + dynamic
     grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained
@@ -264,13 +264,17 @@ def in_flight(plan: Plan, stage: int) -> float:
     return min(m, (2 * (p - stage - 1) + (v - 1) * p + 1) / v)
 
 
-def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_buffer=False) -> float:
+def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_buffer=False,
+                  wgrad_fused=False) -> float:
     """Worst activations + temporaries + gradients over one micro-batch's forward and backward, walking the
     stage's units in order. Other micro-batches in flight keep their saved activations throughout; with
     more than one micro-batch, or in a buffer allocated once (`grad_buffer`), the gradients exist from the first
-    backward on, else they grow as it runs."""
+    backward on, else they grow as it runs. A unit's backward computes its gradients into tensors of their own
+    (of the parameters' dtype where a buffer takes them) before adding them, unless its GEMMs accumulate them
+    straight into the buffer (`wgrad_fused`)."""
     others = (inflight - 1) * saved
     grad_per_byte = grads / param_bytes if param_bytes else 0.0
+    fresh_per_byte = 0.0 if wgrad_fused else 1.0 if grad_buffer else grad_per_byte
     accumulated = grads if m > 1 or grad_buffer else 0.0
     live, worst = 0.0, 0.0
     for p, policy in zip(parts, policies):
@@ -279,11 +283,11 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_
         live += kept
     for p, policy in zip(reversed(parts), reversed(policies)):
         rebuilt = p.saved_bytes - _saved_under(p, policy)  # what recomputation brings back for this backward
-        own_grads = p.param_bytes * grad_per_byte
-        worst = max(worst, others + live + rebuilt + p.bwd_transient_bytes + accumulated + own_grads)
+        fresh = p.param_bytes * fresh_per_byte
+        worst = max(worst, others + live + rebuilt + p.bwd_transient_bytes + accumulated + fresh)
         live -= _saved_under(p, policy)
-        if m == 1:
-            accumulated += own_grads
+        if m == 1 and not grad_buffer:
+            accumulated += p.param_bytes * grad_per_byte
     return worst
 
 

@@ -50,6 +50,10 @@ class Software:
     # all-reduce to be done in fp32"; DeepSpeed's BF16_Optimizer likewise), where colozoo's are the parameters' dtype
     # and grow as the first backward runs
     grads_in_reduce_dtype: bool = False
+    # a linear's GEMM adds its weight gradient straight into that buffer (Megatron's gradient accumulation fusion,
+    # on unless --no-gradient-accumulation-fusion; Transformer Engine's fuse_wgrad_accumulation), where autograd
+    # computes each gradient into a tensor of its own before adding it
+    wgrad_accumulation_fused: bool = False
     # bytes a weight element takes in ZeRO-3 gathers (None: the parameters' dtype; FSDP1 with fp32 parameters: 4)
     gather_bytes: int | None = None
     # pipeline stages exchange 1/tp of a boundary activation over the network and all-gather it over NVLink

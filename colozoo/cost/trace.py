@@ -161,8 +161,9 @@ def _tensor_bytes(tree) -> tuple[int, set]:
 
 
 def kernel_of(func, args, kwargs, out, flops: int) -> Kernel | None:
-    """The kernel an aten op launches, or None for views (outputs aliasing an input, nothing written)."""
-    read, inputs = _tensor_bytes((args, kwargs))
+    """The kernel an aten op launches, or None for views (outputs aliasing an input, nothing written). An out=
+    tensor is written, not read."""
+    read, inputs = _tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}))
     written, outputs = _tensor_bytes(out)
     if func.is_view or (not func._schema.is_mutable and outputs and outputs <= inputs):
         return None
