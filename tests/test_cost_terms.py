@@ -324,6 +324,8 @@ def test_gradients_kept_in_the_buffer_the_software_reduces_them_in():
         states = stage["weights"] + stage["grads"] + stage["master"] + stage["optimizer"]
         assert states / stage["params"] == pytest.approx(6 + 12 / d)
     assert _gpt2_stage(Software(grad_reduce_bytes=2, grads_in_reduce_dtype=True))["grads"] == plain["grads"]
+    fused = _gpt2_stage(Software(grad_reduce_bytes=4, grads_in_reduce_dtype=True, wgrad_accumulation_fused=True))
+    assert fused["peak"] < buffered["peak"] and fused["grads"] == buffered["grads"]  # no fresh gradient beside it
     # one micro-batch: colozoo's gradients grow through the backward, the buffer is whole before the first forward
     grown = _gpt2_stage(Software(grad_reduce_bytes=4))["peak"] - plain["grads"]
     whole = _gpt2_stage(Software(grad_reduce_bytes=2, grads_in_reduce_dtype=True))["peak"] - plain["grads"]
@@ -342,3 +344,15 @@ def test_master_weights_kept_as_the_software_keeps_them():
     assert _gpt2_stage(Software(optimizer_state_bytes=2))["master"] == remainders["master"]
     with pytest.raises(ValueError, match="master_weight_bytes"):
         Software(master_weight_bytes=1)
+
+
+def test_an_out_tensor_is_written_not_read():
+    """An op writing into out= moves its inputs and its output once each; in place, its operand is read and written."""
+    import torch
+
+    from colozoo.cost.trace import kernel_of
+
+    a, b, c = (torch.empty(4, 8, device="meta") for _ in range(3))
+    nbytes = a.numel() * a.element_size()
+    assert kernel_of(torch.ops.aten.sub.out, (a, b), {"out": c}, c, 0).nbytes == 3 * nbytes
+    assert kernel_of(torch.ops.aten.sub_.Tensor, (a, b), {}, a, 0).nbytes == 3 * nbytes

@@ -143,6 +143,24 @@ PLANNER = {
         Rewrite("colozoo.cost.cost_model:_model_states",
                 ("master_bytes = state_bytes if master_bytes is None else master_bytes", "master_bytes = state_bytes")),
         ("tests/test_cost_terms.py::test_master_weights_kept_as_the_software_keeps_them",)),
+    "wgrad_computed_beside_the_buffer": Mutation(
+        "Megatron-Core's GEMMs are priced computing weight gradients into tensors of their own before adding them",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("fresh_per_byte = 0.0 if wgrad_fused else 1.0 if grad_buffer else grad_per_byte",
+                 "fresh_per_byte = 1.0 if grad_buffer else grad_per_byte")),
+        ("tests/test_cost_terms.py::test_gradients_kept_in_the_buffer_the_software_reduces_them_in",)),
+    "out_tensors_read": Mutation(
+        "an op's out= tensor is priced as read as well as written",
+        Rewrite("colozoo.cost.trace:kernel_of",
+                ('read, inputs = _tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}))',
+                 "read, inputs = _tensor_bytes((args, kwargs))")),
+        ("tests/test_cost_terms.py::test_an_out_tensor_is_written_not_read",)),
+    "unfused_head_softmax_beside_its_copy": Mutation(
+        "the torch cross entropy writes the softmax of half-precision logits beside their fp32 copy, not into it",
+        Rewrite("colozoo.kernels.cross_entropy:_VocabParallelCrossEntropy.forward",
+                ("log_probs = torch.log_softmax(logits, dim=-1, out=logits if owned else None)",
+                 "log_probs = torch.log_softmax(logits, dim=-1)")),
+        ("tests/test_fused_head_pricing.py::test_an_unfused_head_turns_its_fp32_copy_into_the_softmax[1]",)),
     "saved_views_cover_the_storage": Mutation(
         "a saved view is counted covering its whole storage",
         Rewrite("colozoo.cost.trace:SavedTensor.viewed_bytes",
