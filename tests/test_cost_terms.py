@@ -347,7 +347,8 @@ def test_master_weights_kept_as_the_software_keeps_them():
 
 
 def test_an_out_tensor_is_written_not_read():
-    """An op writing into out= moves its inputs and its output once each; in place, its operand is read and written."""
+    """An op writing into out= moves its inputs and its output once each; in place, its operand is read and written;
+    a bare allocation launches nothing (what fills it, a kernel or a collective, is priced itself)."""
     import torch
 
     from colozoo.cost.trace import kernel_of
@@ -356,3 +357,6 @@ def test_an_out_tensor_is_written_not_read():
     nbytes = a.numel() * a.element_size()
     assert kernel_of(torch.ops.aten.sub.out, (a, b), {"out": c}, c, 0).nbytes == 3 * nbytes
     assert kernel_of(torch.ops.aten.sub_.Tensor, (a, b), {}, a, 0).nbytes == 3 * nbytes
+    assert kernel_of(torch.ops.aten.empty.memory_format, ((4, 8),), {"device": "meta"}, c, 0) is None
+    assert kernel_of(torch.ops.aten.empty_like.default, (a,), {}, c, 0) is None
+    assert kernel_of(torch.ops.aten.zeros_like.default, (a,), {}, c, 0) is not None  # a fill kernel runs

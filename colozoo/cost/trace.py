@@ -127,6 +127,7 @@ class Trace:
 TARGETS = ("cuda", "cpu", "eager")
 
 GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")  # no kernel: memory only
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,14 @@ def _tensor_bytes(tree) -> tuple[int, set]:
 
 
 def kernel_of(func, args, kwargs, out, flops: int) -> Kernel | None:
-    """The kernel an aten op launches, or None for views (outputs aliasing an input, nothing written). An out=
-    tensor is written, not read."""
+    """The kernel an aten op launches, or None for views (outputs aliasing an input, nothing written) and bare
+    allocations (whatever fills them, a kernel or a collective, is priced itself). An out= tensor is written, not
+    read."""
+    name = func._overloadpacket.__name__
     read, inputs = _tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}))
     written, outputs = _tensor_bytes(out)
-    if func.is_view or (not func._schema.is_mutable and outputs and outputs <= inputs):
+    if func.is_view or (not func._schema.is_mutable and outputs and outputs <= inputs) or name in ALLOCATIONS:
         return None
-    name = func._overloadpacket.__name__
     if (grouped := grouped_gemm_shape(name, args, kwargs, out, flops)) is not None:  # MoE: a GEMM an expert
         return Kernel("gemm", read + written, grouped)
     if name in GEMMS and isinstance(out, torch.Tensor) and out.dim() >= 2 and flops:

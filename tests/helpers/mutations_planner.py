@@ -155,6 +155,10 @@ PLANNER = {
                 ('read, inputs = _tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}))',
                  "read, inputs = _tensor_bytes((args, kwargs))")),
         ("tests/test_cost_terms.py::test_an_out_tensor_is_written_not_read",)),
+    "bare_allocations_priced": Mutation(
+        "a bare allocation (torch.empty) is priced as a kernel writing the whole tensor",
+        Rewrite("colozoo.cost.trace:kernel_of", ("or name in ALLOCATIONS:", ":")),
+        ("tests/test_cost_terms.py::test_an_out_tensor_is_written_not_read",)),
     "unfused_head_softmax_beside_its_copy": Mutation(
         "the torch cross entropy writes the softmax of half-precision logits beside their fp32 copy, not into it",
         Rewrite("colozoo.kernels.cross_entropy:_VocabParallelCrossEntropy.forward",
