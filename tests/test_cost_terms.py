@@ -270,21 +270,29 @@ def test_apply_plan_refuses_stages_the_model_was_not_built_with():
         apply_plan(model, Plan(layers_per_stage=(1,)))
 
 
-def test_optimizer_states_kept_in_the_softwares_dtype():
-    """NeMo's distributed_fused_adam with `dtype: bf16` keeps its master weights and both moments in bf16
-    (Software.optimizer_state_bytes = 2): half the fp32 bytes on every rank, the weights and gradients unchanged, and
-    the optimizer step reads and writes less. Other widths are refused."""
+def _gpt2_report(software, dp=2):
+    """(report, plan, workload): a tiny bf16 GPT-2, one micro-batch of one sequence, ZeRO-1 over `dp` ranks,
+    assembled under `software`."""
     from colozoo.core.mesh import ParallelConfig
     from colozoo.cost.cost_model import assemble
     from colozoo.cost.model_trace import trace_model
     from colozoo.cost.setup import Workload
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    traced = trace_model(config, 1, 32, ParallelConfig(dp=dp), "bfloat16", "cuda")
+    plan, workload = Plan(dp=dp, zero=1, micro_batch_size=1), Workload(seq_len=32)
+    return assemble(traced, plan, workload, software), plan, workload
+
+
+def test_optimizer_states_kept_in_the_softwares_dtype():
+    """NeMo's distributed_fused_adam with `dtype: bf16` keeps its master weights and both moments in bf16
+    (Software.optimizer_state_bytes = 2): half the fp32 bytes on every rank, the weights and gradients unchanged, and
+    the optimizer step reads and writes less. Other widths are refused."""
     from colozoo.cost.software import Software
     from colozoo.cost.step_time import estimate
 
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
-    traced = trace_model(config, 1, 32, ParallelConfig(dp=2), "bfloat16", "cuda")
-    plan, workload, h100 = Plan(dp=2, zero=1, micro_batch_size=1), Workload(seq_len=32), get_hardware("H100-80GB")
-    fp32, bf16 = (assemble(traced, plan, workload, Software(optimizer_state_bytes=b)) for b in (4, 2))
+    (fp32, plan, workload), (bf16, _, _) = (_gpt2_report(Software(optimizer_state_bytes=b)) for b in (4, 2))
+    h100 = get_hardware("H100-80GB")
     full, half = fp32.stages[0], bf16.stages[0]
     assert half["master"] == full["master"] / 2 and half["optimizer"] == full["optimizer"] / 2 > 0
     assert (half["weights"], half["grads"]) == (full["weights"], full["grads"]) and half["peak"] < full["peak"]
@@ -295,17 +303,9 @@ def test_optimizer_states_kept_in_the_softwares_dtype():
         Software(optimizer_state_bytes=1)
 
 
-def _gpt2_stage(software, zero=1, dp=2, micro_batches=1):
-    """Stage 0 of a tiny bf16 GPT-2 assembled under `software` (its states, activations and peak)."""
-    from colozoo.core.mesh import ParallelConfig
-    from colozoo.cost.cost_model import assemble
-    from colozoo.cost.model_trace import trace_model
-    from colozoo.cost.setup import Workload
-
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
-    traced = trace_model(config, 1, 32, ParallelConfig(dp=dp), "bfloat16", "cuda")
-    plan = Plan(dp=dp, zero=zero, micro_batch_size=1, num_microbatches=micro_batches)
-    return assemble(traced, plan, Workload(seq_len=32), software).stages[0]
+def _gpt2_stage(software, dp=2):
+    """Stage 0 of `_gpt2_report`: its states, activations and peak."""
+    return _gpt2_report(software, dp)[0].stages[0]
 
 
 def test_gradients_kept_in_the_buffer_the_software_reduces_them_in():

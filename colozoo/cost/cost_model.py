@@ -12,7 +12,7 @@ from colozoo.cost.model_trace import ModelTrace
 from colozoo.cost.report import ProfileReport, StageCost, UnitCost
 from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.setup import ProfilerError, Workload, check_priced
-from colozoo.cost.software import COLOZOO
+from colozoo.cost.software import COLOZOO, Software
 from colozoo.cost.trace import is_core_op
 from colozoo.cost.zero3_submodules import held_share
 from colozoo.runtime.plan import Plan
@@ -121,8 +121,7 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     layers, ends = _stage_parts(traced, keys, s, n_stages)
     parts = layers + ends
     software = software or COLOZOO
-    states = _model_states(traced, plan, workload, keys, parts, s, n_stages, software.optimizer_state_bytes,
-                           software.grad_bytes(_itemsize(workload)), software.master_weight_bytes)
+    states = _model_states(traced, plan, workload, keys, parts, s, n_stages, software)
     recompute = _recompute_plan(plan, len(keys))
     saved, fwd, bwd, transient = _compute(traced, plan, parts, recompute)
     inflight = in_flight(plan, s)
@@ -161,21 +160,18 @@ def _stage_parts(traced: ModelTrace, keys: list, s: int, n_stages: int) -> tuple
 
 
 def _model_states(traced: ModelTrace, plan: Plan, workload: Workload, keys, parts, s: int,
-                  n_stages: int, state_bytes: int = 4, grad_bytes: int | None = None,
-                  master_bytes: int | None = None) -> _ModelStates:
-    """Weights, gradients, master weights and optimizer states one rank of stage `s` keeps; `state_bytes`: bytes
-    an element of the optimizer's states takes (Software.optimizer_state_bytes), `master_bytes` one of the master
-    weights (Software.master_weight_bytes; None: state_bytes), `grad_bytes` a gradient's (Software.grad_bytes; None:
-    the parameters')."""
+                  n_stages: int, software: Software) -> _ModelStates:
+    """Weights, gradients, master weights and optimizer states one rank of stage `s` keeps, each element as wide as
+    the software keeps it (Software.grad_bytes, master_weight_bytes, optimizer_state_bytes)."""
     itemsize = _itemsize(workload)
     tied = traced.tied_bytes if plan.pp > 1 and s == n_stages - 1 else 0
     param_bytes = sum(p.param_bytes for p in parts) + tied
     trained = param_bytes - sum(p.frozen_param_bytes for p in parts)
-    master_bytes = state_bytes if master_bytes is None else master_bytes
-    master = float(master_bytes * (trained // itemsize)) if workload.torch_dtype != torch.float32 else 0.0
-    grads = float(trained) * (grad_bytes or itemsize) / itemsize
-    states = _ModelStates(param_bytes, trained, float(param_bytes), grads, master,
-                          OPTIMIZER_BYTES[workload.optimizer] * state_bytes / 4 * (trained // itemsize))
+    elements, state_bytes = trained // itemsize, software.optimizer_state_bytes
+    master_bytes = state_bytes if software.master_weight_bytes is None else software.master_weight_bytes
+    master = float(master_bytes * elements) if workload.torch_dtype != torch.float32 else 0.0
+    states = _ModelStates(param_bytes, trained, float(param_bytes), float(software.grad_bytes(itemsize) * elements),
+                          master, OPTIMIZER_BYTES[workload.optimizer] * state_bytes / 4 * elements)
     shard = plan.dp * plan.cp  # FSDP / ZeRO shard over the data and context ranks
     # experts are already split over ep: ZeRO/FSDP shards them only over the dp*cp/ep ranks holding the same
     # experts (the "edp" group), everything else (frozen parameters too) over all dp*cp

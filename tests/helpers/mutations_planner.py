@@ -125,7 +125,9 @@ PLANNER = {
          "tests/test_published_runs.py::test_every_run_fits_its_gpus")),
     "optimizer_states_always_fp32": Mutation(
         "master weights and optimizer states are priced in fp32 whatever dtype the software keeps them in",
-        Rewrite("colozoo.cost.cost_model:_stage_cost", ("n_stages, software.optimizer_state_bytes,", "n_stages, 4,")),
+        Rewrite("colozoo.cost.cost_model:_model_states",
+                ("elements, state_bytes = trained // itemsize, software.optimizer_state_bytes",
+                 "elements, state_bytes = trained // itemsize, 4")),
         ("tests/test_cost_terms.py::test_optimizer_states_kept_in_the_softwares_dtype",)),
     "grads_in_the_parameters_dtype": Mutation(
         "gradients are priced in the parameters' dtype whatever buffer the software accumulates them in",
@@ -141,7 +143,8 @@ PLANNER = {
     "master_weights_as_wide_as_the_states": Mutation(
         "master weights are priced at the optimizer states' width whatever the software keeps of them",
         Rewrite("colozoo.cost.cost_model:_model_states",
-                ("master_bytes = state_bytes if master_bytes is None else master_bytes", "master_bytes = state_bytes")),
+                ("master_bytes = state_bytes if software.master_weight_bytes is None else software.master_weight_bytes",
+                 "master_bytes = state_bytes")),
         ("tests/test_cost_terms.py::test_master_weights_kept_as_the_software_keeps_them",)),
     "wgrad_computed_beside_the_buffer": Mutation(
         "Megatron-Core's GEMMs are priced computing weight gradients into tensors of their own before adding them",
