@@ -97,3 +97,23 @@ def test_sizes_beside_a_registry_name_replace_its_config():
             sized.vocab_size, sized.num_experts_per_tok) == (6144, 48, 8, 32768, 128256, 2)
     assert (getattr(sized, "head_dim", None) or 128) == 128 and sized.num_local_experts == 8
     assert model_config({"registry": "Mixtral-8x7B-v0.1"}).to_dict() == get_config("Mixtral-8x7B-v0.1").to_dict()
+
+
+def test_a_preset_builds_on_another(tmp_path):
+    """A software preset may name a base preset: its fields over the base's, over that one's base's, down to
+    colozoo's defaults; a base that is no preset, and presets that build on each other in a circle, are errors."""
+    software = {"mine": {"base": "nemo-distributed-fused-adam-bf16", "grad_reduce_bytes": 2, "source": "my recipe"}}
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"software": software, "runs": [{**ROW, "software": {"base": "mine"}}]}))
+    sw = published_runs(str(path))[0].software
+    assert (sw.grad_reduce_bytes, sw.optimizer_state_bytes, sw.master_weight_bytes) == (2, 2, 0)  # own, bf16's
+    assert sw.name == "NeMo distributed_fused_adam with bf16 states"  # the nearest preset that names itself
+    assert sw.grads_in_reduce_dtype and sw.grad_buckets == "megatron_core"  # megatron-core-2024's, two bases down
+    for presets, message in (({"mine": {"base": "nemo-2030"}}, "preset 'mine': base 'nemo-2030' is none of"),
+                             ({"mine": {"base": "yours"}, "yours": {"base": "mine"}},
+                              "in a circle: mine -> yours -> mine"),
+                             ({"mine": {"tp_overlap": 1.0}}, "preset 'mine': ['tp_overlap'] are no fields")):
+        path = tmp_path / f"bad{len(list(tmp_path.iterdir()))}.json"  # published_runs caches a path's table
+        path.write_text(json.dumps({"software": presets, "runs": [{**ROW, "software": {"base": "mine"}}]}))
+        with pytest.raises(PublishedRunError, match=re.escape(message)):
+            published_runs(str(path))

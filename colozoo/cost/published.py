@@ -158,15 +158,21 @@ def _run(row: dict, software: dict, networks: dict) -> PublishedRun:
     plan = _plan(layout, row["model"].get("layers", 0), f"run {rid!r}")
     if plan.world_size != gpus:
         raise PublishedRunError(f"run {rid!r}: tp*pp*dp*cp = {plan.world_size} != gpus = {gpus}")
-    sw = row.get("software", {})
-    base = software.get(sw.get("base", "colozoo"), {})  # colozoo: Software's defaults
-    fields = {**base, **{k: v for k, v in sw.items() if k != "base"}}
+    fields = preset_fields(row.get("software", {}), software)
     runs_software = Software(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     workload = Workload(seq_len=row["model"]["seq"], dtype=row.get("dtype", "bfloat16"),
                         target=row.get("attention", "cuda"))
     return PublishedRun(rid, row["source"], row["model"], hw, plan, workload, runs_software, layout["global_batch"],
                         row["measured"], row.get("held_out", False), row.get("group", ""), row.get("notes", ""),
                         row.get("known_miss", ""), row.get("memory_miss", ""))
+
+
+def preset_fields(spec: dict, software: dict) -> dict:
+    """The Software fields `spec` sets: its own over its base preset's, over that one's base's, down to colozoo's
+    defaults (published_schema.check_presets has refused unknown bases and circles)."""
+    own = {k: v for k, v in spec.items() if k not in ("base", "source")}
+    base = spec.get("base", "colozoo")
+    return {**(preset_fields(software[base], software) if base != "colozoo" else {}), **own}
 
 
 @cache
@@ -176,8 +182,7 @@ def published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
     package = json.loads(RUNS_FILE.read_text())
     data = _read_table(path) if path else package
     check_shape(data)
-    software = {name: {k: v for k, v in spec.items() if k != "source"}
-                for name, spec in {**package["software"], **data.get("software", {})}.items()}
+    software = {**package["software"], **data.get("software", {})}
     networks = {**package["networks"], **data.get("networks", {})}
     check_table(data, software, networks)
     return tuple(_run(row, software, networks) for row in data["runs"])

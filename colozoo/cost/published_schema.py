@@ -30,8 +30,28 @@ def check_shape(data) -> None:
                                 '"software" and "networks" of presets besides the package\'s)')
 
 
+def check_presets(software: dict) -> None:
+    """Every software preset names only Software's fields, and a `base` it builds on that is a preset (or colozoo),
+    with no preset its own base however far down."""
+    known = {f.name for f in fields(Software)}
+    for name, spec in software.items():
+        unknown = sorted(set(spec) - known - {"base", "source"})
+        if unknown:
+            raise PublishedRunError(f"software preset {name!r}: {unknown} are no fields of colozoo.cost.software.Software")
+        chain = [name]
+        while (base := software[chain[-1]].get("base", "colozoo")) != "colozoo":
+            if base not in software:
+                raise PublishedRunError(f"software preset {chain[-1]!r}: base {base!r} is none of "
+                                        f"{sorted(software) + ['colozoo']}")
+            if base in chain:
+                raise PublishedRunError(f"software presets build on each other in a circle: "
+                                        f"{' -> '.join(chain + [base])}")
+            chain.append(base)
+
+
 def check_table(data, software: dict, networks: dict) -> None:
     """Every row of a table of the right shape (`software` and `networks`: the presets its rows may name)."""
+    check_presets(software)
     for i, row in enumerate(data["runs"]):
         check_row(row, software, networks, f"run {i + 1}")
     ids = [row["id"] for row in data["runs"]]

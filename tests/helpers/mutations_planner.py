@@ -168,6 +168,12 @@ PLANNER = {
                 ("log_probs = torch.log_softmax(logits, dim=-1, out=logits if owned else None)",
                  "log_probs = torch.log_softmax(logits, dim=-1)")),
         ("tests/test_fused_head_pricing.py::test_an_unfused_head_turns_its_fp32_copy_into_the_softmax[1]",)),
+    "preset_base_not_followed": Mutation(
+        "a software preset takes only its own fields, not its base preset's",
+        Rewrite("colozoo.cost.published:preset_fields",
+                ("return {**(preset_fields(software[base], software) if base != \"colozoo\" else {}), **own}",
+                 "return own")),
+        ("tests/test_published_schema.py::test_a_preset_builds_on_another",)),
     "saved_views_cover_the_storage": Mutation(
         "a saved view is counted covering its whole storage",
         Rewrite("colozoo.cost.trace:SavedTensor.viewed_bytes",
