@@ -77,7 +77,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             return _outputs(ctx, loss.masked_fill(ignored, 0.0), by_product)
 
         if valid < logits.shape[-1]:
-            logits, owned = logits.clone(), True
+            logits = logits if owned else logits.clone()  # the padding's -inf goes into our own copy, never the input
+            owned = True
             logits[..., valid:] = float("-inf")
         stats, exps = slice_stats(logits, local_target, outside, valid, label_smoothing, out=logits if owned else None,
                                   entropy=entropy)

@@ -11,6 +11,7 @@ import transformers
 from colozoo.cost.compute_time import attention_seconds, gemm_seconds, unit_seconds, wave_efficiency
 from colozoo.cost.hardware import GB, Hardware, HardwareError, get_hardware
 from colozoo.cost.network import collective_seconds, latency_steps
+from colozoo.cost.software import Software
 from colozoo.cost.step_time import _layer_chain, chain_exposure, overlapped, pipeline_seconds
 from colozoo.cost.zero3_submodules import held_share, submodule_ops, submodules
 from colozoo.runtime.plan import Plan
@@ -288,7 +289,6 @@ def test_optimizer_states_kept_in_the_softwares_dtype():
     """NeMo's distributed_fused_adam with `dtype: bf16` keeps its master weights and both moments in bf16
     (Software.optimizer_state_bytes = 2): half the fp32 bytes on every rank, the weights and gradients unchanged, and
     the optimizer step reads and writes less. Other widths are refused."""
-    from colozoo.cost.software import Software
     from colozoo.cost.step_time import estimate
 
     (fp32, plan, workload), (bf16, _, _) = (_gpt2_report(Software(optimizer_state_bytes=b)) for b in (4, 2))
@@ -314,8 +314,6 @@ def test_gradients_kept_in_the_buffer_the_software_reduces_them_in():
     weights and moments sharded over d ranks, as Megatron-LM's docs count them; the buffer is there from the start,
     so one micro-batch's forward already holds it. Without the flag the gradients are the parameters' dtype, and a
     buffer of a half-width reduction is half-width."""
-    from colozoo.cost.software import Software
-
     megatron = Software(grad_reduce_bytes=4, grads_in_reduce_dtype=True)
     buffered, plain = _gpt2_stage(megatron), _gpt2_stage(Software(grad_reduce_bytes=4))
     assert buffered["grads"] == 2 * plain["grads"] > 0 and buffered["weights"] == plain["weights"]
@@ -336,8 +334,6 @@ def test_master_weights_kept_as_the_software_keeps_them():
     """NeMo's distributed_fused_adam keeps no master weights when its states share the model's dtype and only the
     16-bit remainders of fp32 ones beside bf16 parameters (Software.master_weight_bytes 0 and 2); by default they
     take the optimizer states' width. The moments are unchanged; other widths are refused."""
-    from colozoo.cost.software import Software
-
     fp32, remainders, none = (_gpt2_stage(Software(master_weight_bytes=b)) for b in (None, 2, 0))
     assert remainders["master"] == fp32["master"] / 2 > 0 and none["master"] == 0
     assert fp32["optimizer"] == remainders["optimizer"] == none["optimizer"] > 0

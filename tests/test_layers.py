@@ -57,7 +57,9 @@ def _cross_entropy(tp, vocab, label_smoothing):
     local = torch.full((3, 7, per), 1e4)  # padded columns hold garbage that must never matter
     local[..., : stop - start] = logits[..., start:stop]
     local.requires_grad_()
+    given = local.detach().clone()
     loss = vocab_parallel_cross_entropy(local, target, vocab, parallel.tp_group, label_smoothing=label_smoothing)
+    assert torch.equal(local.detach(), given), "the loss wrote into the caller's fp32 logits"
     (loss * upstream).sum().backward()
     _close(loss, expected, "per-token loss")
     _close(local.grad[..., : stop - start], full.grad[..., start:stop], "logits gradient")

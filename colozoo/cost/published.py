@@ -175,12 +175,20 @@ def preset_fields(spec: dict, software: dict) -> dict:
     return {**(preset_fields(software[base], software) if base != "colozoo" else {}), **own}
 
 
-@cache
 def published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
-    """Every run of the table: the package's, or the JSON file at `path`, whose rows may name the package's software
-    presets and networks as well as any the file adds (same layout as colozoo/cost/published_runs.json)."""
+    """Every run of the table: the package's, or the JSON file at `path` as it is now, whose rows may name the
+    package's software presets and networks as well as any the file adds (same layout as
+    colozoo/cost/published_runs.json)."""
+    return _package_runs() if path is None else _runs(_read_table(path), json.loads(RUNS_FILE.read_text()))
+
+
+@cache
+def _package_runs() -> tuple[PublishedRun, ...]:
     package = json.loads(RUNS_FILE.read_text())
-    data = _read_table(path) if path else package
+    return _runs(package, package)
+
+
+def _runs(data: dict, package: dict) -> tuple[PublishedRun, ...]:
     check_shape(data)
     software = {**package["software"], **data.get("software", {})}
     networks = {**package["networks"], **data.get("networks", {})}

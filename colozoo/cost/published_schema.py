@@ -33,16 +33,11 @@ def check_shape(data) -> None:
 def check_presets(software: dict) -> None:
     """Every software preset names only Software's fields, and a `base` it builds on that is a preset (or colozoo),
     with no preset its own base however far down."""
-    known = {f.name for f in fields(Software)}
     for name, spec in software.items():
-        unknown = sorted(set(spec) - known - {"base", "source"})
-        if unknown:
-            raise PublishedRunError(f"software preset {name!r}: {unknown} are no fields of colozoo.cost.software.Software")
+        _software(spec, software, f"software preset {name!r}", ("base", "source"))
+    for name in software:
         chain = [name]
         while (base := software[chain[-1]].get("base", "colozoo")) != "colozoo":
-            if base not in software:
-                raise PublishedRunError(f"software preset {chain[-1]!r}: base {base!r} is none of "
-                                        f"{sorted(software) + ['colozoo']}")
             if base in chain:
                 raise PublishedRunError(f"software presets build on each other in a circle: "
                                         f"{' -> '.join(chain + [base])}")
@@ -82,7 +77,7 @@ def check_row(row, software: dict, networks: dict, where: str) -> None:
         raise PublishedRunError(f"{where}: gpus {row['gpus']!r} is not a positive whole number")
     if row.get("network") is not None and row["network"] not in networks:
         raise PublishedRunError(f"{where}: network {row['network']!r} is none of {sorted(networks)}")
-    _software(row.get("software", {}), software, where)
+    _software(row.get("software", {}), software, f"{where} software")
 
 
 def _layout(layout: dict, where: str) -> None:
@@ -100,14 +95,14 @@ def _layout(layout: dict, where: str) -> None:
                                 f"{per_step} sequences a micro-batch step")
 
 
-def _software(spec: dict, software: dict, where: str) -> None:
+def _software(spec: dict, software: dict, where: str, keys=("base",)) -> None:
+    """A run's software or a preset: a base that is a preset (or colozoo), and besides `keys` Software's fields."""
     base = spec.get("base", "colozoo")
     if base != "colozoo" and base not in software:
-        raise PublishedRunError(f"{where} software: base {base!r} is none of {sorted(software) + ['colozoo']}")
-    known = {f.name for f in fields(Software)}
-    unknown = sorted(set(spec) - known - {"base"})
+        raise PublishedRunError(f"{where}: base {base!r} is none of {sorted(software) + ['colozoo']}")
+    unknown = sorted(set(spec) - {f.name for f in fields(Software)} - set(keys))
     if unknown:
-        raise PublishedRunError(f"{where} software: {unknown} are no fields of colozoo.cost.software.Software")
+        raise PublishedRunError(f"{where}: {unknown} are no fields of colozoo.cost.software.Software")
 
 
 def _keys(obj, required, allowed, where: str) -> None:
