@@ -40,14 +40,17 @@ def test_clipping_reads_each_gradient_once_and_scales_it_in_place(max_norm):
     assert moved.total == Software().grad_clip_passes * grad_bytes  # an fp32 copy or a squared temporary: 5 passes
 
 
-def test_step_prices_the_clipping_passes_the_software_makes():
-    report = profile_for("gpt2", batch_size=1, seq_len=16, mesh="dp=2", zero=1)
+@pytest.mark.parametrize("zero, share", [(0, 1), (1, 1 / 2)])
+def test_step_prices_the_clipping_passes_the_software_makes(zero, share):
+    """Over the gradients the optimizer steps from: all of them under DDP, the rank's shard under ZeRO-1 (Megatron-Core's
+    distributed optimizer and DeepSpeed take the norm of their shard's main gradients and all-reduce it)."""
+    report = profile_for("gpt2", batch_size=1, seq_len=16, mesh="dp=2", zero=zero)
     plan, workload, hw = Plan.from_dict(report.plan), Workload.from_dict(report.workload), get_hardware("H100-80GB")
-    grads = report.stages[0]["grads"] / (3350e9 * hw.hbm_efficiency)
+    grads = share * report.stages[0]["grads"] / (3350e9 * hw.hbm_efficiency)
     seconds = {n: estimate(report, plan, workload, hw, software=Software(grad_clip_passes=n))[1]["optimizer"]
                for n in (0, 1, 3)}
-    assert seconds[1] - seconds[0] == pytest.approx(grads)
-    assert seconds[3] - seconds[0] == pytest.approx(3 * grads)
+    assert seconds[1] - seconds[0] == pytest.approx(grads, rel=1e-3)
+    assert seconds[3] - seconds[0] == pytest.approx(3 * grads, rel=1e-3)
 
 
 def test_published_software_names_how_it_clips():

@@ -138,7 +138,10 @@ H100_SOURCES = {
     "hbm_bw": "NVIDIA H100 datasheet: 3.35 TB/s (SXM)",
     "hbm_efficiency": ESTIMATE,
     "intra_node_bw": "NVIDIA H100 datasheet: NVLink 900 GB/s (450 GB/s a direction)",
-    "intra_node_efficiency": ESTIMATE,
+    "intra_node_efficiency": "nccl-tests issue #212 (NVIDIA): of NVLink's 450 GB/s line rate NCCL's protocol "
+                             "overhead (~20%) leaves ~370 GB/s, the bus bandwidth of collectives other than "
+                             "all-reduce and of all-reduce as a ring; NVLink SHARP all-reduce on 8 GPUs peaks near 480 "
+                             "(not priced)",
     "inter_node_bw": "DGX H100: 8 x 400 Gb/s ConnectX-7 a node, one adapter a GPU",
     "inter_node_efficiency": IB,
     "comm_contention": SMS_FOR_COMM + " (20 of 132)",
@@ -162,7 +165,7 @@ B200_SOURCES = {
     "hbm_bw": "NVIDIA DGX B200 datasheet: 64 TB/s HBM3e for 8 GPUs (8 TB/s a GPU)",
     "hbm_efficiency": ESTIMATE,
     "intra_node_bw": "NVIDIA DGX B200 datasheet: fifth-generation NVLink, 1.8 TB/s a GPU (900 GB/s a direction)",
-    "intra_node_efficiency": ESTIMATE + " (the H100's)",
+    "intra_node_efficiency": ESTIMATE + " (the H100's, nccl-tests issue #212)",
     "inter_node_bw": "NVIDIA DGX B200 datasheet: 8 single-port ConnectX-7 at 400 Gb/s a node, one adapter a GPU",
     "inter_node_efficiency": IB,
     "comm_contention": SMS_FOR_COMM + " (20 of 148)",

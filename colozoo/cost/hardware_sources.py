@@ -26,7 +26,12 @@ DEFAULT_SOURCES = {
     "hbm_efficiency": ESTIMATE,
     "kernel_floor_s": ESTIMATE + " (a few microseconds: a CUDA kernel's launch and tail)",
     "launch_s": "0 on a GPU: the host issues kernels ahead of the stream (the CPU bench, bench/planner.py, fits it)",
-    "usable_memory": ESTIMATE + " (the CUDA context, allocator fragmentation and NCCL buffers take the rest)",
+    "usable_memory": ESTIMATE + " (the CUDA context, allocator fragmentation and NCCL buffers take the rest), "
+                     "in the range measured: NCCL's per-channel buffers, outside PyTorch's allocator (fairscale PR "
+                     "#678), take 544 MB for a 2-rank and 688 MB for a larger communicator on 4 NVLinked A100s (NCCL "
+                     "issue #964) and 1.06 GB, 4.34 GB after a first all-to-all, on 8 H100s (NCCL issue #1685); the "
+                     "CUDA context about 0.1 GB (sglang PR #35538): a layout's 3-6 communicators (tensor, pipeline, "
+                     "data, context, expert) take 2-6 GB of the 6.9 GB an 80 GB GPU keeps back",
     "cpu_adam_params_per_s": ESTIMATE,
     "layer_overhead_s": "0 on a GPU: the host runs ahead (the CPU bench, bench/planner.py, fits it)",
     "collective_latency_s": ESTIMATE + " (per ring step inside a node)",

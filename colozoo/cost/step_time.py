@@ -288,11 +288,13 @@ def estimate(report, plan: Plan, workload: Workload, hw: Hardware, base=None, so
         decision = decide_offload(need, hw, allowed=("none", plan.offload))
         offload = decision.exposed_seconds
     else:  # a fused optimizer reads and writes the weights it updates (its ZeRO shard), their gradients, master
-        # weights and states once
+        # weights and states once; the clipping passes over the same shard's gradients (under ZeRO-1 and 2,
+        # Megatron-Core's distributed optimizer and DeepSpeed take the norm of the main gradients of their shard)
         updated = _optimizer_params(st, plan, workload, software)
-        fused_pass = updated * (itemsize + software.grad_bytes(itemsize)) + 2 * (st["master"] + st["optimizer"])
+        shard_grads = updated * software.grad_bytes(itemsize)
+        fused_pass = updated * itemsize + shard_grads + 2 * (st["master"] + st["optimizer"])
         optimizer_step = (fused_pass * OPTIMIZER_PASSES[software.optimizer_kernels]
-                          + st["grads"] * software.grad_clip_passes) / hw.memory_bandwidth
+                          + shard_grads * software.grad_clip_passes) / hw.memory_bandwidth
     step = pipeline + dp + offload + optimizer_step
     breakdown = {"compute": t.compute * m, "bubble": pipeline - t.total * m, "tp": t.tp * m, "cp": t.cp * m,
                  "pp": t.pp * m, "ep": t.ep * m, "dp": t.zero * m + dp, "offload": offload,

@@ -228,8 +228,8 @@ PLANNER = {
     "grad_clip_unpriced": Mutation(
         "the gradient clipping's passes over the gradients cost nothing",
         Rewrite("colozoo.cost.step_time:estimate",
-                ('+ st["grads"] * software.grad_clip_passes)', "+ 0)")),
-        ("tests/test_clipping_traffic.py::test_step_prices_the_clipping_passes_the_software_makes",)),
+                ('+ shard_grads * software.grad_clip_passes)', "+ 0)")),
+        ("tests/test_clipping_traffic.py::test_step_prices_the_clipping_passes_the_software_makes[0-1]",)),
     "head_always_fused": Mutation(
         "every framework's LM head is priced as colozoo's fused linear cross-entropy",
         Rewrite("colozoo.cost.model_trace:_step_of",
