@@ -119,7 +119,9 @@ A100_SOURCES = {
     "attention_efficiency": "liangan1/GPU_travel performance/flash-attn/README.md: FlashAttention-2 forward on A100, "
                             "177-187 TFLOP/s without a mask (57-60%), 37-60% causal; the backward is slower",
     "attention_speed": attention_speed.A100_SOURCE,
-    "hbm_efficiency": ESTIMATE,
+    "hbm_efficiency": ESTIMATE + " (a copy, read and written), beside what is measured: a read kernel on an A100 80GB "
+                      "SXM reaches 1.80 of 2.04 TB/s, 88% by Nsight Compute too, about the 90% the best kernels of a "
+                      "GTC talk it cites reach (NVIDIA developer forums, 'Trouble to Reach Peak Bandwidth of A100')",
     "intra_node_bw": "NVIDIA A100 datasheet: NVLink 600 GB/s (300 GB/s a direction)",
     "intra_node_efficiency": NCCL_A100,
     "inter_node_bw": "DGX A100: 8 x 200 Gb/s HDR InfiniBand a node, one adapter a GPU (Narayanan et al. 2021, §5)",
