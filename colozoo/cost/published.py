@@ -179,13 +179,17 @@ def published_runs(path: str | None = None) -> tuple[PublishedRun, ...]:
     """Every run of the table: the package's, or the JSON file at `path` as it is now, whose rows may name the
     package's software presets and networks as well as any the file adds (same layout as
     colozoo/cost/published_runs.json)."""
-    return _package_runs() if path is None else _runs(_read_table(path), json.loads(RUNS_FILE.read_text()))
+    return _package_runs() if path is None else _runs(_read_table(path), _package_table())
+
+
+@cache
+def _package_table() -> dict:  # read once: the package's file does not change under a running process
+    return json.loads(RUNS_FILE.read_text())
 
 
 @cache
 def _package_runs() -> tuple[PublishedRun, ...]:
-    package = json.loads(RUNS_FILE.read_text())
-    return _runs(package, package)
+    return _runs(_package_table(), _package_table())
 
 
 def _runs(data: dict, package: dict) -> tuple[PublishedRun, ...]:
