@@ -46,6 +46,45 @@ def _tanh(x):
 
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Folds one block of base-2 scores `s` (rows x keys, -inf where hidden) and its values into the running row
+    maximum, sum and output of an online softmax: (m_i, l_i, acc), each rescaled to the new maximum."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _normalized(acc, l_i):
+    """The output of an online softmax and whether its rows saw no key (zeros there, not NaN)."""
+    empty = l_i == 0.0
+    return acc / tl.where(empty, 1.0, l_i)[:, None], empty
+
+
+@triton.jit
+def _probs_and_score_grads(q, k, v, do, lse, delta, rows, cols, qk_scale, cap, Mask, smm, smn, Docs, sdn, SQ, SK,
+                           CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
+                           SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """The backward's recompute of one (rows x cols) block: the forward's probabilities P from the saved base-2
+    log-sum-exp, and the scores' gradient dS = P (dO V^T - delta), through the tanh cap's slope when there is one."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        t = _tanh(s / cap)
+        s = cap * t
+    s = tl.where(_keep(rows, cols, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS), s, float("-inf"))
+    p = tl.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+@triton.jit
 def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale, cap,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
                   Docs, sdb, sdn, sob, soh, som, sod, H, GROUP, SQ, SK, D,
@@ -83,15 +122,8 @@ def _attn_forward(Q, K, V, Mask, O, LSE, qk_scale, cap,
         if SOFTCAP:  # scores are in base 2 here, and so is `cap`
             s = cap * _tanh(s / cap)
         s = tl.where(_keep(offs_m, cols, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    out, empty = _normalized(acc, l_i)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
     lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -134,17 +166,9 @@ def _attn_backward_dkdv(Q, K, V, Mask, DO, LSE, DELTA, DK, DV, qk_scale, sm_scal
         do = tl.load(DO + rows[:, None] * sdom + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
         lse = tl.load(LSE + rows, mask=rows < SQ, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:
-            t = _tanh(s / cap)
-            s = cap * t
-        s = tl.where(_keep(rows, offs_n, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS), s, float("-inf"))
-        p = tl.exp2(s - lse[:, None])
+        p, ds = _probs_and_score_grads(q, k, v, do, lse, delta, rows, offs_n, qk_scale, cap, Mask, smm, smn, Docs,
+                                       sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS, SOFTCAP, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     out = b * H * SK * D + h * SK * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -185,16 +209,8 @@ def _attn_backward_dq(Q, K, V, Mask, DO, LSE, DELTA, DQ, qk_scale, sm_scale, cap
         col_mask = (cols[:, None] < SK) & (offs_d[None, :] < D)
         k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=col_mask, other=0.0)
         v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=col_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:
-            t = _tanh(s / cap)
-            s = cap * t
-        s = tl.where(_keep(offs_m, cols, Mask, smm, smn, Docs, sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS), s, float("-inf"))
-        p = tl.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
+        _, ds = _probs_and_score_grads(q, k, v, do, lse, delta, offs_m, cols, qk_scale, cap, Mask, smm, smn, Docs,
+                                       sdn, SQ, SK, CAUSAL, HAS_MASK, HAS_DOCS, SOFTCAP, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + b * H * SQ * D + h * SQ * D + offs_m[:, None] * D + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)

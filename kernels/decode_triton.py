@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_triton import _normalized, _online_softmax_step
+
 LOG2E = 1.4426950408889634
 CHUNK_SIZE = 256  # a 4k cache gives 16 programs per (batch, kv head); short caches stay one or two chunks
 
@@ -52,15 +54,8 @@ def _decode_chunk(Q, K, V, Mask, O, LSE, qk_scale,
             keep &= tl.load(Mask + cols * smn, mask=keep, other=0) != 0
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         s = tl.where(keep[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    out, empty = _normalized(acc, l_i)
     # partials are (batch, heads_q, NUM_CHUNKS, D) and (batch, heads_q, NUM_CHUNKS), contiguous
     rows = (b * HK * GROUP + heads) * NUM_CHUNKS + chunk
     tl.store(O + rows[:, None] * D + offs_d[None, :], out, mask=row_mask)
