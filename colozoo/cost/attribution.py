@@ -2,6 +2,8 @@
 the head (by module name and by position around the layers), with each unit's parameters, kernels and traffic."""
 from __future__ import annotations
 
+from collections import defaultdict
+
 from colozoo.core.mesh import ParallelConfig
 from colozoo.cost.report import UnitCost
 from colozoo.cost.trace import Trace, kernel_key
@@ -86,11 +88,15 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
             u.fwd_transient_bytes = max(u.fwd_transient_bytes, temps[i])
         else:
             u.bwd_transient_bytes = max(u.bwd_transient_bytes, temps[i])
-    for saved in trace.saved.values():
-        u = unit(_unit_of_saved(saved, trace, step_unit, layer_prefix))
+    lives = defaultdict(list)  # unit -> (step made, step released) and bytes of each tensor it saves
+    for rid, saved in trace.saved.items():
+        name = _unit_of_saved(saved, trace, step_unit, layer_prefix)
+        u = unit(name)
         if u is None:
             continue
         u.saved_bytes += saved.nbytes
+        life = trace.storages[rid]
+        lives[name].append((life.birth, len(trace.steps) if life.death is None else life.death, saved.nbytes))
         u.ops.setdefault(saved.op, {"calls": 0, "fwd_flops": 0, "bwd_flops": 0, "saved_bytes": 0})
         u.ops[saved.op]["saved_bytes"] += saved.nbytes
         if len(saved.shape) >= 2 and saved.shape[-1] == saved.shape[-2] == local_seq:
@@ -100,6 +106,10 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
         if layer_prefix and saved.module.startswith(layer_prefix):  # "mlp.experts|mul|2880": module, op, width
             key = f"{saved.module[len(layer_prefix):].partition('.')[2]}|{saved.op}|{saved.shape[-1:]}"
             u.module_saved[key] = u.module_saved.get(key, 0) + saved.nbytes
+    for name, (fwd_peak, bwd_peak) in _held_peaks(trace, step_unit, temps, lives).items():
+        if (u := units.get(name)) is not None:
+            u.fwd_unsaved_bytes = max(0, u.saved_bytes + u.fwd_transient_bytes - fwd_peak)
+            u.bwd_released_bytes = max(0, u.saved_bytes + u.bwd_transient_bytes - bwd_peak)
     for c in trace.collectives:
         u = unit(step_unit[c.step])
         if u is None:
@@ -115,6 +125,23 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
                 u.norm_inputs = {m[len(inside):]: n for m, n in trace.module_inputs.items()
                                  if m.startswith(inside) and m.endswith("norm")}
     return units
+
+
+def _held_peaks(trace: Trace, step_unit, temps: list, lives: dict) -> dict[str, tuple[int, int]]:
+    """The most each unit holds at once in its forward and in its backward: the tensors it has saved so far (a
+    layer's MLP saves nothing before its attention has run), or not yet released (autograd frees a node's saved
+    tensors once the node has run, so the MLP has let go of its own before the attention's backward begins), plus
+    the temporaries alive then."""
+    peaks: dict[str, list] = {}
+    for i, (_, phase, _, _) in enumerate(trace.steps):
+        name = step_unit[i]
+        if name not in lives:
+            continue
+        held = sum(n for born, gone, n in lives[name] if born <= i < gone)
+        worst = peaks.setdefault(name, [0, 0])
+        k = 0 if phase == "forward" else 1
+        worst[k] = max(worst[k], held + temps[i])
+    return {name: (fwd, bwd) for name, (fwd, bwd) in peaks.items()}
 
 
 def _unit_of_saved(saved, trace: Trace, step_unit, layer_prefix) -> str:

@@ -103,7 +103,11 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
                 + (u.attention_unviewed_bytes if copies else 0))
 
     def build():
-        units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u))) for k, u in traced.units.items()}
+        # what the software does not save may be what the backward had released by its peak: released no more
+        units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u)),
+                            fwd_unsaved_bytes=int(max(0, u.fwd_unsaved_bytes - dropped(u))),
+                            bwd_released_bytes=int(max(0, u.bwd_released_bytes - dropped(u))))
+                 for k, u in traced.units.items()}
         return replace(traced, units=units, memo={})
 
     return traced.memoized(("saved by", modules, hidden, folded, norm, swiglu, shard, copies, plan.tp), build)
@@ -265,7 +269,9 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_
     """Worst activations + temporaries + gradients over one micro-batch's forward and backward, walking the
     stage's units in order. Other micro-batches in flight keep their saved activations throughout; with
     more than one micro-batch, or in a buffer allocated once (`grad_buffer`), the gradients exist from the first
-    backward on, else they grow as it runs. A unit's backward computes its gradients into tensors of their own
+    backward on, else they grow as it runs. A unit holds at its worst op only what it has saved so far (forward)
+    or not yet released (backward) beside the temporaries, as traced (UnitCost.fwd_unsaved_bytes,
+    bwd_released_bytes); a recomputed layer's forward saves nothing. A unit's backward computes its gradients into tensors of their own
     (of the parameters' dtype where a buffer takes them) before adding them, unless its GEMMs accumulate them
     straight into the buffer (`wgrad_fused`)."""
     others = (inflight - 1) * saved
@@ -275,12 +281,14 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_
     live, worst = 0.0, 0.0
     for p, policy in zip(parts, policies):
         kept = _saved_under(p, policy)
-        worst = max(worst, others + live + kept + p.fwd_transient_bytes + accumulated)
+        unsaved = p.fwd_unsaved_bytes if policy == "none" else 0  # what it has not saved yet when its temporaries peak
+        worst = max(worst, others + live + kept + p.fwd_transient_bytes - unsaved + accumulated)
         live += kept
     for p, policy in zip(reversed(parts), reversed(policies)):
         rebuilt = p.saved_bytes - _saved_under(p, policy)  # what recomputation brings back for this backward
         fresh = p.param_bytes * fresh_per_byte
-        worst = max(worst, others + live + rebuilt + p.bwd_transient_bytes + accumulated + fresh)
+        held = rebuilt + p.bwd_transient_bytes - p.bwd_released_bytes  # its nodes free what they saved as they run
+        worst = max(worst, others + live + held + accumulated + fresh)
         live -= _saved_under(p, policy)
         if m == 1 and not grad_buffer:
             accumulated += p.param_bytes * grad_per_byte

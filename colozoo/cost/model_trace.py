@@ -186,7 +186,8 @@ class ModelTrace:
         for key, u in self.units.items():
             v = copy.deepcopy(u)
             for attr in ("fwd_flops", "bwd_flops", "saved_bytes", "attention_core_bytes", "attention_unviewed_bytes",
-                         "input_bytes", "transient_bytes", "fwd_transient_bytes", "bwd_transient_bytes"):
+                         "input_bytes", "transient_bytes", "fwd_transient_bytes", "bwd_transient_bytes",
+                         "fwd_unsaved_bytes", "bwd_released_bytes"):
                 setattr(v, attr, int(round(getattr(u, attr) * f)))
             v.comm = {k: n * f for k, n in u.comm.items()}
             v.module_saved = {k: int(round(n * f)) for k, n in u.module_saved.items()}

@@ -28,6 +28,10 @@ class UnitCost:
     transient_bytes: int = 0             # temporaries alive at the worst op (forward or backward)
     fwd_transient_bytes: int = 0
     bwd_transient_bytes: int = 0
+    fwd_unsaved_bytes: int = 0           # of saved + fwd_transient, what the forward never holds at once: the
+    #                                      tensors it saves only after its temporaries peak
+    bwd_released_bytes: int = 0          # of saved + bwd_transient, what the backward never holds at once: the saved
+    #                                      tensors its nodes have released before its temporaries peak
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per micro-batch (fwd + bwd)
     comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per micro-batch (fwd + bwd)
     ops: dict = field(default_factory=dict)   # op -> {"calls", "fwd_flops", "bwd_flops", "saved_bytes"}

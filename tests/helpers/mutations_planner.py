@@ -7,6 +7,7 @@ from mutation_tools import Mutation, Rewrite
 RUNS = "tests/test_published_runs.py::test_every_run_is_predicted_within_tolerance"
 PARALLEL_TERMS = "tests/test_cost_parallel_terms.py::"
 SOURCES = "tests/test_hardware_sources.py::"
+STEP_PEAK = "tests/test_step_peak.py::"
 
 PLANNER = {
     "zero3_gathers_whole_layers": Mutation(
@@ -146,6 +147,23 @@ PLANNER = {
                 ("master_bytes = state_bytes if software.master_weight_bytes is None else software.master_weight_bytes",
                  "master_bytes = state_bytes")),
         ("tests/test_cost_terms.py::test_master_weights_kept_as_the_software_keeps_them",)),
+    "forward_holds_all_it_saves": Mutation(
+        "a unit's forward is priced holding everything it saves beside its worst temporaries, even what it saves later",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ('unsaved = p.fwd_unsaved_bytes if policy == "none" else 0', "unsaved = 0")),
+        (STEP_PEAK + "test_a_steps_peak_is_what_a_real_step_holds[1-64-8-2-256]",)),
+    "backward_holds_all_it_saved": Mutation(
+        "a unit's backward is priced holding everything it saved beside its worst temporaries, even what it released",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("held = rebuilt + p.bwd_transient_bytes - p.bwd_released_bytes",
+                 "held = rebuilt + p.bwd_transient_bytes")),
+        (STEP_PEAK + "test_a_steps_peak_is_what_a_real_step_holds[1-64-8-2-256]",)),
+    "unsaved_bytes_released_twice": Mutation(
+        "what the software does not save is taken off the backward's peak even where the backward had released it",
+        Rewrite("colozoo.cost.cost_model:_as_saved_by",
+                ("bwd_released_bytes=int(max(0, u.bwd_released_bytes - dropped(u)))",
+                 "bwd_released_bytes=u.bwd_released_bytes")),
+        (STEP_PEAK + "test_what_the_software_does_not_save_lowers_the_peak_only_where_it_was_held",)),
     "wgrad_computed_beside_the_buffer": Mutation(
         "Megatron-Core's GEMMs are priced computing weight gradients into tensors of their own before adding them",
         Rewrite("colozoo.cost.cost_model:_dynamic_peak",
