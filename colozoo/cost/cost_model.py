@@ -103,7 +103,8 @@ def _as_saved_by(traced: ModelTrace, plan: Plan, software) -> ModelTrace:
                 + (u.attention_unviewed_bytes if copies else 0))
 
     def build():
-        # what the software does not save may be what the backward had released by its peak: released no more
+        # what the software does not save may be what the unit had not saved yet, or had released, at its worst
+        # op: taken off the peak once, not twice
         units = {k: replace(u, saved_bytes=int(u.saved_bytes - dropped(u)),
                             fwd_unsaved_bytes=int(max(0, u.fwd_unsaved_bytes - dropped(u))),
                             bwd_released_bytes=int(max(0, u.bwd_released_bytes - dropped(u))))
@@ -271,9 +272,9 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_
     more than one micro-batch, or in a buffer allocated once (`grad_buffer`), the gradients exist from the first
     backward on, else they grow as it runs. A unit holds at its worst op only what it has saved so far (forward)
     or not yet released (backward) beside the temporaries, as traced (UnitCost.fwd_unsaved_bytes,
-    bwd_released_bytes); a recomputed layer's forward saves nothing. A unit's backward computes its gradients into tensors of their own
-    (of the parameters' dtype where a buffer takes them) before adding them, unless its GEMMs accumulate them
-    straight into the buffer (`wgrad_fused`)."""
+    bwd_released_bytes); a recomputed layer's forward saves nothing. A unit's backward computes its gradients into
+    tensors of their own (of the parameters' dtype where a buffer takes them) before adding them, unless its GEMMs
+    accumulate them straight into the buffer (`wgrad_fused`)."""
     others = (inflight - 1) * saved
     grad_per_byte = grads / param_bytes if param_bytes else 0.0
     fresh_per_byte = 0.0 if wgrad_fused else 1.0 if grad_buffer else grad_per_byte
