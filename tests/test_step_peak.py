@@ -7,9 +7,13 @@ import transformers
 from live_bytes import LiveBytes
 
 from colozoo.api import build_model
+from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import trace_model
 from colozoo.cost.profiler import profile_for
+from colozoo.cost.setup import Workload
+from colozoo.cost.software import Software
 from colozoo.kernels.dispatch import use_kernels
+from colozoo.runtime.plan import Plan
 
 
 def gpt2(layers, width, heads):
@@ -55,11 +59,6 @@ def test_a_layer_holds_less_at_its_worst_op_than_all_it_saves():
 def test_what_the_software_does_not_save_lowers_the_peak_only_where_it_was_held():
     """A fused SwiGLU keeps less of the MLP. The step's peak is in the last layer's attention backward, when that
     layer's MLP has released all it saved already: only the first layer, still whole, holds less."""
-    from colozoo.cost.cost_model import assemble
-    from colozoo.cost.setup import Workload
-    from colozoo.cost.software import Software
-    from colozoo.runtime.plan import Plan
-
     config = transformers.AutoConfig.for_model("llama", vocab_size=101, hidden_size=64, intermediate_size=256,
                                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
                                                max_position_embeddings=512)

@@ -88,15 +88,14 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
             u.fwd_transient_bytes = max(u.fwd_transient_bytes, temps[i])
         else:
             u.bwd_transient_bytes = max(u.bwd_transient_bytes, temps[i])
-    lives = defaultdict(list)  # unit -> (step made, step released) and bytes of each tensor it saves
+    lives = defaultdict(list)  # unit -> the lifetime of each tensor it saves
     for rid, saved in trace.saved.items():
         name = _unit_of_saved(saved, trace, step_unit, layer_prefix)
         u = unit(name)
         if u is None:
             continue
         u.saved_bytes += saved.nbytes
-        life = trace.storages[rid]
-        lives[name].append((life.birth, len(trace.steps) if life.death is None else life.death, saved.nbytes))
+        lives[name].append(trace.storages[rid])
         u.ops.setdefault(saved.op, {"calls": 0, "fwd_flops": 0, "bwd_flops": 0, "saved_bytes": 0})
         u.ops[saved.op]["saved_bytes"] += saved.nbytes
         if len(saved.shape) >= 2 and saved.shape[-1] == saved.shape[-2] == local_seq:
@@ -132,15 +131,12 @@ def _held_peaks(trace: Trace, step_unit, temps: list, lives: dict) -> dict[str, 
     layer's MLP saves nothing before its attention has run), or not yet released (autograd frees a node's saved
     tensors once the node has run, so the MLP has let go of its own before the attention's backward begins), plus
     the temporaries alive then."""
+    held = {name: trace.alive_at_each_op(spans) for name, spans in lives.items()}
     peaks: dict[str, list] = {}
     for i, (_, phase, _, _) in enumerate(trace.steps):
-        name = step_unit[i]
-        if name not in lives:
-            continue
-        held = sum(n for born, gone, n in lives[name] if born <= i < gone)
-        worst = peaks.setdefault(name, [0, 0])
-        k = 0 if phase == "forward" else 1
-        worst[k] = max(worst[k], held + temps[i])
+        if (name := step_unit[i]) in held:
+            worst, k = peaks.setdefault(name, [0, 0]), int(phase != "forward")
+            worst[k] = max(worst[k], held[name][i] + temps[i])
     return {name: (fwd, bwd) for name, (fwd, bwd) in peaks.items()}
 
 

@@ -110,15 +110,19 @@ class Trace:
 
     def temporaries(self) -> list[int]:
         """Bytes of op outputs alive at each op that are neither saved for backward nor final gradients."""
-        delta = [0] * (len(self.steps) + 2)
-        for key, life in self.storages.items():
-            if key in self.saved or key in self.grad_keys or key in self.static_ids:
-                continue
+        kept = self.saved.keys() | self.grad_keys | self.static_ids
+        return self.alive_at_each_op(life for key, life in self.storages.items() if key not in kept)
+
+    def alive_at_each_op(self, lives) -> list[int]:
+        """Bytes of the storages `lives` (StorageLife records) alive at each op: from the op that made one up to the
+        one at which it was found freed (to the end when it never was)."""
+        n = len(self.steps)
+        delta = [0] * (n + 2)
+        for life in lives:
             delta[life.birth] += life.nbytes
-            end = life.death if life.death is not None else len(self.steps) + 1
-            delta[end] -= life.nbytes
+            delta[n + 1 if life.death is None else life.death] -= life.nbytes
         out, live = [], 0
-        for i in range(len(self.steps)):
+        for i in range(n):
             live += delta[i]
             out.append(live)
         return out
