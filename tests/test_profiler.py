@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from colozoo.kernels.dispatch import use_kernels
 from colozoo.api import build_model
+from colozoo.cost.model_trace import trace_model
 from colozoo.cost.op_flops import EXTRA_FLOP_FORMULAS
 from colozoo.cost.profiler import profile_for
 from colozoo.cost.setup import ProfilerError, get_config
@@ -253,6 +254,16 @@ def test_any_module_and_big_models_profile_in_seconds():
     eight = profile_for(llama, batch_size=1, seq_len=4096, mesh="dp=8", zero=3, checkpointing="full")
     assert eight.peak_memory > 14 * step.total_params / 8 > 80e9
     assert next(u for u in step.units if u["name"].startswith("layer"))["count"] == 80
+
+
+def test_a_generic_modules_weights_and_gradients_are_neither_activations_nor_temporaries():
+    """A module not built on meta runs on meta stand-ins for its parameters: what autograd saves of them, and the
+    gradients made for them, are model states; counted as activations and temporaries, they were so twice."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    step = trace_model(mlp, 1, 8, None, "float32", "cpu", inputs={"input": torch.zeros(8, 64, device="meta")})
+    unit = step.units["model"]
+    assert unit.saved_bytes == (8 * 64 + 8 * 256) * 4  # the input and the ReLU's output, not the second weight
+    assert unit.bwd_transient_bytes < 64 * 256 * 4  # less than one weight's gradient
 
 
 def test_bad_input_is_named():

@@ -88,14 +88,12 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
             u.fwd_transient_bytes = max(u.fwd_transient_bytes, temps[i])
         else:
             u.bwd_transient_bytes = max(u.bwd_transient_bytes, temps[i])
-    lives = defaultdict(list)  # unit -> the lifetime of each tensor it saves
     for rid, saved in trace.saved.items():
         name = _unit_of_saved(saved, trace, step_unit, layer_prefix)
         u = unit(name)
         if u is None:
             continue
         u.saved_bytes += saved.nbytes
-        lives[name].append(trace.storages[rid])
         u.ops.setdefault(saved.op, {"calls": 0, "fwd_flops": 0, "bwd_flops": 0, "saved_bytes": 0})
         u.ops[saved.op]["saved_bytes"] += saved.nbytes
         if len(saved.shape) >= 2 and saved.shape[-1] == saved.shape[-2] == local_seq:
@@ -105,10 +103,6 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
         if layer_prefix and saved.module.startswith(layer_prefix):  # "mlp.experts|mul|2880": module, op, width
             key = f"{saved.module[len(layer_prefix):].partition('.')[2]}|{saved.op}|{saved.shape[-1:]}"
             u.module_saved[key] = u.module_saved.get(key, 0) + saved.nbytes
-    for name, (fwd_peak, bwd_peak) in _held_peaks(trace, step_unit, temps, lives).items():
-        if (u := units.get(name)) is not None:
-            u.fwd_unsaved_bytes = max(0, u.saved_bytes + u.fwd_transient_bytes - fwd_peak)
-            u.bwd_released_bytes = max(0, u.saved_bytes + u.bwd_transient_bytes - bwd_peak)
     for c in trace.collectives:
         u = unit(step_unit[c.step])
         if u is None:
@@ -126,18 +120,42 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
     return units
 
 
-def _held_peaks(trace: Trace, step_unit, temps: list, lives: dict) -> dict[str, tuple[int, int]]:
-    """The most each unit holds at once in its forward and in its backward: the tensors it has saved so far (a
+def walk_memory(units: dict, trace: Trace, step_unit, layer_prefix):
+    """What each unit holds at its worst op, in its forward and in its backward: the tensors it has saved so far (a
     layer's MLP saves nothing before its attention has run), or not yet released (autograd frees a node's saved
-    tensors once the node has run, so the MLP has let go of its own before the attention's backward begins), plus
-    the temporaries alive then."""
-    held = {name: trace.alive_at_each_op(spans) for name, spans in lives.items()}
-    peaks: dict[str, list] = {}
-    for i, (_, phase, _, _) in enumerate(trace.steps):
-        if (name := step_unit[i]) in held:
-            worst, k = peaks.setdefault(name, [0, 0]), int(phase != "forward")
-            worst[k] = max(worst[k], held[name][i] + temps[i])
-    return {name: (fwd, bwd) for name, (fwd, bwd) in peaks.items()}
+    tensors once the node has run, so the MLP has let go of its own before the attention's backward begins), beside
+    the temporaries alive then; and in its backward the gradients it makes: each one only until it is added to one
+    kept from before (a later micro-batch's, or a buffer's), or, with nothing there yet, all it has made so far.
+    Sets UnitCost.fwd_unsaved_bytes, bwd_released_bytes, bwd_fresh_grad_bytes, bwd_kept_grad_bytes,
+    bwd_outlived_bytes and grad_bytes."""
+    temps, life = trace.temporaries(), trace.storages
+    ops, saved_by, grads_by = defaultdict(list), defaultdict(set), defaultdict(set)  # unit -> op / record ids
+    for i, name in enumerate(step_unit):
+        ops[name].append(i)
+    for rid, saved in trace.saved.items():
+        saved_by[_unit_of_saved(saved, trace, step_unit, layer_prefix)].add(rid)
+    for rid in trace.grad_keys:  # the final gradients, alive from the op that makes them on
+        if life[rid].birth < len(step_unit):
+            grads_by[step_unit[life[rid].birth]].add(rid)
+    for name, u in units.items():
+        made_in_bwd = grads_by[name] - saved_by[name]  # one made in the forward (the fused head's) is saved till then
+        held = trace.alive_at_each_op(life[r] for r in saved_by[name])
+        made = trace.alive_at_each_op(life[r] for r in made_in_bwd)
+        made_at = defaultdict(int)
+        for r in made_in_bwd:
+            made_at[life[r].birth] += life[r].nbytes
+        fwd = [held[i] + temps[i] for i in ops[name] if trace.steps[i][1] == "forward"]
+        bwd = [i for i in ops[name] if trace.steps[i][1] != "forward"]
+        if fwd:
+            u.fwd_unsaved_bytes = max(0, u.saved_bytes + u.fwd_transient_bytes - max(fwd))
+        if bwd:
+            worst = max(held[i] + temps[i] for i in bwd)
+            u.bwd_released_bytes = max(0, u.saved_bytes + u.bwd_transient_bytes - worst)
+            u.bwd_fresh_grad_bytes = max(held[i] + temps[i] + made_at[i] for i in bwd) - worst
+            u.bwd_kept_grad_bytes = max(held[i] + temps[i] + made[i] for i in bwd) - worst
+            u.bwd_outlived_bytes = sum(life[r].nbytes for r in saved_by[name] - grads_by[name]
+                                       if life[r].death is None or life[r].death > bwd[-1] + 1)
+        u.grad_bytes = sum(life[r].nbytes for r in grads_by[name])
 
 
 def _unit_of_saved(saved, trace: Trace, step_unit, layer_prefix) -> str:

@@ -134,8 +134,8 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     before = [p for p in ends if not any(p is h for h in head)]  # the embedding, on the first stage
     in_order = before + layers + head
     policies = ["none"] * len(before) + recompute + ["none"] * len(head)
-    dynamic = _dynamic_peak(in_order, policies, saved, inflight, states.grads, states.param_bytes,
-                            plan.num_microbatches, software.grads_in_reduce_dtype, software.wgrad_accumulation_fused)
+    dynamic = _dynamic_peak(in_order, policies, saved, inflight, states.grads, plan.num_microbatches,
+                            software.grads_in_reduce_dtype, software.wgrad_accumulation_fused)
     fsdp = _fsdp_buffers(plan, layers, software.zero3_gather_unit)
     peak = states.weights + states.master + states.optimizer + fsdp + dynamic
     grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained
@@ -265,20 +265,21 @@ def in_flight(plan: Plan, stage: int) -> float:
     return min(m, (2 * (p - stage - 1) + (v - 1) * p + 1) / v)
 
 
-def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_buffer=False,
-                  wgrad_fused=False) -> float:
+def _dynamic_peak(parts, policies, saved, inflight, grads, m, grad_buffer=False, wgrad_fused=False) -> float:
     """Worst activations + temporaries + gradients over one micro-batch's forward and backward, walking the
-    stage's units in order. Other micro-batches in flight keep their saved activations throughout; with
-    more than one micro-batch, or in a buffer allocated once (`grad_buffer`), the gradients exist from the first
-    backward on, else they grow as it runs. A unit holds at its worst op only what it has saved so far (forward)
-    or not yet released (backward) beside the temporaries, as traced (UnitCost.fwd_unsaved_bytes,
-    bwd_released_bytes); a recomputed layer's forward saves nothing. A unit's backward computes its gradients into
-    tensors of their own (of the parameters' dtype where a buffer takes them) before adding them, unless its GEMMs
-    accumulate them straight into the buffer (`wgrad_fused`)."""
+    stage's units in order. Other micro-batches in flight keep their saved activations throughout. A unit holds at
+    its worst op only what it has saved so far (forward) or not yet released (backward) beside the temporaries, as
+    traced (UnitCost.fwd_unsaved_bytes, bwd_released_bytes); a recomputed layer's forward saves nothing.
+    With one micro-batch and no buffer allocated once (`grad_buffer`), the gradients stay as the backward makes them
+    (UnitCost.bwd_kept_grad_bytes); else they exist from the first backward on, and a unit's backward computes each
+    into a tensor of its own (of the parameters' dtype where a buffer takes them) until it is added
+    (UnitCost.bwd_fresh_grad_bytes), unless its GEMMs accumulate them straight into the buffer (`wgrad_fused`)."""
     others = (inflight - 1) * saved
-    grad_per_byte = grads / param_bytes if param_bytes else 0.0
+    traced_grads = sum(p.grad_bytes for p in parts)
+    grad_per_byte = grads / traced_grads if traced_grads else 0.0  # as the stage keeps them (dtype, ZeRO shard)
     fresh_per_byte = 0.0 if wgrad_fused else 1.0 if grad_buffer else grad_per_byte
-    accumulated = grads if m > 1 or grad_buffer else 0.0
+    growing = m == 1 and not grad_buffer
+    accumulated = 0.0 if growing else grads
     live, worst = 0.0, 0.0
     for p, policy in zip(parts, policies):
         kept = _saved_under(p, policy)
@@ -287,12 +288,12 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, param_bytes, m, grad_
         live += kept
     for p, policy in zip(reversed(parts), reversed(policies)):
         rebuilt = p.saved_bytes - _saved_under(p, policy)  # what recomputation brings back for this backward
-        fresh = p.param_bytes * fresh_per_byte
         held = rebuilt + p.bwd_transient_bytes - p.bwd_released_bytes  # its nodes free what they saved as they run
-        worst = max(worst, others + live + held + accumulated + fresh)
-        live -= _saved_under(p, policy)
-        if m == 1 and not grad_buffer:
-            accumulated += p.param_bytes * grad_per_byte
+        made = p.bwd_kept_grad_bytes * grad_per_byte if growing else p.bwd_fresh_grad_bytes * fresh_per_byte
+        worst = max(worst, others + live + held + accumulated + made)
+        live -= max(0.0, _saved_under(p, policy) - p.bwd_outlived_bytes)
+        if growing:
+            accumulated += p.grad_bytes * grad_per_byte
     return worst
 
 

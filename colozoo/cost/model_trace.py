@@ -15,7 +15,7 @@ from torch import nn
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
 from colozoo.cost.attribution import (assign_params, global_params, module_units, rename_layers,
-                                      tied_head_bytes, unit_of_steps, units_of)
+                                      tied_head_bytes, unit_of_steps, units_of, walk_memory)
 from colozoo.cost.trace import Trace, trace_step
 from colozoo.kernels.attention import priced_as
 from colozoo.kernels.priced import pricing_fusions
@@ -101,13 +101,14 @@ def _meta_like(p: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def _meta_copy_run(model: nn.Module, inputs: dict, dtype):
-    """Run `model` with meta stand-ins for its parameters and buffers (for models not built on meta)."""
+    """Run `model` with meta stand-ins for its parameters and buffers (for models not built on meta): (the run, the
+    stand-ins by name)."""
     from torch.func import functional_call
 
     stand_ins = {name: nn.Parameter(_meta_like(p, dtype), requires_grad=p.requires_grad)
                  for name, p in model.named_parameters()}
     stand_ins.update({name: _meta_like(b, dtype) for name, b in model.named_buffers()})
-    return lambda m: _loss_of(functional_call(m, stand_ins, (), inputs))
+    return (lambda m: _loss_of(functional_call(m, stand_ins, (), inputs))), stand_ins
 
 
 @contextlib.contextmanager
@@ -260,19 +261,21 @@ def _trace_sizes(config, generic, degrees: ParallelConfig, torch_dtype, sizes, l
         kinds = _kinds(container) if container is not None else {}
         with _representatives_only(model, prefix, container, kinds) as renamed:
             for size in sizes:
-                run = _step_of(model, generic, size, local_seq, torch_dtype, inputs, fused_head)
+                run, stand_ins = _step_of(model, generic, size, local_seq, torch_dtype, inputs, fused_head)
                 for p in params.values():
                     p.grad = None
                 with balanced_routing(model), priced_as(target), pricing_fusions(fusions):
                     stages = model.run.stages if getattr(model, "run", None) is not None else ()
-                    traces[size] = trace_step(model, run, target=target, group_names=group_names, wrappers=stages)
+                    traces[size] = trace_step(model, run, target=target, group_names=group_names, wrappers=stages,
+                                               stand_ins=stand_ins)
     return _Traced(traces, params, type(model).__name__, prefix, kinds, renamed)
 
 
 def _step_of(model, generic, size: int, local_seq: int, torch_dtype, inputs: dict | None, fused_head: bool = True):
     """The training step traced at one micro-batch size: model -> loss on its inputs (token ids by default). Without
     `fused_head` a causal LM's head projects this rank's vocabulary slice of the logits and takes the loss from them,
-    as frameworks without a fused head do."""
+    as frameworks without a fused head do. Returns (the step, the meta stand-ins it runs a generic model with, else
+    None)."""
     batch = inputs
     if batch is None and hasattr(model, "example_inputs"):  # images, per-example labels (bert, vit)
         batch = model.example_inputs(size, local_seq, device="meta")
@@ -285,9 +288,9 @@ def _step_of(model, generic, size: int, local_seq: int, torch_dtype, inputs: dic
         from colozoo.layers.vocab import LogitsRequest
         from colozoo.runtime.pipeline import pipeline_forward
 
-        return lambda m: _loss_of(pipeline_forward(m, batch["input_ids"], labels=batch["labels"],
-                                                   logits=LogitsRequest("vocab_slice")))
-    return lambda m: _loss_of(m(**batch))
+        return (lambda m: _loss_of(pipeline_forward(m, batch["input_ids"], labels=batch["labels"],
+                                                    logits=LogitsRequest("vocab_slice")))), None
+    return (lambda m: _loss_of(m(**batch))), None
 
 
 def _model_trace(traced: _Traced, trace: Trace, name: str, size: int, local_seq: int, dtype: str,
@@ -303,6 +306,7 @@ def _model_trace(traced: _Traced, trace: Trace, name: str, size: int, local_seq:
     step_unit = unit_of_steps(trace, layer_prefix)
     module_unit = module_units(trace, step_unit)
     units = units_of(trace, step_unit, layer_prefix, kinds, local_seq)
+    walk_memory(units, trace, step_unit, layer_prefix)
     assign_params(units, traced.params, prefix, kinds, module_unit, root)
     tied = tied_head_bytes(trace, traced.params, prefix, module_unit, root)
     return ModelTrace(name, units, all_layers, global_params(traced.params, degrees), tied, size, local_seq, dtype,

@@ -32,6 +32,14 @@ class UnitCost:
     #                                      tensors it saves only after its temporaries peak
     bwd_released_bytes: int = 0          # of saved + bwd_transient, what the backward never holds at once: the saved
     #                                      tensors its nodes have released before its temporaries peak
+    bwd_fresh_grad_bytes: int = 0        # what the backward's peak rises by when each gradient it makes is held until
+    #                                      added to one kept from before (a later micro-batch's, a buffer's)
+    bwd_kept_grad_bytes: int = 0         # what it rises by when the gradients it makes stay as made (a first
+    #                                      backward with nothing to add them to)
+    bwd_outlived_bytes: int = 0          # of saved, what is still held when its backward ends: the gradient of a tied
+    #                                      weight computed in the forward (the fused head), held until the other use's
+    #                                      gradient is added to it
+    grad_bytes: int = 0                  # the gradients its backward makes (a tied weight's where it is used last)
     comm: dict = field(default_factory=dict)  # "group.collective" -> bytes per micro-batch (fwd + bwd)
     comm_calls: dict = field(default_factory=dict)  # "group.collective" -> calls per micro-batch (fwd + bwd)
     ops: dict = field(default_factory=dict)   # op -> {"calls", "fwd_flops", "bwd_flops", "saved_bytes"}

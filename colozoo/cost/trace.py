@@ -104,7 +104,7 @@ class Trace:
     collectives: list = field(default_factory=list)
     params_used_by: dict = field(default_factory=lambda: defaultdict(set))  # param name -> modules that used it
     module_inputs: dict = field(default_factory=dict)  # module name -> bytes of its first tensor input
-    grad_keys: set = field(default_factory=set)
+    grad_keys: set = field(default_factory=set)       # record ids of the parameters' gradients
     static_ids: set = field(default_factory=set)      # parameters and buffers (and their views)
     kernels: dict = field(default_factory=dict)       # step -> Kernel of the ops that launch one (not views)
 
@@ -380,20 +380,23 @@ def named_tracker(module: torch.nn.Module, wrappers=()) -> ModuleTracker:
 
 
 def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: dict | None = None,
-               wrappers=()) -> Trace:
-    """Trace `loss = run(module)` and `loss.backward()` on meta tensors; `module`'s parameters must be on meta.
-    `wrappers`: modules that run `module`'s submodules for it (see named_tracker)."""
+               wrappers=(), stand_ins: dict | None = None) -> Trace:
+    """Trace `loss = run(module)` and `loss.backward()` on meta tensors; `module`'s parameters must be on meta, or
+    `stand_ins` holds, by name, the meta tensors `run` puts in place of its parameters and buffers
+    (torch.func.functional_call). `wrappers`: modules that run `module`'s submodules for it (see named_tracker)."""
     if target not in TARGETS:
         raise ValueError(f"target {target!r} not one of {TARGETS}")
     trace = Trace()
+    state = stand_ins if stand_ins is not None else {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    params = {name: t for name, t in state.items() if isinstance(t, torch.nn.Parameter)}
     param_keys = {}
-    for name, p in module.named_parameters():
+    for name, p in params.items():
         param_keys.setdefault(storage_key(p), name)
-    buffer_keys = {storage_key(b) for b in module.buffers()}
+    buffer_keys = {storage_key(b) for name, b in state.items() if name not in params}
     tracker = named_tracker(module, wrappers)
     recorder = _Recorder(trace, tracker, group_names or {})
     recorder.param_keys = param_keys
-    for t in (*module.parameters(), *module.buffers()):
+    for t in state.values():
         trace.static_ids.add(recorder.record_id(t, 0))
 
     def pack(t):
@@ -433,6 +436,5 @@ def trace_step(module: torch.nn.Module, run, target: str = "cuda", group_names: 
         handle.remove()
         if gc_was_enabled:
             gc.enable()
-    trace.grad_keys = {recorder.record_id(p.grad, len(trace.steps)) for p in module.parameters()
-                       if p.grad is not None}
+    trace.grad_keys = {recorder.record_id(p.grad, len(trace.steps)) for p in params.values() if p.grad is not None}
     return trace

@@ -139,7 +139,7 @@ PLANNER = {
     "grad_buffer_grows_with_the_backward": Mutation(
         "a gradient buffer allocated once is priced growing through the first backward like autograd's gradients",
         Rewrite("colozoo.cost.cost_model:_dynamic_peak",
-                ("accumulated = grads if m > 1 or grad_buffer else 0.0", "accumulated = grads if m > 1 else 0.0")),
+                ("growing = m == 1 and not grad_buffer", "growing = m == 1")),
         ("tests/test_cost_terms.py::test_gradients_kept_in_the_buffer_the_software_reduces_them_in",)),
     "master_weights_as_wide_as_the_states": Mutation(
         "master weights are priced at the optimizer states' width whatever the software keeps of them",
@@ -164,6 +164,38 @@ PLANNER = {
                 ("bwd_released_bytes=int(max(0, u.bwd_released_bytes - dropped(u)))",
                  "bwd_released_bytes=u.bwd_released_bytes")),
         (STEP_PEAK + "test_what_the_software_does_not_save_lowers_the_peak_only_where_it_was_held",)),
+    "kept_gradients_all_made_at_the_worst_op": Mutation(
+        "a unit's first backward is priced holding all the gradients it makes at its worst op, not those made so far",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("made = p.bwd_kept_grad_bytes * grad_per_byte if growing",
+                 "made = p.grad_bytes * grad_per_byte if growing")),
+        (STEP_PEAK + "test_a_steps_peak_with_the_gradients_it_makes[2-256-4-1-128-1]",)),
+    "fresh_gradients_all_made_at_the_worst_op": Mutation(
+        "a later micro-batch's backward is priced holding all its fresh gradients at once, not one GEMM's until added",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("else p.bwd_fresh_grad_bytes * fresh_per_byte", "else p.grad_bytes * fresh_per_byte")),
+        (STEP_PEAK + "test_a_steps_peak_with_the_gradients_it_makes[1-512-8-1-64-2]",)),
+    "tied_gradient_released_with_the_head": Mutation(
+        "the tied embedding's gradient the fused head saves is priced released with the head's backward",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("live -= max(0.0, _saved_under(p, policy) - p.bwd_outlived_bytes)",
+                 "live -= _saved_under(p, policy)")),
+        (STEP_PEAK + "test_the_heads_weight_gradient_is_held_where_autograd_holds_it[gpt2]",)),
+    "forward_made_gradient_made_again": Mutation(
+        "a weight gradient the fused head makes in its forward is priced as made again in its backward",
+        Rewrite("colozoo.cost.attribution:walk_memory",
+                ("made_in_bwd = grads_by[name] - saved_by[name]", "made_in_bwd = grads_by[name]")),
+        (STEP_PEAK + "test_a_layers_backward_makes_its_gradients_as_it_runs",)),
+    "forward_made_gradient_held_twice": Mutation(
+        "a weight gradient the fused head makes in its forward is priced held as saved after its backward, and kept",
+        Rewrite("colozoo.cost.attribution:walk_memory",
+                ("for r in saved_by[name] - grads_by[name]", "for r in saved_by[name]")),
+        (STEP_PEAK + "test_the_heads_weight_gradient_is_held_where_autograd_holds_it[untied]",)),
+    "generic_weights_traced_as_activations": Mutation(
+        "a generic module's meta stand-ins are traced as activations and their gradients as temporaries",
+        Rewrite("colozoo.cost.model_trace:_trace_sizes", ("stand_ins=stand_ins)", "stand_ins=None)")),
+        ("tests/test_profiler.py::"
+         "test_a_generic_modules_weights_and_gradients_are_neither_activations_nor_temporaries",)),
     "wgrad_computed_beside_the_buffer": Mutation(
         "Megatron-Core's GEMMs are priced computing weight gradients into tensors of their own before adding them",
         Rewrite("colozoo.cost.cost_model:_dynamic_peak",
