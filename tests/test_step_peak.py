@@ -4,9 +4,11 @@ before the MLP saves anything, and the MLP's backward releases what it saved bef
 import pytest
 import torch
 import transformers
+from distributed import run_distributed
 from live_bytes import LiveBytes
 
 from colozoo.api import build_model
+from colozoo.core.mesh import init_parallel
 from colozoo.cost.cost_model import assemble
 from colozoo.cost.model_trace import trace_model
 from colozoo.cost.profiler import profile_for
@@ -14,11 +16,12 @@ from colozoo.cost.setup import Workload
 from colozoo.cost.software import Software
 from colozoo.kernels.dispatch import use_kernels
 from colozoo.runtime.plan import Plan
+from colozoo.runtime.training import parallelize
 
 
-def gpt2(layers, width, heads, vocab=101):
+def gpt2(layers, width, heads, vocab=101, dropout=0.1):
     return transformers.AutoConfig.for_model("gpt2", vocab_size=vocab, n_positions=512, n_embd=width, n_layer=layers,
-                                             n_head=heads, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+                                             n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
 
 
 def real_peak(config, batch, seq, microbatches=1) -> int:
@@ -78,6 +81,36 @@ def test_the_heads_weight_gradient_is_held_where_autograd_holds_it(config, micro
     is counted once: as saved, then as a gradient kept."""
     real = real_peak(config, 1, 32, microbatches)
     assert predicted_peak(config, 1, 32, microbatches) == pytest.approx(real, rel=0.03)
+
+
+def ddp_step_peak(layers, width, heads, batch, seq, microbatches) -> int:
+    """On each of 2 gloo ranks: the most a DDP training step holds beyond the parameters, once DDP's buckets exist
+    (wrapped inside the count) and the step before it has run and its gradients were set to None."""
+    config = gpt2(layers, width, heads, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(config, parallel=init_parallel(dp=2), device="cpu").train()
+    ids = torch.randint(0, config.vocab_size, (2 * batch * microbatches, seq))
+    with use_kernels("torch"), LiveBytes() as counted:
+        parallelize(model, data_parallel="ddp")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            counted.peak = counted.live
+            model.forward_backward(ids, ids, num_microbatches=microbatches)
+    return counted.peak
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_data_parallel_steps_peak_with_ddps_buckets(microbatches):
+    """torch DDP keeps the gradients in buckets allocated when it wraps the model: colozoo's gradients are views of
+    them, and the micro-batches before the last (under no_sync) accumulate gradients of their own beside them.
+    Priced as autograd's gradients alone, these steps were 43% and 35% under the real peak; without the views, the
+    first holds 10% more."""
+    shape = (2, 256, 4, 1, 128)
+    real = run_distributed(ddp_step_peak, 2, *shape, microbatches, timeout=120)
+    stage = profile_for(gpt2(*shape[:3], dropout=0.0), batch_size=shape[3], seq_len=shape[4], mesh="dp=2",
+                        dtype="float32", target="cpu", num_microbatches=microbatches).stages[0]
+    predicted = stage["peak"] - stage["weights"] - stage["master"] - stage["optimizer"]
+    assert predicted == pytest.approx(max(real), rel=0.03)
 
 
 def test_a_layer_holds_less_at_its_worst_op_than_all_it_saves():

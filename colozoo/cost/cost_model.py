@@ -134,8 +134,11 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     before = [p for p in ends if not any(p is h for h in head)]  # the embedding, on the first stage
     in_order = before + layers + head
     policies = ["none"] * len(before) + recompute + ["none"] * len(head)
-    dynamic = _dynamic_peak(in_order, policies, saved, inflight, states.grads, plan.num_microbatches,
-                            software.grads_in_reduce_dtype, software.wgrad_accumulation_fused)
+    buckets = (software.torch_ddp_buckets and not software.grads_in_reduce_dtype and plan.zero == 0
+               and plan.dp * plan.cp > 1)
+    held_grads = states.grads * (2 if buckets and plan.num_microbatches > 1 else 1)  # no_sync's beside the buckets
+    dynamic = _dynamic_peak(in_order, policies, saved, inflight, held_grads, plan.num_microbatches,
+                            software.grads_in_reduce_dtype or buckets, software.wgrad_accumulation_fused)
     fsdp = _fsdp_buffers(plan, layers, software.zero3_gather_unit)
     peak = states.weights + states.master + states.optimizer + fsdp + dynamic
     grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained

@@ -50,6 +50,11 @@ class Software:
     # all-reduce to be done in fp32"; DeepSpeed's BF16_Optimizer likewise), where colozoo's are the parameters' dtype
     # and grow as the first backward runs
     grads_in_reduce_dtype: bool = False
+    # at ZeRO-0 without such a buffer, torch DDP keeps the gradients in its buckets, allocated once when it wraps the
+    # model (colozoo's DDP sets gradient_as_bucket_view: the gradients are views of them); the micro-batches before
+    # the last run under no_sync and accumulate gradients of their own beside the buckets until the last one's
+    # backward copies them in
+    torch_ddp_buckets: bool = True
     # a linear's GEMM adds its weight gradient straight into that buffer (Megatron's gradient accumulation fusion,
     # on unless --no-gradient-accumulation-fusion; Transformer Engine's fuse_wgrad_accumulation), where autograd
     # computes each gradient into a tensor of its own before adding it

@@ -159,7 +159,8 @@ def _wrapped(model, stage, sharded: bool, experts: set[int], compute_dtype, resh
         DDP = torch.nn.parallel.DistributedDataParallel  # experts are reduced over edp by hand
         DDP._set_params_and_buffers_to_ignore_for_model(
             stage, [n for n, p in stage.named_parameters() if id(p) in experts])
-        return DDP(stage, process_group=parallel.group("dp_cp"), broadcast_buffers=False)
+        # the gradients are views of DDP's buckets, not a second copy beside them
+        return DDP(stage, process_group=parallel.group("dp_cp"), broadcast_buffers=False, gradient_as_bucket_view=True)
     return stage
 
 

@@ -196,6 +196,22 @@ PLANNER = {
         Rewrite("colozoo.cost.model_trace:_trace_sizes", ("stand_ins=stand_ins)", "stand_ins=None)")),
         ("tests/test_profiler.py::"
          "test_a_generic_modules_weights_and_gradients_are_neither_activations_nor_temporaries",)),
+    "ddp_buckets_unpriced": Mutation(
+        "torch DDP's gradient buckets are priced as absent, the gradients growing as autograd makes them",
+        Rewrite("colozoo.cost.cost_model:_stage_cost",
+                ("buckets = (software.torch_ddp_buckets and", "buckets = False and (software.torch_ddp_buckets and")),
+        (STEP_PEAK + "test_a_data_parallel_steps_peak_with_ddps_buckets[1]",)),
+    "no_sync_gradients_unpriced": Mutation(
+        "the gradients micro-batches under DDP's no_sync accumulate beside its buckets are priced as the buckets'",
+        Rewrite("colozoo.cost.cost_model:_stage_cost",
+                ("held_grads = states.grads * (2 if buckets and plan.num_microbatches > 1 else 1)",
+                 "held_grads = states.grads")),
+        (STEP_PEAK + "test_a_data_parallel_steps_peak_with_ddps_buckets[2]",)),
+    "ddp_gradients_beside_its_buckets": Mutation(
+        "colozoo's DDP keeps its gradients as tensors of their own beside its buckets, not as views of them",
+        Rewrite("colozoo.runtime.parallelize:_wrapped",
+                (", gradient_as_bucket_view=True)", ")")),
+        (STEP_PEAK + "test_a_data_parallel_steps_peak_with_ddps_buckets[1]",)),
     "wgrad_computed_beside_the_buffer": Mutation(
         "Megatron-Core's GEMMs are priced computing weight gradients into tensors of their own before adding them",
         Rewrite("colozoo.cost.cost_model:_dynamic_peak",
