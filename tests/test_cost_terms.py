@@ -217,9 +217,12 @@ def test_reshard_after_forward_trades_gathers_for_memory():
     config = transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, n_positions=32)
     kw = dict(batch_size=2, seq_len=32, mesh="dp=4", zero=3, num_microbatches=2)
     resharded, kept = (profile_for(config, reshard_after_forward=r, **kw) for r in (True, False))
-    layer = next(u for u in resharded.units if u["name"] == "layer 0")["param_bytes"] * 3 / 4  # gathered, one layer
-    assert resharded.stages[0]["fsdp_buffers"] == pytest.approx(2 * layer)  # one computing, one prefetched
-    assert kept.stages[0]["fsdp_buffers"] == pytest.approx(4 * layer)  # every layer, forward to backward
+    units = {u["name"]: u["param_bytes"] for u in resharded.units}
+    layer, root = units["layer 0"], units["embed"] + units["head"]  # gathered whole, beside the shard
+    # the most at once, as the next layer is gathered: the one before's collective output (kept until this copy-out),
+    # the next one's output and the weights it is copied into; the embedding and head (the root) throughout
+    assert resharded.stages[0]["fsdp_buffers"] == pytest.approx(root + 3 * layer)
+    assert kept.stages[0]["fsdp_buffers"] == pytest.approx(root + (4 + 2) * layer)  # and every layer gathered before
     assert kept.comm["dp_cp.all_gather"] == pytest.approx(resharded.comm["dp_cp.all_gather"] / 2)
 
 

@@ -8,13 +8,13 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from colozoo.cost.context_parallel import kv_bytes_per_token
+from colozoo.cost.fsdp_memory import FsdpWalk, fsdp_walk
 from colozoo.cost.model_trace import ModelTrace
 from colozoo.cost.report import ProfileReport, StageCost, UnitCost
 from colozoo.cost.priced import OPTIMIZER_BYTES
 from colozoo.cost.setup import ProfilerError, Workload, check_priced
 from colozoo.cost.software import COLOZOO, Software
 from colozoo.cost.trace import is_core_op
-from colozoo.cost.zero3_submodules import held_share
 from colozoo.runtime.plan import Plan
 
 
@@ -137,10 +137,11 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     buckets = (software.torch_ddp_buckets and not software.grads_in_reduce_dtype and plan.zero == 0
                and plan.dp * plan.cp > 1)
     held_grads = states.grads * (2 if buckets and plan.num_microbatches > 1 else 1)  # no_sync's beside the buckets
+    throughout, fsdp_walk_ = fsdp_walk(plan, software, in_order, layers, _itemsize(workload))
     dynamic = _dynamic_peak(in_order, policies, saved, inflight, held_grads, plan.num_microbatches,
-                            software.grads_in_reduce_dtype or buckets, software.wgrad_accumulation_fused)
-    fsdp = _fsdp_buffers(plan, layers, software.zero3_gather_unit)
-    peak = states.weights + states.master + states.optimizer + fsdp + dynamic
+                            software.grads_in_reduce_dtype or buckets, software.wgrad_accumulation_fused, fsdp_walk_)
+    peak = states.weights + states.master + states.optimizer + throughout + dynamic
+    fsdp = throughout + (fsdp_walk_.most_gathered() if fsdp_walk_ else 0.0)  # reported: the most at once
     grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained
     cost = StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(states.param_bytes // _itemsize(workload)),
                      states.weights, states.grads, states.master, states.optimizer, fsdp, saved * inflight, transient,
@@ -208,23 +209,6 @@ def _model_states(traced: ModelTrace, plan: Plan, workload: Workload, keys, part
     return states
 
 
-def _fsdp_buffers(plan: Plan, layers: list, unit: str = "layer") -> float:
-    """Bytes of gathered (unsharded) layers a ZeRO-3 rank holds: the one computing and the one prefetched, or every
-    layer from forward to backward without resharding; gathered by submodule (`unit`, DeepSpeed's), a submodule
-    and the next one (colozoo.cost.zero3_submodules.held_share); under parameter offload, the working copies."""
-    if plan.offload == "params":
-        return 2.0 * max([u.param_bytes for u in layers] or [0])
-    shard = plan.dp * plan.cp
-    if plan.zero < 3 or shard <= 1:
-        return 0.0
-    edp = max(1, shard // plan.ep)
-    gathered = [(u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard) + u.expert_param_bytes * (1 - 1 / edp)
-                for u in layers] or [0]
-    if unit == "submodule" and plan.reshard_after_forward:
-        return max([g * held_share(u.kernels) for g, u in zip(gathered, layers)] or [0.0])
-    return 2.0 * max(gathered) if plan.reshard_after_forward else float(sum(gathered))
-
-
 def _compute(traced: ModelTrace, plan: Plan, parts: list, recompute: list) -> tuple[float, int, int, float]:
     """(activations saved per micro-batch, forward FLOPs, backward FLOPs with recomputation, worst temporaries) of
     a stage's units; `recompute` holds the policy of each of its layers, which come first in `parts`."""
@@ -268,7 +252,8 @@ def in_flight(plan: Plan, stage: int) -> float:
     return min(m, (2 * (p - stage - 1) + (v - 1) * p + 1) / v)
 
 
-def _dynamic_peak(parts, policies, saved, inflight, grads, m, grad_buffer=False, wgrad_fused=False) -> float:
+def _dynamic_peak(parts, policies, saved, inflight, grads, m, grad_buffer=False, wgrad_fused=False,
+                  fsdp: FsdpWalk | None = None) -> float:
     """Worst activations + temporaries + gradients over one micro-batch's forward and backward, walking the
     stage's units in order. Other micro-batches in flight keep their saved activations throughout. A unit holds at
     its worst op only what it has saved so far (forward) or not yet released (backward) beside the temporaries, as
@@ -276,26 +261,45 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, m, grad_buffer=False,
     With one micro-batch and no buffer allocated once (`grad_buffer`), the gradients stay as the backward makes them
     (UnitCost.bwd_kept_grad_bytes); else they exist from the first backward on, and a unit's backward computes each
     into a tensor of its own (of the parameters' dtype where a buffer takes them) until it is added
-    (UnitCost.bwd_fresh_grad_bytes), unless its GEMMs accumulate them straight into the buffer (`wgrad_fused`)."""
+    (UnitCost.bwd_fresh_grad_bytes), unless its GEMMs accumulate them straight into the buffer (`wgrad_fused`).
+    Under FSDP (colozoo.cost.fsdp_memory) `grads` are the shards, and the walk holds the gathered weights, each
+    unit's unsharded gradients and the reduce-scatter's input beside them."""
     others = (inflight - 1) * saved
     traced_grads = sum(p.grad_bytes for p in parts)
     grad_per_byte = grads / traced_grads if traced_grads else 0.0  # as the stage keeps them (dtype, ZeRO shard)
     fresh_per_byte = 0.0 if wgrad_fused else 1.0 if grad_buffer else grad_per_byte
     growing = m == 1 and not grad_buffer
-    accumulated = 0.0 if growing else grads
+    deferred = bool(fsdp and fsdp.deferred)  # FSDP's gradients accumulate unsharded; the shards come in the last backward
+    accumulated = 0.0 if growing or deferred else grads
+    unsharded = traced_grads * fsdp.reduce_ratio if deferred else 0.0
+
+    def weights(j, phase):
+        return fsdp.weights(j, phase) if fsdp else 0.0
+
     live, worst = 0.0, 0.0
-    for p, policy in zip(parts, policies):
+    for j, (p, policy) in enumerate(zip(parts, policies)):
         kept = _saved_under(p, policy)
         unsaved = p.fwd_unsaved_bytes if policy == "none" else 0  # what it has not saved yet when its temporaries peak
-        worst = max(worst, others + live + kept + p.fwd_transient_bytes - unsaved + accumulated)
+        worst = max(worst, others + live + kept + p.fwd_transient_bytes - unsaved + accumulated + unsharded
+                    + weights(j, "forward"))
         live += kept
-    for p, policy in zip(reversed(parts), reversed(policies)):
+        worst = max(worst, others + live + accumulated + unsharded + weights(j, "next"))
+    reducing = 0.0  # FSDP: the previous unit's reduce-scatter input
+    for j in reversed(range(len(parts))):
+        p, policy = parts[j], policies[j]
+        worst = max(worst, others + live + accumulated + unsharded + reducing + weights(j, "arrive"))
         rebuilt = p.saved_bytes - _saved_under(p, policy)  # what recomputation brings back for this backward
         held = rebuilt + p.bwd_transient_bytes - p.bwd_released_bytes  # its nodes free what they saved as they run
-        made = p.bwd_kept_grad_bytes * grad_per_byte if growing else p.bwd_fresh_grad_bytes * fresh_per_byte
-        worst = max(worst, others + live + held + accumulated + made)
+        if fsdp:  # its gradients made whole, or each added to those accumulated unsharded
+            made = (p.bwd_fresh_grad_bytes if deferred else p.bwd_kept_grad_bytes) + reducing
+        else:
+            made = p.bwd_kept_grad_bytes * grad_per_byte if growing else p.bwd_fresh_grad_bytes * fresh_per_byte
+        worst = max(worst, others + live + held + accumulated + unsharded + made + weights(j, "backward"))
         live -= max(0.0, _saved_under(p, policy) - p.bwd_outlived_bytes)
-        if growing:
+        if fsdp:
+            reducing = p.grad_bytes * fsdp.reduce_ratio
+            unsharded = max(0.0, unsharded - reducing)
+        if growing or deferred:
             accumulated += p.grad_bytes * grad_per_byte
     return worst
 

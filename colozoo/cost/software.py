@@ -29,8 +29,13 @@ class Software:
     # ZeRO-3 frees a recomputed layer's gathered weights after the recomputation and gathers them again for its
     # backward (DeepSpeed's ZeRO-3 under Megatron's activation checkpointing); FSDP2 keeps them for the backward
     regather_for_recompute: bool = False
-    # ZeRO-3 reduce-scatters every micro-batch's gradients (DeepSpeed, FSDP1) instead of only the last's (colozoo)
-    reduce_every_microbatch: bool = False
+    # ZeRO-3 reduce-scatters every micro-batch's gradients (DeepSpeed, FSDP1, colozoo's FSDP2 at pp = 1), or
+    # accumulates them whole to reduce-scatter only the last's
+    reduce_every_microbatch: bool = True
+    # under a pipeline, ZeRO-3 keeps a stage's weights gathered and its gradients whole from the first backward to
+    # the last, then reshards and reduce-scatters once (torch.distributed.pipelining, colozoo's pipelines:
+    # torch/distributed/pipelining/stage.py, backward_maybe_with_nosync)
+    pipeline_defers_reduction: bool = True
     # what a ZeRO-3 gather fetches: a layer (FSDP's wrapped units) or each submodule as it runs, one ahead
     # (DeepSpeed's stage 3 with its default prefetch bucket; colozoo.cost.zero3_submodules)
     zero3_gather_unit: str = "layer"
@@ -148,6 +153,10 @@ class Software:
         has dp ranks (context parallelism's not counted: Megatron-Core sizes its buckets by
         get_data_parallel_world_size(), without them)."""
         return max(1, math.ceil(GRAD_BUCKETS[self.grad_buckets](grad_bytes, itemsize, dp)))
+
+    def reduces_every_microbatch(self, plan) -> bool:
+        """Whether ZeRO-3 reduce-scatters each micro-batch's gradients under `plan` (else the last's, once)."""
+        return self.reduce_every_microbatch and not (plan.pp > 1 and self.pipeline_defers_reduction)
 
     def grad_bytes(self, itemsize: int) -> int:
         """Bytes a gradient element takes where a rank keeps it (parameters of `itemsize` bytes)."""

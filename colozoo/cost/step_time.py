@@ -231,9 +231,10 @@ def stage_time(report, index: int, plan: Plan, hw: Hardware, software: Software 
             zero.append((fwd, bwd, *zero3, (u, policy)))
     if zero:
         o, c = hw.comm_overlap, hw.comm_contention
-        every = _zero3_chain(zero, software.reduce_every_microbatch, o, c, hw, software)
+        every_microbatch = software.reduces_every_microbatch(plan)
+        every = _zero3_chain(zero, every_microbatch, o, c, hw, software)
         out.zero = every
-        if not software.reduce_every_microbatch:  # reduced once a step, in the last micro-batch's backward
+        if not every_microbatch:  # reduced once a step, in the last micro-batch's backward
             out.zero_last = _zero3_chain(zero, True, o, c, hw, software) - every
     if plan.pp > 1:
         sends = 2 * plan.virtual_stages - (index == 0) - (index == len(report.stages) - 1)

@@ -106,11 +106,10 @@ def _one_after_another(stage, input_ids, kwargs: dict, num_microbatches: int, st
 
 
 def _gradient_sync(stage, last: bool):
-    """Reduce gradients over dp only after the last micro-batch (torch's schedules do the same at pp > 1)."""
+    """DDP reduces gradients over dp only after the last micro-batch; FSDP2 reduce-scatters every micro-batch's,
+    so that no rank holds its stage's gradients whole (torch's schedules at pp > 1 keep them whole to the last)."""
     if isinstance(stage, torch.nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext() if last else stage.no_sync()
-    if hasattr(stage, "set_requires_gradient_sync"):  # an FSDP2 module
-        stage.set_requires_gradient_sync(last)
     return contextlib.nullcontext()
 
 

@@ -212,6 +212,40 @@ PLANNER = {
         Rewrite("colozoo.runtime.parallelize:_wrapped",
                 (", gradient_as_bucket_view=True)", ")")),
         (STEP_PEAK + "test_a_data_parallel_steps_peak_with_ddps_buckets[1]",)),
+    "fsdp_gathers_over_its_shard": Mutation(
+        "a gathered layer is priced as the shards a rank lacks, not as weights of their own beside its shard",
+        Rewrite("colozoo.cost.fsdp_memory:fsdp_walk",
+                ("return (u.param_bytes - u.expert_param_bytes) + u.expert_param_bytes * (edp > 1)",
+                 "return ((u.param_bytes - u.expert_param_bytes) * (1 - 1 / shard)"
+                 " + u.expert_param_bytes * (1 - 1 / edp))")),
+        (STEP_PEAK + "test_a_fully_sharded_steps_peak[2-layers]",)),
+    "fsdp_root_resharded": Mutation(
+        "FSDP's root (the embedding and head) is priced as gathered only while it computes",
+        Rewrite("colozoo.cost.fsdp_memory:fsdp_walk",
+                ("return float(sum(whole(u) for u in in_order if id(u) not in is_layer)), walk", "return 0.0, walk")),
+        (STEP_PEAK + "test_a_fully_sharded_steps_peak[2-layers]",)),
+    "fsdp_backward_prefetches_nothing": Mutation(
+        "a layer's backward is priced without the next layer's gather issued before it computes",
+        Rewrite("colozoo.cost.fsdp_memory:FsdpWalk.weights",
+                ("return so_far + (g[prv] if self.regather and prv is not None else 0.0)", "return so_far")),
+        (STEP_PEAK + "test_a_fully_sharded_steps_peak[4-layers]",)),
+    "fsdp_gradients_made_sharded": Mutation(
+        "FSDP's gradients are priced as shards as the backward makes them, not whole until reduce-scattered",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("made = (p.bwd_fresh_grad_bytes if deferred else p.bwd_kept_grad_bytes) + reducing",
+                 "made = (p.bwd_fresh_grad_bytes if deferred else p.bwd_kept_grad_bytes * grad_per_byte) + reducing")),
+        (STEP_PEAK + "test_a_fully_sharded_steps_peak[4-layers]",)),
+    "reduce_scatter_input_released_at_once": Mutation(
+        "a reduce-scatter's input is priced as freed when issued, not held through the next layer's backward",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("made = (p.bwd_fresh_grad_bytes if deferred else p.bwd_kept_grad_bytes) + reducing",
+                 "made = (p.bwd_fresh_grad_bytes if deferred else p.bwd_kept_grad_bytes)")),
+        (STEP_PEAK + "test_a_fully_sharded_steps_peak[4-layers]",)),
+    "deferred_fsdp_gradients_sharded": Mutation(
+        "FSDP's gradients kept to the last backward (torch's pipelines) are priced as shards, not accumulated whole",
+        Rewrite("colozoo.cost.cost_model:_dynamic_peak",
+                ("unsharded = traced_grads * fsdp.reduce_ratio if deferred else 0.0", "unsharded = 0.0")),
+        (STEP_PEAK + "test_under_a_pipeline_fsdp_holds_what_ddp_holds",)),
     "wgrad_computed_beside_the_buffer": Mutation(
         "Megatron-Core's GEMMs are priced computing weight gradients into tensors of their own before adding them",
         Rewrite("colozoo.cost.cost_model:_dynamic_peak",
