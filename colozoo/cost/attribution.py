@@ -88,8 +88,10 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
             u.fwd_transient_bytes = max(u.fwd_transient_bytes, temps[i])
         else:
             u.bwd_transient_bytes = max(u.bwd_transient_bytes, temps[i])
+    saved_by = defaultdict(set)  # unit -> record ids of the tensors it saves
     for rid, saved in trace.saved.items():
         name = _unit_of_saved(saved, trace, step_unit, layer_prefix)
+        saved_by[name].add(rid)
         u = unit(name)
         if u is None:
             continue
@@ -117,33 +119,30 @@ def units_of(trace: Trace, step_unit, layer_prefix, kinds, local_seq: int) -> di
                 inside = layer_prefix + name.split(":", 1)[1] + "."
                 u.norm_inputs = {m[len(inside):]: n for m, n in trace.module_inputs.items()
                                  if m.startswith(inside) and m.endswith("norm")}
+    walk_memory(units, trace, step_unit, temps, saved_by)
     return units
 
 
-def walk_memory(units: dict, trace: Trace, step_unit, layer_prefix):
+def walk_memory(units: dict, trace: Trace, step_unit, temps: list, saved_by: dict):
     """What each unit holds at its worst op, in its forward and in its backward: the tensors it has saved so far (a
     layer's MLP saves nothing before its attention has run), or not yet released (autograd frees a node's saved
     tensors once the node has run, so the MLP has let go of its own before the attention's backward begins), beside
-    the temporaries alive then; and in its backward the gradients it makes: each one only until it is added to one
-    kept from before (a later micro-batch's, or a buffer's), or, with nothing there yet, all it has made so far.
+    the temporaries alive then (`temps`); and in its backward the gradients it makes: each one only until it is added
+    to one kept from before (a later micro-batch's, or a buffer's), or, with nothing there yet, all it has made so
+    far. `saved_by`: unit -> record ids of the tensors it saves.
     Sets UnitCost.fwd_unsaved_bytes, bwd_released_bytes, bwd_fresh_grad_bytes, bwd_kept_grad_bytes,
     bwd_outlived_bytes and grad_bytes."""
-    temps, life = trace.temporaries(), trace.storages
-    ops, saved_by, grads_by = defaultdict(list), defaultdict(set), defaultdict(set)  # unit -> op / record ids
+    life = trace.storages
+    ops, grads_by = defaultdict(list), defaultdict(set)  # unit -> its ops / record ids of the gradients it makes
     for i, name in enumerate(step_unit):
         ops[name].append(i)
-    for rid, saved in trace.saved.items():
-        saved_by[_unit_of_saved(saved, trace, step_unit, layer_prefix)].add(rid)
     for rid in trace.grad_keys:  # the final gradients, alive from the op that makes them on
         if life[rid].birth < len(step_unit):
             grads_by[step_unit[life[rid].birth]].add(rid)
     for name, u in units.items():
         made_in_bwd = grads_by[name] - saved_by[name]  # one made in the forward (the fused head's) is saved till then
         held = trace.alive_at_each_op(life[r] for r in saved_by[name])
-        made = trace.alive_at_each_op(life[r] for r in made_in_bwd)
-        made_at = defaultdict(int)
-        for r in made_in_bwd:
-            made_at[life[r].birth] += life[r].nbytes
+        made = trace.alive_at_each_op(life[r] for r in made_in_bwd)  # never freed: made[i] - made[i - 1] is op i's
         fwd = [held[i] + temps[i] for i in ops[name] if trace.steps[i][1] == "forward"]
         bwd = [i for i in ops[name] if trace.steps[i][1] != "forward"]
         if fwd:
@@ -151,7 +150,7 @@ def walk_memory(units: dict, trace: Trace, step_unit, layer_prefix):
         if bwd:
             worst = max(held[i] + temps[i] for i in bwd)
             u.bwd_released_bytes = max(0, u.saved_bytes + u.bwd_transient_bytes - worst)
-            u.bwd_fresh_grad_bytes = max(held[i] + temps[i] + made_at[i] for i in bwd) - worst
+            u.bwd_fresh_grad_bytes = max(held[i] + temps[i] + made[i] - (made[i - 1] if i else 0) for i in bwd) - worst
             u.bwd_kept_grad_bytes = max(held[i] + temps[i] + made[i] for i in bwd) - worst
             u.bwd_outlived_bytes = sum(life[r].nbytes for r in saved_by[name] - grads_by[name]
                                        if life[r].death is None or life[r].death > bwd[-1] + 1)

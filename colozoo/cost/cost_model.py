@@ -137,11 +137,11 @@ def _stage_cost(traced: ModelTrace, plan: Plan, workload: Workload, s: int, keys
     buckets = (software.torch_ddp_buckets and not software.grads_in_reduce_dtype and plan.zero == 0
                and plan.dp * plan.cp > 1)
     held_grads = states.grads * (2 if buckets and plan.num_microbatches > 1 else 1)  # no_sync's beside the buckets
-    throughout, fsdp_walk_ = fsdp_walk(plan, software, in_order, layers, _itemsize(workload))
+    throughout, walk = fsdp_walk(plan, software, in_order, layers, _itemsize(workload))
     dynamic = _dynamic_peak(in_order, policies, saved, inflight, held_grads, plan.num_microbatches,
-                            software.grads_in_reduce_dtype or buckets, software.wgrad_accumulation_fused, fsdp_walk_)
+                            software.grads_in_reduce_dtype or buckets, software.wgrad_accumulation_fused, walk)
     peak = states.weights + states.master + states.optimizer + throughout + dynamic
-    fsdp = throughout + (fsdp_walk_.most_gathered() if fsdp_walk_ else 0.0)  # reported: the most at once
+    fsdp = throughout + (walk.most_gathered() if walk else 0.0)  # reported: the most at once
     grad_bytes = 4.0 * states.lora_params if workload.lora else states.trained
     cost = StageCost(s, [int(k) if k.isdigit() else k for k in keys], int(states.param_bytes // _itemsize(workload)),
                      states.weights, states.grads, states.master, states.optimizer, fsdp, saved * inflight, transient,
@@ -269,7 +269,7 @@ def _dynamic_peak(parts, policies, saved, inflight, grads, m, grad_buffer=False,
     grad_per_byte = grads / traced_grads if traced_grads else 0.0  # as the stage keeps them (dtype, ZeRO shard)
     fresh_per_byte = 0.0 if wgrad_fused else 1.0 if grad_buffer else grad_per_byte
     growing = m == 1 and not grad_buffer
-    deferred = bool(fsdp and fsdp.deferred)  # FSDP's gradients accumulate unsharded; the shards come in the last backward
+    deferred = bool(fsdp and fsdp.deferred)  # FSDP's gradients accumulate whole, reduce-scattered in the last backward
     accumulated = 0.0 if growing or deferred else grads
     unsharded = traced_grads * fsdp.reduce_ratio if deferred else 0.0
 

@@ -66,7 +66,7 @@ def fsdp_walk(plan, software, in_order: list, layers: list, itemsize: int) -> tu
             return max([whole(u) * held_share(u.kernels) for u in layers] or [0.0]), None
         return float(sum(whole(u) for u in layers)), None
     is_layer = {id(u) for u in layers}
-    deferred = not software.reduces_every_microbatch(plan) and plan.num_microbatches > 1
+    deferred = not software.zero3_reduces_each_microbatch(plan) and plan.num_microbatches > 1
     walk = FsdpWalk([float(whole(u)) if id(u) in is_layer else 0.0 for u in in_order], plan.reshard_after_forward,
                     (software.grad_reduce_bytes or itemsize) / itemsize, deferred,
                     kept_after_backward=plan.pp > 1 and software.pipeline_defers_reduction)

@@ -15,7 +15,7 @@ from torch import nn
 from colozoo.core.mesh import ParallelConfig
 from colozoo.core.dtypes import NAMES as DTYPES
 from colozoo.cost.attribution import (assign_params, global_params, module_units, rename_layers,
-                                      tied_head_bytes, unit_of_steps, units_of, walk_memory)
+                                      tied_head_bytes, unit_of_steps, units_of)
 from colozoo.cost.trace import Trace, trace_step
 from colozoo.kernels.attention import priced_as
 from colozoo.kernels.priced import pricing_fusions
@@ -306,7 +306,6 @@ def _model_trace(traced: _Traced, trace: Trace, name: str, size: int, local_seq:
     step_unit = unit_of_steps(trace, layer_prefix)
     module_unit = module_units(trace, step_unit)
     units = units_of(trace, step_unit, layer_prefix, kinds, local_seq)
-    walk_memory(units, trace, step_unit, layer_prefix)
     assign_params(units, traced.params, prefix, kinds, module_unit, root)
     tied = tied_head_bytes(trace, traced.params, prefix, module_unit, root)
     return ModelTrace(name, units, all_layers, global_params(traced.params, degrees), tied, size, local_seq, dtype,

@@ -154,7 +154,7 @@ class Software:
         get_data_parallel_world_size(), without them)."""
         return max(1, math.ceil(GRAD_BUCKETS[self.grad_buckets](grad_bytes, itemsize, dp)))
 
-    def reduces_every_microbatch(self, plan) -> bool:
+    def zero3_reduces_each_microbatch(self, plan) -> bool:
         """Whether ZeRO-3 reduce-scatters each micro-batch's gradients under `plan` (else the last's, once)."""
         return self.reduce_every_microbatch and not (plan.pp > 1 and self.pipeline_defers_reduction)
 

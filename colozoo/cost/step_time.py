@@ -231,7 +231,7 @@ def stage_time(report, index: int, plan: Plan, hw: Hardware, software: Software 
             zero.append((fwd, bwd, *zero3, (u, policy)))
     if zero:
         o, c = hw.comm_overlap, hw.comm_contention
-        every_microbatch = software.reduces_every_microbatch(plan)
+        every_microbatch = software.zero3_reduces_each_microbatch(plan)
         every = _zero3_chain(zero, every_microbatch, o, c, hw, software)
         out.zero = every
         if not every_microbatch:  # reduced once a step, in the last micro-batch's backward
