@@ -29,7 +29,8 @@ Cases run in that order of importance within --budget seconds: a case that would
 prints its "error". --dry-run runs every case on the CPU at tiny sizes in fp32 (Liger off; what
 tests/test_bench_gpu.py checks): none of its numbers is a GPU's.
 
-    python bench/gpu.py [--budget 270] [--models llama,qwen3,gemma2] [--repeats 5] [--hardware-out gpu.json]
+    python bench/gpu.py [--budget 270] [--models llama,qwen3,gemma2] [--kinds decode,train,decode_compiled]
+                        [--train-shapes 4x2048,8x4096,1x16384] [--repeats 5] [--hardware-out gpu.json]
                         [--dry-run]
 """
 from __future__ import annotations
@@ -56,6 +57,7 @@ MODELS = {"llama": "Llama-3.2-1B", "qwen3": "Qwen3-1.7B", "gemma2": "gemma-2-2b"
 CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 TRAIN_SHAPES = ((4, 2048), (8, 4096), (1, 16384))
 DECODE_BATCHES = (1, 16)
+KINDS = ("decode", "train", "decode_compiled")
 # seconds a case takes on an H100, first guesses (model build included); a finished case of a kind replaces them
 ESTIMATE_S = {"hardware": 25.0, "train": 20.0, "decode": 15.0, "decode_compiled": 90.0}
 DRY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -66,7 +68,8 @@ def sizes(args) -> dict:
     """Token shapes of the run: the real ones, or tiny ones for a dry run."""
     if args.dry_run:
         return dict(train=((2, 16), (1, 32)), batches=(1, 2), prompt=8, new=4)
-    return dict(train=TRAIN_SHAPES, batches=DECODE_BATCHES, prompt=args.prompt, new=args.new)
+    train = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.train_shapes.split(","))
+    return dict(train=train, batches=DECODE_BATCHES, prompt=args.prompt, new=args.new)
 
 
 def cases(args) -> list[tuple[str, str, tuple]]:
@@ -76,7 +79,8 @@ def cases(args) -> list[tuple[str, str, tuple]]:
     first = [case for f in families for case in [("decode", f, (b,)) for b in shapes["batches"]]
              + [("train", f, shapes["train"][0])]]
     larger = [("train", f, shape) for f in families for shape in shapes["train"][1:]]
-    return first + larger + [("decode_compiled", f, (b,)) for f in families for b in shapes["batches"]]
+    every = first + larger + [("decode_compiled", f, (b,)) for f in families for b in shapes["batches"]]
+    return [case for case in every if case[0] in args.kinds.split(",")]
 
 
 class Clock:
@@ -233,24 +237,35 @@ def train_case(family, shape, args, device, dtype) -> dict:
         loss.backward()
         return loss.detach()
 
-    for name, model in models.items():
-        losses[name] = float(step(model))
-        memory[name] = step_memory(lambda: step(model), model, device)
+    for name, model in list(models.items()):
+        try:
+            losses[name] = float(step(model))
+            memory[name] = step_memory(lambda: step(model), model, device)
+        except torch.OutOfMemoryError:
+            if name == "colozoo":
+                raise
+            del models[name], times[name]  # ours still measured: the peer alone does not fit beside it
+            hf.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
     for _ in range(args.repeats):
         for name, model in models.items():
             times[name].append(seconds(lambda: step(model), device)[0])
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    metrics = {"colozoo_ms": round(ms["colozoo"], 2), "peer_ms": round(ms["peer"], 2),
-               "colozoo_tokens_per_s": round(batch * seq / ms["colozoo"] * 1e3),
-               "peer_tokens_per_s": round(batch * seq / ms["peer"] * 1e3),
-               "loss_diff": abs(losses["colozoo"] - losses["peer"])}
+    tokens = batch * seq
+    metrics = {"colozoo_ms": round(ms["colozoo"], 2), "colozoo_tokens_per_s": round(tokens / ms["colozoo"] * 1e3)}
     if memory["colozoo"] is not None:
-        metrics.update(colozoo_step_memory_gb=round(memory["colozoo"] / 2**30, 2),
-                       peer_step_memory_gb=round(memory["peer"] / 2**30, 2),
-                       memory_ratio=round(memory["colozoo"] / memory["peer"], 3))
+        metrics.update(colozoo_step_memory_gb=round(memory["colozoo"] / 2**30, 2))
+    if "peer" in ms:
+        metrics.update(peer_ms=round(ms["peer"], 2), peer_tokens_per_s=round(tokens / ms["peer"] * 1e3),
+                       loss_diff=abs(losses["colozoo"] - losses["peer"]))
+        if memory["colozoo"] is not None:
+            metrics.update(peer_step_memory_gb=round(memory["peer"] / 2**30, 2),
+                           memory_ratio=round(memory["colozoo"] / memory["peer"], 3))
+    else:
+        metrics["peer_out_of_memory"] = True
     peer = (f"transformers + Liger-Kernel ({hf.config._attn_implementation})" if liger
             else f"transformers ({hf.config._attn_implementation}; Liger-Kernel runs on CUDA only)")
-    return dict(metrics=metrics, peer=peer, ratio=round(ms["peer"] / ms["colozoo"], 3))
+    return dict(metrics=metrics, peer=peer, ratio=round(ms["peer"] / ms["colozoo"], 3) if "peer" in ms else None)
 
 
 def rounded(value: float | None, digits: int = 1) -> float | None:
@@ -276,6 +291,13 @@ def roofline(ours, batch: int, args, bandwidth: float) -> float:
     return batch / ((weights + cache) / bandwidth)
 
 
+def first_difference(ours: torch.Tensor, peer: torch.Tensor, prompt: int) -> int | None:
+    """The first generated position where any row's tokens differ (None: none does). With random weights in bf16 the
+    top logits nearly tie, so two correct implementations part after a few tokens; a wrong one at the first."""
+    differs = (ours[:, prompt:] != peer[:, prompt:]).any(dim=0).nonzero()
+    return int(differs[0]) if len(differs) else None
+
+
 def decode_case(family, shape, args, device, dtype, copy: CopyRate, compiled: bool = False) -> dict:
     ours, hf = build_pair(family, args, device, dtype, liger=False, train=False)
     batch, = shape
@@ -294,7 +316,8 @@ def decode_case(family, shape, args, device, dtype, copy: CopyRate, compiled: bo
                "peer_decode_tokens_per_s": rounded(rates["peer"]), "roofline_tokens_per_s": round(bound, 1),
                "colozoo_of_roofline": rates["colozoo"] and round(rates["colozoo"] / bound, 3),
                "copy_gb_per_s": round(bandwidth / 1e9),
-               "colozoo_decode_path": path, "same_tokens": bool(torch.equal(tokens["colozoo"], tokens["peer"]))}
+               "colozoo_decode_path": path, "same_tokens": bool(torch.equal(tokens["colozoo"], tokens["peer"])),
+               "first_different_token": first_difference(tokens["colozoo"], tokens["peer"], args.prompt)}
     what = "static cache + torch.compile" if compiled else "DynamicCache"
     return dict(metrics=metrics, peer=f"transformers generate ({what}, {hf.config._attn_implementation})",
                 ratio=rates["colozoo"] and rates["peer"] and round(rates["colozoo"] / rates["peer"], 3))
@@ -333,6 +356,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {sorted(MODELS)}")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"the cases to run, of {list(KINDS)}")
+    parser.add_argument("--train-shapes", default=",".join("x".join(map(str, s)) for s in TRAIN_SHAPES),
+                        help="the training steps' batch x sequence, the first run before the larger ones")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for every case together")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=256)
@@ -342,9 +368,10 @@ def main(argv=None) -> int:
                         help="first measure the planner's hardware fields (matmul by shape, attention, HBM and host "
                              "copies) and write them as a preset file for `colozoo plan --hardware JSON`")
     args = parser.parse_args(argv)
-    unknown = set(args.models.split(",")) - set(MODELS)
-    if unknown:
-        parser.error(f"unknown models {sorted(unknown)}; choose from {sorted(MODELS)}")
+    for option, known in (("models", MODELS), ("kinds", KINDS)):
+        unknown = set(getattr(args, option).split(",")) - set(known)
+        if unknown:
+            parser.error(f"unknown {option} {sorted(unknown)}; choose from {sorted(known)}")
     if not args.dry_run and not torch.cuda.is_available():
         print(json.dumps({"bench": "gpu", "skipped": "no CUDA device (--dry-run checks the script on the CPU)"}))
         return 0

@@ -24,7 +24,7 @@ def test_the_dry_run_runs_every_case_once(capsys, tmp_path, monkeypatch):
 
     copies, copy_bandwidth = [], measure.copy_bandwidth
     monkeypatch.setattr(measure, "copy_bandwidth", lambda *a, **k: copies.append(a) or copy_bandwidth(*a, **k))
-    args = gpu.argparse.Namespace(models="gemma2", dry_run=True, prompt=8, new=4)
+    args = gpu.argparse.Namespace(models="gemma2", kinds=",".join(gpu.KINDS), dry_run=True, prompt=8, new=4)
     expected = ["gpu/hardware"] + [
         f"gpu/{kind}/gemma-2-2b/" + ("x".join(map(str, shape)) if kind == "train" else f"b{shape[0]}")
         for kind, _, shape in gpu.cases(args)]
@@ -42,10 +42,46 @@ def test_the_dry_run_runs_every_case_once(capsys, tmp_path, monkeypatch):
 
 def test_cases_that_do_not_fit_the_budget_are_skipped_with_a_reason(capsys):
     printed = lines(capsys, "--dry-run", "--models", "llama", "--budget", "0")
-    assert len(printed) == len(gpu.cases(gpu.argparse.Namespace(models="llama", dry_run=True, prompt=8, new=4)))
+    every = gpu.argparse.Namespace(models="llama", kinds=",".join(gpu.KINDS), dry_run=True, prompt=8, new=4)
+    assert len(printed) == len(gpu.cases(every))
     assert all(line["skipped"].startswith("out of time: a ") for line in printed)
     with pytest.raises(SystemExit):
         gpu.main(["--models", "llama,mistral"])
+
+
+def test_kinds_and_shapes_choose_the_cases_of_a_short_rerun():
+    args = gpu.argparse.Namespace(models="qwen3,gemma2", kinds="train", dry_run=False, train_shapes="8x4096,1x16384",
+                                  prompt=256, new=128)
+    assert gpu.cases(args) == [("train", "qwen3", (8, 4096)), ("train", "gemma2", (8, 4096)),
+                               ("train", "qwen3", (1, 16384)), ("train", "gemma2", (1, 16384))]
+
+
+def test_the_first_generated_token_where_the_sides_part():
+    import torch
+
+    ours = torch.tensor([[5, 5, 1, 2, 3], [5, 5, 1, 2, 4]])
+    assert gpu.first_difference(ours, ours.clone(), prompt=2) is None
+    peer = ours.clone()
+    peer[1, 3:] = 9
+    assert gpu.first_difference(ours, peer, prompt=2) == 1
+
+
+def test_a_peer_out_of_memory_leaves_our_step_measured(capsys, monkeypatch):
+    """On a GPU transformers + Liger runs out of memory first (Gemma 2 at 8 x 4096 tokens on an H200): the line keeps
+    our step's time and says the peer did not fit, instead of an error that hides both."""
+    import torch
+
+    built = gpu.build_pair
+
+    def peer_without_memory(*args, **kwargs):
+        ours, hf = built(*args, **kwargs)
+        hf.forward = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
+        return ours, hf
+
+    monkeypatch.setattr(gpu, "build_pair", peer_without_memory)
+    line, = lines(capsys, "--dry-run", "--models", "llama", "--kinds", "train", "--train-shapes", "4x2048")[:1]
+    assert "error" not in line and line["ratio"] is None, line
+    assert line["metrics"]["peer_out_of_memory"] and line["metrics"]["colozoo_ms"] > 0
 
 
 @pytest.mark.parametrize("family", sorted(gpu.MODELS))
