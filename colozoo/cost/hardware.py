@@ -148,6 +148,15 @@ H100_SOURCES = {
     "inter_node_efficiency": IB,
     "comm_contention": SMS_FOR_COMM + " (20 of 132)",
 }
+LENT_H200 = "measured by bench/gpu.py on an H200 SXM, 2026-11-29 (bench/measured/H200-2026-11-29.json)"
+H200_SOURCES = {
+    **H100_SOURCES,
+    "hbm_bw": "NVIDIA H200 datasheet: 4.8 TB/s",
+    "hbm_efficiency": LENT_H200 + ": a 1 GiB copy moved 4232 GB/s read + written of 4800",
+    "matmul_efficiency": MSMF + " (71.1% of 989); beside it, " + LENT_H200 + ": 8192^3 products held 663.9 "
+                         "TFLOP/s over 5 s (67.1%) and 783.8 in bursts, the sustained-over-burst ratio (0.847) of the "
+                         "figure cited (0.849)",
+}
 NVIDIA_DEFAULTS = dict(intra_node_efficiency=0.69, inter_node_efficiency=0.96, comm_contention=20 / 108)
 HOPPER_ON = dict(attention_efficiency=0.5, intra_node_efficiency=0.8, inter_node_efficiency=0.96)  # H100 and after
 DEEPSEEK_H800 = ("DeepSeek-V3 technical report (arXiv 2412.19437) §3.2.2: on H800 nodes NVLink reaches 160 GB/s, "
@@ -196,8 +205,8 @@ _DATASHEETS = {
                          attention_efficiency=0.5, attention_speed=attention_speed.A100, **NVIDIA_DEFAULTS),
     "H100-80GB": _nvidia("H100-80GB", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 450 * GB, 50 * GB, H100_SOURCES,
                          pcie_bw=55 * GB, attention_speed=attention_speed.H100, comm_contention=20 / 132, **HOPPER_ON),
-    "H200": _nvidia("H200", 141 * GB, 989e12, 67e12, 4800 * GB, 132, 0.711, 450 * GB, 50 * GB,
-                    {**H100_SOURCES, "hbm_bw": "NVIDIA H200 datasheet: 4.8 TB/s"}, pcie_bw=55 * GB,
+    "H200": _nvidia("H200", 141 * GB, 989e12, 67e12, 4800 * GB, 132, 0.711, 450 * GB, 50 * GB, H200_SOURCES,
+                    pcie_bw=55 * GB, hbm_efficiency=0.882,
                     attention_speed=attention_speed.H100, comm_contention=20 / 132, **HOPPER_ON),
     "H800": _nvidia("H800", 80 * GiB, 989e12, 67e12, 3350 * GB, 132, 0.711, 200 * GB, 50 * GB, H800_SOURCES,
                     pcie_bw=55 * GB, attention_speed=attention_speed.H100, comm_contention=20 / 132, **HOPPER_ON),
