@@ -43,7 +43,8 @@ def _priced_on_cuda(q) -> bool:
 
 def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
                     upcast: bool = False, softcap: float | None = None,
-                    documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    unpadded: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q). One query token against
     a KV cache with a key mask (batch, 1, 1, keys) takes the flash-decoding kernel on the Triton path.
 
@@ -56,7 +57,9 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     `sinks` (heads,): gpt-oss's attention sinks, one learned logit per head that joins every row's softmax and takes
     its share of the weight without adding a value (a row may so attend to nothing). The torch path appends it to
     the scores; the flash kernel attends without it and rescales each row by sigmoid(lse - sink) (`with_sinks`);
-    the decoding kernel merges it as one more chunk of the cache."""
+    the decoding kernel merges it as one more chunk of the cache.
+
+    `unpadded`: the mask is only causal and a sliding window (no padding), so every query sees at least itself."""
     decoding = q.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1
     # the kernels take values as wide as queries and keys; MLA's narrower values (v_head_dim) go to SDPA
     kernel = not upcast and dropout_p == 0.0 and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]
@@ -65,10 +68,11 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
         return decode_attention(q, k, v, k.shape[2], key_mask, scale, sinks=sinks)
     # torch's fused CUDA attention (flash, cuDNN, memory-efficient) trains about twice as fast as the Triton kernel;
     # 'auto' takes the kernel where torch has none: capped scores and packed documents. A padded batch keeps the
-    # capped scores on torch, since transformers' eager attention spreads a row that sees no key over all keys.
-    only_kernel = documents is not None or sinks is not None or (softcap is not None and mask is None)
-    if kernel and sinks is not None and _priced_on_cuda(q):
-        return _fused_sink_stand_in(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks)
+    # capped scores on torch, since transformers' eager attention spreads a row that sees no key over all keys; a
+    # window without padding leaves no such row, and torch's path would keep every layer's scores whole.
+    only_kernel = documents is not None or sinks is not None or (softcap is not None and (mask is None or unpadded))
+    if kernel and (sinks is not None or (softcap is not None and only_kernel)) and _priced_on_cuda(q):
+        return _flash_stand_in(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks)
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v, auto=only_kernel):
         from .attention_triton import flash_attention_triton
 
@@ -164,14 +168,15 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
     return (out.float() * weight[..., None]).to(out.dtype)
 
 
-def _fused_sink_stand_in(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,
-                         sinks: torch.Tensor) -> torch.Tensor:
-    """What a trace prices for the flash kernel with sinks (which rescales each row of its output by
-    sigmoid(lse - sink)): SDPA, which the trace routes to a fused kernel, and a rescale of its output."""
+def _flash_stand_in(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """What a trace prices for the flash kernel where torch has none (capped scores, sinks): SDPA, which the trace
+    routes to a fused kernel saving q, k, v, its output and the log-sum-exp as the kernel does; with sinks a rescale
+    of its output (the kernel rescales each row by sigmoid(lse - sink))."""
     grouped = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=causal and mask is None, scale=scale, enable_gqa=grouped)
-    return out * torch.sigmoid(sinks.float()).to(out.dtype).view(1, -1, 1, 1)
+    return out if sinks is None else out * torch.sigmoid(sinks.float()).to(out.dtype).view(1, -1, 1, 1)
 
 
 def _sink_attention(q, k, v, mask, *, causal: bool, scale: float | None, dropout_p: float,

@@ -35,7 +35,8 @@ def dense_attention_mask(attention_mask: torch.Tensor | None, seq_len: int, caus
 
 def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, dropout_p: float = 0.0,
               upcast: bool = False, cp=None, window: int | None = None, softcap: float | None = None,
-              documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              unpadded: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, grouped-query aware (k/v heads repeat to match q); v may be narrower than
     q and k (MLA's v_head_dim).
 
@@ -46,6 +47,7 @@ def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, d
     `documents` (batch, seq): the packed documents of a self-attention (`batch.documents`, see layers.documents); a
     token attends only within its own. Under cp the ids come from cp.documents (the whole sequence's) instead.
     `sinks` (heads,): a learned logit per head joining every row's softmax (gpt-oss; under cp all-to-all only).
+    `unpadded`: `mask` is only causal and a sliding window, no padding (Batch.unpadded).
     """
     if cp is not None and cp.size > 1 and cp.mode == "ring" and v.shape[-1] < q.shape[-1]:
         # the ring carries keys and values stacked: values narrower than the keys (MLA) travel zero-padded
@@ -57,4 +59,4 @@ def attention(q, k, v, mask=None, *, causal: bool, scale: float | None = None, d
         return context_parallel_attention(q, k, v, cp, causal=causal, scale=scale, dropout_p=dropout_p,
                                           upcast=upcast, window=window, softcap=softcap, sinks=sinks)
     return local_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, upcast=upcast,
-                           softcap=softcap, documents=documents, sinks=sinks)
+                           softcap=softcap, documents=documents, sinks=sinks, unpadded=unpadded)

@@ -88,6 +88,12 @@ class BatchContext:
         return self._built[key]
 
     @property
+    def unpadded(self) -> bool:
+        """Whether the masks are only causal and sliding windows (no attention_mask or dense mask was given): every
+        query then sees at least its own position, in the cache too."""
+        return self.attention_mask is None and self.dense_mask is None
+
+    @property
     def mask(self) -> torch.Tensor | None:
         return self.mask_for(self.window)
 

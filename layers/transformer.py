@@ -119,7 +119,7 @@ class SelfAttention(nn.Module):
         k, v, mask, causal = keys_values_mask(batch, self.layer_idx, k, v, causal=self.causal, window=self.window)
         out = attention(q, k, v, mask, causal=causal, scale=scale, cp=batch.cp, window=self.window,
                         dropout_p=self.dropout_p if self.training else 0.0, upcast=self.upcast, softcap=self.softcap,
-                        documents=batch.documents, sinks=self.sinks)
+                        documents=batch.documents, sinks=self.sinks, unpadded=batch.unpadded)
         return out_proj(merge_heads(out))
 
 

@@ -322,3 +322,34 @@ def test_models_take_the_triton_path_only_when_asked(monkeypatch):
             wired |= {"swiglu_linear_triton"}
         assert wired <= set(calls), (model_type, calls)
         calls.clear()
+
+
+@CPU_PARITY
+def test_auto_caps_gemma2_scores_in_the_flash_kernel_unless_padded(monkeypatch):
+    """'auto' on CUDA (pretended: the attention op's use_triton answers what 'auto' asks) runs Gemma 2's capped
+    attention in the flash kernel on its full and its sliding-window layers for an unpadded batch (torch's path keeps
+    each layer's scores whole: a 1 x 16384-token step ran out of an H200's memory), with the torch path's numbers; a
+    padded batch keeps it on torch, whose rows that see no key are transformers' eager ones."""
+    import colozoo
+    from parity import hf_causal_lm
+    from test_gemma import GEMMA2
+
+    from colozoo.kernels import attention as attention_op
+
+    config, _ = hf_causal_lm("gemma2", GEMMA2, attn_implementation="eager")
+    model = colozoo.build_model(config).eval()
+    ids = torch.randint(3, config.vocab_size, (2, 12))
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    with torch.no_grad(), dispatch.use_kernels("torch"):
+        expected = model(ids).logits
+    calls = count_kernel_calls(monkeypatch)
+    monkeypatch.setattr(attention_op, "use_triton", lambda *tensors, auto=True, elementwise=False: auto)
+    with torch.no_grad():
+        got = model(ids).logits
+        assert calls["flash_attention_triton"] == config.num_hidden_layers > 1, calls
+        assert config.sliding_window < ids.shape[1] and "sliding_attention" in config.layer_types
+        close(got, expected, 1e-5, "the flash kernel's capped scores against the torch path's")
+        calls.clear()
+        model(ids, attention_mask=padding)
+    assert "flash_attention_triton" not in calls, calls

@@ -129,4 +129,9 @@ KERNELS = {
         "the entropy by-product of the cross entropy is left differentiable",
         Rewrite("colozoo.kernels.cross_entropy:_outputs", ("ctx.mark_non_differentiable(*by_product)", "pass")),
         (ENTROPY + "test_entropy_of_the_log_probs_pass_at_tp1",)),
+    "capped_window_attention_on_torch": Mutation(
+        "'auto' keeps capped attention under a sliding-window mask on torch's path, which holds each layer's scores "
+        "whole, also where no padding leaves a row without keys",
+        Rewrite("colozoo.kernels.attention:local_attention", ("(mask is None or unpadded)", "mask is None")),
+        ("tests/test_kernels_in_models.py::test_auto_caps_gemma2_scores_in_the_flash_kernel_unless_padded",)),
 }
