@@ -202,7 +202,8 @@ def hardware_case(args, device, copy: CopyRate | None = None) -> dict:
                "copy_gb_per_s": round(seen["copy_bytes_per_s"] / 1e9),
                "read_gb_per_s": round(seen["read_bytes_per_s"] / 1e9),
                "host_gb_per_s": {k: round(v / 1e9, 1) for k, v in (seen["host_bytes_per_s"] or {}).items()} or None,
-               "gemm_tile": found.get("gemm_tile"), "kernel_floor_us": round(found["kernel_floor_s"] * 1e6, 2),
+               "small_tile": found.get("small_tile"), "small_tile_efficiency": found.get("small_tile_efficiency"),
+               "kernel_floor_us": round(found["kernel_floor_s"] * 1e6, 2),
                "gemm_grid": grid}
     if found["preset"] != seen["over"]:
         return dict(metrics=metrics, peer="none: no datasheet preset for this device", ratio=None)

@@ -18,7 +18,8 @@ from colozoo.runtime.plan import Plan
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-GPU = Hardware("test", 80 * GB, 300e12, vector_flops=20e12, sm_count=100, gemm_tile=(256, 128), matmul_efficiency=0.8,
+GPU = Hardware("test", 80 * GB, 300e12, vector_flops=20e12, sm_count=100, gemm_tile=(256, 128), small_tile=None,
+               matmul_efficiency=0.8,
                attention_efficiency=0.5, hbm_bw=2000 * GB, hbm_efficiency=0.8, kernel_floor_s=0.0,
                intra_node_bw=300 * GB, inter_node_bw=25 * GB, collective_latency_s=1e-5, inter_node_latency_s=2e-5)
 
@@ -32,6 +33,11 @@ def test_gemm_tiles_fill_waves_of_sms():
     assert wave_efficiency(1, 2560, 640, GPU) == pytest.approx(0.5)
     # batched: 4 x 50 tiles fill 2 waves
     assert wave_efficiency(4, 2560, 640, GPU) == 1.0
+    # cuBLAS's smaller tile where it fills the SMs better: the slice's 20 x 10 tiles of 128 x 64 fill 2 waves, at that
+    # tile's rate; whole waves of large tiles keep them
+    small = GPU.with_(small_tile=(128, 64), small_tile_efficiency=0.9)
+    assert wave_efficiency(1, 2560, 640, small) == pytest.approx(0.9)
+    assert wave_efficiency(1, 2560, 2560, small) == 1.0
     flops = 2 * 2560 * 640 * 4096
     nbytes = 2 * (2560 * 4096 + 4096 * 640 + 2560 * 640)
     assert gemm_seconds(flops, nbytes, (1, 2560, 640, 4096), GPU) == pytest.approx(flops / (300e12 * 0.8 * 0.5))

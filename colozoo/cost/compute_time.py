@@ -2,7 +2,8 @@
 
 A matrix product (GEMM) runs at the fraction of peak the hardware's best-shaped GEMMs reach
 (Hardware.matmul_efficiency, measured) times how well its output tiles fill the GPU: cuBLAS computes an m x n
-output in tiles (Hardware.gemm_tile) spread over the streaming multiprocessors in waves, so dimensions that are not
+output in tiles (Hardware.gemm_tile; Hardware.small_tile, slower, where the large ones leave SMs idle) spread over
+the streaming multiprocessors in waves, so dimensions that are not
 tile multiples (tile quantization) and a last wave left part empty (wave quantization) waste the rest (NVIDIA, Matrix
 Multiplication Background User's Guide, ch. 3); a product of a few rows runs on the vector units instead. Small per-GPU batches and narrow tensor-parallel slices make few
 tiles: those GEMMs run slower than big ones. No GEMM beats its own memory traffic either: bytes over the bandwidth
@@ -23,15 +24,18 @@ from colozoo.cost.hardware import Hardware
 
 
 def wave_efficiency(batch: int, m: int, n: int, hw: Hardware) -> float:
-    """The share of the SMs' tile slots a (batch x) m x n GEMM output fills, in the better tile orientation: 1 for
-    outputs of whole tiles filling whole waves."""
+    """The share of the SMs' tile slots a (batch x) m x n GEMM output fills, in the better tile orientation, on the
+    large tile or (at its lower rate) the small one where that fills the SMs better, as cuBLAS picks a tile per
+    shape: 1 for outputs of large tiles filling whole waves."""
     if not hw.sm_count:
         return 1.0
+    tiles = [(hw.gemm_tile, 1.0)] + ([(hw.small_tile, hw.small_tile_efficiency)] if hw.small_tile else [])
     best = 0.0
-    for tm, tn in (hw.gemm_tile, tuple(reversed(hw.gemm_tile))):
-        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
-        waves = math.ceil(tiles / hw.sm_count)
-        best = max(best, batch * m * n / (waves * hw.sm_count * tm * tn))
+    for tile, rate in tiles:
+        for tm, tn in (tile, tuple(reversed(tile))):
+            count = batch * math.ceil(m / tm) * math.ceil(n / tn)
+            waves = math.ceil(count / hw.sm_count)
+            best = max(best, rate * batch * m * n / (waves * hw.sm_count * tm * tn))
     return best
 
 

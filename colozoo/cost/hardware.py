@@ -40,6 +40,8 @@ class Hardware:
     hbm_bw: float = 2000 * GB
     sm_count: int | None = None  # streaming multiprocessors a GEMM's output tiles are spread over (None: no waves)
     gemm_tile: tuple = (256, 128)  # the output tile of cuBLAS's large bf16 GEMMs
+    small_tile: tuple | None = (128, 64)  # the tile cuBLAS takes where the large one leaves SMs idle (None: never)
+    small_tile_efficiency: float = 0.92  # the small tile's rate over the large one's, both filling their waves
     vector_flops: float = 0.0    # non-tensor FP32 FLOP/s (GEMV kernels of skinny products; 0: none)
     matmul_efficiency: float = 0.7  # fraction of peak the best-shaped large bf16 GEMMs sustain (measured)
     attention_efficiency: float = 0.5  # fraction of peak a fused attention kernel reaches on the pairs it computes,

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 ESTIMATE = "estimate (not measured): give a measured value with --hardware my_gpu.json"
 TILE = "NVIDIA Matrix Multiplication Background User's Guide (DU-09799-001): 256x128 tiles"
+SMALL_TILE = ("fitted to the grid of bf16 products measured on a lent H200 (bench/measured/H200-2026-11-29.json, "
+              "colozoo.cost.measure.fit_small_tile): beside 256x128 tiles, 128x64 at 0.92 of their rate explains "
+              "every product within 14% (256x128 alone: the smallest ran 3.2x faster than it says)")
 PCIE4 = "PCIe 4.0 x16: 32 GB/s a direction (PCI-SIG); 25 GB/s is an estimate of what pinned host copies reach"
 PCIE5 = "PCIe 5.0 x16: 64 GB/s a direction (PCI-SIG); 55 GB/s is an estimate of what pinned host copies reach"
 NO_NVLINK = "no NVLink: peers talk over PCIe 4.0 x16 (32 GB/s a direction); 25 GB/s is an estimate"
@@ -19,6 +22,8 @@ DEFAULT_SOURCES = {
     "hbm_bw": ESTIMATE,
     "sm_count": "None: no wave quantization modelled",
     "gemm_tile": TILE,
+    "small_tile": SMALL_TILE,
+    "small_tile_efficiency": SMALL_TILE,
     "vector_flops": "0: skinny products are priced on the tensor cores (no vector rate given)",
     "matmul_efficiency": ESTIMATE,
     "attention_efficiency": ESTIMATE,

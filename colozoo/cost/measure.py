@@ -4,7 +4,8 @@ that `get_hardware` and `colozoo plan --hardware file.json` load over a preset (
 What is measured is what colozoo.cost.compute_time uses: the rate of large bf16 matrix products held for a few
 seconds (clocks settle under sustained load: `matmul_efficiency` of the datasheet's peak) and in short bursts; a grid
 of (m, n, k) products whose output tiles fill the streaming multiprocessors unevenly, against the model's tile and
-wave quantization (`gemm_tile` is the candidate tile that fits the grid best; `sm_count` the device's own); a fused
+wave quantization (`small_tile` and `small_tile_efficiency`: the smaller tile, and its rate, that fits the grid best
+beside the large `gemm_tile`; `sm_count` the device's own); a fused
 attention forward and backward (`attention_efficiency`); a large device copy (`hbm_efficiency` of the datasheet's
 bandwidth; a large read beside it); pinned host-device copies each way (`pcie_bw`: the slower); one tiny kernel in
 a stream of them (`kernel_floor_s`). A device with no datasheet preset (a CPU, an unknown GPU) gets its measured peak
@@ -164,13 +165,16 @@ def modelled_rate(row: dict, hw: Hardware, itemsize: int) -> float:
     return flops / gemm_seconds(flops, nbytes, (1, m, n, k), hw)
 
 
-def fit_tile(rows: list[dict], hw: Hardware, itemsize: int) -> tuple[tuple, float]:
-    """The candidate tile whose tile and wave quantization explains the grid best, and its mean |log error|."""
-    def error(tile):
-        tiled = replace(hw, gemm_tile=tile)
+def fit_small_tile(rows: list[dict], hw: Hardware, itemsize: int) -> tuple[tuple, float, float]:
+    """(tile, its rate over the large tile's, mean |log error|): the candidate smaller than `hw.gemm_tile`, at the
+    rate in 0.50-1.00, whose tile and wave quantization beside the large tile explains the grid best (a grid of
+    large products cannot tell the large tile apart, so it stays the preset's)."""
+    def error(candidate):
+        tiled = replace(hw, small_tile=candidate[0], small_tile_efficiency=candidate[1])
         return statistics.mean(abs(math.log(r["flops_per_s"] / modelled_rate(r, tiled, itemsize))) for r in rows)
-    best = min(TILES, key=error)
-    return best, error(best)
+    smaller = [t for t in TILES if t[0] * t[1] < hw.gemm_tile[0] * hw.gemm_tile[1]]
+    best = min(((tile, rate / 100) for tile in smaller for rate in range(50, 101)), key=error)
+    return (*best, error(best))
 
 
 class Record:
@@ -273,13 +277,16 @@ def device_fields(record: Record, device, hw: Hardware) -> Hardware:
 
 
 def gemm_grid(record: Record, device, dtype, sizes: Sizes, hw: Hardware) -> list[dict]:
-    """The grid's rates against the model's at burst efficiency (`hw`); on a GPU the tile that fits them best."""
+    """The grid's rates against the model's at burst efficiency (`hw`); on a GPU the small tile, and its rate, that
+    fit them best beside the large tile."""
     rows, itemsize = grid(device, dtype, sizes), torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
-        tile, error = fit_tile(rows, hw, itemsize)
-        record.set("gemm_tile", list(tile), f"the tile of {[list(t) for t in TILES]} whose tile and wave "
-                   f"quantization fits the grid of products best (mean |log error| {error:.3f})")
-        hw = replace(hw, gemm_tile=tile)
+        tile, rate, error = fit_small_tile(rows, hw, itemsize)
+        how = (f"with its rate, the tile of {[list(t) for t in TILES]} smaller than {list(hw.gemm_tile)} whose tile "
+               f"and wave quantization beside it fits the grid of products best (mean |log error| {error:.3f})")
+        record.set("small_tile", list(tile), how)
+        record.set("small_tile_efficiency", rate, how)
+        hw = replace(hw, small_tile=tile, small_tile_efficiency=rate)
     for row in rows:
         row.update(of_peak=float(f'{row["flops_per_s"] / hw.peak_flops:.4g}'),  # significant digits: a slow
                    model_of_peak=float(f"{modelled_rate(row, hw, itemsize) / hw.peak_flops:.4g}"))  # row is not 0

@@ -70,9 +70,17 @@ PLANNER = {
         ("tests/test_cost_terms.py::test_collectives_per_link_and_algorithm",
          "tests/test_grad_buckets.py::test_long_steps_hide_their_latency")),
     "tile_fit_takes_the_first": Mutation(
-        "the measured GEMM grid does not choose the tile: the first candidate always",
-        Rewrite("colozoo.cost.measure:fit_tile", ("best = min(TILES, key=error)", "best = TILES[0]")),
-        (SOURCES + "test_the_tile_fit_recovers_the_tile_a_grid_was_made_with",)),
+        "the measured GEMM grid does not choose the small tile: the first smaller candidate at the full rate always",
+        Rewrite("colozoo.cost.measure:fit_small_tile",
+                ("best = min(((tile, rate / 100) for tile in smaller for rate in range(50, 101)), key=error)",
+                 "best = (smaller[0], 1.0)")),
+        (SOURCES + "test_the_tile_fit_recovers_the_small_tile_a_grid_was_made_with",)),
+    "one_gemm_tile": Mutation(
+        "a GEMM is priced on the large tile only, as if cuBLAS never took a smaller one where it fills the SMs better",
+        Rewrite("colozoo.cost.compute_time:wave_efficiency",
+                ("([(hw.small_tile, hw.small_tile_efficiency)] if hw.small_tile else [])", "[]")),
+        ("tests/test_cost_terms.py::test_gemm_tiles_fill_waves_of_sms",
+         SOURCES + "test_tile_and_wave_quantization_explain_the_h200s_products")),
     "datasheet_preset_unknown": Mutation(
         "a GPU's name finds no datasheet preset (its measured fields then replace the datasheet's peaks)",
         Rewrite("colozoo.cost.measure:datasheet_preset",
