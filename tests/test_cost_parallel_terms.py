@@ -95,8 +95,8 @@ def test_megatron_dispatch_moves_a_ranks_part_of_each_token():
 
 def test_grouped_expert_gemms_are_priced_per_expert():
     """torch._grouped_mm over 16 experts of 300 tokens each: (16, 300, n, k), each expert's rows filling three
-    128-row tiles at best (78%), slower than one GEMM of the 4800 tokens; the weight gradient (a 3-D output) and
-    other ops are not regrouped."""
+    128-row tiles of cuBLAS's small tile at best (78%, at that tile's rate), slower than one GEMM of the 4800 tokens
+    (by 9% on an H100); the weight gradient (a 3-D output) and other ops are not regrouped."""
     x, w = torch.empty(4800, 4096, device="meta"), torch.empty(16, 4096, 4096, device="meta")
     offs = torch.empty(16, dtype=torch.int32, device="meta")
     out = torch.empty(4800, 4096, device="meta")
@@ -107,7 +107,7 @@ def test_grouped_expert_gemms_are_priced_per_expert():
     assert grouped_gemm_shape("_grouped_mm", (x, w), {}, torch.empty(16, 4096, 4096, device="meta"), flops) is None
     assert grouped_gemm_shape("mm", (x, w, offs), {}, out, flops) is None
     nbytes = 2 * (x.numel() + w.numel() + out.numel())
-    assert gemm_seconds(flops, nbytes, shape, H100) > 1.15 * gemm_seconds(flops, nbytes, (1, 4800, 4096, 4096), H100)
+    assert gemm_seconds(flops, nbytes, shape, H100) > 1.08 * gemm_seconds(flops, nbytes, (1, 4800, 4096, 4096), H100)
 
 
 def test_the_tracer_imports_no_pricing_module():

@@ -81,12 +81,13 @@ def test_published_frameworks_project_the_logits_where_colozoo_fuses_them():
 
 def test_the_head_decides_a_small_model_with_a_large_vocabulary():
     """Megatron-Core's 1.7B (hidden 2048, vocabulary 131072): priced with colozoo's fused head, whose chunks of 512
-    tokens make GEMMs of 512 x 2048 outputs over a 131072-long sum, it lands beyond the tolerance, about 15 points
-    slower than as Megatron-Core runs its head, which lands within it. The two share no trace."""
+    tokens make GEMMs of 512 x 2048 outputs over a 131072-long sum (a part-wave of cuBLAS's large tiles, a whole one
+    of its small tiles at their lower rate), it lands about 6 points slower than as Megatron-Core runs its head
+    (+9.5% against +3.2%). The two share no trace."""
     run = next(r for r in published_runs() if r.id == "megatron-core-weak-1.7b-48gpu")
     as_published, fused = validate([run, replace(run, software=replace(run.software, fused_head=True))])
     assert abs(as_published.error) <= TOLERANCE
-    assert fused.error > TOLERANCE and fused.error > as_published.error + 0.14
+    assert fused.error > as_published.error + 0.05
 
 
 def test_the_planner_traces_the_head_its_software_runs():

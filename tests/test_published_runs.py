@@ -52,7 +52,7 @@ def test_every_run_fits_its_gpus(results):
 
 
 def test_what_the_long_pipelines_notes_claim():
-    """The rows' own notes, kept true: Nemotron-4 340B lands within 6% with its tensor-parallel collectives left
+    """The rows' own notes, kept true: Nemotron-4 340B lands 4-6% fast with its tensor-parallel collectives left
     exposed (the report does not say they were overlapped; the Megatron-Core preset hides them), and MT-NLG at
     micro-batches of 2 sequences lands at -10 to -11% (the paper does not give the micro-batch)."""
     from dataclasses import replace
@@ -63,8 +63,8 @@ def test_what_the_long_pipelines_notes_claim():
     pairs = [replace(r, plan=replace(r.plan, micro_batch_size=2, num_microbatches=r.plan.num_microbatches // 2))
              for i, r in runs.items() if i.startswith("mt-nlg-530b-")]
     assert len(exposed) == len(pairs) == 3
-    assert all(-0.06 <= v.error <= -0.03 for v in validate(exposed)), [f"{v.error:+.1%}" for v in validate(exposed)]
-    assert all(-0.11 <= v.error <= -0.09 for v in validate(pairs)), [f"{v.error:+.1%}" for v in validate(pairs)]
+    assert all(-0.065 <= v.error <= -0.035 for v in validate(exposed)), [f"{v.error:+.1%}" for v in validate(exposed)]
+    assert all(-0.115 <= v.error <= -0.095 for v in validate(pairs)), [f"{v.error:+.1%}" for v in validate(pairs)]
 
 
 def test_layouts_compared_on_the_same_gpus_rank_as_measured(results):

@@ -61,13 +61,13 @@ def test_published_software_names_its_async_all_reduce():
 
 def test_the_2022_runs_land_closer_with_it():
     """Korthikanti et al.'s eight runs: each lands closer with the backward's all-reduces behind the weight gradients
-    than with them exposed, the 22B with every layer recomputed by 4 points (+8% against +13%)."""
+    than with them exposed, the 22B with every layer recomputed by 4.7 points (+4.4% against +9.1%)."""
     from dataclasses import replace
 
     runs = [r for r in published_runs() if r.id.startswith("korthikanti2022-")]
     assert len(runs) == 8 and all(r.software.tp_wgrad_overlap for r in runs)
     with_overlap = validate(runs)
     without = validate([replace(r, software=replace(r.software, tp_wgrad_overlap=False)) for r in runs])
-    assert all(0 < a.error < b.error for a, b in zip(with_overlap, without))
+    assert all(abs(a.error) < abs(b.error) and a.error < b.error for a, b in zip(with_overlap, without))
     full_22b = [b.error - a.error for a, b in zip(with_overlap, without) if a.run.id.endswith("22b-full-recompute")]
     assert full_22b[0] > 0.04
