@@ -68,8 +68,7 @@ def sizes(args) -> dict:
     """Token shapes of the run: the real ones, or tiny ones for a dry run."""
     if args.dry_run:
         return dict(train=((2, 16), (1, 32)), batches=(1, 2), prompt=8, new=4)
-    train = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.train_shapes.split(","))
-    return dict(train=train, batches=DECODE_BATCHES, prompt=args.prompt, new=args.new)
+    return dict(train=args.train_shapes, batches=DECODE_BATCHES, prompt=args.prompt, new=args.new)
 
 
 def cases(args) -> list[tuple[str, str, tuple]]:
@@ -353,13 +352,27 @@ def case_line(kind, family, shape, args, device_name: str, dtype) -> dict:
                        "prompt": args.prompt, "new": args.new}}
 
 
-def main(argv=None) -> int:
+def token_shapes(text: str) -> tuple:
+    """'8x4096,1x16384' -> ((8, 4096), (1, 16384)): the training steps' batch x sequence."""
+    try:
+        shapes = tuple(tuple(int(n) for n in shape.split("x")) for shape in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch x sequence pairs, e.g. 4x2048,8x4096")
+    return shapes
+
+
+def arguments(argv=None) -> argparse.Namespace:
+    """The command line, checked (the tests build their cases from it too)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {sorted(MODELS)}")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"the cases to run, of {list(KINDS)}")
-    parser.add_argument("--train-shapes", default=",".join("x".join(map(str, s)) for s in TRAIN_SHAPES),
-                        help="the training steps' batch x sequence, the first run before the larger ones")
+    parser.add_argument("--train-shapes", type=token_shapes,
+                        default=",".join("x".join(map(str, shape)) for shape in TRAIN_SHAPES),
+                        help="the training steps' batch x sequence, the first run before the larger ones (a dry run "
+                             "takes tiny ones)")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for every case together")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=256)
@@ -373,6 +386,11 @@ def main(argv=None) -> int:
         unknown = set(getattr(args, option).split(",")) - set(known)
         if unknown:
             parser.error(f"unknown {option} {sorted(unknown)}; choose from {sorted(known)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = arguments(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print(json.dumps({"bench": "gpu", "skipped": "no CUDA device (--dry-run checks the script on the CPU)"}))
         return 0

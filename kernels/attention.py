@@ -71,7 +71,7 @@ def local_attention(q, k, v, mask=None, *, causal: bool, scale: float | None = N
     # capped scores on torch, since transformers' eager attention spreads a row that sees no key over all keys; a
     # window without padding leaves no such row, and torch's path would keep every layer's scores whole.
     only_kernel = documents is not None or sinks is not None or (softcap is not None and (mask is None or unpadded))
-    if kernel and (sinks is not None or (softcap is not None and only_kernel)) and _priced_on_cuda(q):
+    if kernel and only_kernel and (sinks is not None or softcap is not None) and _priced_on_cuda(q):
         return _flash_stand_in(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks)
     if kernel and (mask is None or mask.dtype == torch.bool) and use_triton(q, k, v, auto=only_kernel):
         from .attention_triton import flash_attention_triton

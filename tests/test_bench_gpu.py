@@ -24,7 +24,7 @@ def test_the_dry_run_runs_every_case_once(capsys, tmp_path, monkeypatch):
 
     copies, copy_bandwidth = [], measure.copy_bandwidth
     monkeypatch.setattr(measure, "copy_bandwidth", lambda *a, **k: copies.append(a) or copy_bandwidth(*a, **k))
-    args = gpu.argparse.Namespace(models="gemma2", kinds=",".join(gpu.KINDS), dry_run=True, prompt=8, new=4)
+    args = gpu.arguments(["--dry-run", "--models", "gemma2"])
     expected = ["gpu/hardware"] + [
         f"gpu/{kind}/gemma-2-2b/" + ("x".join(map(str, shape)) if kind == "train" else f"b{shape[0]}")
         for kind, _, shape in gpu.cases(args)]
@@ -42,18 +42,19 @@ def test_the_dry_run_runs_every_case_once(capsys, tmp_path, monkeypatch):
 
 def test_cases_that_do_not_fit_the_budget_are_skipped_with_a_reason(capsys):
     printed = lines(capsys, "--dry-run", "--models", "llama", "--budget", "0")
-    every = gpu.argparse.Namespace(models="llama", kinds=",".join(gpu.KINDS), dry_run=True, prompt=8, new=4)
-    assert len(printed) == len(gpu.cases(every))
+    assert len(printed) == len(gpu.cases(gpu.arguments(["--dry-run", "--models", "llama"])))
     assert all(line["skipped"].startswith("out of time: a ") for line in printed)
     with pytest.raises(SystemExit):
         gpu.main(["--models", "llama,mistral"])
 
 
 def test_kinds_and_shapes_choose_the_cases_of_a_short_rerun():
-    args = gpu.argparse.Namespace(models="qwen3,gemma2", kinds="train", dry_run=False, train_shapes="8x4096,1x16384",
-                                  prompt=256, new=128)
+    args = gpu.arguments(["--models", "qwen3,gemma2", "--kinds", "train", "--train-shapes", "8x4096,1x16384"])
     assert gpu.cases(args) == [("train", "qwen3", (8, 4096)), ("train", "gemma2", (8, 4096)),
                                ("train", "qwen3", (1, 16384)), ("train", "gemma2", (1, 16384))]
+    for bad in ("8by4096", "8x4096x2", "0x16", ""):
+        with pytest.raises(SystemExit):
+            gpu.arguments(["--train-shapes", bad])
 
 
 def test_the_first_generated_token_where_the_sides_part():
@@ -114,7 +115,7 @@ def test_liger_patches_transformers_while_the_peer_is_built_only(family):
     pytest.importorskip("liger_kernel", reason="liger-kernel (the bench extra) is not installed")
     import torch
 
-    args = gpu.argparse.Namespace(models=family, dry_run=True)
+    args = gpu.arguments(["--dry-run", "--models", family])
     config = gpu.model_config(family, args)
     norms = lambda model: {type(m).__name__ for m in model.modules() if "RMSNorm" in type(m).__name__}  # noqa: E731
     plain = norms(gpu.transformers.AutoModelForCausalLM.from_config(config))
